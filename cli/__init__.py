@@ -1,0 +1,1 @@
+"""The `rollout-lifecycle` command line (top floor: nothing imports it)."""

@@ -1,0 +1,153 @@
+"""The small functional API of CONTRACT section 5: four plain functions over plain dicts.
+
+They wrap the full machinery: edges come from the declared machines, the lag/drift core is
+the gate's, and the reservation order is the ledgers' `reserve_precheck`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from model.errors import ActivationError
+from model.gate import lag_drift_decision
+from model.ledger import MISSING, RESERVED, reserve_precheck
+from model.machines import ACTIVATION, LIFECYCLE
+
+
+def transition_lifecycle(state: str, event: str) -> str:
+    """Next lifecycle state for (state, event); ValueError for any pair the machine refuses.
+
+    No context is given, so guards are False: `abort` releases (reserved -> rewarded).
+    """
+    if not isinstance(state, str) or not isinstance(event, str):
+        raise ValueError(f"state and event must be strings, got {state!r}, {event!r}")
+    return LIFECYCLE.next_state(state, event)
+
+
+def assess_policy_compatibility(
+    old_log_probs: Sequence[float],
+    current_log_probs: Sequence[float],
+    action_mask: Sequence[bool],
+    behavior_version: int,
+    current_version: int,
+    max_lag: int,
+    max_mean_abs_log_ratio: float,
+) -> dict[str, Any]:
+    """Lag and drift admission of one rollout: {accepted, reason, freshness, mean_abs_log_ratio}."""
+    return lag_drift_decision(
+        old_log_probs,
+        current_log_probs,
+        action_mask,
+        behavior_version,
+        current_version,
+        max_lag,
+        max_mean_abs_log_ratio,
+    )
+
+
+def _entry_field(entry: Mapping[str, Any], key: str, rollout_id: Any) -> Any:
+    if key not in entry:
+        raise ValueError(f"ledger entry for {rollout_id!r} has no {key!r}")
+    return entry[key]
+
+
+def compare_and_reserve(
+    ledger: dict[Any, dict[str, Any]], rollout_id: Any, expected_revision: int, update_id: str
+) -> dict[str, Any]:
+    """Compare-and-set reservation on a plain dict ledger: {reserved, reason, record}.
+
+    On success the entry is replaced by a new dict (state 'reserved', reserved_by, revision + 1);
+    otherwise the ledger is untouched. `record` is always a copy.
+    """
+    if not isinstance(update_id, str) or not update_id:
+        raise ValueError(f"update_id must be a non-empty string, got {update_id!r}")
+    if isinstance(expected_revision, bool) or not isinstance(expected_revision, int):
+        raise ValueError(f"expected_revision must be an int, got {expected_revision!r}")
+    entry = ledger.get(rollout_id)
+    if entry is None:
+        return {"reserved": False, "reason": MISSING, "record": None}
+    state = _entry_field(entry, "lifecycle_state", rollout_id)
+    revision = _entry_field(entry, "revision", rollout_id)
+    why = reserve_precheck(
+        state, revision, entry.get("reserved_by"), expected_revision, update_id
+    )
+    if why is not None:
+        return {"reserved": why == "idempotent_retry", "reason": why, "record": dict(entry)}
+    new = dict(entry)
+    new["lifecycle_state"] = LIFECYCLE.next_state(state, "reserve")
+    new["reserved_by"] = update_id
+    new["revision"] = revision + 1
+    ledger[rollout_id] = new
+    return {"reserved": True, "reason": RESERVED, "record": dict(new)}
+
+
+def _version(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ActivationError(f"{name} must be a non-negative int, got {v!r}")
+    return v
+
+
+def activate_policy_version(
+    active_pointer: Mapping[str, Any] | None,
+    artifact: Mapping[str, Any],
+    worker_states: Mapping[str, Mapping[str, Any]],
+    required_workers: Iterable[str],
+) -> dict[str, Any]:
+    """Two-phase activation decision: switch the pointer only on a committed artifact, a
+    strictly newer version, and every required worker acking the same version and hash.
+
+    Returns {activated, reason, active_pointer, missing_workers, mismatched_workers}; the
+    caller's pointer is never mutated, and on failure the returned pointer equals the old one.
+    """
+    required = list(required_workers)
+    if len(set(required)) != len(required):
+        dups = sorted({w for w in required if required.count(w) > 1})
+        raise ActivationError(f"required workers listed more than once: {dups}")
+    old: dict[str, Any] | None = None
+    if active_pointer is not None:
+        old = {
+            "version": _version("active_pointer version", active_pointer.get("version")),
+            "artifact_hash": active_pointer.get("artifact_hash"),
+        }
+    version = _version("artifact version", artifact.get("version"))
+    art_hash = artifact.get("artifact_hash")
+    if not isinstance(art_hash, str) or not art_hash:
+        raise ActivationError(f"artifact hash must be a non-empty string, got {art_hash!r}")
+    committed = artifact.get("committed")
+    if not isinstance(committed, bool):
+        raise ActivationError(f"artifact 'committed' must be a bool, got {committed!r}")
+    missing: list[str] = []
+    mismatched: list[str] = []
+    for w in required:
+        st = worker_states.get(w)
+        if st is None:
+            missing.append(w)
+            continue
+        wv = st.get("version")
+        if wv is not None:
+            _version(f"worker {w!r} version", wv)
+        if wv != version or st.get("artifact_hash") != art_hash:
+            mismatched.append(w)
+
+    def result(reason: str, pointer: dict[str, Any] | None) -> dict[str, Any]:
+        return {
+            "activated": reason == "activated",
+            "reason": reason,
+            "active_pointer": None if pointer is None else dict(pointer),
+            "missing_workers": sorted(missing),
+            "mismatched_workers": sorted(mismatched),
+        }
+
+    # walk the declared activation machine: an uncommitted artifact is still `prepared`
+    state = "awaiting_acks" if committed else ACTIVATION.initial
+    if not ACTIVATION.is_legal(state, "activate"):
+        return result("artifact_not_committed", old)
+    if old is not None and version <= old["version"]:
+        return result("non_monotonic_version", old)
+    if missing:
+        return result("missing_worker_ack", old)
+    if mismatched:
+        return result("worker_mismatch", old)
+    ACTIVATION.resolve(state, "activate", {"all_acked": True})
+    return result("activated", {"version": version, "artifact_hash": art_hash})

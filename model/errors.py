@@ -1,0 +1,72 @@
+"""Typed errors. Each says what was wrong and what to do, so the CLI can print it as is.
+
+They subclass ValueError where the small API (CONTRACT section 5) promises a ValueError.
+"""
+
+from __future__ import annotations
+
+
+class RolloutLifecycleError(Exception):
+    """Base class for every error this project raises on purpose."""
+
+
+class InvalidRecord(RolloutLifecycleError, ValueError):
+    """A record failed validation at the boundary (wrong type, range or shape)."""
+
+
+class IllegalTransition(RolloutLifecycleError, ValueError):
+    """An event the declared machine does not allow from the current state."""
+
+    def __init__(self, machine: str, state: str, event: str, why: str) -> None:
+        self.machine, self.state, self.event, self.why = machine, state, event, why
+        super().__init__(f"{machine}: event {event!r} is not allowed from state {state!r}: {why}")
+
+
+class LedgerError(RolloutLifecycleError):
+    """A ledger operation that cannot be carried out as asked; nothing was written."""
+
+
+class UnknownRollout(LedgerError, KeyError):
+    """The rollout id is not in the ledger."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown rollout"
+
+
+class DuplicateRollout(LedgerError, ValueError):
+    """A rollout id that is already in the ledger was added again."""
+
+
+class RevisionConflict(LedgerError):
+    """A compare-and-set lost: the record's revision is not the one the caller read."""
+
+    def __init__(self, rollout_id: str, expected: int, actual: int) -> None:
+        self.rollout_id, self.expected, self.actual = rollout_id, expected, actual
+        super().__init__(
+            f"rollout {rollout_id!r}: expected revision {expected}, found {actual}; "
+            "re-read the record and retry"
+        )
+
+
+class CommitMismatch(LedgerError, ValueError):
+    """A commit named a set of rollouts other than exactly what its update reserved."""
+
+
+class NotOwner(LedgerError, ValueError):
+    """An operation on a reservation held by another update (or by none)."""
+
+
+class GateConfigError(RolloutLifecycleError, ValueError):
+    """Bad admission-gate parameters or inputs (shapes, dtypes, non-finite values)."""
+
+
+class ActivationError(RolloutLifecycleError, ValueError):
+    """An activation request that the protocol refuses before any state changes."""
+
+
+class ArtifactError(RolloutLifecycleError):
+    """An artifact that cannot be written, read or trusted (path, hash, immutability)."""
+
+
+class BackendURLError(RolloutLifecycleError, ValueError):
+    """A backend URL this project cannot open."""

@@ -1,0 +1,134 @@
+"""The event trace: every successful write, as a before/after pair, in one global order.
+
+Ledgers and the activation coordinator append here; spec/ replays a trace and checks the
+invariants after each transaction (`txn`): a batch reservation, a commit, or a pointer switch
+that steps one artifact down and another up is one atomic step, and invariants are judged
+between atomic steps, never inside one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from model.records import (
+    ActivePointer,
+    ArtifactRecord,
+    LedgerEntry,
+    WorkerAck,
+    from_jsonable,
+    to_jsonable,
+)
+
+
+@attrs.frozen
+class EntryChanged:
+    """A rollout's ledger entry was written (or created, when `before` is None)."""
+
+    seq: int
+    txn: int
+    at: float
+    rollout_id: str
+    event: str
+    before: LedgerEntry | None
+    after: LedgerEntry
+    update_id: str | None = None
+    kind: str = "entry"
+
+
+@attrs.frozen
+class ArtifactChanged:
+    """An artifact's activation state changed; the pointer before/after is carried along."""
+
+    seq: int
+    txn: int
+    at: float
+    version: int
+    event: str
+    before: ArtifactRecord | None
+    after: ArtifactRecord
+    pointer_before: ActivePointer | None
+    pointer_after: ActivePointer | None
+    acks: tuple[WorkerAck, ...] = ()
+    required_workers: tuple[str, ...] = ()
+    kind: str = "artifact"
+
+
+TraceEvent = EntryChanged | ArtifactChanged
+
+
+def event_to_jsonable(ev: TraceEvent) -> dict[str, Any]:
+    """One event as a JSON-able dict (the `kind` field tells which record it is)."""
+    out = to_jsonable(ev)
+    assert isinstance(out, dict)
+    return out
+
+
+def event_from_jsonable(data: dict[str, Any]) -> TraceEvent:
+    """Inverse of `event_to_jsonable`."""
+    kind = data.get("kind")
+    if kind == "entry":
+        return EntryChanged(
+            seq=int(data["seq"]),
+            txn=int(data["txn"]),
+            at=float(data["at"]),
+            rollout_id=str(data["rollout_id"]),
+            event=str(data["event"]),
+            before=None if data["before"] is None else from_jsonable(LedgerEntry, data["before"]),
+            after=from_jsonable(LedgerEntry, data["after"]),
+            update_id=data.get("update_id"),
+        )
+    if kind == "artifact":
+        return ArtifactChanged(
+            seq=int(data["seq"]),
+            txn=int(data["txn"]),
+            at=float(data["at"]),
+            version=int(data["version"]),
+            event=str(data["event"]),
+            before=None
+            if data["before"] is None
+            else from_jsonable(ArtifactRecord, data["before"]),
+            after=from_jsonable(ArtifactRecord, data["after"]),
+            pointer_before=None
+            if data["pointer_before"] is None
+            else from_jsonable(ActivePointer, data["pointer_before"]),
+            pointer_after=None
+            if data["pointer_after"] is None
+            else from_jsonable(ActivePointer, data["pointer_after"]),
+            acks=tuple(from_jsonable(WorkerAck, a) for a in data.get("acks", ())),
+            required_workers=tuple(data.get("required_workers", ())),
+        )
+    raise ValueError(f"unknown trace event kind {kind!r}")
+
+
+class EventLog:
+    """An in-memory, thread-safe, append-only trace; share one between ledger and coordinator
+    so their events land in one global order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: list[TraceEvent] = []
+        self._txn = 0
+
+    def record(self, events: Sequence[TraceEvent]) -> list[TraceEvent]:
+        """Append the events of one atomic step, stamping one txn number and consecutive seqs."""
+        with self._lock:
+            self._txn += 1
+            base = len(self._events)
+            stamped: list[TraceEvent] = [
+                attrs.evolve(e, seq=base + i + 1, txn=self._txn) for i, e in enumerate(events)
+            ]
+            self._events.extend(stamped)
+            return stamped
+
+    def events(self) -> list[TraceEvent]:
+        """A copy of the whole trace, in order."""
+        with self._lock:
+            return list(self._events)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._events)

@@ -1,0 +1,611 @@
+"""The revisioned rollout ledger: protocol, shared planning logic, and the in-memory backend.
+
+Every backend (memory, SQLite, PostgreSQL) shares the *planning* functions here: given the
+entry as read and the request, they decide the outcome and the new entry by asking the
+declared lifecycle machine. Backends differ only in how they make "check the revision and
+write" one indivisible step (a lock here, a single-statement compare-and-set in SQL).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from model.errors import (
+    CommitMismatch,
+    DuplicateRollout,
+    LedgerError,
+    RevisionConflict,
+    UnknownRollout,
+)
+from model.events import EntryChanged, EventLog, TraceEvent
+from model.machines import LIFECYCLE
+from model.records import (
+    AdmissionStamp,
+    Disposition,
+    LedgerEntry,
+    Reward,
+    Rollout,
+)
+
+Clock = Callable[[], float]
+
+# reasons a reservation returns (the first four are CONTRACT section 5's)
+RESERVED = "reserved"
+IDEMPOTENT = "idempotent_retry"
+CONFLICT = "revision_conflict"
+NOT_REWARDED = "not_rewarded"
+MISSING = "missing_rollout"
+NOT_ADMITTED = "not_admitted"
+
+# events that `transition` may fire directly (reserve/commit/abort/expiry have their own calls)
+DIRECT_EVENTS = frozenset(
+    {
+        "generation_done",
+        "reward_ready",
+        "generation_failed",
+        "reward_timeout",
+        "reward_error",
+        "quarantine",
+        "retire_stale",
+    }
+)
+
+
+class ManualClock:
+    """A clock tests and simulations move by hand, so lease expiry is deterministic."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = float(start)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        """Move time forward (never backward) and return the new time."""
+        if seconds < 0:
+            raise ValueError("a clock only moves forward")
+        self.now += seconds
+        return self.now
+
+
+@attrs.frozen
+class RecoveryRule:
+    """Decides, for a returned reservation (abort or expired lease), quarantine vs release.
+
+    Quarantine when the rollout's behaviour version was marked bad (a failed activation:
+    its data came from weights that never became active), or when it was already released
+    `max_releases` times (a poison rollout that keeps killing updates). Otherwise release.
+    """
+
+    max_releases: int = 3
+
+    def quarantine_cause(self, entry: LedgerEntry, bad_versions: Iterable[int]) -> str | None:
+        """The cause to quarantine with, or None to release."""
+        if entry.behavior_version in set(bad_versions):
+            return "failed_version"
+        if entry.releases >= self.max_releases:
+            return "too_many_releases"
+        return None
+
+
+@attrs.frozen
+class ReserveRequest:
+    """One item of a batch reservation: the revision the learner read and its admission."""
+
+    rollout_id: str
+    expected_revision: int
+    admission: AdmissionStamp | None
+
+
+@attrs.frozen
+class ReserveOutcome:
+    """Result of one compare-and-set reservation; `entry` is the record after the attempt."""
+
+    rollout_id: str
+    reserved: bool
+    reason: str
+    entry: LedgerEntry | None
+
+
+@attrs.frozen
+class LedgerStatistics:
+    """Counters for introspection and the fuzz report."""
+
+    entries: int
+    by_state: dict[str, int]
+    writes: int
+    reservations: int
+    idempotent_retries: int
+    cas_conflicts: int
+    refused: int
+    commits: int
+    aborts: int
+    expirations: int
+    bad_versions: tuple[int, ...]
+
+
+# ---- planning (shared by every backend) ---------------------------------------------------
+
+
+def plan_transition(
+    entry: LedgerEntry,
+    event: str,
+    guards: Mapping[str, bool] | None = None,
+    **changes: Any,
+) -> LedgerEntry:
+    """The entry after `event`, per the declared machine; revision + 1. Raises IllegalTransition."""
+    edge = LIFECYCLE.resolve(entry.state, event, guards)
+    return attrs.evolve(entry, state=edge.dest, revision=entry.revision + 1, **changes)
+
+
+def reserve_precheck(
+    state: str, revision: int, reserved_by: str | None, expected_revision: int, update_id: str
+) -> str | None:
+    """The contract's order of reservation checks; None means the compare-and-set may write.
+
+    Idempotent retry by the same owner first (its revision is stale by design), then the
+    revision (checked before the state), then whether the machine allows `reserve` at all.
+    """
+    if state == "reserved" and reserved_by == update_id:
+        return IDEMPOTENT
+    if revision != expected_revision:
+        return CONFLICT
+    if not LIFECYCLE.is_legal(state, "reserve"):
+        return NOT_REWARDED
+    return None
+
+
+def plan_reserve(
+    entry: LedgerEntry | None,
+    rollout_id: str,
+    expected_revision: int,
+    update_id: str,
+    admission: AdmissionStamp | None,
+    *,
+    require_admission: bool,
+    lease_expires_at: float | None,
+) -> tuple[ReserveOutcome, LedgerEntry | None]:
+    """Decide a compare-and-set reservation: (outcome, new entry to write or None).
+
+    Order matters and follows the contract: missing, idempotent retry by the same owner,
+    revision conflict (before state), not rewarded, then admission.
+    """
+    if not update_id:
+        raise ValueError("update_id must be a non-empty string")
+    if entry is None:
+        return ReserveOutcome(rollout_id, False, MISSING, None), None
+    why = reserve_precheck(
+        entry.state, entry.revision, entry.reserved_by, expected_revision, update_id
+    )
+    if why is not None:
+        return ReserveOutcome(rollout_id, why == IDEMPOTENT, why, entry), None
+    if require_admission and (
+        admission is None
+        or not admission.accepted
+        or admission.behavior_version != entry.behavior_version
+    ):
+        return ReserveOutcome(rollout_id, False, NOT_ADMITTED, entry), None
+    new = plan_transition(
+        entry,
+        "reserve",
+        reserved_by=update_id,
+        lease_expires_at=lease_expires_at,
+        admission=admission,
+    )
+    return ReserveOutcome(rollout_id, True, RESERVED, new), new
+
+
+def plan_release(
+    entry: LedgerEntry, event: str, rule: RecoveryRule, bad_versions: Iterable[int]
+) -> LedgerEntry:
+    """A returned reservation (`abort` or `expire_lease`) under the recovery rule."""
+    cause = rule.quarantine_cause(entry, bad_versions)
+    if cause is not None:
+        return plan_transition(
+            entry,
+            event,
+            {"recovery_quarantines": True},
+            reserved_by=None,
+            lease_expires_at=None,
+            disposition=Disposition("recovery", cause, f"on {event}"),
+        )
+    return plan_transition(
+        entry,
+        event,
+        {"recovery_quarantines": False},
+        reserved_by=None,
+        lease_expires_at=None,
+        releases=entry.releases + 1,
+    )
+
+
+def direct_changes(
+    event: str, reward: Reward | None, disposition: Disposition | None
+) -> dict[str, Any]:
+    """Field changes for a directly fired event, with its stage checked."""
+    if event not in DIRECT_EVENTS:
+        raise LedgerError(
+            f"event {event!r} cannot be fired directly; use reserve/commit/abort/fail_update/"
+            f"expire_leases (direct events: {sorted(DIRECT_EVENTS)})"
+        )
+    if event == "reward_ready":
+        if reward is None:
+            raise LedgerError("reward_ready needs the reward (function id, version, value)")
+        return {"reward": reward}
+    if reward is not None:
+        raise LedgerError(f"{event}: only reward_ready carries a reward value")
+    defaults = {
+        "generation_failed": ("generation", "error"),
+        "reward_timeout": ("reward", "timeout"),
+        "reward_error": ("reward", "error"),
+        "quarantine": ("admission", "quarantined"),
+        "retire_stale": ("admission", "stale"),
+    }
+    if event in defaults:
+        stage, cause = defaults[event]
+        d = disposition or Disposition(stage, cause)
+        if d.stage != stage:
+            raise LedgerError(f"{event} is recorded at stage {stage!r}, not {d.stage!r}")
+        return {"disposition": d}
+    return {}
+
+
+def statistics_from(
+    entries: Iterable[LedgerEntry], counters: Mapping[str, int], bad_versions: Iterable[int]
+) -> LedgerStatistics:
+    """Build statistics from the entries and a backend's counters."""
+    by_state: Counter[str] = Counter(e.state for e in entries)
+    return LedgerStatistics(
+        entries=sum(by_state.values()),
+        by_state={s: by_state.get(s, 0) for s in LIFECYCLE.states},
+        writes=counters.get("writes", 0),
+        reservations=counters.get("reservations", 0),
+        idempotent_retries=counters.get("idempotent_retries", 0),
+        cas_conflicts=counters.get("cas_conflicts", 0),
+        refused=counters.get("refused", 0),
+        commits=counters.get("commits", 0),
+        aborts=counters.get("aborts", 0),
+        expirations=counters.get("expirations", 0),
+        bad_versions=tuple(sorted(set(bad_versions))),
+    )
+
+
+@runtime_checkable
+class Ledger(Protocol):
+    """What every ledger backend offers; the conformance kit runs against this protocol."""
+
+    def add(self, rollout: Rollout | LedgerEntry) -> LedgerEntry: ...
+
+    def get(self, rollout_id: str) -> LedgerEntry: ...
+
+    def find(self, rollout_id: str) -> LedgerEntry | None: ...
+
+    def transition(
+        self,
+        rollout_id: str,
+        event: str,
+        expected_revision: int,
+        *,
+        reward: Reward | None = None,
+        disposition: Disposition | None = None,
+    ) -> LedgerEntry: ...
+
+    def reserve(
+        self,
+        rollout_id: str,
+        expected_revision: int,
+        update_id: str,
+        admission: AdmissionStamp | None,
+    ) -> ReserveOutcome: ...
+
+    def reserve_batch(
+        self, update_id: str, requests: Sequence[ReserveRequest]
+    ) -> list[ReserveOutcome]: ...
+
+    def commit(self, update_id: str, rollout_ids: Sequence[str]) -> list[LedgerEntry]: ...
+
+    def abort(self, update_id: str) -> list[LedgerEntry]: ...
+
+    def fail_update(self, update_id: str, cause: str, detail: str = "") -> list[LedgerEntry]: ...
+
+    def expire_leases(self) -> list[LedgerEntry]: ...
+
+    def quarantine_version(self, version: int, reason: str) -> list[LedgerEntry]: ...
+
+    def reserved_by(self, update_id: str) -> list[str]: ...
+
+    def snapshot(self) -> dict[str, LedgerEntry]: ...
+
+    def history(self, rollout_id: str | None = None) -> list[TraceEvent]: ...
+
+    def statistics(self) -> LedgerStatistics: ...
+
+    def close(self) -> None: ...
+
+
+def _check_ids(rollout_ids: Sequence[str]) -> list[str]:
+    ids = list(rollout_ids)
+    dup = [k for k, n in Counter(ids).items() if n > 1]
+    if dup:
+        raise CommitMismatch(f"rollout ids listed more than once: {sorted(dup)[:5]}")
+    return ids
+
+
+def commit_plan(
+    update_id: str, rollout_ids: Sequence[str], owned: Sequence[LedgerEntry]
+) -> list[LedgerEntry]:
+    """New entries for a commit, only if `rollout_ids` is exactly what `update_id` reserved."""
+    if not update_id:
+        raise ValueError("update_id must be a non-empty string")
+    ids = set(_check_ids(rollout_ids))
+    held = {e.rollout_id for e in owned}
+    if ids != held:
+        missing = sorted(held - ids)
+        extra = sorted(ids - held)
+        raise CommitMismatch(
+            f"update {update_id!r} must commit exactly what it reserved: "
+            f"{len(missing)} reserved but not listed {missing[:5]}, "
+            f"{len(extra)} listed but not reserved by it {extra[:5]}; nothing was committed"
+        )
+    return [plan_transition(e, "commit", reserved_by=None, lease_expires_at=None) for e in owned]
+
+
+class MemoryLedger:
+    """Thread-safe in-memory ledger: one lock makes read-check-write indivisible.
+
+    Good for tests, simulations and single-process trainers; state is lost with the process.
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Clock = time.time,
+        lease_seconds: float = 600.0,
+        recovery: RecoveryRule | None = None,
+        require_admission: bool = True,
+        event_log: EventLog | None = None,
+    ) -> None:
+        if lease_seconds <= 0:
+            raise ValueError("lease_seconds must be > 0")
+        self._lock = threading.RLock()
+        self._entries: dict[str, LedgerEntry] = {}
+        self._bad_versions: set[int] = set()
+        self._counters: Counter[str] = Counter()
+        self.clock = clock
+        self.lease_seconds = float(lease_seconds)
+        self.recovery = recovery or RecoveryRule()
+        self.require_admission = require_admission
+        self.log = event_log or EventLog()
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _record(self, changes: list[tuple[str, LedgerEntry | None, LedgerEntry, str | None]]) -> None:
+        if not changes:
+            return
+        at = self.clock()
+        for _, _, after, _ in changes:
+            self._entries[after.rollout_id] = after
+        self._counters["writes"] += len(changes)
+        self.log.record(
+            [
+                EntryChanged(
+                    seq=0, txn=0, at=at, rollout_id=a.rollout_id, event=ev, before=b, after=a,
+                    update_id=u,
+                )
+                for ev, b, a, u in changes
+            ]
+        )
+
+    def _owned(self, update_id: str) -> list[LedgerEntry]:
+        return sorted(
+            (e for e in self._entries.values() if e.reserved_by == update_id),
+            key=lambda e: e.rollout_id,
+        )
+
+    # ---- protocol ----------------------------------------------------------------------
+
+    def add(self, rollout: Rollout | LedgerEntry) -> LedgerEntry:
+        """Insert a new rollout at revision 0; its id must be new."""
+        entry = rollout.entry() if isinstance(rollout, Rollout) else rollout
+        if entry.revision != 0 or entry.state not in (LIFECYCLE.initial, "generated", "rewarded"):
+            raise LedgerError(
+                f"rollout {entry.rollout_id!r}: a new entry starts at revision 0 in "
+                f"dispatched/generated/rewarded, got revision {entry.revision} in {entry.state!r}"
+            )
+        with self._lock:
+            if entry.rollout_id in self._entries:
+                raise DuplicateRollout(f"rollout {entry.rollout_id!r} is already in the ledger")
+            self._record([("add", None, entry, None)])
+            return entry
+
+    def find(self, rollout_id: str) -> LedgerEntry | None:
+        """The entry, or None when absent."""
+        with self._lock:
+            return self._entries.get(rollout_id)
+
+    def get(self, rollout_id: str) -> LedgerEntry:
+        """The entry; UnknownRollout when absent."""
+        e = self.find(rollout_id)
+        if e is None:
+            raise UnknownRollout(f"rollout {rollout_id!r} is not in the ledger")
+        return e
+
+    def transition(
+        self,
+        rollout_id: str,
+        event: str,
+        expected_revision: int,
+        *,
+        reward: Reward | None = None,
+        disposition: Disposition | None = None,
+    ) -> LedgerEntry:
+        """Fire a direct lifecycle event under compare-and-set; nothing changes on failure."""
+        changes = direct_changes(event, reward, disposition)
+        with self._lock:
+            entry = self.get(rollout_id)
+            if entry.revision != expected_revision:
+                self._counters["cas_conflicts"] += 1
+                raise RevisionConflict(rollout_id, expected_revision, entry.revision)
+            new = plan_transition(entry, event, **changes)
+            self._record([(event, entry, new, None)])
+            return new
+
+    def reserve(
+        self,
+        rollout_id: str,
+        expected_revision: int,
+        update_id: str,
+        admission: AdmissionStamp | None,
+    ) -> ReserveOutcome:
+        """Compare-and-set reservation of one rollout."""
+        return self.reserve_batch(
+            update_id, [ReserveRequest(rollout_id, expected_revision, admission)]
+        )[0]
+
+    def reserve_batch(
+        self, update_id: str, requests: Sequence[ReserveRequest]
+    ) -> list[ReserveOutcome]:
+        """Reserve many rollouts in one atomic step; each item wins or loses on its own CAS."""
+        if not update_id:
+            raise ValueError("update_id must be a non-empty string")
+        seen = Counter(r.rollout_id for r in requests)
+        dups = [k for k, n in seen.items() if n > 1]
+        if dups:
+            raise LedgerError(f"a batch names rollouts more than once: {sorted(dups)[:5]}")
+        with self._lock:
+            lease = self.clock() + self.lease_seconds
+            outcomes: list[ReserveOutcome] = []
+            changes: list[tuple[str, LedgerEntry | None, LedgerEntry, str | None]] = []
+            for r in requests:
+                entry = self._entries.get(r.rollout_id)
+                out, new = plan_reserve(
+                    entry, r.rollout_id, r.expected_revision, update_id, r.admission,
+                    require_admission=self.require_admission, lease_expires_at=lease,
+                )
+                self._count(out.reason)
+                if new is not None:
+                    changes.append(("reserve", entry, new, update_id))
+                outcomes.append(out)
+            self._record(changes)
+            return outcomes
+
+    def _count(self, reason: str) -> None:
+        key = {
+            RESERVED: "reservations",
+            IDEMPOTENT: "idempotent_retries",
+            CONFLICT: "cas_conflicts",
+        }.get(reason, "refused")
+        self._counters[key] += 1
+
+    def commit(self, update_id: str, rollout_ids: Sequence[str]) -> list[LedgerEntry]:
+        """Consume exactly the rollouts `update_id` reserved, atomically; else CommitMismatch."""
+        with self._lock:
+            owned = self._owned(update_id)
+            new = commit_plan(update_id, rollout_ids, owned)
+            self._record(
+                [("commit", b, a, update_id) for b, a in zip(owned, new, strict=True)]
+            )
+            self._counters["commits"] += 1
+            return new
+
+    def abort(self, update_id: str) -> list[LedgerEntry]:
+        """Return every reservation of `update_id` under the recovery rule."""
+        if not update_id:
+            raise ValueError("update_id must be a non-empty string")
+        with self._lock:
+            owned = self._owned(update_id)
+            new = [plan_release(e, "abort", self.recovery, self._bad_versions) for e in owned]
+            self._record([("abort", b, a, update_id) for b, a in zip(owned, new, strict=True)])
+            self._counters["aborts"] += 1
+            return new
+
+    def fail_update(self, update_id: str, cause: str, detail: str = "") -> list[LedgerEntry]:
+        """The update itself failed with this data: its rollouts end in update_failed."""
+        if not update_id or not cause:
+            raise ValueError("update_id and cause must be non-empty strings")
+        with self._lock:
+            owned = self._owned(update_id)
+            new = [
+                plan_transition(
+                    e, "update_failed", reserved_by=None, lease_expires_at=None,
+                    disposition=Disposition("update", cause, detail),
+                )
+                for e in owned
+            ]
+            self._record(
+                [("update_failed", b, a, update_id) for b, a in zip(owned, new, strict=True)]
+            )
+            return new
+
+    def expire_leases(self) -> list[LedgerEntry]:
+        """Return reservations whose lease ran out (a crashed learner never blocks forever)."""
+        with self._lock:
+            now = self.clock()
+            due = sorted(
+                (
+                    e
+                    for e in self._entries.values()
+                    if e.state == "reserved"
+                    and e.lease_expires_at is not None
+                    and e.lease_expires_at <= now
+                ),
+                key=lambda e: e.rollout_id,
+            )
+            new = [plan_release(e, "expire_lease", self.recovery, self._bad_versions) for e in due]
+            self._record(
+                [("expire_lease", b, a, b.reserved_by) for b, a in zip(due, new, strict=True)]
+            )
+            self._counters["expirations"] += len(new)
+            return new
+
+    def quarantine_version(self, version: int, reason: str) -> list[LedgerEntry]:
+        """Mark a behaviour version bad: quarantine its open rollouts now, reserved ones on return."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        with self._lock:
+            self._bad_versions.add(version)
+            due = sorted(
+                (
+                    e
+                    for e in self._entries.values()
+                    if e.behavior_version == version and LIFECYCLE.is_legal(e.state, "quarantine")
+                ),
+                key=lambda e: e.rollout_id,
+            )
+            d = Disposition("activation", "failed_version", reason)
+            new = [plan_transition(e, "quarantine", disposition=d) for e in due]
+            self._record([("quarantine", b, a, None) for b, a in zip(due, new, strict=True)])
+            return new
+
+    def reserved_by(self, update_id: str) -> list[str]:
+        """Ids currently reserved by `update_id`, sorted."""
+        with self._lock:
+            return [e.rollout_id for e in self._owned(update_id)]
+
+    def snapshot(self) -> dict[str, LedgerEntry]:
+        """A consistent copy of every entry (records are frozen, so sharing them is safe)."""
+        with self._lock:
+            return dict(self._entries)
+
+    def history(self, rollout_id: str | None = None) -> list[TraceEvent]:
+        """This ledger's trace, optionally for one rollout."""
+        evs = self.log.events()
+        return [
+            e
+            for e in evs
+            if isinstance(e, EntryChanged) and (rollout_id is None or e.rollout_id == rollout_id)
+        ]
+
+    def statistics(self) -> LedgerStatistics:
+        """Counts by state and counters of writes, wins, losses and returns."""
+        with self._lock:
+            return statistics_from(self._entries.values(), self._counters, self._bad_versions)
+
+    def close(self) -> None:
+        """Nothing to release; present for protocol parity with durable backends."""

@@ -1,0 +1,1 @@
+"""Hypothesis rule-based state machines that race reservers and worker acks against spec/."""
