@@ -157,7 +157,18 @@ class Reward:
     value: float = attrs.field(validator=_finite)
 
 
-DISPOSITION_STAGES = ("generation", "reward", "update", "admission", "activation", "recovery")
+# Each failure is recorded at its own stage (CONTRACT section 4): a reward timeout, an update
+# failure, an artifact that never committed and a weight-distribution failure never share one.
+DISPOSITION_STAGES = (
+    "generation",
+    "reward",
+    "update",
+    "admission",
+    "recovery",
+    "activation",
+    "artifact",
+    "distribution",
+)
 
 
 @attrs.frozen

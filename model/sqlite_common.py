@@ -1,0 +1,132 @@
+"""What the SQLite ledger and the SQLite registry share: connections, schema versions, events.
+
+Both live in one database file so that their events share one global order (the `events`
+table's autoincrement `seq`), which the spec's trace replay needs to judge, for example,
+that a reservation was admitted against the version active at that moment.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+from model.errors import LedgerError
+from model.events import TraceEvent, event_from_jsonable, event_to_jsonable
+
+BUSY_TIMEOUT_MS = 30_000  # well above the 5 s default: 8 threads and 4 processes contend
+
+_EVENTS_DDL = """
+CREATE TABLE IF NOT EXISTS events (
+    seq     INTEGER PRIMARY KEY AUTOINCREMENT,
+    txn     INTEGER NOT NULL,
+    kind    TEXT NOT NULL,
+    subject TEXT NOT NULL,
+    payload TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_subject ON events(kind, subject);
+"""
+
+_META_DDL = """
+CREATE TABLE IF NOT EXISTS schema_meta (
+    component TEXT PRIMARY KEY,
+    version   INTEGER NOT NULL
+);
+"""
+
+
+def connect(path: str | Path) -> sqlite3.Connection:
+    """Open a database in autocommit mode with WAL and a long busy timeout.
+
+    Autocommit (isolation_level=None) keeps a single-statement compare-and-set atomic on its
+    own; multi-statement steps use explicit BEGIN IMMEDIATE so the write lock is taken up
+    front instead of failing with "database is locked" on upgrade.
+    """
+    p = Path(path)
+    if str(p) != ":memory:" and not p.parent.exists():
+        raise LedgerError(f"directory {p.parent} does not exist; create it first")
+    conn = sqlite3.connect(
+        str(p), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+    )
+    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+    if str(p) != ":memory:" and str(mode).lower() != "wal":
+        raise LedgerError(f"could not switch {p} to WAL journal mode (got {mode!r})")
+    conn.execute("PRAGMA synchronous = FULL")
+    conn.execute("PRAGMA foreign_keys = ON")
+    return conn
+
+
+def ensure_schema(conn: sqlite3.Connection, component: str, version: int, ddl: str) -> None:
+    """Create `component`'s tables on first use; refuse a file written by another schema version."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for stmt in (_META_DDL + _EVENTS_DDL + ddl).split(";"):
+            if stmt.strip():
+                conn.execute(stmt)
+        row = conn.execute(
+            "SELECT version FROM schema_meta WHERE component = ?", (component,)
+        ).fetchone()
+        if row is None:
+            conn.execute(
+                "INSERT INTO schema_meta(component, version) VALUES (?, ?)", (component, version)
+            )
+        elif int(row[0]) != version:
+            raise LedgerError(
+                f"database has {component} schema version {row[0]}, this program expects "
+                f"{version}; use a new file or migrate it"
+            )
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def append_events(conn: sqlite3.Connection, events: Sequence[TraceEvent]) -> list[TraceEvent]:
+    """Append one atomic step's events inside the caller's open transaction.
+
+    The txn number is max(txn) + 1, read under the caller's write lock, so it is unique.
+    """
+    if not events:
+        return []
+    row = conn.execute("SELECT COALESCE(MAX(txn), 0) + 1 FROM events").fetchone()
+    txn = int(row[0])
+    out: list[TraceEvent] = []
+    for ev in events:
+        subject = ev.rollout_id if ev.kind == "entry" else str(ev.version)  # type: ignore[union-attr]
+        payload = event_to_jsonable(ev)
+        payload.pop("seq", None)
+        payload["txn"] = txn
+        cur = conn.execute(
+            "INSERT INTO events(txn, kind, subject, payload) VALUES (?, ?, ?, ?)",
+            (txn, ev.kind, subject, json.dumps(payload, separators=(",", ":"))),
+        )
+        out.append(attrs.evolve(ev, seq=int(cur.lastrowid or 0), txn=txn))
+    return out
+
+
+def read_events(
+    conn: sqlite3.Connection, kind: str | None = None, subject: str | None = None
+) -> list[TraceEvent]:
+    """Events in global order, optionally of one kind and one subject (rollout id / version)."""
+    sql = "SELECT seq, payload FROM events"
+    args: list[str] = []
+    where = []
+    if kind is not None:
+        where.append("kind = ?")
+        args.append(kind)
+    if subject is not None:
+        where.append("subject = ?")
+        args.append(subject)
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += " ORDER BY seq"
+    out = []
+    for seq, payload in conn.execute(sql, args):
+        data = json.loads(payload)
+        data["seq"] = seq
+        out.append(event_from_jsonable(data))
+    return out
