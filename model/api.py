@@ -69,9 +69,7 @@ def compare_and_reserve(
         return {"reserved": False, "reason": MISSING, "record": None}
     state = _entry_field(entry, "lifecycle_state", rollout_id)
     revision = _entry_field(entry, "revision", rollout_id)
-    why = reserve_precheck(
-        state, revision, entry.get("reserved_by"), expected_revision, update_id
-    )
+    why = reserve_precheck(state, revision, entry.get("reserved_by"), expected_revision, update_id)
     if why is not None:
         return {"reserved": why == "idempotent_retry", "reason": why, "record": dict(entry)}
     new = dict(entry)

@@ -262,7 +262,9 @@ def assess_arrays(
                 "old, current log-probs and mask must all be B x T with the same shape, got "
                 f"{old_a.shape}, {cur_a.shape}, {mask_a.shape}"
             )
-        if not (np.issubdtype(old_a.dtype, np.floating) and np.issubdtype(cur_a.dtype, np.floating)):
+        if not (
+            np.issubdtype(old_a.dtype, np.floating) and np.issubdtype(cur_a.dtype, np.floating)
+        ):
             raise GateConfigError(
                 f"log-probs must be floating-point arrays, got {old_a.dtype} and {cur_a.dtype}"
             )

@@ -385,7 +385,9 @@ class MemoryLedger:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _record(self, changes: list[tuple[str, LedgerEntry | None, LedgerEntry, str | None]]) -> None:
+    def _record(
+        self, changes: list[tuple[str, LedgerEntry | None, LedgerEntry, str | None]]
+    ) -> None:
         if not changes:
             return
         at = self.clock()
@@ -395,7 +397,13 @@ class MemoryLedger:
         self.log.record(
             [
                 EntryChanged(
-                    seq=0, txn=0, at=at, rollout_id=a.rollout_id, event=ev, before=b, after=a,
+                    seq=0,
+                    txn=0,
+                    at=at,
+                    rollout_id=a.rollout_id,
+                    event=ev,
+                    before=b,
+                    after=a,
                     update_id=u,
                 )
                 for ev, b, a, u in changes
@@ -485,8 +493,13 @@ class MemoryLedger:
             for r in requests:
                 entry = self._entries.get(r.rollout_id)
                 out, new = plan_reserve(
-                    entry, r.rollout_id, r.expected_revision, update_id, r.admission,
-                    require_admission=self.require_admission, lease_expires_at=lease,
+                    entry,
+                    r.rollout_id,
+                    r.expected_revision,
+                    update_id,
+                    r.admission,
+                    require_admission=self.require_admission,
+                    lease_expires_at=lease,
                 )
                 self._count(out.reason)
                 if new is not None:
@@ -508,9 +521,7 @@ class MemoryLedger:
         with self._lock:
             owned = self._owned(update_id)
             new = commit_plan(update_id, rollout_ids, owned)
-            self._record(
-                [("commit", b, a, update_id) for b, a in zip(owned, new, strict=True)]
-            )
+            self._record([("commit", b, a, update_id) for b, a in zip(owned, new, strict=True)])
             self._counters["commits"] += 1
             return new
 
@@ -533,7 +544,10 @@ class MemoryLedger:
             owned = self._owned(update_id)
             new = [
                 plan_transition(
-                    e, "update_failed", reserved_by=None, lease_expires_at=None,
+                    e,
+                    "update_failed",
+                    reserved_by=None,
+                    lease_expires_at=None,
                     disposition=Disposition("update", cause, detail),
                 )
                 for e in owned
@@ -565,7 +579,7 @@ class MemoryLedger:
             return new
 
     def quarantine_version(self, version: int, reason: str) -> list[LedgerEntry]:
-        """Mark a behaviour version bad: quarantine its open rollouts now, reserved ones on return."""
+        """Mark a version bad: quarantine its open rollouts now, reserved ones when returned."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
         with self._lock:

@@ -24,7 +24,7 @@ from model.errors import IllegalTransition
 EDGE_KINDS = ("normal", "failure", "recovery")
 
 
-class KindedTransition(Transition):  # type: ignore[misc]
+class KindedTransition(Transition):
     """A `transitions` edge that also records its kind, so diagrams style it from the machine."""
 
     def __init__(self, *args: Any, kind: str = "normal", **kwargs: Any) -> None:
@@ -35,7 +35,7 @@ class KindedTransition(Transition):  # type: ignore[misc]
 
 
 @add_state_features(Tags)
-class DeclaredMachine(Machine):  # type: ignore[misc]
+class DeclaredMachine(Machine):
     """`transitions.Machine` with tagged states and kinded edges; never fires on a hot path."""
 
     transition_cls = KindedTransition
@@ -66,24 +66,43 @@ LIFECYCLE_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "reserve", "source": "rewarded", "dest": "reserved"},
     {"trigger": "commit", "source": "reserved", "dest": "consumed"},
     # distinct failures, each with its own stage
-    {"trigger": "generation_failed", "source": "dispatched", "dest": "generation_failed",
-     "kind": "failure"},
-    {"trigger": "reward_timeout", "source": "generated", "dest": "reward_timed_out",
-     "kind": "failure"},
-    {"trigger": "reward_error", "source": "generated", "dest": "reward_errored",
-     "kind": "failure"},
-    {"trigger": "update_failed", "source": "reserved", "dest": "update_failed",
-     "kind": "failure"},
-    {"trigger": "quarantine", "source": ["dispatched", "generated", "rewarded"],
-     "dest": "quarantined", "kind": "failure"},
-    {"trigger": "retire_stale", "source": "rewarded", "dest": "retired_stale",
-     "kind": "failure"},
+    {
+        "trigger": "generation_failed",
+        "source": "dispatched",
+        "dest": "generation_failed",
+        "kind": "failure",
+    },
+    {
+        "trigger": "reward_timeout",
+        "source": "generated",
+        "dest": "reward_timed_out",
+        "kind": "failure",
+    },
+    {"trigger": "reward_error", "source": "generated", "dest": "reward_errored", "kind": "failure"},
+    {"trigger": "update_failed", "source": "reserved", "dest": "update_failed", "kind": "failure"},
+    {
+        "trigger": "quarantine",
+        "source": ["dispatched", "generated", "rewarded"],
+        "dest": "quarantined",
+        "kind": "failure",
+    },
+    {"trigger": "retire_stale", "source": "rewarded", "dest": "retired_stale", "kind": "failure"},
     # a returned reservation: the recovery rule decides between quarantine and release
-    {"trigger": "abort", "source": "reserved", "dest": "quarantined",
-     "conditions": "recovery_quarantines", "kind": "recovery"},
+    {
+        "trigger": "abort",
+        "source": "reserved",
+        "dest": "quarantined",
+        "conditions": "recovery_quarantines",
+        "kind": "recovery",
+    },
     {"trigger": "abort", "source": "reserved", "dest": "rewarded", "kind": "recovery"},
-    {"trigger": "expire_lease", "source": "reserved", "dest": "quarantined",
-     "conditions": "recovery_quarantines", "kind": "recovery"},
+    {
+        "trigger": "expire_lease",
+        "source": "reserved",
+        "dest": "quarantined",
+        "conditions": "recovery_quarantines",
+        "kind": "recovery",
+    },
     {"trigger": "expire_lease", "source": "reserved", "dest": "rewarded", "kind": "recovery"},
 ]
 
@@ -107,16 +126,27 @@ ACTIVATION_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "commit_artifact", "source": "prepared", "dest": "committed"},
     {"trigger": "distribute", "source": "committed", "dest": "awaiting_acks"},
     # the pointer flips only with a committed artifact and every required ack matching
-    {"trigger": "activate", "source": "awaiting_acks", "dest": "active",
-     "conditions": "all_acked"},
+    {"trigger": "activate", "source": "awaiting_acks", "dest": "active", "conditions": "all_acked"},
     {"trigger": "supersede", "source": "active", "dest": "superseded"},
     {"trigger": "fail_commit", "source": "prepared", "dest": "commit_failed", "kind": "failure"},
-    {"trigger": "fail_distribution", "source": "awaiting_acks", "dest": "distribution_failed",
-     "kind": "failure"},
-    {"trigger": "retry", "source": "distribution_failed", "dest": "awaiting_acks",
-     "kind": "recovery"},
-    {"trigger": "abandon", "source": ["committed", "distribution_failed"], "dest": "abandoned",
-     "kind": "failure"},
+    {
+        "trigger": "fail_distribution",
+        "source": "awaiting_acks",
+        "dest": "distribution_failed",
+        "kind": "failure",
+    },
+    {
+        "trigger": "retry",
+        "source": "distribution_failed",
+        "dest": "awaiting_acks",
+        "kind": "recovery",
+    },
+    {
+        "trigger": "abandon",
+        "source": ["committed", "distribution_failed"],
+        "dest": "abandoned",
+        "kind": "failure",
+    },
     # explicit rollback: the active artifact steps down, the recorded pointer comes back
     {"trigger": "roll_back", "source": "active", "dest": "rolled_back", "kind": "recovery"},
     {"trigger": "reinstate", "source": "superseded", "dest": "active", "kind": "recovery"},
@@ -206,9 +236,7 @@ class MachineSpec:
         self._check_declaration()
 
     @staticmethod
-    def build(
-        states: list[dict[str, Any]], transitions: list[dict[str, Any]], initial: str
-    ) -> Any:
+    def build(states: list[dict[str, Any]], transitions: list[dict[str, Any]], initial: str) -> Any:
         """Build the declared machine (model-less, `auto_transitions` off, no queued events)."""
         return DeclaredMachine(
             model=None,

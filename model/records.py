@@ -141,7 +141,7 @@ class GenerationConditions:
 
 @attrs.frozen
 class ActionEvidence:
-    """Tokens, action mask and behaviour log-probs: what the update needs. Alignment is the gate's job."""
+    """Tokens, action mask and behaviour log-probs; their alignment is judged by the gate."""
 
     response_token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
     action_mask: tuple[bool, ...] = attrs.field(converter=_bool_tuple)
@@ -309,6 +309,7 @@ class WorkerAck:
 
 # ---- (de)serialisation ---------------------------------------------------------------------
 
+
 def to_jsonable(obj: Any) -> Any:
     """attrs record -> plain JSON-able dict/list/scalars (tuples become lists)."""
     if attrs.has(type(obj)):
@@ -338,7 +339,7 @@ def from_jsonable(cls: type[T], data: Any) -> T:
     """Plain dict -> attrs record, with nested records rebuilt; bad shapes raise InvalidRecord."""
     if not isinstance(data, Mapping):
         raise InvalidRecord(f"{cls.__name__} must be a JSON object, got {type(data).__name__}")
-    names = {f.name for f in attrs.fields(cls)}  # type: ignore[misc]
+    names = {f.name for f in attrs.fields(cls)}  # type: ignore[arg-type]
     unknown = set(data) - names
     if unknown:
         raise InvalidRecord(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")

@@ -1,0 +1,504 @@
+"""The durable state of policy activation: artifact records, worker reports, the active pointer.
+
+A coordinator step is planned and written inside ONE registry transaction (`transact`): the
+plan reads the state under the write lock (a Python lock in memory, ``BEGIN IMMEDIATE`` in
+SQLite), returns the changed records, pointer and worker reports, and the registry writes
+them together with their `ArtifactChanged` events. Because the plan runs under the lock, two
+coordinators on one SQLite file can never both act on the same stale read. The shared checks
+in `check_step` (hash immutability, versions never reused, before-images match) run in both
+backends, so a buggy plan is refused instead of written.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol, TypeVar, runtime_checkable
+
+import attrs
+
+from model.errors import ActivationError
+from model.events import ArtifactChanged, EventLog
+from model.records import (
+    ActivePointer,
+    ArtifactRecord,
+    Disposition,
+    WorkerAck,
+    from_jsonable,
+    to_jsonable,
+)
+from model.sqlite_common import append_events, connect, ensure_schema, read_events
+
+R = TypeVar("R")
+
+COMPONENT = "registry"
+SCHEMA_VERSION = 1
+
+
+@attrs.frozen
+class WorkerReport:
+    """A worker's latest counted ack, and the lowest incarnation whose acks still count.
+
+    `floor` rises when the worker restarts: it lost its weights, so every ack from an
+    earlier incarnation, including one still in flight, is void.
+    """
+
+    worker_id: str
+    floor: int = 0
+    ack: WorkerAck | None = None
+
+
+@attrs.frozen
+class ArtifactChange:
+    """One artifact record written by a step, with the machine event that justifies it."""
+
+    event: str
+    before: ArtifactRecord | None
+    after: ArtifactRecord
+    acks: tuple[WorkerAck, ...] = ()
+    required_workers: tuple[str, ...] = ()
+
+
+class _Unchanged:
+    """Marker type: the step leaves the pointer alone."""
+
+
+UNCHANGED = _Unchanged()
+
+
+@attrs.frozen
+class RegistryStep:
+    """Everything one coordinator step writes, atomically."""
+
+    at: float
+    artifacts: tuple[ArtifactChange, ...] = ()
+    pointer: ActivePointer | _Unchanged | None = UNCHANGED
+    workers: tuple[WorkerReport, ...] = ()
+
+
+class RegistryView(Protocol):
+    """Read access inside a transaction (what a plan may look at)."""
+
+    def artifact(self, version: int) -> ArtifactRecord | None: ...
+
+    def artifacts(self) -> list[ArtifactRecord]: ...
+
+    def pointer(self) -> ActivePointer | None: ...
+
+    def worker(self, worker_id: str) -> WorkerReport | None: ...
+
+    def workers(self) -> dict[str, WorkerReport]: ...
+
+    def max_version(self) -> int | None: ...
+
+
+@runtime_checkable
+class RegistryStore(Protocol):
+    """What the coordinator needs from a backend; every coordinator test runs on each one."""
+
+    def transact(
+        self, plan: Callable[[RegistryView], tuple[RegistryStep, R]]
+    ) -> tuple[R, list[ArtifactChanged]]: ...
+
+    def artifact(self, version: int) -> ArtifactRecord | None: ...
+
+    def artifacts(self) -> list[ArtifactRecord]: ...
+
+    def pointer(self) -> ActivePointer | None: ...
+
+    def workers(self) -> dict[str, WorkerReport]: ...
+
+    def max_version(self) -> int | None: ...
+
+    def history(self, version: int | None = None) -> list[ArtifactChanged]: ...
+
+    def close(self) -> None: ...
+
+
+def check_step(view: RegistryView, step: RegistryStep) -> None:
+    """Refuse a step that would break a registry invariant, before anything is written.
+
+    Before-images must equal the stored records (a plan built on a stale read is refused);
+    a new version must exceed every version ever registered; a committed hash never changes;
+    each version is changed at most once per step.
+    """
+    seen: set[int] = set()
+    top = view.max_version()
+    for ch in step.artifacts:
+        v = ch.after.version
+        if v in seen:
+            raise ActivationError(f"one step changes artifact v{v} twice")
+        seen.add(v)
+        if ch.before is not None and ch.before.version != v:
+            raise ActivationError(f"change of v{v} carries a before-image of v{ch.before.version}")
+        current = view.artifact(v)
+        if current != ch.before:
+            raise ActivationError(
+                f"artifact v{v} changed underneath this step (stored {current}, planned from "
+                f"{ch.before}); re-read and retry"
+            )
+        if current is None and top is not None and v <= top:
+            raise ActivationError(
+                f"version {v} is not greater than every registered version (max {top}); "
+                "versions are never reused"
+            )
+        if (
+            current is not None
+            and current.artifact_hash is not None
+            and ch.after.artifact_hash != current.artifact_hash
+        ):
+            raise ActivationError(
+                f"artifact v{v}: committed hash {current.artifact_hash} can never change"
+            )
+
+
+def make_events(
+    step: RegistryStep, pointer_before: ActivePointer | None
+) -> list[ArtifactChanged]:
+    """The step's events, unstamped (seq/txn 0): the backend's log stamps them."""
+    after = pointer_before if isinstance(step.pointer, _Unchanged) else step.pointer
+    return [
+        ArtifactChanged(
+            seq=0,
+            txn=0,
+            at=step.at,
+            version=ch.after.version,
+            event=ch.event,
+            before=ch.before,
+            after=ch.after,
+            pointer_before=pointer_before,
+            pointer_after=after,
+            acks=ch.acks,
+            required_workers=ch.required_workers,
+        )
+        for ch in step.artifacts
+    ]
+
+
+# ---- memory --------------------------------------------------------------------------------
+
+
+class _MemoryView:
+    def __init__(self, reg: MemoryRegistry) -> None:
+        self._reg = reg
+
+    def artifact(self, version: int) -> ArtifactRecord | None:
+        return self._reg._artifacts.get(version)
+
+    def artifacts(self) -> list[ArtifactRecord]:
+        return [self._reg._artifacts[v] for v in sorted(self._reg._artifacts)]
+
+    def pointer(self) -> ActivePointer | None:
+        return self._reg._pointer
+
+    def worker(self, worker_id: str) -> WorkerReport | None:
+        return self._reg._workers.get(worker_id)
+
+    def workers(self) -> dict[str, WorkerReport]:
+        return dict(self._reg._workers)
+
+    def max_version(self) -> int | None:
+        return max(self._reg._artifacts, default=None)
+
+
+class MemoryRegistry:
+    """In-process registry; share `event_log` with a MemoryLedger for one global trace."""
+
+    def __init__(self, event_log: EventLog | None = None) -> None:
+        self._lock = threading.RLock()
+        self._artifacts: dict[int, ArtifactRecord] = {}
+        self._pointer: ActivePointer | None = None
+        self._workers: dict[str, WorkerReport] = {}
+        self.log = event_log if event_log is not None else EventLog()
+        self._view = _MemoryView(self)
+
+    def transact(
+        self, plan: Callable[[RegistryView], tuple[RegistryStep, R]]
+    ) -> tuple[R, list[ArtifactChanged]]:
+        """Plan and apply one step under the lock; a raising plan changes nothing."""
+        with self._lock:
+            step, result = plan(self._view)
+            check_step(self._view, step)
+            events = make_events(step, self._pointer)
+            for ch in step.artifacts:
+                self._artifacts[ch.after.version] = ch.after
+            if not isinstance(step.pointer, _Unchanged):
+                self._pointer = step.pointer
+            for w in step.workers:
+                self._workers[w.worker_id] = w
+            stamped = self.log.record(events) if events else []
+            return result, [e for e in stamped if isinstance(e, ArtifactChanged)]
+
+    def artifact(self, version: int) -> ArtifactRecord | None:
+        """The record of `version`, or None."""
+        with self._lock:
+            return self._view.artifact(version)
+
+    def artifacts(self) -> list[ArtifactRecord]:
+        """Every record, by version."""
+        with self._lock:
+            return self._view.artifacts()
+
+    def pointer(self) -> ActivePointer | None:
+        """The active pointer (None before the first activation)."""
+        with self._lock:
+            return self._pointer
+
+    def workers(self) -> dict[str, WorkerReport]:
+        """Latest report per worker."""
+        with self._lock:
+            return self._view.workers()
+
+    def max_version(self) -> int | None:
+        """Highest version ever registered."""
+        with self._lock:
+            return self._view.max_version()
+
+    def history(self, version: int | None = None) -> list[ArtifactChanged]:
+        """Artifact events in global order, optionally of one version."""
+        return [
+            e
+            for e in self.log.events()
+            if isinstance(e, ArtifactChanged) and (version is None or e.version == version)
+        ]
+
+    def close(self) -> None:
+        """Nothing to release; protocol parity with SQLite."""
+
+
+# ---- SQLite --------------------------------------------------------------------------------
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS registry_artifacts (
+    version          INTEGER PRIMARY KEY CHECK (version >= 0),
+    artifact_hash    TEXT,
+    parent_version   INTEGER,
+    rollback_version INTEGER,
+    state            TEXT NOT NULL,
+    path             TEXT,
+    failure          TEXT,
+    attempts         INTEGER NOT NULL CHECK (attempts >= 0)
+);
+CREATE TABLE IF NOT EXISTS registry_pointer (
+    id            INTEGER PRIMARY KEY CHECK (id = 1),
+    version       INTEGER NOT NULL,
+    artifact_hash TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS registry_workers (
+    worker_id TEXT PRIMARY KEY,
+    floor     INTEGER NOT NULL,
+    ack       TEXT
+)
+"""
+
+# ensure_schema splits its DDL on ';', so triggers (whose bodies contain ';') go here; they
+# hold the two write-once rules even against a writer that bypasses this module
+_TRIGGERS = (
+    """CREATE TRIGGER IF NOT EXISTS registry_hash_write_once
+       BEFORE UPDATE OF artifact_hash ON registry_artifacts
+       WHEN OLD.artifact_hash IS NOT NULL AND NEW.artifact_hash IS NOT OLD.artifact_hash
+       BEGIN SELECT RAISE(ABORT, 'a committed artifact hash never changes'); END""",
+    """CREATE TRIGGER IF NOT EXISTS registry_version_forward
+       BEFORE INSERT ON registry_artifacts
+       WHEN NEW.version <= (SELECT MAX(version) FROM registry_artifacts)
+       BEGIN SELECT RAISE(ABORT, 'artifact versions are never reused'); END""",
+)
+
+_ART_COLS = (
+    "version, artifact_hash, parent_version, rollback_version, state, path, failure, attempts"
+)
+
+
+def _int(x: object) -> int:
+    if not isinstance(x, int):
+        raise ActivationError(f"registry database holds {x!r} where an integer belongs")
+    return x
+
+
+def _opt_int(x: object) -> int | None:
+    return None if x is None else _int(x)
+
+
+def _opt_str(x: object) -> str | None:
+    return None if x is None else str(x)
+
+
+def _row_to_record(row: Sequence[object]) -> ArtifactRecord:
+    version, h, parent, rollback, state, path, failure, attempts = row
+    return ArtifactRecord(
+        version=_int(version),
+        artifact_hash=_opt_str(h),
+        parent_version=_opt_int(parent),
+        rollback_version=_opt_int(rollback),
+        state=str(state),
+        path=_opt_str(path),
+        failure=None if failure is None else from_jsonable(Disposition, json.loads(str(failure))),
+        attempts=_int(attempts),
+    )
+
+
+def _record_to_row(r: ArtifactRecord) -> tuple[object, ...]:
+    failure = None if r.failure is None else json.dumps(to_jsonable(r.failure))
+    return (
+        r.version,
+        r.artifact_hash,
+        r.parent_version,
+        r.rollback_version,
+        r.state,
+        r.path,
+        failure,
+        r.attempts,
+    )
+
+
+def _row_to_worker(row: Sequence[object]) -> WorkerReport:
+    wid, floor, ack = row
+    return WorkerReport(
+        worker_id=str(wid),
+        floor=_int(floor),
+        ack=None if ack is None else from_jsonable(WorkerAck, json.loads(str(ack))),
+    )
+
+
+class _SQLiteView:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def artifact(self, version: int) -> ArtifactRecord | None:
+        row = self._conn.execute(
+            f"SELECT {_ART_COLS} FROM registry_artifacts WHERE version = ?", (version,)
+        ).fetchone()
+        return None if row is None else _row_to_record(row)
+
+    def artifacts(self) -> list[ArtifactRecord]:
+        rows = self._conn.execute(
+            f"SELECT {_ART_COLS} FROM registry_artifacts ORDER BY version"
+        ).fetchall()
+        return [_row_to_record(r) for r in rows]
+
+    def pointer(self) -> ActivePointer | None:
+        row = self._conn.execute(
+            "SELECT version, artifact_hash FROM registry_pointer WHERE id = 1"
+        ).fetchone()
+        return None if row is None else ActivePointer(int(row[0]), str(row[1]))
+
+    def worker(self, worker_id: str) -> WorkerReport | None:
+        row = self._conn.execute(
+            "SELECT worker_id, floor, ack FROM registry_workers WHERE worker_id = ?", (worker_id,)
+        ).fetchone()
+        return None if row is None else _row_to_worker(row)
+
+    def workers(self) -> dict[str, WorkerReport]:
+        rows = self._conn.execute(
+            "SELECT worker_id, floor, ack FROM registry_workers ORDER BY worker_id"
+        ).fetchall()
+        return {str(r[0]): _row_to_worker(r) for r in rows}
+
+    def max_version(self) -> int | None:
+        row = self._conn.execute("SELECT MAX(version) FROM registry_artifacts").fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+
+class SQLiteRegistry:
+    """The registry in a SQLite file, beside the ledger's tables (component "registry").
+
+    Each step is one ``BEGIN IMMEDIATE ... COMMIT`` holding the record writes, the pointer
+    and the events (appended to the shared `events` table), so a crash leaves either all
+    of a step or none of it, and ledger and registry events share one global order.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._conn = connect(self.path)
+        ensure_schema(self._conn, COMPONENT, SCHEMA_VERSION, _DDL)
+        for trig in _TRIGGERS:
+            self._conn.execute(trig)
+        self._lock = threading.RLock()
+        self._view = _SQLiteView(self._conn)
+
+    def transact(
+        self, plan: Callable[[RegistryView], tuple[RegistryStep, R]]
+    ) -> tuple[R, list[ArtifactChanged]]:
+        """Plan and write one step inside BEGIN IMMEDIATE; any exception rolls it all back."""
+        with self._lock:
+            conn = self._conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                step, result = plan(self._view)
+                check_step(self._view, step)
+                events = make_events(step, self._view.pointer())
+                for ch in step.artifacts:
+                    conn.execute(
+                        f"INSERT INTO registry_artifacts({_ART_COLS}) VALUES (?,?,?,?,?,?,?,?) "
+                        "ON CONFLICT(version) DO UPDATE SET artifact_hash=excluded.artifact_hash, "
+                        "parent_version=excluded.parent_version, "
+                        "rollback_version=excluded.rollback_version, state=excluded.state, "
+                        "path=excluded.path, failure=excluded.failure, "
+                        "attempts=excluded.attempts",
+                        _record_to_row(ch.after),
+                    )
+                if not isinstance(step.pointer, _Unchanged):
+                    if step.pointer is None:
+                        conn.execute("DELETE FROM registry_pointer")
+                    else:
+                        conn.execute(
+                            "INSERT INTO registry_pointer(id, version, artifact_hash) "
+                            "VALUES (1, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+                            "version=excluded.version, artifact_hash=excluded.artifact_hash",
+                            (step.pointer.version, step.pointer.artifact_hash),
+                        )
+                for w in step.workers:
+                    ack = None if w.ack is None else json.dumps(to_jsonable(w.ack))
+                    conn.execute(
+                        "INSERT INTO registry_workers(worker_id, floor, ack) VALUES (?,?,?) "
+                        "ON CONFLICT(worker_id) DO UPDATE SET floor=excluded.floor, "
+                        "ack=excluded.ack",
+                        (w.worker_id, w.floor, ack),
+                    )
+                stamped = append_events(conn, events)
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            return result, [e for e in stamped if isinstance(e, ArtifactChanged)]
+
+    def artifact(self, version: int) -> ArtifactRecord | None:
+        """The record of `version`, or None."""
+        with self._lock:
+            return self._view.artifact(version)
+
+    def artifacts(self) -> list[ArtifactRecord]:
+        """Every record, by version."""
+        with self._lock:
+            return self._view.artifacts()
+
+    def pointer(self) -> ActivePointer | None:
+        """The active pointer (None before the first activation)."""
+        with self._lock:
+            return self._view.pointer()
+
+    def workers(self) -> dict[str, WorkerReport]:
+        """Latest report per worker."""
+        with self._lock:
+            return self._view.workers()
+
+    def max_version(self) -> int | None:
+        """Highest version ever registered."""
+        with self._lock:
+            return self._view.max_version()
+
+    def history(self, version: int | None = None) -> list[ArtifactChanged]:
+        """Artifact events in global order (shared with the ledger's), optionally of one version."""
+        with self._lock:
+            evs = read_events(
+                self._conn, kind="artifact", subject=None if version is None else str(version)
+            )
+        return [e for e in evs if isinstance(e, ArtifactChanged)]
+
+    def close(self) -> None:
+        """Close the connection; the file stays for the next coordinator."""
+        with self._lock:
+            self._conn.close()

@@ -1,0 +1,595 @@
+"""The embedded default ledger: one SQLite file, safe across threads and processes.
+
+Every decision is made by the shared planners in `model.ledger` on rows read from the file;
+this module only makes "check the revision and write" indivisible. A single-row write
+(`transition`, `reserve`) is a real compare-and-set: the row is read without a lock, planned
+in Python, and written by ONE conditional ``UPDATE ... WHERE rollout_id = ? AND revision = ?``
+whose rowcount decides who won; the short ``BEGIN IMMEDIATE`` around it only makes the event
+row land atomically with the CAS. Batch steps read and write inside one ``BEGIN IMMEDIATE``
+transaction, so a crash leaves all or nothing.
+
+Counters live in a table updated in the same transaction as the write they count (or by a
+single autocommit statement for outcomes that write no record), so statistics stay right
+across processes and restarts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import attrs
+
+from model.errors import (
+    DuplicateRollout,
+    LedgerError,
+    RevisionConflict,
+    UnknownRollout,
+)
+from model.events import EntryChanged, TraceEvent
+from model.ledger import (
+    CONFLICT,
+    IDEMPOTENT,
+    RESERVED,
+    Clock,
+    LedgerStatistics,
+    RecoveryRule,
+    ReserveOutcome,
+    ReserveRequest,
+    commit_plan,
+    direct_changes,
+    plan_release,
+    plan_reserve,
+    plan_transition,
+    statistics_from,
+)
+from model.machines import LIFECYCLE
+from model.records import (
+    AdmissionStamp,
+    Disposition,
+    LedgerEntry,
+    Reward,
+    Rollout,
+    from_jsonable,
+    to_jsonable,
+)
+from model.sqlite_common import append_events, connect, ensure_schema, read_events
+
+COMPONENT = "ledger"
+SCHEMA_VERSION = 1
+
+# The indexed columns are copies of LedgerEntry fields that queries filter on; `entry` holds
+# the whole record so nothing is lost. The CHECK repeats the exclusive-ownership invariant at
+# the storage level, so a buggy raw write fails loudly instead of corrupting the file.
+# `events_txn` makes append_events' MAX(txn) an index lookup instead of a table scan.
+_DDL = """
+CREATE TABLE IF NOT EXISTS rollouts (
+    rollout_id       TEXT PRIMARY KEY,
+    state            TEXT NOT NULL,
+    revision         INTEGER NOT NULL,
+    reserved_by      TEXT,
+    lease_expires_at REAL,
+    behavior_version INTEGER NOT NULL,
+    entry            TEXT NOT NULL,
+    CHECK ((reserved_by IS NULL) = (state <> 'reserved'))
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS rollouts_owner ON rollouts(reserved_by)
+    WHERE reserved_by IS NOT NULL;
+CREATE INDEX IF NOT EXISTS rollouts_lease ON rollouts(lease_expires_at)
+    WHERE reserved_by IS NOT NULL;
+CREATE INDEX IF NOT EXISTS rollouts_version ON rollouts(behavior_version, state);
+CREATE TABLE IF NOT EXISTS ledger_bad_versions (
+    version INTEGER PRIMARY KEY,
+    reason  TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS ledger_counters (
+    name TEXT PRIMARY KEY,
+    n    INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_txn ON events(txn);
+"""
+
+_CAS = (
+    "UPDATE rollouts SET state = ?, revision = ?, reserved_by = ?, lease_expires_at = ?, "
+    "entry = ? WHERE rollout_id = ? AND revision = ?"
+)
+_BUMP = (
+    "INSERT INTO ledger_counters(name, n) VALUES (?, ?) "
+    "ON CONFLICT(name) DO UPDATE SET n = n + excluded.n"
+)
+_INSERT = (
+    "INSERT INTO rollouts(rollout_id, state, revision, reserved_by, lease_expires_at, "
+    "behavior_version, entry) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(rollout_id) DO NOTHING"
+)
+
+# Same reason -> counter mapping as MemoryLedger; the conformance suite compares the counts.
+_COUNTER_OF = {
+    RESERVED: "reservations",
+    IDEMPOTENT: "idempotent_retries",
+    CONFLICT: "cas_conflicts",
+}
+
+# Read off the machine, so "which states can be quarantined directly" is never retyped.
+_QUARANTINABLE = tuple(s for s in LIFECYCLE.states if LIFECYCLE.is_legal(s, "quarantine"))
+_ADDABLE = (LIFECYCLE.initial, "generated", "rewarded")
+
+Change = tuple[str, LedgerEntry | None, LedgerEntry, str | None]
+
+
+def _dump(entry: LedgerEntry) -> str:
+    return json.dumps(to_jsonable(entry), separators=(",", ":"))
+
+
+def _load(text: str) -> LedgerEntry:
+    return from_jsonable(LedgerEntry, json.loads(text))
+
+
+def _counter_of(reason: str) -> str:
+    return _COUNTER_OF.get(reason, "refused")
+
+
+class SQLiteLedger:
+    """Durable ledger in one SQLite file (WAL); several threads and processes may share it.
+
+    Each thread uses its own connection, so no Python lock serialises readers; SQLite's
+    write lock plus the revision compare-and-set are what make writes exclusive.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        clock: Clock = time.time,
+        lease_seconds: float = 600.0,
+        recovery: RecoveryRule | None = None,
+        require_admission: bool = True,
+    ) -> None:
+        if lease_seconds <= 0:
+            raise ValueError("lease_seconds must be > 0")
+        if str(path) == ":memory:":
+            # each thread's connection would get its own private database
+            raise LedgerError("SQLiteLedger needs a file path; use MemoryLedger for memory")
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise LedgerError(f"{self.path} is a directory; give a database file path inside it")
+        self.clock = clock
+        self.lease_seconds = float(lease_seconds)
+        self.recovery = recovery or RecoveryRule()
+        self.require_admission = require_admission
+        self._local = threading.local()
+        self._conns: list[sqlite3.Connection] = []
+        self._conns_lock = threading.Lock()
+        self._closed = False
+        try:
+            ensure_schema(self._conn(), COMPONENT, SCHEMA_VERSION, _DDL)
+        except sqlite3.Error as exc:
+            self.close()
+            raise LedgerError(
+                f"{self.path} is not a usable ledger database ({exc}); "
+                "give a new file path or an existing ledger file"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- connections and transactions ---------------------------------------------------
+
+    def _conn(self) -> sqlite3.Connection:
+        """This thread's connection; a forked child opens its own (SQLite forbids sharing)."""
+        if self._closed:
+            raise LedgerError(f"ledger {self.path} is closed; open a new SQLiteLedger")
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is not None and self._local.pid == os.getpid():
+            return conn
+        try:
+            conn = connect(self.path)
+            # connect() may succeed on a non-database file; the first read tells
+            conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchall()
+        except sqlite3.Error as exc:
+            raise LedgerError(
+                f"{self.path} is not a usable SQLite database ({exc}); "
+                "give a new file path or an existing ledger file"
+            ) from None
+        with self._conns_lock:
+            if self._closed:
+                conn.close()
+                raise LedgerError(f"ledger {self.path} is closed; open a new SQLiteLedger")
+            self._conns.append(conn)
+        self._local.conn, self._local.pid = conn, os.getpid()
+        return conn
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One BEGIN IMMEDIATE ... COMMIT; any exception rolls everything back."""
+        conn = self._conn()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise LedgerError(f"{self.path}: cannot start a write ({exc})") from exc
+        try:
+            yield conn
+            conn.execute("COMMIT")
+        except BaseException as exc:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise LedgerError(f"{self.path}: write failed, nothing written ({exc})") from exc
+            raise
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """A read transaction: every SELECT inside sees one consistent snapshot (WAL)."""
+        conn = self._conn()
+        try:
+            conn.execute("BEGIN")
+            try:
+                yield conn
+            finally:
+                conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            raise LedgerError(f"{self.path}: read failed ({exc})") from exc
+
+    def _bump(self, conn: sqlite3.Connection, counts: Mapping[str, int]) -> None:
+        """Add to counters; outside a transaction this is one atomic statement."""
+        rows = [(k, v) for k, v in counts.items() if v]
+        if len(rows) == 1:
+            conn.execute(_BUMP, rows[0])
+        elif rows:
+            conn.executemany(_BUMP, rows)
+
+    def _bump_now(self, counts: Mapping[str, int]) -> None:
+        try:
+            self._bump(self._conn(), counts)
+        except sqlite3.Error as exc:
+            raise LedgerError(f"{self.path}: could not update counters ({exc})") from exc
+
+    @staticmethod
+    def _row(conn: sqlite3.Connection, rollout_id: str) -> LedgerEntry | None:
+        rows = conn.execute(
+            "SELECT entry FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+        ).fetchall()
+        return _load(rows[0][0]) if rows else None
+
+    @staticmethod
+    def _rows(conn: sqlite3.Connection, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+        # one statement for the whole batch; json_each avoids the bound-parameter limit
+        rows = conn.execute(
+            "SELECT rollout_id, entry FROM rollouts "
+            "WHERE rollout_id IN (SELECT value FROM json_each(?))",
+            (json.dumps(list(rollout_ids)),),
+        ).fetchall()
+        return {rid: _load(text) for rid, text in rows}
+
+    @staticmethod
+    def _owned(conn: sqlite3.Connection, update_id: str) -> list[LedgerEntry]:
+        rows = conn.execute(
+            "SELECT entry FROM rollouts WHERE reserved_by = ?", (update_id,)
+        ).fetchall()
+        return sorted((_load(r[0]) for r in rows), key=lambda e: e.rollout_id)
+
+    @staticmethod
+    def _bad_versions(conn: sqlite3.Connection) -> set[int]:
+        return {int(r[0]) for r in conn.execute("SELECT version FROM ledger_bad_versions")}
+
+    @staticmethod
+    def _cas(conn: sqlite3.Connection, before: LedgerEntry, after: LedgerEntry) -> bool:
+        """THE compare-and-set: one conditional UPDATE; False when the revision moved on."""
+        cur = conn.execute(
+            _CAS,
+            (
+                after.state,
+                after.revision,
+                after.reserved_by,
+                after.lease_expires_at,
+                _dump(after),
+                after.rollout_id,
+                before.revision,
+            ),
+        )
+        return cur.rowcount == 1
+
+    def _apply(self, conn: sqlite3.Connection, changes: Sequence[Change]) -> None:
+        """Write planned changes inside the caller's transaction, with their events."""
+        for _, before, after, _ in changes:
+            # rows were read under this transaction's write lock, so a lost CAS is a bug
+            if before is None or not self._cas(conn, before, after):
+                raise LedgerError(f"rollout {after.rollout_id!r} changed under the write lock")
+        self._events(conn, changes)
+
+    def _events(self, conn: sqlite3.Connection, changes: Sequence[Change]) -> None:
+        if not changes:
+            return
+        at = self.clock()
+        append_events(
+            conn,
+            [
+                EntryChanged(
+                    seq=0, txn=0, at=at, rollout_id=a.rollout_id, event=ev, before=b, after=a,
+                    update_id=u,
+                )
+                for ev, b, a, u in changes
+            ],
+        )
+        self._bump(conn, {"writes": len(changes)})
+
+    # ---- protocol ---------------------------------------------------------------------------
+
+    def add(self, rollout: Rollout | LedgerEntry) -> LedgerEntry:
+        """Insert a new rollout at revision 0; its id must be new."""
+        return self.add_many([rollout])[0]
+
+    def add_many(self, rollouts: Sequence[Rollout | LedgerEntry]) -> list[LedgerEntry]:
+        """Insert several new rollouts in one transaction (one fsync instead of one each).
+
+        All or nothing: a duplicate id anywhere (in the file or the list) adds none of them.
+        """
+        entries = [r.entry() if isinstance(r, Rollout) else r for r in rollouts]
+        for e in entries:
+            if e.revision != 0 or e.state not in _ADDABLE:
+                raise LedgerError(
+                    f"rollout {e.rollout_id!r}: a new entry starts at revision 0 in "
+                    f"dispatched/generated/rewarded, got revision {e.revision} in {e.state!r}"
+                )
+        if not entries:
+            return []
+        with self._write() as conn:
+            for e in entries:
+                cur = conn.execute(
+                    _INSERT,
+                    (
+                        e.rollout_id, e.state, e.revision, e.reserved_by, e.lease_expires_at,
+                        e.behavior_version, _dump(e),
+                    ),
+                )
+                if cur.rowcount != 1:
+                    raise DuplicateRollout(f"rollout {e.rollout_id!r} is already in the ledger")
+            self._events(conn, [("add", None, e, None) for e in entries])
+        return entries
+
+    def find(self, rollout_id: str) -> LedgerEntry | None:
+        """The entry, or None when absent."""
+        try:
+            return self._row(self._conn(), rollout_id)
+        except sqlite3.Error as exc:
+            raise LedgerError(f"{self.path}: read failed ({exc})") from exc
+
+    def get(self, rollout_id: str) -> LedgerEntry:
+        """The entry; UnknownRollout when absent."""
+        e = self.find(rollout_id)
+        if e is None:
+            raise UnknownRollout(f"rollout {rollout_id!r} is not in the ledger")
+        return e
+
+    def transition(
+        self,
+        rollout_id: str,
+        event: str,
+        expected_revision: int,
+        *,
+        reward: Reward | None = None,
+        disposition: Disposition | None = None,
+    ) -> LedgerEntry:
+        """Fire a direct lifecycle event under compare-and-set; nothing changes on failure."""
+        changes = direct_changes(event, reward, disposition)
+        entry = self.get(rollout_id)
+        if entry.revision != expected_revision:
+            self._bump_now({"cas_conflicts": 1})
+            raise RevisionConflict(rollout_id, expected_revision, entry.revision)
+        new = plan_transition(entry, event, **changes)
+        with self._write() as conn:
+            if self._cas(conn, entry, new):
+                self._events(conn, [(event, entry, new, None)])
+                return new
+            # lost between our read and our write: count it, report what is there now
+            self._bump(conn, {"cas_conflicts": 1})
+            now = self._row(conn, rollout_id)
+        raise RevisionConflict(rollout_id, expected_revision, now.revision if now else -1)
+
+    def reserve(
+        self,
+        rollout_id: str,
+        expected_revision: int,
+        update_id: str,
+        admission: AdmissionStamp | None,
+    ) -> ReserveOutcome:
+        """Compare-and-set reservation of one rollout: unlocked read, one conditional UPDATE."""
+        if not update_id:
+            raise ValueError("update_id must be a non-empty string")
+        entry = self.find(rollout_id)
+        lease = self.clock() + self.lease_seconds
+        out, new = plan_reserve(
+            entry, rollout_id, expected_revision, update_id, admission,
+            require_admission=self.require_admission, lease_expires_at=lease,
+        )
+        if new is None or entry is None:
+            self._bump_now({_counter_of(out.reason): 1})
+            return out
+        with self._write() as conn:
+            if self._cas(conn, entry, new):
+                self._events(conn, [("reserve", entry, new, update_id)])
+                self._bump(conn, {"reservations": 1})
+                return out
+            # The CAS lost. Re-plan on the row as it is now (under the write lock): revisions
+            # only grow, so the planner can only say conflict, or idempotent if our own
+            # update reserved it meanwhile (e.g. through a concurrent batch).
+            now = self._row(conn, rollout_id)
+            again, _ = plan_reserve(
+                now, rollout_id, expected_revision, update_id, admission,
+                require_admission=self.require_admission, lease_expires_at=lease,
+            )
+            if again.reason != IDEMPOTENT:
+                again = ReserveOutcome(rollout_id, False, CONFLICT, now)
+            self._bump(conn, {_counter_of(again.reason): 1})
+            return again
+
+    def reserve_batch(
+        self, update_id: str, requests: Sequence[ReserveRequest]
+    ) -> list[ReserveOutcome]:
+        """Reserve many rollouts in one transaction; each item wins or loses on its own CAS."""
+        if not update_id:
+            raise ValueError("update_id must be a non-empty string")
+        seen = Counter(r.rollout_id for r in requests)
+        dups = [k for k, n in seen.items() if n > 1]
+        if dups:
+            raise LedgerError(f"a batch names rollouts more than once: {sorted(dups)[:5]}")
+        if not requests:
+            return []
+        outcomes: list[ReserveOutcome] = []
+        with self._write() as conn:
+            lease = self.clock() + self.lease_seconds
+            entries = self._rows(conn, [r.rollout_id for r in requests])
+            changes: list[Change] = []
+            counts: Counter[str] = Counter()
+            for r in requests:
+                entry = entries.get(r.rollout_id)
+                out, new = plan_reserve(
+                    entry, r.rollout_id, r.expected_revision, update_id, r.admission,
+                    require_admission=self.require_admission, lease_expires_at=lease,
+                )
+                counts[_counter_of(out.reason)] += 1
+                if new is not None and entry is not None:
+                    # written as we go, so a crash mid-batch leaves an open transaction
+                    # with real row changes that recovery must roll back
+                    if not self._cas(conn, entry, new):
+                        raise LedgerError(f"rollout {r.rollout_id!r} changed under the write lock")
+                    changes.append(("reserve", entry, new, update_id))
+                outcomes.append(out)
+            self._events(conn, changes)
+            self._bump(conn, counts)
+        return outcomes
+
+    def commit(self, update_id: str, rollout_ids: Sequence[str]) -> list[LedgerEntry]:
+        """Consume exactly the rollouts `update_id` reserved, atomically; else CommitMismatch."""
+        if not update_id:
+            raise ValueError("update_id must be a non-empty string")
+        with self._write() as conn:
+            owned = self._owned(conn, update_id)
+            new = commit_plan(update_id, rollout_ids, owned)
+            self._apply(
+                conn, [("commit", b, a, update_id) for b, a in zip(owned, new, strict=True)]
+            )
+            self._bump(conn, {"commits": 1})
+        return new
+
+    def abort(self, update_id: str) -> list[LedgerEntry]:
+        """Return every reservation of `update_id` under the recovery rule."""
+        if not update_id:
+            raise ValueError("update_id must be a non-empty string")
+        with self._write() as conn:
+            owned = self._owned(conn, update_id)
+            bad = self._bad_versions(conn)
+            new = [plan_release(e, "abort", self.recovery, bad) for e in owned]
+            self._apply(conn, [("abort", b, a, update_id) for b, a in zip(owned, new, strict=True)])
+            self._bump(conn, {"aborts": 1})
+        return new
+
+    def fail_update(self, update_id: str, cause: str, detail: str = "") -> list[LedgerEntry]:
+        """The update itself failed with this data: its rollouts end in update_failed."""
+        if not update_id or not cause:
+            raise ValueError("update_id and cause must be non-empty strings")
+        with self._write() as conn:
+            owned = self._owned(conn, update_id)
+            new = [
+                plan_transition(
+                    e, "update_failed", reserved_by=None, lease_expires_at=None,
+                    disposition=Disposition("update", cause, detail),
+                )
+                for e in owned
+            ]
+            self._apply(
+                conn, [("update_failed", b, a, update_id) for b, a in zip(owned, new, strict=True)]
+            )
+        return new
+
+    def expire_leases(self) -> list[LedgerEntry]:
+        """Return reservations whose lease ran out (a crashed learner never blocks forever)."""
+        with self._write() as conn:
+            now = self.clock()
+            rows = conn.execute(
+                "SELECT entry FROM rollouts WHERE reserved_by IS NOT NULL "
+                "AND lease_expires_at IS NOT NULL AND lease_expires_at <= ?",
+                (now,),
+            ).fetchall()
+            due = sorted((_load(r[0]) for r in rows), key=lambda e: e.rollout_id)
+            bad = self._bad_versions(conn)
+            new = [plan_release(e, "expire_lease", self.recovery, bad) for e in due]
+            self._apply(
+                conn, [("expire_lease", b, a, b.reserved_by) for b, a in zip(due, new, strict=True)]
+            )
+            self._bump(conn, {"expirations": len(new)})
+        return new
+
+    def quarantine_version(self, version: int, reason: str) -> list[LedgerEntry]:
+        """Mark a version bad: quarantine its open rollouts now, reserved ones on return."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        marks = ",".join("?" * len(_QUARANTINABLE))
+        with self._write() as conn:
+            conn.execute(
+                "INSERT INTO ledger_bad_versions(version, reason) VALUES (?, ?) "
+                "ON CONFLICT(version) DO NOTHING",
+                (version, reason),
+            )
+            rows = conn.execute(
+                f"SELECT entry FROM rollouts WHERE behavior_version = ? AND state IN ({marks})",
+                (version, *_QUARANTINABLE),
+            ).fetchall()
+            due = sorted((_load(r[0]) for r in rows), key=lambda e: e.rollout_id)
+            d = Disposition("activation", "failed_version", reason)
+            new = [plan_transition(e, "quarantine", disposition=d) for e in due]
+            self._apply(conn, [("quarantine", b, a, None) for b, a in zip(due, new, strict=True)])
+        return new
+
+    def reserved_by(self, update_id: str) -> list[str]:
+        """Ids currently reserved by `update_id`, sorted."""
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT rollout_id FROM rollouts WHERE reserved_by = ?", (update_id,)
+            ).fetchall()
+        return sorted(r[0] for r in rows)
+
+    def snapshot(self) -> dict[str, LedgerEntry]:
+        """A consistent copy of every entry (one SELECT sees one WAL snapshot)."""
+        with self._read() as conn:
+            rows = conn.execute("SELECT rollout_id, entry FROM rollouts").fetchall()
+        return {rid: _load(text) for rid, text in sorted(rows)}
+
+    def history(self, rollout_id: str | None = None) -> list[TraceEvent]:
+        """This file's ledger trace (shared `events` table), optionally for one rollout."""
+        with self._read() as conn:
+            return read_events(conn, "entry", rollout_id)
+
+    def statistics(self) -> LedgerStatistics:
+        """Counts by state and counters of writes, wins, losses and returns, from one snapshot."""
+        with self._read() as conn:
+            by_state = dict(
+                conn.execute("SELECT state, COUNT(*) FROM rollouts GROUP BY state").fetchall()
+            )
+            counters = dict(conn.execute("SELECT name, n FROM ledger_counters").fetchall())
+            bad = self._bad_versions(conn)
+        # counting states in SQL avoids loading every entry; the rest is the shared builder
+        base = statistics_from((), counters, bad)
+        states = {s: int(by_state.get(s, 0)) for s in base.by_state}
+        return attrs.evolve(base, entries=sum(states.values()), by_state=states)
+
+    def close(self) -> None:
+        """Close every thread's connection; later use raises LedgerError. Idempotent."""
+        with self._conns_lock:
+            self._closed = True
+            conns, self._conns = self._conns, []
+        for c in conns:
+            with contextlib.suppress(sqlite3.Error):
+                c.close()
+
+    def __enter__(self) -> SQLiteLedger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,712 @@
+"""The invariants of CONTRACT section 6, each written once as a named, pure predicate.
+
+Three kinds, after stateright and TLA+:
+
+* `always` invariants judge one `World` (a ledger + registry snapshot);
+* `step` invariants judge one atomic step (the world before, the events of one transaction,
+  the world after); together with `always` they are checked after every step;
+* `eventually` invariants are bounded liveness: they judge a world in which every message
+  was delivered and no fault is pending (quiescence);
+* `sometimes` properties are not invariants: they name interesting paths (a lost CAS, an
+  abort, an activation failed on a stale ack) that a search must show it reached.
+
+Every user of the spec (Hypothesis invariants, the explorer, backend conformance, the
+real-run trace replay) calls `check_world`, `check_step`, `check_quiescent` or `check_trace`
+from here, so "the same invariants" is literal.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Literal
+
+import attrs
+
+from model.events import ArtifactChanged, EntryChanged, TraceEvent
+from model.machines import ACTIVATION, LIFECYCLE
+from model.records import ActivePointer, ArtifactRecord, LedgerEntry
+
+Kind = Literal["always", "step", "eventually"]
+
+# at which stage each failure state must be recorded (spec knowledge, not the machine's)
+FAILURE_STAGES: dict[str, frozenset[str]] = {
+    "generation_failed": frozenset({"generation"}),
+    "reward_timed_out": frozenset({"reward"}),
+    "reward_errored": frozenset({"reward"}),
+    "update_failed": frozenset({"update"}),
+    "quarantined": frozenset({"admission", "activation", "recovery"}),
+    "retired_stale": frozenset({"admission"}),
+    "commit_failed": frozenset({"artifact"}),
+    "distribution_failed": frozenset({"distribution"}),
+    "abandoned": frozenset({"artifact", "distribution"}),
+}
+
+REWARD_FAILURE_STATES = frozenset({"reward_timed_out", "reward_errored"})
+# artifact states that mean "this version was the active pointer at some time"
+EVER_ACTIVE_STATES = frozenset({"active", "superseded", "rolled_back"})
+# activation attempts that have not resolved (neither activated nor failed)
+UNRESOLVED_ACTIVATION = frozenset({"prepared", "committed", "awaiting_acks"})
+# states a new ledger entry may start in
+ENTRY_START_STATES = frozenset({LIFECYCLE.initial, "generated", "rewarded"})
+
+
+@attrs.frozen
+class World:
+    """What the invariants look at: ledger entries, and (when known) the activation registry.
+
+    `artifacts` None means the registry is not part of this check (a ledger on its own);
+    activation invariants are then skipped rather than reported vacuously.
+    """
+
+    entries: Mapping[str, LedgerEntry] = attrs.field(factory=dict)
+    artifacts: Mapping[int, ArtifactRecord] | None = None
+    pointer: ActivePointer | None = None
+
+    def apply(self, events: Iterable[TraceEvent]) -> World:
+        """The world after `events` (replay: each event carries the record after it)."""
+        entries = dict(self.entries)
+        artifacts = None if self.artifacts is None else dict(self.artifacts)
+        pointer = self.pointer
+        for ev in events:
+            if isinstance(ev, EntryChanged):
+                entries[ev.rollout_id] = ev.after
+            else:
+                if artifacts is None:
+                    artifacts = {}
+                artifacts[ev.version] = ev.after
+                pointer = ev.pointer_after
+        return World(entries=entries, artifacts=artifacts, pointer=pointer)
+
+    @property
+    def ever_active(self) -> frozenset[int]:
+        """Versions that were the active pointer at some time (read off artifact states)."""
+        if self.artifacts is None:
+            return frozenset()
+        return frozenset(v for v, a in self.artifacts.items() if a.state in EVER_ACTIVE_STATES)
+
+
+@attrs.frozen
+class Violation:
+    """A named invariant that failed, with what failed and where in the trace."""
+
+    invariant: str
+    message: str
+    seq: int | None = None
+
+    def __str__(self) -> str:
+        where = f" (event #{self.seq})" if self.seq is not None else ""
+        return f"{self.invariant}: {self.message}{where}"
+
+
+WorldCheck = Callable[[World], list[str]]
+StepCheck = Callable[[World, Sequence[TraceEvent], World], list[str]]
+
+
+@attrs.frozen
+class Invariant:
+    """One named invariant: its kind, its group, what it says, and its predicate."""
+
+    name: str
+    kind: Kind
+    group: str
+    doc: str
+    world_check: WorldCheck | None = None
+    step_check: StepCheck | None = None
+
+
+# ---- always: ledger ------------------------------------------------------------------------
+
+
+def _exclusive_ownership(w: World) -> list[str]:
+    return [
+        f"{e.rollout_id}: state {e.state!r} with reserved_by {e.reserved_by!r}"
+        for e in w.entries.values()
+        if (e.reserved_by is not None) != (e.state == "reserved")
+    ]
+
+
+def _reward_failures_clean(w: World) -> list[str]:
+    out = []
+    for e in w.entries.values():
+        if e.state in REWARD_FAILURE_STATES and e.reward is not None:
+            out.append(f"{e.rollout_id}: {e.state} carries reward value {e.reward.value}")
+        if e.state in ("rewarded", "reserved", "consumed") and e.reward is None:
+            out.append(f"{e.rollout_id}: {e.state} without a reward value")
+        if e.state in ("reserved", "consumed") and e.disposition is not None:
+            out.append(f"{e.rollout_id}: {e.state} yet marked failed ({e.disposition.cause})")
+    return out
+
+
+def _admitted_when_reserved(w: World) -> list[str]:
+    out = []
+    for e in w.entries.values():
+        if e.state not in ("reserved", "consumed"):
+            continue
+        a = e.admission
+        if a is None:
+            out.append(f"{e.rollout_id}: {e.state} with no admission record")
+            continue
+        problems = []
+        if not a.accepted or a.reason != "ok":
+            problems.append(f"decision {a.reason!r}")
+        if a.behavior_version != e.behavior_version:
+            problems.append(f"admitted for v{a.behavior_version}, stamped v{e.behavior_version}")
+        if not 0 <= a.lag <= a.max_lag:
+            problems.append(f"lag {a.lag} outside [0, {a.max_lag}]")
+        if a.drift is None or a.drift > a.max_drift:
+            problems.append(f"drift {a.drift} over {a.max_drift}")
+        if problems:
+            out.append(f"{e.rollout_id}: {e.state} but " + "; ".join(problems))
+    return out
+
+
+def _failures_have_stage(w: World) -> list[str]:
+    out = []
+    for e in w.entries.values():
+        want = FAILURE_STAGES.get(e.state)
+        if want is None:
+            continue
+        if e.disposition is None:
+            out.append(f"{e.rollout_id}: {e.state} with no recorded stage/cause")
+        elif e.disposition.stage not in want:
+            out.append(f"{e.rollout_id}: {e.state} recorded at stage {e.disposition.stage!r}")
+    for v, a in (w.artifacts or {}).items():
+        want = FAILURE_STAGES.get(a.state)
+        if want is None:
+            continue
+        if a.failure is None:
+            out.append(f"artifact v{v}: {a.state} with no recorded stage/cause")
+        elif a.failure.stage not in want:
+            out.append(f"artifact v{v}: {a.state} recorded at stage {a.failure.stage!r}")
+    return out
+
+
+# ---- always: activation --------------------------------------------------------------------
+
+
+def _pointer_names_active_artifact(w: World) -> list[str]:
+    if w.artifacts is None:
+        return []
+    out = []
+    active = sorted(v for v, a in w.artifacts.items() if a.state == "active")
+    p = w.pointer
+    if p is None:
+        if active:
+            out.append(f"no active pointer, yet artifact(s) {active} are active")
+        return out
+    art = w.artifacts.get(p.version)
+    if art is None:
+        return [f"pointer names v{p.version}, which is not registered"]
+    if not art.committed:
+        out.append(f"pointer names v{p.version}, whose artifact is not committed")
+    if art.artifact_hash != p.artifact_hash:
+        out.append(f"pointer hash {p.artifact_hash!r} differs from v{p.version}'s artifact hash")
+    if active != [p.version]:
+        out.append(f"pointer names v{p.version} but active artifacts are {active}")
+    return out
+
+
+def _never_active_not_consumed(w: World) -> list[str]:
+    if w.artifacts is None:
+        return []
+    ever = w.ever_active
+    return [
+        f"{e.rollout_id}: {e.state} although its version v{e.behavior_version} never became active"
+        for e in w.entries.values()
+        if e.state in ("reserved", "consumed") and e.behavior_version not in ever
+    ]
+
+
+# ---- step invariants -----------------------------------------------------------------------
+
+
+def _declared_edges(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
+    out = []
+    seen_entries = dict(before.entries)
+    seen_arts = dict(before.artifacts or {})
+    for ev in events:
+        if isinstance(ev, EntryChanged):
+            prev = seen_entries.get(ev.rollout_id)
+            if ev.before is None:
+                if prev is not None:
+                    out.append(f"{ev.rollout_id}: added again over an existing entry")
+                elif ev.after.state not in ENTRY_START_STATES:
+                    out.append(f"{ev.rollout_id}: created in state {ev.after.state!r}")
+            else:
+                if prev is not None and prev != ev.before:
+                    out.append(f"{ev.rollout_id}: event's before-record is not the stored one")
+                src, dst = ev.before.state, ev.after.state
+                if not any(e.dest == dst for e in LIFECYCLE.candidates(src, ev.event)):
+                    out.append(f"{ev.rollout_id}: {src} --{ev.event}--> {dst} is not declared")
+            seen_entries[ev.rollout_id] = ev.after
+        else:
+            prev_a = seen_arts.get(ev.version)
+            if ev.before is None:
+                if prev_a is not None:
+                    out.append(f"artifact v{ev.version}: registered again")
+                elif ev.after.state != ACTIVATION.initial:
+                    out.append(f"artifact v{ev.version}: registered in state {ev.after.state!r}")
+            else:
+                src, dst = ev.before.state, ev.after.state
+                if not any(e.dest == dst for e in ACTIVATION.candidates(src, ev.event)):
+                    out.append(f"artifact v{ev.version}: {src} --{ev.event}--> {dst} not declared")
+            seen_arts[ev.version] = ev.after
+    return out
+
+
+def _terminal_absorbing(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
+    out = []
+    for ev in events:
+        if ev.before is None:
+            continue
+        if isinstance(ev, EntryChanged) and ev.before.state in LIFECYCLE.terminal:
+            out.append(f"{ev.rollout_id}: left terminal state {ev.before.state!r}")
+        elif isinstance(ev, ArtifactChanged) and ev.before.state in ACTIVATION.terminal:
+            out.append(f"artifact v{ev.version}: left terminal state {ev.before.state!r}")
+    return out
+
+
+def _revision_bumps_by_one(_b: World, events: Sequence[TraceEvent], _a: World) -> list[str]:
+    out = []
+    for ev in events:
+        if not isinstance(ev, EntryChanged):
+            continue
+        if ev.before is None:
+            if ev.after.revision != 0:
+                out.append(f"{ev.rollout_id}: created at revision {ev.after.revision}, not 0")
+        elif ev.after.revision != ev.before.revision + 1:
+            out.append(
+                f"{ev.rollout_id}: {ev.event} moved revision {ev.before.revision} -> "
+                f"{ev.after.revision}"
+            )
+    return out
+
+
+def _exactly_once(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
+    out = []
+    for ev in events:
+        if not isinstance(ev, EntryChanged) or ev.after.state != "consumed" or ev.before is None:
+            continue
+        if ev.before.state == "consumed":
+            out.append(f"{ev.rollout_id}: consumed a second time")
+        elif ev.before.reserved_by is None or ev.before.reserved_by != ev.update_id:
+            out.append(
+                f"{ev.rollout_id}: consumed by {ev.update_id!r}, reserved by "
+                f"{ev.before.reserved_by!r}"
+            )
+    return out
+
+
+def _reserved_against_current_version(
+    before: World, events: Sequence[TraceEvent], _after: World
+) -> list[str]:
+    if before.artifacts is None:
+        return []
+    out = []
+    pointer = before.pointer
+    for ev in events:
+        if isinstance(ev, ArtifactChanged):
+            pointer = ev.pointer_after
+            continue
+        if ev.event != "reserve" or ev.after.state != "reserved":
+            continue
+        a = ev.after.admission
+        current = None if pointer is None else pointer.version
+        if a is None or a.current_version != current:
+            got = None if a is None else a.current_version
+            out.append(
+                f"{ev.rollout_id}: reserved on an admission against v{got}, active version is "
+                f"v{current}"
+            )
+    return out
+
+
+def _activation_needs_all_acks(
+    _before: World, events: Sequence[TraceEvent], _after: World
+) -> list[str]:
+    out = []
+    for ev in events:
+        if not isinstance(ev, ArtifactChanged) or ev.after.state != "active":
+            continue
+        if ev.event != "activate":
+            continue
+        art = ev.after
+        if not art.committed or art.artifact_hash is None:
+            out.append(f"artifact v{ev.version}: activated without a committed artifact")
+            continue
+        if not ev.required_workers:
+            out.append(f"artifact v{ev.version}: activated with no required workers recorded")
+        acks = {a.worker_id: a for a in ev.acks}
+        for w in ev.required_workers:
+            a = acks.get(w)
+            if a is None:
+                out.append(f"artifact v{ev.version}: activated without an ack from {w!r}")
+            elif a.version != ev.version or a.artifact_hash != art.artifact_hash:
+                out.append(
+                    f"artifact v{ev.version}: activated on {w!r}'s ack of v{a.version} "
+                    f"hash {a.artifact_hash[:12]}"
+                )
+        p = ev.pointer_after
+        if p is None or p.version != ev.version or p.artifact_hash != art.artifact_hash:
+            out.append(f"artifact v{ev.version}: activated but the pointer is {p}")
+    return out
+
+
+def _pointer_monotonic(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
+    out = []
+    arts = dict(before.artifacts or {})
+    for ev in events:
+        if not isinstance(ev, ArtifactChanged):
+            continue
+        pb, pa = ev.pointer_before, ev.pointer_after
+        if pb != pa and pa is not None and pb is not None and pa.version <= pb.version:
+            rolled = arts.get(pb.version)
+            legal = (
+                ev.event in ("roll_back", "reinstate")
+                and rolled is not None
+                and rolled.rollback_version == pa.version
+            )
+            if not legal:
+                out.append(
+                    f"pointer moved back v{pb.version} -> v{pa.version} on {ev.event!r} "
+                    "(only an explicit rollback to the recorded pointer may)"
+                )
+        if pb != pa and pa is None:
+            out.append(f"pointer cleared on {ev.event!r}")
+        arts[ev.version] = ev.after
+    return out
+
+
+def _failure_keeps_pointer(_b: World, events: Sequence[TraceEvent], _a: World) -> list[str]:
+    return [
+        f"artifact v{ev.version}: {ev.event} moved the pointer {ev.pointer_before} -> "
+        f"{ev.pointer_after}"
+        for ev in events
+        if isinstance(ev, ArtifactChanged)
+        and ev.after.state in FAILURE_STAGES
+        and ev.pointer_before != ev.pointer_after
+    ]
+
+
+def _artifact_immutable(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
+    out = []
+    for ev in events:
+        if not isinstance(ev, ArtifactChanged) or ev.before is None:
+            continue
+        if (
+            ev.before.artifact_hash is not None
+            and ev.after.artifact_hash != ev.before.artifact_hash
+        ):
+            out.append(
+                f"artifact v{ev.version}: hash changed {ev.before.artifact_hash[:12]} -> "
+                f"{(ev.after.artifact_hash or '')[:12]}"
+            )
+    return out
+
+
+# ---- eventually (at quiescence) ------------------------------------------------------------
+
+
+def _activations_resolve(w: World) -> list[str]:
+    return [
+        f"artifact v{v}: still {a.state} with nothing pending"
+        for v, a in (w.artifacts or {}).items()
+        if a.state in UNRESOLVED_ACTIVATION
+    ]
+
+
+def _reservations_resolve(w: World) -> list[str]:
+    return [
+        f"{e.rollout_id}: still reserved by {e.reserved_by!r} with nothing pending"
+        for e in w.entries.values()
+        if e.state == "reserved"
+    ]
+
+
+INVARIANTS: tuple[Invariant, ...] = (
+    Invariant(
+        "declared_edges",
+        "step",
+        "ledger",
+        "Every state change is an edge of the declared machine.",
+        step_check=_declared_edges,
+    ),
+    Invariant(
+        "terminal_absorbing",
+        "step",
+        "ledger",
+        "Terminal states are absorbing.",
+        step_check=_terminal_absorbing,
+    ),
+    Invariant(
+        "exactly_once",
+        "step",
+        "ledger",
+        "A rollout is consumed at most once, only by the update that reserved it.",
+        step_check=_exactly_once,
+    ),
+    Invariant(
+        "exclusive_ownership",
+        "always",
+        "ledger",
+        "reserved_by is set if and only if the state is reserved.",
+        world_check=_exclusive_ownership,
+    ),
+    Invariant(
+        "revision_bumps_by_one",
+        "step",
+        "ledger",
+        "Every successful write bumps the revision by exactly one.",
+        step_check=_revision_bumps_by_one,
+    ),
+    Invariant(
+        "reward_failures_never_trained",
+        "always",
+        "ledger",
+        "No reward failure is reserved or carries a reward value; whatever is reserved or "
+        "consumed has a real reward.",
+        world_check=_reward_failures_clean,
+    ),
+    Invariant(
+        "admitted_when_reserved",
+        "always",
+        "ledger",
+        "Every reserved or consumed rollout passed admission: 0 <= lag <= L_max and "
+        "drift <= D_max.",
+        world_check=_admitted_when_reserved,
+    ),
+    Invariant(
+        "reserved_against_current_version",
+        "step",
+        "ledger",
+        "A reservation's admission was judged against the version active at that moment.",
+        step_check=_reserved_against_current_version,
+    ),
+    Invariant(
+        "failures_have_stage",
+        "always",
+        "ledger",
+        "Every failure is recorded with its own stage.",
+        world_check=_failures_have_stage,
+    ),
+    Invariant(
+        "pointer_names_active_artifact",
+        "always",
+        "activation",
+        "The active pointer names the one active, committed artifact, hash for hash.",
+        world_check=_pointer_names_active_artifact,
+    ),
+    Invariant(
+        "activation_needs_all_acks",
+        "step",
+        "activation",
+        "A version becomes active only with a committed artifact and every required "
+        "worker's ack of the same version and hash.",
+        step_check=_activation_needs_all_acks,
+    ),
+    Invariant(
+        "pointer_monotonic",
+        "step",
+        "activation",
+        "The active version only increases, except an explicit rollback to the recorded "
+        "rollback pointer.",
+        step_check=_pointer_monotonic,
+    ),
+    Invariant(
+        "failed_activation_keeps_pointer",
+        "step",
+        "activation",
+        "A failed activation leaves the pointer exactly as it was.",
+        step_check=_failure_keeps_pointer,
+    ),
+    Invariant(
+        "never_active_never_consumed",
+        "always",
+        "activation",
+        "No rollout of a version that never became active is reserved or consumed.",
+        world_check=_never_active_not_consumed,
+    ),
+    Invariant(
+        "artifact_immutable",
+        "step",
+        "activation",
+        "A committed artifact's hash never changes; a version is registered once.",
+        step_check=_artifact_immutable,
+    ),
+    Invariant(
+        "activations_resolve",
+        "eventually",
+        "liveness",
+        "Once everything is delivered, every activation attempt is activated or failed.",
+        world_check=_activations_resolve,
+    ),
+    Invariant(
+        "reservations_resolve",
+        "eventually",
+        "liveness",
+        "Once everything is delivered, every reservation is committed, released or expired.",
+        world_check=_reservations_resolve,
+    ),
+)
+
+BY_NAME: dict[str, Invariant] = {inv.name: inv for inv in INVARIANTS}
+
+
+def check_world(world: World) -> list[Violation]:
+    """Every `always` invariant on one world."""
+    out: list[Violation] = []
+    for inv in INVARIANTS:
+        if inv.kind == "always" and inv.world_check is not None:
+            out.extend(Violation(inv.name, m) for m in inv.world_check(world))
+    return out
+
+
+def check_step(before: World, events: Sequence[TraceEvent], after: World) -> list[Violation]:
+    """Every `step` invariant on one atomic step, then every `always` one on the world after."""
+    out: list[Violation] = []
+    seq = events[0].seq if events else None
+    for inv in INVARIANTS:
+        if inv.kind == "step" and inv.step_check is not None:
+            out.extend(Violation(inv.name, m, seq) for m in inv.step_check(before, events, after))
+    out.extend(attrs.evolve(v, seq=seq) for v in check_world(after))
+    return out
+
+
+def check_quiescent(world: World) -> list[Violation]:
+    """Every `eventually` invariant, on a world where nothing is pending any more."""
+    out: list[Violation] = []
+    for inv in INVARIANTS:
+        if inv.kind == "eventually" and inv.world_check is not None:
+            out.extend(Violation(inv.name, m) for m in inv.world_check(world))
+    return out
+
+
+@attrs.frozen
+class TraceReport:
+    """Outcome of replaying a trace: violations, how many steps and events, the final world."""
+
+    violations: tuple[Violation, ...]
+    steps: int
+    events: int
+    final: World
+    checked: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when no invariant was violated."""
+        return not self.violations
+
+
+def group_by_txn(events: Iterable[TraceEvent]) -> list[list[TraceEvent]]:
+    """Consecutive events sharing a txn number form one atomic step."""
+    steps: list[list[TraceEvent]] = []
+    for ev in events:
+        if steps and steps[-1][-1].txn == ev.txn:
+            steps[-1].append(ev)
+        else:
+            steps.append([ev])
+    return steps
+
+
+def check_trace(
+    events: Iterable[TraceEvent],
+    *,
+    initial: World | None = None,
+    with_registry: bool | None = None,
+    quiescent: bool = False,
+) -> TraceReport:
+    """Replay a trace step by step, checking step and always invariants after each step.
+
+    `with_registry` says whether activation invariants apply; by default they do when the
+    trace holds any artifact event. With `quiescent`, the final world must also satisfy the
+    eventually invariants (the run ended with nothing pending).
+    """
+    evs = list(events)
+    if with_registry is None:
+        with_registry = any(isinstance(e, ArtifactChanged) for e in evs)
+    world = initial or World(artifacts={} if with_registry else None)
+    if with_registry and world.artifacts is None:
+        world = attrs.evolve(world, artifacts={})
+    out: list[Violation] = []
+    steps = group_by_txn(evs)
+    for step in steps:
+        after = world.apply(step)
+        out.extend(check_step(world, step, after))
+        world = after
+    if quiescent:
+        out.extend(check_quiescent(world))
+    checked = tuple(
+        inv.name
+        for inv in INVARIANTS
+        if (with_registry or inv.group != "activation") and (quiescent or inv.kind != "eventually")
+    )
+    return TraceReport(tuple(out), len(steps), len(evs), world, checked)
+
+
+def check(
+    snapshot: World | None = None,
+    trace: Iterable[TraceEvent] | None = None,
+    *,
+    quiescent: bool = False,
+) -> list[Violation]:
+    """One entry point: check a snapshot, a whole trace, or both; returns named violations."""
+    if snapshot is None and trace is None:
+        raise ValueError("give a snapshot, a trace, or both")
+    out: list[Violation] = []
+    if trace is not None:
+        out.extend(check_trace(trace, quiescent=quiescent).violations)
+    if snapshot is not None:
+        out.extend(check_world(snapshot))
+        if quiescent:
+            out.extend(check_quiescent(snapshot))
+    return out
+
+
+def violated_names(violations: Iterable[Violation]) -> Counter[str]:
+    """How often each invariant was violated."""
+    return Counter(v.invariant for v in violations)
+
+
+# ---- sometimes -----------------------------------------------------------------------------
+
+SOMETIMES: dict[str, str] = {
+    "cas_lost": "a compare-and-set lost to a concurrent writer (revision_conflict)",
+    "idempotent_retry": "an update retried its own reservation without a second write",
+    "abort_released": "an aborted update returned a rollout to rewarded",
+    "abort_quarantined": "the recovery rule quarantined a returned reservation",
+    "lease_expired": "a lease ran out and the reservation was returned",
+    "reward_timeout": "a reward timeout was recorded as its own failure",
+    "stale_retired": "a stale rollout was retired into the offline buffer",
+    "activation_failed": "an activation attempt failed and kept the old pointer",
+    "stale_ack_refused": "an ack for another version or hash did not count toward activation",
+    "restart_ack_refused": "an ack from before a worker restart did not count",
+    "rollback": "an explicit rollback restored the recorded pointer",
+    "activated": "a new version became active with all acks",
+}
+
+
+def sometimes_from_events(events: Iterable[TraceEvent]) -> set[str]:
+    """The sometimes-properties that a sequence of trace events shows were reached."""
+    hit: set[str] = set()
+    for ev in events:
+        if isinstance(ev, EntryChanged):
+            if ev.event in ("abort", "expire_lease"):
+                if ev.after.state == "rewarded":
+                    hit.add("abort_released" if ev.event == "abort" else "lease_expired")
+                else:
+                    hit.add("abort_quarantined")
+                    if ev.event == "expire_lease":
+                        hit.add("lease_expired")
+            elif ev.event == "reward_timeout":
+                hit.add("reward_timeout")
+            elif ev.event == "retire_stale":
+                hit.add("stale_retired")
+        else:
+            if ev.after.state in ("distribution_failed", "commit_failed", "abandoned"):
+                hit.add("activation_failed")
+            elif ev.event == "roll_back":
+                hit.add("rollback")
+            elif ev.event == "activate":
+                hit.add("activated")
+    return hit
