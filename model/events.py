@@ -132,3 +132,7 @@ class EventLog:
     def __len__(self) -> int:
         with self._lock:
             return len(self._events)
+
+    def __bool__(self) -> bool:
+        # an empty log is still a log: `log or EventLog()` must not swap in a fresh one
+        return True

@@ -381,7 +381,30 @@ class MemoryLedger:
         self.lease_seconds = float(lease_seconds)
         self.recovery = recovery or RecoveryRule()
         self.require_admission = require_admission
-        self.log = event_log or EventLog()
+        self.log = event_log if event_log is not None else EventLog()
+
+    @classmethod
+    def restore(
+        cls,
+        entries: Iterable[LedgerEntry],
+        bad_versions: Iterable[int] = (),
+        **kwargs: Any,
+    ) -> MemoryLedger:
+        """A ledger holding exactly these entries, without replaying their history.
+
+        The explorer rebuilds a real ledger from each state it expands this way, so it
+        checks the same code that runs in production rather than a retyped copy.
+        """
+        led = cls(**kwargs)
+        led._entries = {e.rollout_id: e for e in entries}
+        led._bad_versions = set(bad_versions)
+        return led
+
+    @property
+    def bad_versions(self) -> frozenset[int]:
+        """Versions marked bad by quarantine_version (the recovery rule quarantines them)."""
+        with self._lock:
+            return frozenset(self._bad_versions)
 
     # ---- helpers ---------------------------------------------------------------------------
 
