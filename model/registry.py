@@ -155,9 +155,7 @@ def check_step(view: RegistryView, step: RegistryStep) -> None:
             )
 
 
-def make_events(
-    step: RegistryStep, pointer_before: ActivePointer | None
-) -> list[ArtifactChanged]:
+def make_events(step: RegistryStep, pointer_before: ActivePointer | None) -> list[ArtifactChanged]:
     """The step's events, unstamped (seq/txn 0): the backend's log stamps them."""
     after = pointer_before if isinstance(step.pointer, _Unchanged) else step.pointer
     return [
@@ -402,6 +400,13 @@ class _SQLiteView:
         return None if row is None or row[0] is None else int(row[0])
 
 
+def _unusable(path: Path, exc: Exception) -> ActivationError:
+    return ActivationError(
+        f"{path} is not a usable registry database ({exc}); give a new file, or the file "
+        "this project's ledger and registry share"
+    )
+
+
 class SQLiteRegistry:
     """The registry in a SQLite file, beside the ledger's tables (component "registry").
 
@@ -412,10 +417,20 @@ class SQLiteRegistry:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._conn = connect(self.path)
-        ensure_schema(self._conn, COMPONENT, SCHEMA_VERSION, _DDL)
-        for trig in _TRIGGERS:
-            self._conn.execute(trig)
+        try:
+            self._conn = connect(self.path)
+        except sqlite3.Error as exc:
+            raise _unusable(self.path, exc) from None
+        try:
+            ensure_schema(self._conn, COMPONENT, SCHEMA_VERSION, _DDL)
+            for trig in _TRIGGERS:
+                self._conn.execute(trig)
+        except sqlite3.Error as exc:
+            self._conn.close()
+            raise _unusable(self.path, exc) from None
+        except BaseException:
+            self._conn.close()
+            raise
         self._lock = threading.RLock()
         self._view = _SQLiteView(self._conn)
 
@@ -431,15 +446,19 @@ class SQLiteRegistry:
                 check_step(self._view, step)
                 events = make_events(step, self._view.pointer())
                 for ch in step.artifacts:
-                    conn.execute(
-                        f"INSERT INTO registry_artifacts({_ART_COLS}) VALUES (?,?,?,?,?,?,?,?) "
-                        "ON CONFLICT(version) DO UPDATE SET artifact_hash=excluded.artifact_hash, "
-                        "parent_version=excluded.parent_version, "
-                        "rollback_version=excluded.rollback_version, state=excluded.state, "
-                        "path=excluded.path, failure=excluded.failure, "
-                        "attempts=excluded.attempts",
-                        _record_to_row(ch.after),
-                    )
+                    row = _record_to_row(ch.after)
+                    if ch.before is None:
+                        conn.execute(
+                            f"INSERT INTO registry_artifacts({_ART_COLS}) VALUES (?,?,?,?,?,?,?,?)",
+                            row,
+                        )
+                    else:
+                        conn.execute(
+                            "UPDATE registry_artifacts SET artifact_hash=?, parent_version=?, "
+                            "rollback_version=?, state=?, path=?, failure=?, attempts=? "
+                            "WHERE version=?",
+                            (*row[1:], row[0]),
+                        )
                 if not isinstance(step.pointer, _Unchanged):
                     if step.pointer is None:
                         conn.execute("DELETE FROM registry_pointer")

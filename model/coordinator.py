@@ -1,0 +1,508 @@
+"""Two-phase policy activation (CONTRACT section 4), driven through the declared ACTIVATION machine.
+
+One artifact version moves ``prepared -> committed -> awaiting_acks -> active -> superseded``
+(or into a failure state); every move is `ACTIVATION.resolve(state, event, guards)` and is
+written as ONE registry transaction together with its `ArtifactChanged` events. The switch
+decision is `model.api.activate_policy_version` itself, fed from the registry, so the small
+API and the coordinator cannot disagree on when a pointer may flip.
+
+Worker reports are ordered by (incarnation, seq): a late or duplicated ack never replaces a
+newer one, and a restart voids everything the previous incarnation said (bugs 11 and 12 of
+the field notes). A failed activation quarantines that version's rollouts in the ledger
+after the registry step commits; `resume` re-applies it, so a crash in between is healed.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, TypeVar
+
+import attrs
+
+from model.api import activate_policy_version
+from model.errors import ActivationError
+from model.events import ArtifactChanged
+from model.ledger import Ledger
+from model.machines import ACTIVATION
+from model.records import ActivePointer, ArtifactRecord, Disposition, WorkerAck
+from model.registry import (
+    ArtifactChange,
+    RegistryStep,
+    RegistryStore,
+    RegistryView,
+    WorkerReport,
+)
+
+R = TypeVar("R")
+
+# AckResult reasons
+COUNTED = "counted"
+DUPLICATE = "duplicate"
+OUT_OF_ORDER = "out_of_order"
+CONFLICTING = "conflicting_report"
+STALE_INCARNATION = "stale_incarnation"
+NOT_REQUIRED = "not_required"
+
+# ActivationResult reasons beyond those of activate_policy_version
+NOT_COMMITTED = "artifact_not_committed"
+NOT_AWAITING = "not_awaiting_acks"
+
+# failure states whose rollouts must stay quarantined (the version never became active)
+QUARANTINE_STATES = ("commit_failed", "distribution_failed", "abandoned")
+
+
+class _Default(enum.Enum):
+    CURRENT_POINTER = "current pointer"
+
+
+CURRENT_POINTER = _Default.CURRENT_POINTER
+
+
+@attrs.frozen
+class AckResult:
+    """Whether a worker report became that worker's latest, and why not otherwise."""
+
+    counted: bool
+    reason: str
+
+
+@attrs.frozen
+class ActivationResult:
+    """The outcome of one activation attempt; on refusal the pointer is the unchanged one."""
+
+    activated: bool
+    reason: str
+    active_pointer: ActivePointer | None
+    missing_workers: tuple[str, ...] = ()
+    mismatched_workers: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class PendingWork:
+    """What a restarted caller must still drive: distribute, retry, fail or abandon."""
+
+    pointer: ActivePointer | None
+    prepared: tuple[ArtifactRecord, ...]
+    committed: tuple[ArtifactRecord, ...]
+    awaiting_acks: tuple[ArtifactRecord, ...]
+    distribution_failed: tuple[ArtifactRecord, ...]
+    quarantined_versions: tuple[int, ...]
+
+
+@attrs.frozen
+class CoordinatorStatistics:
+    """Durable state counts plus this coordinator object's own counters."""
+
+    artifacts: int
+    by_state: dict[str, int]
+    pointer: ActivePointer | None
+    max_version: int | None
+    required_workers: tuple[str, ...]
+    workers_in_sync: tuple[str, ...]
+    workers_out_of_sync: tuple[str, ...]
+    acks: dict[str, int]
+    activation_attempts: dict[str, int]
+
+
+def judge_ack(report: WorkerReport, ack: WorkerAck) -> str:
+    """Where `ack` stands against the worker's stored report: COUNTED or why it is ignored."""
+    if ack.incarnation < report.floor:
+        return STALE_INCARNATION
+    latest = report.ack
+    if latest is None:
+        return COUNTED
+    key, latest_key = (ack.incarnation, ack.seq), (latest.incarnation, latest.seq)
+    if key == latest_key:
+        return DUPLICATE if ack == latest else CONFLICTING
+    return COUNTED if key > latest_key else OUT_OF_ORDER
+
+
+def _change(
+    rec: ArtifactRecord,
+    event: str,
+    guards: dict[str, bool] | None = None,
+    *,
+    acks: tuple[WorkerAck, ...] = (),
+    required_workers: tuple[str, ...] = (),
+    **fields: Any,
+) -> ArtifactChange:
+    """The record after `event`, per the declared machine (IllegalTransition if refused)."""
+    edge = ACTIVATION.resolve(rec.state, event, guards)
+    after = attrs.evolve(rec, state=edge.dest, **fields)
+    return ArtifactChange(event, rec, after, acks, required_workers)
+
+
+def _version(v: object, what: str = "version") -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ActivationError(f"{what} must be a non-negative int, got {v!r}")
+    return v
+
+
+def _text(v: object, what: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise ActivationError(f"{what} must be a non-empty string, got {v!r}")
+    return v
+
+
+def _get(view: RegistryView, version: int) -> ArtifactRecord:
+    rec = view.artifact(_version(version))
+    if rec is None:
+        raise ActivationError(f"artifact v{version} is not registered; call prepare first")
+    return rec
+
+
+class ActivationCoordinator:
+    """Drives each artifact version through the ACTIVATION machine over a RegistryStore."""
+
+    def __init__(
+        self,
+        registry: RegistryStore,
+        required_workers: Iterable[str],
+        *,
+        ledger: Ledger | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        workers = tuple(required_workers)
+        for w in workers:
+            _text(w, "worker id")
+        if not workers:
+            raise ActivationError(
+                "at least one required worker is needed: with none, a checkpoint on disk "
+                "alone would activate"
+            )
+        if len(set(workers)) != len(workers):
+            dups = sorted({w for w in workers if workers.count(w) > 1})
+            raise ActivationError(f"required workers listed more than once: {dups}")
+        self.registry = registry
+        self.required_workers = workers
+        self._required = frozenset(workers)
+        self.ledger = ledger
+        self.clock = clock
+        self._acks: Counter[str] = Counter()
+        self._attempts: Counter[str] = Counter()
+        self._counter_lock = threading.Lock()
+
+    # ---- plumbing ----------------------------------------------------------------------
+
+    def _step(
+        self, plan: Callable[[RegistryView], tuple[RegistryStep, R]]
+    ) -> tuple[R, list[ArtifactChanged]]:
+        return self.registry.transact(plan)
+
+    def _move(
+        self, version: int, event: str, fields: Callable[[ArtifactRecord], dict[str, Any]]
+    ) -> ArtifactRecord:
+        """One plain machine event on one artifact, as one atomic step."""
+        _version(version)
+
+        def plan(view: RegistryView) -> tuple[RegistryStep, ArtifactRecord]:
+            rec = _get(view, version)
+            ch = _change(rec, event, **fields(rec))
+            return RegistryStep(self.clock(), (ch,)), ch.after
+
+        return self._step(plan)[0]
+
+    def _count(self, counter: Counter[str], key: str) -> None:
+        with self._counter_lock:
+            counter[key] += 1
+
+    def _quarantine(self, version: int, reason: str) -> None:
+        if self.ledger is not None:
+            self.ledger.quarantine_version(version, reason)
+
+    # ---- the protocol ------------------------------------------------------------------
+
+    def prepare(
+        self,
+        version: int,
+        parent_version: int | None = None,
+        rollback_version: int | Literal[_Default.CURRENT_POINTER] | None = CURRENT_POINTER,
+    ) -> ArtifactRecord:
+        """Register a new version in 'prepared'; it must exceed every version ever registered.
+
+        The rollback pointer defaults to the version active now, so an explicit rollback
+        later returns exactly there; pass None to record that there is none.
+        """
+        _version(version)
+        if parent_version is not None:
+            _version(parent_version, "parent_version")
+            if parent_version >= version:
+                raise ActivationError(f"parent v{parent_version} must be older than v{version}")
+
+        def plan(view: RegistryView) -> tuple[RegistryStep, ArtifactRecord]:
+            existing = view.artifact(version)
+            if existing is not None:
+                raise ActivationError(
+                    f"version {version} is already registered ({existing.state}); versions are "
+                    "never reused: prepare a new, higher version"
+                )
+            top = view.max_version()
+            if top is not None and version <= top:
+                raise ActivationError(
+                    f"version {version} is not greater than the highest registered version "
+                    f"{top}; versions only move forward"
+                )
+            if rollback_version is CURRENT_POINTER:
+                p = view.pointer()
+                rb = None if p is None else p.version
+            else:
+                rb = rollback_version
+            if rb is not None and (
+                _version(rb, "rollback_version") >= version or view.artifact(rb) is None
+            ):
+                raise ActivationError(
+                    f"rollback pointer v{rb} must be a registered version older than v{version}"
+                )
+            rec = ArtifactRecord(
+                version=version,
+                artifact_hash=None,
+                parent_version=parent_version,
+                rollback_version=rb,
+            )
+            ch = ArtifactChange("register", None, rec)
+            return RegistryStep(self.clock(), (ch,)), rec
+
+        return self._step(plan)[0]
+
+    def commit_artifact(
+        self, version: int, artifact_hash: str, path: str | None = None
+    ) -> ArtifactRecord:
+        """All files are written and hashed: record the hash, once and for good."""
+        _text(artifact_hash, "artifact_hash")
+        return self._move(
+            version, "commit_artifact", lambda _r: {"artifact_hash": artifact_hash, "path": path}
+        )
+
+    def fail_commit(self, version: int, cause: str, detail: str = "") -> ArtifactRecord:
+        """The artifact never became complete: stage 'artifact'; its rollouts are quarantined."""
+        d = Disposition("artifact", _text(cause, "cause"), detail)
+        rec = self._move(version, "fail_commit", lambda _r: {"failure": d})
+        self._quarantine(version, f"artifact v{version} failed to commit: {cause}")
+        return rec
+
+    def distribute(self, version: int) -> ArtifactRecord:
+        """Weights are being sent: acks are awaited from now on (one more attempt)."""
+        return self._move(version, "distribute", lambda r: {"attempts": r.attempts + 1})
+
+    def retry(self, version: int) -> ArtifactRecord:
+        """Distribute again after a failure; the last failure stays recorded on the record."""
+        return self._move(version, "retry", lambda r: {"attempts": r.attempts + 1})
+
+    def fail_distribution(self, version: int, cause: str, detail: str = "") -> ArtifactRecord:
+        """Loading failed on some worker: stage 'distribution', pointer unchanged, quarantine."""
+        d = Disposition("distribution", _text(cause, "cause"), detail)
+        rec = self._move(version, "fail_distribution", lambda _r: {"failure": d})
+        self._quarantine(version, f"distribution of v{version} failed: {cause}")
+        return rec
+
+    def abandon(self, version: int, cause: str, detail: str = "") -> ArtifactRecord:
+        """Give the version up for good (stage 'distribution': it never got to all workers)."""
+        d = Disposition("distribution", _text(cause, "cause"), detail)
+        rec = self._move(version, "abandon", lambda _r: {"failure": d})
+        self._quarantine(version, f"v{version} abandoned: {cause}")
+        return rec
+
+    def record_ack(self, ack: WorkerAck) -> AckResult:
+        """Store `ack` as the worker's latest report if it is newer by (incarnation, seq)."""
+        if ack.worker_id not in self._required:
+            self._count(self._acks, NOT_REQUIRED)
+            return AckResult(False, NOT_REQUIRED)
+
+        def plan(view: RegistryView) -> tuple[RegistryStep, AckResult]:
+            report = view.worker(ack.worker_id) or WorkerReport(ack.worker_id)
+            reason = judge_ack(report, ack)
+            if reason != COUNTED:
+                return RegistryStep(self.clock()), AckResult(False, reason)
+            new = attrs.evolve(report, ack=ack)
+            return RegistryStep(self.clock(), workers=(new,)), AckResult(True, COUNTED)
+
+        result = self._step(plan)[0]
+        self._count(self._acks, result.reason)
+        return result
+
+    def worker_restarted(self, worker_id: str, incarnation: int) -> WorkerReport:
+        """The worker lost its weights: acks below `incarnation` no longer count, even late ones."""
+        _text(worker_id, "worker_id")
+        _version(incarnation, "incarnation")
+
+        def plan(view: RegistryView) -> tuple[RegistryStep, WorkerReport]:
+            report = view.worker(worker_id) or WorkerReport(worker_id)
+            floor = max(report.floor, incarnation)
+            ack = report.ack if report.ack is not None and report.ack.incarnation >= floor else None
+            new = WorkerReport(worker_id, floor, ack)
+            if new == report:
+                return RegistryStep(self.clock()), report
+            return RegistryStep(self.clock(), workers=(new,)), new
+
+        return self._step(plan)[0]
+
+    def try_activate(self, version: int) -> ActivationResult:
+        """Switch the pointer to `version` iff activate_policy_version says so; else change nothing.
+
+        On success one step moves the artifact awaiting_acks -> active (the event carries the
+        acks used and the required workers) and the previously active one -> superseded.
+        """
+        _version(version)
+
+        def plan(view: RegistryView) -> tuple[RegistryStep, ActivationResult]:
+            rec = _get(view, version)
+            pointer = view.pointer()
+            now = self.clock()
+            if rec.state != "awaiting_acks":
+                reason = NOT_COMMITTED if not rec.committed else NOT_AWAITING
+                return RegistryStep(now), ActivationResult(False, reason, pointer)
+            reports = {w: r.ack for w, r in view.workers().items() if r.ack is not None}
+            decision = activate_policy_version(
+                None if pointer is None else attrs.asdict(pointer),
+                {
+                    "version": rec.version,
+                    "artifact_hash": rec.artifact_hash,
+                    "committed": rec.committed,
+                },
+                {
+                    w: {"version": a.version, "artifact_hash": a.artifact_hash}
+                    for w, a in reports.items()
+                },
+                self.required_workers,
+            )
+            p = decision["active_pointer"]
+            result = ActivationResult(
+                activated=decision["activated"],
+                reason=decision["reason"],
+                active_pointer=None if p is None else ActivePointer(**p),
+                missing_workers=tuple(decision["missing_workers"]),
+                mismatched_workers=tuple(decision["mismatched_workers"]),
+            )
+            if not result.activated:
+                return RegistryStep(now), result
+            used = tuple(reports[w] for w in self.required_workers)
+            changes = [
+                _change(
+                    rec,
+                    "activate",
+                    {"all_acked": True},
+                    acks=used,
+                    required_workers=self.required_workers,
+                )
+            ]
+            if pointer is not None:
+                changes.append(_change(_get(view, pointer.version), "supersede"))
+            return RegistryStep(now, tuple(changes), pointer=result.active_pointer), result
+
+        result = self._step(plan)[0]
+        self._count(self._attempts, result.reason)
+        return result
+
+    def rollback(self) -> ActivePointer:
+        """Return to the active artifact's recorded rollback pointer, in one atomic step.
+
+        Refused with ActivationError (nothing changed) when nothing is active, no rollback
+        pointer was recorded, or that version is not 'superseded'. Workers still hold the
+        rolled-back weights until they reload: see `statistics().workers_out_of_sync`.
+        """
+
+        def plan(view: RegistryView) -> tuple[RegistryStep, ActivePointer]:
+            pointer = view.pointer()
+            if pointer is None:
+                raise ActivationError("no version is active, so there is nothing to roll back")
+            current = _get(view, pointer.version)
+            target_v = current.rollback_version
+            if target_v is None:
+                raise ActivationError(f"v{current.version} has no recorded rollback pointer")
+            target = view.artifact(target_v)
+            if target is None or target.state != "superseded" or target.artifact_hash is None:
+                state = None if target is None else target.state
+                raise ActivationError(
+                    f"rollback target v{target_v} is {state}, not 'superseded'; refusing"
+                )
+            new = ActivePointer(target.version, target.artifact_hash)
+            changes = (_change(current, "roll_back"), _change(target, "reinstate"))
+            return RegistryStep(self.clock(), changes, pointer=new), new
+
+        return self._step(plan)[0]
+
+    # ---- reading -----------------------------------------------------------------------
+
+    def pointer(self) -> ActivePointer | None:
+        """The active pointer (None before the first activation)."""
+        return self.registry.pointer()
+
+    def artifact(self, version: int) -> ArtifactRecord:
+        """The record of `version`; ActivationError if it was never registered."""
+        rec = self.registry.artifact(_version(version))
+        if rec is None:
+            raise ActivationError(f"artifact v{version} is not registered")
+        return rec
+
+    def artifacts(self) -> list[ArtifactRecord]:
+        """Every record, by version."""
+        return self.registry.artifacts()
+
+    def reports(self) -> dict[str, WorkerAck]:
+        """The latest counted report of each worker that has one (durable)."""
+        return {w: r.ack for w, r in self.registry.workers().items() if r.ack is not None}
+
+    def activated_hash(self, version: int) -> str | None:
+        """The hash of `version` if it ever became active, else None (an admission registry)."""
+        rec = self.registry.artifact(version)
+        if rec is None or rec.state not in ("active", "superseded", "rolled_back"):
+            return None
+        return rec.artifact_hash
+
+    def history(self, version: int | None = None) -> list[ArtifactChanged]:
+        """Artifact events in global order, optionally of one version."""
+        return self.registry.history(version)
+
+    def statistics(self) -> CoordinatorStatistics:
+        """Counts by state, which required workers hold the active version, and counters."""
+        arts = self.registry.artifacts()
+        pointer = self.registry.pointer()
+        reports = self.reports()
+        by_state = Counter(a.state for a in arts)
+        in_sync = tuple(
+            w
+            for w in self.required_workers
+            if pointer is not None
+            and (a := reports.get(w)) is not None
+            and (a.version, a.artifact_hash) == (pointer.version, pointer.artifact_hash)
+        )
+        return CoordinatorStatistics(
+            artifacts=len(arts),
+            by_state={s: by_state.get(s, 0) for s in ACTIVATION.states},
+            pointer=pointer,
+            max_version=self.registry.max_version(),
+            required_workers=self.required_workers,
+            workers_in_sync=in_sync,
+            workers_out_of_sync=tuple(w for w in self.required_workers if w not in in_sync),
+            acks=self._snapshot(self._acks),
+            activation_attempts=self._snapshot(self._attempts),
+        )
+
+    def _snapshot(self, counter: Counter[str]) -> dict[str, int]:
+        with self._counter_lock:
+            return dict(counter)
+
+    def resume(self) -> PendingWork:
+        """After a restart: re-apply ledger quarantine for failed versions (idempotent) and
+        return what is still pending, so the caller can re-distribute, retry or fail it."""
+        arts = self.registry.artifacts()
+        failed = [a for a in arts if a.state in QUARANTINE_STATES]
+        for a in failed:
+            cause = a.failure.cause if a.failure is not None else a.state
+            self._quarantine(a.version, f"v{a.version} {a.state} (resumed): {cause}")
+
+        def of(state: str) -> tuple[ArtifactRecord, ...]:
+            return tuple(a for a in arts if a.state == state)
+
+        return PendingWork(
+            pointer=self.registry.pointer(),
+            prepared=of("prepared"),
+            committed=of("committed"),
+            awaiting_acks=of("awaiting_acks"),
+            distribution_failed=of("distribution_failed"),
+            quarantined_versions=tuple(a.version for a in failed) if self.ledger else (),
+        )

@@ -1,0 +1,598 @@
+"""Two-phase activation over every registry backend: acks, refusals, failures, rollback, restart."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from model.coordinator import ActivationCoordinator
+from model.errors import ActivationError, IllegalTransition
+from model.events import ArtifactChanged, EventLog
+from model.ledger import MemoryLedger
+from model.records import ActivePointer, LedgerEntry, WorkerAck
+from model.registry import MemoryRegistry, RegistryStore, SQLiteRegistry
+from model.sqlite_common import connect, read_events
+from model.sqlite_ledger import SQLiteLedger
+from spec.invariants import check_trace
+
+WORKERS = ("w0", "w1")
+H = {v: f"{v:x}".rjust(64, "a") for v in range(10)}
+BAD = "f" * 64
+
+Opener = Callable[[], RegistryStore]
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def open_registry(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
+    """Open the backend's registry: memory gives the same object, SQLite a new connection."""
+    opened: list[RegistryStore] = []
+    mem = MemoryRegistry()
+
+    def opener() -> RegistryStore:
+        reg: RegistryStore = (
+            mem if request.param == "memory" else SQLiteRegistry(tmp_path / "state.db")
+        )
+        opened.append(reg)
+        return reg
+
+    yield opener
+    for r in opened:
+        r.close()
+
+
+@pytest.fixture
+def coord(open_registry: Opener) -> ActivationCoordinator:
+    """A coordinator with two required workers and no ledger."""
+    return ActivationCoordinator(open_registry(), WORKERS)
+
+
+def ack(worker: str, version: int, h: str | None = None, inc: int = 0, seq: int = 0) -> WorkerAck:
+    """A worker's report of what it loaded."""
+    return WorkerAck(worker, version, H[version] if h is None else h, inc, seq)
+
+
+def ready(c: ActivationCoordinator, version: int) -> None:
+    """Prepare, commit and distribute `version` (state awaiting_acks)."""
+    c.prepare(version)
+    c.commit_artifact(version, H[version])
+    c.distribute(version)
+
+
+def activate(c: ActivationCoordinator, version: int, seq: int = 0) -> None:
+    """Drive `version` all the way to active with both workers' acks."""
+    ready(c, version)
+    for w in WORKERS:
+        assert c.record_ack(ack(w, version, seq=seq)).counted
+    res = c.try_activate(version)
+    assert res.activated, res
+
+
+def assert_trace_ok(c: ActivationCoordinator) -> None:
+    """The spec's invariants hold over the whole recorded history."""
+    report = check_trace(c.history())
+    assert report.ok, [str(v) for v in report.violations]
+
+
+# ---- the happy path ------------------------------------------------------------------------
+
+
+def test_activation_on_all_acks(coord: ActivationCoordinator) -> None:
+    """With the artifact committed and every worker acking (version, hash), the pointer flips."""
+    ready(coord, 1)
+    assert coord.record_ack(ack("w0", 1)).counted
+    assert coord.record_ack(ack("w1", 1)).counted
+    res = coord.try_activate(1)
+    assert (res.activated, res.reason) == (True, "activated")
+    assert res.active_pointer == ActivePointer(1, H[1]) == coord.pointer()
+    assert coord.artifact(1).state == "active"
+    hist = coord.history()
+    assert [e.event for e in hist] == ["register", "commit_artifact", "distribute", "activate"]
+    act = hist[-1]
+    assert act.before is not None and act.pointer_before is None
+    assert act.pointer_after == ActivePointer(1, H[1])
+    assert act.required_workers == WORKERS
+    assert {a.worker_id for a in act.acks} == set(WORKERS)
+    assert hist[0].before is None and hist[0].after.state == "prepared"
+    assert_trace_ok(coord)
+
+
+def test_second_activation_supersedes_in_the_same_step(coord: ActivationCoordinator) -> None:
+    """Activating v2 moves v1 to superseded in one transaction with the pointer switch."""
+    activate(coord, 1)
+    activate(coord, 2, seq=1)
+    assert coord.pointer() == ActivePointer(2, H[2])
+    assert coord.artifact(1).state == "superseded"
+    assert coord.artifact(2).rollback_version == 1
+    last = coord.history()[-2:]
+    assert [e.event for e in last] == ["activate", "supersede"]
+    assert last[0].txn == last[1].txn
+    assert all(e.pointer_before == ActivePointer(1, H[1]) for e in last)
+    assert coord.statistics().workers_in_sync == WORKERS
+    assert_trace_ok(coord)
+
+
+# ---- refusals keep the old pointer ---------------------------------------------------------
+
+
+def test_missing_ack_keeps_old_pointer(open_registry: Opener) -> None:
+    """A required worker that never reported: refused with missing_worker_ack, nothing written."""
+    activate(ActivationCoordinator(open_registry(), WORKERS), 1)
+    c = ActivationCoordinator(open_registry(), (*WORKERS, "w2"))  # scaled up by one worker
+    ready(c, 2)
+    for w in WORKERS:
+        c.record_ack(ack(w, 2, seq=1))
+    n = len(c.history())
+    res = c.try_activate(2)
+    assert (res.activated, res.reason) == (False, "missing_worker_ack")
+    assert (res.missing_workers, res.mismatched_workers) == (("w2",), ())
+    assert c.pointer() == res.active_pointer == ActivePointer(1, H[1])
+    assert c.artifact(2).state == "awaiting_acks"
+    assert len(c.history()) == n
+    assert c.record_ack(ack("w2", 2)).counted
+    assert c.try_activate(2).activated
+
+
+def test_missing_ack_on_first_activation(coord: ActivationCoordinator) -> None:
+    """Before any activation a worker with no report at all is listed as missing."""
+    ready(coord, 1)
+    coord.record_ack(ack("w0", 1))
+    res = coord.try_activate(1)
+    assert (res.reason, res.missing_workers, res.active_pointer) == (
+        "missing_worker_ack",
+        ("w1",),
+        None,
+    )
+    assert coord.pointer() is None
+
+
+def test_wrong_hash_keeps_old_pointer(coord: ActivationCoordinator) -> None:
+    """A worker that loaded other bytes under the right version blocks the switch."""
+    activate(coord, 1)
+    ready(coord, 2)
+    coord.record_ack(ack("w0", 2, seq=1))
+    coord.record_ack(ack("w1", 2, h=BAD, seq=1))
+    res = coord.try_activate(2)
+    assert (res.reason, res.mismatched_workers) == ("worker_mismatch", ("w1",))
+    assert coord.pointer() == ActivePointer(1, H[1])
+    assert coord.artifact(2).state == "awaiting_acks"
+
+
+def test_stale_ack_from_older_version_does_not_count(coord: ActivationCoordinator) -> None:
+    """A worker's ack of v1 never counts toward v2 (field-notes bug 12)."""
+    activate(coord, 1)
+    ready(coord, 2)
+    coord.record_ack(ack("w0", 2, seq=1))
+    res = coord.try_activate(2)
+    assert (res.reason, res.mismatched_workers) == ("worker_mismatch", ("w1",))
+    # a delayed copy of w1's v1 ack arriving after its v2 ack is out of order, not counted
+    assert coord.record_ack(ack("w1", 2, seq=2)).counted
+    late = coord.record_ack(ack("w1", 1, seq=0))
+    assert (late.counted, late.reason) == (False, "out_of_order")
+    assert coord.try_activate(2).activated
+
+
+def test_uncommitted_artifact_never_activates(coord: ActivationCoordinator) -> None:
+    """Acks for a prepared (or committed but undistributed) artifact never flip the pointer."""
+    activate(coord, 1)
+    coord.prepare(2)
+    for w in WORKERS:
+        coord.record_ack(ack(w, 2, seq=1))
+    res = coord.try_activate(2)
+    assert (res.activated, res.reason) == (False, "artifact_not_committed")
+    coord.commit_artifact(2, H[2])
+    res = coord.try_activate(2)
+    assert (res.activated, res.reason) == (False, "not_awaiting_acks")
+    assert coord.pointer() == ActivePointer(1, H[1])
+    coord.distribute(2)
+    assert coord.try_activate(2).activated
+
+
+def test_non_monotonic_and_reused_versions_are_refused(coord: ActivationCoordinator) -> None:
+    """prepare refuses a version not above every registered one, and any reuse."""
+    activate(coord, 3)
+    n = len(coord.history())
+    with pytest.raises(ActivationError, match="already registered"):
+        coord.prepare(3)
+    with pytest.raises(ActivationError, match="not greater"):
+        coord.prepare(2)
+    coord.prepare(5)
+    coord.commit_artifact(5, H[5])
+    coord.abandon(5, "operator")
+    with pytest.raises(ActivationError, match="already registered"):
+        coord.prepare(5)  # even an abandoned version is never reused
+    with pytest.raises(ActivationError, match="not greater"):
+        coord.prepare(4)
+    assert len(coord.history()) == n + 3
+    assert coord.pointer() == ActivePointer(3, H[3])
+
+
+def test_older_awaiting_version_is_refused_as_non_monotonic(coord: ActivationCoordinator) -> None:
+    """If a newer version activated first, the older pending one is refused, pointer kept."""
+    activate(coord, 1)
+    ready(coord, 2)
+    ready(coord, 3)
+    for w in WORKERS:
+        coord.record_ack(ack(w, 3, seq=5))
+    assert coord.try_activate(3).activated
+    for w in WORKERS:
+        coord.record_ack(ack(w, 2, seq=6))
+    res = coord.try_activate(2)
+    assert (res.activated, res.reason) == (False, "non_monotonic_version")
+    assert coord.pointer() == ActivePointer(3, H[3])
+    assert_trace_ok(coord)
+
+
+# ---- worker reports ------------------------------------------------------------------------
+
+
+def test_ack_ordering_reasons(coord: ActivationCoordinator) -> None:
+    """Reports are kept per worker by (incarnation, seq); every ignored one says why."""
+    assert coord.record_ack(ack("w0", 1, seq=3)).reason == "counted"
+    assert coord.record_ack(ack("w0", 1, seq=3)).reason == "duplicate"
+    assert coord.record_ack(ack("w0", 1, h=BAD, seq=3)).reason == "conflicting_report"
+    assert coord.record_ack(ack("w0", 1, seq=2)).reason == "out_of_order"
+    assert coord.record_ack(ack("w9", 1)).reason == "not_required"
+    assert coord.record_ack(ack("w0", 1, inc=1, seq=0)).reason == "counted"
+    assert coord.reports() == {"w0": ack("w0", 1, inc=1, seq=0)}
+    assert coord.statistics().acks == {
+        "counted": 2,
+        "duplicate": 1,
+        "conflicting_report": 1,
+        "out_of_order": 1,
+        "not_required": 1,
+    }
+
+
+def test_ack_from_previous_incarnation_after_restart_does_not_count(
+    coord: ActivationCoordinator,
+) -> None:
+    """After a restart the worker's old ack is void, and a late one from before is ignored."""
+    activate(coord, 1)
+    ready(coord, 2)
+    coord.record_ack(ack("w0", 2, seq=1))
+    coord.record_ack(ack("w1", 2, seq=1))
+    coord.worker_restarted("w1", 1)  # w1 crashed after acking: it no longer holds v2
+    assert "w1" not in coord.reports()
+    res = coord.try_activate(2)
+    assert (res.reason, res.missing_workers) == ("missing_worker_ack", ("w1",))
+    late = coord.record_ack(ack("w1", 2, inc=0, seq=9))  # in flight from before the crash
+    assert (late.counted, late.reason) == (False, "stale_incarnation")
+    assert not coord.try_activate(2).activated
+    assert coord.pointer() == ActivePointer(1, H[1])
+    assert coord.record_ack(ack("w1", 2, inc=1, seq=0)).counted
+    assert coord.try_activate(2).activated
+
+
+def test_restart_notice_after_new_incarnation_ack_keeps_it(coord: ActivationCoordinator) -> None:
+    """A late restart notice does not void an ack the new incarnation already sent."""
+    coord.record_ack(ack("w0", 1, inc=2, seq=0))
+    rep = coord.worker_restarted("w0", 2)
+    assert rep.ack == ack("w0", 1, inc=2, seq=0)
+    assert coord.worker_restarted("w0", 1).floor == 2  # floors never go down
+
+
+def test_restarted_worker_is_out_of_sync_until_it_reloads(coord: ActivationCoordinator) -> None:
+    """A recovered worker does not count as serving the active version (bug 11) until it acks."""
+    activate(coord, 1)
+    coord.worker_restarted("w0", 1)
+    st = coord.statistics()
+    assert (st.workers_in_sync, st.workers_out_of_sync) == (("w1",), ("w0",))
+    coord.record_ack(ack("w0", 1, inc=1))
+    assert coord.statistics().workers_in_sync == WORKERS
+
+
+# ---- failures, quarantine, stages ----------------------------------------------------------
+
+
+def _ledger_with_rollouts(log: EventLog | None = None) -> MemoryLedger:
+    led = MemoryLedger(event_log=log)
+    for rid, v in [("r1", 1), ("r2", 2), ("r3", 2), ("r4", 3)]:
+        led.add(LedgerEntry(rollout_id=rid, behavior_version=v, artifact_hash=H[v]))
+    led.transition("r3", "generation_done", 0)
+    return led
+
+
+def test_failed_distribution_quarantines_that_versions_rollouts(open_registry: Opener) -> None:
+    """Rollouts stamped with the failed version are quarantined (stage activation); others not."""
+    led = _ledger_with_rollouts()
+    c = ActivationCoordinator(open_registry(), WORKERS, ledger=led)
+    activate(c, 1)
+    ready(c, 2)
+    c.record_ack(ack("w0", 2, seq=1))
+    before = led.snapshot()
+    rec = c.fail_distribution(2, "load_timeout", "w1 did not answer in 60 s")
+    assert rec.state == "distribution_failed"
+    assert rec.failure is not None and rec.failure.stage == "distribution"
+    assert c.pointer() == ActivePointer(1, H[1])
+    after = led.snapshot()
+    for rid in ("r2", "r3"):
+        assert after[rid].state == "quarantined"
+        d = after[rid].disposition
+        assert d is not None and d.stage == "activation"
+    assert after["r1"] == before["r1"] and after["r4"] == before["r4"]
+    assert_trace_ok(c)
+
+
+def test_shared_event_log_orders_registry_before_ledger_quarantine() -> None:
+    """With one EventLog, the failure step precedes the quarantine it caused."""
+    log = EventLog()
+    led = _ledger_with_rollouts(log)
+    c = ActivationCoordinator(MemoryRegistry(log), WORKERS, ledger=led)
+    c.prepare(2)
+    c.fail_commit(2, "disk_full")
+    kinds = [(e.kind, e.event) for e in log.events()][-3:]
+    assert kinds == [("artifact", "fail_commit"), ("entry", "quarantine"), ("entry", "quarantine")]
+
+
+def test_every_failure_has_its_own_stage(open_registry: Opener) -> None:
+    """Commit failure, distribution failure and abandonment are recorded at their stages."""
+    led = _ledger_with_rollouts()
+    c = ActivationCoordinator(open_registry(), WORKERS, ledger=led)
+    c.prepare(1)
+    f1 = c.fail_commit(1, "disk_full", "ENOSPC on shard 2").failure
+    ready(c, 2)
+    f2 = c.fail_distribution(2, "nccl_error").failure
+    c.prepare(3)
+    c.commit_artifact(3, H[3])
+    f3 = c.abandon(3, "superseded_by_newer_run").failure
+    assert f1 is not None and (f1.stage, f1.cause, f1.detail) == (
+        "artifact",
+        "disk_full",
+        "ENOSPC on shard 2",
+    )
+    assert f2 is not None and (f2.stage, f2.cause) == ("distribution", "nccl_error")
+    assert f3 is not None and (f3.stage, f3.cause) == ("distribution", "superseded_by_newer_run")
+    assert {e.disposition.stage for e in led.snapshot().values() if e.disposition} == {"activation"}
+    assert c.pointer() is None
+    assert_trace_ok(c)
+
+
+def test_retry_after_distribution_failure_can_activate(coord: ActivationCoordinator) -> None:
+    """distribution_failed -> retry -> awaiting_acks keeps the failure and counts attempts."""
+    ready(coord, 1)
+    coord.fail_distribution(1, "worker_oom")
+    rec = coord.retry(1)
+    assert (rec.state, rec.attempts) == ("awaiting_acks", 2)
+    assert rec.failure is not None and rec.failure.cause == "worker_oom"
+    for w in WORKERS:
+        coord.record_ack(ack(w, 1))
+    assert coord.try_activate(1).activated
+    assert_trace_ok(coord)
+
+
+def test_illegal_events_raise_and_change_nothing(coord: ActivationCoordinator) -> None:
+    """Events the machine does not declare raise IllegalTransition; nothing is written."""
+    coord.prepare(1)
+    n = len(coord.history())
+    calls: list[Callable[[], object]] = [
+        lambda: coord.distribute(1),
+        lambda: coord.retry(1),
+        lambda: coord.fail_distribution(1, "x"),
+        lambda: coord.abandon(1, "x"),
+    ]
+    for call in calls:
+        with pytest.raises(IllegalTransition):
+            call()
+    coord.commit_artifact(1, H[1])
+    with pytest.raises(IllegalTransition):
+        coord.commit_artifact(1, BAD)  # a committed hash never changes
+    with pytest.raises(IllegalTransition):
+        coord.fail_commit(1, "late")
+    assert coord.artifact(1).artifact_hash == H[1]
+    coord.distribute(1)
+    with pytest.raises(IllegalTransition):
+        coord.abandon(1, "x")  # awaiting acks: fail_distribution first
+    assert len(coord.history()) == n + 2
+    with pytest.raises(ActivationError, match="not registered"):
+        coord.distribute(7)
+    with pytest.raises(ActivationError, match="not registered"):
+        coord.try_activate(7)
+
+
+# ---- rollback ------------------------------------------------------------------------------
+
+
+def test_rollback_to_recorded_pointer(coord: ActivationCoordinator) -> None:
+    """rollback restores the active artifact's recorded pointer in one atomic step."""
+    activate(coord, 1)
+    activate(coord, 2, seq=1)
+    p = coord.rollback()
+    assert p == ActivePointer(1, H[1]) == coord.pointer()
+    assert coord.artifact(2).state == "rolled_back"
+    assert coord.artifact(1).state == "active"
+    last = coord.history()[-2:]
+    assert [e.event for e in last] == ["roll_back", "reinstate"]
+    assert last[0].txn == last[1].txn
+    assert last[0].pointer_before == ActivePointer(2, H[2])
+    assert coord.statistics().workers_out_of_sync == WORKERS  # they still hold v2
+    n = len(coord.history())
+    with pytest.raises(ActivationError, match="no recorded rollback pointer"):
+        coord.rollback()  # v1 was the first: nowhere to go
+    assert len(coord.history()) == n
+    # forward again: the next version must exceed v2, which is never reused
+    with pytest.raises(ActivationError):
+        coord.prepare(2)
+    activate(coord, 3, seq=2)
+    assert coord.artifact(3).rollback_version == 1
+    assert_trace_ok(coord)
+
+
+def test_rollback_refused_when_target_not_superseded(coord: ActivationCoordinator) -> None:
+    """A rollback pointer naming a version that never became active is refused, nothing changed."""
+    with pytest.raises(ActivationError, match="nothing to roll back"):
+        coord.rollback()
+    activate(coord, 1)
+    ready(coord, 2)
+    coord.prepare(3, rollback_version=2)
+    coord.fail_distribution(2, "broken")
+    coord.commit_artifact(3, H[3])
+    coord.distribute(3)
+    for w in WORKERS:
+        coord.record_ack(ack(w, 3, seq=1))
+    assert coord.try_activate(3).activated
+    n = len(coord.history())
+    with pytest.raises(ActivationError, match="not 'superseded'"):
+        coord.rollback()
+    assert len(coord.history()) == n
+    assert coord.pointer() == ActivePointer(3, H[3])
+
+
+def test_prepare_validates_lineage(coord: ActivationCoordinator) -> None:
+    """Parent and rollback pointers must be older; a rollback pointer must be registered."""
+    with pytest.raises(ActivationError, match="older"):
+        coord.prepare(2, parent_version=2)
+    with pytest.raises(ActivationError, match="registered"):
+        coord.prepare(2, rollback_version=1)
+    rec = coord.prepare(2, parent_version=0, rollback_version=None)
+    assert (rec.parent_version, rec.rollback_version, rec.state) == (0, None, "prepared")
+
+
+def test_required_workers_are_validated(open_registry: Opener) -> None:
+    """No required workers (disk alone would activate), duplicates or empty ids are refused."""
+    reg = open_registry()
+    for bad in ((), ("w0", "w0"), ("",)):
+        with pytest.raises(ActivationError):
+            ActivationCoordinator(reg, bad)
+
+
+# ---- restart ---------------------------------------------------------------------------------
+
+
+def test_restart_mid_activation_resumes_and_completes(open_registry: Opener) -> None:
+    """A new coordinator on the same store sees the same pointer, attempt and reports."""
+    led = _ledger_with_rollouts()
+    c1 = ActivationCoordinator(open_registry(), WORKERS, ledger=led)
+    activate(c1, 1)
+    ready(c1, 2)
+    c1.record_ack(ack("w0", 2, seq=1))
+    c1.record_ack(ack("w1", 2, seq=1))
+    c1.worker_restarted("w1", 1)
+    ready(c1, 3)
+    c1.fail_distribution(3, "nccl_error")
+    pointer, reports = c1.pointer(), c1.reports()
+    del c1
+
+    c2 = ActivationCoordinator(open_registry(), WORKERS, ledger=led)
+    assert c2.pointer() == pointer == ActivePointer(1, H[1])
+    assert c2.reports() == reports
+    pending = c2.resume()
+    assert [a.version for a in pending.awaiting_acks] == [2]
+    assert pending.awaiting_acks[0].attempts == 1
+    assert [a.version for a in pending.distribution_failed] == [3]
+    assert pending.quarantined_versions == (3,)
+    assert c2.record_ack(ack("w1", 2, inc=0, seq=5)).reason == "stale_incarnation"
+    assert c2.record_ack(ack("w1", 2, inc=1, seq=0)).counted
+    assert c2.try_activate(2).activated
+    assert c2.pointer() == ActivePointer(2, H[2])
+    assert_trace_ok(c2)
+
+
+def test_resume_reapplies_quarantine_idempotently(open_registry: Opener) -> None:
+    """A crash between the failure step and the ledger quarantine is healed by resume()."""
+    led = _ledger_with_rollouts()
+    c1 = ActivationCoordinator(open_registry(), WORKERS)  # the ledger call "never happened"
+    ready(c1, 2)
+    c1.fail_distribution(2, "lost")
+    assert led.get("r2").state == "dispatched"
+    c2 = ActivationCoordinator(open_registry(), WORKERS, ledger=led)
+    c2.resume()
+    assert led.get("r2").state == "quarantined"
+    n = len(led.history())
+    c2.resume()
+    assert len(led.history()) == n
+
+
+def test_sqlite_registry_and_ledger_share_one_file_and_order(tmp_path: Path) -> None:
+    """Registry and ledger events land in the same `events` table, in causal order."""
+    db = tmp_path / "state.db"
+    led = SQLiteLedger(db)
+    reg = SQLiteRegistry(db)
+    try:
+        led.add(LedgerEntry(rollout_id="r2", behavior_version=2, artifact_hash=H[2]))
+        c = ActivationCoordinator(reg, WORKERS, ledger=led)
+        ready(c, 2)
+        c.fail_distribution(2, "nccl_error")
+        conn = connect(db)
+        evs = read_events(conn)
+        conn.close()
+        assert [(e.kind, e.event) for e in evs] == [
+            ("entry", "add"),
+            ("artifact", "register"),
+            ("artifact", "commit_artifact"),
+            ("artifact", "distribute"),
+            ("artifact", "fail_distribution"),
+            ("entry", "quarantine"),
+        ]
+        assert len({e.txn for e in evs}) == len(evs)
+    finally:
+        led.close()
+        reg.close()
+
+
+def test_sqlite_triggers_guard_write_once_rules(tmp_path: Path) -> None:
+    """Even raw SQL cannot change a committed hash or insert a reused version."""
+    reg = SQLiteRegistry(tmp_path / "state.db")
+    c = ActivationCoordinator(reg, WORKERS)
+    c.prepare(1)
+    c.commit_artifact(1, H[1])
+    conn = connect(tmp_path / "state.db")
+    try:
+        with pytest.raises(sqlite3.IntegrityError, match="never changes"):
+            conn.execute("UPDATE registry_artifacts SET artifact_hash = 'x' WHERE version = 1")
+        with pytest.raises(sqlite3.IntegrityError, match="never reused"):
+            conn.execute(
+                "INSERT INTO registry_artifacts(version, state, attempts) VALUES (0, 'prepared', 0)"
+            )
+    finally:
+        conn.close()
+        reg.close()
+
+
+def test_concurrent_coordinators_register_each_version_once(tmp_path: Path) -> None:
+    """Racing coordinators on one SQLite file: each version is registered exactly once."""
+    db = tmp_path / "state.db"
+    SQLiteRegistry(db).close()
+    wins: list[int] = []
+    losses: list[int] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        reg = SQLiteRegistry(db)
+        c = ActivationCoordinator(reg, WORKERS)
+        for v in range(1, 21):
+            try:
+                c.prepare(v)
+                ok = True
+            except ActivationError:
+                ok = False
+            with lock:
+                (wins if ok else losses).append(v)
+        reg.close()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    reg = SQLiteRegistry(db)
+    try:
+        versions = [a.version for a in reg.artifacts()]
+        assert len(wins) == len(versions) == len(set(wins))
+        assert versions == sorted(versions)
+        assert len(wins) + len(losses) == 80
+        events = reg.history()
+        assert all(isinstance(e, ArtifactChanged) and e.event == "register" for e in events)
+    finally:
+        reg.close()
+
+
+def test_sqlite_registry_refuses_a_file_that_is_not_a_database(tmp_path: Path) -> None:
+    """Opening garbage as a registry is an ActivationError that says what to do."""
+    bad = tmp_path / "not.db"
+    bad.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(ActivationError, match="not a usable registry database"):
+        SQLiteRegistry(bad)
