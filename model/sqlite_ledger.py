@@ -21,6 +21,7 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -135,6 +136,27 @@ def _counter_of(reason: str) -> str:
     return _COUNTER_OF.get(reason, "refused")
 
 
+class _Handle:
+    """One thread's connection. The thread-local drops it when its thread ends, and then it
+    closes the connection, so short-lived threads do not leak open files."""
+
+    __slots__ = ("__weakref__", "conn", "pid")
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.pid = os.getpid()
+
+    def close(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self.conn.close()
+
+    def __del__(self) -> None:
+        # a forked child must not close what it inherited: SQLite's POSIX locks are per
+        # process and file, so closing it there can silently drop the child's own locks
+        if self.pid == os.getpid():
+            self.close()
+
+
 class SQLiteLedger:
     """Durable ledger in one SQLite file (WAL); several threads and processes may share it.
 
@@ -164,8 +186,9 @@ class SQLiteLedger:
         self.recovery = recovery or RecoveryRule()
         self.require_admission = require_admission
         self._local = threading.local()
-        self._conns: list[sqlite3.Connection] = []
-        self._conns_lock = threading.Lock()
+        self._handles: weakref.WeakSet[_Handle] = weakref.WeakSet()
+        self._inherited: list[_Handle] = []
+        self._handles_lock = threading.Lock()
         self._closed = False
         try:
             ensure_schema(self._conn(), COMPONENT, SCHEMA_VERSION, _DDL)
@@ -185,9 +208,12 @@ class SQLiteLedger:
         """This thread's connection; a forked child opens its own (SQLite forbids sharing)."""
         if self._closed:
             raise LedgerError(f"ledger {self.path} is closed; open a new SQLiteLedger")
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is not None and self._local.pid == os.getpid():
-            return conn
+        handle: _Handle | None = getattr(self._local, "handle", None)
+        if handle is not None:
+            if handle.pid == os.getpid():
+                return handle.conn
+            # a connection inherited through fork must never be used or closed here
+            self._inherited.append(handle)
         try:
             conn = connect(self.path)
             # connect() may succeed on a non-database file; the first read tells
@@ -197,12 +223,13 @@ class SQLiteLedger:
                 f"{self.path} is not a usable SQLite database ({exc}); "
                 "give a new file path or an existing ledger file"
             ) from None
-        with self._conns_lock:
+        with self._handles_lock:
             if self._closed:
                 conn.close()
                 raise LedgerError(f"ledger {self.path} is closed; open a new SQLiteLedger")
-            self._conns.append(conn)
-        self._local.conn, self._local.pid = conn, os.getpid()
+            handle = _Handle(conn)
+            self._handles.add(handle)
+        self._local.handle = handle
         return conn
 
     @contextlib.contextmanager
@@ -210,6 +237,9 @@ class SQLiteLedger:
         """One BEGIN IMMEDIATE ... COMMIT; any exception rolls everything back."""
         conn = self._conn()
         try:
+            if conn.in_transaction:
+                # only a failed ROLLBACK can leave one open; never build on its leftovers
+                conn.execute("ROLLBACK")
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             raise LedgerError(f"{self.path}: cannot start a write ({exc})") from exc
@@ -228,6 +258,8 @@ class SQLiteLedger:
         """A read transaction: every SELECT inside sees one consistent snapshot (WAL)."""
         conn = self._conn()
         try:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             conn.execute("BEGIN")
             try:
                 yield conn
@@ -311,7 +343,13 @@ class SQLiteLedger:
             conn,
             [
                 EntryChanged(
-                    seq=0, txn=0, at=at, rollout_id=a.rollout_id, event=ev, before=b, after=a,
+                    seq=0,
+                    txn=0,
+                    at=at,
+                    rollout_id=a.rollout_id,
+                    event=ev,
+                    before=b,
+                    after=a,
                     update_id=u,
                 )
                 for ev, b, a, u in changes
@@ -344,8 +382,13 @@ class SQLiteLedger:
                 cur = conn.execute(
                     _INSERT,
                     (
-                        e.rollout_id, e.state, e.revision, e.reserved_by, e.lease_expires_at,
-                        e.behavior_version, _dump(e),
+                        e.rollout_id,
+                        e.state,
+                        e.revision,
+                        e.reserved_by,
+                        e.lease_expires_at,
+                        e.behavior_version,
+                        _dump(e),
                     ),
                 )
                 if cur.rowcount != 1:
@@ -405,8 +448,13 @@ class SQLiteLedger:
         entry = self.find(rollout_id)
         lease = self.clock() + self.lease_seconds
         out, new = plan_reserve(
-            entry, rollout_id, expected_revision, update_id, admission,
-            require_admission=self.require_admission, lease_expires_at=lease,
+            entry,
+            rollout_id,
+            expected_revision,
+            update_id,
+            admission,
+            require_admission=self.require_admission,
+            lease_expires_at=lease,
         )
         if new is None or entry is None:
             self._bump_now({_counter_of(out.reason): 1})
@@ -421,8 +469,13 @@ class SQLiteLedger:
             # update reserved it meanwhile (e.g. through a concurrent batch).
             now = self._row(conn, rollout_id)
             again, _ = plan_reserve(
-                now, rollout_id, expected_revision, update_id, admission,
-                require_admission=self.require_admission, lease_expires_at=lease,
+                now,
+                rollout_id,
+                expected_revision,
+                update_id,
+                admission,
+                require_admission=self.require_admission,
+                lease_expires_at=lease,
             )
             if again.reason != IDEMPOTENT:
                 again = ReserveOutcome(rollout_id, False, CONFLICT, now)
@@ -450,8 +503,13 @@ class SQLiteLedger:
             for r in requests:
                 entry = entries.get(r.rollout_id)
                 out, new = plan_reserve(
-                    entry, r.rollout_id, r.expected_revision, update_id, r.admission,
-                    require_admission=self.require_admission, lease_expires_at=lease,
+                    entry,
+                    r.rollout_id,
+                    r.expected_revision,
+                    update_id,
+                    r.admission,
+                    require_admission=self.require_admission,
+                    lease_expires_at=lease,
                 )
                 counts[_counter_of(out.reason)] += 1
                 if new is not None and entry is not None:
@@ -498,7 +556,10 @@ class SQLiteLedger:
             owned = self._owned(conn, update_id)
             new = [
                 plan_transition(
-                    e, "update_failed", reserved_by=None, lease_expires_at=None,
+                    e,
+                    "update_failed",
+                    reserved_by=None,
+                    lease_expires_at=None,
                     disposition=Disposition("update", cause, detail),
                 )
                 for e in owned
@@ -547,6 +608,12 @@ class SQLiteLedger:
             self._apply(conn, [("quarantine", b, a, None) for b, a in zip(due, new, strict=True)])
         return new
 
+    @property
+    def bad_versions(self) -> frozenset[int]:
+        """Versions marked bad by quarantine_version, in this file (any process)."""
+        with self._read() as conn:
+            return frozenset(self._bad_versions(conn))
+
     def reserved_by(self, update_id: str) -> list[str]:
         """Ids currently reserved by `update_id`, sorted."""
         with self._read() as conn:
@@ -581,12 +648,12 @@ class SQLiteLedger:
 
     def close(self) -> None:
         """Close every thread's connection; later use raises LedgerError. Idempotent."""
-        with self._conns_lock:
+        with self._handles_lock:
             self._closed = True
-            conns, self._conns = self._conns, []
-        for c in conns:
-            with contextlib.suppress(sqlite3.Error):
-                c.close()
+            handles = [h for h in self._handles if h.pid == os.getpid()]
+            self._handles = weakref.WeakSet()
+        for h in handles:
+            h.close()
 
     def __enter__(self) -> SQLiteLedger:
         return self

@@ -1,0 +1,195 @@
+"""Shared helpers for the ledger tests: records, driving a rollout to any state, and the
+entry points that child processes run (they must be importable by module name for 'spawn')."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from model.ledger import DIRECT_EVENTS, Ledger, ReserveRequest
+from model.machines import LIFECYCLE
+from model.records import AdmissionStamp, LedgerEntry, Reward
+
+REWARD = Reward(function_id="exact_match", function_version="1", value=1.0)
+HASH = "sha256:feed"
+
+
+def stamp(
+    behavior_version: int = 1, *, accepted: bool = True, current: int | None = None
+) -> AdmissionStamp:
+    """An admission decision for a rollout of `behavior_version` (fresh unless `current` lags)."""
+    cur = behavior_version if current is None else current
+    return AdmissionStamp(
+        current_version=cur,
+        behavior_version=behavior_version,
+        max_lag=1,
+        max_drift=0.2,
+        drift=0.01 if accepted else 3.6,
+        freshness="fresh" if cur == behavior_version else "tolerated",
+        reason="ok" if accepted else "policy_drift",
+        accepted=accepted,
+    )
+
+
+def rewarded(rollout_id: str, version: int = 1) -> LedgerEntry:
+    """A new entry that is ready to reserve (state rewarded, revision 0)."""
+    return LedgerEntry(
+        rollout_id=rollout_id,
+        behavior_version=version,
+        artifact_hash=HASH,
+        state="rewarded",
+        reward=REWARD,
+    )
+
+
+def ids(n: int, prefix: str = "r") -> list[str]:
+    """n rollout ids that sort in creation order."""
+    return [f"{prefix}{i:05d}" for i in range(n)]
+
+
+def add_all(ledger: Ledger, entries: Sequence[LedgerEntry]) -> None:
+    """Add entries, in one transaction where the backend offers `add_many` (it is much faster)."""
+    add_many = getattr(ledger, "add_many", None)
+    if add_many is not None:
+        add_many(entries)
+    else:
+        for e in entries:
+            ledger.add(e)
+
+
+def add_rewarded(ledger: Ledger, rollout_ids: Iterable[str], version: int = 1) -> None:
+    """Add ready-to-reserve entries for every id."""
+    add_all(ledger, [rewarded(r, version) for r in rollout_ids])
+
+
+# events the helper can fire through the public API, each without guards
+_DRIVABLE = DIRECT_EVENTS | {"reserve", "commit", "update_failed"}
+
+
+def path_to(state: str) -> list[str]:
+    """Shortest event path from the initial state, read off the declared machine (BFS)."""
+    prev: dict[str, tuple[str, str] | None] = {LIFECYCLE.initial: None}
+    todo = deque([LIFECYCLE.initial])
+    while todo:
+        s = todo.popleft()
+        for e in LIFECYCLE.outgoing(s):
+            if e.event in _DRIVABLE and not e.conditions and not e.unless and e.dest not in prev:
+                prev[e.dest] = (s, e.event)
+                todo.append(e.dest)
+    if state not in prev:
+        raise AssertionError(f"state {state!r} cannot be driven to through the API")
+    events: list[str] = []
+    cur = state
+    while (step := prev[cur]) is not None:
+        cur, ev = step
+        events.append(ev)
+    return events[::-1]
+
+
+def drive_to(ledger: Ledger, rollout_id: str, state: str, version: int = 1) -> LedgerEntry:
+    """Add a rollout at dispatch and move it to `state` through the ledger's own API."""
+    entry = ledger.add(
+        LedgerEntry(rollout_id=rollout_id, behavior_version=version, artifact_hash=HASH)
+    )
+    owner = f"drive:{rollout_id}"
+    for ev in path_to(state):
+        if ev == "reserve":
+            out = ledger.reserve(rollout_id, entry.revision, owner, stamp(version))
+            assert out.reserved and out.entry is not None, out
+            entry = out.entry
+        elif ev == "commit":
+            (entry,) = ledger.commit(owner, [rollout_id])
+        elif ev == "update_failed":
+            (entry,) = ledger.fail_update(owner, "drive")
+        else:
+            reward = REWARD if ev == "reward_ready" else None
+            entry = ledger.transition(rollout_id, ev, entry.revision, reward=reward)
+    assert entry.state == state
+    return entry
+
+
+# ---- child-process entry points --------------------------------------------------------
+
+
+def race_worker(
+    path: str, update_id: str, n: int, seed: int, singles: int, chunk: int
+) -> dict[str, Any]:
+    """Race for all n rollouts: the first `singles` by single CAS, the rest in batches.
+
+    Used by threads and by spawned processes alike; returns the ids won and every reason seen.
+    """
+    from model.sqlite_ledger import SQLiteLedger  # a spawned child imports lazily
+
+    order = ids(n)
+    random.Random(seed).shuffle(order)
+    reasons: Counter[str] = Counter()
+    won: list[str] = []
+    with SQLiteLedger(path) as ledger:
+        revisions = {rid: e.revision for rid, e in ledger.snapshot().items()}
+        for rid in order[:singles]:
+            out = ledger.reserve(rid, revisions[rid], update_id, stamp())
+            reasons[out.reason] += 1
+            if out.reason == "reserved":
+                won.append(rid)
+        for i in range(singles, n, chunk):
+            part = order[i : i + chunk]
+            reqs = [ReserveRequest(r, revisions[r], stamp()) for r in part]
+            for out in ledger.reserve_batch(update_id, reqs):
+                reasons[out.reason] += 1
+                if out.reason == "reserved":
+                    won.append(out.rollout_id)
+    return {"update_id": update_id, "won": won, "reasons": dict(reasons)}
+
+
+def race_process(path: str, update_id: str, n: int, seed: int, barrier: Any, results: Any) -> None:
+    """Process body: wait for every racer to be ready, race, send the result back."""
+    try:
+        barrier.wait(timeout=120)
+        results.put(race_worker(path, update_id, n, seed, singles=50, chunk=250))
+    except BaseException as exc:  # the parent must see why a child failed
+        results.put({"update_id": update_id, "error": repr(exc)})
+        raise
+
+
+def _signal(path: str, text: str) -> None:
+    # rename is atomic: the parent never reads a half-written signal
+    tmp = f"{path}.tmp"
+    Path(tmp).write_text(text)
+    os.replace(tmp, path)
+
+
+def crash_child(path: str, update_id: str, n: int, stop_after: int | None, signal: str) -> None:
+    """Run one reserve_batch of n rollouts and wait to be SIGKILLed.
+
+    With `stop_after`, the planner stalls at that item, after the batch has already written
+    stop_after - 1 rows inside its open transaction; otherwise the child stalls after COMMIT.
+    """
+    import model.ledger as ml
+    import model.sqlite_ledger as sl
+
+    ledger = sl.SQLiteLedger(path)
+    # A tiny page cache forces uncommitted pages out into the WAL, so recovery must really
+    # ignore frames without a commit record rather than find nothing to ignore.
+    ledger._conn().execute("PRAGMA cache_size = 8")
+    if stop_after is not None:
+        real = ml.plan_reserve
+        calls = 0
+
+        def stalling(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == stop_after:
+                _signal(signal, "in-batch")
+                time.sleep(600)
+            return real(*args, **kwargs)
+
+        # the ledger looks the planner up in its module globals at each call
+        vars(sl)["plan_reserve"] = stalling
+    ledger.reserve_batch(update_id, [ReserveRequest(r, 0, stamp()) for r in ids(n)])
+    _signal(signal, "committed")
+    time.sleep(600)

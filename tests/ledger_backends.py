@@ -1,0 +1,40 @@
+"""Ledger backends the conformance suite runs on: name -> factory(tmp_path, clock, **options).
+
+Adding a backend (e.g. PostgreSQL) means adding one entry here; every behaviour test in
+tests/test_ledger_conformance.py then runs on it unchanged. Options are the constructor
+keywords every backend shares: lease_seconds, recovery, require_admission.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, Protocol
+
+from model.ledger import Clock, Ledger, MemoryLedger
+from model.sqlite_ledger import SQLiteLedger
+
+
+class LedgerFactory(Protocol):
+    """Builds a fresh, empty ledger; may put files under `tmp_path`."""
+
+    def __call__(self, tmp_path: Path, clock: Clock, **options: Any) -> Ledger: ...
+
+
+_files = itertools.count()
+
+
+def memory_ledger(tmp_path: Path, clock: Clock, **options: Any) -> Ledger:
+    """The in-memory reference backend."""
+    return MemoryLedger(clock=clock, **options)
+
+
+def sqlite_ledger(tmp_path: Path, clock: Clock, **options: Any) -> Ledger:
+    """A new SQLite file per ledger, so two ledgers in one test never share state by accident."""
+    return SQLiteLedger(tmp_path / f"ledger-{next(_files)}.db", clock=clock, **options)
+
+
+BACKENDS: dict[str, LedgerFactory] = {
+    "memory": memory_ledger,
+    "sqlite": sqlite_ledger,
+}
