@@ -1,0 +1,340 @@
+"""Exhaustive model of racing learners over the real ledger, for the BFS explorer.
+
+Every state is a plain frozen value; every step rebuilds a real `MemoryLedger` from it
+(`MemoryLedger.restore`), calls the same method production code calls, and reads the entries
+and the events back. Nothing about the lifecycle is retyped here: legality, the revision
+compare-and-set, the recovery rule and commit exactness all come from model/. Each step's
+events are judged by the spec's step invariants; each state by its always invariants; each
+quiescent state by its eventually invariants.
+
+Learners reserve in two separate actions (read a snapshot; later compare-and-set against the
+revision read), so the explorer enumerates every interleaving of racing reservers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from model import ledger as ledger_mod
+from model.errors import CommitMismatch
+from model.events import EntryChanged, EventLog, TraceEvent
+from model.ledger import ManualClock, RecoveryRule
+from model.machines import LIFECYCLE
+from model.records import AdmissionStamp, Disposition, LedgerEntry, Reward
+from spec.explorer import Property
+from spec.invariants import World, check_quiescent, check_step, check_world, group_by_txn
+
+VERSION = 0
+HASH = "h0"
+REWARD = Reward("rm", "1", 1.0)
+STAMP = AdmissionStamp(
+    current_version=VERSION,
+    behavior_version=VERSION,
+    max_lag=0,
+    max_drift=0.2,
+    drift=0.0,
+    freshness="fresh",
+    reason="ok",
+    accepted=True,
+)
+LEASE = 10.0
+
+
+@attrs.frozen
+class Learner:
+    """One learner: its current update id, the snapshot it read, and what it holds."""
+
+    name: str
+    update_no: int = 0
+    phase: str = "idle"  # idle | planning (has a snapshot) | crashed
+    snapshot: tuple[tuple[str, int], ...] = ()  # (rollout_id, revision) of rewarded rollouts
+    held: tuple[str, ...] = ()
+
+    @property
+    def update_id(self) -> str:
+        """The id of the update this learner is working on now."""
+        return f"{self.name}.{self.update_no}"
+
+
+@attrs.frozen
+class LedgerState:
+    """Entries (leases normalised, see `_normalise`) plus learners."""
+
+    entries: tuple[LedgerEntry, ...]
+    learners: tuple[Learner, ...]
+    step_violations: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class Act:
+    """One action: its kind and its arguments (learner index, rollout id, outcome)."""
+
+    kind: str
+    learner: int = -1
+    rollout: str = ""
+    outcome: str = ""
+
+    def __str__(self) -> str:
+        who = f" L{self.learner}" if self.learner >= 0 else ""
+        what = f" {self.rollout}" if self.rollout else ""
+        how = f" {self.outcome}" if self.outcome else ""
+        return f"{self.kind}{who}{what}{how}"
+
+
+class LedgerRaceModel:
+    """N rollouts, K learners, bounded updates per learner; see the module docstring.
+
+    `start` is the lifecycle state rollouts start in (dispatched covers generation failures).
+    `max_releases` feeds the real RecoveryRule so the quarantine-on-return branch is reached.
+    """
+
+    def __init__(
+        self,
+        n_rollouts: int = 3,
+        n_learners: int = 2,
+        *,
+        max_updates: int = 2,
+        start: str = "dispatched",
+        max_releases: int = 1,
+        allow_crash: bool = True,
+        allow_failures: bool = True,
+    ) -> None:
+        if n_rollouts < 1 or n_learners < 1 or max_updates < 1:
+            raise ValueError("bounds must be >= 1")
+        if start not in ("dispatched", "generated", "rewarded"):
+            raise ValueError("rollouts start in dispatched, generated or rewarded")
+        self.n_rollouts, self.n_learners, self.max_updates = n_rollouts, n_learners, max_updates
+        self.start = start
+        self.recovery = RecoveryRule(max_releases=max_releases)
+        self.allow_crash = allow_crash
+        self.allow_failures = allow_failures
+        self.observed: Counter[str] = Counter()
+        self.edges: Counter[str] = Counter()
+
+    # ---- explorer protocol ---------------------------------------------------------------
+
+    def init_states(self) -> Iterable[LedgerState]:
+        """All rollouts in `start`, all learners idle."""
+        entries = []
+        for i in range(self.n_rollouts):
+            e = LedgerEntry(rollout_id=f"r{i + 1}", behavior_version=VERSION, artifact_hash=HASH)
+            if self.start != "dispatched":
+                e = attrs.evolve(e, state=self.start)
+            if self.start == "rewarded":
+                e = attrs.evolve(e, reward=REWARD)
+            entries.append(e)
+        learners = tuple(Learner(f"L{k}") for k in range(self.n_learners))
+        yield LedgerState(entries=tuple(entries), learners=learners)
+
+    def actions(self, state: LedgerState) -> Iterable[Act]:
+        """Every action enabled in `state` (guards on learner phase and entry state)."""
+        for e in state.entries:
+            if self.allow_failures and LIFECYCLE.is_legal(e.state, "quarantine"):
+                yield Act("quarantine", rollout=e.rollout_id)
+            if e.state == "dispatched":
+                yield Act("generation_done", rollout=e.rollout_id)
+                if self.allow_failures:
+                    yield Act("generation_failed", rollout=e.rollout_id)
+            elif e.state == "generated":
+                yield Act("reward", rollout=e.rollout_id, outcome="ready")
+                if self.allow_failures:
+                    yield Act("reward", rollout=e.rollout_id, outcome="timeout")
+                    yield Act("reward", rollout=e.rollout_id, outcome="error")
+            elif e.state == "rewarded" and self.allow_failures:
+                yield Act("retire_stale", rollout=e.rollout_id)
+        any_reserved = any(e.state == "reserved" for e in state.entries)
+        if any_reserved:
+            yield Act("expire_leases")
+        any_rewarded = any(e.state == "rewarded" for e in state.entries)
+        for k, ln in enumerate(state.learners):
+            if ln.phase == "crashed" or ln.update_no >= self.max_updates:
+                continue
+            if any_rewarded:
+                yield Act("read", learner=k)
+            for rid, _rev in ln.snapshot:
+                if rid not in ln.held:
+                    yield Act("cas", learner=k, rollout=rid)
+            if ln.held:
+                # one retry per learner is enough to exercise idempotency
+                yield Act("retry", learner=k, rollout=ln.held[0])
+                yield Act("commit", learner=k)
+                yield Act("abort", learner=k)
+                if self.allow_failures:
+                    yield Act("update_failed", learner=k)
+                if self.allow_crash:
+                    yield Act("crash", learner=k)
+
+    def next_state(self, state: LedgerState, action: Act) -> LedgerState | None:
+        """Run `action` on a real MemoryLedger rebuilt from `state`; None if it changes nothing."""
+        if state.step_violations:
+            return None  # a violating state is a dead end: its trace is the counterexample
+        clock = ManualClock(0.0)
+        log = EventLog()
+        led = ledger_mod.MemoryLedger.restore(
+            state.entries,
+            clock=clock,
+            lease_seconds=LEASE,
+            recovery=self.recovery,
+            event_log=log,
+        )
+        learners = list(state.learners)
+        k = action.learner
+        ln = learners[k] if k >= 0 else None
+        kind = action.kind
+        if kind == "generation_done":
+            e = led.get(action.rollout)
+            led.transition(e.rollout_id, "generation_done", e.revision)
+        elif kind == "generation_failed":
+            e = led.get(action.rollout)
+            led.transition(e.rollout_id, "generation_failed", e.revision)
+        elif kind == "reward":
+            e = led.get(action.rollout)
+            if action.outcome == "ready":
+                led.transition(e.rollout_id, "reward_ready", e.revision, reward=REWARD)
+            elif action.outcome == "timeout":
+                led.transition(e.rollout_id, "reward_timeout", e.revision)
+            else:
+                led.transition(e.rollout_id, "reward_error", e.revision)
+        elif kind == "retire_stale":
+            e = led.get(action.rollout)
+            led.transition(
+                e.rollout_id, "retire_stale", e.revision,
+                disposition=Disposition("admission", "stale"),
+            )
+        elif kind == "quarantine":
+            e = led.get(action.rollout)
+            led.transition(
+                e.rollout_id, "quarantine", e.revision,
+                disposition=Disposition("admission", "artifact_hash_mismatch"),
+            )
+        elif kind == "expire_leases":
+            clock.advance(LEASE)
+            if led.expire_leases():
+                self.observed["lease_expired"] += 1
+        elif ln is not None and kind == "read":
+            snap = tuple(
+                (e.rollout_id, e.revision) for e in led.snapshot().values() if e.state == "rewarded"
+            )
+            learners[k] = attrs.evolve(ln, phase="planning", snapshot=snap)
+        elif ln is not None and kind == "cas":
+            rev = dict(ln.snapshot)[action.rollout]
+            out = led.reserve(action.rollout, rev, ln.update_id, STAMP)
+            self.observed[f"reserve:{out.reason}"] += 1
+            if out.reason == ledger_mod.CONFLICT:
+                self.observed["cas_lost"] += 1
+            snap = tuple(p for p in ln.snapshot if p[0] != action.rollout)
+            held = ln.held + ((action.rollout,) if out.reserved else ())
+            learners[k] = attrs.evolve(ln, snapshot=snap, held=held)
+        elif ln is not None and kind == "retry":
+            out = led.reserve(action.rollout, 0, ln.update_id, STAMP)
+            self.observed[f"reserve:{out.reason}"] += 1
+            if out.reason == ledger_mod.IDEMPOTENT:
+                self.observed["idempotent_retry"] += 1
+            if not out.reserved:
+                learners[k] = attrs.evolve(
+                    ln, held=tuple(r for r in ln.held if r != action.rollout)
+                )
+        elif ln is not None and kind in ("commit", "abort", "update_failed"):
+            if kind == "commit":
+                try:
+                    led.commit(ln.update_id, ln.held)
+                    self.observed["commit"] += 1
+                except CommitMismatch:
+                    # a lease ran out under us: return what is still ours
+                    self.observed["commit_refused"] += 1
+                    led.abort(ln.update_id)
+            elif kind == "abort":
+                led.abort(ln.update_id)
+            else:
+                led.fail_update(ln.update_id, "nan_loss")
+            learners[k] = Learner(ln.name, ln.update_no + 1)
+        elif ln is not None and kind == "crash":
+            learners[k] = attrs.evolve(ln, phase="crashed", snapshot=(), held=())
+        else:
+            raise ValueError(f"unknown action {action}")
+        events = log.events()
+        for ev in events:
+            if isinstance(ev, EntryChanged) and ev.before is not None:
+                self._count_edge(ev)
+                if ev.event in ("abort", "expire_lease"):
+                    self.observed[
+                        "abort_quarantined" if ev.after.state == "quarantined" else
+                        ("abort_released" if ev.event == "abort" else "lease_expired")
+                    ] += 1
+        entries = tuple(
+            _normalise(e) for e in sorted(led.snapshot().values(), key=lambda e: e.rollout_id)
+        )
+        before = World(entries={e.rollout_id: e for e in state.entries})
+        after = World(entries={e.rollout_id: e for e in entries})
+        viol = tuple(str(v) for v in self._step_violations(before, events, after))
+        new = LedgerState(
+            entries=entries, learners=tuple(learners), step_violations=viol
+        )
+        if new == state:
+            return None
+        return new
+
+    def _step_violations(
+        self, before: World, events: Sequence[TraceEvent], after: World
+    ) -> list[Any]:
+        out = []
+        for step in group_by_txn(events):
+            mid = before.apply(step)
+            out.extend(check_step(before, step, mid))
+            before = mid
+        return out
+
+    def _count_edge(self, ev: EntryChanged) -> None:
+        assert ev.before is not None
+        for edge in LIFECYCLE.candidates(ev.before.state, ev.event):
+            if edge.dest == ev.after.state:
+                self.edges[LIFECYCLE.edge_id(edge)] += 1
+                return
+
+    def canonical(self, state: LedgerState) -> Any:
+        """States are stored normalised (see `_normalise`), so they are their own canonical form."""
+        return state
+
+    def action_label(self, action: Act) -> str:
+        """Labels like `cas L0 r1`."""
+        return str(action)
+
+    def properties(self) -> Sequence[Property[LedgerState]]:
+        """The spec's invariants: step (recorded on the state), always, eventually."""
+        return [
+            Property("spec_step_invariants", "always", lambda s: not s.step_violations,
+                     "every step satisfies the spec's step invariants"),
+            Property("spec_always_invariants", "always",
+                     lambda s: not check_world(World(entries=_entry_map(s))),
+                     "every state satisfies the spec's always invariants"),
+            Property("spec_eventually_invariants", "eventually",
+                     lambda s: not check_quiescent(World(entries=_entry_map(s))),
+                     "at quiescence nothing is left reserved"),
+            Property("some_rollout_consumed", "sometimes",
+                     lambda s: any(e.state == "consumed" for e in s.entries)),
+            Property("two_learners_hold_reservations", "sometimes",
+                     lambda s: sum(1 for ln in s.learners if ln.held) >= 2),
+        ]
+
+    def violations_of(self, state: LedgerState) -> list[str]:
+        """Human-readable list of what is wrong in `state` (for counterexample reports)."""
+        out = list(state.step_violations)
+        out.extend(str(v) for v in check_world(World(entries=_entry_map(state))))
+        return out
+
+
+def _normalise(e: LedgerEntry) -> LedgerEntry:
+    """Pin every lease to time 0: each lease is due at the next expiry action, which advances
+    the clock by a whole lease, so absolute times never change what can happen next."""
+    if e.lease_expires_at is None or e.lease_expires_at == 0.0:
+        return e
+    return attrs.evolve(e, lease_expires_at=0.0)
+
+
+def _entry_map(s: LedgerState) -> dict[str, LedgerEntry]:
+    return {e.rollout_id: e for e in s.entries}
+
