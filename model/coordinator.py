@@ -379,7 +379,8 @@ class ActivationCoordinator:
             )
             if not result.activated:
                 return RegistryStep(now), result
-            used = tuple(reports[w] for w in self.required_workers)
+            # only acks that exist are recorded: the spec, not a KeyError, must judge a bad decision
+            used = tuple(reports[w] for w in self.required_workers if w in reports)
             changes = [
                 _change(
                     rec,

@@ -47,6 +47,10 @@ REWARD_FAILURE_STATES = frozenset({"reward_timed_out", "reward_errored"})
 EVER_ACTIVE_STATES = frozenset({"active", "superseded", "rolled_back"})
 # activation attempts that have not resolved (neither activated nor failed)
 UNRESOLVED_ACTIVATION = frozenset({"prepared", "committed", "awaiting_acks"})
+# activation attempts that failed (the version's rollouts must end quarantined)
+FAILED_ACTIVATION = frozenset({"commit_failed", "distribution_failed", "abandoned"})
+# ledger states from which a rollout could still be trained
+OPEN_STATES = frozenset({"dispatched", "generated", "rewarded", "reserved"})
 # states a new ledger entry may start in
 ENTRY_START_STATES = frozenset({LIFECYCLE.initial, "generated", "rewarded"})
 
@@ -416,6 +420,20 @@ def _activations_resolve(w: World) -> list[str]:
     ]
 
 
+def _failed_version_quarantined(w: World) -> list[str]:
+    if w.artifacts is None:
+        return []
+    failed = {
+        v for v, a in w.artifacts.items() if a.state in FAILED_ACTIVATION and v not in w.ever_active
+    }
+    return [
+        f"{e.rollout_id}: still {e.state} although its version v{e.behavior_version} failed "
+        "activation (rollouts from partially loaded weights must be quarantined)"
+        for e in w.entries.values()
+        if e.behavior_version in failed and e.state in OPEN_STATES
+    ]
+
+
 def _reservations_resolve(w: World) -> list[str]:
     return [
         f"{e.rollout_id}: still reserved by {e.reserved_by!r} with nothing pending"
@@ -542,6 +560,14 @@ INVARIANTS: tuple[Invariant, ...] = (
         world_check=_activations_resolve,
     ),
     Invariant(
+        "failed_version_quarantined",
+        "eventually",
+        "liveness",
+        "Once everything is delivered, no rollout of a version that failed activation (and "
+        "never became active) is still open: it was quarantined.",
+        world_check=_failed_version_quarantined,
+    ),
+    Invariant(
         "reservations_resolve",
         "eventually",
         "liveness",
@@ -661,6 +687,67 @@ def check(
         if quiescent:
             out.extend(check_quiescent(snapshot))
     return out
+
+
+def check_reservation(
+    before: LedgerEntry | None,
+    update_id: str,
+    reserved: bool,
+    reason: str,
+    after: LedgerEntry | None,
+) -> list[Violation]:
+    """Outcome-level invariants of one reserve call, judged from the entry before and after.
+
+    A failed compare-and-set changes nothing; the owner's repeated reserve succeeds without a
+    write (idempotent retry); a success writes exactly one revision and names the owner.
+    """
+    out: list[Violation] = []
+    owner_retry = (
+        before is not None and before.state == "reserved" and before.reserved_by == update_id
+    )
+    if owner_retry:
+        if not reserved or reason != "idempotent_retry" or after != before:
+            wrote = "a write" if after != before else "no write"
+            out.append(
+                Violation(
+                    "idempotent_retry",
+                    f"{update_id!r} re-reserving its own rollout got ({reserved}, {reason!r}) "
+                    f"and {wrote}",
+                )
+            )
+        return out
+    if not reserved:
+        if after != before:
+            out.append(
+                Violation(
+                    "failed_cas_changes_nothing",
+                    f"reserve refused ({reason!r}) yet the record changed",
+                )
+            )
+        return out
+    if before is None or after is None:
+        out.append(Violation("failed_cas_changes_nothing", "reserved a rollout that is absent"))
+        return out
+    if (
+        after.state != "reserved"
+        or after.reserved_by != update_id
+        or after.revision != before.revision + 1
+    ):
+        out.append(
+            Violation(
+                "revision_bumps_by_one",
+                f"{after.rollout_id}: reserve by {update_id!r} wrote state {after.state!r}, "
+                f"owner {after.reserved_by!r}, revision {before.revision} -> {after.revision}",
+            )
+        )
+    return out
+
+
+# invariants judged per call rather than per event (see check_reservation)
+OUTCOME_INVARIANTS: dict[str, str] = {
+    "idempotent_retry": "The owner's repeated reserve succeeds without a write.",
+    "failed_cas_changes_nothing": "A failed compare-and-set changes nothing.",
+}
 
 
 def violated_names(violations: Iterable[Violation]) -> Counter[str]:

@@ -25,6 +25,7 @@ from spec.invariants import (
     World,
     check,
     check_quiescent,
+    check_reservation,
     check_trace,
     check_world,
     sometimes_from_events,
@@ -294,7 +295,7 @@ def test_activation_needs_all_acks_violation() -> None:
 
 def test_pointer_monotonic_violation() -> None:
     """A pointer that moves back without an explicit rollback is named."""
-    events, _, reg = correct_history()
+    events, _, _ = correct_history()
     ev = next(e for e in events if is_art(0, "reinstate")(e))
     bad = tamper(events, is_art(0, "reinstate"), event="activate")
     assert "pointer_monotonic" in names(bad)
@@ -321,7 +322,7 @@ def test_never_active_never_consumed_violation() -> None:
 
 def test_artifact_immutable_violation() -> None:
     """A committed artifact whose hash changes, or a version registered twice, is named."""
-    events, _, reg = correct_history()
+    events, _, _ = correct_history()
     ev = next(e for e in events if is_art(1, "distribute")(e))
     assert isinstance(ev, ArtifactChanged)
     bad = tamper(events, is_art(1, "distribute"),
@@ -338,6 +339,38 @@ def test_liveness_violations_at_quiescence() -> None:
     arts = {0: ArtifactRecord(version=0, artifact_hash="h0", state="awaiting_acks")}
     got = {v.invariant for v in check_quiescent(World(entries={"x": e}, artifacts=arts))}
     assert got == {"reservations_resolve", "activations_resolve"}
+
+
+def test_failed_version_quarantined_violation() -> None:
+    """A rollout of a version that failed activation, still open at quiescence (bug 5), is named."""
+    e = LedgerEntry(rollout_id="x", behavior_version=2, artifact_hash="h2", state="rewarded",
+                    reward=REWARD)
+    arts = {0: ArtifactRecord(version=0, artifact_hash="h0", state="active"),
+            2: ArtifactRecord(version=2, artifact_hash="h2", state="distribution_failed",
+                              failure=Disposition("distribution", "timeout"))}
+    w = World(entries={"x": e}, artifacts=arts, pointer=ActivePointer(0, "h0"))
+    assert {v.invariant for v in check_quiescent(w)} == {"failed_version_quarantined"}
+    assert check_world(w) == []
+
+
+def test_reservation_outcome_checks() -> None:
+    """check_reservation names a lost idempotency, a failed CAS that wrote, and a bad success."""
+    held = LedgerEntry(rollout_id="x", behavior_version=0, artifact_hash="h", state="reserved",
+                       revision=3, reserved_by="u1", reward=REWARD, admission=stamp(0, 0))
+    free = attrs.evolve(held, state="rewarded", reserved_by=None, revision=2, admission=None)
+    assert check_reservation(held, "u1", True, "idempotent_retry", held) == []
+    got = check_reservation(held, "u1", False, "revision_conflict", held)
+    assert [v.invariant for v in got] == ["idempotent_retry"]
+    bumped = attrs.evolve(held, revision=4)
+    assert [v.invariant for v in check_reservation(held, "u1", True, "reserved", bumped)] == [
+        "idempotent_retry"]
+    assert check_reservation(free, "u2", False, "revision_conflict", free) == []
+    assert [v.invariant for v in check_reservation(free, "u2", False, "revision_conflict",
+                                                   held)] == ["failed_cas_changes_nothing"]
+    assert check_reservation(free, "u1", True, "reserved", held) == []
+    twice = attrs.evolve(held, revision=4)
+    assert [v.invariant for v in check_reservation(free, "u1", True, "reserved", twice)] == [
+        "revision_bumps_by_one"]
 
 
 def test_ledger_only_trace_skips_activation_invariants() -> None:
