@@ -1,0 +1,655 @@
+"""`admit`: run the admission gate over a JSONL file of rollouts, write one decision per line.
+
+Why it is built this way:
+
+* Rollouts are read, validated and gated in chunks with `AdmissionGate.assess_batch`, so
+  lag and drift are computed vectorised and memory stays flat for any input size.
+* Decisions go to a hidden temp file beside `--out` and are renamed into place only after
+  the last line: an error on line 90,000, or Ctrl-C, leaves no half-written decisions that a
+  trainer could mistake for a complete admission.
+* Every input problem names its line, and is raised before anything is renamed, so a user
+  fixes the data instead of reading a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import attrs
+import click
+import numpy as np
+import numpy.typing as npt
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from model.backends import open_backend
+from model.coordinator import ActivationCoordinator
+from model.errors import RolloutLifecycleError
+from model.gate import (
+    FRESHNESS,
+    AdmissionDecision,
+    AdmissionGate,
+    GatePolicy,
+    Registry,
+    check_bounds,
+)
+from model.machines import LIFECYCLE
+from model.records import (
+    ActionEvidence,
+    BehaviorPolicy,
+    GenerationConditions,
+    LedgerEntry,
+    Rollout,
+    RolloutIdentity,
+    from_jsonable,
+)
+
+__all__ = ["INPUT_FIELDS", "OUTPUT_FIELDS", "admit"]
+
+# The flat input schema: field -> what it holds. `state` is the only optional field.
+INPUT_FIELDS: dict[str, str] = {
+    "rollout_id": "non-empty string, unique in the file",
+    "prompt_id": "non-empty string",
+    "dataset": "non-empty string (task source)",
+    "sample_index": "int >= 0",
+    "behavior_version": "int >= 0, the policy version stamped at dispatch",
+    "artifact_hash": "non-empty string, the artifact hash stamped at dispatch",
+    "conditions": "object {tokenizer_id, temperature, top_p, top_k, max_tokens, seed}",
+    "response_token_ids": "list of ints",
+    "action_mask": "list of booleans (true on action tokens)",
+    "behavior_log_probs": "list of numbers, per token, from the behaviour policy",
+    "current_log_probs": "list of numbers, per token, from the current policy (same length)",
+    "state": f"optional lifecycle state, default 'rewarded' (one of {', '.join(LIFECYCLE.states)})",
+}
+# One decision per line carries exactly these AdmissionDecision fields, in this order.
+OUTPUT_FIELDS = (
+    "rollout_id",
+    "accepted",
+    "reason",
+    "route",
+    "freshness",
+    "drift",
+    "lag",
+    "current_version",
+)
+_REQUIRED = tuple(k for k in INPUT_FIELDS if k != "state")
+_CONDITION_FIELDS = tuple(f.name for f in attrs.fields(GenerationConditions))
+_CONDITION_REQUIRED = tuple(f for f in _CONDITION_FIELDS if f != "seed")
+_LISTS = ("response_token_ids", "action_mask", "behavior_log_probs", "current_log_probs")
+_INPUT_OWNER = "input-file"  # placeholder owner for rollouts the input says are reserved
+DEFAULT_CHUNK = 1024
+
+
+class InputLineError(Exception):
+    """One bad input line: carries its number so the message can point at it."""
+
+    def __init__(self, lineno: int, message: str) -> None:
+        super().__init__(message)
+        self.lineno = lineno
+
+
+@attrs.frozen
+class ParsedLine:
+    """One input line turned into what the gate needs."""
+
+    lineno: int
+    rollout: Rollout
+    entry: LedgerEntry
+    current: list[float]
+    aligned: bool
+
+
+# ---- parsing ---------------------------------------------------------------------------------
+
+
+def _need_list(obj: Mapping[str, Any], key: str, lineno: int) -> list[Any]:
+    v = obj[key]
+    if not isinstance(v, list):
+        raise InputLineError(lineno, f"field {key!r} must be a list, got {type(v).__name__}")
+    return v
+
+
+_NUMBER_TYPES = frozenset({float, int})
+
+
+def _numbers(values: list[Any], key: str, lineno: int) -> list[float]:
+    """A list of JSON numbers as floats; bools and strings are refused (json's NaN is allowed)."""
+    if not set(map(type, values)) <= _NUMBER_TYPES:  # C-speed check; find the culprit only if bad
+        for i, v in enumerate(values):
+            if type(v) not in _NUMBER_TYPES:
+                raise InputLineError(
+                    lineno, f"field {key!r}[{i}] must be a number, got {type(v).__name__} {v!r}"
+                )
+    return list(map(float, values))
+
+
+class LineParser:
+    """Parses input lines; caches conditions, which are usually identical on every line."""
+
+    def __init__(self) -> None:
+        self._conditions: dict[tuple[tuple[str, Any], ...], GenerationConditions] = {}
+        self._seen: dict[str, int] = {}
+
+    def _conditions_of(self, raw: Any, lineno: int) -> GenerationConditions:
+        if not isinstance(raw, dict):
+            raise InputLineError(
+                lineno, f"field 'conditions' must be an object, got {type(raw).__name__}"
+            )
+        missing = [k for k in _CONDITION_REQUIRED if k not in raw]
+        if missing:
+            raise InputLineError(lineno, f"field 'conditions' is missing {missing}")
+        try:
+            key = tuple(sorted((k, v) for k, v in raw.items()))
+            hash(key)
+        except TypeError:
+            key = None
+        if key is not None and key in self._conditions:
+            return self._conditions[key]
+        try:
+            cond = from_jsonable(GenerationConditions, raw)
+        except RolloutLifecycleError as exc:
+            raise InputLineError(lineno, f"field 'conditions': {exc}") from None
+        if key is not None:
+            self._conditions[key] = cond
+        return cond
+
+    def parse(self, raw: bytes, lineno: int) -> ParsedLine:
+        """Validate one JSON line; InputLineError names the first problem found."""
+        try:
+            obj = json.loads(raw)
+        except UnicodeDecodeError as exc:
+            raise InputLineError(lineno, f"not UTF-8 text ({exc.reason})") from None
+        except json.JSONDecodeError as exc:
+            raise InputLineError(
+                lineno, f"invalid JSON ({exc.msg} at column {exc.colno})"
+            ) from None
+        if not isinstance(obj, dict):
+            raise InputLineError(lineno, f"expected a JSON object, got {type(obj).__name__}")
+        missing = [k for k in _REQUIRED if k not in obj]
+        if missing:
+            raise InputLineError(lineno, f"missing field(s) {missing}")
+        unknown = sorted(set(obj) - set(INPUT_FIELDS))
+        if unknown:
+            raise InputLineError(
+                lineno, f"unknown field(s) {unknown} (see `rollout-lifecycle admit --help`)"
+            )
+        lists = {k: _need_list(obj, k, lineno) for k in _LISTS}
+        current = _numbers(lists["current_log_probs"], "current_log_probs", lineno)
+        state = obj.get("state", "rewarded")
+        if state not in LIFECYCLE.states:
+            raise InputLineError(
+                lineno, f"field 'state' must be one of {list(LIFECYCLE.states)}, got {state!r}"
+            )
+        try:
+            identity = RolloutIdentity(
+                obj["rollout_id"], obj["prompt_id"], obj["dataset"], obj["sample_index"]
+            )
+            behavior = BehaviorPolicy(obj["behavior_version"], obj["artifact_hash"])
+            evidence = ActionEvidence(
+                lists["response_token_ids"], lists["action_mask"], lists["behavior_log_probs"]
+            )
+            entry = LedgerEntry(
+                rollout_id=identity.rollout_id,
+                behavior_version=behavior.version,
+                artifact_hash=behavior.artifact_hash,
+                state=state,
+                reserved_by=_INPUT_OWNER if state == "reserved" else None,
+            )
+        except RolloutLifecycleError as exc:
+            raise InputLineError(lineno, str(exc)) from None
+        conditions = self._conditions_of(obj["conditions"], lineno)
+        first = self._seen.setdefault(identity.rollout_id, lineno)
+        if first != lineno:
+            raise InputLineError(
+                lineno, f"rollout_id {identity.rollout_id!r} already appeared on line {first}"
+            )
+        n = len(evidence.behavior_log_probs)
+        if len(current) != n:
+            raise InputLineError(
+                lineno,
+                f"{len(current)} current_log_probs for {n} behavior_log_probs; "
+                "they must be per token of the same response",
+            )
+        rollout = Rollout(identity, behavior, conditions, evidence)
+        return ParsedLine(lineno, rollout, entry, current, len(evidence.action_mask) == n)
+
+
+def _check_finite(chunk: Sequence[ParsedLine], cur: npt.NDArray[np.float64]) -> None:
+    """Non-finite log-probs at action positions are an input error, reported by line."""
+    b, t = cur.shape
+    old = np.zeros((b, t), dtype=np.float64)
+    mask = np.zeros((b, t), dtype=np.bool_)
+    for i, p in enumerate(chunk):
+        if p.aligned:
+            ev = p.rollout.evidence
+            assert ev is not None
+            n = len(ev.behavior_log_probs)
+            old[i, :n] = ev.behavior_log_probs
+            mask[i, :n] = ev.action_mask
+    with np.errstate(invalid="ignore"):
+        bad = (mask & ~(np.isfinite(old) & np.isfinite(cur))).any(axis=1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        ev = chunk[i].rollout.evidence
+        assert ev is not None
+        pos = int(np.flatnonzero(mask[i] & ~(np.isfinite(old[i]) & np.isfinite(cur[i])))[0])
+        raise InputLineError(
+            chunk[i].lineno,
+            f"non-finite log-prob at action position {pos} (behavior "
+            f"{ev.behavior_log_probs[pos]!r}, current {float(cur[i, pos])!r})",
+        )
+
+
+def _current_matrix(chunk: Sequence[ParsedLine]) -> npt.NDArray[np.float64]:
+    t = max((len(p.current) for p in chunk), default=0)
+    cur = np.zeros((len(chunk), t), dtype=np.float64)
+    for i, p in enumerate(chunk):
+        cur[i, : len(p.current)] = p.current
+    return cur
+
+
+def _decision_line(d: AdmissionDecision) -> str:
+    return json.dumps({k: getattr(d, k) for k in OUTPUT_FIELDS}, separators=(",", ":"))
+
+
+# ---- options ---------------------------------------------------------------------------------
+
+
+def _read_json_file(path: Path, option: str) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise click.UsageError(f"{option} {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.UsageError(f"{option} {path}: cannot read it ({exc})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.UsageError(f"{option} {path}: not valid JSON ({exc})") from None
+
+
+def load_registry_json(path: Path) -> dict[int, str]:
+    """`{"<version>": "<artifact hash>", ...}` of every version that was ever active."""
+    data = _read_json_file(path, "--registry-json")
+    if not isinstance(data, dict):
+        raise click.UsageError(
+            f"--registry-json {path}: expected an object mapping version to artifact hash"
+        )
+    out: dict[int, str] = {}
+    for k, v in data.items():
+        try:
+            version = int(k)
+        except ValueError:
+            version = -1
+        if version < 0 or str(version) != k.strip():
+            raise click.UsageError(f"--registry-json {path}: key {k!r} is not a version (int >= 0)")
+        if not isinstance(v, str) or not v:
+            raise click.UsageError(
+                f"--registry-json {path}: version {k} must map to a non-empty hash string"
+            )
+        out[version] = v
+    return out
+
+
+def load_conditions_json(path: Path) -> GenerationConditions:
+    """The experiment's generation conditions; rollouts sampled otherwise are rejected."""
+    data = _read_json_file(path, "--conditions-json")
+    try:
+        return from_jsonable(GenerationConditions, data)
+    except RolloutLifecycleError as exc:
+        raise click.UsageError(f"--conditions-json {path}: {exc}") from None
+
+
+@contextlib.contextmanager
+def _backend_registry(url: str, current_version: int) -> Iterator[Registry]:
+    """The coordinator's "ever active" lookup over a stored registry, cached per version."""
+    try:
+        backend = open_backend(url, create=False)
+    except RolloutLifecycleError as exc:
+        raise click.UsageError(f"--backend: {exc}") from None
+    try:
+        # a reader needs no workers, but the coordinator requires a non-empty set
+        coordinator = ActivationCoordinator(backend.registry, ("admit-reader",))
+        pointer = coordinator.pointer()
+        if pointer is None:
+            click.echo(
+                f"warning: {url} has no active policy yet; every version is unregistered", err=True
+            )
+        elif pointer.version != current_version:
+            click.echo(
+                f"warning: --current-version {current_version} but the active version in "
+                f"{url} is {pointer.version}",
+                err=True,
+            )
+        yield functools.cache(coordinator.activated_hash)
+    finally:
+        backend.close()
+
+
+# ---- running -----------------------------------------------------------------------------------
+
+
+@attrs.define
+class Summary:
+    """Counts gathered while writing decisions; small however large the input."""
+
+    by_reason_route: Counter[tuple[str, str]] = attrs.field(factory=Counter)
+    by_freshness: Counter[str] = attrs.field(factory=Counter)
+    drifts: list[float] = attrs.field(factory=list)
+    total: int = 0
+    accepted: int = 0
+
+    def add(self, decisions: Sequence[AdmissionDecision]) -> None:
+        for d in decisions:
+            self.total += 1
+            self.accepted += d.accepted
+            self.by_reason_route[(d.reason, d.route)] += 1
+            self.by_freshness[d.freshness or "n/a"] += 1
+            if d.drift is not None:
+                self.drifts.append(d.drift)
+
+    def drift_stats(self) -> dict[str, float | int | None]:
+        if not self.drifts:
+            return {"count": 0, "min": None, "median": None, "max": None}
+        arr = np.asarray(self.drifts, dtype=np.float64)
+        return {
+            "count": int(arr.size),
+            "min": float(arr.min()),
+            "median": float(np.median(arr)),
+            "max": float(arr.max()),
+        }
+
+
+def _chunks(
+    lines: Iterator[tuple[int, bytes]], parser: LineParser, size: int
+) -> Iterator[list[ParsedLine]]:
+    chunk: list[ParsedLine] = []
+    for lineno, raw in lines:
+        try:
+            chunk.append(parser.parse(raw, lineno))
+        except InputLineError:
+            if chunk:  # an earlier line of this chunk may hold the file's first error
+                _check_finite(chunk, _current_matrix(chunk))
+            raise
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _lines(f: IO[bytes], advance: Callable[[int], None]) -> Iterator[tuple[int, bytes]]:
+    for lineno, raw in enumerate(f, start=1):
+        advance(len(raw))
+        if raw.strip():
+            yield lineno, raw
+
+
+@contextlib.contextmanager
+def _progress(total: int) -> Iterator[Callable[[int], None]]:
+    """A byte-based progress bar on a TTY stderr; a no-op otherwise (logs stay clean)."""
+    if not sys.stderr.isatty():
+        yield lambda _n: None
+        return
+    progress = Progress(
+        TextColumn("admitting"),
+        BarColumn(),
+        TextColumn("{task.percentage:>5.1f}%"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task("admit", total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+@contextlib.contextmanager
+def _atomic_output(out: Path, force: bool) -> Iterator[IO[str]]:
+    """A temp file beside `out`, renamed over it only if the block finishes; removed otherwise."""
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    tmp = Path(tmp_name)
+    done = False
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(f.fileno(), 0o666 & ~umask)  # mkstemp's 0600 would survive the rename
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        if out.exists() and not force:
+            raise click.UsageError(f"--out {out} appeared while admitting; pass --force")
+        os.replace(tmp, out)
+        done = True
+    finally:
+        if not done:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+
+def _run(
+    input_path: Path,
+    out: Path,
+    gate: AdmissionGate,
+    current_version: int,
+    chunk_size: int,
+    force: bool,
+) -> Summary:
+    summary = Summary()
+    parser = LineParser()
+    with (
+        input_path.open("rb") as f,
+        _progress(input_path.stat().st_size) as advance,
+        _atomic_output(out, force) as sink,
+    ):
+        for chunk in _chunks(_lines(f, advance), parser, chunk_size):
+            cur = _current_matrix(chunk)
+            _check_finite(chunk, cur)
+            decisions = gate.assess_batch(
+                [p.rollout for p in chunk], cur, current_version, [p.entry for p in chunk]
+            )
+            sink.write("".join(_decision_line(d) + "\n" for d in decisions))
+            summary.add(decisions)
+    return summary
+
+
+def _summary_json(
+    summary: Summary, input_path: Path, out: Path, policy: GatePolicy, cv: int, elapsed: float
+) -> dict[str, Any]:
+    by_reason: Counter[str] = Counter()
+    by_route: Counter[str] = Counter()
+    for (reason, route), n in summary.by_reason_route.items():
+        by_reason[reason] += n
+        by_route[route] += n
+    return {
+        "input": str(input_path),
+        "output": str(out),
+        "current_version": cv,
+        "max_lag": policy.max_lag,
+        "max_drift": policy.max_drift,
+        "total": summary.total,
+        "accepted": summary.accepted,
+        "rejected": summary.total - summary.accepted,
+        "by_reason": dict(sorted(by_reason.items())),
+        "by_route": dict(sorted(by_route.items())),
+        "by_freshness": {k: summary.by_freshness.get(k, 0) for k in (*FRESHNESS, "n/a")},
+        "drift": summary.drift_stats(),
+        "elapsed_s": round(elapsed, 3),
+    }
+
+
+def _print_summary(data: Mapping[str, Any], summary: Summary) -> None:
+    click.echo(
+        f"admitted {data['accepted']} of {data['total']} rollouts (current version "
+        f"{data['current_version']}, max lag {data['max_lag']}, max drift {data['max_drift']}) "
+        f"-> {data['output']}"
+    )
+    table = Table(title="decisions by reason and route")
+    table.add_column("reason")
+    table.add_column("route")
+    table.add_column("count", justify="right")
+    for (reason, route), n in sorted(summary.by_reason_route.items()):
+        table.add_row(reason, route, str(n))
+    fresh = Table(title="freshness")
+    fresh.add_column("freshness")
+    fresh.add_column("count", justify="right")
+    for k, n in data["by_freshness"].items():
+        fresh.add_row(k, str(n))
+    console = Console()
+    console.print(table)
+    console.print(fresh)
+    d = data["drift"]
+    if d["count"]:
+        click.echo(
+            f"drift over {d['count']} rollouts with action tokens: min {d['min']:.4g}, "
+            f"median {d['median']:.4g}, max {d['max']:.4g}"
+        )
+    else:
+        click.echo("drift: no rollout reached the drift gate")
+
+
+_EPILOG = "\n".join(
+    [
+        "\b",
+        "Input: one JSON object per line with these fields:",
+        *(f"  {k}: {v}" for k, v in INPUT_FIELDS.items()),
+        "Log-probs may be NaN or +-Infinity only where action_mask is false.",
+        "",
+        "\b",
+        f"Output: one JSON object per input rollout, in order: {', '.join(OUTPUT_FIELDS)}.",
+        "Exit status: 0 done; 1 bad input data (the message names the line); 2 bad options.",
+    ]
+)
+
+
+@click.command("admit", epilog=_EPILOG)
+@click.argument(
+    "input_path",
+    metavar="INPUT.jsonl",
+    type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="Where to write one decision per line (written whole, or not at all).",
+)
+@click.option(
+    "--current-version",
+    type=click.IntRange(min=0),
+    required=True,
+    help="v_current, the policy version the update trains.",
+)
+@click.option(
+    "--max-lag",
+    type=click.IntRange(min=0),
+    required=True,
+    help="L_max: admit 0 <= v_current - v_behavior <= L_max.",
+)
+@click.option(
+    "--max-drift",
+    type=float,
+    required=True,
+    help="D_max: admit mean |log-prob difference| over action tokens <= D_max.",
+)
+@click.option(
+    "--registry-json",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help='{"<version>": "<artifact hash>"} of every version that was ever active.',
+)
+@click.option(
+    "--backend",
+    "backend_url",
+    default=None,
+    help="Read the ever-active versions from this stored registry instead (e.g. "
+    "sqlite:///rollout-lifecycle.db).",
+)
+@click.option(
+    "--conditions-json",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The experiment's generation conditions; other conditions are rejected.",
+)
+@click.option("--force", is_flag=True, help="Replace an existing --out file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option(
+    "--chunk-size",
+    type=click.IntRange(min=1),
+    default=DEFAULT_CHUNK,
+    show_default=True,
+    help="Rollouts gated per vectorised batch.",
+)
+def admit(
+    input_path: Path,
+    out: Path,
+    current_version: int,
+    max_lag: int,
+    max_drift: float,
+    registry_json: Path | None,
+    backend_url: str | None,
+    conditions_json: Path | None,
+    force: bool,
+    as_json: bool,
+    chunk_size: int,
+) -> None:
+    """Admit rollouts by version lag AND behaviour drift; write one decision per line.
+
+    Without --registry-json or --backend, artifact hashes are not checked against a
+    registry (a warning says so).
+    """
+    try:
+        check_bounds(max_lag, max_drift)
+    except RolloutLifecycleError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-drift") from None
+    if registry_json is not None and backend_url is not None:
+        raise click.UsageError("pass --registry-json or --backend, not both")
+    if out.exists() and not force:
+        raise click.UsageError(f"--out {out} already exists; pass --force to replace it")
+    if out.exists() and out.resolve() == input_path.resolve():
+        raise click.UsageError("--out names the input file; choose another path")
+    if not out.parent.is_dir():
+        raise click.UsageError(f"--out {out}: directory {out.parent} does not exist")
+    conditions = None if conditions_json is None else load_conditions_json(conditions_json)
+    policy = GatePolicy(max_lag=max_lag, max_drift=max_drift, conditions=conditions)
+    with contextlib.ExitStack() as stack:
+        registry: Registry | None = None
+        if registry_json is not None:
+            registry = load_registry_json(registry_json)
+        elif backend_url is not None:
+            registry = stack.enter_context(_backend_registry(backend_url, current_version))
+        else:
+            click.echo(
+                "warning: no --registry-json or --backend: artifact hashes are not checked",
+                err=True,
+            )
+        gate = AdmissionGate(policy, registry)
+        start = time.perf_counter()
+        try:
+            summary = _run(input_path, out, gate, current_version, chunk_size, force)
+        except InputLineError as exc:
+            raise click.ClickException(
+                f"{input_path}, line {exc.lineno}: {exc}; no decisions were written"
+            ) from None
+        except OSError as exc:
+            raise click.ClickException(f"{exc}; no decisions were written") from None
+        except RolloutLifecycleError as exc:
+            raise click.ClickException(f"{exc}; no decisions were written") from None
+        elapsed = time.perf_counter() - start
+    data = _summary_json(summary, input_path, out, policy, current_version, elapsed)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    _print_summary(data, summary)

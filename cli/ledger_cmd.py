@@ -1,0 +1,263 @@
+"""`ledger`: read a stored ledger: counts by state, one rollout, its history, an invariant check.
+
+Why these four: `counts` answers "where is my data", `show` and `history` answer "what
+happened to this rollout and who did it", and `check` replays the whole stored trace through
+the same spec invariants the tests use, which is how a user verifies a ledger file after a
+real run. Every sub-command opens the backend read-only in spirit (`create=False`): a
+mistyped path is an error, never a new empty database that reports "0 rollouts".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import click
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from model.backends import DEFAULT_URL, Backend, open_backend
+from model.errors import RolloutLifecycleError
+from model.events import EntryChanged
+from model.machines import LIFECYCLE
+from model.records import LedgerEntry, to_jsonable
+from spec.invariants import check_trace
+
+__all__ = ["ledger"]
+
+_COUNTERS = (
+    "writes",
+    "reservations",
+    "idempotent_retries",
+    "cas_conflicts",
+    "refused",
+    "commits",
+    "aborts",
+    "expirations",
+)
+
+backend_option = click.option(
+    "--backend",
+    "url",
+    default=DEFAULT_URL,
+    show_default=True,
+    help="Ledger URL: sqlite:///relative.db or sqlite:////absolute.db (must exist).",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+
+
+@contextlib.contextmanager
+def _opened(url: str) -> Iterator[Backend]:
+    """Open an existing backend; project errors become one-line click errors."""
+    try:
+        backend = open_backend(url, create=False)
+    except RolloutLifecycleError as exc:
+        raise click.UsageError(f"--backend: {exc}") from None
+    try:
+        yield backend
+    except RolloutLifecycleError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        backend.close()
+
+
+def _when(at: float) -> str:
+    return dt.datetime.fromtimestamp(at, dt.UTC).isoformat(timespec="milliseconds")
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2))
+
+
+@click.group("ledger")
+def ledger() -> None:
+    """Inspect a stored ledger: counts, one rollout, its history, an invariant check."""
+
+
+@ledger.command("counts")
+@backend_option
+@json_option
+def counts(url: str, as_json: bool) -> None:
+    """Rollouts per lifecycle state (every state, zeros included) and the ledger's counters."""
+    with _opened(url) as backend:
+        stats = backend.ledger.statistics()
+    counters = {k: getattr(stats, k) for k in _COUNTERS}
+    if as_json:
+        _echo_json(
+            {
+                "backend": url,
+                "entries": stats.entries,
+                "by_state": stats.by_state,
+                "counters": counters,
+                "bad_versions": list(stats.bad_versions),
+            }
+        )
+        return
+    table = Table(title=f"{stats.entries} rollouts in {url}")
+    table.add_column("state")
+    table.add_column("kind")
+    table.add_column("count", justify="right")
+    for state in LIFECYCLE.states:
+        table.add_row(state, ", ".join(LIFECYCLE.tags[state]), str(stats.by_state.get(state, 0)))
+    ctr = Table(title="counters")
+    ctr.add_column("counter")
+    ctr.add_column("value", justify="right")
+    for k, v in counters.items():
+        ctr.add_row(k, str(v))
+    console = Console()
+    console.print(table)
+    console.print(ctr)
+    if stats.bad_versions:
+        click.echo(f"versions marked bad: {', '.join(map(str, stats.bad_versions))}")
+
+
+def _describe(entry: LedgerEntry) -> list[tuple[str, str]]:
+    """The entry as (field, readable value) rows."""
+    rows = [
+        ("rollout_id", entry.rollout_id),
+        ("state", entry.state),
+        ("revision", str(entry.revision)),
+        ("behavior_version", str(entry.behavior_version)),
+        ("artifact_hash", entry.artifact_hash),
+        ("reserved_by", entry.reserved_by or "-"),
+        (
+            "lease_expires_at",
+            "-" if entry.lease_expires_at is None else _when(entry.lease_expires_at),
+        ),
+        ("releases", str(entry.releases)),
+    ]
+    r = entry.reward
+    rows.append(
+        ("reward", "-" if r is None else f"{r.value} ({r.function_id} {r.function_version})")
+    )
+    d = entry.disposition
+    rows.append(
+        (
+            "failure",
+            "-" if d is None else f"{d.stage}: {d.cause}" + (f" ({d.detail})" if d.detail else ""),
+        )
+    )
+    a = entry.admission
+    if a is None:
+        rows.append(("admission", "-"))
+    else:
+        drift = "n/a" if a.drift is None else f"{a.drift:.4g}"
+        rows.append(
+            (
+                "admission",
+                f"{a.reason}: {a.freshness}, lag {a.lag} (max {a.max_lag}), drift {drift} "
+                f"(max {a.max_drift}), judged at v{a.current_version}",
+            )
+        )
+    return rows
+
+
+@ledger.command("show")
+@click.argument("rollout_id")
+@backend_option
+@json_option
+def show(rollout_id: str, url: str, as_json: bool) -> None:
+    """One rollout's ledger entry: state, revision, owner, reward or failure, admission."""
+    with _opened(url) as backend:
+        entry = backend.ledger.find(rollout_id)
+    if entry is None:
+        raise click.ClickException(f"rollout {rollout_id!r} is not in {url}")
+    if as_json:
+        _echo_json(to_jsonable(entry))
+        return
+    table = Table(title=f"rollout {rollout_id}", show_header=False, box=box.SIMPLE)
+    table.add_column("field", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    for k, v in _describe(entry):
+        table.add_row(k, v)
+    Console().print(table)
+
+
+def _event_row(ev: EntryChanged) -> dict[str, Any]:
+    return {
+        "seq": ev.seq,
+        "txn": ev.txn,
+        "at": ev.at,
+        "time": _when(ev.at),
+        "event": ev.event,
+        "before_state": None if ev.before is None else ev.before.state,
+        "after_state": ev.after.state,
+        "revision_before": None if ev.before is None else ev.before.revision,
+        "revision_after": ev.after.revision,
+        "update_id": ev.update_id,
+    }
+
+
+@ledger.command("history")
+@click.argument("rollout_id")
+@backend_option
+@json_option
+def history(rollout_id: str, url: str, as_json: bool) -> None:
+    """Every write to one rollout, in order: event, before -> after state, revision, update."""
+    with _opened(url) as backend:
+        events = [e for e in backend.ledger.history(rollout_id) if isinstance(e, EntryChanged)]
+        known = bool(events) or backend.ledger.find(rollout_id) is not None
+    if not known:
+        raise click.ClickException(f"rollout {rollout_id!r} is not in {url}")
+    rows = [_event_row(e) for e in events]
+    if as_json:
+        _echo_json(rows)
+        return
+    days = {r["time"][:10] for r in rows}
+    one_day = len(days) == 1
+    title = f"history of {rollout_id} ({len(rows)} writes"
+    title += f", UTC on {days.pop()})" if one_day else ", UTC)"
+    table = Table(title=title, box=box.SIMPLE_HEAD)
+    for col in ("seq", "time", "event", "before -> after", "rev", "update"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        before = r["before_state"] or "(new)"
+        rev_before = "" if r["revision_before"] is None else f"{r['revision_before']}->"
+        table.add_row(
+            str(r["seq"]),
+            r["time"][11:23] if one_day else r["time"][:23],
+            r["event"],
+            f"{before} -> {r['after_state']}",
+            f"{rev_before}{r['revision_after']}",
+            r["update_id"] or "-",
+        )
+    Console().print(table)
+
+
+@ledger.command("check")
+@backend_option
+@click.option(
+    "--quiescent",
+    is_flag=True,
+    help="The run is over: also require every reservation and activation to be resolved.",
+)
+@json_option
+def check(url: str, quiescent: bool, as_json: bool) -> None:
+    """Replay the whole stored trace through the spec invariants; exit 1 on any violation."""
+    with _opened(url) as backend:
+        report = check_trace(backend.trace(), quiescent=quiescent)
+    if as_json:
+        _echo_json(
+            {
+                "backend": url,
+                "events": report.events,
+                "steps": report.steps,
+                "checked": list(report.checked),
+                "ok": report.ok,
+                "violations": [attrs.asdict(v) for v in report.violations],
+            }
+        )
+    else:
+        for v in report.violations:
+            click.echo(str(v))
+        click.echo(
+            f"replayed {report.events} events in {report.steps} atomic steps against "
+            f"{len(report.checked)} invariants: {len(report.violations)} violations"
+        )
+    if not report.ok:
+        raise click.exceptions.Exit(1)

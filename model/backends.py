@@ -1,0 +1,192 @@
+"""Open a ledger and a registry from one URL, so every tool names its state the same way.
+
+    memory://                      MemoryLedger + MemoryRegistry sharing one EventLog
+    sqlite:///relative/path.db     SQLiteLedger + SQLiteRegistry on one file (relative to cwd)
+    sqlite:////absolute/path.db    the same, with an absolute path
+
+Ledger and registry always share one event order (one EventLog, or one `events` table), so
+the spec can replay the whole trace: a reservation is judged against the pointer that was
+active at that moment. Adding a backend (PostgreSQL) means adding one opener to `OPENERS`;
+until then `PLANNED` explains why its URL is refused.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+from model.errors import BackendURLError, LedgerError
+from model.events import EventLog, TraceEvent
+from model.ledger import Clock, Ledger, MemoryLedger
+from model.registry import MemoryRegistry, RegistryStore, SQLiteRegistry
+from model.sqlite_ledger import SQLiteLedger
+
+DEFAULT_URL = "sqlite:///rollout-lifecycle.db"
+
+EXAMPLES = (
+    "memory://",
+    "sqlite:///rollout-lifecycle.db (relative to the current directory)",
+    "sqlite:////var/lib/rl/ledger.db (absolute path)",
+)
+
+
+@attrs.frozen
+class Backend:
+    """A ledger and a registry opened together; close both with `close()` or `with`."""
+
+    url: str
+    ledger: Ledger
+    registry: RegistryStore
+    path: Path | None = None
+
+    def trace(self) -> list[TraceEvent]:
+        """The whole stored trace (ledger and registry events) in its one global order."""
+        events: list[TraceEvent] = [*self.ledger.history(), *self.registry.history()]
+        return sorted(events, key=lambda e: e.seq)
+
+    def close(self) -> None:
+        """Release connections; safe to call twice."""
+        try:
+            self.ledger.close()
+        finally:
+            self.registry.close()
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@attrs.frozen
+class OpenOptions:
+    """What every opener receives besides the URL's own part."""
+
+    clock: Clock
+    lease_seconds: float
+    create: bool
+
+
+Opener = Callable[[str, str, OpenOptions], Backend]
+
+
+def _bad(url: str, why: str) -> BackendURLError:
+    examples = "; ".join(EXAMPLES)
+    return BackendURLError(f"backend URL {url!r}: {why}. Valid examples: {examples}")
+
+
+def _open_memory(url: str, rest: str, opts: OpenOptions) -> Backend:
+    if rest:
+        raise _bad(url, "memory:// takes nothing after the scheme")
+    if not opts.create:
+        raise _bad(
+            url,
+            "memory:// starts empty in every process, so there is nothing stored to read; "
+            "point at the sqlite:/// file your run wrote",
+        )
+    log = EventLog()
+    ledger = MemoryLedger(clock=opts.clock, lease_seconds=opts.lease_seconds, event_log=log)
+    return Backend(url=url, ledger=ledger, registry=MemoryRegistry(event_log=log))
+
+
+def sqlite_path(url: str) -> Path:
+    """The file a `sqlite:///...` URL names; BackendURLError when it names none."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix):
+        raise _bad(url, "a SQLite URL starts with sqlite:/// (three slashes, then the path)")
+    rest = url[len(prefix) :]
+    if not rest or rest == "/":
+        raise _bad(url, "the path to the database file is missing")
+    if rest == ":memory:":
+        raise _bad(url, "an in-memory SQLite database is private to one connection; use memory://")
+    if "?" in rest or "#" in rest:
+        raise _bad(url, "query parameters and fragments are not supported")
+    return Path(rest)
+
+
+def _check_existing(url: str, path: Path) -> None:
+    """Refuse a missing file or one this project never wrote, before anything creates tables."""
+    if not path.exists():
+        raise _bad(url, f"no such file {path} (reading never creates a ledger; check the path)")
+    if path.is_dir():
+        raise _bad(url, f"{path} is a directory, not a database file")
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            row = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_meta'"
+            ).fetchone()
+            found = row is not None and (
+                conn.execute("SELECT 1 FROM schema_meta WHERE component = 'ledger'").fetchone()
+                is not None
+            )
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise _bad(url, f"{path} is not a readable SQLite database ({exc})") from None
+    if not found:
+        raise _bad(url, f"{path} is a SQLite file but holds no rollout-lifecycle ledger")
+
+
+def _open_sqlite(url: str, _rest: str, opts: OpenOptions) -> Backend:
+    path = sqlite_path(url)
+    if not opts.create:
+        _check_existing(url, path)
+    try:
+        ledger = SQLiteLedger(path, clock=opts.clock, lease_seconds=opts.lease_seconds)
+    except LedgerError as exc:
+        raise _bad(url, str(exc)) from None
+    try:
+        registry = SQLiteRegistry(path)
+    except BaseException:
+        ledger.close()
+        raise
+    return Backend(url=url, ledger=ledger, registry=registry, path=path)
+
+
+# The one extension point: scheme -> opener. A PostgreSQL backend adds itself here.
+OPENERS: dict[str, Opener] = {
+    "memory": _open_memory,
+    "sqlite": _open_sqlite,
+}
+
+# Schemes users will try that are refused with a specific reason rather than "unknown".
+PLANNED: dict[str, str] = {
+    "postgresql": "the PostgreSQL backend is not supported yet",
+    "postgres": "the PostgreSQL backend is not supported yet",
+    "postgresql+psycopg": "the PostgreSQL backend is not supported yet",
+}
+
+
+def open_backend(
+    url: str,
+    *,
+    clock: Clock = time.time,
+    lease_seconds: float = 600.0,
+    create: bool = True,
+) -> Backend:
+    """Open the ledger and registry `url` names; BackendURLError with examples otherwise.
+
+    With `create=False` (every read-only command) a SQLite file must already exist and hold
+    a ledger: a typo in a path must be an error, not a new empty database.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise _bad(str(url), "it is empty")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        hint = ""
+        if url.endswith((".db", ".sqlite", ".sqlite3")):
+            hint = f" (did you mean sqlite:///{url}?)"
+        raise _bad(url, f"it has no scheme{hint}")
+    if scheme in PLANNED:
+        raise _bad(url, PLANNED[scheme])
+    opener = OPENERS.get(scheme)
+    if opener is None:
+        raise _bad(url, f"unknown scheme {scheme!r} (known: {', '.join(sorted(OPENERS))})")
+    if lease_seconds <= 0:
+        raise ValueError("lease_seconds must be > 0")
+    return opener(url, rest, OpenOptions(clock, float(lease_seconds), create))

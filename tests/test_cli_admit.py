@@ -1,0 +1,458 @@
+"""`rollout-lifecycle admit`: decisions and summary on good input, and every error path."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from cli.main import cli
+from model.backends import open_backend
+from model.coordinator import ActivationCoordinator
+from model.gate import AdmissionGate
+from model.records import WorkerAck
+
+H = {v: f"{v:x}" * 64 for v in range(4)}
+CONDITIONS = {
+    "tokenizer_id": "tok",
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "max_tokens": 8,
+    "seed": None,
+}
+
+
+def row(rid: str, bv: int = 3, shift: float = 0.01, **over: Any) -> dict[str, Any]:
+    """One valid input rollout; prompt token masked out, current = behaviour + shift."""
+    old = [-0.5, -1.0, -1.5, -2.0]
+    base: dict[str, Any] = {
+        "rollout_id": rid,
+        "prompt_id": "p0",
+        "dataset": "d",
+        "sample_index": 0,
+        "behavior_version": bv,
+        "artifact_hash": H.get(bv, "z" * 64),
+        "conditions": dict(CONDITIONS),
+        "response_token_ids": [1, 2, 3, 4],
+        "action_mask": [False, True, True, True],
+        "behavior_log_probs": old,
+        "current_log_probs": [o + shift for o in old],
+    }
+    base.update(over)
+    return base
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    """Rows as JSONL; strings are written verbatim (for deliberately broken lines)."""
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in rows]
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def run(args: list[str]) -> Result:
+    """Invoke the CLI group as a user would."""
+    return CliRunner().invoke(cli, args)
+
+
+def admit_args(inp: Path, out: Path, *extra: str) -> list[str]:
+    """The usual admit invocation: current v3, L_max 1, D_max 0.2."""
+    return [
+        "admit",
+        str(inp),
+        "--out",
+        str(out),
+        "--current-version",
+        "3",
+        "--max-lag",
+        "1",
+        "--max-drift",
+        "0.2",
+        *extra,
+    ]
+
+
+MIXED = [
+    row("fresh-ok", 3),
+    row("tolerated-ok", 2, shift=-0.1),
+    row("stale", 1),
+    row("future", 4),
+    row("drift", 3, shift=0.5),
+    row("empty-mask", 3, action_mask=[False] * 4),
+    row("waiting", 3, state="generated"),
+]
+
+
+def read_out(out: Path) -> list[dict[str, Any]]:
+    """The decisions file as a list of dicts."""
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_good_run_writes_every_decision_and_a_right_summary(tmp_path: Path) -> None:
+    """Each rollout gets its decision line, in input order; the JSON summary counts them."""
+    inp = write_jsonl(tmp_path / "in.jsonl", MIXED)
+    out = tmp_path / "decisions.jsonl"
+    res = run(admit_args(inp, out, "--json"))
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert summary["total"] == 7 and summary["accepted"] == 2 and summary["rejected"] == 5
+    assert summary["by_reason"] == {
+        "empty_action_mask": 1,
+        "future_policy": 1,
+        "not_finished": 1,
+        "ok": 2,
+        "policy_drift": 1,
+        "stale_policy": 1,
+    }
+    assert summary["by_route"] == {
+        "admit": 2,
+        "offline": 1,
+        "quarantine": 1,
+        "reject": 2,
+        "wait": 1,
+    }
+    assert summary["by_freshness"] == {
+        "future": 1,
+        "fresh": 3,
+        "tolerated": 1,
+        "stale": 1,
+        "n/a": 1,
+    }
+    assert summary["drift"]["count"] == 4
+    assert summary["drift"]["min"] == pytest.approx(0.01)
+    assert summary["drift"]["max"] == pytest.approx(0.5)
+    decisions = read_out(out)
+    assert [d["rollout_id"] for d in decisions] == [r["rollout_id"] for r in MIXED]
+    by_id = {d["rollout_id"]: d for d in decisions}
+    assert set(by_id["fresh-ok"]) == {
+        "rollout_id",
+        "accepted",
+        "reason",
+        "route",
+        "freshness",
+        "drift",
+        "lag",
+        "current_version",
+    }
+    assert by_id["fresh-ok"]["accepted"] is True
+    assert by_id["fresh-ok"]["drift"] == pytest.approx(0.01)
+    assert by_id["tolerated-ok"] | {"drift": 0} == {
+        "rollout_id": "tolerated-ok",
+        "accepted": True,
+        "reason": "ok",
+        "route": "admit",
+        "freshness": "tolerated",
+        "drift": 0,
+        "lag": 1,
+        "current_version": 3,
+    }
+    assert by_id["stale"]["route"] == "offline" and by_id["stale"]["lag"] == 2
+    assert by_id["future"]["reason"] == "future_policy" and by_id["future"]["lag"] == -1
+    assert by_id["drift"]["reason"] == "policy_drift"
+    assert by_id["empty-mask"]["drift"] is None and by_id["empty-mask"]["freshness"] is None
+    assert by_id["waiting"]["route"] == "wait"
+
+
+def test_table_summary_names_reasons_routes_and_drift(tmp_path: Path) -> None:
+    """Without --json a table by reason and route is printed, plus freshness and drift."""
+    inp = write_jsonl(tmp_path / "in.jsonl", MIXED)
+    res = run(admit_args(inp, tmp_path / "o.jsonl"))
+    assert res.exit_code == 0, res.output
+    assert "admitted 2 of 7 rollouts" in res.stdout
+    for word in ("policy_drift", "quarantine", "offline", "tolerated", "median"):
+        assert word in res.stdout
+    assert "artifact hashes are not checked" in res.stderr
+
+
+def test_chunking_does_not_change_decisions(tmp_path: Path) -> None:
+    """Gating in chunks of 2 writes exactly what one chunk writes."""
+    inp = write_jsonl(tmp_path / "in.jsonl", MIXED)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert run(admit_args(inp, a)).exit_code == 0
+    assert run(admit_args(inp, b, "--chunk-size", "2")).exit_code == 0
+    assert a.read_text() == b.read_text()
+
+
+def test_uses_the_vectorised_batch_gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rollouts go through AdmissionGate.assess_batch, one call per chunk."""
+    calls: list[int] = []
+    original = AdmissionGate.assess_batch
+
+    def spy(self: AdmissionGate, rollouts: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(rollouts))
+        return original(self, rollouts, *args, **kwargs)
+
+    monkeypatch.setattr(AdmissionGate, "assess_batch", spy)
+    inp = write_jsonl(tmp_path / "in.jsonl", MIXED)
+    assert run(admit_args(inp, tmp_path / "o.jsonl", "--chunk-size", "3")).exit_code == 0
+    assert calls == [3, 3, 1]
+
+
+def test_blank_lines_are_skipped_and_empty_input_is_fine(tmp_path: Path) -> None:
+    """Blank lines are not rollouts; an empty file gives an empty decisions file."""
+    inp = write_jsonl(tmp_path / "in.jsonl", ["", row("a"), "   "])
+    out = tmp_path / "o.jsonl"
+    res = run(admit_args(inp, out, "--json"))
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["total"] == 1
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    out2 = tmp_path / "o2.jsonl"
+    res = run(admit_args(empty, out2, "--json"))
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["drift"]["count"] == 0
+    assert out2.read_text() == ""
+
+
+def test_registry_json_quarantines_unknown_versions_and_wrong_hashes(tmp_path: Path) -> None:
+    """With --registry-json, a wrong hash or a never-active version is quarantined."""
+    reg = tmp_path / "reg.json"
+    reg.write_text(json.dumps({"2": H[2], "3": H[3]}))
+    rows = [row("good"), row("bad-hash", artifact_hash="f" * 64), row("unknown", 2)]
+    rows[2]["behavior_version"] = 1
+    rows[2]["artifact_hash"] = H[1]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "o.jsonl"
+    res = run(admit_args(inp, out, "--registry-json", str(reg)))
+    assert res.exit_code == 0, res.output
+    got = {d["rollout_id"]: (d["reason"], d["route"]) for d in read_out(out)}
+    assert got == {
+        "good": ("ok", "admit"),
+        "bad-hash": ("artifact_hash_mismatch", "quarantine"),
+        "unknown": ("unregistered_version", "quarantine"),
+    }
+
+
+def test_conditions_json_rejects_other_sampling(tmp_path: Path) -> None:
+    """With --conditions-json, a rollout sampled at another temperature is rejected."""
+    cond = tmp_path / "cond.json"
+    cond.write_text(json.dumps(CONDITIONS))
+    other = dict(CONDITIONS, temperature=0.7)
+    inp = write_jsonl(tmp_path / "in.jsonl", [row("same"), row("other", conditions=other)])
+    out = tmp_path / "o.jsonl"
+    assert run(admit_args(inp, out, "--conditions-json", str(cond))).exit_code == 0
+    reasons = [d["reason"] for d in read_out(out)]
+    assert reasons == ["ok", "conditions_mismatch"]
+
+
+def _activated_backend(path: Path) -> str:
+    """A ledger file whose registry has v3 active with hash H[3] (two workers acked)."""
+    url = f"sqlite:///{path}"
+    with open_backend(url) as b:
+        c = ActivationCoordinator(b.registry, ["w0", "w1"])
+        c.prepare(3)
+        c.commit_artifact(3, H[3])
+        c.distribute(3)
+        for w in ("w0", "w1"):
+            c.record_ack(WorkerAck(w, 3, H[3]))
+        assert c.try_activate(3).activated
+    return url
+
+
+def test_backend_registry_is_read_from_the_coordinator(tmp_path: Path) -> None:
+    """--backend reads ever-active versions from the stored registry."""
+    url = _activated_backend(tmp_path / "state.db")
+    rows = [row("good"), row("bad-hash", artifact_hash="f" * 64), row("v2", 2)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "o.jsonl"
+    res = run(admit_args(inp, out, "--backend", url))
+    assert res.exit_code == 0, res.output
+    assert [d["reason"] for d in read_out(out)] == [
+        "ok",
+        "artifact_hash_mismatch",
+        "unregistered_version",
+    ]
+
+
+def test_backend_warns_when_current_version_is_not_active(tmp_path: Path) -> None:
+    """A --current-version other than the stored active one is admitted but warned about."""
+    url = _activated_backend(tmp_path / "state.db")
+    inp = write_jsonl(tmp_path / "in.jsonl", [row("a", 3)])
+    args = admit_args(inp, tmp_path / "o.jsonl", "--backend", url)
+    args[args.index("--current-version") + 1] = "4"
+    res = run(args)
+    assert res.exit_code == 0, res.output
+    assert "active version" in res.stderr
+
+
+def _no_leftovers(tmp_path: Path, out: Path) -> None:
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+NAN_AT_ACTION = row("x", behavior_log_probs=[-0.5, float("nan"), -1.5, -2.0])
+INF_MASKED_OK = row("y", current_log_probs=[-math.inf, -0.99, -1.49, -1.99])
+
+
+@pytest.mark.parametrize(
+    ("bad", "needle"),
+    [
+        ('{"rollout_id": "x",', "invalid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ({k: v for k, v in row("x").items() if k != "prompt_id"}, "missing field(s) ['prompt_id']"),
+        (row("x", sample_index="0"), "sample_index must be a non-negative int"),
+        (row("x", action_mask=[0, 1, 1, 1]), "action mask entries must be booleans"),
+        (row("x", action_mask="1111"), "field 'action_mask' must be a list"),
+        (row("x", current_log_probs=[-1, "a", -1, -1]), "'current_log_probs'[1] must be a number"),
+        (row("x", current_log_probs=[-1.0, -1.0]), "2 current_log_probs for 4"),
+        (NAN_AT_ACTION, "non-finite log-prob at action position 1"),
+        (row("x", current_log_probs=[-1, -1, math.inf, -1]), "non-finite log-prob at action"),
+        (row("x", conditions={"tokenizer_id": "t"}), "field 'conditions' is missing"),
+        (row("x", conditions=dict(CONDITIONS, top_p=2.0)), "top_p must be in (0, 1]"),
+        (row("x", state="done"), "field 'state' must be one of"),
+        (row("x", extra=1), "unknown field(s) ['extra']"),
+        (row("first"), "rollout_id 'first' already appeared on line 1"),
+    ],
+)
+def test_bad_line_names_its_line_and_writes_nothing(tmp_path: Path, bad: Any, needle: str) -> None:
+    """A bad line 3 fails with its line number, exit 1, no traceback, no output, no temp file."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [row("first"), INF_MASKED_OK, bad, row("last")])
+    out = tmp_path / "o.jsonl"
+    res = run(admit_args(inp, out, "--chunk-size", "1"))
+    assert res.exit_code == 1, res.output
+    assert "line 3:" in res.output and needle in res.output
+    assert "no decisions were written" in res.output
+    assert "Traceback" not in res.output
+    assert isinstance(res.exception, SystemExit)  # a handled exit, not a crash
+    _no_leftovers(tmp_path, out)
+
+
+def test_not_utf8_is_a_line_error(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 are reported with their line."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(json.dumps(row("a")).encode() + b"\n\xff\xfe\n")
+    res = run(admit_args(inp, tmp_path / "o.jsonl"))
+    assert res.exit_code == 1 and "line 2:" in res.output
+    _no_leftovers(tmp_path, tmp_path / "o.jsonl")
+
+
+def test_missing_input_is_a_usage_error(tmp_path: Path) -> None:
+    """A missing input file exits 2 with a message, never a traceback."""
+    res = run(admit_args(tmp_path / "nope.jsonl", tmp_path / "o.jsonl"))
+    assert res.exit_code == 2
+    assert "does not exist" in res.output and "Traceback" not in res.output
+
+
+def test_existing_out_is_refused_unless_force(tmp_path: Path) -> None:
+    """An existing --out is kept untouched without --force and replaced with it."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [row("a")])
+    out = tmp_path / "o.jsonl"
+    out.write_text("precious\n")
+    res = run(admit_args(inp, out))
+    assert res.exit_code == 2 and "--force" in res.output
+    assert out.read_text() == "precious\n"
+    res = run(admit_args(inp, out, "--force"))
+    assert res.exit_code == 0, res.output
+    assert read_out(out)[0]["rollout_id"] == "a"
+
+
+def test_failed_forced_run_keeps_the_old_output(tmp_path: Path) -> None:
+    """With --force, an error midway leaves the previous decisions file as it was."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [row("a"), "{bad"])
+    out = tmp_path / "o.jsonl"
+    out.write_text("old\n")
+    res = run(admit_args(inp, out, "--force", "--chunk-size", "1"))
+    assert res.exit_code == 1 and "line 2:" in res.output
+    assert out.read_text() == "old\n"
+
+
+def test_interrupt_midway_leaves_no_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C after the first chunk was written leaves neither output nor temp file."""
+    original = AdmissionGate.assess_batch
+    calls = []
+
+    def interrupted(self: AdmissionGate, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AdmissionGate, "assess_batch", interrupted)
+    inp = write_jsonl(tmp_path / "in.jsonl", [row("a"), row("b"), row("c")])
+    out = tmp_path / "o.jsonl"
+    res = run(admit_args(inp, out, "--chunk-size", "1"))
+    assert res.exit_code != 0
+    _no_leftovers(tmp_path, out)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--max-drift", "inf"], "finite"),
+        (["--max-drift", "-1"], "finite and >= 0"),
+        (["--registry-json", "REG", "--backend", "memory://"], "not both"),
+        (["--registry-json", "MISSING"], "no such file"),
+        (["--registry-json", "BADKEY"], "is not a version"),
+        (["--conditions-json", "BADCOND"], "temperature must be"),
+        (["--backend", "sqlite:///MISSINGDB"], "no such file"),
+        (["--backend", "postgresql://localhost/x"], "not supported yet"),
+    ],
+)
+def test_bad_options_are_usage_errors(tmp_path: Path, extra: list[str], needle: str) -> None:
+    """Bad options exit 2 with a one-line reason and write nothing."""
+    (tmp_path / "reg.json").write_text(json.dumps({"3": H[3]}))
+    (tmp_path / "badkey.json").write_text(json.dumps({"three": H[3]}))
+    (tmp_path / "badcond.json").write_text(json.dumps(dict(CONDITIONS, temperature=-1)))
+    names = {
+        "REG": tmp_path / "reg.json",
+        "MISSING": tmp_path / "missing.json",
+        "BADKEY": tmp_path / "badkey.json",
+        "BADCOND": tmp_path / "badcond.json",
+        "sqlite:///MISSINGDB": f"sqlite:///{tmp_path / 'missing.db'}",
+    }
+    extra = [str(names.get(x, x)) for x in extra]
+    inp = write_jsonl(tmp_path / "in.jsonl", [row("a")])
+    out = tmp_path / "o.jsonl"
+    args = admit_args(inp, out)
+    args = args[:-2] + extra if extra[0] == "--max-drift" else args + extra
+    res = run(args)
+    assert res.exit_code == 2, res.output
+    assert needle in res.output and "Traceback" not in res.output
+    assert not out.exists()
+    assert not (tmp_path / "missing.db").exists()
+
+
+def test_out_directory_must_exist(tmp_path: Path) -> None:
+    """An --out in a missing directory is a usage error."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [row("a")])
+    res = run(admit_args(inp, tmp_path / "no" / "o.jsonl"))
+    assert res.exit_code == 2 and "does not exist" in res.output
+
+
+def test_no_progress_bar_when_stderr_is_not_a_tty(tmp_path: Path) -> None:
+    """Progress is silent when stderr is not a terminal (only the registry warning shows)."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [row("a")])
+    reg = tmp_path / "reg.json"
+    reg.write_text(json.dumps({"3": H[3]}))
+    res = run(admit_args(inp, tmp_path / "o.jsonl", "--registry-json", str(reg)))
+    assert res.exit_code == 0 and res.stderr == ""
+
+
+def test_help_documents_the_input_schema() -> None:
+    """--help lists every input field."""
+    res = run(["admit", "--help"])
+    assert res.exit_code == 0
+    for field in ("rollout_id", "behavior_log_probs", "current_log_probs", "state"):
+        assert field in res.output
+
+
+def test_first_bad_line_wins_within_a_chunk(tmp_path: Path) -> None:
+    """A NaN on line 2 is reported even when line 3 of the same chunk is not JSON at all."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [row("a"), NAN_AT_ACTION, "{oops", row("b")])
+    res = run(admit_args(inp, tmp_path / "o.jsonl"))
+    assert res.exit_code == 1
+    assert "line 2: non-finite log-prob" in res.output
+
+
+def test_many_chunks_write_every_line_once(tmp_path: Path) -> None:
+    """50 rollouts in chunks of 7 give 50 decision lines, in input order."""
+    rows = [row(f"r{i}", 3 - i % 3) for i in range(50)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "o.jsonl"
+    res = run(admit_args(inp, out, "--chunk-size", "7", "--json"))
+    assert res.exit_code == 0, res.output
+    assert [d["rollout_id"] for d in read_out(out)] == [f"r{i}" for i in range(50)]
+    assert json.loads(res.stdout)["by_freshness"]["stale"] == 16
