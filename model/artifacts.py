@@ -448,8 +448,13 @@ class WorkerLoader:
         """The loader of this worker's next incarnation (its sequence starts over)."""
         return WorkerLoader(self.store, self.worker_id, self.incarnation + 1)
 
-    def load(self, version: int, expected_hash: str) -> tuple[LoadedWeights, WorkerAck]:
-        """Read, hash, then parse; ArtifactError (and no ack) on any mismatch or bad file."""
+    def load(
+        self, version: int, expected_hash: str, *, attempt: int = 1
+    ) -> tuple[LoadedWeights, WorkerAck]:
+        """Read, hash, then parse; ArtifactError (and no ack) on any mismatch or bad file.
+
+        `attempt` is the distribution attempt being answered (see WorkerAck).
+        """
         _check_sha(expected_hash, "expected_hash")
         manifest = self.store.read_manifest(version)
         blobs = {f.name: self.store.read_bytes(version, f.name) for f in manifest.files}
@@ -487,5 +492,6 @@ class WorkerLoader:
             artifact_hash=loaded_hash,
             incarnation=self.incarnation,
             seq=seq,
+            attempt=attempt,
         )
         return LoadedWeights(version, loaded_hash, tensors, raw), ack

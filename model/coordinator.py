@@ -194,13 +194,35 @@ class ActivationCoordinator:
         return self.registry.transact(plan)
 
     def _move(
-        self, version: int, event: str, fields: Callable[[ArtifactRecord], dict[str, Any]]
+        self,
+        version: int,
+        event: str,
+        fields: Callable[[ArtifactRecord], dict[str, Any]],
+        *,
+        exclusive: bool = False,
     ) -> ArtifactRecord:
-        """One plain machine event on one artifact, as one atomic step."""
+        """One plain machine event on one artifact, as one atomic step.
+
+        `exclusive` refuses the step while another version awaits acks: a worker's report
+        says what it loaded at that moment, so two distributions in flight let a worker ack
+        one version and then load the other, and the first could activate on an ack that no
+        longer holds (the explorer found this with two workers and two versions).
+        """
         _version(version)
 
         def plan(view: RegistryView) -> tuple[RegistryStep, ArtifactRecord]:
             rec = _get(view, version)
+            if exclusive:
+                busy = [
+                    a.version
+                    for a in view.artifacts()
+                    if a.state == "awaiting_acks" and a.version != version
+                ]
+                if busy:
+                    raise ActivationError(
+                        f"v{busy[0]} is still awaiting acks; activate, fail or abandon it "
+                        f"before distributing v{version} (one distribution at a time)"
+                    )
             ch = _change(rec, event, **fields(rec))
             return RegistryStep(self.clock(), (ch,)), ch.after
 
@@ -286,11 +308,13 @@ class ActivationCoordinator:
 
     def distribute(self, version: int) -> ArtifactRecord:
         """Weights are being sent: acks are awaited from now on (one more attempt)."""
-        return self._move(version, "distribute", lambda r: {"attempts": r.attempts + 1})
+        return self._move(
+            version, "distribute", lambda r: {"attempts": r.attempts + 1}, exclusive=True
+        )
 
     def retry(self, version: int) -> ArtifactRecord:
         """Distribute again after a failure; the last failure stays recorded on the record."""
-        return self._move(version, "retry", lambda r: {"attempts": r.attempts + 1})
+        return self._move(version, "retry", lambda r: {"attempts": r.attempts + 1}, exclusive=True)
 
     def fail_distribution(self, version: int, cause: str, detail: str = "") -> ArtifactRecord:
         """Loading failed on some worker: stage 'distribution', pointer unchanged, quarantine."""
@@ -355,7 +379,14 @@ class ActivationCoordinator:
             if rec.state != "awaiting_acks":
                 reason = NOT_COMMITTED if not rec.committed else NOT_AWAITING
                 return RegistryStep(now), ActivationResult(False, reason, pointer)
-            reports = {w: r.ack for w, r in view.workers().items() if r.ack is not None}
+            # an ack of this version from an earlier attempt is void (see WorkerAck.attempt):
+            # the worker may have loaded another version since, so it counts as missing
+            reports = {
+                w: r.ack
+                for w, r in view.workers().items()
+                if r.ack is not None
+                and (r.ack.version != rec.version or r.ack.attempt == rec.attempts)
+            }
             decision = activate_policy_version(
                 None if pointer is None else attrs.asdict(pointer),
                 {

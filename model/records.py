@@ -297,14 +297,21 @@ class ArtifactRecord:
 
 @attrs.frozen
 class WorkerAck:
-    """What a worker reports it actually loaded. (incarnation, seq) orders a worker's reports,
-    so a delayed ack from before a restart can never count."""
+    """What a worker reports it actually loaded, for which distribution attempt.
+
+    (incarnation, seq) orders a worker's reports, so a delayed ack from before a restart can
+    never count. `attempt` echoes the distribution attempt the worker answered (1 for the
+    first): after a failed attempt, a delayed ack of the earlier attempt no longer proves
+    what the worker holds now (it may have loaded another version since), so only acks of
+    the current attempt count toward activation.
+    """
 
     worker_id: str = attrs.field(validator=_nonempty_str)
     version: int = attrs.field(validator=_nonneg_int)
     artifact_hash: str = attrs.field(validator=_nonempty_str)
     incarnation: int = attrs.field(default=0, validator=_nonneg_int)
     seq: int = attrs.field(default=0, validator=_nonneg_int)
+    attempt: int = attrs.field(default=1, validator=_nonneg_int)
 
 
 # ---- (de)serialisation ---------------------------------------------------------------------

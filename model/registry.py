@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -212,6 +212,25 @@ class MemoryRegistry:
         self._workers: dict[str, WorkerReport] = {}
         self.log = event_log if event_log is not None else EventLog()
         self._view = _MemoryView(self)
+
+    @classmethod
+    def restore(
+        cls,
+        artifacts: Iterable[ArtifactRecord],
+        pointer: ActivePointer | None,
+        workers: Iterable[WorkerReport],
+        event_log: EventLog | None = None,
+    ) -> MemoryRegistry:
+        """A registry holding exactly these records, without their history.
+
+        The explorer rebuilds a real registry from each state it expands, so the coordinator
+        it checks is the production one, not a retyped copy.
+        """
+        reg = cls(event_log)
+        reg._artifacts = {a.version: a for a in artifacts}
+        reg._pointer = pointer
+        reg._workers = {w.worker_id: w for w in workers}
+        return reg
 
     def transact(
         self, plan: Callable[[RegistryView], tuple[RegistryStep, R]]

@@ -202,13 +202,17 @@ class LedgerRaceModel:
         elif kind == "retire_stale":
             e = led.get(action.rollout)
             led.transition(
-                e.rollout_id, "retire_stale", e.revision,
+                e.rollout_id,
+                "retire_stale",
+                e.revision,
                 disposition=Disposition("admission", "stale"),
             )
         elif kind == "quarantine":
             e = led.get(action.rollout)
             led.transition(
-                e.rollout_id, "quarantine", e.revision,
+                e.rollout_id,
+                "quarantine",
+                e.revision,
                 disposition=Disposition("admission", "artifact_hash_mismatch"),
             )
         elif kind == "expire_leases":
@@ -262,8 +266,9 @@ class LedgerRaceModel:
                 self._count_edge(ev)
                 if ev.event in ("abort", "expire_lease"):
                     self.observed[
-                        "abort_quarantined" if ev.after.state == "quarantined" else
-                        ("abort_released" if ev.event == "abort" else "lease_expired")
+                        "abort_quarantined"
+                        if ev.after.state == "quarantined"
+                        else ("abort_released" if ev.event == "abort" else "lease_expired")
                     ] += 1
         entries = tuple(
             _normalise(e) for e in sorted(led.snapshot().values(), key=lambda e: e.rollout_id)
@@ -271,9 +276,7 @@ class LedgerRaceModel:
         before = World(entries={e.rollout_id: e for e in state.entries})
         after = World(entries={e.rollout_id: e for e in entries})
         viol = tuple(str(v) for v in self._step_violations(before, events, after))
-        new = LedgerState(
-            entries=entries, learners=tuple(learners), step_violations=viol
-        )
+        new = LedgerState(entries=entries, learners=tuple(learners), step_violations=viol)
         if new == state:
             return None
         return new
@@ -306,18 +309,34 @@ class LedgerRaceModel:
     def properties(self) -> Sequence[Property[LedgerState]]:
         """The spec's invariants: step (recorded on the state), always, eventually."""
         return [
-            Property("spec_step_invariants", "always", lambda s: not s.step_violations,
-                     "every step satisfies the spec's step invariants"),
-            Property("spec_always_invariants", "always",
-                     lambda s: not check_world(World(entries=_entry_map(s))),
-                     "every state satisfies the spec's always invariants"),
-            Property("spec_eventually_invariants", "eventually",
-                     lambda s: not check_quiescent(World(entries=_entry_map(s))),
-                     "at quiescence nothing is left reserved"),
-            Property("some_rollout_consumed", "sometimes",
-                     lambda s: any(e.state == "consumed" for e in s.entries)),
-            Property("two_learners_hold_reservations", "sometimes",
-                     lambda s: sum(1 for ln in s.learners if ln.held) >= 2),
+            Property(
+                "spec_step_invariants",
+                "always",
+                lambda s: not s.step_violations,
+                "every step satisfies the spec's step invariants",
+            ),
+            Property(
+                "spec_always_invariants",
+                "always",
+                lambda s: not check_world(World(entries=_entry_map(s))),
+                "every state satisfies the spec's always invariants",
+            ),
+            Property(
+                "spec_eventually_invariants",
+                "eventually",
+                lambda s: not check_quiescent(World(entries=_entry_map(s))),
+                "at quiescence nothing is left reserved",
+            ),
+            Property(
+                "some_rollout_consumed",
+                "sometimes",
+                lambda s: any(e.state == "consumed" for e in s.entries),
+            ),
+            Property(
+                "two_learners_hold_reservations",
+                "sometimes",
+                lambda s: sum(1 for ln in s.learners if ln.held) >= 2,
+            ),
         ]
 
     def violations_of(self, state: LedgerState) -> list[str]:
@@ -337,4 +356,3 @@ def _normalise(e: LedgerEntry) -> LedgerEntry:
 
 def _entry_map(s: LedgerState) -> dict[str, LedgerEntry]:
     return {e.rollout_id: e for e in s.entries}
-

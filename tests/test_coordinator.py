@@ -50,9 +50,11 @@ def coord(open_registry: Opener) -> ActivationCoordinator:
     return ActivationCoordinator(open_registry(), WORKERS)
 
 
-def ack(worker: str, version: int, h: str | None = None, inc: int = 0, seq: int = 0) -> WorkerAck:
-    """A worker's report of what it loaded."""
-    return WorkerAck(worker, version, H[version] if h is None else h, inc, seq)
+def ack(
+    worker: str, version: int, h: str | None = None, inc: int = 0, seq: int = 0, attempt: int = 1
+) -> WorkerAck:
+    """A worker's report of what it loaded, answering distribution `attempt`."""
+    return WorkerAck(worker, version, H[version] if h is None else h, inc, seq, attempt)
 
 
 def ready(c: ActivationCoordinator, version: int) -> None:
@@ -213,16 +215,35 @@ def test_non_monotonic_and_reused_versions_are_refused(coord: ActivationCoordina
 def test_older_awaiting_version_is_refused_as_non_monotonic(coord: ActivationCoordinator) -> None:
     """If a newer version activated first, the older pending one is refused, pointer kept."""
     activate(coord, 1)
-    ready(coord, 2)
+    coord.prepare(2)
+    coord.commit_artifact(2, H[2])
     ready(coord, 3)
     for w in WORKERS:
         coord.record_ack(ack(w, 3, seq=5))
     assert coord.try_activate(3).activated
+    coord.distribute(2)
     for w in WORKERS:
         coord.record_ack(ack(w, 2, seq=6))
     res = coord.try_activate(2)
     assert (res.activated, res.reason) == (False, "non_monotonic_version")
     assert coord.pointer() == ActivePointer(3, H[3])
+    assert_trace_ok(coord)
+
+
+def test_one_distribution_at_a_time(coord: ActivationCoordinator) -> None:
+    """While one version awaits acks, distributing or retrying another is refused, unchanged."""
+    activate(coord, 1)
+    ready(coord, 2)
+    coord.prepare(3)
+    coord.commit_artifact(3, H[3])
+    before = coord.artifacts()
+    with pytest.raises(ActivationError, match="one distribution at a time"):
+        coord.distribute(3)
+    assert coord.artifacts() == before
+    coord.fail_distribution(2, "timeout")
+    coord.distribute(3)
+    with pytest.raises(ActivationError, match="v3 is still awaiting acks"):
+        coord.retry(2)
     assert_trace_ok(coord)
 
 
@@ -359,9 +380,23 @@ def test_retry_after_distribution_failure_can_activate(coord: ActivationCoordina
     assert (rec.state, rec.attempts) == ("awaiting_acks", 2)
     assert rec.failure is not None and rec.failure.cause == "worker_oom"
     for w in WORKERS:
-        coord.record_ack(ack(w, 1))
+        coord.record_ack(ack(w, 1, seq=1, attempt=2))
     assert coord.try_activate(1).activated
     assert_trace_ok(coord)
+
+
+def test_ack_of_an_earlier_attempt_does_not_count(coord: ActivationCoordinator) -> None:
+    """After a retry, a delayed ack of the failed attempt counts as missing, not as loaded."""
+    ready(coord, 1)
+    coord.record_ack(ack("w0", 1, seq=1, attempt=1))
+    coord.fail_distribution(1, "timeout")
+    coord.retry(1)
+    coord.record_ack(ack("w1", 1, seq=1, attempt=2))
+    res = coord.try_activate(1)
+    assert (res.activated, res.reason, res.missing_workers) == (
+        False, "missing_worker_ack", ("w0",))
+    coord.record_ack(ack("w0", 1, seq=2, attempt=2))
+    assert coord.try_activate(1).activated
 
 
 def test_illegal_events_raise_and_change_nothing(coord: ActivationCoordinator) -> None:
@@ -471,8 +506,8 @@ def test_restart_mid_activation_resumes_and_completes(open_registry: Opener) -> 
     c1.record_ack(ack("w0", 2, seq=1))
     c1.record_ack(ack("w1", 2, seq=1))
     c1.worker_restarted("w1", 1)
-    ready(c1, 3)
-    c1.fail_distribution(3, "nccl_error")
+    c1.prepare(3)
+    c1.fail_commit(3, "disk_full")
     pointer, reports = c1.pointer(), c1.reports()
     del c1
 
@@ -482,7 +517,7 @@ def test_restart_mid_activation_resumes_and_completes(open_registry: Opener) -> 
     pending = c2.resume()
     assert [a.version for a in pending.awaiting_acks] == [2]
     assert pending.awaiting_acks[0].attempts == 1
-    assert [a.version for a in pending.distribution_failed] == [3]
+    assert c2.artifact(3).state == "commit_failed"
     assert pending.quarantined_versions == (3,)
     assert c2.record_ack(ack("w1", 2, inc=0, seq=5)).reason == "stale_incarnation"
     assert c2.record_ack(ack("w1", 2, inc=1, seq=0)).counted

@@ -1,0 +1,55 @@
+"""Named explorer configurations: which model, with which bounds, and why those bounds.
+
+The CLI's `explore`, the README campaign and the mutation runner all pick models from here,
+so "the explorer at its README bounds" means one thing everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from spec.activation_model import ActivationModel
+from spec.ledger_model import LedgerRaceModel
+
+ModelFactory = Callable[[], Any]
+
+EXPLORER_MODELS: dict[str, tuple[ModelFactory, str]] = {
+    "ledger": (
+        lambda: LedgerRaceModel(
+            n_rollouts=3, n_learners=2, start="rewarded", allow_failures=False, max_updates=1
+        ),
+        "3 rollouts, 2 racing learners (read / compare-and-set split), crashes, lease expiry",
+    ),
+    "lifecycle": (
+        lambda: LedgerRaceModel(n_rollouts=2, n_learners=2, start="dispatched", max_updates=1),
+        "2 rollouts from dispatch, 2 learners, every failure path: all lifecycle edges",
+    ),
+    "activation": (
+        lambda: ActivationModel(n_workers=3, n_versions=1),
+        "3 workers, 1 new version, one crash, one corrupt load, one duplicate, 3 acks in flight",
+    ),
+    "activation-2v": (
+        lambda: ActivationModel(
+            n_workers=2,
+            n_versions=2,
+            max_crashes=0,
+            max_corrupt=0,
+            max_duplicates=0,
+            max_in_flight=2,
+        ),
+        "2 workers, 2 new versions (ordering between versions), no faults",
+    ),
+    "ledger-small": (
+        lambda: LedgerRaceModel(
+            n_rollouts=2, n_learners=2, start="rewarded", allow_failures=False, max_updates=1
+        ),
+        "2 rollouts, 2 learners: the quick race used in CI",
+    ),
+    "activation-small": (
+        lambda: ActivationModel(n_workers=2, n_versions=1, max_in_flight=2),
+        "2 workers, 1 new version, one fault of each kind: quick, used in CI",
+    ),
+}
+
+README_MODELS = ("lifecycle", "ledger", "activation", "activation-2v")

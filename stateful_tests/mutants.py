@@ -1,0 +1,421 @@
+"""The mutation catalogue: realistic protocol bugs, injected by patching model/ at run time.
+
+Each mutant is a bug shape that a peer RL framework shipped (FIELD-NOTES "Bugs that peers
+shipped", numbered there) or a classic protocol slip. A mutant is a context manager that
+replaces one function or method while it is active; nothing in model/ knows it exists, and
+model/ never imports this module. The fuzzer and the explorer must each kill every mutant
+their bounds reach: `rollout-lifecycle mutants` runs them all and tabulates who killed what.
+
+Patches reach every module that bound the original object (`from x import f` copies the
+binding), so a mutant of `model.ledger.plan_reserve` also reaches the SQLite backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import numpy as np
+
+from model import coordinator as coord_mod
+from model import gate as gate_mod
+from model import ledger as ledger_mod
+from model.ledger import IDEMPOTENT, MISSING, NOT_REWARDED, RESERVED, ReserveOutcome
+from model.records import Disposition, LedgerEntry, Reward
+
+PROJECT_PREFIXES = ("model.", "spec.", "stateful_tests.", "cli.")
+
+
+@contextlib.contextmanager
+def patch_everywhere(owner: Any, name: str, replacement: Any) -> Iterator[None]:
+    """Replace `owner.name`, and every project-module global bound to the same object."""
+    original = getattr(owner, name)
+    touched: list[tuple[Any, str, Any]] = [(owner, name, original)]
+    setattr(owner, name, replacement)
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or mod is owner or not mod_name.startswith(PROJECT_PREFIXES):
+            continue
+        for attr, value in list(vars(mod).items()):
+            if value is original:
+                touched.append((mod, attr, value))
+                setattr(mod, attr, replacement)
+    try:
+        yield
+    finally:
+        for obj, attr, value in reversed(touched):
+            setattr(obj, attr, value)
+
+
+@attrs.frozen
+class Mutant:
+    """One injected bug: a name, what it does, which peer bug it mirrors, and its patch."""
+
+    name: str
+    description: str
+    peer_bug: int | None
+    patch: Callable[[], contextlib.AbstractContextManager[None]]
+    # which checkers can reach it: 'fuzz' and/or 'explore' (and which explorer model)
+    reach: tuple[str, ...] = ("fuzz", "explore")
+    explorer_model: str = "ledger"
+
+    def __call__(self) -> contextlib.AbstractContextManager[None]:
+        return self.patch()
+
+
+# ---- ledger mutants --------------------------------------------------------------------------
+
+
+def _blind_reserve(
+    entry: LedgerEntry | None,
+    rollout_id: str,
+    expected_revision: int,
+    update_id: str,
+    admission: Any,
+    *,
+    require_admission: bool,
+    lease_expires_at: float | None,
+) -> tuple[ReserveOutcome, LedgerEntry | None]:
+    """Availability judged on the caller's snapshot, then an unconditional write (bug 1)."""
+    if entry is None:
+        return ReserveOutcome(rollout_id, False, MISSING, None), None
+    if entry.state == "reserved" and entry.reserved_by == update_id:
+        return ReserveOutcome(rollout_id, True, IDEMPOTENT, entry), None
+    if entry.state not in ("rewarded", "reserved"):
+        return ReserveOutcome(rollout_id, False, NOT_REWARDED, entry), None
+    new = attrs.evolve(
+        entry,
+        state="reserved",
+        revision=entry.revision + 1,
+        reserved_by=update_id,
+        lease_expires_at=lease_expires_at,
+        admission=admission,
+    )
+    return ReserveOutcome(rollout_id, True, RESERVED, new), new
+
+
+def _no_idempotency(
+    state: str, revision: int, reserved_by: str | None, expected_revision: int, update_id: str
+) -> str | None:
+    """The owner's retry is judged like anyone's: its stale revision loses (no idempotency)."""
+    if revision != expected_revision:
+        return ledger_mod.CONFLICT
+    if state != "rewarded":
+        return NOT_REWARDED
+    return None
+
+
+def _state_not_reserved_is_available(
+    entry: LedgerEntry | None,
+    rollout_id: str,
+    expected_revision: int,
+    update_id: str,
+    admission: Any,
+    *,
+    require_admission: bool,
+    lease_expires_at: float | None,
+) -> tuple[ReserveOutcome, LedgerEntry | None]:
+    """'Not reserved' taken to mean 'available': consumed and failed rollouts go back in."""
+    if entry is None:
+        return ReserveOutcome(rollout_id, False, MISSING, None), None
+    if entry.state == "reserved" and entry.reserved_by == update_id:
+        return ReserveOutcome(rollout_id, True, IDEMPOTENT, entry), None
+    if entry.revision != expected_revision:
+        return ReserveOutcome(rollout_id, False, ledger_mod.CONFLICT, entry), None
+    if entry.state == "reserved":
+        return ReserveOutcome(rollout_id, False, NOT_REWARDED, entry), None
+    new = attrs.evolve(
+        entry,
+        state="reserved",
+        revision=entry.revision + 1,
+        reserved_by=update_id,
+        lease_expires_at=lease_expires_at,
+        admission=admission,
+        disposition=entry.disposition,
+    )
+    return ReserveOutcome(rollout_id, True, RESERVED, new), new
+
+
+_real_plan_transition = ledger_mod.plan_transition
+
+
+def _timeout_as_zero(
+    entry: LedgerEntry, event: str, guards: Any = None, **changes: Any
+) -> LedgerEntry:
+    """A reward timeout stored as reward 0.0 with a side flag, still trainable (bug 2)."""
+    if event == "reward_timeout":
+        return _real_plan_transition(
+            entry,
+            "reward_ready",
+            guards,
+            reward=Reward("timeout", "0", 0.0),
+            disposition=Disposition("reward", "timeout"),
+        )
+    return _real_plan_transition(entry, event, guards, **changes)
+
+
+@contextlib.contextmanager
+def _leases_never_expire() -> Iterator[None]:
+    """Failed workers never release their slot: expiry finds nothing (bug 10)."""
+
+    def none(self: Any) -> list[LedgerEntry]:
+        return []
+
+    stack = contextlib.ExitStack()
+    with stack:
+        stack.enter_context(patch_everywhere(ledger_mod.MemoryLedger, "expire_leases", none))
+        try:
+            from model import sqlite_ledger
+
+            stack.enter_context(patch_everywhere(sqlite_ledger.SQLiteLedger, "expire_leases", none))
+        except ImportError:  # pragma: no cover - the SQLite backend ships with the package
+            pass
+        yield
+
+
+# ---- gate mutants ----------------------------------------------------------------------------
+
+
+def _off_by_one_lag(lag: int, max_lag: int) -> str:
+    """`lag <= max_lag + 1` tolerated: L_max = 0 still admits two policies (bug 6)."""
+    if lag < 0:
+        return "future"
+    if lag == 0:
+        return "fresh"
+    if lag <= max_lag + 1:
+        return "tolerated"
+    return "stale"
+
+
+_real_assess_arrays = gate_mod.assess_arrays
+
+
+def _drift_over_masked(
+    old_log_probs: Any,
+    current_log_probs: Any,
+    action_mask: Any,
+    behavior_versions: Any,
+    current_version: int,
+    max_lag: int,
+    max_drift: float,
+) -> Any:
+    """Drift averaged over every position, prompt and padding included (masked-mean bug)."""
+    res = _real_assess_arrays(
+        old_log_probs,
+        current_log_probs,
+        action_mask,
+        behavior_versions,
+        current_version,
+        max_lag,
+        max_drift,
+    )
+    mask = np.asarray(action_mask.cpu() if hasattr(action_mask, "cpu") else action_mask) != 0
+    width = mask.shape[1] if mask.ndim == 2 else 1
+    counts = mask.sum(axis=1)
+    diluted = np.where(counts > 0, res.drift * counts / max(width, 1), np.nan)
+    reasons = tuple(
+        "ok" if r == "policy_drift" and d <= max_drift else r
+        for r, d in zip(res.reasons, diluted, strict=True)
+    )
+    return attrs.evolve(
+        res,
+        drift=diluted.astype(np.float64),
+        reasons=reasons,
+        accepted=np.array([r == "ok" for r in reasons], dtype=np.bool_),
+    )
+
+
+# ---- activation mutants ----------------------------------------------------------------------
+
+_real_activate = coord_mod.activate_policy_version
+
+
+def _decide(
+    active_pointer: Any,
+    artifact: Any,
+    worker_states: Any,
+    required_workers: Any,
+    *,
+    ignore_missing: str,
+    ignore_mismatch: bool = False,
+    ignore_version_order: bool = False,
+) -> dict[str, Any]:
+    required = list(required_workers)
+    if ignore_missing == "all":
+        required = []
+    elif ignore_missing == "some":
+        present = [w for w in required if w in worker_states]
+        required = present if present else required
+    if ignore_mismatch:
+        required = [w for w in required if w in worker_states]
+        worker_states = {
+            w: {"version": artifact["version"], "artifact_hash": artifact["artifact_hash"]}
+            for w in required
+        }
+    if ignore_version_order:
+        active_pointer = None
+    return _real_activate(active_pointer, artifact, worker_states, required)
+
+
+def _version_before_load(*args: Any) -> dict[str, Any]:
+    """The pointer flips as soon as the artifact is committed, before any worker loads (bug 3)."""
+    return _decide(*args, ignore_missing="all", ignore_mismatch=True)
+
+
+def _success_without_all_acks(*args: Any) -> dict[str, Any]:
+    """'Weight update succeeded' once some worker answered; missing acks ignored (bug 4)."""
+    return _decide(*args, ignore_missing="some")
+
+
+def _stale_ack_counted(*args: Any) -> dict[str, Any]:
+    """Any report counts as an ack, whatever version or hash it names (bug 12)."""
+    return _decide(*args, ignore_missing="none", ignore_mismatch=True)
+
+
+def _non_monotonic(*args: Any) -> dict[str, Any]:
+    """An older version may activate over a newer one (no monotonic check)."""
+    return _decide(*args, ignore_missing="none", ignore_version_order=True)
+
+
+def _ignore_incarnation(report: Any, ack: Any) -> str:
+    """A restarted worker's old acks still count: it serves before it synced (bug 11)."""
+    latest = report.ack
+    if latest is None:
+        return coord_mod.COUNTED
+    key, latest_key = (ack.incarnation, ack.seq), (latest.incarnation, latest.seq)
+    if key == latest_key:
+        return coord_mod.DUPLICATE if ack == latest else coord_mod.CONFLICTING
+    return coord_mod.COUNTED if ack.seq > latest.seq or key > latest_key else coord_mod.OUT_OF_ORDER
+
+
+@contextlib.contextmanager
+def _no_quarantine_on_failure() -> Iterator[None]:
+    """Generation resumes after a failed update; its rollouts are never quarantined (bug 5)."""
+
+    def skip(self: Any, version: int, reason: str) -> None:
+        return None
+
+    with patch_everywhere(coord_mod.ActivationCoordinator, "_quarantine", skip):
+        yield
+
+
+def _stamp_at_completion(version_at_dispatch: int, version_at_completion: int) -> int:
+    """The version is stamped when generation completes, not at dispatch (bug 7)."""
+    return version_at_completion
+
+
+@contextlib.contextmanager
+def _stamp_patch() -> Iterator[None]:
+    from stateful_tests import e2e_machine
+
+    with patch_everywhere(e2e_machine, "stamp_policy", _stamp_at_completion):
+        yield
+
+
+def _simple(
+    owner: Any, name: str, replacement: Any
+) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    return lambda: patch_everywhere(owner, name, replacement)
+
+
+CATALOGUE: tuple[Mutant, ...] = (
+    Mutant(
+        "blind_reserve",
+        "check-then-reserve without compare-and-set: a second learner "
+        "overwrites a reservation it saw as free",
+        1,
+        _simple(ledger_mod, "plan_reserve", _blind_reserve),
+    ),
+    Mutant(
+        "retry_not_idempotent",
+        "the owner's retry of its own reservation is refused as a conflict",
+        None,
+        _simple(ledger_mod, "reserve_precheck", _no_idempotency),
+    ),
+    Mutant(
+        "consumed_reservable",
+        "'not reserved' means 'available': consumed and failed rollouts are reserved again",
+        13,
+        _simple(ledger_mod, "plan_reserve", _state_not_reserved_is_available),
+    ),
+    Mutant(
+        "reward_timeout_as_zero",
+        "a reward timeout becomes reward 0.0 with a side flag and stays trainable",
+        2,
+        _simple(ledger_mod, "plan_transition", _timeout_as_zero),
+    ),
+    Mutant(
+        "lease_never_expires",
+        "a crashed learner's reservations are never returned",
+        10,
+        _leases_never_expire,
+    ),
+    Mutant(
+        "off_by_one_lag",
+        "lag bound checked as lag <= L_max + 1",
+        6,
+        _simple(gate_mod, "classify_lag", _off_by_one_lag),
+        reach=("fuzz", "explore"),
+        explorer_model="activation",
+    ),
+    Mutant(
+        "drift_over_masked",
+        "behaviour drift averaged over every position, masked ones included",
+        8,
+        _simple(gate_mod, "assess_arrays", _drift_over_masked),
+        reach=("fuzz",),
+    ),
+    Mutant(
+        "version_before_load",
+        "the pointer flips when the artifact is committed, before workers load it",
+        3,
+        _simple(coord_mod, "activate_policy_version", _version_before_load),
+        explorer_model="activation",
+    ),
+    Mutant(
+        "success_without_all_acks",
+        "activation reported once some workers acked",
+        4,
+        _simple(coord_mod, "activate_policy_version", _success_without_all_acks),
+        explorer_model="activation",
+    ),
+    Mutant(
+        "stale_ack_counted",
+        "an ack of an older version or another hash counts",
+        12,
+        _simple(coord_mod, "activate_policy_version", _stale_ack_counted),
+        explorer_model="activation",
+    ),
+    Mutant(
+        "restart_ack_counted",
+        "a restarted worker's pre-restart ack still counts",
+        11,
+        _simple(coord_mod, "judge_ack", _ignore_incarnation),
+        explorer_model="activation",
+    ),
+    Mutant(
+        "no_quarantine_on_failure",
+        "rollouts of a version whose activation failed are not quarantined",
+        5,
+        _no_quarantine_on_failure,
+        explorer_model="activation",
+    ),
+    Mutant(
+        "non_monotonic_activation",
+        "an older version may be activated over a newer one",
+        None,
+        _simple(coord_mod, "activate_policy_version", _non_monotonic),
+        explorer_model="activation-2v",
+    ),
+    Mutant(
+        "version_stamped_at_completion",
+        "rollouts carry the version active when they finish, not the one that generated them",
+        7,
+        _stamp_patch,
+        reach=("fuzz",),
+    ),
+)
+
+BY_NAME: dict[str, Mutant] = {m.name: m for m in CATALOGUE}
