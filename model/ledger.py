@@ -256,6 +256,30 @@ def direct_changes(
     return {}
 
 
+ADDABLE_STATES = (LIFECYCLE.initial, "generated", "rewarded")
+
+
+def plan_add(
+    entry: LedgerEntry, bad_versions: Iterable[int]
+) -> list[tuple[str, LedgerEntry | None, LedgerEntry]]:
+    """The writes that add a new rollout: the entry, then quarantine if its version is bad.
+
+    A rollout that arrives stamped with a version whose activation failed (a worker still
+    generating on weights that never became active) is quarantined on arrival, so no call
+    ever leaves such a rollout open.
+    """
+    if entry.revision != 0 or entry.state not in ADDABLE_STATES:
+        raise LedgerError(
+            f"rollout {entry.rollout_id!r}: a new entry starts at revision 0 in "
+            f"dispatched/generated/rewarded, got revision {entry.revision} in {entry.state!r}"
+        )
+    changes: list[tuple[str, LedgerEntry | None, LedgerEntry]] = [("add", None, entry)]
+    if entry.behavior_version in set(bad_versions):
+        d = Disposition("activation", "failed_version", "arrived after its version failed")
+        changes.append(("quarantine", entry, plan_transition(entry, "quarantine", disposition=d)))
+    return changes
+
+
 def statistics_from(
     entries: Iterable[LedgerEntry], counters: Mapping[str, int], bad_versions: Iterable[int]
 ) -> LedgerStatistics:
@@ -444,16 +468,12 @@ class MemoryLedger:
     def add(self, rollout: Rollout | LedgerEntry) -> LedgerEntry:
         """Insert a new rollout at revision 0; its id must be new."""
         entry = rollout.entry() if isinstance(rollout, Rollout) else rollout
-        if entry.revision != 0 or entry.state not in (LIFECYCLE.initial, "generated", "rewarded"):
-            raise LedgerError(
-                f"rollout {entry.rollout_id!r}: a new entry starts at revision 0 in "
-                f"dispatched/generated/rewarded, got revision {entry.revision} in {entry.state!r}"
-            )
         with self._lock:
+            changes = plan_add(entry, self._bad_versions)
             if entry.rollout_id in self._entries:
                 raise DuplicateRollout(f"rollout {entry.rollout_id!r} is already in the ledger")
-            self._record([("add", None, entry, None)])
-            return entry
+            self._record([(ev, b, a, None) for ev, b, a in changes])
+            return changes[-1][2]
 
     def find(self, rollout_id: str) -> LedgerEntry | None:
         """The entry, or None when absent."""

@@ -46,6 +46,7 @@ from model.ledger import (
     ReserveRequest,
     commit_plan,
     direct_changes,
+    plan_add,
     plan_release,
     plan_reserve,
     plan_transition,
@@ -119,7 +120,6 @@ _COUNTER_OF = {
 
 # Read off the machine, so "which states can be quarantined directly" is never retyped.
 _QUARANTINABLE = tuple(s for s in LIFECYCLE.states if LIFECYCLE.is_legal(s, "quarantine"))
-_ADDABLE = (LIFECYCLE.initial, "generated", "rewarded")
 
 Change = tuple[str, LedgerEntry | None, LedgerEntry, str | None]
 
@@ -370,14 +370,13 @@ class SQLiteLedger:
         """
         entries = [r.entry() if isinstance(r, Rollout) else r for r in rollouts]
         for e in entries:
-            if e.revision != 0 or e.state not in _ADDABLE:
-                raise LedgerError(
-                    f"rollout {e.rollout_id!r}: a new entry starts at revision 0 in "
-                    f"dispatched/generated/rewarded, got revision {e.revision} in {e.state!r}"
-                )
+            plan_add(e, ())  # validate before taking the write lock
         if not entries:
             return []
         with self._write() as conn:
+            bad = self._bad_versions(conn)
+            plans = [plan_add(e, bad) for e in entries]
+            entries = [p[-1][2] for p in plans]
             for e in entries:
                 cur = conn.execute(
                     _INSERT,
@@ -393,7 +392,7 @@ class SQLiteLedger:
                 )
                 if cur.rowcount != 1:
                     raise DuplicateRollout(f"rollout {e.rollout_id!r} is already in the ledger")
-            self._events(conn, [("add", None, e, None) for e in entries])
+            self._events(conn, [(ev, b, a, None) for p in plans for ev, b, a in p])
         return entries
 
     def find(self, rollout_id: str) -> LedgerEntry | None:

@@ -5,6 +5,10 @@ Three kinds, after stateright and TLA+:
 * `always` invariants judge one `World` (a ledger + registry snapshot);
 * `step` invariants judge one atomic step (the world before, the events of one transaction,
   the world after); together with `always` they are checked after every step;
+* `rest` invariants hold whenever no call is in progress: a public call may pass through
+  them between its own transactions (a failed activation is recorded, then its rollouts are
+  quarantined), but never returns with them broken. Stateful tests and the explorer check
+  them after every call; a trace replay can only check them at the end;
 * `eventually` invariants are bounded liveness: they judge a world in which every message
   was delivered and no fault is pending (quiescence);
 * `sometimes` properties are not invariants: they name interesting paths (a lost CAS, an
@@ -27,7 +31,7 @@ from model.events import ArtifactChanged, EntryChanged, TraceEvent
 from model.machines import ACTIVATION, LIFECYCLE
 from model.records import ActivePointer, ArtifactRecord, LedgerEntry
 
-Kind = Literal["always", "step", "eventually"]
+Kind = Literal["always", "step", "rest", "eventually"]
 
 # at which stage each failure state must be recorded (spec knowledge, not the machine's)
 FAILURE_STAGES: dict[str, frozenset[str]] = {
@@ -561,10 +565,10 @@ INVARIANTS: tuple[Invariant, ...] = (
     ),
     Invariant(
         "failed_version_quarantined",
-        "eventually",
-        "liveness",
-        "Once everything is delivered, no rollout of a version that failed activation (and "
-        "never became active) is still open: it was quarantined.",
+        "rest",
+        "activation",
+        "Between calls, no rollout of a version that failed activation (and never became "
+        "active) is open: failure quarantines them, and late arrivals are quarantined on add.",
         world_check=_failed_version_quarantined,
     ),
     Invariant(
@@ -599,11 +603,20 @@ def check_step(before: World, events: Sequence[TraceEvent], after: World) -> lis
     return out
 
 
+def check_at_rest(world: World) -> list[Violation]:
+    """Every `always` and `rest` invariant: call this between calls, never inside one."""
+    out = check_world(world)
+    for inv in INVARIANTS:
+        if inv.kind == "rest" and inv.world_check is not None:
+            out.extend(Violation(inv.name, m) for m in inv.world_check(world))
+    return out
+
+
 def check_quiescent(world: World) -> list[Violation]:
-    """Every `eventually` invariant, on a world where nothing is pending any more."""
+    """Every `rest` and `eventually` invariant, on a world where nothing is pending any more."""
     out: list[Violation] = []
     for inv in INVARIANTS:
-        if inv.kind == "eventually" and inv.world_check is not None:
+        if inv.kind in ("rest", "eventually") and inv.world_check is not None:
             out.extend(Violation(inv.name, m) for m in inv.world_check(world))
     return out
 
@@ -665,7 +678,8 @@ def check_trace(
     checked = tuple(
         inv.name
         for inv in INVARIANTS
-        if (with_registry or inv.group != "activation") and (quiescent or inv.kind != "eventually")
+        if (with_registry or inv.group != "activation")
+        and (quiescent or inv.kind not in ("eventually", "rest"))
     )
     return TraceReport(tuple(out), len(steps), len(evs), world, checked)
 

@@ -26,7 +26,15 @@ from model.ledger import ManualClock, RecoveryRule
 from model.machines import LIFECYCLE
 from model.records import AdmissionStamp, Disposition, LedgerEntry, Reward
 from spec.explorer import Property
-from spec.invariants import World, check_quiescent, check_step, check_world, group_by_txn
+from spec.invariants import (
+    Violation,
+    World,
+    check_quiescent,
+    check_reservation,
+    check_step,
+    check_world,
+    group_by_txn,
+)
 
 VERSION = 0
 HASH = "h0"
@@ -158,6 +166,9 @@ class LedgerRaceModel:
             for rid, _rev in ln.snapshot:
                 if rid not in ln.held:
                     yield Act("cas", learner=k, rollout=rid)
+            for e in state.entries:
+                if e.state != "rewarded" and e.reserved_by != ln.update_id:
+                    yield Act("cas_any", learner=k, rollout=e.rollout_id)
             if ln.held:
                 # one retry per learner is enough to exercise idempotency
                 yield Act("retry", learner=k, rollout=ln.held[0])
@@ -182,6 +193,7 @@ class LedgerRaceModel:
             event_log=log,
         )
         learners = list(state.learners)
+        outcome_viol: list[Violation] = []
         k = action.learner
         ln = learners[k] if k >= 0 else None
         kind = action.kind
@@ -224,9 +236,23 @@ class LedgerRaceModel:
                 (e.rollout_id, e.revision) for e in led.snapshot().values() if e.state == "rewarded"
             )
             learners[k] = attrs.evolve(ln, phase="planning", snapshot=snap)
+        elif ln is not None and kind == "cas_any":
+            # a learner that misjudged availability tries a rollout that is not rewarded, with
+            # its current revision: the ledger must refuse and change nothing
+            e = led.get(action.rollout)
+            out = led.reserve(action.rollout, e.revision, ln.update_id, STAMP)
+            outcome_viol.extend(
+                check_reservation(e, ln.update_id, out.reserved, out.reason, out.entry)
+            )
+            if out.reserved:
+                learners[k] = attrs.evolve(ln, held=(*ln.held, action.rollout))
         elif ln is not None and kind == "cas":
             rev = dict(ln.snapshot)[action.rollout]
+            seen = led.find(action.rollout)
             out = led.reserve(action.rollout, rev, ln.update_id, STAMP)
+            outcome_viol.extend(
+                check_reservation(seen, ln.update_id, out.reserved, out.reason, out.entry)
+            )
             self.observed[f"reserve:{out.reason}"] += 1
             if out.reason == ledger_mod.CONFLICT:
                 self.observed["cas_lost"] += 1
@@ -234,7 +260,11 @@ class LedgerRaceModel:
             held = ln.held + ((action.rollout,) if out.reserved else ())
             learners[k] = attrs.evolve(ln, snapshot=snap, held=held)
         elif ln is not None and kind == "retry":
+            seen = led.find(action.rollout)
             out = led.reserve(action.rollout, 0, ln.update_id, STAMP)
+            outcome_viol.extend(
+                check_reservation(seen, ln.update_id, out.reserved, out.reason, out.entry)
+            )
             self.observed[f"reserve:{out.reason}"] += 1
             if out.reason == ledger_mod.IDEMPOTENT:
                 self.observed["idempotent_retry"] += 1
@@ -275,7 +305,7 @@ class LedgerRaceModel:
         )
         before = World(entries={e.rollout_id: e for e in state.entries})
         after = World(entries={e.rollout_id: e for e in entries})
-        viol = tuple(str(v) for v in self._step_violations(before, events, after))
+        viol = tuple(str(v) for v in [*outcome_viol, *self._step_violations(before, events, after)])
         new = LedgerState(entries=entries, learners=tuple(learners), step_violations=viol)
         if new == state:
             return None

@@ -13,6 +13,7 @@ binding), so a mutant of `model.ledger.plan_reserve` also reaches the SQLite bac
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from model import api as api_mod
 from model import coordinator as coord_mod
 from model import gate as gate_mod
 from model import ledger as ledger_mod
@@ -36,7 +38,12 @@ def patch_everywhere(owner: Any, name: str, replacement: Any) -> Iterator[None]:
     touched: list[tuple[Any, str, Any]] = [(owner, name, original)]
     setattr(owner, name, replacement)
     for mod_name, mod in list(sys.modules.items()):
-        if mod is None or mod is owner or not mod_name.startswith(PROJECT_PREFIXES):
+        if (
+            mod is None
+            or mod is owner
+            or mod_name == __name__  # our own references to the originals stay intact
+            or not mod_name.startswith(PROJECT_PREFIXES)
+        ):
             continue
         for attr, value in list(vars(mod).items()):
             if value is original:
@@ -229,7 +236,7 @@ def _drift_over_masked(
 
 # ---- activation mutants ----------------------------------------------------------------------
 
-_real_activate = coord_mod.activate_policy_version
+_real_activate = api_mod.activate_policy_version
 
 
 def _decide(
@@ -308,8 +315,7 @@ def _stamp_at_completion(version_at_dispatch: int, version_at_completion: int) -
 
 @contextlib.contextmanager
 def _stamp_patch() -> Iterator[None]:
-    from stateful_tests import e2e_machine
-
+    e2e_machine = importlib.import_module("stateful_tests.e2e_machine")
     with patch_everywhere(e2e_machine, "stamp_policy", _stamp_at_completion):
         yield
 

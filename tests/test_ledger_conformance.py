@@ -684,3 +684,14 @@ def test_eight_threads_race_for_1000_rollouts(ledger: Ledger) -> None:
     assert st.reservations == n
     assert st.cas_conflicts + st.refused == (k - 1) * n
     assert st.writes == len(ledger.history()) == 2 * n
+
+
+def test_late_rollout_of_a_bad_version_is_quarantined_on_arrival(ledger: Ledger) -> None:
+    """A rollout stamped with a version whose activation failed is quarantined as it is added."""
+    ledger.quarantine_version(7, "distribution failed")
+    e = ledger.add(LedgerEntry(rollout_id="late", behavior_version=7, artifact_hash="h7"))
+    assert e.state == "quarantined" and e.revision == 1
+    assert e.disposition is not None and e.disposition.stage == "activation"
+    assert [ev.event for ev in ledger.history("late")] == ["add", "quarantine"]
+    ok = ledger.add(LedgerEntry(rollout_id="fine", behavior_version=6, artifact_hash="h6"))
+    assert ok.state == "dispatched" and ok.revision == 0
