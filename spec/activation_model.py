@@ -24,8 +24,7 @@ from model import gate as gate_mod
 from model import ledger as ledger_mod
 from model import registry as registry_mod
 from model.errors import ActivationError
-from model.events import ArtifactChanged, EntryChanged, EventLog, TraceEvent
-from model.machines import ACTIVATION, LIFECYCLE
+from model.events import ArtifactChanged, EventLog
 from model.records import (
     ActionEvidence,
     ActivePointer,
@@ -40,6 +39,7 @@ from model.records import (
     WorkerAck,
 )
 from model.registry import WorkerReport
+from spec.coverage import count_edges
 from spec.explorer import Property
 from spec.invariants import (
     World,
@@ -139,7 +139,7 @@ class ActivationModel:
         self.max_lag = max_lag
         self.max_attempts = max_attempts
         self.observed: Counter[str] = Counter()
-        self.edges: Counter[str] = Counter()
+        self.edges: Counter[tuple[str, str]] = Counter()
 
     # ---- building real objects from a state -----------------------------------------------
 
@@ -303,8 +303,8 @@ class ActivationModel:
         except ActivationError:
             return None  # the coordinator refused: nothing changed
         events = log.events()
+        count_edges(events, self.edges)
         for ev in events:
-            self._count_edge(ev)
             if (
                 isinstance(ev, ArtifactChanged)
                 and ev.event == "activate"
@@ -365,15 +365,6 @@ class ActivationModel:
             out = led.reserve(rid, e.revision, "learner", d.stamp())
             if out.reserved:
                 led.commit("learner", [rid])
-
-    def _count_edge(self, ev: TraceEvent) -> None:
-        if ev.before is None:
-            return
-        spec = LIFECYCLE if isinstance(ev, EntryChanged) else ACTIVATION
-        for edge in spec.candidates(ev.before.state, ev.event):
-            if edge.dest == ev.after.state:
-                self.edges[spec.edge_id(edge)] += 1
-                return
 
     # ---- properties --------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from model.events import EntryChanged, EventLog, TraceEvent
 from model.ledger import ManualClock, RecoveryRule
 from model.machines import LIFECYCLE
 from model.records import AdmissionStamp, Disposition, LedgerEntry, Reward
+from spec.coverage import count_edges
 from spec.explorer import Property
 from spec.invariants import (
     Violation,
@@ -121,7 +122,7 @@ class LedgerRaceModel:
         self.allow_crash = allow_crash
         self.allow_failures = allow_failures
         self.observed: Counter[str] = Counter()
-        self.edges: Counter[str] = Counter()
+        self.edges: Counter[tuple[str, str]] = Counter()
 
     # ---- explorer protocol ---------------------------------------------------------------
 
@@ -291,9 +292,9 @@ class LedgerRaceModel:
         else:
             raise ValueError(f"unknown action {action}")
         events = log.events()
+        count_edges(events, self.edges)
         for ev in events:
             if isinstance(ev, EntryChanged) and ev.before is not None:
-                self._count_edge(ev)
                 if ev.event in ("abort", "expire_lease"):
                     self.observed[
                         "abort_quarantined"
@@ -320,13 +321,6 @@ class LedgerRaceModel:
             out.extend(check_step(before, step, mid))
             before = mid
         return out
-
-    def _count_edge(self, ev: EntryChanged) -> None:
-        assert ev.before is not None
-        for edge in LIFECYCLE.candidates(ev.before.state, ev.event):
-            if edge.dest == ev.after.state:
-                self.edges[LIFECYCLE.edge_id(edge)] += 1
-                return
 
     def canonical(self, state: LedgerState) -> Any:
         """States are stored normalised (see `_normalise`), so they are their own canonical form."""

@@ -1,0 +1,53 @@
+# Two commands work on a fresh machine with Python 3.11 and the package index:
+#   make campaign   set everything up, run the main job (fuzz + explore on SQLite)
+#   make test       set everything up, run the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+OUT    ?= campaign-out
+# torch is only needed by the tests that feed tensors to the gate; pin the CPU build
+# (pip takes it from local disk here; an unpinned torch pulls several GB of CUDA)
+TORCH  ?= torch==2.13.0
+
+.PHONY: campaign test setup setup-dev lint demo docs bench clean
+
+$(BIN)/python:
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ needed"'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+setup-dev: $(VENV)/.installed-dev
+
+campaign: setup
+	$(BIN)/rollout-lifecycle campaign --backend sqlite:///$(OUT)/ledger.db --out $(OUT)
+
+test: setup-dev
+	$(BIN)/python -m pytest -q
+
+lint: setup-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check model spec stateful_tests gpu_check cli
+	$(BIN)/mypy
+
+demo: setup
+	$(BIN)/rollout-lifecycle demo
+
+docs: setup
+	$(BIN)/rollout-lifecycle diagram --write-docs docs/diagrams
+
+bench: setup-dev
+	$(BIN)/python benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) $(OUT) .hypothesis .pytest_cache .mypy_cache .ruff_cache
