@@ -37,8 +37,10 @@ EXPLORER_MODELS: dict[str, tuple[ModelFactory, str]] = {
             max_corrupt=0,
             max_duplicates=0,
             max_in_flight=2,
+            max_rollouts=0,
+            max_attempts=1,
         ),
-        "2 workers, 2 new versions (ordering between versions), no faults",
+        "2 workers, 2 new versions (ordering between versions), no faults, no retries",
     ),
     "ledger-small": (
         lambda: LedgerRaceModel(

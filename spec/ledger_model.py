@@ -21,7 +21,7 @@ import attrs
 
 from model import ledger as ledger_mod
 from model.errors import CommitMismatch
-from model.events import EntryChanged, EventLog, TraceEvent
+from model.events import EventLog, TraceEvent
 from model.ledger import ManualClock, RecoveryRule
 from model.machines import LIFECYCLE
 from model.records import AdmissionStamp, Disposition, LedgerEntry, Reward
@@ -35,6 +35,7 @@ from spec.invariants import (
     check_step,
     check_world,
     group_by_txn,
+    sometimes_from_events,
 )
 
 VERSION = 0
@@ -230,8 +231,7 @@ class LedgerRaceModel:
             )
         elif kind == "expire_leases":
             clock.advance(LEASE)
-            if led.expire_leases():
-                self.observed["lease_expired"] += 1
+            led.expire_leases()
         elif ln is not None and kind == "read":
             snap = tuple(
                 (e.rollout_id, e.revision) for e in led.snapshot().values() if e.state == "rewarded"
@@ -293,14 +293,7 @@ class LedgerRaceModel:
             raise ValueError(f"unknown action {action}")
         events = log.events()
         count_edges(events, self.edges)
-        for ev in events:
-            if isinstance(ev, EntryChanged) and ev.before is not None:
-                if ev.event in ("abort", "expire_lease"):
-                    self.observed[
-                        "abort_quarantined"
-                        if ev.after.state == "quarantined"
-                        else ("abort_released" if ev.event == "abort" else "lease_expired")
-                    ] += 1
+        self.observed.update(sometimes_from_events(events))
         entries = tuple(
             _normalise(e) for e in sorted(led.snapshot().values(), key=lambda e: e.rollout_id)
         )
