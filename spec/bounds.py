@@ -26,8 +26,8 @@ EXPLORER_MODELS: dict[str, tuple[ModelFactory, str]] = {
         "2 rollouts from dispatch, 2 learners, every failure path: all lifecycle edges",
     ),
     "activation": (
-        lambda: ActivationModel(n_workers=3, n_versions=1),
-        "3 workers, 1 new version, one crash, one corrupt load, one duplicate, 3 acks in flight",
+        lambda: ActivationModel(n_workers=3, n_versions=1, max_in_flight=2),
+        "3 workers, 1 new version, one crash, one corrupt load, one duplicate, 2 acks in flight",
     ),
     "activation-2v": (
         lambda: ActivationModel(
@@ -49,8 +49,8 @@ EXPLORER_MODELS: dict[str, tuple[ModelFactory, str]] = {
         "2 rollouts, 2 learners: the quick race used in CI",
     ),
     "activation-small": (
-        lambda: ActivationModel(n_workers=2, n_versions=1, max_in_flight=2),
-        "2 workers, 1 new version, one fault of each kind: quick, used in CI",
+        lambda: ActivationModel(n_workers=2, n_versions=1, max_in_flight=2, max_duplicates=0),
+        "2 workers, 1 new version, one crash, one corrupt load: quick, used in CI",
     ),
 }
 
