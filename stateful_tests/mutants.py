@@ -64,9 +64,10 @@ class Mutant:
     description: str
     peer_bug: int | None
     patch: Callable[[], contextlib.AbstractContextManager[None]]
-    # which checkers can reach it: 'fuzz' and/or 'explore' (and which explorer model)
+    # which checkers can reach it: 'fuzz' and/or 'explore', with which machine / model
     reach: tuple[str, ...] = ("fuzz", "explore")
     explorer_model: str = "ledger"
+    fuzz_machine: str = "ledger"
 
     def __call__(self) -> contextlib.AbstractContextManager[None]:
         return self.patch()
@@ -365,6 +366,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         _simple(gate_mod, "classify_lag", _off_by_one_lag),
         reach=("fuzz", "explore"),
         explorer_model="activation",
+        fuzz_machine="e2e",
     ),
     Mutant(
         "drift_over_masked",
@@ -372,6 +374,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         8,
         _simple(gate_mod, "assess_arrays", _drift_over_masked),
         reach=("fuzz",),
+        fuzz_machine="e2e",
     ),
     Mutant(
         "version_before_load",
@@ -379,6 +382,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         3,
         _simple(coord_mod, "activate_policy_version", _version_before_load),
         explorer_model="activation",
+        fuzz_machine="activation",
     ),
     Mutant(
         "success_without_all_acks",
@@ -386,6 +390,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         4,
         _simple(coord_mod, "activate_policy_version", _success_without_all_acks),
         explorer_model="activation",
+        fuzz_machine="activation",
     ),
     Mutant(
         "stale_ack_counted",
@@ -393,6 +398,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         12,
         _simple(coord_mod, "activate_policy_version", _stale_ack_counted),
         explorer_model="activation",
+        fuzz_machine="activation",
     ),
     Mutant(
         "restart_ack_counted",
@@ -400,6 +406,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         11,
         _simple(coord_mod, "judge_ack", _ignore_incarnation),
         explorer_model="activation",
+        fuzz_machine="activation",
     ),
     Mutant(
         "no_quarantine_on_failure",
@@ -407,6 +414,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         5,
         _no_quarantine_on_failure,
         explorer_model="activation",
+        fuzz_machine="activation",
     ),
     Mutant(
         "non_monotonic_activation",
@@ -414,6 +422,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         None,
         _simple(coord_mod, "activate_policy_version", _non_monotonic),
         explorer_model="activation-2v",
+        fuzz_machine="activation",
     ),
     Mutant(
         "version_stamped_at_completion",
@@ -421,6 +430,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         7,
         _stamp_patch,
         reach=("fuzz",),
+        fuzz_machine="e2e",
     ),
 )
 
