@@ -30,7 +30,7 @@ setup: $(VENV)/.installed
 setup-dev: $(VENV)/.installed-dev
 
 campaign: setup
-	$(BIN)/rollout-lifecycle campaign --backend sqlite:///$(OUT)/ledger.db --out $(OUT)
+	$(BIN)/rollout-lifecycle campaign --backend sqlite --out $(OUT)
 
 test: setup-dev
 	$(BIN)/python -m pytest -q

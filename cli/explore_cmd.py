@@ -18,7 +18,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from cli.output import progress_printer, write_json_atomic
+from cli.output import make_console, progress_printer, write_json_atomic
 from spec.bounds import EXPLORER_MODELS, README_MODELS
 from spec.coverage import coverage_json, uncovered
 from spec.explorer import ExplorationResult, ExploreProgress
@@ -145,13 +145,13 @@ def explore(
     quiet: bool,
 ) -> None:
     """Explore every interleaving of the protocol models and check the spec's invariants."""
-    console = Console(stderr=False)
+    console = make_console()
     if list_models:
         for name, (_f, about) in EXPLORER_MODELS.items():
             console.print(f"[bold]{name}[/]: {about}")
         return
     names = list(models) or list(README_MODELS)
-    err = Console(stderr=True)
+    err = make_console(stderr=True)
     report = explore_models(
         names, max_states=max_states, show_progress=not quiet and sys.stderr.isatty(), console=err
     )

@@ -45,3 +45,11 @@ def progress_printer(
             console.print(f"[dim]{label}: {text}[/]", highlight=False)
 
     return tick
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A console that is wide enough for the report tables even when piped to a file."""
+    import sys
+
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else 120)

@@ -55,3 +55,11 @@ EXPLORER_MODELS: dict[str, tuple[ModelFactory, str]] = {
 }
 
 README_MODELS = ("lifecycle", "ledger", "activation", "activation-2v")
+
+# CI-sized stand-ins for each model name a mutant may name (tests and `mutants` use these)
+CI_MODELS: dict[str, str] = {
+    "ledger": "lifecycle",
+    "lifecycle": "lifecycle",
+    "activation": "activation-small",
+    "activation-2v": "activation-2v",
+}

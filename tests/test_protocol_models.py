@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from model.machines import ACTIVATION, LIFECYCLE
-from spec.bounds import EXPLORER_MODELS
+from spec.bounds import CI_MODELS, EXPLORER_MODELS
 from spec.explorer import explore
 from stateful_tests.mutants import CATALOGUE
 
@@ -18,9 +18,6 @@ PINNED = {
     "activation-2v": 1723,
 }
 
-# CI-sized stand-ins for the README bounds, per mutant's explorer model
-SMALL = {"ledger": "lifecycle", "lifecycle": "lifecycle", "activation": "activation-small",
-         "activation-2v": "activation-2v"}
 
 
 @pytest.mark.parametrize("name", sorted(PINNED))
@@ -53,7 +50,7 @@ def test_explorer_kills_mutant(mutant: object) -> None:
 
     assert isinstance(mutant, Mutant)
     with mutant():
-        model = EXPLORER_MODELS[SMALL[mutant.explorer_model]][0]()
+        model = EXPLORER_MODELS[CI_MODELS[mutant.explorer_model]][0]()
         res = explore(model)
     assert res.violations, f"{mutant.name} survived the explorer"
     assert len(res.violations[0].trace) <= 20

@@ -1,0 +1,87 @@
+"""`mutants`: run the mutation catalogue and show who killed what.
+
+Each mutant is a realistic protocol bug (most of them shipped by a peer framework) injected
+by patching model/ at run time. The table says, per mutant, whether the fuzzer killed it and
+after how many examples, whether the explorer killed it and after how many states, and how
+long each took. Any survivor makes the command exit 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from cli.output import make_console, progress_printer, write_json_atomic
+from stateful_tests.mutants import BY_NAME, CATALOGUE
+from stateful_tests.mutation import MutantResult, run_catalogue, summary
+
+
+def _cell(k: object) -> str:
+    from stateful_tests.mutation import Kill
+
+    assert isinstance(k, Kill)
+    if k.killed is None:
+        return "n/a"
+    if not k.killed:
+        return f"[bold red]SURVIVED[/] ({k.effort:,} {k.unit})"
+    return f"{k.effort:,} {k.unit}, {k.seconds:.1f}s"
+
+
+def print_mutants(results: list[MutantResult], console: Console) -> None:
+    """One row per mutant, then kill rates and median time to kill."""
+    table = Table(title="mutation catalogue")
+    for col in ("mutant", "peer bug", "killed by", "fuzzer", "explorer"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(r.name, "-" if r.peer_bug is None else f"#{r.peer_bug}",
+                      ", ".join(r.killed_by) or "[bold red]nobody[/]",
+                      _cell(r.fuzz), _cell(r.explore))
+    console.print(table)
+    s = summary(results)
+    for checker in ("fuzz", "explore"):
+        c = s[checker]
+        console.print(f"{checker}: killed {c['killed']}/{c['reached']} it reaches; median "
+                      f"time to kill {c['median_seconds_to_kill']}s")
+    console.print(f"killed by at least one checker: {s['killed_by_any']}/{s['mutants']}")
+
+
+@click.command("mutants")
+@click.option("--only", "only", multiple=True, type=click.Choice(sorted(BY_NAME)),
+              help="Run only these mutants (repeatable).")
+@click.option("--checker", type=click.Choice(["both", "fuzz", "explore"]), default="both",
+              show_default=True)
+@click.option("--examples", type=click.IntRange(min=1), default=300, show_default=True,
+              help="Fuzzer examples per mutant before it counts as a survivor.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=None, help="Keep the fuzzer's work files (failing programs) here.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="Write the results as JSON here.")
+def mutants(only: tuple[str, ...], checker: str, examples: int, seed: int,
+            out_dir: Path | None, json_out: Path | None) -> None:
+    """Kill every mutant of the catalogue with the fuzzer and the explorer."""
+    chosen = [BY_NAME[n] for n in only] if only else list(CATALOGUE)
+    console, err = make_console(), make_console(stderr=True)
+    tick = progress_printer(err, "mutants", every_s=0.0) if sys.stderr.isatty() else None
+
+    def on_result(r: MutantResult) -> None:
+        if tick is not None:
+            tick(f"{r.name}: killed by {', '.join(r.killed_by) or 'nobody'}")
+
+    results = run_catalogue(chosen, fuzz=checker in ("both", "fuzz"),
+                            explorer=checker in ("both", "explore"), seed=seed,
+                            max_examples=examples, workdir=out_dir, on_result=on_result)
+    print_mutants(results, console)
+    if json_out is not None:
+        write_json_atomic(json_out, {"results": [r.to_json() for r in results],
+                                     "summary": summary(results)})
+        console.print(f"results written to {json_out}")
+    if any(r.survived for r in results):
+        raise click.exceptions.Exit(1)
+
+
+__all__ = ["mutants", "print_mutants"]

@@ -1,0 +1,203 @@
+"""Kill the mutation catalogue: each mutant against the fuzzer and against the explorer.
+
+A mutant is killed when the checker reports a failure while the mutant is active: a spec
+invariant, the reference model, or a ghost check. The fuzzer runs the mutant's machine with
+a fixed seed (deterministic, so "examples until the kill" is a repeatable figure); the
+explorer runs the mutant's model at CI bounds (so "states until the kill" is too).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from spec.bounds import CI_MODELS, EXPLORER_MODELS
+from spec.explorer import explore
+from stateful_tests.mutants import CATALOGUE, Mutant
+from stateful_tests.runner import run_campaign
+
+
+@attrs.frozen
+class Kill:
+    """One checker's verdict on one mutant; `killed` is None when its bounds cannot reach it."""
+
+    checker: str
+    killed: bool | None
+    effort: int | None
+    unit: str
+    seconds: float
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able dict."""
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class MutantResult:
+    """Both verdicts on one mutant."""
+
+    name: str
+    description: str
+    peer_bug: int | None
+    fuzz: Kill
+    explore: Kill
+
+    @property
+    def killed_by(self) -> tuple[str, ...]:
+        """Checkers that killed it."""
+        return tuple(k.checker for k in (self.fuzz, self.explore) if k.killed)
+
+    @property
+    def survived(self) -> bool:
+        """True when a checker that reaches the mutant did not kill it."""
+        return any(k.killed is False for k in (self.fuzz, self.explore))
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able dict."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "peer_bug": self.peer_bug,
+            "killed_by": list(self.killed_by),
+            "fuzz": self.fuzz.to_json(),
+            "explore": self.explore.to_json(),
+        }
+
+
+def _first_line(text: str) -> str:
+    """The failure's headline (Hypothesis appends its explanation after it)."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[0][:300] if lines else ""
+
+
+def fuzz_kill(
+    mutant: Mutant,
+    *,
+    workdir: Path,
+    seed: int = 0,
+    max_examples: int = 300,
+    steps: int | None = None,
+    profile: str = "ci",
+    backend: str = "memory",
+) -> Kill:
+    """Run the mutant's machine with a fixed seed until the first failure or the cap."""
+    if "fuzz" not in mutant.reach:
+        return Kill("fuzz", None, None, "examples", 0.0, "outside the fuzzer's machines")
+    t0 = time.perf_counter()
+    report = run_campaign(
+        [mutant.fuzz_machine],
+        backend,
+        examples=max_examples,
+        seed=seed,
+        profile=profile,
+        steps=steps,
+        workdir=workdir,
+        mutant=mutant(),
+        mutant_name=mutant.name,
+    )
+    run = report.runs[mutant.fuzz_machine]
+    seconds = time.perf_counter() - t0
+    if run.failure is None:
+        return Kill(
+            "fuzz",
+            False,
+            run.examples,
+            "examples",
+            seconds,
+            f"survived {run.examples} examples of {mutant.fuzz_machine}",
+        )
+    return Kill(
+        "fuzz",
+        True,
+        run.examples_until_failure,
+        "examples",
+        seconds,
+        _first_line(run.failure.exception),
+    )
+
+
+def explore_kill(
+    mutant: Mutant, *, readme_bounds: bool = False, max_states: int | None = None
+) -> Kill:
+    """Explore the mutant's model (CI bounds by default) until the first violation."""
+    if "explore" not in mutant.reach:
+        return Kill("explore", None, None, "states", 0.0, "not in the explorer's abstraction")
+    name = mutant.explorer_model if readme_bounds else CI_MODELS[mutant.explorer_model]
+    t0 = time.perf_counter()
+    with mutant():
+        model = EXPLORER_MODELS[name][0]()
+        res = explore(model, max_states=max_states)
+    seconds = time.perf_counter() - t0
+    if not res.violations:
+        return Kill(
+            "explore",
+            False,
+            res.distinct_states,
+            "states",
+            seconds,
+            f"no violation in {res.distinct_states} states of {name}",
+        )
+    cex = res.violations[0]
+    detail = f"{cex.property_name} after {len(cex.actions)} steps ({name})"
+    return Kill("explore", True, res.distinct_states, "states", seconds, detail)
+
+
+def run_catalogue(
+    mutants: Sequence[Mutant] = CATALOGUE,
+    *,
+    fuzz: bool = True,
+    explorer: bool = True,
+    seed: int = 0,
+    max_examples: int = 300,
+    workdir: Path | None = None,
+    on_result: Callable[[MutantResult], None] | None = None,
+) -> list[MutantResult]:
+    """Every mutant against the chosen checkers, in catalogue order."""
+    out = []
+    with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
+        base = Path(workdir) if workdir is not None else Path(tmp)
+        for m in mutants:
+            fz = (
+                fuzz_kill(m, workdir=base / m.name, seed=seed, max_examples=max_examples)
+                if fuzz
+                else Kill("fuzz", None, None, "examples", 0.0, "not run")
+            )
+            ex = (
+                explore_kill(m)
+                if explorer
+                else Kill("explore", None, None, "states", 0.0, "not run")
+            )
+            res = MutantResult(m.name, m.description, m.peer_bug, fz, ex)
+            if on_result is not None:
+                on_result(res)
+            out.append(res)
+    return out
+
+
+def summary(results: Sequence[MutantResult]) -> dict[str, Any]:
+    """Kill rate and median time to kill, per checker."""
+    out: dict[str, Any] = {"mutants": len(results)}
+    for checker in ("fuzz", "explore"):
+        kills = [getattr(r, checker) for r in results]
+        reached = [k for k in kills if k.killed is not None]
+        killed = [k for k in reached if k.killed]
+        out[checker] = {
+            "reached": len(reached),
+            "killed": len(killed),
+            "median_seconds_to_kill": round(statistics.median(k.seconds for k in killed), 3)
+            if killed
+            else None,
+            "median_effort_to_kill": statistics.median(k.effort or 0 for k in killed)
+            if killed
+            else None,
+        }
+    out["survivors"] = [r.name for r in results if r.survived]
+    out["killed_by_any"] = sum(1 for r in results if r.killed_by)
+    return out
