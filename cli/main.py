@@ -12,7 +12,14 @@ from importlib import metadata
 
 import click
 
+from cli.admit_cmd import admit
+from cli.campaign_cmd import campaign
+from cli.demo_cmd import demo
 from cli.diagram_cmd import diagram
+from cli.explore_cmd import explore
+from cli.fuzz_cmd import fuzz
+from cli.ledger_cmd import ledger
+from cli.mutants_cmd import mutants
 from model.errors import RolloutLifecycleError
 
 
@@ -38,32 +45,8 @@ def version() -> None:
     click.echo(f"python {sys.version.split()[0]}")
 
 
-cli.add_command(diagram)
-
-
-def _register_optional() -> None:
-    """Commands whose modules land in separate steps are registered when present."""
-    import importlib
-
-    for mod, name in [
-        ("cli.admit_cmd", "admit"),
-        ("cli.ledger_cmd", "ledger"),
-        ("cli.demo_cmd", "demo"),
-        ("cli.fuzz_cmd", "fuzz"),
-        ("cli.explore_cmd", "explore"),
-        ("cli.mutants_cmd", "mutants"),
-        ("cli.campaign_cmd", "campaign"),
-    ]:
-        try:
-            module = importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            if exc.name == mod:
-                continue
-            raise
-        cli.add_command(getattr(module, name))
-
-
-_register_optional()
+for command in (campaign, fuzz, explore, mutants, admit, ledger, demo, diagram):
+    cli.add_command(command)
 
 
 def main() -> None:
