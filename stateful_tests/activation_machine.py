@@ -1,0 +1,671 @@
+"""Two-phase activation over a faulty network, as a Hypothesis rule-based machine.
+
+The network is rules: a worker loads the version being distributed and puts its ack
+(version, hash it really read, incarnation, seq, attempt) into a bag; acks are delivered,
+dropped, duplicated or left in the bag (delay) in any order, so acks of older versions and
+attempts arrive late. Workers load corrupt bytes, crash and restart (the coordinator hears
+of the restart synchronously: a worker re-registers before it does anything else, while
+its old acks may still be in the bag), and generate rollouts with whatever they loaded.
+
+A reference model (plain dicts) predicts every coordinator answer: artifact states, the
+pointer, how each ack is judged, whether an activation attempt succeeds and why not. The
+ghost truth per worker checks that a version becomes active only when every required worker
+truly holds it. Liveness is checked on a rebuilt copy (`quiescence.quiesce_copy`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import model.coordinator as coord_mod
+import model.gate as gate_mod
+from model.errors import ActivationError, IllegalTransition
+from model.ledger import ManualClock, RecoveryRule
+from model.machines import ACTIVATION
+from model.records import Disposition, WorkerAck
+from spec.invariants import Violation
+from stateful_tests.backends import Stack, close_stack, open_stack, reopen_stack
+from stateful_tests.builders import (
+    CONDITIONS,
+    REWARD,
+    artifact_hash,
+    corrupt_hash,
+    current_log_probs,
+    expected_reason,
+    make_rollout,
+)
+from stateful_tests.quiescence import quiesce_copy
+from stateful_tests.recording import (
+    Recorder,
+    TraceChecker,
+    check_snapshot,
+    counted,
+    raise_violations,
+    world_of,
+)
+from stateful_tests.workers import ReportRef, WorkerTruth, activation_ghost_violations
+
+WORKERS = ("w0", "w1")
+MAX_VERSIONS = 12
+MAX_BAG = 6
+MAX_ROLLOUTS = 8
+MAX_LAG = 1
+MAX_DRIFT = 0.2
+LEASE = 10.0
+RESTART_SPACING = 12
+INVARIANT_NAMES = ("spec_holds",)
+# events a probe may try on any version; the reference says whether they must be refused
+PROBE_EVENTS = (
+    "commit_artifact",
+    "fail_commit",
+    "distribute",
+    "retry",
+    "fail_distribution",
+    "abandon",
+    "prepare",
+    "try_activate",
+    "rollback",
+)
+ADVANCING = ("prepared", "committed", "awaiting_acks", "distribution_failed")
+# the step `advance` takes from each pending state: (normal, failed)
+NEXT_EVENT = {
+    "prepared": ("commit_artifact", "fail_commit"),
+    "committed": ("distribute", "abandon"),
+    "awaiting_acks": ("activate", "fail_distribution"),
+    "distribution_failed": ("retry", "abandon"),
+}
+FAILURE_EVENTS = ("fail_commit", "fail_distribution", "abandon")
+
+picks = st.integers(min_value=0, max_value=7)
+worker_ids = st.sampled_from(WORKERS)
+
+
+@attrs.define
+class RefArtifact:
+    """The reference model of one artifact record."""
+
+    state: str
+    hash: str | None
+    rollback: int | None
+    attempts: int = 0
+
+
+@attrs.define
+class RefRollout:
+    """The reference model of one ledger entry (the parts activation touches)."""
+
+    state: str
+    revision: int
+    version: int
+
+
+class ActivationMachine(RuleBasedStateMachine):
+    """Coordinator, registry and ledger over one trace; workers and a network of acks."""
+
+    backend: ClassVar[str] = "memory"
+    recorder: ClassVar[Recorder]
+    workdir: ClassVar[Path | None] = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recorder.start_example()
+        self.step_no = 0
+        self.tmp = Path(tempfile.mkdtemp(prefix="activation-machine-", dir=self.workdir))
+        self.clock = ManualClock(0.0)
+        self.options: dict[str, Any] = {
+            "lease_seconds": LEASE,
+            "recovery": RecoveryRule(),
+            "require_admission": True,
+        }
+        self.stack: Stack = open_stack(self.backend, self.tmp, self.clock, WORKERS, **self.options)
+        self.truth = {w: WorkerTruth() for w in WORKERS}
+        self.reports = {w: ReportRef() for w in WORKERS}
+        self.bag: list[WorkerAck] = []
+        self.arts: dict[int, RefArtifact] = {}
+        self.pointer: tuple[int, str] | None = None
+        self.rollouts: dict[str, RefRollout] = {}
+        self.failed: set[int] = set()
+        self.updates = 0
+        self.reopened_at = 0
+        self.restarted_at = 0
+        self.checker = TraceChecker(self.recorder, with_registry=True)
+        self._bootstrap()
+
+    @property
+    def coord(self) -> coord_mod.ActivationCoordinator:
+        """The live coordinator (a new one after each reopen)."""
+        return self.stack.coordinator
+
+    def _bootstrap(self) -> None:
+        """v0 active on every worker, so the first rules already race a running system."""
+        self._apply(0, "prepare")
+        self._apply(0, "commit_artifact")
+        self._apply(0, "distribute")
+        for w in WORKERS:
+            self._deliver(self.truth[w].ack(w, 0, artifact_hash(0), self.arts[0].attempts))
+        self._try_activate(0)
+
+    # ---- reference-model helpers ---------------------------------------------------------
+
+    def _versions(self, *states: str) -> list[int]:
+        return sorted(v for v, a in self.arts.items() if not states or a.state in states)
+
+    def _pick(self, pick: int, *states: str) -> int:
+        vs = self._versions(*states)
+        return vs[pick % len(vs)]
+
+    def _awaiting(self) -> int | None:
+        vs = self._versions("awaiting_acks")
+        return vs[0] if vs else None
+
+    def _ever_active(self) -> dict[int, str]:
+        return {
+            v: a.hash
+            for v, a in self.arts.items()
+            if a.state in ("active", "superseded", "rolled_back") and a.hash is not None
+        }
+
+    def _expect(self, v: int, event: str) -> type[Exception] | None:
+        """The refusal the coordinator must raise for `event` on `v`, or None if legal."""
+        if event == "prepare":
+            top = max(self.arts, default=None)
+            return ActivationError if top is not None and v <= top else None
+        a = self.arts.get(v)
+        if a is None:
+            return ActivationError
+        # one distribution at a time: judged before the machine is asked about the event
+        if event in ("distribute", "retry") and any(
+            u != v for u in self._versions("awaiting_acks")
+        ):
+            return ActivationError
+        if not ACTIVATION.is_legal(a.state, event):
+            return IllegalTransition
+        return None
+
+    def _apply(self, v: int, event: str) -> None:
+        """Perform one coordinator call whose refusal (or success) the reference predicts."""
+        want = self._expect(v, event)
+        try:
+            self._call(v, event)
+        except (ActivationError, IllegalTransition) as exc:
+            if want is None or not isinstance(exc, want):
+                raise self.recorder.fail(
+                    f"{event}(v{v}) raised {type(exc).__name__}: {exc}; the reference "
+                    f"expects {'success' if want is None else want.__name__}"
+                ) from None
+            return
+        if want is not None:
+            raise self.recorder.fail(f"{event}(v{v}) succeeded; expected {want.__name__}")
+        self._ref_apply(v, event)
+
+    def _call(self, v: int, event: str) -> None:
+        c = self.coord
+        if event == "prepare":
+            c.prepare(v)
+        elif event == "commit_artifact":
+            c.commit_artifact(v, artifact_hash(v))
+        elif event == "fail_commit":
+            c.fail_commit(v, "write_failed")
+        elif event == "distribute":
+            c.distribute(v)
+        elif event == "retry":
+            c.retry(v)
+        elif event == "fail_distribution":
+            c.fail_distribution(v, "ack_timeout")
+        elif event == "abandon":
+            c.abandon(v, "operator")
+        else:
+            raise ValueError(f"no coordinator call for {event!r}")
+
+    def _ref_apply(self, v: int, event: str) -> None:
+        if event == "prepare":
+            self.arts[v] = RefArtifact(
+                "prepared", None, None if self.pointer is None else self.pointer[0]
+            )
+            return
+        a = self.arts[v]
+        a.state = ACTIVATION.next_state(a.state, event)
+        if event == "commit_artifact":
+            a.hash = artifact_hash(v)
+        elif event in ("distribute", "retry"):
+            a.attempts += 1
+        elif event in FAILURE_EVENTS:
+            self.failed.add(v)
+            for r in self.rollouts.values():
+                if r.version == v and r.state in ("generated", "rewarded"):
+                    r.state, r.revision = "quarantined", r.revision + 1
+
+    def _deliver(self, ack: WorkerAck) -> None:
+        ref = self.reports[ack.worker_id]
+        want = ref.expect(ack)
+        got = self.coord.record_ack(ack)
+        self.recorder.checked(["ack_judged_as_reference"])
+        if got.reason != want or got.counted != (want == "counted"):
+            raise self.recorder.fail(
+                f"ack {ack} judged ({got.counted}, {got.reason!r}); reference: {want!r} "
+                f"(floor {ref.floor}, latest {ref.latest})"
+            )
+        if want == "counted":
+            ref.latest = ack
+        elif want == "stale_incarnation":
+            self.recorder.reached("restart_ack_refused")
+        else:
+            self.recorder.reached("stale_ack_refused")
+
+    def _try_activate(self, v: int) -> None:
+        a = self.arts[v]
+        reason = self._expect_activation(v)
+        res = self.coord.try_activate(v)
+        self.recorder.checked(["activation_as_reference"])
+        if res.activated != (reason == "activated") or res.reason != reason:
+            raise self.recorder.fail(
+                f"try_activate(v{v}) gave ({res.activated}, {res.reason!r}); the reference "
+                f"expects {reason!r} (acks {self._latest_summary()})"
+            )
+        if res.activated:
+            if self.pointer is not None:
+                self.arts[self.pointer[0]].state = "superseded"
+            a.state = "active"
+            assert a.hash is not None
+            self.pointer = (v, a.hash)
+            for t in self.truth.values():
+                t.serving = t.loaded
+        elif reason == "worker_mismatch" and any(
+            (r := self.reports[w].latest) is not None and r.version < v for w in WORKERS
+        ):
+            self.recorder.reached("stale_ack_refused")
+
+    def _expect_activation(self, v: int) -> str:
+        a = self.arts[v]
+        if a.state != "awaiting_acks":
+            return "artifact_not_committed" if a.hash is None else "not_awaiting_acks"
+        if self.pointer is not None and v <= self.pointer[0]:
+            return "non_monotonic_version"
+        counted = {
+            w: r.latest
+            for w, r in self.reports.items()
+            if r.latest is not None and (r.latest.version != v or r.latest.attempt == a.attempts)
+        }
+        if any(w not in counted for w in WORKERS):
+            return "missing_worker_ack"
+        if any((ack.version, ack.artifact_hash) != (v, a.hash) for ack in counted.values()):
+            return "worker_mismatch"
+        return "activated"
+
+    def _latest_summary(self) -> str:
+        return ", ".join(
+            f"{w}: {None if r.latest is None else (r.latest.version, r.latest.attempt)}"
+            for w, r in self.reports.items()
+        )
+
+    # ---- the artifact's life ---------------------------------------------------------------
+
+    @rule(gap=st.sampled_from([1, 2]))
+    @precondition(
+        lambda self: (
+            len(self.arts) < MAX_VERSIONS
+            and len(self._versions("prepared", "committed", "awaiting_acks")) < 2
+        )
+    )
+    @counted
+    def prepare(self, gap: int) -> None:
+        """A new, higher version (maybe skipping a number) while another may be pending."""
+        self._apply(max(self.arts) + gap, "prepare")
+
+    @rule()
+    @precondition(lambda self: bool(self._versions(*ADVANCING)) or len(self.arts) < MAX_VERSIONS)
+    @counted
+    def advance(self) -> None:
+        """The healthy system takes its next step: the happy path, one call at a time.
+
+        With a version awaiting acks: the learner prepares its next version if none is
+        pending, else the next worker that has not answered this attempt loads and acks,
+        else the oldest ack in flight is delivered, else activation is tried. Otherwise the
+        oldest pending version moves on (distribute, commit, retry), or a new version is
+        prepared; a newer version goes ahead of a failed older one, which is how a retried
+        version ends up older than the pointer. This is the first rule Hypothesis tries, so
+        its simplest programs are whole activations and faults are what the search adds.
+        """
+        v = self._awaiting()
+        idle_learner = not self._versions(*ADVANCING[:2], "distribution_failed")
+        if v is not None and idle_learner and self._room():
+            # the learner keeps training while weights are distributed: next version
+            self._apply(max(self.arts) + 1, "prepare")
+            return
+        if v is not None:
+            attempt = self.arts[v].attempts
+            for w in WORKERS:
+                sent = self.truth[w].last_sent
+                answered = sent is not None and (sent.version, sent.attempt) == (v, attempt)
+                if not answered and len(self.bag) < MAX_BAG:
+                    self._load(w, v, corrupt=False)
+                    return
+            if self.bag:
+                self._deliver(self.bag.pop(0))
+            else:
+                self._try_activate(v)
+            return
+        for state in ("committed", "prepared", "distribution_failed"):
+            pending = self._versions(state)
+            if pending:
+                self._apply(pending[0], NEXT_EVENT[state][False])
+                return
+        self._apply(max(self.arts) + 1, "prepare")
+
+    def _room(self) -> bool:
+        return len(self.arts) < MAX_VERSIONS
+
+    @rule(pick=picks)
+    @precondition(lambda self: bool(self._versions(*ADVANCING)))
+    @counted
+    def fail(self, pick: int) -> None:
+        """The next step of a pending version fails: its write, its distribution, or the
+        operator gives it up (a committed or failed version is abandoned)."""
+        v = self._pick(pick, *ADVANCING)
+        self._apply(v, NEXT_EVENT[self.arts[v].state][True])
+
+    @rule(pick=picks, event=st.sampled_from(PROBE_EVENTS))
+    @counted
+    def probe(self, pick: int, event: str) -> None:
+        """A request the reference predicts the answer to, on any version: refusals mostly.
+
+        Illegal events must raise and change nothing; 'prepare' reuses an old version number;
+        'try_activate' on a version not awaiting acks must refuse; 'rollback' without a
+        superseded target must refuse. Legal events are left to `advance`.
+        """
+        v = self._pick(pick)
+        if event == "prepare":
+            self._apply(v, "prepare")
+        elif event == "try_activate":
+            self._try_activate(v)
+        elif event == "rollback":
+            self._rollback()
+        elif self._expect(v, event) is not None:
+            self._apply(v, event)
+
+    # ---- workers and the network -------------------------------------------------------------
+
+    @rule(worker=worker_ids, corrupt=st.sampled_from([False] * 5 + [True]))
+    @precondition(lambda self: self._awaiting() is not None and len(self.bag) < MAX_BAG)
+    @counted
+    def load(self, worker: str, corrupt: bool) -> None:
+        """The worker answers the distribution: loads (maybe corrupt bytes), acks into the bag."""
+        v = self._awaiting()
+        assert v is not None
+        self._load(worker, v, corrupt=corrupt)
+
+    def _load(self, worker: str, v: int, *, corrupt: bool) -> None:
+        ack = self.truth[worker].answer(
+            worker, v, artifact_hash(v), corrupt_hash(v), self.arts[v].attempts, corrupt=corrupt
+        )
+        self.bag.append(ack)
+
+    @rule(pick=picks)
+    @precondition(lambda self: bool(self.bag))
+    @counted
+    def deliver(self, pick: int) -> None:
+        """An ack in flight arrives (any one: the network reorders; the rest are delayed)."""
+        self._deliver(self.bag.pop(pick % len(self.bag)))
+
+    @rule(pick=picks, duplicate=st.booleans())
+    @precondition(lambda self: bool(self.bag))
+    @counted
+    def network_fault(self, pick: int, duplicate: bool) -> None:
+        """The network drops an ack, or will deliver it twice."""
+        i = pick % len(self.bag)
+        if duplicate and len(self.bag) < MAX_BAG:
+            self.bag.append(self.bag[i])
+        else:
+            self.bag.pop(i)
+
+    @rule(worker=worker_ids)
+    @precondition(lambda self: self.step_no - self.restarted_at >= RESTART_SPACING)
+    @counted
+    def restart(self, worker: str) -> None:
+        """The worker crashes and comes back empty; it re-registers before anything else."""
+        self.restarted_at = self.step_no
+        t = self.truth[worker]
+        t.restart()
+        report = self.coord.worker_restarted(worker, t.incarnation)
+        ref = self.reports[worker]
+        ref.restarted(t.incarnation)
+        if (report.floor, report.ack) != (ref.floor, ref.latest):
+            raise self.recorder.fail(
+                f"worker_restarted({worker}, {t.incarnation}) left floor {report.floor}, ack "
+                f"{report.ack}; the reference expects floor {ref.floor}, ack {ref.latest}"
+            )
+
+    @rule(worker=worker_ids)
+    @precondition(
+        lambda self: self._awaiting() is not None and not any(t.broken for t in self.truth.values())
+    )
+    @counted
+    def break_worker(self, worker: str) -> None:
+        """A fault starts: this worker's loads come out corrupt until it restarts."""
+        self.truth[worker].broken = True
+
+    # ---- rollback ------------------------------------------------------------------------------
+
+    @rule()
+    @precondition(lambda self: self._can_roll_back())
+    @counted
+    def rollback(self) -> None:
+        """An explicit rollback to the active version's recorded rollback pointer."""
+        self._rollback()
+
+    def _can_roll_back(self) -> bool:
+        if self.pointer is None:
+            return False
+        target = self.arts[self.pointer[0]].rollback
+        return target is not None and self.arts[target].state == "superseded"
+
+    def _rollback(self) -> None:
+        """Roll back, or (with no superseded target) check the refusal changes nothing."""
+        if not self._can_roll_back():
+            try:
+                self.coord.rollback()
+            except ActivationError:
+                return
+            raise self.recorder.fail("rollback succeeded without a superseded rollback target")
+        assert self.pointer is not None
+        cur = self.arts[self.pointer[0]]
+        assert cur.rollback is not None
+        target = self.arts[cur.rollback]
+        got = self.coord.rollback()
+        cur.state = "rolled_back"
+        target.state = "active"
+        assert target.hash is not None
+        self.pointer = (cur.rollback, target.hash)
+        if (got.version, got.artifact_hash) != self.pointer:
+            raise self.recorder.fail(f"rollback returned {got}; expected {self.pointer}")
+        self.recorder.reached("rollback")
+
+    # ---- rollouts generated on whatever a worker loaded ------------------------------------
+
+    @rule(worker=worker_ids)
+    @precondition(
+        lambda self: (
+            len(self.rollouts) < MAX_ROLLOUTS
+            and any(t.loaded is not None for t in self.truth.values())
+        )
+    )
+    @counted
+    def generate(self, worker: str) -> None:
+        """A worker generates with what it loaded (maybe a version still being distributed);
+        the rollout waits for its reward, so a failed version catches it in `generated`."""
+        t = self.truth[worker]
+        if t.loaded is None:
+            t = next(x for x in self.truth.values() if x.loaded is not None)
+        assert t.loaded is not None
+        v, h = t.loaded
+        rid = f"r{len(self.rollouts)}"
+        entry = make_rollout(rid, len(self.rollouts), v, h).entry()
+        entry = attrs.evolve(entry, state="generated")
+        got = self.stack.ledger.add(entry)
+        want = RefRollout("generated", 0, v)
+        if v in self.failed:  # late arrival of a failed version: quarantined on add
+            want = RefRollout("quarantined", 1, v)
+        if (got.state, got.revision) != (want.state, want.revision):
+            raise self.recorder.fail(f"add({rid}) of v{v} gave {got.state}; expected {want}")
+        self.rollouts[rid] = want
+
+    @rule(pick=picks)
+    @precondition(
+        lambda self: any(r.state in ("generated", "rewarded") for r in self.rollouts.values())
+    )
+    @counted
+    def train(self, pick: int) -> None:
+        """Reward a rollout if needed, admit it against the active version, then reserve and
+        commit it, or route it where the gate says."""
+        ids = sorted(
+            rid for rid, r in self.rollouts.items() if r.state in ("generated", "rewarded")
+        )
+        rid = ids[pick % len(ids)]
+        ref = self.rollouts[rid]
+        led = self.stack.ledger
+        entry = led.get(rid)
+        if entry.state == "generated":
+            entry = led.transition(rid, "reward_ready", entry.revision, reward=REWARD)
+            ref.state, ref.revision = "rewarded", ref.revision + 1
+        rollout = make_rollout(rid, int(rid[1:]), entry.behavior_version, entry.artifact_hash)
+        assert self.pointer is not None
+        current = self.pointer[0]
+        gate = gate_mod.AdmissionGate(
+            gate_mod.GatePolicy(MAX_LAG, MAX_DRIFT, CONDITIONS), registry=self.coord.activated_hash
+        )
+        decision = gate.assess(
+            rollout, current_log_probs(rollout, current, "ok"), current, entry=entry
+        )
+        want = expected_reason(rollout, "ok", current, self._ever_active(), MAX_LAG, MAX_DRIFT)
+        self.recorder.checked(["gate_matches_contract"])
+        if decision.reason != want:
+            raise self.recorder.fail(
+                f"gate judged {rid} (v{entry.behavior_version} at v{current}) "
+                f"{decision.reason!r}; the contract says {want!r}"
+            )
+        if decision.route == gate_mod.ROUTE_QUARANTINE:
+            led.transition(
+                rid,
+                "quarantine",
+                entry.revision,
+                disposition=Disposition("admission", decision.reason),
+            )
+            ref.state, ref.revision = "quarantined", ref.revision + 1
+        elif decision.route == gate_mod.ROUTE_OFFLINE:
+            led.transition(
+                rid, "retire_stale", entry.revision, disposition=Disposition("admission", "stale")
+            )
+            ref.state, ref.revision = "retired_stale", ref.revision + 1
+        elif decision.accepted:
+            self.updates += 1
+            update = f"u{self.updates}"
+            out = led.reserve(rid, entry.revision, update, decision.stamp())
+            if not out.reserved:
+                raise self.recorder.fail(f"admitted {rid} could not be reserved: {out.reason}")
+            led.commit(update, [rid])
+            ref.state, ref.revision = "consumed", ref.revision + 2
+
+    # ---- time, durability, liveness -------------------------------------------------------
+
+    @rule()
+    @precondition(
+        lambda self: self.stack.backend == "sqlite" and self.step_no - self.reopened_at >= 8
+    )
+    @counted
+    def reopen(self) -> None:
+        """Restart the coordinator process on the same file; `resume` must change nothing."""
+        self.stack = reopen_stack(self.stack, self.tmp, self.clock, WORKERS, **self.options)
+        self.reopened_at = self.step_no
+        self.coord.resume()
+
+    @rule()
+    @precondition(lambda self: self._pending_work())
+    @counted
+    def quiesce(self) -> None:
+        """Liveness on a copy: deliver everything, load and ack, resolve every attempt."""
+        problems = quiesce_copy(
+            self.recorder,
+            self.stack.ledger,
+            self.stack.registry,
+            self.truth,
+            self.bag,
+            now=self.clock.now,
+            lease_seconds=LEASE,
+            recovery=self.options["recovery"],
+            true_hash=artifact_hash,
+            corrupt_hash=corrupt_hash,
+        )
+        if problems:
+            raise self.recorder.fail("; ".join(problems[:6]))
+
+    def _pending_work(self) -> bool:
+        return bool(self.bag) or bool(self._versions("prepared", "committed", "awaiting_acks"))
+
+    @invariant()
+    def spec_holds(self) -> None:
+        """Spec invariants on new trace steps and the stores; reference, ghost, stores agree."""
+        rec = self.recorder
+        new = self.stack.source.new_events()
+        raise_violations(rec, "trace", self.checker.feed(new))
+        raise_violations(rec, "ghost", _as_violations(activation_ghost_violations(new, self.truth)))
+        led, reg = self.stack.ledger, self.stack.registry
+        snap = led.snapshot()
+        arts = reg.artifacts()
+        pointer = reg.pointer()
+        world = world_of(snap, arts, pointer)
+        raise_violations(rec, "stores", check_snapshot(rec, world))
+        rec.checked(["trace_matches_store", "reference_model", "ghost_truth"])
+        if self.checker.world != world:
+            raise rec.fail("the trace's after-images differ from the stored records")
+        got_arts = {
+            a.version: (a.state, a.artifact_hash, a.rollback_version, a.attempts) for a in arts
+        }
+        want_arts = {v: (a.state, a.hash, a.rollback, a.attempts) for v, a in self.arts.items()}
+        if got_arts != want_arts:
+            raise rec.fail(f"registry {got_arts} differs from the reference {want_arts}")
+        got_pointer = None if pointer is None else (pointer.version, pointer.artifact_hash)
+        if got_pointer != self.pointer:
+            raise rec.fail(f"pointer {got_pointer}, reference {self.pointer}")
+        got_entries = {rid: (e.state, e.revision) for rid, e in snap.items()}
+        want_entries = {rid: (r.state, r.revision) for rid, r in self.rollouts.items()}
+        if got_entries != want_entries:
+            raise rec.fail(f"ledger {got_entries} differs from the reference {want_entries}")
+
+    def teardown(self) -> None:
+        """Close the stores and delete the files; never raise over the real failure."""
+        if sys.exc_info()[1] is not None:
+            self.recorder.example_failed()
+        with contextlib.suppress(Exception):
+            close_stack(self.stack)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _as_violations(texts: list[str]) -> list[Violation]:
+    return [Violation("ghost_truth", t) for t in texts]
+
+
+def make_activation_machine(
+    backend: str = "memory",
+    *,
+    recorder: Recorder | None = None,
+    workdir: Path | None = None,
+) -> type[RuleBasedStateMachine]:
+    """The activation machine on 'memory' (one EventLog) or 'sqlite' (one file)."""
+    if backend not in ("memory", "sqlite"):
+        raise ValueError(f"the activation machine runs on 'memory' or 'sqlite', not {backend!r}")
+    attrs_: dict[str, Any] = {
+        "backend": backend,
+        "recorder": recorder or Recorder("activation"),
+        "workdir": workdir,
+        "__module__": __name__,
+    }
+    return type("ActivationMachine", (ActivationMachine,), attrs_)

@@ -1,0 +1,218 @@
+"""What a machine run observed: rules fired, declared edges covered, checks run, paths reached.
+
+Hypothesis builds a fresh machine object per example, so per-run facts cannot live on the
+machine: each machine class carries one `Recorder` that every instance writes into, and the
+campaign runner reads it afterwards. `TraceChecker` is the one place where new trace events
+are judged by the spec (step + always invariants per atomic step) and mapped onto declared
+edges, so the three machines cannot drift apart in how they read a trace.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar, cast
+
+import attrs
+
+import spec.invariants as invariants_mod
+from model.events import EntryChanged, TraceEvent
+from model.machines import ACTIVATION, LIFECYCLE, MachineSpec
+from model.records import ActivePointer, ArtifactRecord, LedgerEntry
+from spec.invariants import (
+    INVARIANTS,
+    OUTCOME_INVARIANTS,
+    SOMETIMES,
+    Violation,
+    World,
+    check_step,
+    check_world,
+    group_by_txn,
+    sometimes_from_events,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# coverage keys: the diagram tool reads these names
+DECLARED: dict[str, MachineSpec] = {"lifecycle": LIFECYCLE, "activation": ACTIVATION}
+
+
+class SpecViolation(AssertionError):
+    """A named invariant, reference-model or ghost check failed; the message says which."""
+
+
+def edge_key(event: TraceEvent) -> tuple[str, str] | None:
+    """(machine name, edge id) of the declared edge an event took; None for creations.
+
+    Returns None also for a move no declared edge explains; the step invariants report that.
+    """
+    if event.before is None:
+        return None
+    spec = LIFECYCLE if isinstance(event, EntryChanged) else ACTIVATION
+    name = "lifecycle" if isinstance(event, EntryChanged) else "activation"
+    for edge in spec.candidates(event.before.state, event.event):
+        if edge.dest == event.after.state:
+            return name, spec.edge_id(edge)
+    return None
+
+
+def invariant_names(*, with_registry: bool) -> tuple[str, ...]:
+    """Names of the spec's step and always invariants that apply to a world."""
+    return tuple(
+        inv.name
+        for inv in INVARIANTS
+        if inv.kind in ("step", "always") and (with_registry or inv.group != "activation")
+    )
+
+
+# `rest` invariants (hold whenever no call is in progress) are checked between steps
+AT_REST_KINDS = ("always", "rest")
+
+
+def always_names(*, with_registry: bool) -> tuple[str, ...]:
+    """Names of the spec's invariants that a snapshot between two calls must satisfy."""
+    return tuple(
+        inv.name
+        for inv in INVARIANTS
+        if inv.kind in AT_REST_KINDS and (with_registry or inv.group != "activation")
+    )
+
+
+EVENTUALLY_NAMES = tuple(inv.name for inv in INVARIANTS if inv.kind in ("rest", "eventually"))
+RESERVATION_NAMES = tuple(OUTCOME_INVARIANTS)
+
+
+@attrs.define
+class Recorder:
+    """Counters shared by every instance of one machine class during a campaign."""
+
+    machine: str
+    examples: int = 0
+    steps: int = 0
+    rules: Counter[str] = attrs.field(factory=Counter)
+    edges: dict[str, Counter[str]] = attrs.field(
+        factory=lambda: {name: Counter() for name in DECLARED}
+    )
+    invariants: Counter[str] = attrs.field(factory=Counter)
+    sometimes: Counter[str] = attrs.field(factory=Counter)
+    notes: Counter[str] = attrs.field(factory=Counter)
+    violations: int = 0
+    first_failure_example: int | None = None
+    started: float = attrs.field(factory=time.perf_counter)
+    on_example: Callable[[Recorder], None] | None = None
+
+    def start_example(self) -> None:
+        """A new machine instance: one more example (shrinking runs count too)."""
+        self.examples += 1
+        if self.on_example is not None:
+            self.on_example(self)
+
+    def fired(self, rule: str) -> None:
+        """One rule ran: it is one step."""
+        self.steps += 1
+        self.rules[rule] += 1
+
+    def checked(self, names: Iterable[str]) -> None:
+        """These named checks ran once more."""
+        self.invariants.update(names)
+
+    def reached(self, name: str) -> None:
+        """A sometimes-property was observed outside the trace (an outcome of a call)."""
+        if name not in SOMETIMES:
+            raise KeyError(f"{name!r} is not a sometimes-property in spec.invariants.SOMETIMES")
+        self.sometimes[name] += 1
+
+    def note(self, name: str) -> None:
+        """Something the model did that the machine tolerates but a person should look at."""
+        self.notes[name] += 1
+
+    def observe(self, events: Sequence[TraceEvent]) -> None:
+        """Edges covered and sometimes-properties shown by new trace events."""
+        for ev in events:
+            key = edge_key(ev)
+            if key is not None:
+                self.edges[key[0]][key[1]] += 1
+        for name in sometimes_from_events(events):
+            self.sometimes[name] += 1
+
+    def example_failed(self) -> None:
+        """The running example raised; remember the first such example's number."""
+        self.violations += 1
+        if self.first_failure_example is None:
+            self.first_failure_example = self.examples
+
+    def fail(self, text: str) -> SpecViolation:
+        """The exception to raise for a failed check (the caller raises it, so mypy sees it)."""
+        return SpecViolation(f"[{self.machine}] {text}")
+
+
+def counted(fn: F) -> F:
+    """Count a rule's firing on the recorder and on the machine (`step_no`) before running it."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self.recorder.fired(name)
+        self.step_no += 1
+        return fn(self, *args, **kwargs)
+
+    return cast(F, wrapper)
+
+
+def world_of(
+    entries: Mapping[str, LedgerEntry],
+    artifacts: Iterable[ArtifactRecord] | None = None,
+    pointer: ActivePointer | None = None,
+) -> World:
+    """A spec World from a ledger snapshot and (optionally) the registry's records."""
+    arts = None if artifacts is None else {a.version: a for a in artifacts}
+    return World(entries=dict(entries), artifacts=arts, pointer=pointer)
+
+
+class TraceChecker:
+    """Replays new trace events step by step (one txn = one atomic step) against the spec.
+
+    Keeps the replayed world, so the caller can also compare it with the stored state: a
+    trace whose after-images disagree with the store would make every trace check a lie.
+    """
+
+    def __init__(self, recorder: Recorder, *, with_registry: bool, world: World | None = None):
+        self.recorder = recorder
+        self.with_registry = with_registry
+        self.world = world or World(artifacts={} if with_registry else None)
+        self._names = invariant_names(with_registry=with_registry)
+
+    def feed(self, events: Sequence[TraceEvent], *, observe: bool = True) -> list[Violation]:
+        """Check each atomic step in `events`; record edges and sometimes when `observe`."""
+        out: list[Violation] = []
+        for step in group_by_txn(events):
+            after = self.world.apply(step)
+            out.extend(check_step(self.world, step, after))
+            self.recorder.checked(self._names)
+            self.world = after
+        if observe:
+            self.recorder.observe(events)
+        return out
+
+
+def check_snapshot(recorder: Recorder, world: World) -> list[Violation]:
+    """The spec's always and rest invariants on a stored snapshot (not the replayed world).
+
+    Machines call this between rules, i.e. between calls, which is when `rest` invariants
+    must hold; a spec without `check_at_rest` falls back to the always invariants.
+    """
+    recorder.checked(always_names(with_registry=world.artifacts is not None))
+    at_rest: Callable[[World], list[Violation]] = getattr(
+        invariants_mod, "check_at_rest", check_world
+    )
+    return at_rest(world)
+
+
+def raise_violations(recorder: Recorder, where: str, violations: Sequence[Violation]) -> None:
+    """Fail with every violation's text, so the report names the invariant."""
+    if violations:
+        text = "; ".join(str(v) for v in violations[:8])
+        more = f" (+{len(violations) - 8} more)" if len(violations) > 8 else ""
+        raise recorder.fail(f"{where}: {text}{more}")

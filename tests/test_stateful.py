@@ -1,0 +1,212 @@
+"""The stateful machines under the active Hypothesis profile, the campaign runner's report,
+and proof that a seeded race bug is caught, shrunk and saved as a replayable program."""
+
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from model.ledger import Clock, Ledger, MemoryLedger, ReserveOutcome
+from model.machines import ACTIVATION, LIFECYCLE
+from model.records import AdmissionStamp
+from spec.invariants import SOMETIMES
+from stateful_tests.activation_machine import make_activation_machine
+from stateful_tests.e2e_machine import make_e2e_machine
+from stateful_tests.ledger_machine import INVARIANT_NAMES, make_ledger_machine
+from stateful_tests.mutants import BY_NAME
+from stateful_tests.runner import MACHINES, program_steps, run_campaign
+
+# The README's campaign: every declared edge and sometimes-property was reached by 16 of 16
+# seeds at 150 examples x 50 steps per machine (memory); 100 examples missed one in 8.
+README_EXAMPLES = 150
+README_SEED = 2024
+
+
+def profile_settings(**overrides: Any) -> settings:
+    """The active profile (CI: Hypothesis's derandomized `ci`) with campaign-friendly checks.
+
+    Swarm testing aborts some examples (every runnable rule switched off), and SQLite steps
+    are slow by design, so those two health checks would only report the search's shape.
+    """
+    return settings(
+        settings.default,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        **overrides,
+    )
+
+
+def test_ledger_machine_memory(tmp_path: Path) -> None:
+    """Racing learners on the in-memory ledger satisfy the reference model and the spec."""
+    run_state_machine_as_test(
+        make_ledger_machine("memory", workdir=tmp_path), settings=profile_settings()
+    )
+
+
+def test_ledger_machine_sqlite(tmp_path: Path) -> None:
+    """The same race machine on a SQLite file, closed and reopened mid-run."""
+    run_state_machine_as_test(
+        make_ledger_machine("sqlite", workdir=tmp_path),
+        settings=profile_settings(max_examples=min(settings.default.max_examples, 50)),
+    )
+
+
+def test_activation_machine(tmp_path: Path) -> None:
+    """Acks delivered, dropped, duplicated and delayed; restarts; corrupt loads."""
+    run_state_machine_as_test(
+        make_activation_machine("memory", workdir=tmp_path), settings=profile_settings()
+    )
+
+
+def test_e2e_machine(tmp_path: Path) -> None:
+    """Generation, rewards, batch admission, updates and activation, with ghost truth."""
+    run_state_machine_as_test(
+        make_e2e_machine("memory", workdir=tmp_path), settings=profile_settings()
+    )
+
+
+@pytest.mark.parametrize("maker", [make_activation_machine, make_e2e_machine])
+def test_registry_machines_on_sqlite(maker: Any, tmp_path: Path) -> None:
+    """Ledger and registry share one SQLite file (one trace); the coordinator restarts."""
+    run_state_machine_as_test(
+        maker("sqlite", workdir=tmp_path),
+        settings=profile_settings(max_examples=min(settings.default.max_examples, 25)),
+    )
+
+
+def test_readme_campaign_covers_everything(tmp_path: Path) -> None:
+    """The README campaign: no violation, every declared edge, every sometimes-property."""
+    report = run_campaign(
+        MACHINES, "memory", examples=README_EXAMPLES, seed=README_SEED, workdir=tmp_path
+    )
+    assert report.violations == 0, report.failure
+    assert report.uncovered() == {"lifecycle": [], "activation": []}
+    assert report.unreached() == []
+    doc = json.loads(json.dumps(report.to_json()))
+    for name, spec in (("lifecycle", LIFECYCLE), ("activation", ACTIVATION)):
+        cov = doc["machines"][name]
+        assert set(cov) == {"edges", "declared", "covered"}
+        assert set(cov["edges"]) == {spec.edge_id(e) for e in spec.edges}
+        assert cov["declared"] == cov["covered"] == len(spec.edges)
+    assert set(doc["sometimes"]) == set(SOMETIMES)
+    assert doc["invariants"]["declared_edges"] > 0
+    assert {m: r["steps"] > 0 for m, r in doc["runs"].items()} == dict.fromkeys(MACHINES, True)
+
+
+def test_campaign_is_deterministic_with_a_seed(tmp_path: Path) -> None:
+    """The same seed gives the same steps, rules and coverage."""
+
+    def run(sub: str) -> dict[str, Any]:
+        doc = run_campaign(
+            ["ledger", "activation"], "memory", examples=8, seed=7, workdir=tmp_path / sub
+        ).to_json()
+        return {
+            "runs": {m: (r["steps"], r["rules"]) for m, r in doc["runs"].items()},
+            "machines": doc["machines"],
+            "sometimes": doc["sometimes"],
+        }
+
+    assert run("a") == run("b")
+
+
+def test_time_budget_runs_seeded_batches(tmp_path: Path) -> None:
+    """A time budget runs batches with fresh seeds and reports the base seed it drew."""
+    report = run_campaign(
+        ["ledger"], "memory", examples=2, time_budget_s=1.0, steps=10, workdir=tmp_path
+    )
+    run = report.runs["ledger"]
+    assert report.seed is not None and run.batches >= 1
+    assert len(set(run.seeds)) == len(run.seeds) == run.batches
+
+
+# ---- a deliberately broken ledger ------------------------------------------------------------
+
+
+class BlindWriteLedger(MemoryLedger):
+    """Availability judged on what the learner read, then an unconditional write (peer bug 1:
+    two consumers take the same sample). Admission is still respected, so only the race
+    can expose it."""
+
+    def reserve(
+        self,
+        rollout_id: str,
+        expected_revision: int,
+        update_id: str,
+        admission: AdmissionStamp | None,
+    ) -> ReserveOutcome:
+        entry = self.find(rollout_id)
+        if (
+            entry is None
+            or entry.state not in ("rewarded", "reserved")
+            or entry.reserved_by == update_id
+            or admission is None
+            or not admission.accepted
+        ):
+            return super().reserve(rollout_id, expected_revision, update_id, admission)
+        new = attrs.evolve(
+            entry,
+            state="reserved",
+            revision=entry.revision + 1,
+            reserved_by=update_id,
+            admission=admission,
+            lease_expires_at=self.clock() + self.lease_seconds,
+        )
+        self._record([("reserve", entry, new, update_id)])
+        return ReserveOutcome(rollout_id, True, "reserved", new)
+
+
+def blind_write_ledger(tmp_path: Path, clock: Clock, **options: Any) -> Ledger:
+    """Factory for the broken ledger (module level, so the saved program can import it)."""
+    return BlindWriteLedger(clock=clock, **options)
+
+
+def test_blind_write_is_caught_shrunk_and_saved(tmp_path: Path) -> None:
+    """The race machine catches a blind write; the shrunk program is short and replays."""
+    report = run_campaign(["ledger"], blind_write_ledger, examples=200, seed=3, workdir=tmp_path)
+    failure = report.failure
+    assert failure is not None, "the blind-write ledger survived the race machine"
+    assert failure.machine == "ledger"
+    assert 1 <= failure.program_steps <= 8, failure.program
+    assert failure.program_steps == program_steps(failure.program, INVARIANT_NAMES)
+    saved = Path(failure.program_path)
+    assert saved.is_file() and saved.parent == tmp_path / "failures"
+    assert saved.read_text() == failure.program
+    assert "state.cas(" in failure.program or "state.advance()" in failure.program
+    with pytest.raises(AssertionError):
+        runpy.run_path(str(saved), run_name="__main__")
+
+
+def test_fast_minimiser_without_hypothesis_shrinking(tmp_path: Path) -> None:
+    """shrink=False skips Hypothesis's shrinker; replay minimisation alone keeps it short."""
+    report = run_campaign(
+        ["ledger"], blind_write_ledger, examples=200, seed=0, workdir=tmp_path, shrink=False
+    )
+    assert report.failure is not None
+    assert report.failure.program_steps <= 8, report.failure.program
+
+
+def test_mutant_is_entered_and_named(tmp_path: Path) -> None:
+    """`mutant=` wraps the run: version stamped at completion is caught by the ghost."""
+    name = "version_stamped_at_completion"
+    report = run_campaign(
+        ["e2e"],
+        "memory",
+        examples=60,
+        seed=0,
+        workdir=tmp_path,
+        mutant=BY_NAME[name](),
+        mutant_name=name,
+        shrink=False,
+    )
+    failure = report.failure
+    assert failure is not None and "generated by the weights" in failure.exception
+    assert report.runs["e2e"].examples_until_failure is not None
+    assert f"with BY_NAME[{name!r}]():" in failure.program
+    assert report.to_json()["mutant"] == name
