@@ -61,29 +61,36 @@ def _one_of(*allowed: str) -> Any:
     return check
 
 
+# Evidence arrays are long: check element types with one set() over their types (fast
+# path), and walk the elements only to name the offending one.
+
+
 def _int_tuple(value: Any) -> tuple[int, ...]:
     out = tuple(value)
-    for v in out:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise InvalidRecord(f"token ids must be ints, got {v!r}")
+    if not set(map(type, out)) <= {int}:
+        for v in out:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise InvalidRecord(f"token ids must be ints, got {v!r}")
     return out
 
 
 def _bool_tuple(value: Any) -> tuple[bool, ...]:
     out = tuple(value)
-    for v in out:
-        if not isinstance(v, bool):
-            raise InvalidRecord(f"action mask entries must be booleans, got {v!r}")
+    if not set(map(type, out)) <= {bool}:
+        for v in out:
+            if not isinstance(v, bool):
+                raise InvalidRecord(f"action mask entries must be booleans, got {v!r}")
     return out
 
 
 def _float_tuple(value: Any) -> tuple[float, ...]:
-    out = []
-    for v in value:
+    items = tuple(value)
+    if set(map(type, items)) <= {float, int}:
+        return tuple(map(float, items))
+    for v in items:
         if isinstance(v, bool) or not isinstance(v, int | float):
             raise InvalidRecord(f"log-probs must be numbers, got {v!r}")
-        out.append(float(v))
-    return tuple(out)
+    return tuple(float(v) for v in items)
 
 
 # ---- the five kinds of rollout information -------------------------------------------------
@@ -317,8 +324,13 @@ class WorkerAck:
 # ---- (de)serialisation ---------------------------------------------------------------------
 
 
+_SCALARS = (str, int, float, bool, type(None))
+
+
 def to_jsonable(obj: Any) -> Any:
     """attrs record -> plain JSON-able dict/list/scalars (tuples become lists)."""
+    if isinstance(obj, _SCALARS):  # most values: skip the attrs lookup (hot in SQLite writes)
+        return obj
     if attrs.has(type(obj)):
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in attrs.fields(type(obj))}
     if isinstance(obj, tuple | list):

@@ -28,6 +28,7 @@ CREATE TABLE IF NOT EXISTS events (
     payload TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_subject ON events(kind, subject);
+CREATE INDEX IF NOT EXISTS events_txn ON events(txn);
 """
 
 _META_DDL = """
