@@ -33,21 +33,47 @@ README_SEED = 20261130
 
 
 @click.command("campaign")
-@click.option("--backend", default="sqlite", show_default=True,
-              help="Ledger backend for the fuzz machines: sqlite (default) or memory.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-              default=Path("campaign-out"), show_default=True,
-              help="Where reports, coverage JSON, diagrams and ledger files go.")
-@click.option("--examples", type=click.IntRange(min=1), default=README_EXAMPLES,
-              show_default=True, help="Fuzz examples per machine.")
+@click.option(
+    "--backend",
+    default="sqlite",
+    show_default=True,
+    help="Ledger backend for the fuzz machines: sqlite (default) or memory.",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("campaign-out"),
+    show_default=True,
+    help="Where reports, coverage JSON, diagrams and ledger files go.",
+)
+@click.option(
+    "--examples",
+    type=click.IntRange(min=1),
+    default=README_EXAMPLES,
+    show_default=True,
+    help="Fuzz examples per machine.",
+)
 @click.option("--seed", type=int, default=README_SEED, show_default=True)
-@click.option("--profile", type=click.Choice(PROFILES), default=None,
-              help="Hypothesis profile (default: ci when CI is set, else dev).")
+@click.option(
+    "--profile",
+    type=click.Choice(PROFILES),
+    default=None,
+    help="Hypothesis profile (default: ci when CI is set, else dev).",
+)
 @click.option("--model", "models", multiple=True, help="Explorer model(s); default README set.")
 @click.option("--no-explore", is_flag=True, help="Fuzz only.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
-def campaign(backend: str, out_dir: Path, examples: int, seed: int, profile: str | None,
-             models: tuple[str, ...], no_explore: bool, quiet: bool) -> None:
+def campaign(
+    backend: str,
+    out_dir: Path,
+    examples: int,
+    seed: int,
+    profile: str | None,
+    models: tuple[str, ...],
+    no_explore: bool,
+    quiet: bool,
+) -> None:
     """Fuzz and explore both machines, print the report, write coverage JSON and diagrams."""
     console, err = make_console(), make_console(stderr=True)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -55,9 +81,15 @@ def campaign(backend: str, out_dir: Path, examples: int, seed: int, profile: str
     show = not quiet and sys.stderr.isatty()
     console.rule("fuzz")
     try:
-        report = run_campaign(list(FUZZ_MACHINES), backend, examples=examples, seed=seed,
-                              profile=chosen, progress=progress_callback(err, show),
-                              workdir=out_dir / "fuzz-work")
+        report = run_campaign(
+            list(FUZZ_MACHINES),
+            backend,
+            examples=examples,
+            seed=seed,
+            profile=chosen,
+            progress=progress_callback(err, show),
+            workdir=out_dir / "fuzz-work",
+        )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     print_fuzz_report(report, console)
@@ -99,16 +131,20 @@ def _draw(coverage: dict[str, object], out_dir: Path, console: object) -> None:
     have_dot = shutil.which("dot") is not None
     for name, spec in MACHINES.items():
         (out_dir / f"{name}-coverage.mmd").write_bytes(
-            render(spec, "mermaid", engine="mermaid", coverage=coverage))
+            render(spec, "mermaid", engine="mermaid", coverage=coverage)
+        )
         if have_dot:
             try:
                 (out_dir / f"{name}-coverage.svg").write_bytes(
-                    render(spec, "svg", engine="graphviz", coverage=coverage))
+                    render(spec, "svg", engine="graphviz", coverage=coverage)
+                )
             except DiagramError as exc:
                 console.print(f"[yellow]no SVG for {name}: {exc}[/]")
     if not have_dot:
-        console.print("[yellow]Graphviz `dot` not found: wrote Mermaid coverage diagrams only "
-                      "(apt-get install graphviz for SVG)[/]")
+        console.print(
+            "[yellow]Graphviz `dot` not found: wrote Mermaid coverage diagrams only "
+            "(apt-get install graphviz for SVG)[/]"
+        )
 
 
 __all__ = ["campaign"]

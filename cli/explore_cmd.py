@@ -60,8 +60,9 @@ def explore_models(
             states_per_s=round(result.distinct_states / elapsed) if elapsed > 0 else None,
             observed=dict(sorted(model.observed.items())),
         )
-        for cex in result.violations:
-            entry.setdefault("violation_details", []).append(model.violations_of(cex.final_state))
+        entry["violation_details"] = [
+            model.violations_of(cex.final_state) for cex in result.violations
+        ]
         report["models"][name] = entry
         report["violations"] += len(result.violations)
     report.update(coverage_json(edges))

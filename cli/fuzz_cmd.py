@@ -30,23 +30,32 @@ def progress_callback(console: Console, enabled: bool) -> Any:
 
     def on(ev: ProgressEvent) -> None:
         budget = f" / {ev.budget_s:.0f}s" if ev.budget_s else ""
-        tick(f"{ev.machine}: {ev.examples} examples, {ev.steps} steps, "
-             f"{ev.elapsed_s:.0f}s{budget}", ev.phase in ("done", "failure"))
+        tick(
+            f"{ev.machine}: {ev.examples} examples, {ev.steps} steps, {ev.elapsed_s:.0f}s{budget}",
+            ev.phase in ("done", "failure"),
+        )
 
     return on
 
 
 def print_fuzz_report(report: CampaignReport, console: Console) -> None:
     """Runs per machine, coverage per declared machine, invariants, sometimes-properties."""
-    runs = Table(title=f"fuzz campaign ({report.backend}, profile {report.profile}, "
-                       f"seed {report.seed})")
+    runs = Table(
+        title=f"fuzz campaign ({report.backend}, profile {report.profile}, seed {report.seed})"
+    )
     for col in ("machine", "examples", "steps", "steps/s", "rules fired", "result"):
         runs.add_column(col, justify="left" if col in ("machine", "result") else "right")
     for name, run in report.runs.items():
         fired = sum(1 for n in run.rules.values() if n > 0)
         result = "ok" if run.failure is None else "[bold red]FAILED[/]"
-        runs.add_row(name, f"{run.examples:,}", f"{run.steps:,}", f"{run.steps_per_s:,.0f}",
-                     f"{fired}/{len(run.rules)}", result)
+        runs.add_row(
+            name,
+            f"{run.examples:,}",
+            f"{run.steps:,}",
+            f"{run.steps_per_s:,.0f}",
+            f"{fired}/{len(run.rules)}",
+            result,
+        )
     console.print(runs)
     cov = Table(title="declared edges covered")
     for col in ("machine", "covered", "never exercised"):
@@ -56,9 +65,11 @@ def print_fuzz_report(report: CampaignReport, console: Console) -> None:
         cov.add_row(name, f"{c['covered']}/{c['declared']}", "\n".join(never) or "-")
     console.print(cov)
     checked = sum(report.invariants.values())
-    console.print(f"invariant checks: {checked:,} over {len(report.invariants)} named "
-                  f"invariants; sometimes-properties reached: "
-                  f"{sum(1 for n in report.sometimes.values() if n)}/{len(report.sometimes)}")
+    console.print(
+        f"invariant checks: {checked:,} over {len(report.invariants)} named "
+        f"invariants; sometimes-properties reached: "
+        f"{sum(1 for n in report.sometimes.values() if n)}/{len(report.sometimes)}"
+    )
     if report.unreached():
         console.print(f"[yellow]not reached:[/] {', '.join(report.unreached())}")
     for f in report.failures:
@@ -68,37 +79,87 @@ def print_fuzz_report(report: CampaignReport, console: Console) -> None:
 
 
 @click.command("fuzz")
-@click.option("--machine", "machines", multiple=True, type=click.Choice(FUZZ_MACHINES),
-              help="Machine(s) to fuzz (repeatable). Default: all three.")
-@click.option("--backend", default="sqlite", show_default=True,
-              help="Ledger backend: memory, sqlite, or module:factory for your own ledger.")
-@click.option("--examples", type=click.IntRange(min=1), default=None,
-              help="Examples per machine (per batch with --time-budget).")
-@click.option("--time-budget", type=click.FloatRange(min=0.1), default=None,
-              help="Seconds to spend in all; batches with fresh seeds until spent.")
+@click.option(
+    "--machine",
+    "machines",
+    multiple=True,
+    type=click.Choice(FUZZ_MACHINES),
+    help="Machine(s) to fuzz (repeatable). Default: all three.",
+)
+@click.option(
+    "--backend",
+    default="sqlite",
+    show_default=True,
+    help="Ledger backend: memory, sqlite, or module:factory for your own ledger.",
+)
+@click.option(
+    "--examples",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Examples per machine (per batch with --time-budget).",
+)
+@click.option(
+    "--time-budget",
+    type=click.FloatRange(min=0.1),
+    default=None,
+    help="Seconds to spend in all; batches with fresh seeds until spent.",
+)
 @click.option("--seed", type=int, default=None, help="Base seed (runs are repeatable).")
-@click.option("--profile", type=click.Choice(PROFILES), default=None,
-              help="Hypothesis settings profile (default: ci when CI is set, else dev).")
-@click.option("--steps", type=click.IntRange(min=1), default=None,
-              help="Steps per example (stateful_step_count).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-              default=Path("fuzz-out"), show_default=True,
-              help="Work directory: ledger files and saved failing programs.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
-              default=None, help="Write the report (with coverage) as JSON here.")
+@click.option(
+    "--profile",
+    type=click.Choice(PROFILES),
+    default=None,
+    help="Hypothesis settings profile (default: ci when CI is set, else dev).",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Steps per example (stateful_step_count).",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("fuzz-out"),
+    show_default=True,
+    help="Work directory: ledger files and saved failing programs.",
+)
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the report (with coverage) as JSON here.",
+)
 @click.option("--quiet", is_flag=True, help="No progress output.")
-def fuzz(machines: tuple[str, ...], backend: str, examples: int | None,
-         time_budget: float | None, seed: int | None, profile: str | None, steps: int | None,
-         out_dir: Path, json_out: Path | None, quiet: bool) -> None:
+def fuzz(
+    machines: tuple[str, ...],
+    backend: str,
+    examples: int | None,
+    time_budget: float | None,
+    seed: int | None,
+    profile: str | None,
+    steps: int | None,
+    out_dir: Path,
+    json_out: Path | None,
+    quiet: bool,
+) -> None:
     """Fuzz the protocol machines against the spec; exit 1 on a violation."""
     chosen = profile or ("ci" if os.environ.get("CI") else "dev")
     console, err = make_console(), make_console(stderr=True)
     try:
         report = run_campaign(
-            list(machines) or list(FUZZ_MACHINES), backend, examples=examples,
-            time_budget_s=time_budget, seed=seed, profile=chosen, steps=steps,
+            list(machines) or list(FUZZ_MACHINES),
+            backend,
+            examples=examples,
+            time_budget_s=time_budget,
+            seed=seed,
+            profile=chosen,
+            steps=steps,
             progress=progress_callback(err, not quiet and sys.stderr.isatty()),
-            workdir=out_dir)
+            workdir=out_dir,
+        )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     print_fuzz_report(report, console)

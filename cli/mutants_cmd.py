@@ -37,32 +37,65 @@ def print_mutants(results: list[MutantResult], console: Console) -> None:
     for col in ("mutant", "peer bug", "killed by", "fuzzer", "explorer"):
         table.add_column(col)
     for r in results:
-        table.add_row(r.name, "-" if r.peer_bug is None else f"#{r.peer_bug}",
-                      ", ".join(r.killed_by) or "[bold red]nobody[/]",
-                      _cell(r.fuzz), _cell(r.explore))
+        table.add_row(
+            r.name,
+            "-" if r.peer_bug is None else f"#{r.peer_bug}",
+            ", ".join(r.killed_by) or "[bold red]nobody[/]",
+            _cell(r.fuzz),
+            _cell(r.explore),
+        )
     console.print(table)
     s = summary(results)
     for checker in ("fuzz", "explore"):
         c = s[checker]
-        console.print(f"{checker}: killed {c['killed']}/{c['reached']} it reaches; median "
-                      f"time to kill {c['median_seconds_to_kill']}s")
+        console.print(
+            f"{checker}: killed {c['killed']}/{c['reached']} it reaches; median "
+            f"time to kill {c['median_seconds_to_kill']}s"
+        )
     console.print(f"killed by at least one checker: {s['killed_by_any']}/{s['mutants']}")
 
 
 @click.command("mutants")
-@click.option("--only", "only", multiple=True, type=click.Choice(sorted(BY_NAME)),
-              help="Run only these mutants (repeatable).")
-@click.option("--checker", type=click.Choice(["both", "fuzz", "explore"]), default="both",
-              show_default=True)
-@click.option("--examples", type=click.IntRange(min=1), default=300, show_default=True,
-              help="Fuzzer examples per mutant before it counts as a survivor.")
+@click.option(
+    "--only",
+    "only",
+    multiple=True,
+    type=click.Choice(sorted(BY_NAME)),
+    help="Run only these mutants (repeatable).",
+)
+@click.option(
+    "--checker", type=click.Choice(["both", "fuzz", "explore"]), default="both", show_default=True
+)
+@click.option(
+    "--examples",
+    type=click.IntRange(min=1),
+    default=300,
+    show_default=True,
+    help="Fuzzer examples per mutant before it counts as a survivor.",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-              default=None, help="Keep the fuzzer's work files (failing programs) here.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
-              default=None, help="Write the results as JSON here.")
-def mutants(only: tuple[str, ...], checker: str, examples: int, seed: int,
-            out_dir: Path | None, json_out: Path | None) -> None:
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Keep the fuzzer's work files (failing programs) here.",
+)
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the results as JSON here.",
+)
+def mutants(
+    only: tuple[str, ...],
+    checker: str,
+    examples: int,
+    seed: int,
+    out_dir: Path | None,
+    json_out: Path | None,
+) -> None:
     """Kill every mutant of the catalogue with the fuzzer and the explorer."""
     chosen = [BY_NAME[n] for n in only] if only else list(CATALOGUE)
     console, err = make_console(), make_console(stderr=True)
@@ -70,15 +103,22 @@ def mutants(only: tuple[str, ...], checker: str, examples: int, seed: int,
 
     def on_result(r: MutantResult) -> None:
         if tick is not None:
-            tick(f"{r.name}: killed by {', '.join(r.killed_by) or 'nobody'}")
+            tick(f"{r.name}: killed by {', '.join(r.killed_by) or 'nobody'}", False)
 
-    results = run_catalogue(chosen, fuzz=checker in ("both", "fuzz"),
-                            explorer=checker in ("both", "explore"), seed=seed,
-                            max_examples=examples, workdir=out_dir, on_result=on_result)
+    results = run_catalogue(
+        chosen,
+        fuzz=checker in ("both", "fuzz"),
+        explorer=checker in ("both", "explore"),
+        seed=seed,
+        max_examples=examples,
+        workdir=out_dir,
+        on_result=on_result,
+    )
     print_mutants(results, console)
     if json_out is not None:
-        write_json_atomic(json_out, {"results": [r.to_json() for r in results],
-                                     "summary": summary(results)})
+        write_json_atomic(
+            json_out, {"results": [r.to_json() for r in results], "summary": summary(results)}
+        )
         console.print(f"results written to {json_out}")
     if any(r.survived for r in results):
         raise click.exceptions.Exit(1)

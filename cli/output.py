@@ -38,7 +38,7 @@ def progress_printer(
     """A throttled one-line progress reporter for long runs (stderr, one line per second)."""
     last = [0.0]
 
-    def tick(text: str, final: bool = False) -> None:
+    def tick(text: str, final: bool) -> None:
         now = time.monotonic()
         if final or now - last[0] >= every_s:
             last[0] = now
