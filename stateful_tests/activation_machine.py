@@ -61,7 +61,7 @@ MAX_ROLLOUTS = 8
 MAX_LAG = 1
 MAX_DRIFT = 0.2
 LEASE = 10.0
-RESTART_SPACING = 12
+RESTART_SPACING = 6
 INVARIANT_NAMES = ("spec_holds",)
 # events a probe may try on any version; the reference says whether they must be refused
 PROBE_EVENTS = (
@@ -137,6 +137,7 @@ class ActivationMachine(RuleBasedStateMachine):
         self.updates = 0
         self.reopened_at = 0
         self.restarted_at = 0
+        self.delivered_since_try = False
         self.checker = TraceChecker(self.recorder, with_registry=True)
         self._bootstrap()
 
@@ -258,7 +259,7 @@ class ActivationMachine(RuleBasedStateMachine):
             ref.latest = ack
         elif want == "stale_incarnation":
             self.recorder.reached("restart_ack_refused")
-        else:
+        else:  # a duplicate, an older report after a newer one, or a conflicting one
             self.recorder.reached("stale_ack_refused")
 
     def _try_activate(self, v: int) -> None:
@@ -327,19 +328,25 @@ class ActivationMachine(RuleBasedStateMachine):
     def advance(self) -> None:
         """The healthy system takes its next step: the happy path, one call at a time.
 
-        With a version awaiting acks: the learner prepares its next version if none is
-        pending, else the next worker that has not answered this attempt loads and acks,
-        else the oldest ack in flight is delivered, else activation is tried. Otherwise the
-        oldest pending version moves on (distribute, commit, retry), or a new version is
-        prepared; a newer version goes ahead of a failed older one, which is how a retried
-        version ends up older than the pointer. This is the first rule Hypothesis tries, so
-        its simplest programs are whole activations and faults are what the search adds.
+        While a version awaits acks, the learner keeps working: it prepares its next
+        version if none is pending and commits that artifact (it waits, committed, for its
+        turn to be distributed). Otherwise the next worker that has not answered this attempt
+        loads and acks, else the oldest ack in flight is delivered, and activation is tried
+        after each delivery (so a worker still reporting the previous version is refused on
+        the happy path). With nothing awaiting, the oldest pending version moves on
+        (distribute, commit, retry) or a new one is prepared; a newer version goes ahead of a
+        failed older one, which is how a retried version ends up older than the pointer.
+        This is the first rule Hypothesis tries, so its simplest programs are whole
+        activations and faults are what the search adds.
         """
         v = self._awaiting()
         idle_learner = not self._versions(*ADVANCING[:2], "distribution_failed")
         if v is not None and idle_learner and self._room():
             # the learner keeps training while weights are distributed: next version
             self._apply(max(self.arts) + 1, "prepare")
+            return
+        if v is not None and self._versions("prepared"):
+            self._apply(self._versions("prepared")[0], "commit_artifact")
             return
         if v is not None:
             attempt = self.arts[v].attempts
@@ -349,9 +356,11 @@ class ActivationMachine(RuleBasedStateMachine):
                 if not answered and len(self.bag) < MAX_BAG:
                     self._load(w, v, corrupt=False)
                     return
-            if self.bag:
+            if self.bag and not self.delivered_since_try:
                 self._deliver(self.bag.pop(0))
-            else:
+                self.delivered_since_try = True
+            else:  # the coordinator tries to activate after each ack it receives
+                self.delivered_since_try = False
                 self._try_activate(v)
             return
         for state in ("committed", "prepared", "distribution_failed"):
@@ -365,11 +374,12 @@ class ActivationMachine(RuleBasedStateMachine):
         return len(self.arts) < MAX_VERSIONS
 
     @rule(pick=picks)
-    @precondition(lambda self: bool(self._versions(*ADVANCING)))
+    @precondition(lambda self: bool(self._versions(*ADVANCING)) and self.step_no % 3 == 0)
     @counted
     def fail(self, pick: int) -> None:
         """The next step of a pending version fails: its write, its distribution, or the
-        operator gives it up (a committed or failed version is abandoned)."""
+        operator gives it up (a committed or failed version is abandoned). Only on every
+        third step: faults should interrupt activations, not prevent every one of them."""
         v = self._pick(pick, *ADVANCING)
         self._apply(v, NEXT_EVENT[self.arts[v].state][True])
 
@@ -385,8 +395,9 @@ class ActivationMachine(RuleBasedStateMachine):
         v = self._pick(pick)
         if event == "prepare":
             self._apply(v, "prepare")
-        elif event == "try_activate":
-            self._try_activate(v)
+        elif event == "try_activate":  # early: before every worker answered, if one awaits
+            awaiting = self._awaiting()
+            self._try_activate(v if awaiting is None else awaiting)
         elif event == "rollback":
             self._rollback()
         elif self._expect(v, event) is not None:

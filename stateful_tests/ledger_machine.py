@@ -3,7 +3,10 @@
 A learner reserves in TWO rules: `read` takes a snapshot of one rollout (revision, state)
 into the `reads` bundle, and a later `cas` reserves with the revision read. Hypothesis thus
 chooses the interleaving of racing learners and, on a failure, SHRINKS it (a blind-write
-ledger shrinks to read, read, cas, cas); real threads would find it by luck and never shrink.
+ledger shrinks to five steps: a rollout arrives, is admitted and reserved by the pipeline
+learner, another learner reads it and writes); real threads find such a race by luck and
+never shrink it. `advance` is the healthy pipeline, one call per step; it is the rule
+Hypothesis tries first, so the search starts from working programs and adds faults.
 
 Every step is judged three ways: a reference model kept in plain dicts here (state,
 revision, owner per rollout; never the planners of model/ledger.py) must match the backend's
@@ -68,7 +71,6 @@ MAX_LIVE = 6  # rollouts a rule can still move; with fewer, generate can always 
 MAX_VERSION = 5
 VERSION_SPACING = 8  # steps between version changes, so admitted stamps get used
 INVARIANT_NAMES = ("spec_holds",)
-OPEN_STATES = ("dispatched", "generated", "rewarded")
 
 picks = st.integers(min_value=0, max_value=7)
 learner_ids = st.integers(min_value=0, max_value=LEARNERS - 1)
@@ -392,7 +394,7 @@ class LedgerRaceMachine(RuleBasedStateMachine):
         self.evidence[rid] = evidence
         return rid
 
-    @rule(pick=picks, failed=st.sampled_from([False] * 5 + [True]))
+    @rule(pick=picks, failed=st.sampled_from([False] * 3 + [True]))
     @precondition(lambda self: any(r.state == "dispatched" for r in self.ref.values()))
     @counted
     def finish_generation(self, pick: int, failed: bool) -> None:
@@ -596,6 +598,24 @@ class LedgerRaceMachine(RuleBasedStateMachine):
 
     # ---- policy versions ---------------------------------------------------------------------
 
+    def _open_versions(self) -> list[int]:
+        """Older versions that still have open rollouts (revoking the current one would
+        only stall generation)."""
+        return sorted(
+            {r.version for r in self.ref.values() if r.state not in LIFECYCLE.terminal}
+            - self.bad
+            - {self.version}
+        )
+
+    @rule(pick=picks)
+    @precondition(lambda self: bool(self._open_versions()))
+    @counted
+    def revoke_version(self, pick: int) -> None:
+        """An older version is found bad after the fact: quarantine_version. Its open
+        rollouts are quarantined now, its reserved ones when they come back."""
+        versions = self._open_versions()
+        self._quarantine_version(versions[pick % len(versions)], "revoked")
+
     @rule(activated=st.booleans())
     @precondition(
         lambda self: (
@@ -616,13 +636,16 @@ class LedgerRaceMachine(RuleBasedStateMachine):
             self.registered[v] = artifact_hash(v)
             return
         self.skipped.append(v)
+        self._quarantine_version(v, f"activation of v{v} failed")
+
+    def _quarantine_version(self, v: int, reason: str) -> None:
         self.bad.add(v)
         due = {
             rid
             for rid, r in self.ref.items()
             if r.version == v and LIFECYCLE.is_legal(r.state, "quarantine")
         }
-        got = self.ledger.quarantine_version(v, f"activation of v{v} failed")
+        got = self.ledger.quarantine_version(v, reason)
         self._same_ids(f"quarantine_version({v})", got, due)
         for rid in due:
             self._move(rid, "quarantine")

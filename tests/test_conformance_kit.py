@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from model.ledger import Clock, Ledger, LedgerEntry, MemoryLedger
+from model.ledger import Clock, Ledger, MemoryLedger
+from model.records import LedgerEntry
 from stateful_tests.conformance import (
     CHECKS,
     ENV_VAR,
