@@ -427,17 +427,29 @@ class ActivationCoordinator:
 
         result = self._step(plan)[0]
         self._count(self._attempts, result.reason)
+        if result.activated and self.ledger is not None:
+            # a version that failed once and then activated on a retry is good from now on
+            self.ledger.clear_bad_version(version)
         return result
 
     def rollback(self) -> ActivePointer:
         """Return to the active artifact's recorded rollback pointer, in one atomic step.
 
         Refused with ActivationError (nothing changed) when nothing is active, no rollback
-        pointer was recorded, or that version is not 'superseded'. Workers still hold the
-        rolled-back weights until they reload: see `statistics().workers_out_of_sync`.
+        pointer was recorded, that version is not 'superseded', or a distribution awaits
+        acks (workers reload the rollback target, so an ack collected before the rollback
+        would no longer say what they hold: the stateful machines found that race). Workers
+        still hold the rolled-back weights until they reload: see
+        `statistics().workers_out_of_sync`.
         """
 
         def plan(view: RegistryView) -> tuple[RegistryStep, ActivePointer]:
+            busy = [a.version for a in view.artifacts() if a.state == "awaiting_acks"]
+            if busy:
+                raise ActivationError(
+                    f"v{busy[0]} is awaiting acks; activate, fail or abandon it before a "
+                    "rollback"
+                )
             pointer = view.pointer()
             if pointer is None:
                 raise ActivationError("no version is active, so there is nothing to roll back")
@@ -526,6 +538,10 @@ class ActivationCoordinator:
         for a in failed:
             cause = a.failure.cause if a.failure is not None else a.state
             self._quarantine(a.version, f"v{a.version} {a.state} (resumed): {cause}")
+        if self.ledger is not None:
+            for a in arts:  # a crash between activation and lifting the mark is healed too
+                if a.state == "active" and a.version in self.ledger.bad_versions:
+                    self.ledger.clear_bad_version(a.version)
 
         def of(state: str) -> tuple[ArtifactRecord, ...]:
             return tuple(a for a in arts if a.state == state)

@@ -342,6 +342,11 @@ class Ledger(Protocol):
 
     def quarantine_version(self, version: int, reason: str) -> list[LedgerEntry]: ...
 
+    def clear_bad_version(self, version: int) -> None: ...
+
+    @property
+    def bad_versions(self) -> frozenset[int]: ...
+
     def reserved_by(self, update_id: str) -> list[str]: ...
 
     def snapshot(self) -> dict[str, LedgerEntry]: ...
@@ -639,6 +644,16 @@ class MemoryLedger:
             new = [plan_transition(e, "quarantine", disposition=d) for e in due]
             self._record([("quarantine", b, a, None) for b, a in zip(due, new, strict=True)])
             return new
+
+    def clear_bad_version(self, version: int) -> None:
+        """Lift the mark: the version became active after a retry, its new rollouts are good.
+
+        Rollouts already quarantined stay quarantined (terminal states absorb).
+        """
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        with self._lock:
+            self._bad_versions.discard(version)
 
     def reserved_by(self, update_id: str) -> list[str]:
         """Ids currently reserved by `update_id`, sorted."""

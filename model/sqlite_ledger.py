@@ -607,6 +607,16 @@ class SQLiteLedger:
             self._apply(conn, [("quarantine", b, a, None) for b, a in zip(due, new, strict=True)])
         return new
 
+    def clear_bad_version(self, version: int) -> None:
+        """Lift the mark: the version became active after a retry, its new rollouts are good.
+
+        Rollouts already quarantined stay quarantined (terminal states absorb).
+        """
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        with self._write() as conn:
+            conn.execute("DELETE FROM ledger_bad_versions WHERE version = ?", (version,))
+
     @property
     def bad_versions(self) -> frozenset[int]:
         """Versions marked bad by quarantine_version, in this file (any process)."""

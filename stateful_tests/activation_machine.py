@@ -476,6 +476,8 @@ class ActivationMachine(RuleBasedStateMachine):
     def _can_roll_back(self) -> bool:
         if self.pointer is None:
             return False
+        if any(a.state == "awaiting_acks" for a in self.arts.values()):
+            return False  # refused while a distribution awaits acks (see coordinator.rollback)
         target = self.arts[self.pointer[0]].rollback
         return target is not None and self.arts[target].state == "superseded"
 

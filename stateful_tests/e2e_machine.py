@@ -547,6 +547,8 @@ class EndToEndMachine(RuleBasedStateMachine):
         p = self.coord.pointer()
         if p is None:
             return False
+        if any(a.state == "awaiting_acks" for a in self.coord.artifacts()):
+            return False  # refused while a distribution awaits acks (see coordinator.rollback)
         rb = self.coord.artifact(p.version).rollback_version
         return rb is not None and self.coord.artifact(rb).state == "superseded"
 

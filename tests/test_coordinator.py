@@ -631,3 +631,36 @@ def test_sqlite_registry_refuses_a_file_that_is_not_a_database(tmp_path: Path) -
     bad.write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(ActivationError, match="not a usable registry database"):
         SQLiteRegistry(bad)
+
+
+def test_retried_version_that_activates_is_no_longer_bad(open_registry: Opener) -> None:
+    """fail -> retry -> activate lifts the ledger's mark: new rollouts of it stay open."""
+    led = MemoryLedger()
+    c = ActivationCoordinator(open_registry(), WORKERS, ledger=led)
+    activate(c, 1)
+    ready(c, 2)
+    c.fail_distribution(2, "timeout")
+    assert 2 in led.bad_versions
+    c.retry(2)
+    for w in WORKERS:
+        c.record_ack(ack(w, 2, seq=3, attempt=2))
+    assert c.try_activate(2).activated
+    assert 2 not in led.bad_versions
+    e = led.add(LedgerEntry(rollout_id="fresh", behavior_version=2, artifact_hash=H[2]))
+    assert e.state == "dispatched"
+    assert_trace_ok(c)
+
+
+def test_rollback_refused_while_a_distribution_awaits_acks(coord: ActivationCoordinator) -> None:
+    """An ack collected before a rollback must not activate a version workers dropped."""
+    activate(coord, 1)
+    activate(coord, 2, seq=1)
+    ready(coord, 3)
+    coord.record_ack(ack("w0", 3, seq=9))
+    before = coord.pointer()
+    with pytest.raises(ActivationError, match="awaiting acks"):
+        coord.rollback()
+    assert coord.pointer() == before == ActivePointer(2, H[2])
+    coord.fail_distribution(3, "operator")
+    assert coord.rollback() == ActivePointer(1, H[1])
+    assert_trace_ok(coord)

@@ -695,3 +695,15 @@ def test_late_rollout_of_a_bad_version_is_quarantined_on_arrival(ledger: Ledger)
     assert [ev.event for ev in ledger.history("late")] == ["add", "quarantine"]
     ok = ledger.add(LedgerEntry(rollout_id="fine", behavior_version=6, artifact_hash="h6"))
     assert ok.state == "dispatched" and ok.revision == 0
+
+
+def test_clear_bad_version_lets_new_rollouts_in(ledger: Ledger) -> None:
+    """Lifting a version's mark keeps its quarantined rollouts, admits its new ones."""
+    ledger.add(LedgerEntry(rollout_id="early", behavior_version=3, artifact_hash="h3"))
+    ledger.quarantine_version(3, "distribution failed")
+    assert 3 in ledger.bad_versions
+    ledger.clear_bad_version(3)
+    assert 3 not in ledger.bad_versions
+    assert ledger.get("early").state == "quarantined"
+    late = ledger.add(LedgerEntry(rollout_id="late", behavior_version=3, artifact_hash="h3"))
+    assert late.state == "dispatched"

@@ -14,7 +14,7 @@ from stateful_tests.mutants import CATALOGUE
 PINNED = {
     "ledger-small": 5116,
     "lifecycle": 22919,
-    "activation-small": 26823,
+    "activation-small": 26955,
     "activation-2v": 1723,
 }
 
