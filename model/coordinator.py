@@ -447,8 +447,7 @@ class ActivationCoordinator:
             busy = [a.version for a in view.artifacts() if a.state == "awaiting_acks"]
             if busy:
                 raise ActivationError(
-                    f"v{busy[0]} is awaiting acks; activate, fail or abandon it before a "
-                    "rollback"
+                    f"v{busy[0]} is awaiting acks; activate, fail or abandon it before a rollback"
                 )
             pointer = view.pointer()
             if pointer is None:
