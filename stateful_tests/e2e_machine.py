@@ -26,7 +26,13 @@ from typing import Any, ClassVar
 
 import attrs
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 import model.api as api_mod
 import model.coordinator as coord_mod
@@ -113,6 +119,7 @@ class EndToEndMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.recorder.start_example()
+        self.max_lag = MAX_LAG
         self.step_no = 0
         self.tmp = Path(tempfile.mkdtemp(prefix="e2e-machine-", dir=self.workdir))
         self.clock = ManualClock(0.0)
@@ -237,6 +244,11 @@ class EndToEndMachine(RuleBasedStateMachine):
         reward = REWARD if outcome == "reward_ready" else None
         self.stack.ledger.transition(e.rollout_id, outcome, e.revision, reward=reward)
 
+    @initialize(max_lag=st.sampled_from([1, 0]))
+    def choose_max_lag(self, max_lag: int) -> None:
+        """L_max per example: 1 exercises tolerated rollouts, 0 the one-version boundary."""
+        self.max_lag = max_lag
+
     def _admit_batch(self) -> None:
         """Admit up to BATCH rewarded rollouts at once; cross-check every row; reserve."""
         batch = self._unjudged()[:BATCH]
@@ -244,7 +256,8 @@ class EndToEndMachine(RuleBasedStateMachine):
         rollouts = [self._rollout(e) for e in batch]
         current = current_batch(rollouts, cv, self.evidence)
         gate = gate_mod.AdmissionGate(
-            gate_mod.GatePolicy(MAX_LAG, MAX_DRIFT, CONDITIONS), registry=self.coord.activated_hash
+            gate_mod.GatePolicy(self.max_lag, MAX_DRIFT, CONDITIONS),
+            registry=self.coord.activated_hash,
         )
         decisions = gate.assess_batch(rollouts, current, cv, entries=batch)
         requests = []
@@ -252,7 +265,7 @@ class EndToEndMachine(RuleBasedStateMachine):
             self.judged[e.rollout_id] = cv
             self._cross_check(ro, list(current[i]), d, cv)
             if d.accepted:
-                if e.behavior_version not in self.activated or not 0 <= d.lag <= MAX_LAG:
+                if e.behavior_version not in self.activated or not 0 <= d.lag <= self.max_lag:
                     raise self.recorder.fail(
                         f"{e.rollout_id} of v{e.behavior_version} admitted at v{cv} "
                         f"(ever active: {sorted(self.activated)})"
@@ -294,7 +307,7 @@ class EndToEndMachine(RuleBasedStateMachine):
             list(ev.action_mask),
             ro.behavior.version,
             cv,
-            MAX_LAG,
+            self.max_lag,
             MAX_DRIFT,
         )
         self.recorder.checked(["batch_gate_matches_contract_function"])

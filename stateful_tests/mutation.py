@@ -101,6 +101,7 @@ def fuzz_kill(
         workdir=workdir,
         mutant=mutant(),
         mutant_name=mutant.name,
+        shrink=False,  # the replay minimiser still yields a short program, in a second
     )
     run = report.runs[mutant.fuzz_machine]
     seconds = time.perf_counter() - t0
