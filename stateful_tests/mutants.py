@@ -76,32 +76,52 @@ class Mutant:
 # ---- ledger mutants --------------------------------------------------------------------------
 
 
-def _blind_reserve(
-    entry: LedgerEntry | None,
-    rollout_id: str,
-    expected_revision: int,
-    update_id: str,
-    admission: Any,
-    *,
-    require_admission: bool,
-    lease_expires_at: float | None,
-) -> tuple[ReserveOutcome, LedgerEntry | None]:
+def _buggy_reserve(
+    refuse: Callable[[LedgerEntry, int], str | None],
+) -> Callable[..., tuple[ReserveOutcome, LedgerEntry | None]]:
+    """A plan_reserve whose availability check is `refuse`, and whose write bypasses the
+    declared machine (the way hand-written ledgers set `state = "reserved"`)."""
+
+    def plan(
+        entry: LedgerEntry | None,
+        rollout_id: str,
+        expected_revision: int,
+        update_id: str,
+        admission: Any,
+        *,
+        require_admission: bool,
+        lease_expires_at: float | None,
+    ) -> tuple[ReserveOutcome, LedgerEntry | None]:
+        if entry is None:
+            return ReserveOutcome(rollout_id, False, MISSING, None), None
+        if entry.state == "reserved" and entry.reserved_by == update_id:
+            return ReserveOutcome(rollout_id, True, IDEMPOTENT, entry), None
+        why = refuse(entry, expected_revision)
+        if why is not None:
+            return ReserveOutcome(rollout_id, False, why, entry), None
+        new = attrs.evolve(
+            entry,
+            state="reserved",
+            revision=entry.revision + 1,
+            reserved_by=update_id,
+            lease_expires_at=lease_expires_at,
+            admission=admission,
+        )
+        return ReserveOutcome(rollout_id, True, RESERVED, new), new
+
+    return plan
+
+
+def _available_on_snapshot(entry: LedgerEntry, expected_revision: int) -> str | None:
     """Availability judged on the caller's snapshot, then an unconditional write (bug 1)."""
-    if entry is None:
-        return ReserveOutcome(rollout_id, False, MISSING, None), None
-    if entry.state == "reserved" and entry.reserved_by == update_id:
-        return ReserveOutcome(rollout_id, True, IDEMPOTENT, entry), None
-    if entry.state not in ("rewarded", "reserved"):
-        return ReserveOutcome(rollout_id, False, NOT_REWARDED, entry), None
-    new = attrs.evolve(
-        entry,
-        state="reserved",
-        revision=entry.revision + 1,
-        reserved_by=update_id,
-        lease_expires_at=lease_expires_at,
-        admission=admission,
-    )
-    return ReserveOutcome(rollout_id, True, RESERVED, new), new
+    return None if entry.state in ("rewarded", "reserved") else NOT_REWARDED
+
+
+def _not_reserved_is_available(entry: LedgerEntry, expected_revision: int) -> str | None:
+    """'Not reserved' taken to mean 'available': consumed and failed rollouts go back in."""
+    if entry.revision != expected_revision:
+        return ledger_mod.CONFLICT
+    return NOT_REWARDED if entry.state == "reserved" else None
 
 
 def _no_idempotency(
@@ -113,37 +133,6 @@ def _no_idempotency(
     if state != "rewarded":
         return NOT_REWARDED
     return None
-
-
-def _state_not_reserved_is_available(
-    entry: LedgerEntry | None,
-    rollout_id: str,
-    expected_revision: int,
-    update_id: str,
-    admission: Any,
-    *,
-    require_admission: bool,
-    lease_expires_at: float | None,
-) -> tuple[ReserveOutcome, LedgerEntry | None]:
-    """'Not reserved' taken to mean 'available': consumed and failed rollouts go back in."""
-    if entry is None:
-        return ReserveOutcome(rollout_id, False, MISSING, None), None
-    if entry.state == "reserved" and entry.reserved_by == update_id:
-        return ReserveOutcome(rollout_id, True, IDEMPOTENT, entry), None
-    if entry.revision != expected_revision:
-        return ReserveOutcome(rollout_id, False, ledger_mod.CONFLICT, entry), None
-    if entry.state == "reserved":
-        return ReserveOutcome(rollout_id, False, NOT_REWARDED, entry), None
-    new = attrs.evolve(
-        entry,
-        state="reserved",
-        revision=entry.revision + 1,
-        reserved_by=update_id,
-        lease_expires_at=lease_expires_at,
-        admission=admission,
-        disposition=entry.disposition,
-    )
-    return ReserveOutcome(rollout_id, True, RESERVED, new), new
 
 
 _real_plan_transition = ledger_mod.plan_transition
@@ -333,7 +322,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         "check-then-reserve without compare-and-set: a second learner "
         "overwrites a reservation it saw as free",
         1,
-        _simple(ledger_mod, "plan_reserve", _blind_reserve),
+        _simple(ledger_mod, "plan_reserve", _buggy_reserve(_available_on_snapshot)),
     ),
     Mutant(
         "retry_not_idempotent",
@@ -345,7 +334,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         "consumed_reservable",
         "'not reserved' means 'available': consumed and failed rollouts are reserved again",
         13,
-        _simple(ledger_mod, "plan_reserve", _state_not_reserved_is_available),
+        _simple(ledger_mod, "plan_reserve", _buggy_reserve(_not_reserved_is_available)),
     ),
     Mutant(
         "reward_timeout_as_zero",
