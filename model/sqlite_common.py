@@ -110,12 +110,20 @@ def append_events(conn: sqlite3.Connection, events: Sequence[TraceEvent]) -> lis
 
 
 def read_events(
-    conn: sqlite3.Connection, kind: str | None = None, subject: str | None = None
+    conn: sqlite3.Connection,
+    kind: str | None = None,
+    subject: str | None = None,
+    *,
+    after_seq: int = 0,
 ) -> list[TraceEvent]:
-    """Events in global order, optionally of one kind and one subject (rollout id / version)."""
+    """Events in global order, optionally of one kind and one subject (rollout id / version),
+    and only those after `after_seq` (an incremental reader need not re-read the table)."""
     sql = "SELECT seq, payload FROM events"
-    args: list[str] = []
+    args: list[str | int] = []
     where = []
+    if after_seq:
+        where.append("seq > ?")
+        args.append(after_seq)
     if kind is not None:
         where.append("kind = ?")
         args.append(kind)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -24,10 +23,10 @@ import model.coordinator as coord_mod
 import model.ledger as ledger_mod
 import model.registry as registry_mod
 import model.sqlite_ledger as sqlite_ledger_mod
-from model.events import EventLog, TraceEvent, event_from_jsonable
+from model.events import EventLog, TraceEvent
 from model.ledger import Clock, Ledger
 from model.registry import RegistryStore
-from model.sqlite_common import connect
+from model.sqlite_common import connect, read_events
 
 BACKEND_NAMES = ("memory", "sqlite")
 DB_NAME = "state.db"
@@ -165,15 +164,9 @@ class SQLiteEventSource:
 
     def new_events(self) -> list[TraceEvent]:
         """Rows with seq above the last one returned."""
-        rows = self._conn.execute(
-            "SELECT seq, payload FROM events WHERE seq > ? ORDER BY seq", (self._last,)
-        ).fetchall()
-        out: list[TraceEvent] = []
-        for seq, payload in rows:
-            data = json.loads(payload)
-            data["seq"] = seq
-            out.append(event_from_jsonable(data))
-            self._last = int(seq)
+        out = read_events(self._conn, after_seq=self._last)
+        if out:
+            self._last = out[-1].seq
         return out
 
     def close(self) -> None:

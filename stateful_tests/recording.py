@@ -18,9 +18,10 @@ from typing import Any, TypeVar, cast
 import attrs
 
 import spec.invariants as invariants_mod
-from model.events import EntryChanged, TraceEvent
+from model.events import TraceEvent
 from model.machines import ACTIVATION, LIFECYCLE, MachineSpec
 from model.records import ActivePointer, ArtifactRecord, LedgerEntry
+from spec.coverage import edge_of
 from spec.invariants import (
     INVARIANTS,
     OUTCOME_INVARIANTS,
@@ -43,19 +44,8 @@ class SpecViolation(AssertionError):
     """A named invariant, reference-model or ghost check failed; the message says which."""
 
 
-def edge_key(event: TraceEvent) -> tuple[str, str] | None:
-    """(machine name, edge id) of the declared edge an event took; None for creations.
-
-    Returns None also for a move no declared edge explains; the step invariants report that.
-    """
-    if event.before is None:
-        return None
-    spec = LIFECYCLE if isinstance(event, EntryChanged) else ACTIVATION
-    name = "lifecycle" if isinstance(event, EntryChanged) else "activation"
-    for edge in spec.candidates(event.before.state, event.event):
-        if edge.dest == event.after.state:
-            return name, spec.edge_id(edge)
-    return None
+# the declared edge an event took: one reader for the fuzzer, the explorer and the diagrams
+edge_key = edge_of
 
 
 def invariant_names(*, with_registry: bool) -> tuple[str, ...]:
