@@ -9,7 +9,6 @@ of both machines. Exit 1 on any violation; never-exercised edges are listed in y
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from model.machines import MACHINES
 from spec.bounds import README_MODELS
 from spec.coverage import merge_coverage, uncovered
 from spec.diagrams import DiagramError, render
+from stateful_tests.profiles import selected_profile_name
 from stateful_tests.runner import MACHINES as FUZZ_MACHINES
 from stateful_tests.runner import PROFILES, run_campaign
 
@@ -77,7 +77,7 @@ def campaign(
     """Fuzz and explore both machines, print the report, write coverage JSON and diagrams."""
     console, err = make_console(), make_console(stderr=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    chosen = profile or ("ci" if os.environ.get("CI") else "dev")
+    chosen = profile or selected_profile_name()
     show = not quiet and sys.stderr.isatty()
     console.rule("fuzz")
     try:

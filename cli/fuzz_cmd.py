@@ -8,7 +8,6 @@ failure the shrunk program printed, saved as a replayable file, and exit status 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cli.output import make_console, progress_printer, write_json_atomic
+from stateful_tests.profiles import selected_profile_name
 from stateful_tests.runner import MACHINES as FUZZ_MACHINES
 from stateful_tests.runner import PROFILES, CampaignReport, ProgressEvent, run_campaign
 
@@ -146,7 +146,7 @@ def fuzz(
     quiet: bool,
 ) -> None:
     """Fuzz the protocol machines against the spec; exit 1 on a violation."""
-    chosen = profile or ("ci" if os.environ.get("CI") else "dev")
+    chosen = profile or selected_profile_name()
     console, err = make_console(), make_console(stderr=True)
     try:
         report = run_campaign(

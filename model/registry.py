@@ -179,6 +179,38 @@ def make_events(step: RegistryStep, pointer_before: ActivePointer | None) -> lis
 # ---- memory --------------------------------------------------------------------------------
 
 
+class _ViewReads:
+    """Read methods both registries share: each reads its view under its own lock."""
+
+    _lock: threading.RLock
+    _view: RegistryView
+
+    def artifact(self, version: int) -> ArtifactRecord | None:
+        """The record of `version`, or None."""
+        with self._lock:
+            return self._view.artifact(version)
+
+    def artifacts(self) -> list[ArtifactRecord]:
+        """Every record, by version."""
+        with self._lock:
+            return self._view.artifacts()
+
+    def pointer(self) -> ActivePointer | None:
+        """The active pointer (None before the first activation)."""
+        with self._lock:
+            return self._view.pointer()
+
+    def workers(self) -> dict[str, WorkerReport]:
+        """Latest report per worker."""
+        with self._lock:
+            return self._view.workers()
+
+    def max_version(self) -> int | None:
+        """Highest version ever registered."""
+        with self._lock:
+            return self._view.max_version()
+
+
 class _MemoryView:
     def __init__(self, reg: MemoryRegistry) -> None:
         self._reg = reg
@@ -202,7 +234,7 @@ class _MemoryView:
         return max(self._reg._artifacts, default=None)
 
 
-class MemoryRegistry:
+class MemoryRegistry(_ViewReads):
     """In-process registry; share `event_log` with a MemoryLedger for one global trace."""
 
     def __init__(self, event_log: EventLog | None = None) -> None:
@@ -248,31 +280,6 @@ class MemoryRegistry:
                 self._workers[w.worker_id] = w
             stamped = self.log.record(events) if events else []
             return result, [e for e in stamped if isinstance(e, ArtifactChanged)]
-
-    def artifact(self, version: int) -> ArtifactRecord | None:
-        """The record of `version`, or None."""
-        with self._lock:
-            return self._view.artifact(version)
-
-    def artifacts(self) -> list[ArtifactRecord]:
-        """Every record, by version."""
-        with self._lock:
-            return self._view.artifacts()
-
-    def pointer(self) -> ActivePointer | None:
-        """The active pointer (None before the first activation)."""
-        with self._lock:
-            return self._pointer
-
-    def workers(self) -> dict[str, WorkerReport]:
-        """Latest report per worker."""
-        with self._lock:
-            return self._view.workers()
-
-    def max_version(self) -> int | None:
-        """Highest version ever registered."""
-        with self._lock:
-            return self._view.max_version()
 
     def history(self, version: int | None = None) -> list[ArtifactChanged]:
         """Artifact events in global order, optionally of one version."""
@@ -426,7 +433,7 @@ def _unusable(path: Path, exc: Exception) -> ActivationError:
     )
 
 
-class SQLiteRegistry:
+class SQLiteRegistry(_ViewReads):
     """The registry in a SQLite file, beside the ledger's tables (component "registry").
 
     Each step is one ``BEGIN IMMEDIATE ... COMMIT`` holding the record writes, the pointer
@@ -502,31 +509,6 @@ class SQLiteRegistry:
                 conn.execute("ROLLBACK")
                 raise
             return result, [e for e in stamped if isinstance(e, ArtifactChanged)]
-
-    def artifact(self, version: int) -> ArtifactRecord | None:
-        """The record of `version`, or None."""
-        with self._lock:
-            return self._view.artifact(version)
-
-    def artifacts(self) -> list[ArtifactRecord]:
-        """Every record, by version."""
-        with self._lock:
-            return self._view.artifacts()
-
-    def pointer(self) -> ActivePointer | None:
-        """The active pointer (None before the first activation)."""
-        with self._lock:
-            return self._view.pointer()
-
-    def workers(self) -> dict[str, WorkerReport]:
-        """Latest report per worker."""
-        with self._lock:
-            return self._view.workers()
-
-    def max_version(self) -> int | None:
-        """Highest version ever registered."""
-        with self._lock:
-            return self._view.max_version()
 
     def history(self, version: int | None = None) -> list[ArtifactChanged]:
         """Artifact events in global order (shared with the ledger's), optionally of one version."""

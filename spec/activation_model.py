@@ -45,8 +45,7 @@ from spec.invariants import (
     World,
     check_at_rest,
     check_quiescent,
-    check_step,
-    group_by_txn,
+    replay,
 )
 
 CORRUPT = "corrupt"
@@ -317,12 +316,8 @@ class ActivationModel:
                             f"ghost: v{ev.version} activated while {w.worker_id} really holds "
                             f"{w.loaded} (an ack that no longer held was counted)"
                         )
-        before = self.world(s)
-        viol: list[str] = list(ghost)
-        for step in group_by_txn(events):
-            mid = before.apply(step)
-            viol.extend(str(x) for x in check_step(before, step, mid))
-            before = mid
+        _, step_viol, _ = replay(self.world(s), events)
+        viol = [*ghost, *(str(x) for x in step_viol)]
         new = ActState(
             artifacts=tuple(sorted(reg.artifacts(), key=lambda a: a.version)),
             pointer=reg.pointer(),

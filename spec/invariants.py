@@ -648,6 +648,31 @@ def group_by_txn(events: Iterable[TraceEvent]) -> list[list[TraceEvent]]:
     return steps
 
 
+def replay(world: World, events: Iterable[TraceEvent]) -> tuple[World, list[Violation], int]:
+    """Apply `events` to `world` one atomic step (txn) at a time, checking each step.
+
+    Returns the world after, the violations, and how many steps were judged. Every checker
+    that judges new events (trace replay, explorer models, stateful machines) calls this.
+    """
+    out: list[Violation] = []
+    steps = group_by_txn(events)
+    for step in steps:
+        after = world.apply(step)
+        out.extend(check_step(world, step, after))
+        world = after
+    return world, out, len(steps)
+
+
+def invariant_names(kinds: Iterable[str], *, with_registry: bool) -> tuple[str, ...]:
+    """Names of the invariants of these kinds that apply (activation ones need a registry)."""
+    want = set(kinds)
+    return tuple(
+        inv.name
+        for inv in INVARIANTS
+        if inv.kind in want and (with_registry or inv.group != "activation")
+    )
+
+
 def check_trace(
     events: Iterable[TraceEvent],
     *,
@@ -667,21 +692,12 @@ def check_trace(
     world = initial or World(artifacts={} if with_registry else None)
     if with_registry and world.artifacts is None:
         world = attrs.evolve(world, artifacts={})
-    out: list[Violation] = []
-    steps = group_by_txn(evs)
-    for step in steps:
-        after = world.apply(step)
-        out.extend(check_step(world, step, after))
-        world = after
+    world, out, n_steps = replay(world, evs)
+    kinds = ["always", "step"] + (["rest", "eventually"] if quiescent else [])
     if quiescent:
         out.extend(check_quiescent(world))
-    checked = tuple(
-        inv.name
-        for inv in INVARIANTS
-        if (with_registry or inv.group != "activation")
-        and (quiescent or inv.kind not in ("eventually", "rest"))
-    )
-    return TraceReport(tuple(out), len(steps), len(evs), world, checked)
+    checked = invariant_names(kinds, with_registry=with_registry)
+    return TraceReport(tuple(out), n_steps, len(evs), world, checked)
 
 
 def check(

@@ -21,7 +21,7 @@ import attrs
 
 from model import ledger as ledger_mod
 from model.errors import CommitMismatch
-from model.events import EventLog, TraceEvent
+from model.events import EventLog
 from model.ledger import ManualClock, RecoveryRule
 from model.machines import LIFECYCLE
 from model.records import AdmissionStamp, Disposition, LedgerEntry, Reward
@@ -32,9 +32,8 @@ from spec.invariants import (
     World,
     check_quiescent,
     check_reservation,
-    check_step,
     check_world,
-    group_by_txn,
+    replay,
     sometimes_from_events,
 )
 
@@ -297,23 +296,12 @@ class LedgerRaceModel:
         entries = tuple(
             _normalise(e) for e in sorted(led.snapshot().values(), key=lambda e: e.rollout_id)
         )
-        before = World(entries={e.rollout_id: e for e in state.entries})
-        after = World(entries={e.rollout_id: e for e in entries})
-        viol = tuple(str(v) for v in [*outcome_viol, *self._step_violations(before, events, after)])
+        _, step_viol, _ = replay(World(entries={e.rollout_id: e for e in state.entries}), events)
+        viol = tuple(str(v) for v in [*outcome_viol, *step_viol])
         new = LedgerState(entries=entries, learners=tuple(learners), step_violations=viol)
         if new == state:
             return None
         return new
-
-    def _step_violations(
-        self, before: World, events: Sequence[TraceEvent], after: World
-    ) -> list[Any]:
-        out = []
-        for step in group_by_txn(events):
-            mid = before.apply(step)
-            out.extend(check_step(before, step, mid))
-            before = mid
-        return out
 
     def canonical(self, state: LedgerState) -> Any:
         """States are stored normalised (see `_normalise`), so they are their own canonical form."""

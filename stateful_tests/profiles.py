@@ -37,14 +37,16 @@ def register_profiles(database_dir: str = DEFAULT_DB) -> None:
     )
 
 
+def selected_profile_name() -> str:
+    """The profile the environment asks for: $ROLLOUT_LIFECYCLE_PROFILE, else ci under CI,
+    else dev (the one rule the test session and the CLI share)."""
+    return os.environ.get(PROFILE_ENV) or ("ci" if os.environ.get("CI") else "dev")
+
+
 def load_selected_profile() -> str:
     """Load the profile named by the environment; CI keeps Hypothesis's own `ci` profile."""
     register_profiles()
-    name = os.environ.get(PROFILE_ENV)
-    if name:
+    name = selected_profile_name()
+    if not (name == "ci" and os.environ.get("CI")):  # Hypothesis already loaded it then
         settings.load_profile(name)
-        return name
-    if os.environ.get("CI"):
-        return "ci"  # Hypothesis already loaded it
-    settings.load_profile("dev")
-    return "dev"
+    return name

@@ -17,20 +17,18 @@ from typing import Any, TypeVar, cast
 
 import attrs
 
-import spec.invariants as invariants_mod
 from model.events import TraceEvent
 from model.machines import ACTIVATION, LIFECYCLE, MachineSpec
 from model.records import ActivePointer, ArtifactRecord, LedgerEntry
 from spec.coverage import edge_of
 from spec.invariants import (
-    INVARIANTS,
     OUTCOME_INVARIANTS,
     SOMETIMES,
     Violation,
     World,
-    check_step,
-    check_world,
-    group_by_txn,
+    check_at_rest,
+    invariant_names,
+    replay,
     sometimes_from_events,
 )
 
@@ -48,29 +46,7 @@ class SpecViolation(AssertionError):
 edge_key = edge_of
 
 
-def invariant_names(*, with_registry: bool) -> tuple[str, ...]:
-    """Names of the spec's step and always invariants that apply to a world."""
-    return tuple(
-        inv.name
-        for inv in INVARIANTS
-        if inv.kind in ("step", "always") and (with_registry or inv.group != "activation")
-    )
-
-
-# `rest` invariants (hold whenever no call is in progress) are checked between steps
-AT_REST_KINDS = ("always", "rest")
-
-
-def always_names(*, with_registry: bool) -> tuple[str, ...]:
-    """Names of the spec's invariants that a snapshot between two calls must satisfy."""
-    return tuple(
-        inv.name
-        for inv in INVARIANTS
-        if inv.kind in AT_REST_KINDS and (with_registry or inv.group != "activation")
-    )
-
-
-EVENTUALLY_NAMES = tuple(inv.name for inv in INVARIANTS if inv.kind in ("rest", "eventually"))
+EVENTUALLY_NAMES = invariant_names(("rest", "eventually"), with_registry=True)
 RESERVATION_NAMES = tuple(OUTCOME_INVARIANTS)
 
 
@@ -172,16 +148,13 @@ class TraceChecker:
         self.recorder = recorder
         self.with_registry = with_registry
         self.world = world or World(artifacts={} if with_registry else None)
-        self._names = invariant_names(with_registry=with_registry)
+        self._names = invariant_names(("step", "always"), with_registry=with_registry)
 
     def feed(self, events: Sequence[TraceEvent], *, observe: bool = True) -> list[Violation]:
         """Check each atomic step in `events`; record edges and sometimes when `observe`."""
-        out: list[Violation] = []
-        for step in group_by_txn(events):
-            after = self.world.apply(step)
-            out.extend(check_step(self.world, step, after))
+        self.world, out, n_steps = replay(self.world, events)
+        for _ in range(n_steps):
             self.recorder.checked(self._names)
-            self.world = after
         if observe:
             self.recorder.observe(events)
         return out
@@ -193,11 +166,8 @@ def check_snapshot(recorder: Recorder, world: World) -> list[Violation]:
     Machines call this between rules, i.e. between calls, which is when `rest` invariants
     must hold; a spec without `check_at_rest` falls back to the always invariants.
     """
-    recorder.checked(always_names(with_registry=world.artifacts is not None))
-    at_rest: Callable[[World], list[Violation]] = getattr(
-        invariants_mod, "check_at_rest", check_world
-    )
-    return at_rest(world)
+    recorder.checked(invariant_names(("always", "rest"), with_registry=world.artifacts is not None))
+    return check_at_rest(world)
 
 
 def raise_violations(recorder: Recorder, where: str, violations: Sequence[Violation]) -> None:
