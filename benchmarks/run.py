@@ -27,15 +27,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.api import assess_policy_compatibility
-from model.gate import assess_arrays
-from model.ledger import MemoryLedger, ReserveRequest
-from model.machines import LIFECYCLE, LIFECYCLE_STATES, LIFECYCLE_TRANSITIONS
-from model.records import AdmissionStamp, LedgerEntry, Reward
-from model.sqlite_ledger import SQLiteLedger
-from spec.bounds import EXPLORER_MODELS
-from spec.classic import TwoPhase
-from spec.explorer import explore
+from rollout_lifecycle.model.api import assess_policy_compatibility
+from rollout_lifecycle.model.gate import assess_arrays
+from rollout_lifecycle.model.ledger import MemoryLedger, ReserveRequest
+from rollout_lifecycle.model.machines import LIFECYCLE, LIFECYCLE_STATES, LIFECYCLE_TRANSITIONS
+from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, Reward
+from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
+from rollout_lifecycle.spec.bounds import EXPLORER_MODELS
+from rollout_lifecycle.spec.classic import TwoPhase
+from rollout_lifecycle.spec.explorer import explore
 
 
 def best_of(fn: Callable[[], Any], repeat: int = 5) -> float:

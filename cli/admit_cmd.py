@@ -33,10 +33,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from model.backends import open_backend
-from model.coordinator import ActivationCoordinator
-from model.errors import RolloutLifecycleError
-from model.gate import (
+from rollout_lifecycle.cli.exitcodes import InputError, TechnicalError
+from rollout_lifecycle.model.backends import open_backend
+from rollout_lifecycle.model.coordinator import ActivationCoordinator
+from rollout_lifecycle.model.errors import RolloutLifecycleError
+from rollout_lifecycle.model.gate import (
     FRESHNESS,
     AdmissionDecision,
     AdmissionGate,
@@ -44,8 +45,8 @@ from model.gate import (
     Registry,
     check_bounds,
 )
-from model.machines import LIFECYCLE
-from model.records import (
+from rollout_lifecycle.model.machines import LIFECYCLE
+from rollout_lifecycle.model.records import (
     ActionEvidence,
     BehaviorPolicy,
     GenerationConditions,
@@ -640,13 +641,13 @@ def admit(
         try:
             summary = _run(input_path, out, gate, current_version, chunk_size, force)
         except InputLineError as exc:
-            raise click.ClickException(
+            raise InputError(
                 f"{input_path}, line {exc.lineno}: {exc}; no decisions were written"
             ) from None
         except OSError as exc:
-            raise click.ClickException(f"{exc}; no decisions were written") from None
+            raise TechnicalError(f"{exc}; no decisions were written") from None
         except RolloutLifecycleError as exc:
-            raise click.ClickException(f"{exc}; no decisions were written") from None
+            raise InputError(f"{exc}; no decisions were written") from None
         elapsed = time.perf_counter() - start
     data = _summary_json(summary, input_path, out, policy, current_version, elapsed)
     if as_json:

@@ -15,16 +15,16 @@ from pathlib import Path
 
 import click
 
-from cli.explore_cmd import explore_models, print_explore_report
-from cli.fuzz_cmd import print_fuzz_report, progress_callback
-from cli.output import make_console, write_json_atomic
-from model.machines import MACHINES
-from spec.bounds import README_MODELS
-from spec.coverage import merge_coverage, uncovered
-from spec.diagrams import DiagramError, render
-from stateful_tests.profiles import selected_profile_name
-from stateful_tests.runner import MACHINES as FUZZ_MACHINES
-from stateful_tests.runner import PROFILES, run_campaign
+from rollout_lifecycle.cli.explore_cmd import explore_models, print_explore_report
+from rollout_lifecycle.cli.fuzz_cmd import print_fuzz_report, progress_callback
+from rollout_lifecycle.cli.output import make_console, write_json_atomic
+from rollout_lifecycle.model.machines import MACHINES
+from rollout_lifecycle.spec.bounds import README_MODELS
+from rollout_lifecycle.spec.coverage import merge_coverage, uncovered
+from rollout_lifecycle.spec.diagrams import DiagramError, render
+from rollout_lifecycle.stateful_tests.profiles import selected_profile_name
+from rollout_lifecycle.stateful_tests.runner import MACHINES as FUZZ_MACHINES
+from rollout_lifecycle.stateful_tests.runner import PROFILES, run_campaign
 
 # the README campaign's size: enough to cover every declared edge and reach every
 # sometimes-property on the default seed (see tests/test_campaign.py)

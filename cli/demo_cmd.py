@@ -21,14 +21,14 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from model.artifacts import ArtifactStore, WorkerLoader
-from model.backends import Backend, open_backend, sqlite_path
-from model.coordinator import ActivationCoordinator
-from model.errors import RolloutLifecycleError
-from model.events import EntryChanged
-from model.gate import AdmissionDecision, AdmissionGate, GatePolicy
-from model.ledger import Ledger, ReserveRequest
-from model.records import (
+from rollout_lifecycle.model.artifacts import ArtifactStore, WorkerLoader
+from rollout_lifecycle.model.backends import Backend, open_backend, sqlite_path
+from rollout_lifecycle.model.coordinator import ActivationCoordinator
+from rollout_lifecycle.model.errors import RolloutLifecycleError
+from rollout_lifecycle.model.events import EntryChanged
+from rollout_lifecycle.model.gate import AdmissionDecision, AdmissionGate, GatePolicy
+from rollout_lifecycle.model.ledger import Ledger, ReserveRequest
+from rollout_lifecycle.model.records import (
     ActionEvidence,
     BehaviorPolicy,
     Disposition,
@@ -37,7 +37,7 @@ from model.records import (
     Rollout,
     RolloutIdentity,
 )
-from spec.invariants import check_trace
+from rollout_lifecycle.spec.invariants import check_trace
 
 __all__ = ["demo"]
 

@@ -15,11 +15,13 @@ from typing import Any
 
 import click
 
-from model.machines import MACHINES, MachineSpec
-from spec.diagrams import (
+from rollout_lifecycle.cli.exitcodes import InputError, TechnicalError
+from rollout_lifecycle.model.machines import MACHINES, MachineSpec
+from rollout_lifecycle.spec.diagrams import (
     FORMAT_ENGINE,
     FORMATS,
     DiagramError,
+    GraphvizNotFound,
     check_docs,
     render,
     write_docs,
@@ -132,8 +134,10 @@ def diagram(
             _docs_mode(check_dir, write_dir, coverage, dot_path, out)
             return
         _draw(machine_name, fmt, engine or FORMAT_ENGINE[fmt], coverage, out, dot_path)
+    except GraphvizNotFound as exc:
+        raise TechnicalError(str(exc)) from None
     except DiagramError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise InputError(str(exc)) from None
 
 
 def _docs_mode(

@@ -18,11 +18,11 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from cli.output import make_console, progress_printer, write_json_atomic
-from spec.bounds import EXPLORER_MODELS, README_MODELS
-from spec.coverage import coverage_json, uncovered
-from spec.explorer import ExplorationResult, ExploreProgress
-from spec.explorer import explore as run_explore
+from rollout_lifecycle.cli.output import make_console, progress_printer, write_json_atomic
+from rollout_lifecycle.spec.bounds import EXPLORER_MODELS, README_MODELS
+from rollout_lifecycle.spec.coverage import coverage_json, uncovered
+from rollout_lifecycle.spec.explorer import ExplorationResult, ExploreProgress
+from rollout_lifecycle.spec.explorer import explore as run_explore
 
 
 def explore_models(

@@ -16,10 +16,15 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from cli.output import make_console, progress_printer, write_json_atomic
-from stateful_tests.profiles import selected_profile_name
-from stateful_tests.runner import MACHINES as FUZZ_MACHINES
-from stateful_tests.runner import PROFILES, CampaignReport, ProgressEvent, run_campaign
+from rollout_lifecycle.cli.output import make_console, progress_printer, write_json_atomic
+from rollout_lifecycle.stateful_tests.profiles import selected_profile_name
+from rollout_lifecycle.stateful_tests.runner import MACHINES as FUZZ_MACHINES
+from rollout_lifecycle.stateful_tests.runner import (
+    PROFILES,
+    CampaignReport,
+    ProgressEvent,
+    run_campaign,
+)
 
 
 def progress_callback(console: Console, enabled: bool) -> Any:

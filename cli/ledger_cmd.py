@@ -21,12 +21,13 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from model.backends import DEFAULT_URL, Backend, open_backend
-from model.errors import RolloutLifecycleError
-from model.events import EntryChanged
-from model.machines import LIFECYCLE
-from model.records import LedgerEntry, to_jsonable
-from spec.invariants import check_trace
+from rollout_lifecycle.cli.exitcodes import InputError
+from rollout_lifecycle.model.backends import DEFAULT_URL, Backend, open_backend
+from rollout_lifecycle.model.errors import RolloutLifecycleError
+from rollout_lifecycle.model.events import EntryChanged
+from rollout_lifecycle.model.machines import LIFECYCLE
+from rollout_lifecycle.model.records import LedgerEntry, to_jsonable
+from rollout_lifecycle.spec.invariants import check_trace
 
 __all__ = ["ledger"]
 
@@ -61,7 +62,7 @@ def _opened(url: str) -> Iterator[Backend]:
     try:
         yield backend
     except RolloutLifecycleError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise InputError(str(exc)) from None
     finally:
         backend.close()
 
@@ -166,7 +167,7 @@ def show(rollout_id: str, url: str, as_json: bool) -> None:
     with _opened(url) as backend:
         entry = backend.ledger.find(rollout_id)
     if entry is None:
-        raise click.ClickException(f"rollout {rollout_id!r} is not in {url}")
+        raise InputError(f"rollout {rollout_id!r} is not in {url}")
     if as_json:
         _echo_json(to_jsonable(entry))
         return
@@ -203,7 +204,7 @@ def history(rollout_id: str, url: str, as_json: bool) -> None:
         events = [e for e in backend.ledger.history(rollout_id) if isinstance(e, EntryChanged)]
         known = bool(events) or backend.ledger.find(rollout_id) is not None
     if not known:
-        raise click.ClickException(f"rollout {rollout_id!r} is not in {url}")
+        raise InputError(f"rollout {rollout_id!r} is not in {url}")
     rows = [_event_row(e) for e in events]
     if as_json:
         _echo_json(rows)

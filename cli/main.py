@@ -8,19 +8,29 @@ exit with status 1 or 2; a traceback is reserved for bugs in this program.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from importlib import metadata
 
 import click
 
-from cli.admit_cmd import admit
-from cli.campaign_cmd import campaign
-from cli.demo_cmd import demo
-from cli.diagram_cmd import diagram
-from cli.explore_cmd import explore
-from cli.fuzz_cmd import fuzz
-from cli.ledger_cmd import ledger
-from cli.mutants_cmd import mutants
-from model.errors import RolloutLifecycleError
+from rollout_lifecycle.cli import exitcodes
+from rollout_lifecycle.cli.admit_cmd import admit
+from rollout_lifecycle.cli.campaign_cmd import campaign
+from rollout_lifecycle.cli.demo_cmd import demo
+from rollout_lifecycle.cli.diagram_cmd import diagram
+from rollout_lifecycle.cli.explore_cmd import explore
+from rollout_lifecycle.cli.fuzz_cmd import fuzz
+from rollout_lifecycle.cli.ledger_cmd import ledger
+from rollout_lifecycle.cli.mutants_cmd import mutants
+from rollout_lifecycle.model.errors import RolloutLifecycleError
+
+COMMANDS = (campaign, fuzz, explore, mutants, admit, ledger, demo, diagram)
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 clean; 1 findings (a violation, a failed or surviving check, stale "
+    "docs, a missed coverage goal); 2 usage or input error; 3 technical failure; "
+    "4 gpu-check preflight: only the model weights are missing; 130 interrupted."
+)
 
 
 def _version() -> str:
@@ -30,14 +40,15 @@ def _version() -> str:
         return "0+unknown (not installed)"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
+@click.version_option(_version(), "--version", "-V", prog_name="rollout-lifecycle")
 def cli() -> None:
     """Stale- and duplicate-safe rollout lifecycle for online RL post-training."""
 
 
 @cli.command("version")
 def version() -> None:
-    """Print the installed version and the pinned libraries the model is declared with."""
+    """Print the installed version and the libraries the model is declared with."""
     import transitions
 
     click.echo(f"rollout-lifecycle {_version()}")
@@ -45,28 +56,42 @@ def version() -> None:
     click.echo(f"python {sys.version.split()[0]}")
 
 
-for command in (campaign, fuzz, explore, mutants, admit, ledger, demo, diagram):
+for command in COMMANDS:
     cli.add_command(command)
 
 
-def main() -> None:
-    """Entry point: run the group; typed project errors that escape become one-line messages."""
+def run(argv: Sequence[str] | None = None) -> int:
+    """Run the command line and return its exit code (see `rollout_lifecycle.cli.exitcodes`).
+
+    click's non-standalone mode RETURNS the code of `click.exceptions.Exit` instead of
+    exiting, so it is taken from the return value here: dropping it would make every
+    checking command exit 0 on a finding.
+    """
     try:
-        cli.main(standalone_mode=False)
+        rv = cli.main(args=argv, prog_name="rollout-lifecycle", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
-        sys.exit(130)
+        return exitcodes.INTERRUPTED
     except click.ClickException as exc:
         exc.show()
-        sys.exit(exc.exit_code)
+        return exc.exit_code
     except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
+        return exc.exit_code
     except RolloutLifecycleError as exc:
         click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+        return exitcodes.USAGE
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
-        sys.exit(130)
+        return exitcodes.INTERRUPTED
+    except OSError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return exitcodes.TECHNICAL
+    return rv if isinstance(rv, int) and not isinstance(rv, bool) else exitcodes.OK
+
+
+def main() -> None:
+    """Console-script entry point: exit with `run`'s code."""
+    sys.exit(run())
 
 
 if __name__ == "__main__":

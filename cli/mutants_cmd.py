@@ -15,13 +15,13 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from cli.output import make_console, progress_printer, write_json_atomic
-from stateful_tests.mutants import BY_NAME, CATALOGUE
-from stateful_tests.mutation import MutantResult, run_catalogue, summary
+from rollout_lifecycle.cli.output import make_console, progress_printer, write_json_atomic
+from rollout_lifecycle.stateful_tests.mutants import BY_NAME, CATALOGUE
+from rollout_lifecycle.stateful_tests.mutation import MutantResult, run_catalogue, summary
 
 
 def _cell(k: object) -> str:
-    from stateful_tests.mutation import Kill
+    from rollout_lifecycle.stateful_tests.mutation import Kill
 
     assert isinstance(k, Kill)
     if k.killed is None:

@@ -5,3 +5,9 @@ keeps technical failures apart from failed checks, replays the run's event trace
 `spec.invariants`, and stores results without ever overwriting one. It reads model/ and
 spec/ only, never stateful_tests/.
 """
+
+if __name__ != "rollout_lifecycle.gpu_check":  # one import name, never a second copy
+    raise ImportError(
+        f"import rollout_lifecycle.gpu_check, not {__name__}: this folder is part of the "
+        "rollout_lifecycle package"
+    )

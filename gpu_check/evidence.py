@@ -21,9 +21,9 @@ from typing import Any
 
 import attrs
 
-from model.errors import RolloutLifecycleError
-from model.events import TraceEvent, event_from_jsonable
-from spec.invariants import check_trace
+from rollout_lifecycle.model.errors import RolloutLifecycleError
+from rollout_lifecycle.model.events import TraceEvent, event_from_jsonable
+from rollout_lifecycle.spec.invariants import check_trace
 
 SCHEMA_VERSION = 1
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from model.errors import ActivationError
-from model.gate import lag_drift_decision
-from model.ledger import MISSING, RESERVED, reserve_precheck
-from model.machines import ACTIVATION, LIFECYCLE
+from rollout_lifecycle.model.errors import ActivationError
+from rollout_lifecycle.model.gate import lag_drift_decision
+from rollout_lifecycle.model.ledger import MISSING, RESERVED, reserve_precheck
+from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
 
 
 def transition_lifecycle(state: str, event: str) -> str:

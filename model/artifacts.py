@@ -35,8 +35,8 @@ import numpy as np
 import numpy.typing as npt
 import safetensors.numpy as st_numpy
 
-from model.errors import ArtifactError
-from model.records import WorkerAck
+from rollout_lifecycle.model.errors import ArtifactError
+from rollout_lifecycle.model.records import WorkerAck
 
 FORMAT = "rollout-lifecycle-artifact/1"
 MANIFEST_NAME = "manifest.json"

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import attrs
 
-from model.errors import BackendURLError, LedgerError
-from model.events import EventLog, TraceEvent
-from model.ledger import Clock, Ledger, MemoryLedger
-from model.registry import MemoryRegistry, RegistryStore, SQLiteRegistry
-from model.sqlite_ledger import SQLiteLedger
+from rollout_lifecycle.model.errors import BackendURLError, LedgerError
+from rollout_lifecycle.model.events import EventLog, TraceEvent
+from rollout_lifecycle.model.ledger import Clock, Ledger, MemoryLedger
+from rollout_lifecycle.model.registry import MemoryRegistry, RegistryStore, SQLiteRegistry
+from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
 
 DEFAULT_URL = "sqlite:///rollout-lifecycle.db"
 

@@ -23,13 +23,13 @@ from typing import Any, Literal, TypeVar
 
 import attrs
 
-from model.api import activate_policy_version
-from model.errors import ActivationError
-from model.events import ArtifactChanged
-from model.ledger import Ledger
-from model.machines import ACTIVATION
-from model.records import ActivePointer, ArtifactRecord, Disposition, WorkerAck
-from model.registry import (
+from rollout_lifecycle.model.api import activate_policy_version
+from rollout_lifecycle.model.errors import ActivationError
+from rollout_lifecycle.model.events import ArtifactChanged
+from rollout_lifecycle.model.ledger import Ledger
+from rollout_lifecycle.model.machines import ACTIVATION
+from rollout_lifecycle.model.records import ActivePointer, ArtifactRecord, Disposition, WorkerAck
+from rollout_lifecycle.model.registry import (
     ArtifactChange,
     RegistryStep,
     RegistryStore,

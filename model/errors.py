@@ -70,3 +70,8 @@ class ArtifactError(RolloutLifecycleError):
 
 class BackendURLError(RolloutLifecycleError, ValueError):
     """A backend URL this project cannot open."""
+
+
+class OutputError(RolloutLifecycleError):
+    """A file could not be written where asked (missing folder, a file in the way, full disk);
+    nothing was left half-written."""

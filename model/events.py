@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from model.records import (
+from rollout_lifecycle.model.records import (
     ActivePointer,
     ArtifactRecord,
     LedgerEntry,

@@ -24,8 +24,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from model.errors import GateConfigError
-from model.records import (
+from rollout_lifecycle.model.errors import GateConfigError
+from rollout_lifecycle.model.records import (
     AdmissionStamp,
     GenerationConditions,
     LedgerEntry,

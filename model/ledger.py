@@ -16,16 +16,16 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from model.errors import (
+from rollout_lifecycle.model.errors import (
     CommitMismatch,
     DuplicateRollout,
     LedgerError,
     RevisionConflict,
     UnknownRollout,
 )
-from model.events import EntryChanged, EventLog, TraceEvent
-from model.machines import LIFECYCLE
-from model.records import (
+from rollout_lifecycle.model.events import EntryChanged, EventLog, TraceEvent
+from rollout_lifecycle.model.machines import LIFECYCLE
+from rollout_lifecycle.model.records import (
     AdmissionStamp,
     Disposition,
     LedgerEntry,

@@ -19,7 +19,7 @@ import attrs
 from transitions import Machine, Transition
 from transitions.extensions.states import Tags, add_state_features
 
-from model.errors import IllegalTransition
+from rollout_lifecycle.model.errors import IllegalTransition
 
 EDGE_KINDS = ("normal", "failure", "recovery")
 

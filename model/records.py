@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import attrs
 
-from model.errors import InvalidRecord
-from model.machines import ACTIVATION, LIFECYCLE
+from rollout_lifecycle.model.errors import InvalidRecord
+from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
 
 T = TypeVar("T")
 

@@ -20,9 +20,9 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import attrs
 
-from model.errors import ActivationError
-from model.events import ArtifactChanged, EventLog
-from model.records import (
+from rollout_lifecycle.model.errors import ActivationError
+from rollout_lifecycle.model.events import ArtifactChanged, EventLog
+from rollout_lifecycle.model.records import (
     ActivePointer,
     ArtifactRecord,
     Disposition,
@@ -30,7 +30,7 @@ from model.records import (
     from_jsonable,
     to_jsonable,
 )
-from model.sqlite_common import append_events, connect, ensure_schema, read_events
+from rollout_lifecycle.model.sqlite_common import append_events, connect, ensure_schema, read_events
 
 R = TypeVar("R")
 

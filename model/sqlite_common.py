@@ -14,8 +14,8 @@ from pathlib import Path
 
 import attrs
 
-from model.errors import LedgerError
-from model.events import TraceEvent, event_from_jsonable, event_to_jsonable
+from rollout_lifecycle.model.errors import LedgerError
+from rollout_lifecycle.model.events import TraceEvent, event_from_jsonable, event_to_jsonable
 
 BUSY_TIMEOUT_MS = 30_000  # well above the 5 s default: 8 threads and 4 processes contend
 

@@ -28,14 +28,14 @@ from pathlib import Path
 
 import attrs
 
-from model.errors import (
+from rollout_lifecycle.model.errors import (
     DuplicateRollout,
     LedgerError,
     RevisionConflict,
     UnknownRollout,
 )
-from model.events import EntryChanged, TraceEvent
-from model.ledger import (
+from rollout_lifecycle.model.events import EntryChanged, TraceEvent
+from rollout_lifecycle.model.ledger import (
     CONFLICT,
     IDEMPOTENT,
     RESERVED,
@@ -52,8 +52,8 @@ from model.ledger import (
     plan_transition,
     statistics_from,
 )
-from model.machines import LIFECYCLE
-from model.records import (
+from rollout_lifecycle.model.machines import LIFECYCLE
+from rollout_lifecycle.model.records import (
     AdmissionStamp,
     Disposition,
     LedgerEntry,
@@ -62,7 +62,7 @@ from model.records import (
     from_jsonable,
     to_jsonable,
 )
-from model.sqlite_common import append_events, connect, ensure_schema, read_events
+from rollout_lifecycle.model.sqlite_common import append_events, connect, ensure_schema, read_events
 
 COMPONENT = "ledger"
 SCHEMA_VERSION = 1

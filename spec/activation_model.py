@@ -19,13 +19,13 @@ from typing import Any
 
 import attrs
 
-from model import coordinator as coord_mod
-from model import gate as gate_mod
-from model import ledger as ledger_mod
-from model import registry as registry_mod
-from model.errors import ActivationError
-from model.events import ArtifactChanged, EventLog
-from model.records import (
+from rollout_lifecycle.model import coordinator as coord_mod
+from rollout_lifecycle.model import gate as gate_mod
+from rollout_lifecycle.model import ledger as ledger_mod
+from rollout_lifecycle.model import registry as registry_mod
+from rollout_lifecycle.model.errors import ActivationError
+from rollout_lifecycle.model.events import ArtifactChanged, EventLog
+from rollout_lifecycle.model.records import (
     ActionEvidence,
     ActivePointer,
     ArtifactRecord,
@@ -38,10 +38,10 @@ from model.records import (
     RolloutIdentity,
     WorkerAck,
 )
-from model.registry import WorkerReport
-from spec.coverage import count_edges
-from spec.explorer import Property
-from spec.invariants import (
+from rollout_lifecycle.model.registry import WorkerReport
+from rollout_lifecycle.spec.coverage import count_edges
+from rollout_lifecycle.spec.explorer import Property
+from rollout_lifecycle.spec.invariants import (
     World,
     check_at_rest,
     check_quiescent,

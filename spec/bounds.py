@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from spec.activation_model import ActivationModel
-from spec.ledger_model import LedgerRaceModel
+from rollout_lifecycle.spec.activation_model import ActivationModel
+from rollout_lifecycle.spec.ledger_model import LedgerRaceModel
 
 ModelFactory = Callable[[], Any]
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 
 import attrs
 
-from spec.explorer import Property
+from rollout_lifecycle.spec.explorer import Property
 
 __all__ = [
     "ALL_RMS_COMMITTED_AT_QUIESCENCE",

@@ -11,8 +11,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from model.events import EntryChanged, TraceEvent
-from model.machines import MACHINES
+from rollout_lifecycle.model.events import EntryChanged, TraceEvent
+from rollout_lifecycle.model.machines import MACHINES
 
 
 def edge_of(event: TraceEvent) -> tuple[str, str] | None:

@@ -41,8 +41,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from model.errors import RolloutLifecycleError
-from model.machines import MACHINES, Edge, MachineSpec
+from rollout_lifecycle.model.errors import RolloutLifecycleError
+from rollout_lifecycle.model.machines import MACHINES, Edge, MachineSpec
 
 __all__ = [
     "DOCS_DIR",

@@ -27,9 +27,9 @@ from typing import Literal
 
 import attrs
 
-from model.events import ArtifactChanged, EntryChanged, TraceEvent
-from model.machines import ACTIVATION, LIFECYCLE
-from model.records import ActivePointer, ArtifactRecord, LedgerEntry
+from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, TraceEvent
+from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
+from rollout_lifecycle.model.records import ActivePointer, ArtifactRecord, LedgerEntry
 
 Kind = Literal["always", "step", "rest", "eventually"]
 

@@ -19,15 +19,15 @@ from typing import Any
 
 import attrs
 
-from model import ledger as ledger_mod
-from model.errors import CommitMismatch
-from model.events import EventLog
-from model.ledger import ManualClock, RecoveryRule
-from model.machines import LIFECYCLE
-from model.records import AdmissionStamp, Disposition, LedgerEntry, Reward
-from spec.coverage import count_edges
-from spec.explorer import Property
-from spec.invariants import (
+from rollout_lifecycle.model import ledger as ledger_mod
+from rollout_lifecycle.model.errors import CommitMismatch
+from rollout_lifecycle.model.events import EventLog
+from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule
+from rollout_lifecycle.model.machines import LIFECYCLE
+from rollout_lifecycle.model.records import AdmissionStamp, Disposition, LedgerEntry, Reward
+from rollout_lifecycle.spec.coverage import count_edges
+from rollout_lifecycle.spec.explorer import Property
+from rollout_lifecycle.spec.invariants import (
     Violation,
     World,
     check_quiescent,

@@ -26,15 +26,15 @@ import attrs
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import model.coordinator as coord_mod
-import model.gate as gate_mod
-from model.errors import ActivationError, IllegalTransition
-from model.ledger import ManualClock, RecoveryRule
-from model.machines import ACTIVATION
-from model.records import Disposition, WorkerAck
-from spec.invariants import Violation
-from stateful_tests.backends import Stack, close_stack, open_stack, reopen_stack
-from stateful_tests.builders import (
+import rollout_lifecycle.model.coordinator as coord_mod
+import rollout_lifecycle.model.gate as gate_mod
+from rollout_lifecycle.model.errors import ActivationError, IllegalTransition
+from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule
+from rollout_lifecycle.model.machines import ACTIVATION
+from rollout_lifecycle.model.records import Disposition, WorkerAck
+from rollout_lifecycle.spec.invariants import Violation
+from rollout_lifecycle.stateful_tests.backends import Stack, close_stack, open_stack, reopen_stack
+from rollout_lifecycle.stateful_tests.builders import (
     CONDITIONS,
     REWARD,
     artifact_hash,
@@ -43,8 +43,8 @@ from stateful_tests.builders import (
     expected_reason,
     make_rollout,
 )
-from stateful_tests.quiescence import quiesce_copy
-from stateful_tests.recording import (
+from rollout_lifecycle.stateful_tests.quiescence import quiesce_copy
+from rollout_lifecycle.stateful_tests.recording import (
     Recorder,
     TraceChecker,
     check_snapshot,
@@ -52,7 +52,11 @@ from stateful_tests.recording import (
     raise_violations,
     world_of,
 )
-from stateful_tests.workers import ReportRef, WorkerTruth, activation_ghost_violations
+from rollout_lifecycle.stateful_tests.workers import (
+    ReportRef,
+    WorkerTruth,
+    activation_ghost_violations,
+)
 
 WORKERS = ("w0", "w1")
 MAX_VERSIONS = 12

@@ -19,14 +19,14 @@ from typing import Any, Protocol
 
 import attrs
 
-import model.coordinator as coord_mod
-import model.ledger as ledger_mod
-import model.registry as registry_mod
-import model.sqlite_ledger as sqlite_ledger_mod
-from model.events import EventLog, TraceEvent
-from model.ledger import Clock, Ledger
-from model.registry import RegistryStore
-from model.sqlite_common import connect, read_events
+import rollout_lifecycle.model.coordinator as coord_mod
+import rollout_lifecycle.model.ledger as ledger_mod
+import rollout_lifecycle.model.registry as registry_mod
+import rollout_lifecycle.model.sqlite_ledger as sqlite_ledger_mod
+from rollout_lifecycle.model.events import EventLog, TraceEvent
+from rollout_lifecycle.model.ledger import Clock, Ledger
+from rollout_lifecycle.model.registry import RegistryStore
+from rollout_lifecycle.model.sqlite_common import connect, read_events
 
 BACKEND_NAMES = ("memory", "sqlite")
 DB_NAME = "state.db"

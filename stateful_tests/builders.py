@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 import numpy.typing as npt
 
-from model.records import (
+from rollout_lifecycle.model.records import (
     ActionEvidence,
     AdmissionStamp,
     BehaviorPolicy,

@@ -25,18 +25,18 @@ from typing import Any
 
 import attrs
 
-from model.errors import (
+from rollout_lifecycle.model.errors import (
     CommitMismatch,
     IllegalTransition,
     RevisionConflict,
     RolloutLifecycleError,
 )
-from model.ledger import Ledger, ManualClock, RecoveryRule, ReserveRequest
-from model.records import LedgerEntry
-from spec.invariants import check_trace
-from stateful_tests.backends import LedgerFactory, resolve_factory
-from stateful_tests.builders import REWARD, artifact_hash, fresh_stamp
-from stateful_tests.runner import CampaignReport, run_campaign
+from rollout_lifecycle.model.ledger import Ledger, ManualClock, RecoveryRule, ReserveRequest
+from rollout_lifecycle.model.records import LedgerEntry
+from rollout_lifecycle.spec.invariants import check_trace
+from rollout_lifecycle.stateful_tests.backends import LedgerFactory, resolve_factory
+from rollout_lifecycle.stateful_tests.builders import REWARD, artifact_hash, fresh_stamp
+from rollout_lifecycle.stateful_tests.runner import CampaignReport, run_campaign
 
 LEASE = 10.0
 ENV_VAR = "ROLLOUT_LIFECYCLE_LEDGER"

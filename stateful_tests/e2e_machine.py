@@ -34,14 +34,14 @@ from hypothesis.stateful import (
     rule,
 )
 
-import model.api as api_mod
-import model.coordinator as coord_mod
-import model.gate as gate_mod
-from model.ledger import ManualClock, RecoveryRule, ReserveRequest
-from model.records import Disposition, LedgerEntry, Rollout
-from spec.invariants import Violation
-from stateful_tests.backends import Stack, close_stack, open_stack, reopen_stack
-from stateful_tests.builders import (
+import rollout_lifecycle.model.api as api_mod
+import rollout_lifecycle.model.coordinator as coord_mod
+import rollout_lifecycle.model.gate as gate_mod
+from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule, ReserveRequest
+from rollout_lifecycle.model.records import Disposition, LedgerEntry, Rollout
+from rollout_lifecycle.spec.invariants import Violation
+from rollout_lifecycle.stateful_tests.backends import Stack, close_stack, open_stack, reopen_stack
+from rollout_lifecycle.stateful_tests.builders import (
     CONDITIONS,
     REWARD,
     artifact_hash,
@@ -49,8 +49,8 @@ from stateful_tests.builders import (
     current_batch,
     make_rollout,
 )
-from stateful_tests.quiescence import quiesce_copy
-from stateful_tests.recording import (
+from rollout_lifecycle.stateful_tests.quiescence import quiesce_copy
+from rollout_lifecycle.stateful_tests.recording import (
     Recorder,
     TraceChecker,
     check_snapshot,
@@ -58,7 +58,7 @@ from stateful_tests.recording import (
     raise_violations,
     world_of,
 )
-from stateful_tests.workers import WorkerTruth, activation_ghost_violations
+from rollout_lifecycle.stateful_tests.workers import WorkerTruth, activation_ghost_violations
 
 WORKERS = ("g0", "g1")
 MAX_LAG = 1

@@ -35,14 +35,14 @@ from hypothesis.stateful import (
     rule,
 )
 
-import model.gate as gate_mod
-from model.errors import CommitMismatch, IllegalTransition, RevisionConflict
-from model.ledger import DIRECT_EVENTS, Ledger, ManualClock, RecoveryRule
-from model.machines import LIFECYCLE
-from model.records import AdmissionStamp, Disposition, LedgerEntry, Rollout
-from spec.invariants import World, check_reservation
-from stateful_tests.backends import LedgerFactory, reopener, resolve_factory
-from stateful_tests.builders import (
+import rollout_lifecycle.model.gate as gate_mod
+from rollout_lifecycle.model.errors import CommitMismatch, IllegalTransition, RevisionConflict
+from rollout_lifecycle.model.ledger import DIRECT_EVENTS, Ledger, ManualClock, RecoveryRule
+from rollout_lifecycle.model.machines import LIFECYCLE
+from rollout_lifecycle.model.records import AdmissionStamp, Disposition, LedgerEntry, Rollout
+from rollout_lifecycle.spec.invariants import World, check_reservation
+from rollout_lifecycle.stateful_tests.backends import LedgerFactory, reopener, resolve_factory
+from rollout_lifecycle.stateful_tests.builders import (
     CONDITIONS,
     EVIDENCE_KINDS,
     REWARD,
@@ -52,7 +52,7 @@ from stateful_tests.builders import (
     expected_reason,
     make_rollout,
 )
-from stateful_tests.recording import (
+from rollout_lifecycle.stateful_tests.recording import (
     RESERVATION_NAMES,
     Recorder,
     TraceChecker,

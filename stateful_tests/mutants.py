@@ -21,12 +21,18 @@ from typing import Any
 import attrs
 import numpy as np
 
-from model import api as api_mod
-from model import coordinator as coord_mod
-from model import gate as gate_mod
-from model import ledger as ledger_mod
-from model.ledger import IDEMPOTENT, MISSING, NOT_REWARDED, RESERVED, ReserveOutcome
-from model.records import Disposition, LedgerEntry, Reward
+from rollout_lifecycle.model import api as api_mod
+from rollout_lifecycle.model import coordinator as coord_mod
+from rollout_lifecycle.model import gate as gate_mod
+from rollout_lifecycle.model import ledger as ledger_mod
+from rollout_lifecycle.model.ledger import (
+    IDEMPOTENT,
+    MISSING,
+    NOT_REWARDED,
+    RESERVED,
+    ReserveOutcome,
+)
+from rollout_lifecycle.model.records import Disposition, LedgerEntry, Reward
 
 PROJECT_PREFIXES = ("model.", "spec.", "stateful_tests.", "cli.")
 
@@ -164,7 +170,7 @@ def _leases_never_expire() -> Iterator[None]:
     with stack:
         stack.enter_context(patch_everywhere(ledger_mod.MemoryLedger, "expire_leases", none))
         try:
-            from model import sqlite_ledger
+            from rollout_lifecycle.model import sqlite_ledger
 
             stack.enter_context(patch_everywhere(sqlite_ledger.SQLiteLedger, "expire_leases", none))
         except ImportError:  # pragma: no cover - the SQLite backend ships with the package
@@ -305,7 +311,7 @@ def _stamp_at_completion(version_at_dispatch: int, version_at_completion: int) -
 
 @contextlib.contextmanager
 def _stamp_patch() -> Iterator[None]:
-    e2e_machine = importlib.import_module("stateful_tests.e2e_machine")
+    e2e_machine = importlib.import_module("rollout_lifecycle.stateful_tests.e2e_machine")
     with patch_everywhere(e2e_machine, "stamp_policy", _stamp_at_completion):
         yield
 

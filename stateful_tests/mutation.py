@@ -17,10 +17,10 @@ from typing import Any
 
 import attrs
 
-from spec.bounds import CI_MODELS, EXPLORER_MODELS
-from spec.explorer import explore
-from stateful_tests.mutants import CATALOGUE, Mutant
-from stateful_tests.runner import run_campaign
+from rollout_lifecycle.spec.bounds import CI_MODELS, EXPLORER_MODELS
+from rollout_lifecycle.spec.explorer import explore
+from rollout_lifecycle.stateful_tests.mutants import CATALOGUE, Mutant
+from rollout_lifecycle.stateful_tests.runner import run_campaign
 
 
 @attrs.frozen

@@ -13,22 +13,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-import model.coordinator as coord_mod
-import model.ledger as ledger_mod
-import model.registry as registry_mod
-from model.errors import RolloutLifecycleError
-from model.events import EventLog, TraceEvent
-from model.ledger import Ledger, RecoveryRule
-from model.records import WorkerAck
-from model.registry import RegistryStore
-from spec.invariants import check_quiescent
-from stateful_tests.recording import (
+import rollout_lifecycle.model.coordinator as coord_mod
+import rollout_lifecycle.model.ledger as ledger_mod
+import rollout_lifecycle.model.registry as registry_mod
+from rollout_lifecycle.model.errors import RolloutLifecycleError
+from rollout_lifecycle.model.events import EventLog, TraceEvent
+from rollout_lifecycle.model.ledger import Ledger, RecoveryRule
+from rollout_lifecycle.model.records import WorkerAck
+from rollout_lifecycle.model.registry import RegistryStore
+from rollout_lifecycle.spec.invariants import check_quiescent
+from rollout_lifecycle.stateful_tests.recording import (
     EVENTUALLY_NAMES,
     Recorder,
     TraceChecker,
     world_of,
 )
-from stateful_tests.workers import WorkerTruth, activation_ghost_violations
+from rollout_lifecycle.stateful_tests.workers import WorkerTruth, activation_ghost_violations
 
 QUIESCE_CAUSE = "quiescence: cannot activate"
 

@@ -17,11 +17,11 @@ from typing import Any, TypeVar, cast
 
 import attrs
 
-from model.events import TraceEvent
-from model.machines import ACTIVATION, LIFECYCLE, MachineSpec
-from model.records import ActivePointer, ArtifactRecord, LedgerEntry
-from spec.coverage import edge_of
-from spec.invariants import (
+from rollout_lifecycle.model.events import TraceEvent
+from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE, MachineSpec
+from rollout_lifecycle.model.records import ActivePointer, ArtifactRecord, LedgerEntry
+from rollout_lifecycle.spec.coverage import edge_of
+from rollout_lifecycle.spec.invariants import (
     OUTCOME_INVARIANTS,
     SOMETIMES,
     Violation,

@@ -31,12 +31,12 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
-from spec.invariants import SOMETIMES
-from stateful_tests import activation_machine, e2e_machine, ledger_machine
-from stateful_tests.backends import BACKEND_NAMES, LedgerFactory, resolve_factory
-from stateful_tests.minimize import minimize
-from stateful_tests.profiles import register_profiles
-from stateful_tests.recording import DECLARED, Recorder
+from rollout_lifecycle.spec.invariants import SOMETIMES
+from rollout_lifecycle.stateful_tests import activation_machine, e2e_machine, ledger_machine
+from rollout_lifecycle.stateful_tests.backends import BACKEND_NAMES, LedgerFactory, resolve_factory
+from rollout_lifecycle.stateful_tests.minimize import minimize
+from rollout_lifecycle.stateful_tests.profiles import register_profiles
+from rollout_lifecycle.stateful_tests.recording import DECLARED, Recorder
 
 MACHINES = ("ledger", "activation", "e2e")
 PROFILES = ("ci", "dev", "fuzz")
@@ -45,9 +45,12 @@ BATCH_EXAMPLES = 25  # examples per batch when a time budget drives the campaign
 PROGRESS_EVERY_S = 0.25
 
 _MODULES = {
-    "ledger": ("stateful_tests.ledger_machine", "make_ledger_machine"),
-    "activation": ("stateful_tests.activation_machine", "make_activation_machine"),
-    "e2e": ("stateful_tests.e2e_machine", "make_e2e_machine"),
+    "ledger": ("rollout_lifecycle.stateful_tests.ledger_machine", "make_ledger_machine"),
+    "activation": (
+        "rollout_lifecycle.stateful_tests.activation_machine",
+        "make_activation_machine",
+    ),
+    "e2e": ("rollout_lifecycle.stateful_tests.e2e_machine", "make_e2e_machine"),
 }
 _INVARIANT_NAMES = {
     "ledger": ledger_machine.INVARIANT_NAMES,

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from model.events import ArtifactChanged, TraceEvent
-from model.records import WorkerAck
+from rollout_lifecycle.model.events import ArtifactChanged, TraceEvent
+from rollout_lifecycle.model.records import WorkerAck
 
 
 @attrs.define

@@ -11,9 +11,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from model.ledger import DIRECT_EVENTS, Ledger, ReserveRequest
-from model.machines import LIFECYCLE
-from model.records import AdmissionStamp, LedgerEntry, Reward
+from rollout_lifecycle.model.ledger import DIRECT_EVENTS, Ledger, ReserveRequest
+from rollout_lifecycle.model.machines import LIFECYCLE
+from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, Reward
 
 REWARD = Reward(function_id="exact_match", function_version="1", value=1.0)
 HASH = "sha256:feed"
@@ -123,7 +123,7 @@ def race_worker(
 
     Used by threads and by spawned processes alike; returns the ids won and every reason seen.
     """
-    from model.sqlite_ledger import SQLiteLedger  # a spawned child imports lazily
+    from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger  # a spawned child imports lazily
 
     order = ids(n)
     random.Random(seed).shuffle(order)
@@ -169,8 +169,8 @@ def crash_child(path: str, update_id: str, n: int, stop_after: int | None, signa
     With `stop_after`, the planner stalls at that item, after the batch has already written
     stop_after - 1 rows inside its open transaction; otherwise the child stalls after COMMIT.
     """
-    import model.ledger as ml
-    import model.sqlite_ledger as sl
+    import rollout_lifecycle.model.ledger as ml
+    import rollout_lifecycle.model.sqlite_ledger as sl
 
     ledger = sl.SQLiteLedger(path)
     # A tiny page cache forces uncommitted pages out into the WAL, so recovery must really

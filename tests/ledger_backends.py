@@ -11,8 +11,8 @@ import itertools
 from pathlib import Path
 from typing import Any, Protocol
 
-from model.ledger import Clock, Ledger, MemoryLedger
-from model.sqlite_ledger import SQLiteLedger
+from rollout_lifecycle.model.ledger import Clock, Ledger, MemoryLedger
+from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
 
 
 class LedgerFactory(Protocol):

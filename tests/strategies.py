@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
-from model.records import (
+from rollout_lifecycle.model.records import (
     ActionEvidence,
     BehaviorPolicy,
     GenerationConditions,

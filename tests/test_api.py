@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from model import (
+from rollout_lifecycle.model import (
     activate_policy_version,
     assess_policy_compatibility,
     compare_and_reserve,

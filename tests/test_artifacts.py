@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model.artifacts import (
+from rollout_lifecycle.model.artifacts import (
     MANIFEST_NAME,
     TEMP_PREFIX,
     WEIGHTS_NAME,
@@ -25,7 +25,7 @@ from model.artifacts import (
     check_name,
     content_hash,
 )
-from model.errors import ArtifactError
+from rollout_lifecycle.model.errors import ArtifactError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -200,7 +200,7 @@ def test_tampered_manifest_cannot_vouch_for_tampered_files(store: ArtifactStore)
     s = store.write(1, files={"w": b"good"})
     (s.path / "w").write_bytes(b"evil")
     entry = FileEntry("w", 4, hashlib.sha256(b"evil").hexdigest())
-    from model.artifacts import ArtifactManifest
+    from rollout_lifecycle.model.artifacts import ArtifactManifest
 
     forged = ArtifactManifest(1, content_hash([entry]), (entry,))
     (s.path / MANIFEST_NAME).write_text(forged.to_json())
@@ -299,7 +299,7 @@ _SLOW_WRITER = textwrap.dedent(
     """
     import sys, time
     import numpy as np
-    import model.artifacts as arts
+    import rollout_lifecycle.model.artifacts as arts
 
     arts.CHUNK_BYTES = 1 << 20
     real = arts._write_chunk
@@ -357,7 +357,7 @@ def test_sweep_keeps_live_writers_temp(
     store: ArtifactStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """sweep_temp during a write in this process leaves that writer's temp dir alone."""
-    import model.artifacts as arts
+    import rollout_lifecycle.model.artifacts as arts
 
     seen: list[list[Path]] = []
     real = arts._write_chunk
@@ -376,7 +376,7 @@ def test_failed_write_cleans_its_temp(
     store: ArtifactStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An I/O error mid-write raises ArtifactError and leaves no temp dir and no artifact."""
-    import model.artifacts as arts
+    import rollout_lifecycle.model.artifacts as arts
 
     def failing(_f: object, _chunk: memoryview) -> None:
         raise OSError(28, "No space left on device")

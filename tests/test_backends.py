@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from model import backends
-from model.backends import DEFAULT_URL, Backend, OpenOptions, open_backend
-from model.coordinator import ActivationCoordinator
-from model.errors import BackendURLError
-from model.events import ArtifactChanged, EntryChanged
-from model.ledger import MemoryLedger
-from model.records import LedgerEntry
-from model.registry import MemoryRegistry, SQLiteRegistry
-from model.sqlite_ledger import SQLiteLedger
+from rollout_lifecycle.model import backends
+from rollout_lifecycle.model.backends import DEFAULT_URL, Backend, OpenOptions, open_backend
+from rollout_lifecycle.model.coordinator import ActivationCoordinator
+from rollout_lifecycle.model.errors import BackendURLError
+from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged
+from rollout_lifecycle.model.ledger import MemoryLedger
+from rollout_lifecycle.model.records import LedgerEntry
+from rollout_lifecycle.model.registry import MemoryRegistry, SQLiteRegistry
+from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
 
 H0 = "a" * 64
 

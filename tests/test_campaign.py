@@ -8,16 +8,29 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from cli.campaign_cmd import README_SEED
-from cli.main import cli
+from rollout_lifecycle.cli.campaign_cmd import README_SEED
+from rollout_lifecycle.cli.main import cli
 
 
 def test_campaign_fuzz_covers_everything(tmp_path: Path) -> None:
     """A README-seeded fuzz campaign (smaller example count) exercises every declared edge."""
     out = tmp_path / "camp"
-    res = CliRunner().invoke(cli, ["campaign", "--no-explore", "--backend", "memory",
-                                   "--examples", "100", "--seed", str(README_SEED),
-                                   "--out", str(out), "--quiet"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "campaign",
+            "--no-explore",
+            "--backend",
+            "memory",
+            "--examples",
+            "100",
+            "--seed",
+            str(README_SEED),
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+    )
     assert res.exit_code == 0, res.output
     cov = json.loads((out / "coverage.json").read_text())
     for name, m in cov["machines"].items():
@@ -33,8 +46,21 @@ def test_campaign_fuzz_covers_everything(tmp_path: Path) -> None:
 def test_campaign_explore_subset(tmp_path: Path) -> None:
     """The explore half writes its report and merges coverage with the fuzz half."""
     out = tmp_path / "camp"
-    res = CliRunner().invoke(cli, ["campaign", "--backend", "memory", "--examples", "5",
-                                   "--model", "activation-2v", "--out", str(out), "--quiet"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "campaign",
+            "--backend",
+            "memory",
+            "--examples",
+            "5",
+            "--model",
+            "activation-2v",
+            "--out",
+            str(out),
+            "--quiet",
+        ],
+    )
     assert res.exit_code == 0, res.output
     ex = json.loads((out / "explore-report.json").read_text())
     assert ex["models"]["activation-2v"]["distinct_states"] == 1723
@@ -43,6 +69,19 @@ def test_campaign_explore_subset(tmp_path: Path) -> None:
 
 def test_campaign_bad_model_is_a_usage_error(tmp_path: Path) -> None:
     """An unknown explorer model is a one-line usage error, not a traceback."""
-    res = CliRunner().invoke(cli, ["campaign", "--backend", "memory", "--examples", "1",
-                                   "--model", "nope", "--out", str(tmp_path), "--quiet"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "campaign",
+            "--backend",
+            "memory",
+            "--examples",
+            "1",
+            "--model",
+            "nope",
+            "--out",
+            str(tmp_path),
+            "--quiet",
+        ],
+    )
     assert res.exit_code == 2 and "Traceback" not in res.output

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from cli.main import cli
-from model.backends import open_backend
-from model.coordinator import ActivationCoordinator
-from model.gate import AdmissionGate
-from model.records import WorkerAck
+from rollout_lifecycle.cli.main import cli
+from rollout_lifecycle.model.backends import open_backend
+from rollout_lifecycle.model.coordinator import ActivationCoordinator
+from rollout_lifecycle.model.gate import AdmissionGate
+from rollout_lifecycle.model.records import WorkerAck
 
 H = {v: f"{v:x}" * 64 for v in range(4)}
 CONDITIONS = {
@@ -312,7 +312,7 @@ def test_bad_line_names_its_line_and_writes_nothing(tmp_path: Path, bad: Any, ne
     inp = write_jsonl(tmp_path / "in.jsonl", [row("first"), INF_MASKED_OK, bad, row("last")])
     out = tmp_path / "o.jsonl"
     res = run(admit_args(inp, out, "--chunk-size", "1"))
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 2, res.output
     assert "line 3:" in res.output and needle in res.output
     assert "no decisions were written" in res.output
     assert "Traceback" not in res.output
@@ -325,7 +325,7 @@ def test_not_utf8_is_a_line_error(tmp_path: Path) -> None:
     inp = tmp_path / "in.jsonl"
     inp.write_bytes(json.dumps(row("a")).encode() + b"\n\xff\xfe\n")
     res = run(admit_args(inp, tmp_path / "o.jsonl"))
-    assert res.exit_code == 1 and "line 2:" in res.output
+    assert res.exit_code == 2 and "line 2:" in res.output
     _no_leftovers(tmp_path, tmp_path / "o.jsonl")
 
 
@@ -355,7 +355,7 @@ def test_failed_forced_run_keeps_the_old_output(tmp_path: Path) -> None:
     out = tmp_path / "o.jsonl"
     out.write_text("old\n")
     res = run(admit_args(inp, out, "--force", "--chunk-size", "1"))
-    assert res.exit_code == 1 and "line 2:" in res.output
+    assert res.exit_code == 2 and "line 2:" in res.output
     assert out.read_text() == "old\n"
 
 
@@ -443,7 +443,7 @@ def test_first_bad_line_wins_within_a_chunk(tmp_path: Path) -> None:
     """A NaN on line 2 is reported even when line 3 of the same chunk is not JSON at all."""
     inp = write_jsonl(tmp_path / "in.jsonl", [row("a"), NAN_AT_ACTION, "{oops", row("b")])
     res = run(admit_args(inp, tmp_path / "o.jsonl"))
-    assert res.exit_code == 1
+    assert res.exit_code == 2
     assert "line 2: non-finite log-prob" in res.output
 
 

@@ -10,10 +10,10 @@ import attrs
 import pytest
 from click.testing import CliRunner, Result
 
-import cli.demo_cmd as demo_cmd
-from cli.main import cli
-from model.artifacts import ArtifactStore
-from spec.invariants import TraceReport, Violation, check_trace
+import rollout_lifecycle.cli.demo_cmd as demo_cmd
+from rollout_lifecycle.cli.main import cli
+from rollout_lifecycle.model.artifacts import ArtifactStore
+from rollout_lifecycle.spec.invariants import TraceReport, Violation, check_trace
 
 
 def run(args: list[str]) -> Result:

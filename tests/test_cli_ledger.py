@@ -10,14 +10,14 @@ import attrs
 import pytest
 from click.testing import CliRunner, Result
 
-from cli.main import cli
-from model.backends import open_backend
-from model.coordinator import ActivationCoordinator
-from model.events import EntryChanged
-from model.gate import AdmissionGate, GatePolicy
-from model.ledger import ReserveRequest
-from model.machines import LIFECYCLE
-from model.records import (
+from rollout_lifecycle.cli.main import cli
+from rollout_lifecycle.model.backends import open_backend
+from rollout_lifecycle.model.coordinator import ActivationCoordinator
+from rollout_lifecycle.model.events import EntryChanged
+from rollout_lifecycle.model.gate import AdmissionGate, GatePolicy
+from rollout_lifecycle.model.ledger import ReserveRequest
+from rollout_lifecycle.model.machines import LIFECYCLE
+from rollout_lifecycle.model.records import (
     ActionEvidence,
     BehaviorPolicy,
     GenerationConditions,
@@ -27,7 +27,7 @@ from model.records import (
     WorkerAck,
     to_jsonable,
 )
-from model.sqlite_common import append_events, connect
+from rollout_lifecycle.model.sqlite_common import append_events, connect
 
 H0 = "0" * 64
 COND = GenerationConditions("tok", 1.0, 1.0, -1, 8)
@@ -132,9 +132,9 @@ def test_history_lists_every_write_with_states_revisions_and_update(ledger_url: 
 
 @pytest.mark.parametrize("sub", ["show", "history"])
 def test_unknown_rollout_is_an_error(ledger_url: str, sub: str) -> None:
-    """An id that is not in the ledger exits 1 with its name, no traceback."""
+    """An id that is not in the ledger exits 2 (input error) with its name, no traceback."""
     res = run(["ledger", sub, "nope", "--backend", ledger_url])
-    assert res.exit_code == 1
+    assert res.exit_code == 2
     assert "'nope' is not in" in res.output and "Traceback" not in res.output
 
 

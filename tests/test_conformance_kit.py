@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from model.ledger import Clock, Ledger, MemoryLedger
-from model.records import LedgerEntry
-from stateful_tests.conformance import (
+from rollout_lifecycle.model.ledger import Clock, Ledger, MemoryLedger
+from rollout_lifecycle.model.records import LedgerEntry
+from rollout_lifecycle.stateful_tests.conformance import (
     CHECKS,
     ENV_VAR,
     ConformanceFailure,

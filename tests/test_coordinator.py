@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from model.coordinator import ActivationCoordinator
-from model.errors import ActivationError, IllegalTransition
-from model.events import ArtifactChanged, EventLog
-from model.ledger import MemoryLedger
-from model.records import ActivePointer, LedgerEntry, WorkerAck
-from model.registry import MemoryRegistry, RegistryStore, SQLiteRegistry
-from model.sqlite_common import connect, read_events
-from model.sqlite_ledger import SQLiteLedger
-from spec.invariants import check_trace
+from rollout_lifecycle.model.coordinator import ActivationCoordinator
+from rollout_lifecycle.model.errors import ActivationError, IllegalTransition
+from rollout_lifecycle.model.events import ArtifactChanged, EventLog
+from rollout_lifecycle.model.ledger import MemoryLedger
+from rollout_lifecycle.model.records import ActivePointer, LedgerEntry, WorkerAck
+from rollout_lifecycle.model.registry import MemoryRegistry, RegistryStore, SQLiteRegistry
+from rollout_lifecycle.model.sqlite_common import connect, read_events
+from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
+from rollout_lifecycle.spec.invariants import check_trace
 
 WORKERS = ("w0", "w1")
 H = {v: f"{v:x}".rjust(64, "a") for v in range(10)}
@@ -394,7 +394,10 @@ def test_ack_of_an_earlier_attempt_does_not_count(coord: ActivationCoordinator) 
     coord.record_ack(ack("w1", 1, seq=1, attempt=2))
     res = coord.try_activate(1)
     assert (res.activated, res.reason, res.missing_workers) == (
-        False, "missing_worker_ack", ("w0",))
+        False,
+        "missing_worker_ack",
+        ("w0",),
+    )
     coord.record_ack(ack("w0", 1, seq=2, attempt=2))
     assert coord.try_activate(1).activated
 

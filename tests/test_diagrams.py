@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from cli.diagram_cmd import diagram
-from model.machines import MACHINES, MachineSpec
-from spec import diagrams
-from spec.diagrams import (
+from rollout_lifecycle.cli.diagram_cmd import diagram
+from rollout_lifecycle.model.machines import MACHINES, MachineSpec
+from rollout_lifecycle.spec import diagrams
+from rollout_lifecycle.spec.diagrams import (
     DOCS_DIR,
     DiagramError,
     EngineMismatch,
@@ -419,7 +419,7 @@ def test_cli_coverage_overlay_and_stale_coverage(tmp_path: Path) -> None:
     stale = tmp_path / "stale.json"
     stale.write_text(json.dumps({"machines": {"lifecycle": {"edges": {"a --x--> b": 1}}}}))
     result = runner.invoke(diagram, ["--machine", "lifecycle", "--coverage", str(stale)])
-    assert result.exit_code == 1 and "a --x--> b" in result.output
+    assert result.exit_code == 2 and "a --x--> b" in result.output
     assert "Traceback" not in result.output
 
 
@@ -429,12 +429,12 @@ def test_cli_missing_dot_and_mismatch_errors(tmp_path: Path) -> None:
     out = tmp_path / "x.svg"
     args = ["--format", "svg", "--out", str(out), "--dot-path", str(tmp_path / "no-dot")]
     result = runner.invoke(diagram, args)
-    assert result.exit_code == 1 and "apt-get install graphviz" in result.output
+    assert result.exit_code == 3 and "apt-get install graphviz" in result.output
     assert not out.exists() and "Traceback" not in result.output
     result = runner.invoke(diagram, ["--format", "png"])
     assert result.exit_code == 2 and "--out" in result.output
     result = runner.invoke(diagram, ["--format", "svg", "--engine", "mermaid", "--out", str(out)])
-    assert result.exit_code == 1 and "engine" in result.output and not out.exists()
+    assert result.exit_code == 2 and "engine" in result.output and not out.exists()
 
 
 def test_cli_check_docs(tmp_path: Path) -> None:

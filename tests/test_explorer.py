@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from spec.classic import (
+from rollout_lifecycle.spec.classic import (
     ALL_RMS_COMMITTED_AT_QUIESCENCE,
     Act,
     EagerCommitTwoPhase,
@@ -20,7 +20,7 @@ from spec.classic import (
     TPState,
     TwoPhase,
 )
-from spec.explorer import (
+from rollout_lifecycle.spec.explorer import (
     Counterexample,
     ExplorationResult,
     ExploreProgress,

@@ -11,15 +11,15 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from model.api import assess_policy_compatibility
-from model.errors import GateConfigError
-from model.gate import (
+from rollout_lifecycle.model.api import assess_policy_compatibility
+from rollout_lifecycle.model.errors import GateConfigError
+from rollout_lifecycle.model.gate import (
     AdmissionGate,
     GatePolicy,
     assess_arrays,
     classify_lag,
 )
-from model.records import ActionEvidence, GenerationConditions
+from rollout_lifecycle.model.records import ActionEvidence, GenerationConditions
 from tests.strategies import any_float, batches, drift_bounds, lags, make_rollout, versions
 
 torch = pytest.importorskip("torch")

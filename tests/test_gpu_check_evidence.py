@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gpu_check.evidence import (
+from rollout_lifecycle.gpu_check.evidence import (
     EvidenceError,
     Tolerances,
     judge,
@@ -16,9 +16,9 @@ from gpu_check.evidence import (
     save,
     validate,
 )
-from model.events import event_to_jsonable
-from model.ledger import MemoryLedger
-from model.records import LedgerEntry
+from rollout_lifecycle.model.events import event_to_jsonable
+from rollout_lifecycle.model.ledger import MemoryLedger
+from rollout_lifecycle.model.records import LedgerEntry
 
 
 def good() -> dict[str, Any]:
@@ -26,13 +26,20 @@ def good() -> dict[str, Any]:
         "schema_version": 1,
         "run_label": "group-a.1",
         "initialization": {"adapter_sha256": "f18e"},
-        "update": {"after_sha256": "a864", "grad_norm": 0.657, "delta_l2": 0.0554,
-                   "changed_tensors": 8},
+        "update": {
+            "after_sha256": "a864",
+            "grad_norm": 0.657,
+            "delta_l2": 0.0554,
+            "changed_tensors": 8,
+        },
         "decision": {
-            "comparisons": {"same_version_after": {"max_abs_error": 0.0625,
-                                                   "mean_abs_error": 0.00265}},
-            "admission": [{"rollout": i, "accepted": i != 3, "drift": 3.6 if i == 3 else 0.05}
-                          for i in range(8)],
+            "comparisons": {
+                "same_version_after": {"max_abs_error": 0.0625, "mean_abs_error": 0.00265}
+            },
+            "admission": [
+                {"rollout": i, "accepted": i != 3, "drift": 3.6 if i == 3 else 0.05}
+                for i in range(8)
+            ],
         },
         "sync_rpc_and_version": {"version_before": 0, "version_after": 1},
         "generation_before": "12+7=19",
@@ -75,8 +82,11 @@ def test_trace_replayed_through_the_spec(tmp_path: Path) -> None:
     lines = [__import__("json").dumps(event_to_jsonable(e)) for e in led.history()]
     events = load_trace(lines)
     assert judge(good(), trace=events).ok
-    bad = copy.deepcopy(lines[1]).replace('"revision":1', '"revision":5').replace(
-        '"revision": 1', '"revision": 5')
+    bad = (
+        copy.deepcopy(lines[1])
+        .replace('"revision":1', '"revision":5')
+        .replace('"revision": 1', '"revision": 5')
+    )
     v = judge(good(), trace=load_trace([lines[0], bad]))
     assert v.trace_violations and not v.ok
     with pytest.raises(EvidenceError, match="trace line 1"):

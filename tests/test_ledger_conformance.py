@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from model.errors import (
+from rollout_lifecycle.model.errors import (
     CommitMismatch,
     DuplicateRollout,
     IllegalTransition,
@@ -24,8 +24,8 @@ from model.errors import (
     RevisionConflict,
     UnknownRollout,
 )
-from model.events import EntryChanged
-from model.ledger import (
+from rollout_lifecycle.model.events import EntryChanged
+from rollout_lifecycle.model.ledger import (
     DIRECT_EVENTS,
     Ledger,
     ManualClock,
@@ -33,8 +33,8 @@ from model.ledger import (
     ReserveOutcome,
     ReserveRequest,
 )
-from model.machines import LIFECYCLE
-from model.records import AdmissionStamp, Disposition, LedgerEntry
+from rollout_lifecycle.model.machines import LIFECYCLE
+from rollout_lifecycle.model.records import AdmissionStamp, Disposition, LedgerEntry
 from tests.helpers_ledger import (
     HASH,
     REWARD,

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from transitions import Machine
 
-from model.errors import IllegalTransition
-from model.machines import (
+from rollout_lifecycle.model.errors import IllegalTransition
+from rollout_lifecycle.model.machines import (
     ACTIVATION,
     ACTIVATION_STATES,
     ACTIVATION_TRANSITIONS,

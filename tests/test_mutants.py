@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli.main import cli
-from stateful_tests.mutants import CATALOGUE, Mutant
-from stateful_tests.mutation import fuzz_kill
+from rollout_lifecycle.cli.main import cli
+from rollout_lifecycle.stateful_tests.mutants import CATALOGUE, Mutant
+from rollout_lifecycle.stateful_tests.mutation import fuzz_kill
 
 
 def test_catalogue_has_at_least_twelve_distinct_mutants() -> None:
@@ -32,8 +32,10 @@ def test_fuzzer_kills_mutant(mutant: Mutant, tmp_path: Path) -> None:
 def test_mutants_command_reports_all_killed(tmp_path: Path) -> None:
     """`rollout-lifecycle mutants` exits 0 and its JSON says every mutant was killed."""
     out = tmp_path / "m.json"
-    res = CliRunner().invoke(cli, ["mutants", "--only", "blind_reserve", "--only",
-                                   "stale_ack_counted", "--json", str(out)])
+    res = CliRunner().invoke(
+        cli,
+        ["mutants", "--only", "blind_reserve", "--only", "stale_ack_counted", "--json", str(out)],
+    )
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     assert data["summary"]["survivors"] == []

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from model.machines import ACTIVATION, LIFECYCLE
-from spec.bounds import CI_MODELS, EXPLORER_MODELS
-from spec.explorer import explore
-from stateful_tests.mutants import CATALOGUE
+from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
+from rollout_lifecycle.spec.bounds import CI_MODELS, EXPLORER_MODELS
+from rollout_lifecycle.spec.explorer import explore
+from rollout_lifecycle.stateful_tests.mutants import CATALOGUE
 
 # pinned like tlaplus/Examples pin TLC's counts: a change here means the model changed
 PINNED = {
@@ -17,7 +17,6 @@ PINNED = {
     "activation-small": 26955,
     "activation-2v": 1723,
 }
-
 
 
 @pytest.mark.parametrize("name", sorted(PINNED))
@@ -42,11 +41,12 @@ def test_explorer_reaches_every_declared_edge() -> None:
     assert want - seen == set()
 
 
-@pytest.mark.parametrize("mutant", [m for m in CATALOGUE if "explore" in m.reach],
-                         ids=lambda m: m.name)
+@pytest.mark.parametrize(
+    "mutant", [m for m in CATALOGUE if "explore" in m.reach], ids=lambda m: m.name
+)
 def test_explorer_kills_mutant(mutant: object) -> None:
     """Each mutant the explorer's bounds reach is killed, with a short counterexample."""
-    from stateful_tests.mutants import Mutant
+    from rollout_lifecycle.stateful_tests.mutants import Mutant
 
     assert isinstance(mutant, Mutant)
     with mutant():

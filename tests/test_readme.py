@@ -7,9 +7,9 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from cli.main import cli
-from model.machines import ACTIVATION, LIFECYCLE
-from spec.diagrams import to_mermaid
+from rollout_lifecycle.cli.main import cli
+from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
+from rollout_lifecycle.spec.diagrams import to_mermaid
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -7,9 +7,9 @@ from typing import Any
 import attrs
 import pytest
 
-from model.events import ArtifactChanged, EntryChanged, EventLog, TraceEvent
-from model.ledger import ManualClock, MemoryLedger
-from model.records import (
+from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, EventLog, TraceEvent
+from rollout_lifecycle.model.ledger import ManualClock, MemoryLedger
+from rollout_lifecycle.model.records import (
     ActivePointer,
     AdmissionStamp,
     ArtifactRecord,
@@ -18,7 +18,7 @@ from model.records import (
     Reward,
     WorkerAck,
 )
-from spec.invariants import (
+from rollout_lifecycle.spec.invariants import (
     BY_NAME,
     INVARIANTS,
     SOMETIMES,
@@ -36,10 +36,16 @@ REWARD = Reward("rm", "1", 0.5)
 
 
 def stamp(bv: int, cv: int, max_lag: int = 1, drift: float = 0.01) -> AdmissionStamp:
-    return AdmissionStamp(current_version=cv, behavior_version=bv, max_lag=max_lag,
-                          max_drift=0.2, drift=drift,
-                          freshness="fresh" if bv == cv else "tolerated", reason="ok",
-                          accepted=True)
+    return AdmissionStamp(
+        current_version=cv,
+        behavior_version=bv,
+        max_lag=max_lag,
+        max_drift=0.2,
+        drift=drift,
+        freshness="fresh" if bv == cv else "tolerated",
+        reason="ok",
+        accepted=True,
+    )
 
 
 class Registry:
@@ -50,15 +56,31 @@ class Registry:
         self.arts: dict[int, ArtifactRecord] = {}
         self.pointer: ActivePointer | None = None
 
-    def _emit(self, changes: list[tuple[int, str, ArtifactRecord]], new_ptr: Any = "same",
-              acks: tuple[WorkerAck, ...] = ()) -> None:
+    def _emit(
+        self,
+        changes: list[tuple[int, str, ArtifactRecord]],
+        new_ptr: Any = "same",
+        acks: tuple[WorkerAck, ...] = (),
+    ) -> None:
         evs: list[TraceEvent] = []
         pb = self.pointer
         pa = pb if new_ptr == "same" else new_ptr
         for v, ev, after in changes:
-            evs.append(ArtifactChanged(seq=0, txn=0, at=0.0, version=v, event=ev,
-                                       before=self.arts.get(v), after=after, pointer_before=pb,
-                                       pointer_after=pa, acks=acks, required_workers=WORKERS))
+            evs.append(
+                ArtifactChanged(
+                    seq=0,
+                    txn=0,
+                    at=0.0,
+                    version=v,
+                    event=ev,
+                    before=self.arts.get(v),
+                    after=after,
+                    pointer_before=pb,
+                    pointer_after=pa,
+                    acks=acks,
+                    required_workers=WORKERS,
+                )
+            )
             self.arts[v] = after
         self.pointer = pa
         self.log.record(evs)
@@ -66,12 +88,14 @@ class Registry:
     def activate(self, v: int) -> None:
         h = f"h{v}"
         rb = None if self.pointer is None else self.pointer.version
-        self._emit([(v, "register", ArtifactRecord(version=v, artifact_hash=None,
-                                                    rollback_version=rb))])
+        self._emit(
+            [(v, "register", ArtifactRecord(version=v, artifact_hash=None, rollback_version=rb))]
+        )
         a = self.arts[v]
         self._emit([(v, "commit_artifact", attrs.evolve(a, state="committed", artifact_hash=h))])
-        self._emit([(v, "distribute", attrs.evolve(self.arts[v], state="awaiting_acks",
-                                                   attempts=1))])
+        self._emit(
+            [(v, "distribute", attrs.evolve(self.arts[v], state="awaiting_acks", attempts=1))]
+        )
         acks = tuple(WorkerAck(w, v, h) for w in WORKERS)
         changes = [(v, "activate", attrs.evolve(self.arts[v], state="active"))]
         if self.pointer is not None:
@@ -85,19 +109,34 @@ class Registry:
         assert cur.rollback_version is not None
         tgt = self.arts[cur.rollback_version]
         assert tgt.artifact_hash is not None
-        self._emit([(cur.version, "roll_back", attrs.evolve(cur, state="rolled_back")),
-                    (tgt.version, "reinstate", attrs.evolve(tgt, state="active"))],
-                   ActivePointer(tgt.version, tgt.artifact_hash))
+        self._emit(
+            [
+                (cur.version, "roll_back", attrs.evolve(cur, state="rolled_back")),
+                (tgt.version, "reinstate", attrs.evolve(tgt, state="active")),
+            ],
+            ActivePointer(tgt.version, tgt.artifact_hash),
+        )
 
     def fail(self, v: int) -> None:
         h = f"h{v}"
         self._emit([(v, "register", ArtifactRecord(version=v, artifact_hash=None))])
-        self._emit([(v, "commit_artifact", attrs.evolve(self.arts[v], state="committed",
-                                                        artifact_hash=h))])
+        self._emit(
+            [(v, "commit_artifact", attrs.evolve(self.arts[v], state="committed", artifact_hash=h))]
+        )
         self._emit([(v, "distribute", attrs.evolve(self.arts[v], state="awaiting_acks"))])
-        self._emit([(v, "fail_distribution", attrs.evolve(
-            self.arts[v], state="distribution_failed",
-            failure=Disposition("distribution", "missing_worker_ack")))])
+        self._emit(
+            [
+                (
+                    v,
+                    "fail_distribution",
+                    attrs.evolve(
+                        self.arts[v],
+                        state="distribution_failed",
+                        failure=Disposition("distribution", "missing_worker_ack"),
+                    ),
+                )
+            ]
+        )
 
 
 def rewarded(led: MemoryLedger, rid: str, v: int) -> None:
@@ -152,16 +191,26 @@ def test_every_sometimes_is_reachable_in_the_correct_history() -> None:
     """The correct history reaches the event-visible sometimes-properties."""
     events, _, _ = correct_history()
     hit = sometimes_from_events(events)
-    assert hit >= {"abort_released", "lease_expired", "reward_timeout", "stale_retired",
-                   "activation_failed", "rollback", "activated"}
+    assert hit >= {
+        "abort_released",
+        "lease_expired",
+        "reward_timeout",
+        "stale_retired",
+        "activation_failed",
+        "rollback",
+        "activated",
+    }
     assert hit <= set(SOMETIMES)
 
 
 def forge(cls: type[Any], **fields: Any) -> Any:
     """Build a record WITHOUT its validators, to craft states a buggy backend might store."""
     obj = object.__new__(cls)
-    base = {f.name: f.default for f in attrs.fields(cls)
-            if f.default is not attrs.NOTHING and not isinstance(f.default, attrs.Factory)}
+    base = {
+        f.name: f.default
+        for f in attrs.fields(cls)
+        if f.default is not attrs.NOTHING and not isinstance(f.default, attrs.Factory)
+    }
     base.update(fields)
     for k, v in base.items():
         object.__setattr__(obj, k, v)
@@ -195,8 +244,12 @@ def test_declared_edges_violation() -> None:
     events, _, _ = correct_history()
     ev = next(e for e in events if is_entry("r1", "reserve")(e))
     assert isinstance(ev, EntryChanged)
-    bad = tamper(events, is_entry("r1", "reserve"), event="commit",
-                 after=attrs.evolve(ev.after, state="consumed", reserved_by=None))
+    bad = tamper(
+        events,
+        is_entry("r1", "reserve"),
+        event="commit",
+        after=attrs.evolve(ev.after, state="consumed", reserved_by=None),
+    )
     assert "declared_edges" in names(bad)
 
 
@@ -205,10 +258,15 @@ def test_terminal_absorbing_violation() -> None:
     events, _, _ = correct_history()
     last = next(e for e in reversed(events) if is_entry("r1", "commit")(e))
     assert isinstance(last, EntryChanged)
-    extra = EntryChanged(seq=999, txn=999, at=0.0, rollout_id="r1", event="abort",
-                         before=last.after,
-                         after=attrs.evolve(last.after, state="rewarded",
-                                            revision=last.after.revision + 1))
+    extra = EntryChanged(
+        seq=999,
+        txn=999,
+        at=0.0,
+        rollout_id="r1",
+        event="abort",
+        before=last.after,
+        after=attrs.evolve(last.after, state="rewarded", revision=last.after.revision + 1),
+    )
     assert "terminal_absorbing" in names([*events, extra])
 
 
@@ -221,8 +279,16 @@ def test_exactly_once_violation() -> None:
 
 def test_exclusive_ownership_violation() -> None:
     """A reserved entry without an owner (stored by a buggy backend) is named."""
-    e = forge(LedgerEntry, rollout_id="x", behavior_version=0, artifact_hash="h", state="reserved",
-              reserved_by=None, reward=REWARD, admission=stamp(0, 0))
+    e = forge(
+        LedgerEntry,
+        rollout_id="x",
+        behavior_version=0,
+        artifact_hash="h",
+        state="reserved",
+        reserved_by=None,
+        reward=REWARD,
+        admission=stamp(0, 0),
+    )
     assert "exclusive_ownership" in {v.invariant for v in check_world(World(entries={"x": e}))}
 
 
@@ -231,27 +297,45 @@ def test_revision_bump_violation() -> None:
     events, _, _ = correct_history()
     ev = next(e for e in events if is_entry("r2", "reserve")(e))
     assert isinstance(ev, EntryChanged)
-    bad = tamper(events, is_entry("r2", "reserve"),
-                 after=attrs.evolve(ev.after, revision=ev.after.revision + 1))
+    bad = tamper(
+        events,
+        is_entry("r2", "reserve"),
+        after=attrs.evolve(ev.after, revision=ev.after.revision + 1),
+    )
     assert "revision_bumps_by_one" in names(bad)
 
 
 def test_reward_failure_with_value_violation() -> None:
     """A reward timeout stored with a reward of 0.0 (peer bug 2) is named."""
-    e = LedgerEntry(rollout_id="x", behavior_version=0, artifact_hash="h",
-                    state="reward_timed_out", reward=Reward("rm", "1", 0.0),
-                    disposition=Disposition("reward", "timeout"))
+    e = LedgerEntry(
+        rollout_id="x",
+        behavior_version=0,
+        artifact_hash="h",
+        state="reward_timed_out",
+        reward=Reward("rm", "1", 0.0),
+        disposition=Disposition("reward", "timeout"),
+    )
     got = {v.invariant for v in check_world(World(entries={"x": e}))}
     assert got == {"reward_failures_never_trained"}
 
 
 def test_admitted_when_reserved_violation() -> None:
     """A reservation on a rejected or out-of-bounds admission is named (peer bugs 6 and 8)."""
-    for adm in (attrs.evolve(stamp(0, 2, max_lag=1), freshness="stale"),
-                attrs.evolve(stamp(0, 0), accepted=False, reason="policy_drift"),
-                stamp(0, 0, drift=0.5), None):
-        e = LedgerEntry(rollout_id="x", behavior_version=0, artifact_hash="h", state="reserved",
-                        reserved_by="u", reward=REWARD, admission=adm)
+    for adm in (
+        attrs.evolve(stamp(0, 2, max_lag=1), freshness="stale"),
+        attrs.evolve(stamp(0, 0), accepted=False, reason="policy_drift"),
+        stamp(0, 0, drift=0.5),
+        None,
+    ):
+        e = LedgerEntry(
+            rollout_id="x",
+            behavior_version=0,
+            artifact_hash="h",
+            state="reserved",
+            reserved_by="u",
+            reward=REWARD,
+            admission=adm,
+        )
         got = {v.invariant for v in check_world(World(entries={"x": e}))}
         assert got == {"admitted_when_reserved"}, adm
 
@@ -268,10 +352,17 @@ def test_reserved_against_current_version_violation() -> None:
 
 def test_failures_have_stage_violation() -> None:
     """A failure recorded at the wrong stage, or with none, is named."""
-    e1 = LedgerEntry(rollout_id="a", behavior_version=0, artifact_hash="h", state="update_failed",
-                     reward=REWARD, disposition=Disposition("reward", "timeout"))
-    e2 = LedgerEntry(rollout_id="b", behavior_version=0, artifact_hash="h",
-                     state="generation_failed")
+    e1 = LedgerEntry(
+        rollout_id="a",
+        behavior_version=0,
+        artifact_hash="h",
+        state="update_failed",
+        reward=REWARD,
+        disposition=Disposition("reward", "timeout"),
+    )
+    e2 = LedgerEntry(
+        rollout_id="b", behavior_version=0, artifact_hash="h", state="generation_failed"
+    )
     vs = check_world(World(entries={"a": e1, "b": e2}))
     assert [v.invariant for v in vs] == ["failures_have_stage"] * 2
 
@@ -288,8 +379,9 @@ def test_activation_needs_all_acks_violation() -> None:
     events, _, _ = correct_history()
     missing = tamper(events, is_art(1, "activate"), acks=(WorkerAck("w1", 1, "h1"),))
     assert "activation_needs_all_acks" in names(missing)
-    stale = tamper(events, is_art(1, "activate"),
-                   acks=(WorkerAck("w1", 1, "h1"), WorkerAck("w2", 0, "h0")))
+    stale = tamper(
+        events, is_art(1, "activate"), acks=(WorkerAck("w1", 1, "h1"), WorkerAck("w2", 0, "h0"))
+    )
     assert "activation_needs_all_acks" in names(stale)
 
 
@@ -311,11 +403,23 @@ def test_failed_activation_keeps_pointer_violation() -> None:
 
 def test_never_active_never_consumed_violation() -> None:
     """Consuming a rollout of a version that never became active (peer bugs 5, 11) is named."""
-    e = LedgerEntry(rollout_id="x", behavior_version=2, artifact_hash="h2", state="consumed",
-                    reward=REWARD, admission=stamp(2, 2))
-    arts = {0: ArtifactRecord(version=0, artifact_hash="h0", state="active"),
-            2: ArtifactRecord(version=2, artifact_hash="h2", state="distribution_failed",
-                              failure=Disposition("distribution", "missing_worker_ack"))}
+    e = LedgerEntry(
+        rollout_id="x",
+        behavior_version=2,
+        artifact_hash="h2",
+        state="consumed",
+        reward=REWARD,
+        admission=stamp(2, 2),
+    )
+    arts = {
+        0: ArtifactRecord(version=0, artifact_hash="h0", state="active"),
+        2: ArtifactRecord(
+            version=2,
+            artifact_hash="h2",
+            state="distribution_failed",
+            failure=Disposition("distribution", "missing_worker_ack"),
+        ),
+    }
     w = World(entries={"x": e}, artifacts=arts, pointer=ActivePointer(0, "h0"))
     assert {v.invariant for v in check_world(w)} == {"never_active_never_consumed"}
 
@@ -325,8 +429,9 @@ def test_artifact_immutable_violation() -> None:
     events, _, _ = correct_history()
     ev = next(e for e in events if is_art(1, "distribute")(e))
     assert isinstance(ev, ArtifactChanged)
-    bad = tamper(events, is_art(1, "distribute"),
-                 after=attrs.evolve(ev.after, artifact_hash="other"))
+    bad = tamper(
+        events, is_art(1, "distribute"), after=attrs.evolve(ev.after, artifact_hash="other")
+    )
     assert "artifact_immutable" in names(bad)
     again = next(e for e in events if is_art(1, "register")(e))
     assert "declared_edges" in names([*events, again])
@@ -334,8 +439,15 @@ def test_artifact_immutable_violation() -> None:
 
 def test_liveness_violations_at_quiescence() -> None:
     """A reservation or activation still pending at quiescence is named."""
-    e = LedgerEntry(rollout_id="x", behavior_version=0, artifact_hash="h", state="reserved",
-                    reserved_by="u", reward=REWARD, admission=stamp(0, 0))
+    e = LedgerEntry(
+        rollout_id="x",
+        behavior_version=0,
+        artifact_hash="h",
+        state="reserved",
+        reserved_by="u",
+        reward=REWARD,
+        admission=stamp(0, 0),
+    )
     arts = {0: ArtifactRecord(version=0, artifact_hash="h0", state="awaiting_acks")}
     got = {v.invariant for v in check_quiescent(World(entries={"x": e}, artifacts=arts))}
     assert got == {"reservations_resolve", "activations_resolve"}
@@ -343,11 +455,18 @@ def test_liveness_violations_at_quiescence() -> None:
 
 def test_failed_version_quarantined_violation() -> None:
     """A rollout of a version that failed activation, still open at quiescence (bug 5), is named."""
-    e = LedgerEntry(rollout_id="x", behavior_version=2, artifact_hash="h2", state="rewarded",
-                    reward=REWARD)
-    arts = {0: ArtifactRecord(version=0, artifact_hash="h0", state="active"),
-            2: ArtifactRecord(version=2, artifact_hash="h2", state="distribution_failed",
-                              failure=Disposition("distribution", "timeout"))}
+    e = LedgerEntry(
+        rollout_id="x", behavior_version=2, artifact_hash="h2", state="rewarded", reward=REWARD
+    )
+    arts = {
+        0: ArtifactRecord(version=0, artifact_hash="h0", state="active"),
+        2: ArtifactRecord(
+            version=2,
+            artifact_hash="h2",
+            state="distribution_failed",
+            failure=Disposition("distribution", "timeout"),
+        ),
+    }
     w = World(entries={"x": e}, artifacts=arts, pointer=ActivePointer(0, "h0"))
     assert {v.invariant for v in check_quiescent(w)} == {"failed_version_quarantined"}
     assert check_world(w) == []
@@ -355,22 +474,33 @@ def test_failed_version_quarantined_violation() -> None:
 
 def test_reservation_outcome_checks() -> None:
     """check_reservation names a lost idempotency, a failed CAS that wrote, and a bad success."""
-    held = LedgerEntry(rollout_id="x", behavior_version=0, artifact_hash="h", state="reserved",
-                       revision=3, reserved_by="u1", reward=REWARD, admission=stamp(0, 0))
+    held = LedgerEntry(
+        rollout_id="x",
+        behavior_version=0,
+        artifact_hash="h",
+        state="reserved",
+        revision=3,
+        reserved_by="u1",
+        reward=REWARD,
+        admission=stamp(0, 0),
+    )
     free = attrs.evolve(held, state="rewarded", reserved_by=None, revision=2, admission=None)
     assert check_reservation(held, "u1", True, "idempotent_retry", held) == []
     got = check_reservation(held, "u1", False, "revision_conflict", held)
     assert [v.invariant for v in got] == ["idempotent_retry"]
     bumped = attrs.evolve(held, revision=4)
     assert [v.invariant for v in check_reservation(held, "u1", True, "reserved", bumped)] == [
-        "idempotent_retry"]
+        "idempotent_retry"
+    ]
     assert check_reservation(free, "u2", False, "revision_conflict", free) == []
-    assert [v.invariant for v in check_reservation(free, "u2", False, "revision_conflict",
-                                                   held)] == ["failed_cas_changes_nothing"]
+    assert [
+        v.invariant for v in check_reservation(free, "u2", False, "revision_conflict", held)
+    ] == ["failed_cas_changes_nothing"]
     assert check_reservation(free, "u1", True, "reserved", held) == []
     twice = attrs.evolve(held, revision=4)
     assert [v.invariant for v in check_reservation(free, "u1", True, "reserved", twice)] == [
-        "revision_bumps_by_one"]
+        "revision_bumps_by_one"
+    ]
 
 
 def test_ledger_only_trace_skips_activation_invariants() -> None:
@@ -394,4 +524,5 @@ def test_every_invariant_has_a_negative_test() -> None:
     src = pathlib.Path(__file__).read_text()
     for inv in INVARIANTS:
         assert f'"{inv.name}"' in src.split("def test_every_invariant_has_a_negative_test")[0], (
-            inv.name)
+            inv.name
+        )

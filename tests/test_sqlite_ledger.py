@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 
-import model.ledger as ml
-import model.sqlite_ledger as sl
-from model.errors import LedgerError, RevisionConflict
-from model.events import EntryChanged
-from model.ledger import ManualClock, RecoveryRule, ReserveRequest
-from model.sqlite_ledger import SCHEMA_VERSION, SQLiteLedger
+import rollout_lifecycle.model.ledger as ml
+import rollout_lifecycle.model.sqlite_ledger as sl
+from rollout_lifecycle.model.errors import LedgerError, RevisionConflict
+from rollout_lifecycle.model.events import EntryChanged
+from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule, ReserveRequest
+from rollout_lifecycle.model.sqlite_ledger import SCHEMA_VERSION, SQLiteLedger
 from tests.helpers_ledger import add_rewarded, drive_to, ids, race_process, race_worker, stamp
 
 REPO = Path(__file__).resolve().parent.parent

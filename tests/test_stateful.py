@@ -13,15 +13,15 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from model.ledger import Clock, Ledger, MemoryLedger, ReserveOutcome
-from model.machines import ACTIVATION, LIFECYCLE
-from model.records import AdmissionStamp
-from spec.invariants import SOMETIMES
-from stateful_tests.activation_machine import make_activation_machine
-from stateful_tests.e2e_machine import make_e2e_machine
-from stateful_tests.ledger_machine import INVARIANT_NAMES, make_ledger_machine
-from stateful_tests.mutants import BY_NAME
-from stateful_tests.runner import MACHINES, program_steps, run_campaign
+from rollout_lifecycle.model.ledger import Clock, Ledger, MemoryLedger, ReserveOutcome
+from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
+from rollout_lifecycle.model.records import AdmissionStamp
+from rollout_lifecycle.spec.invariants import SOMETIMES
+from rollout_lifecycle.stateful_tests.activation_machine import make_activation_machine
+from rollout_lifecycle.stateful_tests.e2e_machine import make_e2e_machine
+from rollout_lifecycle.stateful_tests.ledger_machine import INVARIANT_NAMES, make_ledger_machine
+from rollout_lifecycle.stateful_tests.mutants import BY_NAME
+from rollout_lifecycle.stateful_tests.runner import MACHINES, program_steps, run_campaign
 
 # Measured: 100 examples x 50 steps per machine reached every declared edge and every
 # sometimes-property for 21 of 21 seeds on memory (11/11 with the dev profile's 40 steps,
