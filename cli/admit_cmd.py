@@ -34,6 +34,16 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from rollout_lifecycle.cli.exitcodes import InputError, TechnicalError
+from rollout_lifecycle.cli.output import (
+    Progress as LineProgress,
+)
+from rollout_lifecycle.cli.output import (
+    check_report_path,
+    emit_report,
+    make_console,
+    quiet_option,
+    report_options,
+)
 from rollout_lifecycle.model.backends import open_backend
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.errors import RolloutLifecycleError
@@ -398,10 +408,20 @@ def _lines(f: IO[bytes], advance: Callable[[int], None]) -> Iterator[tuple[int, 
 
 
 @contextlib.contextmanager
-def _progress(total: int) -> Iterator[Callable[[int], None]]:
-    """A byte-based progress bar on a TTY stderr; a no-op otherwise (logs stay clean)."""
-    if not sys.stderr.isatty():
+def _progress(total: int, quiet: bool = False) -> Iterator[Callable[[int], None]]:
+    """A byte-based progress bar on a TTY stderr; a line every few seconds otherwise."""
+    if quiet:
         yield lambda _n: None
+        return
+    if not sys.stderr.isatty():
+        lines = LineProgress("admit")
+        done = [0]
+
+        def advance(n: int) -> None:
+            done[0] += n
+            lines(f"{done[0]:,} of {total:,} bytes ({100 * done[0] / max(total, 1):.1f}%)")
+
+        yield advance
         return
     progress = Progress(
         TextColumn("admitting"),
@@ -447,12 +467,13 @@ def _run(
     current_version: int,
     chunk_size: int,
     force: bool,
+    quiet: bool = False,
 ) -> Summary:
     summary = Summary()
     parser = LineParser()
     with (
         input_path.open("rb") as f,
-        _progress(input_path.stat().st_size) as advance,
+        _progress(input_path.stat().st_size, quiet) as advance,
         _atomic_output(out, force) as sink,
     ):
         for chunk in _chunks(_lines(f, advance), parser, chunk_size):
@@ -585,7 +606,8 @@ _EPILOG = "\n".join(
     help="The experiment's generation conditions; other conditions are rejected.",
 )
 @click.option("--force", is_flag=True, help="Replace an existing --out file.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@report_options
+@quiet_option
 @click.option(
     "--chunk-size",
     type=click.IntRange(min=1),
@@ -604,6 +626,8 @@ def admit(
     conditions_json: Path | None,
     force: bool,
     as_json: bool,
+    report_path: Path | None,
+    quiet: bool,
     chunk_size: int,
 ) -> None:
     """Admit rollouts by version lag AND behaviour drift; write one decision per line.
@@ -615,6 +639,7 @@ def admit(
         check_bounds(max_lag, max_drift)
     except RolloutLifecycleError as exc:
         raise click.BadParameter(str(exc), param_hint="--max-drift") from None
+    check_report_path(report_path)
     if registry_json is not None and backend_url is not None:
         raise click.UsageError("pass --registry-json or --backend, not both")
     if out.exists() and not force:
@@ -639,7 +664,7 @@ def admit(
         gate = AdmissionGate(policy, registry)
         start = time.perf_counter()
         try:
-            summary = _run(input_path, out, gate, current_version, chunk_size, force)
+            summary = _run(input_path, out, gate, current_version, chunk_size, force, quiet)
         except InputLineError as exc:
             raise InputError(
                 f"{input_path}, line {exc.lineno}: {exc}; no decisions were written"
@@ -650,7 +675,6 @@ def admit(
             raise InputError(f"{exc}; no decisions were written") from None
         elapsed = time.perf_counter() - start
     data = _summary_json(summary, input_path, out, policy, current_version, elapsed)
-    if as_json:
-        click.echo(json.dumps(data, indent=2))
-        return
-    _print_summary(data, summary)
+    emit_report(data, as_json=as_json, report_path=report_path, console=make_console())
+    if not as_json:
+        _print_summary(data, summary)

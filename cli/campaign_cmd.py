@@ -10,16 +10,25 @@ of both machines. Exit 1 on any violation; never-exercised edges are listed in y
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import click
 
+from rollout_lifecycle.cli.exitcodes import findings
 from rollout_lifecycle.cli.explore_cmd import explore_models, print_explore_report
 from rollout_lifecycle.cli.fuzz_cmd import print_fuzz_report, progress_callback
-from rollout_lifecycle.cli.output import make_console, write_json_atomic
+from rollout_lifecycle.cli.output import (
+    check_report_path,
+    emit_report,
+    make_console,
+    quiet_option,
+    report_options,
+    write_json_atomic,
+)
+from rollout_lifecycle.model.atomic import atomic_write, check_target, describe_os_error
+from rollout_lifecycle.model.errors import OutputError
 from rollout_lifecycle.model.machines import MACHINES
-from rollout_lifecycle.spec.bounds import README_MODELS
+from rollout_lifecycle.spec.bounds import EXPLORER_MODELS, README_MODELS
 from rollout_lifecycle.spec.coverage import merge_coverage, uncovered
 from rollout_lifecycle.spec.diagrams import DiagramError, render
 from rollout_lifecycle.stateful_tests.profiles import selected_profile_name
@@ -61,9 +70,16 @@ README_SEED = 20261130
     default=None,
     help="Hypothesis profile (default: ci when CI is set, else dev).",
 )
-@click.option("--model", "models", multiple=True, help="Explorer model(s); default README set.")
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    type=click.Choice(sorted(EXPLORER_MODELS)),
+    help="Explorer model(s) (repeatable); default: the README set.",
+)
 @click.option("--no-explore", is_flag=True, help="Fuzz only.")
-@click.option("--quiet", is_flag=True, help="No progress output.")
+@report_options
+@quiet_option
 def campaign(
     backend: str,
     out_dir: Path,
@@ -72,13 +88,26 @@ def campaign(
     profile: str | None,
     models: tuple[str, ...],
     no_explore: bool,
+    as_json: bool,
+    report_path: Path | None,
     quiet: bool,
 ) -> None:
     """Fuzz and explore both machines, print the report, write coverage JSON and diagrams."""
-    console, err = make_console(), make_console(stderr=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_report_path(report_path)
+    console = make_console(quiet=as_json)
+    try:
+        check_target(out_dir / "coverage.json")
+    except OutputError:
+        if out_dir.exists() and not out_dir.is_dir():
+            raise click.BadParameter(f"{out_dir} is a file", param_hint="--out") from None
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise click.BadParameter(
+                f"cannot create {out_dir} ({describe_os_error(exc)})", param_hint="--out"
+            ) from None
     chosen = profile or selected_profile_name()
-    show = not quiet and sys.stderr.isatty()
+    show = not quiet
     console.rule("fuzz")
     try:
         report = run_campaign(
@@ -87,7 +116,7 @@ def campaign(
             examples=examples,
             seed=seed,
             profile=chosen,
-            progress=progress_callback(err, show),
+            progress=progress_callback(quiet=quiet),
             workdir=out_dir / "fuzz-work",
         )
     except ValueError as exc:
@@ -101,7 +130,7 @@ def campaign(
         console.rule("explore")
         names = list(models) or list(README_MODELS)
         try:
-            ex = explore_models(names, max_states=None, show_progress=show, console=err)
+            ex = explore_models(names, max_states=None, show_progress=show, console=console)
         except KeyError as exc:
             raise click.UsageError(f"unknown explorer model {exc}") from None
         print_explore_report(ex, console)
@@ -118,9 +147,21 @@ def campaign(
             console.print(f"[yellow]{name}: never exercised:[/] {', '.join(ids)}")
     _draw(coverage, out_dir, console)
     console.print(f"reports, coverage.json and diagrams written to {out_dir}/")
+    summary = {
+        "backend": backend,
+        "profile": chosen,
+        "seed": seed,
+        "examples": examples,
+        "violations": violations,
+        "fuzz": fuzz_json,
+        "explore": docs[1] if len(docs) > 1 else None,
+        "coverage": coverage,
+        "out": str(out_dir),
+    }
+    emit_report(summary, as_json=as_json, report_path=report_path, console=console)
     if violations:
         console.print(f"[bold red]{violations} violation(s)[/]")
-        raise click.exceptions.Exit(1)
+        raise findings()
 
 
 def _draw(coverage: dict[str, object], out_dir: Path, console: object) -> None:
@@ -130,13 +171,15 @@ def _draw(coverage: dict[str, object], out_dir: Path, console: object) -> None:
     assert isinstance(console, Console)
     have_dot = shutil.which("dot") is not None
     for name, spec in MACHINES.items():
-        (out_dir / f"{name}-coverage.mmd").write_bytes(
-            render(spec, "mermaid", engine="mermaid", coverage=coverage)
+        atomic_write(
+            out_dir / f"{name}-coverage.mmd",
+            render(spec, "mermaid", engine="mermaid", coverage=coverage),
         )
         if have_dot:
             try:
-                (out_dir / f"{name}-coverage.svg").write_bytes(
-                    render(spec, "svg", engine="graphviz", coverage=coverage)
+                atomic_write(
+                    out_dir / f"{name}-coverage.svg",
+                    render(spec, "svg", engine="graphviz", coverage=coverage),
                 )
             except DiagramError as exc:
                 console.print(f"[yellow]no SVG for {name}: {exc}[/]")

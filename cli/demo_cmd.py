@@ -21,6 +21,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from rollout_lifecycle.cli.exitcodes import findings
 from rollout_lifecycle.model.artifacts import ArtifactStore, WorkerLoader
 from rollout_lifecycle.model.backends import Backend, open_backend, sqlite_path
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
@@ -338,7 +339,7 @@ def demo(url: str | None, workdir: Path | None, seed: int) -> None:
     finally:
         backend.close()
     if violations:
-        raise click.exceptions.Exit(1)
+        raise findings()
 
 
 def _story(backend: Backend, store: ArtifactStore, seed: int, url: str, artifacts: Path) -> int:

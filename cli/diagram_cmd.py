@@ -15,7 +15,8 @@ from typing import Any
 
 import click
 
-from rollout_lifecycle.cli.exitcodes import InputError, TechnicalError
+from rollout_lifecycle.cli.exitcodes import InputError, TechnicalError, findings
+from rollout_lifecycle.model.atomic import atomic_write
 from rollout_lifecycle.model.machines import MACHINES, MachineSpec
 from rollout_lifecycle.spec.diagrams import (
     FORMAT_ENGINE,
@@ -170,7 +171,7 @@ def _docs_mode(
         "(add --coverage RUN.json for coverage pictures, or delete stale *-coverage.* files)",
         err=True,
     )
-    raise click.exceptions.Exit(1)
+    raise findings()
 
 
 def _draw(
@@ -201,5 +202,5 @@ def _draw(
     for m, data in drawn:
         path = targets[m.name]
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+        atomic_write(path, data)
         click.echo(f"wrote {path}")

@@ -8,7 +8,6 @@ generated states, depth) so they can be pinned and compared run to run.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -18,7 +17,16 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from rollout_lifecycle.cli.output import make_console, progress_printer, write_json_atomic
+from rollout_lifecycle.cli.exitcodes import findings
+from rollout_lifecycle.cli.output import (
+    Progress,
+    check_report_path,
+    dumps,
+    emit_report,
+    make_console,
+    quiet_option,
+    report_options,
+)
 from rollout_lifecycle.spec.bounds import EXPLORER_MODELS, README_MODELS
 from rollout_lifecycle.spec.coverage import coverage_json, uncovered
 from rollout_lifecycle.spec.explorer import ExplorationResult, ExploreProgress
@@ -38,7 +46,7 @@ def explore_models(
     for name in names:
         factory, about = EXPLORER_MODELS[name]
         model = factory()
-        tick = progress_printer(console, f"explore {name}") if show_progress else None
+        tick = Progress(f"explore {name}") if show_progress else None
 
         def on_progress(p: ExploreProgress, tick: Any = tick) -> None:
             if tick is not None:
@@ -129,39 +137,34 @@ def print_explore_report(report: dict[str, Any], console: Console) -> None:
     default=None,
     help="Stop after this many distinct states (the report says 'bounded').",
 )
-@click.option(
-    "--json",
-    "json_out",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the full report (with coverage) as JSON here.",
-)
 @click.option("--list", "list_models", is_flag=True, help="List the models and their bounds.")
-@click.option("--quiet", is_flag=True, help="No progress output.")
+@report_options
+@quiet_option
 def explore(
     models: tuple[str, ...],
     max_states: int | None,
-    json_out: Path | None,
     list_models: bool,
+    as_json: bool,
+    report_path: Path | None,
     quiet: bool,
 ) -> None:
     """Explore every interleaving of the protocol models and check the spec's invariants."""
-    console = make_console()
+    check_report_path(report_path)
+    console = make_console(quiet=as_json)
     if list_models:
-        for name, (_f, about) in EXPLORER_MODELS.items():
+        listing = {name: about for name, (_f, about) in EXPLORER_MODELS.items()}
+        if as_json:
+            click.echo(dumps({"models": listing}), nl=False)
+            return
+        for name, about in listing.items():
             console.print(f"[bold]{name}[/]: {about}")
         return
     names = list(models) or list(README_MODELS)
-    err = make_console(stderr=True)
-    report = explore_models(
-        names, max_states=max_states, show_progress=not quiet and sys.stderr.isatty(), console=err
-    )
+    report = explore_models(names, max_states=max_states, show_progress=not quiet, console=console)
     print_explore_report(report, console)
-    if json_out is not None:
-        write_json_atomic(json_out, report)
-        console.print(f"report written to {json_out}")
+    emit_report(report, as_json=as_json, report_path=report_path, console=console)
     if report["violations"]:
-        raise click.exceptions.Exit(1)
+        raise findings()
 
 
 __all__ = ["explore", "explore_models", "print_explore_report"]

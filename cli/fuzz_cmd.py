@@ -8,7 +8,6 @@ failure the shrunk program printed, saved as a replayable file, and exit status 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,15 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from rollout_lifecycle.cli.output import make_console, progress_printer, write_json_atomic
+from rollout_lifecycle.cli.exitcodes import findings
+from rollout_lifecycle.cli.output import (
+    Progress,
+    check_report_path,
+    emit_report,
+    make_console,
+    quiet_option,
+    report_options,
+)
 from rollout_lifecycle.stateful_tests.profiles import selected_profile_name
 from rollout_lifecycle.stateful_tests.runner import MACHINES as FUZZ_MACHINES
 from rollout_lifecycle.stateful_tests.runner import (
@@ -27,11 +34,11 @@ from rollout_lifecycle.stateful_tests.runner import (
 )
 
 
-def progress_callback(console: Console, enabled: bool) -> Any:
-    """A run_campaign progress callback printing at most one line a second."""
-    if not enabled:
+def progress_callback(*, quiet: bool) -> Any:
+    """A run_campaign progress callback: live on a terminal, a line every few seconds else."""
+    if quiet:
         return None
-    tick = progress_printer(console, "fuzz")
+    tick = Progress("fuzz")
 
     def on(ev: ProgressEvent) -> None:
         budget = f" / {ev.budget_s:.0f}s" if ev.budget_s else ""
@@ -130,14 +137,8 @@ def print_fuzz_report(report: CampaignReport, console: Console) -> None:
     show_default=True,
     help="Work directory: ledger files and saved failing programs.",
 )
-@click.option(
-    "--json",
-    "json_out",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the report (with coverage) as JSON here.",
-)
-@click.option("--quiet", is_flag=True, help="No progress output.")
+@report_options
+@quiet_option
 def fuzz(
     machines: tuple[str, ...],
     backend: str,
@@ -147,12 +148,14 @@ def fuzz(
     profile: str | None,
     steps: int | None,
     out_dir: Path,
-    json_out: Path | None,
+    as_json: bool,
+    report_path: Path | None,
     quiet: bool,
 ) -> None:
     """Fuzz the protocol machines against the spec; exit 1 on a violation."""
     chosen = profile or selected_profile_name()
-    console, err = make_console(), make_console(stderr=True)
+    check_report_path(report_path)
+    console = make_console(quiet=as_json)
     try:
         report = run_campaign(
             list(machines) or list(FUZZ_MACHINES),
@@ -162,17 +165,15 @@ def fuzz(
             seed=seed,
             profile=chosen,
             steps=steps,
-            progress=progress_callback(err, not quiet and sys.stderr.isatty()),
+            progress=progress_callback(quiet=quiet),
             workdir=out_dir,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     print_fuzz_report(report, console)
-    if json_out is not None:
-        write_json_atomic(json_out, report.to_json())
-        console.print(f"report written to {json_out}")
+    emit_report(report.to_json(), as_json=as_json, report_path=report_path, console=console)
     if report.failures:
-        raise click.exceptions.Exit(1)
+        raise findings()
 
 
 __all__ = ["fuzz", "print_fuzz_report", "progress_callback"]

@@ -21,7 +21,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from rollout_lifecycle.cli.exitcodes import InputError
+from rollout_lifecycle.cli.exitcodes import InputError, findings
 from rollout_lifecycle.model.backends import DEFAULT_URL, Backend, open_backend
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 from rollout_lifecycle.model.events import EntryChanged
@@ -261,4 +261,4 @@ def check(url: str, quiescent: bool, as_json: bool) -> None:
             f"{len(report.checked)} invariants: {len(report.violations)} violations"
         )
     if not report.ok:
-        raise click.exceptions.Exit(1)
+        raise findings()

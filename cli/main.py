@@ -1,15 +1,19 @@
 """`rollout-lifecycle`: the command line, the top floor (nothing imports it).
 
 Each sub-command lives in its own module and is registered here. User mistakes (bad files,
-bad options, refused operations) surface as one clear line through click's exceptions and
-exit with status 1 or 2; a traceback is reserved for bugs in this program.
+bad options, refused operations) surface as one clear line and exit 2; findings of a
+checking command exit 1; failures of the environment exit 3 (`cli/exitcodes.py` lists
+them all). A traceback is reserved for bugs in this program.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from importlib import metadata
+from typing import Any
 
 import click
 
@@ -22,6 +26,7 @@ from rollout_lifecycle.cli.explore_cmd import explore
 from rollout_lifecycle.cli.fuzz_cmd import fuzz
 from rollout_lifecycle.cli.ledger_cmd import ledger
 from rollout_lifecycle.cli.mutants_cmd import mutants
+from rollout_lifecycle.model.atomic import cleanup_temporaries, describe_os_error
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 
 COMMANDS = (campaign, fuzz, explore, mutants, admit, ledger, demo, diagram)
@@ -60,6 +65,17 @@ for command in COMMANDS:
     cli.add_command(command)
 
 
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds through every atomic write, which removes its temporary
+
+
+def _install_sigterm() -> Any:
+    """Turn SIGTERM into an orderly unwind (main thread only; elsewhere signals can't be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _on_sigterm)
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Run the command line and return its exit code (see `rollout_lifecycle.cli.exitcodes`).
 
@@ -67,6 +83,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     exiting, so it is taken from the return value here: dropping it would make every
     checking command exit 0 on a finding.
     """
+    previous = _install_sigterm()
     try:
         rv = cli.main(args=argv, prog_name="rollout-lifecycle", standalone_mode=False)
     except click.exceptions.Abort:
@@ -84,8 +101,12 @@ def run(argv: Sequence[str] | None = None) -> int:
         click.echo("interrupted", err=True)
         return exitcodes.INTERRUPTED
     except OSError as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"error: {describe_os_error(exc)}: {exc}", err=True)
         return exitcodes.TECHNICAL
+    finally:
+        cleanup_temporaries()  # a temporary of an interrupted write never stays behind
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return rv if isinstance(rv, int) and not isinstance(rv, bool) else exitcodes.OK
 
 

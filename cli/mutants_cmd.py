@@ -8,14 +8,21 @@ long each took. Any survivor makes the command exit 1.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from rollout_lifecycle.cli.output import make_console, progress_printer, write_json_atomic
+from rollout_lifecycle.cli.exitcodes import findings
+from rollout_lifecycle.cli.output import (
+    Progress,
+    check_report_path,
+    emit_report,
+    make_console,
+    quiet_option,
+    report_options,
+)
 from rollout_lifecycle.stateful_tests.mutants import BY_NAME, CATALOGUE
 from rollout_lifecycle.stateful_tests.mutation import MutantResult, run_catalogue, summary
 
@@ -81,29 +88,31 @@ def print_mutants(results: list[MutantResult], console: Console) -> None:
     default=None,
     help="Keep the fuzzer's work files (failing programs) here.",
 )
-@click.option(
-    "--json",
-    "json_out",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write the results as JSON here.",
-)
+@report_options
+@quiet_option
 def mutants(
     only: tuple[str, ...],
     checker: str,
     examples: int,
     seed: int,
     out_dir: Path | None,
-    json_out: Path | None,
+    as_json: bool,
+    report_path: Path | None,
+    quiet: bool,
 ) -> None:
-    """Kill every mutant of the catalogue with the fuzzer and the explorer."""
+    """Kill every mutant of the catalogue with the fuzzer and the explorer; exit 1 on a survivor."""
+    check_report_path(report_path)
     chosen = [BY_NAME[n] for n in only] if only else list(CATALOGUE)
-    console, err = make_console(), make_console(stderr=True)
-    tick = progress_printer(err, "mutants", every_s=0.0) if sys.stderr.isatty() else None
+    console = make_console(quiet=as_json)
+    tick = Progress("mutants", quiet=quiet, every_s=0.0)
+    done = [0]
 
     def on_result(r: MutantResult) -> None:
-        if tick is not None:
-            tick(f"{r.name}: killed by {', '.join(r.killed_by) or 'nobody'}", False)
+        done[0] += 1
+        tick(
+            f"{done[0]}/{len(chosen)} {r.name}: killed by {', '.join(r.killed_by) or 'nobody'}",
+            done[0] == len(chosen),
+        )
 
     results = run_catalogue(
         chosen,
@@ -115,13 +124,10 @@ def mutants(
         on_result=on_result,
     )
     print_mutants(results, console)
-    if json_out is not None:
-        write_json_atomic(
-            json_out, {"results": [r.to_json() for r in results], "summary": summary(results)}
-        )
-        console.print(f"results written to {json_out}")
+    data = {"results": [r.to_json() for r in results], "summary": summary(results)}
+    emit_report(data, as_json=as_json, report_path=report_path, console=console)
     if any(r.survived for r in results):
-        raise click.exceptions.Exit(1)
+        raise findings()
 
 
 __all__ = ["mutants", "print_mutants"]

@@ -1,55 +1,157 @@
-"""Small output helpers shared by the commands: atomic JSON files and progress lines."""
+"""Output conventions every command shares: reports, JSON, progress, consoles.
+
+* `--json` means one thing everywhere: the command's report, as JSON, on stdout (tables and
+  chatter are suppressed; progress still goes to stderr). `--report PATH` writes the same
+  JSON to a file (atomically, mode 0644). The shapes are JSON Schemas in
+  `rollout_lifecycle/cli/schemas/`, checked by the tests.
+* Progress of long runs goes to stderr: a live line on a terminal, and a plain line at least
+  every `PROGRESS_EVERY_S` seconds otherwise (so `| tee` shows the run is alive); both are
+  silenced by `--quiet`.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import tempfile
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from rollout_lifecycle.cli.exitcodes import InputError
+from rollout_lifecycle.model.atomic import atomic_write, check_target
+from rollout_lifecycle.model.errors import OutputError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+PROGRESS_EVERY_S = float(os.environ.get("ROLLOUT_LIFECYCLE_PROGRESS_S", "5"))
+
+
+def _strict(obj: Any) -> Any:
+    """Replace non-finite floats by None-with-a-note: reports are strict JSON (RFC 8259)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _strict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_strict(v) for v in obj]
+    return obj
+
+
+def dumps(data: Any) -> str:
+    """Strict JSON text of a report (NaN/inf become null; never `Infinity`)."""
+    return json.dumps(_strict(data), indent=2, default=str, allow_nan=False) + "\n"
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to a temp file beside `path`, fsync, rename: never a half-written report."""
-    path = Path(path)
-    if not path.parent.exists():
-        raise click.UsageError(f"{path}: directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    """Write a report to `path` whole (temp + fsync + rename, mode 0644)."""
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, sort_keys=False, default=str)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        atomic_write(Path(path), dumps(data))
+    except OutputError as exc:
+        raise InputError(str(exc)) from None
+
+
+def check_report_path(path: Path | None) -> None:
+    """Validate a `--report` target before any work starts (missing folder, file in the way)."""
+    if path is None:
+        return
+    try:
+        check_target(Path(path))
+    except OutputError as exc:
+        raise click.BadParameter(str(exc), param_hint="--report") from None
+
+
+def report_options(func: F) -> F:
+    """`--json` (report on stdout) and `--report PATH` (report to a file), the same everywhere."""
+    func = click.option(
+        "--report",
+        "report_path",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="Also write the JSON report to this file (atomically).",
+    )(func)
+    func = click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        help="Print the JSON report on stdout instead of tables.",
+    )(func)
+    return func
+
+
+def quiet_option(func: F) -> F:
+    """`--quiet`: no progress output on stderr."""
+    return click.option("--quiet", is_flag=True, help="No progress output.")(func)
+
+
+def emit_report(data: Any, *, as_json: bool, report_path: Path | None, console: Console) -> None:
+    """Write the report file if asked, and print the JSON when `--json` was given."""
+    if report_path is not None:
+        write_json_atomic(report_path, data)
+        if not as_json:
+            console.print(f"report written to {report_path}")
+    if as_json:
+        click.echo(dumps(data), nl=False)
+
+
+class Progress:
+    """A throttled progress reporter on stderr: live on a terminal, periodic lines otherwise."""
+
+    def __init__(self, label: str, *, quiet: bool = False, every_s: float | None = None) -> None:
+        self.label = label
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty()
+        self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
+        self._last = 0.0
+        self._live: Live | None = None
+        self._console = Console(stderr=True, width=None if self.tty else 120)
+
+    def __call__(self, text: str, final: bool = False) -> None:
+        """Report `text`; `final` always prints (and ends the live line)."""
+        if self.quiet:
+            return
+        line = f"{self.label}: {text}"
+        if self.tty:
+            if self._live is None:
+                self._live = Live(
+                    Text(line, style="dim"), console=self._console, auto_refresh=False
+                )
+                self._live.start()
+            now = time.monotonic()
+            if final or now - self._last >= 0.1:
+                self._last = now
+                self._live.update(Text(line, style="dim"), refresh=True)
+            if final:
+                self.close()
+            return
+        now = time.monotonic()
+        if final or now - self._last >= self.every_s:
+            self._last = now
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """End the live line (leaving its last text on screen)."""
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
 
 
 def progress_printer(
-    console: Console, label: str, every_s: float = 1.0
-) -> Callable[[str, bool], None]:
-    """A throttled one-line progress reporter for long runs (stderr, one line per second)."""
-    last = [0.0]
-
-    def tick(text: str, final: bool) -> None:
-        now = time.monotonic()
-        if final or now - last[0] >= every_s:
-            last[0] = now
-            console.print(f"[dim]{label}: {text}[/]", highlight=False)
-
-    return tick
+    console: Console, label: str, every_s: float | None = None, *, quiet: bool = False
+) -> Progress:
+    """Compatibility shim: a `Progress` for `label` (the console argument is not needed)."""
+    del console
+    return Progress(label, quiet=quiet, every_s=every_s)
 
 
-def make_console(stderr: bool = False) -> Console:
-    """A console that is wide enough for the report tables even when piped to a file."""
-    import sys
-
+def make_console(stderr: bool = False, *, quiet: bool = False) -> Console:
+    """A console wide enough for the report tables even when piped; `quiet` prints nothing."""
     stream = sys.stderr if stderr else sys.stdout
-    return Console(stderr=stderr, width=None if stream.isatty() else 120)
+    return Console(stderr=stderr, width=None if stream.isatty() else 120, quiet=quiet)

@@ -104,7 +104,7 @@ def atomic_open(
     path: Path | str, mode: str = "w", *, file_mode: int | None = None
 ) -> contextlib.AbstractContextManager[IO[str]] | contextlib.AbstractContextManager[IO[bytes]]:
     """A file handle whose content lands at `path` only if the block completes."""
-    return _atomic_open(Path(path), mode, file_mode)
+    return _atomic_open(Path(path), mode, file_mode)  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
@@ -115,7 +115,9 @@ def _atomic_open(path: Path, mode: str, file_mode: int | None) -> Iterator[IO[st
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
-        raise OutputError(f"{path}: cannot create a file there ({describe_os_error(exc)})") from None
+        raise OutputError(
+            f"{path}: cannot create a file there ({describe_os_error(exc)})"
+        ) from None
     with _LIVE_LOCK:
         _LIVE.add(tmp)
     try:

@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from rollout_lifecycle.model.atomic import atomic_write
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 from rollout_lifecycle.model.machines import MACHINES, Edge, MachineSpec
 
@@ -514,7 +515,7 @@ def write_docs(
     written = []
     for name, data in files.items():
         path = out / name
-        path.write_bytes(data)
+        atomic_write(path, data)
         written.append(path)
     return written
 

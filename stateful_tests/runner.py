@@ -31,6 +31,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
+from rollout_lifecycle.model.atomic import atomic_write
 from rollout_lifecycle.spec.invariants import SOMETIMES
 from rollout_lifecycle.stateful_tests import activation_machine, e2e_machine, ledger_machine
 from rollout_lifecycle.stateful_tests.backends import BACKEND_NAMES, LedgerFactory, resolve_factory
@@ -332,7 +333,7 @@ def _save_program(
     while path.exists():  # earlier failures are kept, never overwritten
         path = out_dir / f"{stem}-{k}.py"
         k += 1
-    path.write_text(text)
+    atomic_write(path, text)
     return text, path
 
 
