@@ -34,7 +34,7 @@ from rollout_lifecycle.model.ledger import (
 )
 from rollout_lifecycle.model.records import Disposition, LedgerEntry, Reward
 
-PROJECT_PREFIXES = ("model.", "spec.", "stateful_tests.", "cli.")
+PROJECT_PREFIXES = ("rollout_lifecycle.",)
 
 
 @contextlib.contextmanager

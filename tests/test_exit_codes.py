@@ -1,0 +1,211 @@
+"""Every checking command exits non-zero on a finding and zero on a clean run.
+
+These run the REAL installed entry point in a subprocess: click's CliRunner reports the code
+of `click.exceptions.Exit` even where the console script would have dropped it, so only a
+subprocess sees what a CI job sees. A bug is injected into model/ through a
+`sitecustomize.py` on PYTHONPATH that activates one mutant of the catalogue before the
+entry point runs, so the command under test is the unmodified `rollout-lifecycle`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import attrs
+import pytest
+
+from rollout_lifecycle.model.backends import open_backend
+from rollout_lifecycle.model.events import EntryChanged
+from rollout_lifecycle.model.sqlite_common import append_events, connect
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "diagrams"
+
+
+def entry_point() -> list[str]:
+    """The console script installed beside this interpreter (what users and CI run)."""
+    script = Path(sys.executable).parent / "rollout-lifecycle"
+    if not script.exists():
+        found = shutil.which("rollout-lifecycle")
+        if found is None:
+            pytest.fail("the rollout-lifecycle console script is not installed (pip install -e .)")
+        script = Path(found)
+    return [str(script)]
+
+
+def cli(
+    *args: str, cwd: Path, mutant: str | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """Run the entry point; with `mutant`, that catalogue bug is active in the child."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    env["CI"] = "true"
+    if mutant is not None:
+        site = cwd / "site-mutant"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(
+            textwrap.dedent(
+                f"""
+                from rollout_lifecycle.stateful_tests.mutants import BY_NAME
+                _patch = BY_NAME[{mutant!r}]()
+                _patch.__enter__()
+                """
+            )
+        )
+        env["PYTHONPATH"] = str(site)
+    return subprocess.run(
+        [*entry_point(), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.fixture
+def clean_db(tmp_path: Path) -> str:
+    """A SQLite ledger written by the demo: a clean, complete run."""
+    url = f"sqlite:///{tmp_path / 'demo.db'}"
+    res = cli("demo", "--backend", url, "--workdir", str(tmp_path / "work"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    return url
+
+
+def test_version_and_help_exit_zero(tmp_path: Path) -> None:
+    """--version and --help are clean runs; an unknown command is a usage error (2)."""
+    assert cli("--version", cwd=tmp_path).returncode == 0
+    assert cli("--help", cwd=tmp_path).returncode == 0
+    bad = cli("no-such-command", cwd=tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_python_dash_m_is_the_same_cli(tmp_path: Path) -> None:
+    """`python -m rollout_lifecycle` runs the same command line."""
+    res = subprocess.run(
+        [sys.executable, "-m", "rollout_lifecycle", "--version"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == 0 and "rollout-lifecycle" in res.stdout
+
+
+def test_ledger_check_exit_codes(tmp_path: Path, clean_db: str) -> None:
+    """ledger check: 0 on a clean trace, 1 on a crafted violation, 2 on a missing file."""
+    ok = cli("ledger", "check", "--backend", clean_db, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    path = Path(clean_db.removeprefix("sqlite:///"))
+    with open_backend(clean_db, create=False) as b:
+        consumed = next(e for e in b.ledger.snapshot().values() if e.state == "consumed")
+    bad = attrs.evolve(consumed, state="rewarded", revision=consumed.revision + 1)
+    conn = connect(path)
+    conn.execute("BEGIN IMMEDIATE")
+    append_events(conn, [EntryChanged(0, 0, 0.0, consumed.rollout_id, "abort", consumed, bad)])
+    conn.execute("COMMIT")
+    conn.close()
+    found = cli("ledger", "check", "--backend", clean_db, cwd=tmp_path)
+    assert found.returncode == 1, found.stdout + found.stderr
+    assert "terminal_absorbing" in found.stdout
+    missing = cli("ledger", "check", "--backend", f"sqlite:///{tmp_path / 'nope.db'}", cwd=tmp_path)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+
+
+def test_fuzz_exit_codes(tmp_path: Path) -> None:
+    """fuzz: 0 on the shipped ledger, 1 when a blind-write bug is active."""
+    args = ("fuzz", "--machine", "ledger", "--backend", "memory", "--examples", "30", "--quiet")
+    ok = cli(*args, "--out", str(tmp_path / "ok"), cwd=tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    bad = cli(*args, "--out", str(tmp_path / "bad"), cwd=tmp_path, mutant="blind_reserve")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "FAILED" in bad.stdout
+
+
+def test_explore_exit_codes(tmp_path: Path) -> None:
+    """explore: 0 on the shipped code, 1 when an activation bug is active."""
+    args = ("explore", "--model", "activation-small", "--quiet")
+    ok = cli(*args, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    bad = cli(*args, cwd=tmp_path, mutant="success_without_all_acks")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "violated" in bad.stdout
+
+
+def test_diagram_check_docs_exit_codes(tmp_path: Path) -> None:
+    """diagram --check-docs: 0 on the committed docs, 1 on a stale copy."""
+    ok = cli("diagram", "--check-docs", str(DOCS), cwd=tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    stale = tmp_path / "diagrams"
+    shutil.copytree(DOCS, stale)
+    (stale / "lifecycle.mmd").write_text("stateDiagram-v2\n")
+    bad = cli("diagram", "--check-docs", str(stale), cwd=tmp_path)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+
+
+def test_mutants_exit_codes(tmp_path: Path) -> None:
+    """mutants: 0 when every mutant is killed, 1 when one survives its budget."""
+    ok = cli("mutants", "--only", "blind_reserve", "--checker", "fuzz", "--quiet", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    bad = cli(
+        "mutants",
+        "--only",
+        "retry_not_idempotent",
+        "--checker",
+        "fuzz",
+        "--examples",
+        "1",
+        "--quiet",
+        cwd=tmp_path,
+    )
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+
+
+def test_campaign_exit_codes(tmp_path: Path) -> None:
+    """campaign: 1 when a bug is active (fuzz finds it), 2 on an unknown explorer model."""
+    typo = cli("campaign", "--model", "nope", "--out", str(tmp_path / "c0"), cwd=tmp_path)
+    assert typo.returncode == 2 and "nope" in typo.stderr
+    assert not (tmp_path / "c0" / "fuzz-report.json").exists()
+    bad = cli(
+        "campaign",
+        "--backend",
+        "memory",
+        "--examples",
+        "20",
+        "--no-explore",
+        "--quiet",
+        "--out",
+        str(tmp_path / "c1"),
+        cwd=tmp_path,
+        mutant="blind_reserve",
+    )
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+
+
+def test_admit_bad_input_is_a_usage_error(tmp_path: Path) -> None:
+    """admit on a broken line exits 2 with the line number, no traceback, nothing written."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("{oops\n")
+    out = tmp_path / "out.jsonl"
+    res = cli(
+        "admit",
+        str(inp),
+        "--out",
+        str(out),
+        "--current-version",
+        "1",
+        "--max-lag",
+        "1",
+        "--max-drift",
+        "0.2",
+        cwd=tmp_path,
+    )
+    assert res.returncode == 2, res.stderr
+    assert "line 1" in res.stderr and "Traceback" not in res.stderr
+    assert not out.exists()
