@@ -1,0 +1,142 @@
+"""The distribution is a good guest: one import name, no test runner at runtime, installs
+beside verl 0.9.1, and a user's own `model.py` or `cli/` cannot shadow it.
+
+These build the real wheel and install it into a fresh virtualenv (dependencies from the
+package index), so they need the index; they are the slow part of the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def run(cmd: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    """Run a command, failing the test with its output when it fails."""
+    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, f"{cmd}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    return res
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built from this checkout."""
+    out = tmp_path_factory.mktemp("dist")
+    run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out)]
+        + [str(ROOT)],
+        cwd=out,
+    )
+    (whl,) = out.glob("rollout_lifecycle-*.whl")
+    return whl
+
+
+@pytest.fixture(scope="module")
+def fresh_env(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
+    """A new virtualenv with only the wheel and its declared dependencies installed."""
+    env = tmp_path_factory.mktemp("venv")
+    venv.create(env, with_pip=True)
+    py = env / "bin" / "python"
+    run([str(py), "-m", "pip", "install", "--quiet", str(wheel)], cwd=env)
+    return py
+
+
+def test_wheel_holds_one_package(wheel: Path) -> None:
+    """Every module of the wheel lives under rollout_lifecycle/ (no top-level model, cli...)."""
+    import zipfile
+
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"rollout_lifecycle"}, tops
+    for sub in ("model", "spec", "stateful_tests", "gpu_check", "cli"):
+        assert f"rollout_lifecycle/{sub}/__init__.py" in names
+
+
+def test_user_model_py_and_cli_do_not_shadow(fresh_env: Path, tmp_path: Path) -> None:
+    """From a folder with its own model.py and cli/, both the user's and ours import."""
+    (tmp_path / "model.py").write_text("USER_MODEL = True\n")
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "cli" / "__init__.py").write_text("USER_CLI = True\n")
+    (tmp_path / "spec.py").write_text("USER_SPEC = True\n")
+    probe = textwrap.dedent(
+        """
+        import sys
+        import model, cli, spec
+        assert model.USER_MODEL and cli.USER_CLI and spec.USER_SPEC
+        from rollout_lifecycle.model.backends import open_backend
+        from rollout_lifecycle import transition_lifecycle, __version__
+        import rollout_lifecycle.cli.main
+        assert transition_lifecycle("rewarded", "reserve") == "reserved"
+        with open_backend("sqlite:///probe.db") as b:
+            assert b.ledger.statistics().entries == 0
+        assert "pytest" not in sys.modules, "the library must not import a test runner"
+        print(__version__)
+        """
+    )
+    res = run([str(fresh_env), "-c", probe], cwd=tmp_path)
+    assert res.stdout.strip()
+    script = fresh_env.parent / "rollout-lifecycle"
+    out = run([str(script), "--version"], cwd=tmp_path)
+    assert "rollout-lifecycle" in out.stdout
+    run([str(fresh_env), "-m", "rollout_lifecycle", "--version"], cwd=tmp_path)
+
+
+def test_no_second_copy_under_another_name(fresh_env: Path, tmp_path: Path) -> None:
+    """The package refuses to be imported under a second name (e.g. from the repo root)."""
+    res = subprocess.run(
+        [str(fresh_env), "-c", "import model"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode != 0 and "import rollout_lifecycle.model" in res.stderr
+
+
+def test_runtime_dependencies_are_ranges_without_a_test_runner() -> None:
+    """No exact pins and no pytest among the core dependencies."""
+    import tomllib
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    deps = meta["project"]["dependencies"]
+    assert not [d for d in deps if "==" in d], deps
+    assert not [d for d in deps if d.lower().startswith("pytest")], deps
+    assert "pytest" in " ".join(meta["project"]["optional-dependencies"]["pytest"])
+
+
+def test_resolves_beside_verl(fresh_env: Path, wheel: Path, tmp_path: Path) -> None:
+    """pip's resolver finds one install set for this wheel, verl 0.9.1 and the CPU torch."""
+    report = tmp_path / "resolution.json"
+    run(
+        [
+            str(fresh_env),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--dry-run",
+            "--ignore-installed",
+            "--report",
+            str(report),
+            f"{wheel}[verl]",
+            "verl==0.9.1",
+            "torch==2.13.0",
+        ],
+        cwd=tmp_path,
+    )
+    got = {
+        i["metadata"]["name"].lower(): i["metadata"]["version"]
+        for i in json.loads(report.read_text())["install"]
+    }
+    assert got["verl"] == "0.9.1" and got["rollout-lifecycle"]
+    assert got["torch"].startswith("2.13.0")
