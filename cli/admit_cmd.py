@@ -45,7 +45,6 @@ from rollout_lifecycle.cli.output import (
     report_options,
 )
 from rollout_lifecycle.model.backends import open_backend
-from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 from rollout_lifecycle.model.gate import (
     FRESHNESS,
@@ -65,6 +64,7 @@ from rollout_lifecycle.model.records import (
     RolloutIdentity,
     from_jsonable,
 )
+from rollout_lifecycle.model.registry import activated_hash
 
 __all__ = ["INPUT_FIELDS", "OUTPUT_FIELDS", "admit"]
 
@@ -330,9 +330,8 @@ def _backend_registry(url: str, current_version: int) -> Iterator[Registry]:
     except RolloutLifecycleError as exc:
         raise click.UsageError(f"--backend: {exc}") from None
     try:
-        # a reader needs no workers, but the coordinator requires a non-empty set
-        coordinator = ActivationCoordinator(backend.registry, ("admit-reader",))
-        pointer = coordinator.pointer()
+        registry = backend.registry
+        pointer = registry.pointer()
         if pointer is None:
             click.echo(
                 f"warning: {url} has no active policy yet; every version is unregistered", err=True
@@ -343,7 +342,7 @@ def _backend_registry(url: str, current_version: int) -> Iterator[Registry]:
                 f"{url} is {pointer.version}",
                 err=True,
             )
-        yield functools.cache(coordinator.activated_hash)
+        yield functools.cache(functools.partial(activated_hash, registry))
     finally:
         backend.close()
 

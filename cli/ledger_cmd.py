@@ -104,7 +104,9 @@ def counts(url: str, as_json: bool) -> None:
     table.add_column("kind")
     table.add_column("count", justify="right")
     for state in LIFECYCLE.states:
-        table.add_row(state, ", ".join(LIFECYCLE.tags[state]), str(stats.by_state.get(state, 0)))
+        table.add_row(
+            state, ", ".join(LIFECYCLE.display_tags(state)), str(stats.by_state.get(state, 0))
+        )
     ctr = Table(title="counters")
     ctr.add_column("counter")
     ctr.add_column("value", justify="right")

@@ -45,7 +45,7 @@ class Backend:
 
     def trace(self) -> list[TraceEvent]:
         """The whole stored trace (ledger and registry events) in its one global order."""
-        events: list[TraceEvent] = [*self.ledger.history(), *self.registry.history()]
+        events: list[TraceEvent] = [*self.ledger.history(), *self.registry.trace()]
         return sorted(events, key=lambda e: e.seq)
 
     def close(self) -> None:
@@ -89,8 +89,12 @@ def _open_memory(url: str, rest: str, opts: OpenOptions) -> Backend:
             "point at the sqlite:/// file your run wrote",
         )
     log = EventLog()
-    ledger = MemoryLedger(clock=opts.clock, lease_seconds=opts.lease_seconds, event_log=log)
-    return Backend(url=url, ledger=ledger, registry=MemoryRegistry(event_log=log))
+    registry = MemoryRegistry(event_log=log)
+    # the ledger shares the registry's lock: a reservation reads the pointer in its own step
+    ledger = MemoryLedger(
+        clock=opts.clock, lease_seconds=opts.lease_seconds, event_log=log, activation=registry
+    )
+    return Backend(url=url, ledger=ledger, registry=registry)
 
 
 def sqlite_path(url: str) -> Path:

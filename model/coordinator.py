@@ -23,9 +23,8 @@ from typing import Any, Literal, TypeVar
 
 import attrs
 
-from rollout_lifecycle.model.api import activate_policy_version
 from rollout_lifecycle.model.errors import ActivationError
-from rollout_lifecycle.model.events import ArtifactChanged
+from rollout_lifecycle.model.events import ArtifactChanged, TraceEvent
 from rollout_lifecycle.model.ledger import Ledger
 from rollout_lifecycle.model.machines import ACTIVATION
 from rollout_lifecycle.model.records import ActivePointer, ArtifactRecord, Disposition, WorkerAck
@@ -35,6 +34,10 @@ from rollout_lifecycle.model.registry import (
     RegistryStore,
     RegistryView,
     WorkerReport,
+    activated_hash,
+    activation_decision,
+    check_membership,
+    counted_acks,
 )
 
 R = TypeVar("R")
@@ -121,6 +124,23 @@ def judge_ack(report: WorkerReport, ack: WorkerAck) -> str:
     return COUNTED if key > latest_key else OUT_OF_ORDER
 
 
+def number_ack(view: RegistryView, report: WorkerReport, ack: WorkerAck) -> WorkerAck:
+    """The ack with the numbers the worker left out filled in by the coordinator.
+
+    seq: one past the worker's latest report of the same incarnation (arrival order);
+    attempt: the version's current distribution attempt. Numbers the worker gave stand.
+    """
+    seq, attempt = ack.seq, ack.attempt
+    if seq is None:
+        latest = report.ack
+        same = latest is not None and latest.incarnation == ack.incarnation
+        seq = (latest.seq or 0) + 1 if same and latest is not None else 0
+    if attempt is None:
+        rec = view.artifact(ack.version)
+        attempt = 0 if rec is None else rec.attempts
+    return attrs.evolve(ack, seq=seq, attempt=attempt)
+
+
 def _change(
     rec: ArtifactRecord,
     event: str,
@@ -161,30 +181,73 @@ class ActivationCoordinator:
     def __init__(
         self,
         registry: RegistryStore,
-        required_workers: Iterable[str],
+        required_workers: Iterable[str] | None = None,
         *,
         ledger: Ledger | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        workers = tuple(required_workers)
-        for w in workers:
-            _text(w, "worker id")
-        if not workers:
-            raise ActivationError(
-                "at least one required worker is needed: with none, a checkpoint on disk "
-                "alone would activate"
-            )
-        if len(set(workers)) != len(workers):
-            dups = sorted({w for w in workers if workers.count(w) > 1})
-            raise ActivationError(f"required workers listed more than once: {dups}")
+        """Attach to `registry`, whose durable required worker set every coordinator shares.
+
+        On a registry without one, `required_workers` sets it (a recorded membership
+        change). On a registry that has one, `required_workers` may be omitted, and if
+        given must equal it: a second coordinator with another set is refused, so it can
+        never move the pointer on a partial worker set. Change the set explicitly with
+        `change_membership`.
+        """
         self.registry = registry
-        self.required_workers = workers
-        self._required = frozenset(workers)
         self.ledger = ledger
         self.clock = clock
+        wanted = None if required_workers is None else check_membership(required_workers)
+
+        def plan(view: RegistryView) -> tuple[RegistryStep, tuple[str, ...]]:
+            stored = view.required_workers()
+            if stored is None:
+                if wanted is None:
+                    raise ActivationError(
+                        "this registry records no required workers yet; pass "
+                        "required_workers=[...] to set them"
+                    )
+                step = RegistryStep(
+                    self.clock(), membership=wanted, membership_reason="initial membership"
+                )
+                return step, wanted
+            if wanted is not None and set(wanted) != set(stored):
+                raise ActivationError(
+                    f"the registry requires workers {sorted(stored)}, this coordinator was "
+                    f"given {sorted(wanted)}; every coordinator of a deployment uses the "
+                    "registry's set: omit required_workers, or change it explicitly with "
+                    "change_membership()"
+                )
+            return RegistryStep(self.clock()), stored
+
+        self._step(plan)
         self._acks: Counter[str] = Counter()
         self._attempts: Counter[str] = Counter()
         self._counter_lock = threading.Lock()
+
+    @property
+    def required_workers(self) -> tuple[str, ...]:
+        """The deployment's required workers, read from the durable registry."""
+        stored = self.registry.required_workers()
+        if stored is None:
+            raise ActivationError("the registry records no required workers")
+        return stored
+
+    def change_membership(self, workers: Iterable[str], reason: str) -> tuple[str, ...]:
+        """Replace the required worker set: an explicit, recorded step of its own.
+
+        Activations after it wait for every worker of the new set. The reason is kept in
+        the trace (who decided, why), so a membership change is never silent.
+        """
+        new = check_membership(workers)
+        why = _text(reason, "reason")
+
+        def plan(view: RegistryView) -> tuple[RegistryStep, tuple[str, ...]]:
+            if view.required_workers() == new:
+                return RegistryStep(self.clock()), new
+            return RegistryStep(self.clock(), membership=new, membership_reason=why), new
+
+        return self._step(plan)[0]
 
     # ---- plumbing ----------------------------------------------------------------------
 
@@ -206,7 +269,9 @@ class ActivationCoordinator:
         `exclusive` refuses the step while another version awaits acks: a worker's report
         says what it loaded at that moment, so two distributions in flight let a worker ack
         one version and then load the other, and the first could activate on an ack that no
-        longer holds (the explorer found this with two workers and two versions).
+        longer holds (the explorer found this with two workers and two versions). It also
+        refuses a version no newer than the active one: it could never activate, and it
+        would hold the single distribution slot.
         """
         _version(version)
 
@@ -223,7 +288,13 @@ class ActivationCoordinator:
                         f"v{busy[0]} is still awaiting acks; activate, fail or abandon it "
                         f"before distributing v{version} (one distribution at a time)"
                     )
-            ch = _change(rec, event, **fields(rec))
+            ch = _change(rec, event, **fields(rec))  # the machine refuses illegal moves
+            pointer = view.pointer()
+            if exclusive and pointer is not None and version <= pointer.version:
+                raise ActivationError(
+                    f"v{version} is not newer than the active v{pointer.version}; only a "
+                    "newer version can be distributed (use rollback() to go back)"
+                )
             return RegistryStep(self.clock(), (ch,)), ch.after
 
         return self._step(plan)[0]
@@ -331,17 +402,25 @@ class ActivationCoordinator:
         return rec
 
     def record_ack(self, ack: WorkerAck) -> AckResult:
-        """Store `ack` as the worker's latest report if it is newer by (incarnation, seq)."""
-        if ack.worker_id not in self._required:
-            self._count(self._acks, NOT_REQUIRED)
-            return AckResult(False, NOT_REQUIRED)
+        """Store `ack` as the worker's latest report if it is newer by (incarnation, seq).
+
+        A worker acks what it loaded and nothing else: `seq` and `attempt` may be left
+        unset, and the coordinator numbers the report (next seq of that worker's
+        incarnation; the version's current distribution attempt). A worker that echoes the
+        attempt of the distribution it answered (`distribute(...).attempts`) is protected
+        against its ack arriving late, after a retry.
+        """
 
         def plan(view: RegistryView) -> tuple[RegistryStep, AckResult]:
+            required = view.required_workers() or ()
+            if ack.worker_id not in required:
+                return RegistryStep(self.clock()), AckResult(False, NOT_REQUIRED)
             report = view.worker(ack.worker_id) or WorkerReport(ack.worker_id)
-            reason = judge_ack(report, ack)
+            numbered = number_ack(view, report, ack)
+            reason = judge_ack(report, numbered)
             if reason != COUNTED:
                 return RegistryStep(self.clock()), AckResult(False, reason)
-            new = attrs.evolve(report, ack=ack)
+            new = attrs.evolve(report, ack=numbered)
             return RegistryStep(self.clock(), workers=(new,)), AckResult(True, COUNTED)
 
         result = self._step(plan)[0]
@@ -379,27 +458,9 @@ class ActivationCoordinator:
             if rec.state != "awaiting_acks":
                 reason = NOT_COMMITTED if not rec.committed else NOT_AWAITING
                 return RegistryStep(now), ActivationResult(False, reason, pointer)
-            # an ack of this version from an earlier attempt is void (see WorkerAck.attempt):
-            # the worker may have loaded another version since, so it counts as missing
-            reports = {
-                w: r.ack
-                for w, r in view.workers().items()
-                if r.ack is not None
-                and (r.ack.version != rec.version or r.ack.attempt == rec.attempts)
-            }
-            decision = activate_policy_version(
-                None if pointer is None else attrs.asdict(pointer),
-                {
-                    "version": rec.version,
-                    "artifact_hash": rec.artifact_hash,
-                    "committed": rec.committed,
-                },
-                {
-                    w: {"version": a.version, "artifact_hash": a.artifact_hash}
-                    for w, a in reports.items()
-                },
-                self.required_workers,
-            )
+            decision = activation_decision(view, rec)
+            reports = counted_acks(view, rec)
+            required = view.required_workers() or ()
             p = decision["active_pointer"]
             result = ActivationResult(
                 activated=decision["activated"],
@@ -411,14 +472,14 @@ class ActivationCoordinator:
             if not result.activated:
                 return RegistryStep(now), result
             # only acks that exist are recorded: the spec, not a KeyError, must judge a bad decision
-            used = tuple(reports[w] for w in self.required_workers if w in reports)
+            used = tuple(reports[w] for w in required if w in reports)
             changes = [
                 _change(
                     rec,
                     "activate",
                     {"all_acked": True},
                     acks=used,
-                    required_workers=self.required_workers,
+                    required_workers=required,
                 )
             ]
             if pointer is not None:
@@ -491,14 +552,15 @@ class ActivationCoordinator:
 
     def activated_hash(self, version: int) -> str | None:
         """The hash of `version` if it ever became active, else None (an admission registry)."""
-        rec = self.registry.artifact(version)
-        if rec is None or rec.state not in ("active", "superseded", "rolled_back"):
-            return None
-        return rec.artifact_hash
+        return activated_hash(self.registry, version)
 
     def history(self, version: int | None = None) -> list[ArtifactChanged]:
         """Artifact events in global order, optionally of one version."""
         return self.registry.history(version)
+
+    def trace(self) -> list[TraceEvent]:
+        """Every registry event: artifacts, membership changes, worker reports."""
+        return self.registry.trace()
 
     def statistics(self) -> CoordinatorStatistics:
         """Counts by state, which required workers hold the active version, and counters."""
@@ -506,9 +568,10 @@ class ActivationCoordinator:
         pointer = self.registry.pointer()
         reports = self.reports()
         by_state = Counter(a.state for a in arts)
+        required = self.required_workers
         in_sync = tuple(
             w
-            for w in self.required_workers
+            for w in required
             if pointer is not None
             and (a := reports.get(w)) is not None
             and (a.version, a.artifact_hash) == (pointer.version, pointer.artifact_hash)
@@ -518,9 +581,9 @@ class ActivationCoordinator:
             by_state={s: by_state.get(s, 0) for s in ACTIVATION.states},
             pointer=pointer,
             max_version=self.registry.max_version(),
-            required_workers=self.required_workers,
+            required_workers=required,
             workers_in_sync=in_sync,
-            workers_out_of_sync=tuple(w for w in self.required_workers if w not in in_sync),
+            workers_out_of_sync=tuple(w for w in required if w not in in_sync),
             acks=self._snapshot(self._acks),
             activation_attempts=self._snapshot(self._attempts),
         )

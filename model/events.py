@@ -57,7 +57,41 @@ class ArtifactChanged:
     kind: str = "artifact"
 
 
-TraceEvent = EntryChanged | ArtifactChanged
+@attrs.frozen
+class MembershipChanged:
+    """The deployment's required worker set was set or changed: an explicit, recorded step.
+
+    Every coordinator on the registry activates against this durable set (never its own
+    copy), and the spec reads the premise of "every required worker acked" from it.
+    """
+
+    seq: int
+    txn: int
+    at: float
+    before: tuple[str, ...] | None
+    after: tuple[str, ...]
+    reason: str
+    kind: str = "membership"
+
+
+@attrs.frozen
+class WorkerReported:
+    """A worker's stored report changed: a counted ack, or a restart that raised its floor.
+
+    Recorded in the trace so that the spec judges an activation against the acks that were
+    really stored, not against the acks the coordinator says it used.
+    """
+
+    seq: int
+    txn: int
+    at: float
+    worker_id: str
+    floor: int
+    ack: WorkerAck | None
+    kind: str = "worker"
+
+
+TraceEvent = EntryChanged | ArtifactChanged | MembershipChanged | WorkerReported
 
 
 def event_to_jsonable(ev: TraceEvent) -> dict[str, Any]:
@@ -100,6 +134,26 @@ def event_from_jsonable(data: dict[str, Any]) -> TraceEvent:
             else from_jsonable(ActivePointer, data["pointer_after"]),
             acks=tuple(from_jsonable(WorkerAck, a) for a in data.get("acks", ())),
             required_workers=tuple(data.get("required_workers", ())),
+        )
+    if kind == "worker":
+        ack = data.get("ack")
+        return WorkerReported(
+            seq=int(data["seq"]),
+            txn=int(data["txn"]),
+            at=float(data["at"]),
+            worker_id=str(data["worker_id"]),
+            floor=int(data["floor"]),
+            ack=None if ack is None else from_jsonable(WorkerAck, ack),
+        )
+    if kind == "membership":
+        before = data.get("before")
+        return MembershipChanged(
+            seq=int(data["seq"]),
+            txn=int(data["txn"]),
+            at=float(data["at"]),
+            before=None if before is None else tuple(str(w) for w in before),
+            after=tuple(str(w) for w in data["after"]),
+            reason=str(data.get("reason", "")),
         )
     raise ValueError(f"unknown trace event kind {kind!r}")
 

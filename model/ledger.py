@@ -8,6 +8,7 @@ write" one indivisible step (a lock here, a single-statement compare-and-set in 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -16,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from rollout_lifecycle.model import rules
 from rollout_lifecycle.model.errors import (
     CommitMismatch,
     DuplicateRollout,
@@ -23,7 +25,7 @@ from rollout_lifecycle.model.errors import (
     RevisionConflict,
     UnknownRollout,
 )
-from rollout_lifecycle.model.events import EntryChanged, EventLog, TraceEvent
+from rollout_lifecycle.model.events import EntryChanged, EventLog
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.records import (
     AdmissionStamp,
@@ -41,7 +43,10 @@ IDEMPOTENT = "idempotent_retry"
 CONFLICT = "revision_conflict"
 NOT_REWARDED = "not_rewarded"
 MISSING = "missing_rollout"
-NOT_ADMITTED = "not_admitted"
+# refusals decided inside the reservation's atomic step (model.rules.reservation_refusal)
+NOT_ADMITTED = rules.NOT_ADMITTED
+POINTER_MOVED = rules.POINTER_MOVED
+VERSION_NOT_ACTIVE = rules.VERSION_NOT_ACTIVE
 
 # events that `transition` may fire directly (reserve/commit/abort/expiry have their own calls)
 DIRECT_EVENTS = frozenset(
@@ -55,6 +60,18 @@ DIRECT_EVENTS = frozenset(
         "retire_stale",
     }
 )
+
+
+def check_lease_seconds(lease_seconds: object) -> float:
+    """A lease length must be a finite number of seconds > 0 (NaN or inf never expire)."""
+    if (
+        isinstance(lease_seconds, bool)
+        or not isinstance(lease_seconds, int | float)
+        or not math.isfinite(lease_seconds)
+        or lease_seconds <= 0
+    ):
+        raise ValueError(f"lease_seconds must be a finite number > 0, got {lease_seconds!r}")
+    return float(lease_seconds)
 
 
 class ManualClock:
@@ -105,12 +122,65 @@ class ReserveRequest:
 
 @attrs.frozen
 class ReserveOutcome:
-    """Result of one compare-and-set reservation; `entry` is the record after the attempt."""
+    """Result of one compare-and-set reservation; `entry` is the record after the attempt.
+
+    `detail` says more about a refusal (which figure of the stamp failed, how far the
+    pointer moved); it is empty on success.
+    """
 
     rollout_id: str
     reserved: bool
     reason: str
     entry: LedgerEntry | None
+    detail: str = ""
+
+
+@attrs.frozen
+class ActivationPremise:
+    """What a reservation step read of the activation registry, inside that same step.
+
+    `pointer_version` is the active version at that moment (None: none is active);
+    `was_active` the versions that were ever the active pointer. Both None means no
+    registry is attached to the ledger, and only the admission stamp itself is judged.
+    """
+
+    pointer_version: int | None
+    was_active: frozenset[int] | None
+
+    def refusal(
+        self, admission: AdmissionStamp | None, behavior_version: int
+    ) -> tuple[str, str] | None:
+        """(reason, detail) when the reservation may not land now; None when it may."""
+        known = None if self.was_active is None else behavior_version in self.was_active
+        return rules.reservation_refusal(admission, behavior_version, self.pointer_version, known)
+
+
+NO_REGISTRY = ActivationPremise(None, None)
+
+
+class ActivationSource(Protocol):
+    """A registry a ledger reads inside its own atomic step (the memory registry)."""
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock that makes the registry's steps atomic; the ledger shares it."""
+        ...
+
+    def premise(self) -> ActivationPremise:
+        """The pointer and ever-active versions now (the caller holds `lock`)."""
+        ...
+
+
+class WriteRefused(LedgerError, ValueError):
+    """A write that would break a rule of the spec; it was refused before anything landed."""
+
+
+def enforce(afters: Iterable[LedgerEntry]) -> None:
+    """Refuse a step whose records break a per-record rule (model.rules.entry_problems)."""
+    problems = [m for e in afters for m in rules.entry_problems(e)]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise WriteRefused("refused, nothing written: " + "; ".join(problems[:5]) + more)
 
 
 @attrs.frozen
@@ -168,13 +238,15 @@ def plan_reserve(
     update_id: str,
     admission: AdmissionStamp | None,
     *,
-    require_admission: bool,
+    premise: ActivationPremise,
     lease_expires_at: float | None,
 ) -> tuple[ReserveOutcome, LedgerEntry | None]:
     """Decide a compare-and-set reservation: (outcome, new entry to write or None).
 
     Order matters and follows the contract: missing, idempotent retry by the same owner,
-    revision conflict (before state), not rewarded, then admission.
+    revision conflict (before state), not rewarded; then the reservation's premise, judged
+    with what this atomic step read of the registry: a stamp that passed, for a version
+    that was active, within the lag bound of the pointer as it is now.
     """
     if not update_id:
         raise ValueError("update_id must be a non-empty string")
@@ -185,12 +257,9 @@ def plan_reserve(
     )
     if why is not None:
         return ReserveOutcome(rollout_id, why == IDEMPOTENT, why, entry), None
-    if require_admission and (
-        admission is None
-        or not admission.accepted
-        or admission.behavior_version != entry.behavior_version
-    ):
-        return ReserveOutcome(rollout_id, False, NOT_ADMITTED, entry), None
+    refusal = premise.refusal(admission, entry.behavior_version)
+    if refusal is not None:
+        return ReserveOutcome(rollout_id, False, refusal[0], entry, refusal[1]), None
     new = plan_transition(
         entry,
         "reserve",
@@ -256,7 +325,7 @@ def direct_changes(
     return {}
 
 
-ADDABLE_STATES = (LIFECYCLE.initial, "generated", "rewarded")
+ADDABLE_STATES = tuple(s for s in LIFECYCLE.states if s in rules.START_STATES)
 
 
 def plan_add(
@@ -269,10 +338,15 @@ def plan_add(
     ever leaves such a rollout open.
     """
     if entry.revision != 0 or entry.state not in ADDABLE_STATES:
-        raise LedgerError(
+        raise WriteRefused(
             f"rollout {entry.rollout_id!r}: a new entry starts at revision 0 in "
-            f"dispatched/generated/rewarded, got revision {entry.revision} in {entry.state!r}"
+            f"{'/'.join(ADDABLE_STATES)}, got revision {entry.revision} in {entry.state!r}"
         )
+    if entry.reserved_by is not None or entry.admission is not None:
+        raise WriteRefused(
+            f"rollout {entry.rollout_id!r}: a new entry carries no reservation or admission"
+        )
+    enforce([entry])
     changes: list[tuple[str, LedgerEntry | None, LedgerEntry]] = [("add", None, entry)]
     if entry.behavior_version in set(bad_versions):
         d = Disposition("activation", "failed_version", "arrived after its version failed")
@@ -351,7 +425,7 @@ class Ledger(Protocol):
 
     def snapshot(self) -> dict[str, LedgerEntry]: ...
 
-    def history(self, rollout_id: str | None = None) -> list[TraceEvent]: ...
+    def history(self, rollout_id: str | None = None) -> list[EntryChanged]: ...
 
     def statistics(self) -> LedgerStatistics: ...
 
@@ -397,19 +471,20 @@ class MemoryLedger:
         clock: Clock = time.time,
         lease_seconds: float = 600.0,
         recovery: RecoveryRule | None = None,
-        require_admission: bool = True,
         event_log: EventLog | None = None,
+        activation: ActivationSource | None = None,
     ) -> None:
-        if lease_seconds <= 0:
-            raise ValueError("lease_seconds must be > 0")
-        self._lock = threading.RLock()
+        check_lease_seconds(lease_seconds)
+        # attached to a registry, the ledger shares its lock: a reservation reads the active
+        # pointer and writes in ONE step that no pointer switch can interleave with
+        self.activation = activation
+        self._lock = activation.lock if activation is not None else threading.RLock()
         self._entries: dict[str, LedgerEntry] = {}
         self._bad_versions: set[int] = set()
         self._counters: Counter[str] = Counter()
         self.clock = clock
         self.lease_seconds = float(lease_seconds)
         self.recovery = recovery or RecoveryRule()
-        self.require_admission = require_admission
         self.log = event_log if event_log is not None else EventLog()
 
     @classmethod
@@ -442,6 +517,7 @@ class MemoryLedger:
     ) -> None:
         if not changes:
             return
+        enforce(after for _, _, after, _ in changes)
         at = self.clock()
         for _, _, after, _ in changes:
             self._entries[after.rollout_id] = after
@@ -536,6 +612,7 @@ class MemoryLedger:
             raise LedgerError(f"a batch names rollouts more than once: {sorted(dups)[:5]}")
         with self._lock:
             lease = self.clock() + self.lease_seconds
+            premise = NO_REGISTRY if self.activation is None else self.activation.premise()
             outcomes: list[ReserveOutcome] = []
             changes: list[tuple[str, LedgerEntry | None, LedgerEntry, str | None]] = []
             for r in requests:
@@ -546,7 +623,7 @@ class MemoryLedger:
                     r.expected_revision,
                     update_id,
                     r.admission,
-                    require_admission=self.require_admission,
+                    premise=premise,
                     lease_expires_at=lease,
                 )
                 self._count(out.reason)
@@ -665,7 +742,7 @@ class MemoryLedger:
         with self._lock:
             return dict(self._entries)
 
-    def history(self, rollout_id: str | None = None) -> list[TraceEvent]:
+    def history(self, rollout_id: str | None = None) -> list[EntryChanged]:
         """This ledger's trace, optionally for one rollout."""
         evs = self.log.events()
         return [

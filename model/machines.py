@@ -22,6 +22,8 @@ from transitions.extensions.states import Tags, add_state_features
 from rollout_lifecycle.model.errors import IllegalTransition
 
 EDGE_KINDS = ("normal", "failure", "recovery")
+# tags that say how a state is drawn and listed; every other tag is a rule tag
+DISPLAY_TAGS = ("normal", "failure", "offline", "recovery", "terminal")
 
 
 class KindedTransition(Transition):
@@ -46,17 +48,28 @@ class DeclaredMachine(Machine):
 # --------------------------------------------------------------------------------------------
 
 LIFECYCLE_STATES: list[dict[str, Any]] = [
-    {"name": "dispatched", "tags": ["normal"]},
-    {"name": "generated", "tags": ["normal"]},
-    {"name": "rewarded", "tags": ["normal"]},
-    {"name": "reserved", "tags": ["normal"]},
-    {"name": "consumed", "tags": ["normal", "terminal"]},
-    {"name": "generation_failed", "tags": ["failure", "terminal"]},
-    {"name": "reward_timed_out", "tags": ["failure", "terminal"]},
-    {"name": "reward_errored", "tags": ["failure", "terminal"]},
-    {"name": "update_failed", "tags": ["failure", "terminal"]},
-    {"name": "quarantined", "tags": ["failure", "terminal"]},
-    {"name": "retired_stale", "tags": ["offline", "terminal"]},
+    # display tags: normal / failure / offline / terminal. Rule tags, read by model.rules (the
+    # write path) and spec/ (the checkers): `start` (a new entry may begin here),
+    # `carries_reward` (a real reward value is required), `admitted` (an admission stamp
+    # that passed is required), `reward_failure`, and `stage:<s>` (where a failure is
+    # recorded).
+    {"name": "dispatched", "tags": ["normal", "start"]},
+    {"name": "generated", "tags": ["normal", "start"]},
+    {"name": "rewarded", "tags": ["normal", "start", "carries_reward"]},
+    {"name": "reserved", "tags": ["normal", "carries_reward", "admitted"]},
+    {"name": "consumed", "tags": ["normal", "terminal", "carries_reward", "admitted"]},
+    {"name": "generation_failed", "tags": ["failure", "terminal", "stage:generation"]},
+    {
+        "name": "reward_timed_out",
+        "tags": ["failure", "terminal", "reward_failure", "stage:reward"],
+    },
+    {"name": "reward_errored", "tags": ["failure", "terminal", "reward_failure", "stage:reward"]},
+    {"name": "update_failed", "tags": ["failure", "terminal", "stage:update"]},
+    {
+        "name": "quarantined",
+        "tags": ["failure", "terminal", "stage:admission", "stage:activation", "stage:recovery"],
+    },
+    {"name": "retired_stale", "tags": ["offline", "terminal", "stage:admission"]},
 ]
 
 LIFECYCLE_TRANSITIONS: list[dict[str, Any]] = [
@@ -111,15 +124,21 @@ LIFECYCLE_TRANSITIONS: list[dict[str, Any]] = [
 # --------------------------------------------------------------------------------------------
 
 ACTIVATION_STATES: list[dict[str, Any]] = [
-    {"name": "prepared", "tags": ["normal"]},
-    {"name": "committed", "tags": ["normal"]},
-    {"name": "awaiting_acks", "tags": ["normal"]},
-    {"name": "active", "tags": ["normal"]},
-    {"name": "superseded", "tags": ["normal"]},
-    {"name": "commit_failed", "tags": ["failure", "terminal"]},
-    {"name": "distribution_failed", "tags": ["failure"]},
-    {"name": "abandoned", "tags": ["failure", "terminal"]},
-    {"name": "rolled_back", "tags": ["recovery", "terminal"]},
+    # rule tags: `unresolved` (the attempt has not activated or failed yet), `was_active`
+    # (the version was the active pointer at some time), `stage:<s>` (where a failure is
+    # recorded); the rest are display tags
+    {"name": "prepared", "tags": ["normal", "unresolved"]},
+    {"name": "committed", "tags": ["normal", "unresolved"]},
+    {"name": "awaiting_acks", "tags": ["normal", "unresolved"]},
+    {"name": "active", "tags": ["normal", "was_active"]},
+    {"name": "superseded", "tags": ["normal", "was_active"]},
+    {"name": "commit_failed", "tags": ["failure", "terminal", "stage:artifact"]},
+    {"name": "distribution_failed", "tags": ["failure", "stage:distribution"]},
+    {
+        "name": "abandoned",
+        "tags": ["failure", "terminal", "stage:artifact", "stage:distribution"],
+    },
+    {"name": "rolled_back", "tags": ["recovery", "terminal", "was_active"]},
 ]
 
 ACTIVATION_TRANSITIONS: list[dict[str, Any]] = [
@@ -305,6 +324,14 @@ class MachineSpec:
     def states_tagged(self, tag: str) -> tuple[str, ...]:
         """States carrying `tag`, in declaration order."""
         return tuple(s for s in self.states if tag in self.tags[s])
+
+    def display_tags(self, state: str) -> tuple[str, ...]:
+        """The tags that say how `state` is drawn (normal, failure, terminal...)."""
+        return tuple(t for t in self.tags[state] if t in DISPLAY_TAGS)
+
+    def stages(self, state: str) -> frozenset[str]:
+        """Stages a failure in `state` may be recorded at (its `stage:` tags); empty if none."""
+        return frozenset(t.split(":", 1)[1] for t in self.tags[state] if t.startswith("stage:"))
 
 
 LIFECYCLE = MachineSpec("lifecycle", LIFECYCLE_STATES, LIFECYCLE_TRANSITIONS, initial="dispatched")

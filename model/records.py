@@ -310,15 +310,17 @@ class WorkerAck:
     never count. `attempt` echoes the distribution attempt the worker answered (1 for the
     first): after a failed attempt, a delayed ack of the earlier attempt no longer proves
     what the worker holds now (it may have loaded another version since), so only acks of
-    the current attempt count toward activation.
+    the current attempt count toward activation. A worker may leave `seq` and `attempt`
+    unset: the coordinator numbers them on receipt (arrival order, current attempt).
     """
 
     worker_id: str = attrs.field(validator=_nonempty_str)
     version: int = attrs.field(validator=_nonneg_int)
     artifact_hash: str = attrs.field(validator=_nonempty_str)
     incarnation: int = attrs.field(default=0, validator=_nonneg_int)
-    seq: int = attrs.field(default=0, validator=_nonneg_int)
-    attempt: int = attrs.field(default=1, validator=_nonneg_int)
+    # left None by a worker, numbered by the coordinator when it records the ack
+    seq: int | None = attrs.field(default=None, validator=_opt_nonneg_int)
+    attempt: int | None = attrs.field(default=None, validator=_opt_nonneg_int)
 
 
 # ---- (de)serialisation ---------------------------------------------------------------------

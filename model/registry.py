@@ -16,12 +16,22 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
+from rollout_lifecycle.model import rules
+from rollout_lifecycle.model.api import activate_policy_version
 from rollout_lifecycle.model.errors import ActivationError
-from rollout_lifecycle.model.events import ArtifactChanged, EventLog
+from rollout_lifecycle.model.events import (
+    ArtifactChanged,
+    EntryChanged,
+    EventLog,
+    MembershipChanged,
+    TraceEvent,
+    WorkerReported,
+)
+from rollout_lifecycle.model.ledger import ActivationPremise
 from rollout_lifecycle.model.records import (
     ActivePointer,
     ArtifactRecord,
@@ -30,12 +40,15 @@ from rollout_lifecycle.model.records import (
     from_jsonable,
     to_jsonable,
 )
+from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES
 from rollout_lifecycle.model.sqlite_common import append_events, connect, ensure_schema, read_events
 
 R = TypeVar("R")
 
 COMPONENT = "registry"
-SCHEMA_VERSION = 1
+# 2: the durable required worker set (registry_membership); worker reports in the trace
+SCHEMA_VERSION = 2
+MIGRATIONS = {1: ""}  # 1 -> 2 only adds a table, which the DDL creates if missing
 
 
 @attrs.frozen
@@ -77,6 +90,8 @@ class RegistryStep:
     artifacts: tuple[ArtifactChange, ...] = ()
     pointer: ActivePointer | _Unchanged | None = UNCHANGED
     workers: tuple[WorkerReport, ...] = ()
+    membership: tuple[str, ...] | _Unchanged = UNCHANGED
+    membership_reason: str = ""
 
 
 class RegistryView(Protocol):
@@ -93,6 +108,8 @@ class RegistryView(Protocol):
     def workers(self) -> dict[str, WorkerReport]: ...
 
     def max_version(self) -> int | None: ...
+
+    def required_workers(self) -> tuple[str, ...] | None: ...
 
 
 @runtime_checkable
@@ -113,9 +130,82 @@ class RegistryStore(Protocol):
 
     def max_version(self) -> int | None: ...
 
+    def required_workers(self) -> tuple[str, ...] | None: ...
+
     def history(self, version: int | None = None) -> list[ArtifactChanged]: ...
 
+    def trace(self) -> list[TraceEvent]: ...
+
     def close(self) -> None: ...
+
+
+def check_membership(workers: object) -> tuple[str, ...]:
+    """A required worker set: a non-empty list of distinct, non-empty worker ids."""
+    if isinstance(workers, str) or not isinstance(workers, Iterable):
+        raise ActivationError(
+            f"required workers must be a list of worker ids, got {workers!r} (a string would "
+            "be split into letters)"
+        )
+    ws = tuple(workers)
+    for w in ws:
+        if not isinstance(w, str) or not w:
+            raise ActivationError(f"worker id must be a non-empty string, got {w!r}")
+    if not ws:
+        raise ActivationError(
+            "at least one required worker is needed: with none, a checkpoint on disk alone "
+            "would activate"
+        )
+    dups = sorted({w for w in ws if ws.count(w) > 1})
+    if dups:
+        raise ActivationError(f"required workers listed more than once: {dups}")
+    return ws
+
+
+def counted_acks(view: RegistryView, rec: ArtifactRecord) -> dict[str, WorkerAck]:
+    """Each worker's latest stored ack that can still speak for `rec`.
+
+    An ack of `rec`'s version from an earlier distribution attempt is void: the worker may
+    have loaded another version since (see WorkerAck.attempt), so it counts as missing.
+    """
+    return {
+        w: r.ack
+        for w, r in view.workers().items()
+        if r.ack is not None and (r.ack.version != rec.version or r.ack.attempt == rec.attempts)
+    }
+
+
+def activation_decision(view: RegistryView, rec: ArtifactRecord) -> dict[str, Any]:
+    """The contract's activation decision (`activate_policy_version`) on STORED state.
+
+    The coordinator plans with it and every registry write re-checks a pointer switch with
+    it, reading the durable required worker set and the stored acks of the same step.
+    """
+    required = view.required_workers()
+    if not required:
+        raise ActivationError(
+            "the registry records no required workers; set them with "
+            "ActivationCoordinator(registry, required_workers=[...]) first"
+        )
+    pointer = view.pointer()
+    reports = counted_acks(view, rec)
+    return activate_policy_version(
+        None if pointer is None else attrs.asdict(pointer),
+        {"version": rec.version, "artifact_hash": rec.artifact_hash, "committed": rec.committed},
+        {w: {"version": a.version, "artifact_hash": a.artifact_hash} for w, a in reports.items()},
+        required,
+    )
+
+
+def activated_hash(store: RegistryStore, version: int) -> str | None:
+    """The hash of `version` if it ever became the active version, else None.
+
+    The admission gate's registry lookup: a behaviour version that never became active is
+    a registration error. Reading it needs no coordinator and no worker set.
+    """
+    rec = store.artifact(version)
+    if rec is None or rec.state not in WAS_ACTIVE_STATES:
+        return None
+    return rec.artifact_hash
 
 
 def check_step(view: RegistryView, step: RegistryStep) -> None:
@@ -123,10 +213,18 @@ def check_step(view: RegistryView, step: RegistryStep) -> None:
 
     Before-images must equal the stored records (a plan built on a stale read is refused);
     a new version must exceed every version ever registered; a committed hash never changes;
-    each version is changed at most once per step.
+    each version is changed at most once per step; a failure records its stage. The pointer
+    moves only by an activation that `activation_decision` allows on the stored acks and the
+    durable worker set, or by an explicit rollback to the recorded rollback pointer; a
+    version no newer than the active one is never distributed.
     """
     seen: set[int] = set()
     top = view.max_version()
+    pointer_before = view.pointer()
+    if not isinstance(step.membership, _Unchanged):
+        check_membership(step.membership)
+        if step.artifacts or not isinstance(step.pointer, _Unchanged):
+            raise ActivationError("a membership change is a step of its own")
     for ch in step.artifacts:
         v = ch.after.version
         if v in seen:
@@ -153,12 +251,81 @@ def check_step(view: RegistryView, step: RegistryStep) -> None:
             raise ActivationError(
                 f"artifact v{v}: committed hash {current.artifact_hash} can never change"
             )
+        problems = rules.artifact_stage_problems(ch.after)
+        if problems:
+            raise ActivationError("; ".join(problems))
+        if (
+            ch.event in ("distribute", "retry")
+            and pointer_before is not None
+            and v <= pointer_before.version
+        ):
+            raise ActivationError(
+                f"v{v} is not newer than the active v{pointer_before.version}: distributing it "
+                "could never activate it (and would hold the one distribution slot)"
+            )
+        if ch.event == "activate" and current is not None:
+            decision = activation_decision(view, current)
+            if not decision["activated"]:
+                raise ActivationError(
+                    f"refusing to activate v{v}: {decision['reason']} (missing "
+                    f"{decision['missing_workers']}, mismatched {decision['mismatched_workers']})"
+                )
+            want = ActivePointer(v, decision["active_pointer"]["artifact_hash"])
+            if step.pointer != want:
+                raise ActivationError(f"activating v{v} must point at it, not at {step.pointer}")
+    if not isinstance(step.pointer, _Unchanged) and step.pointer != pointer_before:
+        _check_pointer_move(view, step, pointer_before)
 
 
-def make_events(step: RegistryStep, pointer_before: ActivePointer | None) -> list[ArtifactChanged]:
+def _check_pointer_move(
+    view: RegistryView, step: RegistryStep, pointer_before: ActivePointer | None
+) -> None:
+    """The pointer moves only with an activation of its target, or an explicit rollback."""
+    events = {ch.event: ch for ch in step.artifacts}
+    new = step.pointer
+    if new is None or isinstance(new, _Unchanged):
+        raise ActivationError("the active pointer is never cleared")
+    act = events.get("activate")
+    if act is not None and act.after.version == new.version:
+        return  # judged above by activation_decision
+    back, up = events.get("roll_back"), events.get("reinstate")
+    if (
+        back is not None
+        and up is not None
+        and pointer_before is not None
+        and back.before is not None
+        and back.after.version == pointer_before.version
+        and back.before.rollback_version == new.version
+        and up.after.version == new.version
+        and up.after.artifact_hash == new.artifact_hash
+    ):
+        return
+    raise ActivationError(
+        f"the pointer may move only by an activation or an explicit rollback to the recorded "
+        f"rollback pointer (asked: {pointer_before} -> {new})"
+    )
+
+
+def make_events(
+    step: RegistryStep,
+    pointer_before: ActivePointer | None,
+    membership_before: tuple[str, ...] | None = None,
+) -> list[TraceEvent]:
     """The step's events, unstamped (seq/txn 0): the backend's log stamps them."""
     after = pointer_before if isinstance(step.pointer, _Unchanged) else step.pointer
-    return [
+    out: list[TraceEvent] = []
+    if not isinstance(step.membership, _Unchanged):
+        out.append(
+            MembershipChanged(
+                seq=0,
+                txn=0,
+                at=step.at,
+                before=membership_before,
+                after=step.membership,
+                reason=step.membership_reason,
+            )
+        )
+    out.extend(
         ArtifactChanged(
             seq=0,
             txn=0,
@@ -173,7 +340,16 @@ def make_events(step: RegistryStep, pointer_before: ActivePointer | None) -> lis
             required_workers=ch.required_workers,
         )
         for ch in step.artifacts
-    ]
+    )
+    out.extend(
+        WorkerReported(seq=0, txn=0, at=step.at, worker_id=w.worker_id, floor=w.floor, ack=w.ack)
+        for w in step.workers
+    )
+    return out
+
+
+def _artifact_events(events: Sequence[TraceEvent]) -> list[ArtifactChanged]:
+    return [e for e in events if isinstance(e, ArtifactChanged)]
 
 
 # ---- memory --------------------------------------------------------------------------------
@@ -210,6 +386,11 @@ class _ViewReads:
         with self._lock:
             return self._view.max_version()
 
+    def required_workers(self) -> tuple[str, ...] | None:
+        """The deployment's durable required worker set (None until first set)."""
+        with self._lock:
+            return self._view.required_workers()
+
 
 class _MemoryView:
     def __init__(self, reg: MemoryRegistry) -> None:
@@ -233,6 +414,9 @@ class _MemoryView:
     def max_version(self) -> int | None:
         return max(self._reg._artifacts, default=None)
 
+    def required_workers(self) -> tuple[str, ...] | None:
+        return self._reg._membership
+
 
 class MemoryRegistry(_ViewReads):
     """In-process registry; share `event_log` with a MemoryLedger for one global trace."""
@@ -242,8 +426,21 @@ class MemoryRegistry(_ViewReads):
         self._artifacts: dict[int, ArtifactRecord] = {}
         self._pointer: ActivePointer | None = None
         self._workers: dict[str, WorkerReport] = {}
+        self._membership: tuple[str, ...] | None = None
         self.log = event_log if event_log is not None else EventLog()
         self._view = _MemoryView(self)
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The one lock of this registry's steps; an attached MemoryLedger shares it."""
+        return self._lock
+
+    def premise(self) -> ActivationPremise:
+        """The active version and every ever-active version (caller holds `lock`)."""
+        return ActivationPremise(
+            None if self._pointer is None else self._pointer.version,
+            frozenset(v for v, a in self._artifacts.items() if a.state in WAS_ACTIVE_STATES),
+        )
 
     @classmethod
     def restore(
@@ -252,6 +449,7 @@ class MemoryRegistry(_ViewReads):
         pointer: ActivePointer | None,
         workers: Iterable[WorkerReport],
         event_log: EventLog | None = None,
+        membership: Iterable[str] | None = None,
     ) -> MemoryRegistry:
         """A registry holding exactly these records, without their history.
 
@@ -262,6 +460,7 @@ class MemoryRegistry(_ViewReads):
         reg._artifacts = {a.version: a for a in artifacts}
         reg._pointer = pointer
         reg._workers = {w.worker_id: w for w in workers}
+        reg._membership = None if membership is None else check_membership(membership)
         return reg
 
     def transact(
@@ -271,15 +470,17 @@ class MemoryRegistry(_ViewReads):
         with self._lock:
             step, result = plan(self._view)
             check_step(self._view, step)
-            events = make_events(step, self._pointer)
+            events = make_events(step, self._pointer, self._membership)
             for ch in step.artifacts:
                 self._artifacts[ch.after.version] = ch.after
             if not isinstance(step.pointer, _Unchanged):
                 self._pointer = step.pointer
             for w in step.workers:
                 self._workers[w.worker_id] = w
+            if not isinstance(step.membership, _Unchanged):
+                self._membership = step.membership
             stamped = self.log.record(events) if events else []
-            return result, [e for e in stamped if isinstance(e, ArtifactChanged)]
+            return result, _artifact_events(stamped)
 
     def history(self, version: int | None = None) -> list[ArtifactChanged]:
         """Artifact events in global order, optionally of one version."""
@@ -288,6 +489,10 @@ class MemoryRegistry(_ViewReads):
             for e in self.log.events()
             if isinstance(e, ArtifactChanged) and (version is None or e.version == version)
         ]
+
+    def trace(self) -> list[TraceEvent]:
+        """Every registry event (artifacts, membership, worker reports) in global order."""
+        return [e for e in self.log.events() if not isinstance(e, EntryChanged)]
 
     def close(self) -> None:
         """Nothing to release; protocol parity with SQLite."""
@@ -315,6 +520,10 @@ CREATE TABLE IF NOT EXISTS registry_workers (
     worker_id TEXT PRIMARY KEY,
     floor     INTEGER NOT NULL,
     ack       TEXT
+);
+CREATE TABLE IF NOT EXISTS registry_membership (
+    id      INTEGER PRIMARY KEY CHECK (id = 1),
+    workers TEXT NOT NULL
 )
 """
 
@@ -425,6 +634,10 @@ class _SQLiteView:
         row = self._conn.execute("SELECT MAX(version) FROM registry_artifacts").fetchone()
         return None if row is None or row[0] is None else int(row[0])
 
+    def required_workers(self) -> tuple[str, ...] | None:
+        row = self._conn.execute("SELECT workers FROM registry_membership WHERE id = 1").fetchone()
+        return None if row is None else tuple(str(w) for w in json.loads(str(row[0])))
+
 
 def _unusable(path: Path, exc: Exception) -> ActivationError:
     return ActivationError(
@@ -448,7 +661,7 @@ class SQLiteRegistry(_ViewReads):
         except sqlite3.Error as exc:
             raise _unusable(self.path, exc) from None
         try:
-            ensure_schema(self._conn, COMPONENT, SCHEMA_VERSION, _DDL)
+            ensure_schema(self._conn, COMPONENT, SCHEMA_VERSION, _DDL, migrations=MIGRATIONS)
             for trig in _TRIGGERS:
                 self._conn.execute(trig)
         except sqlite3.Error as exc:
@@ -470,7 +683,7 @@ class SQLiteRegistry(_ViewReads):
             try:
                 step, result = plan(self._view)
                 check_step(self._view, step)
-                events = make_events(step, self._view.pointer())
+                events = make_events(step, self._view.pointer(), self._view.required_workers())
                 for ch in step.artifacts:
                     row = _record_to_row(ch.after)
                     if ch.before is None:
@@ -503,12 +716,18 @@ class SQLiteRegistry(_ViewReads):
                         "ack=excluded.ack",
                         (w.worker_id, w.floor, ack),
                     )
+                if not isinstance(step.membership, _Unchanged):
+                    conn.execute(
+                        "INSERT INTO registry_membership(id, workers) VALUES (1, ?) "
+                        "ON CONFLICT(id) DO UPDATE SET workers=excluded.workers",
+                        (json.dumps(list(step.membership)),),
+                    )
                 stamped = append_events(conn, events)
                 conn.execute("COMMIT")
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
-            return result, [e for e in stamped if isinstance(e, ArtifactChanged)]
+            return result, _artifact_events(stamped)
 
     def history(self, version: int | None = None) -> list[ArtifactChanged]:
         """Artifact events in global order (shared with the ledger's), optionally of one version."""
@@ -517,6 +736,12 @@ class SQLiteRegistry(_ViewReads):
                 self._conn, kind="artifact", subject=None if version is None else str(version)
             )
         return [e for e in evs if isinstance(e, ArtifactChanged)]
+
+    def trace(self) -> list[TraceEvent]:
+        """Every registry event (artifacts, membership, worker reports) in global order."""
+        with self._lock:
+            evs = read_events(self._conn)
+        return [e for e in evs if not isinstance(e, EntryChanged)]
 
     def close(self) -> None:
         """Close the connection; the file stays for the next coordinator."""

@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import attrs
 
 from rollout_lifecycle.model.errors import LedgerError
-from rollout_lifecycle.model.events import TraceEvent, event_from_jsonable, event_to_jsonable
+from rollout_lifecycle.model.events import (
+    ArtifactChanged,
+    EntryChanged,
+    TraceEvent,
+    WorkerReported,
+    event_from_jsonable,
+    event_to_jsonable,
+)
 
 BUSY_TIMEOUT_MS = 30_000  # well above the 5 s default: 8 threads and 4 processes contend
 
@@ -61,8 +68,20 @@ def connect(path: str | Path) -> sqlite3.Connection:
     return conn
 
 
-def ensure_schema(conn: sqlite3.Connection, component: str, version: int, ddl: str) -> None:
-    """Create `component`'s tables on first use; refuse a file written by another schema version."""
+def ensure_schema(
+    conn: sqlite3.Connection,
+    component: str,
+    version: int,
+    ddl: str,
+    *,
+    migrations: Mapping[int, str] | None = None,
+) -> None:
+    """Create `component`'s tables on first use, migrate an older schema, refuse a newer one.
+
+    `migrations[v]` is the SQL that takes the component from schema v to v + 1 (run after
+    the DDL, whose CREATE ... IF NOT EXISTS already adds new tables); a file written by a
+    NEWER program is refused with a message that says to upgrade.
+    """
     conn.execute("BEGIN IMMEDIATE")
     try:
         for stmt in (_META_DDL + _EVENTS_DDL + ddl).split(";"):
@@ -75,15 +94,42 @@ def ensure_schema(conn: sqlite3.Connection, component: str, version: int, ddl: s
             conn.execute(
                 "INSERT INTO schema_meta(component, version) VALUES (?, ?)", (component, version)
             )
-        elif int(row[0]) != version:
+        elif int(row[0]) > version:
             raise LedgerError(
-                f"database has {component} schema version {row[0]}, this program expects "
-                f"{version}; use a new file or migrate it"
+                f"database has {component} schema version {row[0]}, newer than this program "
+                f"expects ({version}): it was written by a newer rollout-lifecycle; upgrade to "
+                "read it"
+            )
+        elif int(row[0]) < version:
+            stored = int(row[0])
+            steps = migrations or {}
+            if any(v not in steps for v in range(stored, version)):
+                raise LedgerError(
+                    f"database has {component} schema version {stored}, this program expects "
+                    f"{version} and cannot migrate it; use a new file"
+                )
+            for v in range(stored, version):
+                for stmt in steps[v].split(";"):
+                    if stmt.strip():
+                        conn.execute(stmt)
+            conn.execute(
+                "UPDATE schema_meta SET version = ? WHERE component = ?", (version, component)
             )
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def event_subject(ev: TraceEvent) -> str:
+    """The indexed subject of an event: rollout id, artifact version, worker id, or 'membership'."""
+    if isinstance(ev, EntryChanged):
+        return ev.rollout_id
+    if isinstance(ev, ArtifactChanged):
+        return str(ev.version)
+    if isinstance(ev, WorkerReported):
+        return ev.worker_id
+    return "membership"
 
 
 def append_events(conn: sqlite3.Connection, events: Sequence[TraceEvent]) -> list[TraceEvent]:
@@ -97,7 +143,7 @@ def append_events(conn: sqlite3.Connection, events: Sequence[TraceEvent]) -> lis
     txn = int(row[0])
     out: list[TraceEvent] = []
     for ev in events:
-        subject = ev.rollout_id if ev.kind == "entry" else str(ev.version)  # type: ignore[union-attr]
+        subject = event_subject(ev)
         payload = event_to_jsonable(ev)
         payload.pop("seq", None)
         payload["txn"] = txn

@@ -34,18 +34,22 @@ from rollout_lifecycle.model.errors import (
     RevisionConflict,
     UnknownRollout,
 )
-from rollout_lifecycle.model.events import EntryChanged, TraceEvent
+from rollout_lifecycle.model.events import EntryChanged
 from rollout_lifecycle.model.ledger import (
     CONFLICT,
     IDEMPOTENT,
+    NO_REGISTRY,
     RESERVED,
+    ActivationPremise,
     Clock,
     LedgerStatistics,
     RecoveryRule,
     ReserveOutcome,
     ReserveRequest,
+    check_lease_seconds,
     commit_plan,
     direct_changes,
+    enforce,
     plan_add,
     plan_release,
     plan_reserve,
@@ -62,6 +66,7 @@ from rollout_lifecycle.model.records import (
     from_jsonable,
     to_jsonable,
 )
+from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES
 from rollout_lifecycle.model.sqlite_common import append_events, connect, ensure_schema, read_events
 
 COMPONENT = "ledger"
@@ -118,6 +123,9 @@ _COUNTER_OF = {
     CONFLICT: "cas_conflicts",
 }
 
+_WAS_ACTIVE = tuple(sorted(WAS_ACTIVE_STATES))
+_WAS_ACTIVE_MARKS = ",".join("?" * len(_WAS_ACTIVE))
+
 # Read off the machine, so "which states can be quarantined directly" is never retyped.
 _QUARANTINABLE = tuple(s for s in LIFECYCLE.states if LIFECYCLE.is_legal(s, "quarantine"))
 
@@ -171,10 +179,8 @@ class SQLiteLedger:
         clock: Clock = time.time,
         lease_seconds: float = 600.0,
         recovery: RecoveryRule | None = None,
-        require_admission: bool = True,
     ) -> None:
-        if lease_seconds <= 0:
-            raise ValueError("lease_seconds must be > 0")
+        lease_seconds = check_lease_seconds(lease_seconds)
         if str(path) == ":memory:":
             # each thread's connection would get its own private database
             raise LedgerError("SQLiteLedger needs a file path; use MemoryLedger for memory")
@@ -184,7 +190,7 @@ class SQLiteLedger:
         self.clock = clock
         self.lease_seconds = float(lease_seconds)
         self.recovery = recovery or RecoveryRule()
-        self.require_admission = require_admission
+        self._registry_seen = False
         self._local = threading.local()
         self._handles: weakref.WeakSet[_Handle] = weakref.WeakSet()
         self._inherited: list[_Handle] = []
@@ -335,9 +341,31 @@ class SQLiteLedger:
                 raise LedgerError(f"rollout {after.rollout_id!r} changed under the write lock")
         self._events(conn, changes)
 
+    def _premise(self, conn: sqlite3.Connection) -> ActivationPremise:
+        """The active pointer and ever-active versions, read inside the caller's transaction.
+
+        Ledger and registry share the file, so under this transaction's write lock no
+        pointer switch can land between this read and the reservation's write. A file
+        without registry tables (a ledger on its own) gives NO_REGISTRY.
+        """
+        if not self._registry_seen:
+            row = conn.execute("SELECT 1 FROM schema_meta WHERE component = 'registry'").fetchone()
+            if row is None:
+                return NO_REGISTRY
+            self._registry_seen = True  # a registry, once created, never goes away
+        pointer = conn.execute("SELECT version FROM registry_pointer WHERE id = 1").fetchone()
+        was = conn.execute(
+            f"SELECT version FROM registry_artifacts WHERE state IN ({_WAS_ACTIVE_MARKS})",
+            _WAS_ACTIVE,
+        ).fetchall()
+        return ActivationPremise(
+            None if pointer is None else int(pointer[0]), frozenset(int(r[0]) for r in was)
+        )
+
     def _events(self, conn: sqlite3.Connection, changes: Sequence[Change]) -> None:
         if not changes:
             return
+        enforce(a for _, _, a, _ in changes)
         at = self.clock()
         append_events(
             conn,
@@ -446,19 +474,25 @@ class SQLiteLedger:
             raise ValueError("update_id must be a non-empty string")
         entry = self.find(rollout_id)
         lease = self.clock() + self.lease_seconds
+        # plan on the unlocked read (a conflict or a bad stamp costs no write lock) ...
         out, new = plan_reserve(
             entry,
             rollout_id,
             expected_revision,
             update_id,
             admission,
-            require_admission=self.require_admission,
+            premise=NO_REGISTRY,
             lease_expires_at=lease,
         )
         if new is None or entry is None:
             self._bump_now({_counter_of(out.reason): 1})
             return out
         with self._write() as conn:
+            # ... and judge the premise against the pointer of THIS moment, under the lock
+            refusal = self._premise(conn).refusal(admission, entry.behavior_version)
+            if refusal is not None:
+                self._bump(conn, {"refused": 1})
+                return ReserveOutcome(rollout_id, False, refusal[0], entry, refusal[1])
             if self._cas(conn, entry, new):
                 self._events(conn, [("reserve", entry, new, update_id)])
                 self._bump(conn, {"reservations": 1})
@@ -473,7 +507,7 @@ class SQLiteLedger:
                 expected_revision,
                 update_id,
                 admission,
-                require_admission=self.require_admission,
+                premise=NO_REGISTRY,
                 lease_expires_at=lease,
             )
             if again.reason != IDEMPOTENT:
@@ -496,6 +530,7 @@ class SQLiteLedger:
         outcomes: list[ReserveOutcome] = []
         with self._write() as conn:
             lease = self.clock() + self.lease_seconds
+            premise = self._premise(conn)
             entries = self._rows(conn, [r.rollout_id for r in requests])
             changes: list[Change] = []
             counts: Counter[str] = Counter()
@@ -507,7 +542,7 @@ class SQLiteLedger:
                     r.expected_revision,
                     update_id,
                     r.admission,
-                    require_admission=self.require_admission,
+                    premise=premise,
                     lease_expires_at=lease,
                 )
                 counts[_counter_of(out.reason)] += 1
@@ -637,10 +672,11 @@ class SQLiteLedger:
             rows = conn.execute("SELECT rollout_id, entry FROM rollouts").fetchall()
         return {rid: _load(text) for rid, text in sorted(rows)}
 
-    def history(self, rollout_id: str | None = None) -> list[TraceEvent]:
+    def history(self, rollout_id: str | None = None) -> list[EntryChanged]:
         """This file's ledger trace (shared `events` table), optionally for one rollout."""
         with self._read() as conn:
-            return read_events(conn, "entry", rollout_id)
+            evs = read_events(conn, "entry", rollout_id)
+        return [e for e in evs if isinstance(e, EntryChanged)]
 
     def statistics(self) -> LedgerStatistics:
         """Counts by state and counters of writes, wins, losses and returns, from one snapshot."""

@@ -144,18 +144,20 @@ class ActivationModel:
 
     def _objects(self, s: ActState) -> tuple[Any, Any, Any, EventLog]:
         log = EventLog()
-        reg = registry_mod.MemoryRegistry.restore(s.artifacts, s.pointer, s.reports, log)
-        led = ledger_mod.MemoryLedger.restore(
-            s.entries, s.bad_versions, event_log=log, clock=lambda: 0.0
+        reg = registry_mod.MemoryRegistry.restore(
+            s.artifacts, s.pointer, s.reports, log, membership=self.worker_ids
         )
-        co = coord_mod.ActivationCoordinator(reg, self.worker_ids, ledger=led, clock=lambda: 0.0)
+        led = ledger_mod.MemoryLedger.restore(
+            s.entries, s.bad_versions, event_log=log, clock=lambda: 0.0, activation=reg
+        )
+        co = coord_mod.ActivationCoordinator(reg, ledger=led, clock=lambda: 0.0)
         return co, reg, led, log
 
     def init_states(self) -> Iterable[ActState]:
         """v0 activated through the real coordinator, every worker holding it."""
         log = EventLog()
         reg = registry_mod.MemoryRegistry(log)
-        led = ledger_mod.MemoryLedger(event_log=log, clock=lambda: 0.0)
+        led = ledger_mod.MemoryLedger(event_log=log, clock=lambda: 0.0, activation=reg)
         co = coord_mod.ActivationCoordinator(reg, self.worker_ids, ledger=led, clock=lambda: 0.0)
         co.prepare(0)
         co.commit_artifact(0, artifact_hash(0))
@@ -442,9 +444,9 @@ class ActivationModel:
         return [*s.step_violations, *(str(v) for v in check_at_rest(self.world(s)))]
 
 
-def _strip(a: WorkerAck | None) -> tuple[int, str, int, int, int] | None:
+def _strip(a: WorkerAck | None) -> tuple[int, str, int, int | None, int | None] | None:
     return None if a is None else (a.version, a.artifact_hash, a.incarnation, a.seq, a.attempt)
 
 
-def _ack_key(a: WorkerAck) -> tuple[str, int, str, int, int, int]:
+def _ack_key(a: WorkerAck) -> tuple[str, int, str, int, int | None, int | None]:
     return (a.worker_id, a.version, a.artifact_hash, a.incarnation, a.seq, a.attempt)

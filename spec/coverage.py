@@ -11,14 +11,14 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from rollout_lifecycle.model.events import EntryChanged, TraceEvent
+from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, TraceEvent
 from rollout_lifecycle.model.machines import MACHINES
 
 
 def edge_of(event: TraceEvent) -> tuple[str, str] | None:
     """(machine name, edge id) of the declared edge an event took; None for a creation, or
     for a move no declared edge explains (the spec's step invariants report those)."""
-    if event.before is None:
+    if not isinstance(event, EntryChanged | ArtifactChanged) or event.before is None:
         return None
     name = "lifecycle" if isinstance(event, EntryChanged) else "activation"
     spec = MACHINES[name]

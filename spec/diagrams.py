@@ -340,7 +340,7 @@ def to_dot(machine: MachineSpec, coverage: Mapping[str, Any] | None = None) -> s
             node_fill, node_border = _STATE_COLOURS[colour]
             shape = "doubleoctagon" if s in machine.terminal else "box"
             style = "filled" if s in machine.terminal else "rounded,filled"
-            tooltip = f"{s}: {', '.join(machine.tags[s])}"
+            tooltip = f"{s}: {', '.join(machine.display_tags(s))}"
             out.append(
                 f"        {_q(s)} "
                 + _attrs(

@@ -27,36 +27,27 @@ from typing import Literal
 
 import attrs
 
-from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, TraceEvent
+from rollout_lifecycle.model import rules
+from rollout_lifecycle.model.events import (
+    ArtifactChanged,
+    EntryChanged,
+    MembershipChanged,
+    TraceEvent,
+    WorkerReported,
+)
 from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
 from rollout_lifecycle.model.records import ActivePointer, ArtifactRecord, LedgerEntry
+from rollout_lifecycle.model.registry import WorkerReport
 
 Kind = Literal["always", "step", "rest", "eventually"]
 
-# at which stage each failure state must be recorded (spec knowledge, not the machine's)
-FAILURE_STAGES: dict[str, frozenset[str]] = {
-    "generation_failed": frozenset({"generation"}),
-    "reward_timed_out": frozenset({"reward"}),
-    "reward_errored": frozenset({"reward"}),
-    "update_failed": frozenset({"update"}),
-    "quarantined": frozenset({"admission", "activation", "recovery"}),
-    "retired_stale": frozenset({"admission"}),
-    "commit_failed": frozenset({"artifact"}),
-    "distribution_failed": frozenset({"distribution"}),
-    "abandoned": frozenset({"artifact", "distribution"}),
-}
-
-REWARD_FAILURE_STATES = frozenset({"reward_timed_out", "reward_errored"})
-# artifact states that mean "this version was the active pointer at some time"
-EVER_ACTIVE_STATES = frozenset({"active", "superseded", "rolled_back"})
-# activation attempts that have not resolved (neither activated nor failed)
-UNRESOLVED_ACTIVATION = frozenset({"prepared", "committed", "awaiting_acks"})
-# activation attempts that failed (the version's rollouts must end quarantined)
-FAILED_ACTIVATION = frozenset({"commit_failed", "distribution_failed", "abandoned"})
-# ledger states from which a rollout could still be trained
-OPEN_STATES = frozenset({"dispatched", "generated", "rewarded", "reserved"})
-# states a new ledger entry may start in
-ENTRY_START_STATES = frozenset({LIFECYCLE.initial, "generated", "rewarded"})
+# state classes are read off the machines' rule tags (model.rules), never retyped here
+REWARD_FAILURE_STATES = rules.REWARD_FAILURE_STATES
+EVER_ACTIVE_STATES = rules.WAS_ACTIVE_STATES
+UNRESOLVED_ACTIVATION = rules.UNRESOLVED_STATES
+FAILED_ACTIVATION = rules.FAILED_ACTIVATION_STATES
+OPEN_STATES = rules.OPEN_STATES
+ENTRY_START_STATES = rules.START_STATES
 
 
 @attrs.frozen
@@ -70,21 +61,37 @@ class World:
     entries: Mapping[str, LedgerEntry] = attrs.field(factory=dict)
     artifacts: Mapping[int, ArtifactRecord] | None = None
     pointer: ActivePointer | None = None
+    # the durable required worker set and each worker's stored report, as replayed
+    required_workers: tuple[str, ...] | None = None
+    workers: Mapping[str, WorkerReport] = attrs.field(factory=dict)
 
     def apply(self, events: Iterable[TraceEvent]) -> World:
         """The world after `events` (replay: each event carries the record after it)."""
         entries = dict(self.entries)
         artifacts = None if self.artifacts is None else dict(self.artifacts)
         pointer = self.pointer
+        required = self.required_workers
+        workers = dict(self.workers)
         for ev in events:
             if isinstance(ev, EntryChanged):
                 entries[ev.rollout_id] = ev.after
-            else:
-                if artifacts is None:
-                    artifacts = {}
+                continue
+            if artifacts is None:
+                artifacts = {}
+            if isinstance(ev, ArtifactChanged):
                 artifacts[ev.version] = ev.after
                 pointer = ev.pointer_after
-        return World(entries=entries, artifacts=artifacts, pointer=pointer)
+            elif isinstance(ev, MembershipChanged):
+                required = ev.after
+            else:
+                workers[ev.worker_id] = WorkerReport(ev.worker_id, ev.floor, ev.ack)
+        return World(
+            entries=entries,
+            artifacts=artifacts,
+            pointer=pointer,
+            required_workers=required,
+            workers=workers,
+        )
 
     @property
     def ever_active(self) -> frozenset[int]:
@@ -123,70 +130,24 @@ class Invariant:
     step_check: StepCheck | None = None
 
 
-# ---- always: ledger ------------------------------------------------------------------------
+# ---- always: ledger (the write paths enforce the same predicates, from model.rules) ------
 
 
-def _exclusive_ownership(w: World) -> list[str]:
-    return [
-        f"{e.rollout_id}: state {e.state!r} with reserved_by {e.reserved_by!r}"
-        for e in w.entries.values()
-        if (e.reserved_by is not None) != (e.state == "reserved")
-    ]
+def _each_entry(check: Callable[[LedgerEntry], list[str]]) -> WorldCheck:
+    def world_check(w: World) -> list[str]:
+        return [m for e in w.entries.values() for m in check(e)]
+
+    return world_check
 
 
-def _reward_failures_clean(w: World) -> list[str]:
-    out = []
-    for e in w.entries.values():
-        if e.state in REWARD_FAILURE_STATES and e.reward is not None:
-            out.append(f"{e.rollout_id}: {e.state} carries reward value {e.reward.value}")
-        if e.state in ("rewarded", "reserved", "consumed") and e.reward is None:
-            out.append(f"{e.rollout_id}: {e.state} without a reward value")
-        if e.state in ("reserved", "consumed") and e.disposition is not None:
-            out.append(f"{e.rollout_id}: {e.state} yet marked failed ({e.disposition.cause})")
-    return out
-
-
-def _admitted_when_reserved(w: World) -> list[str]:
-    out = []
-    for e in w.entries.values():
-        if e.state not in ("reserved", "consumed"):
-            continue
-        a = e.admission
-        if a is None:
-            out.append(f"{e.rollout_id}: {e.state} with no admission record")
-            continue
-        problems = []
-        if not a.accepted or a.reason != "ok":
-            problems.append(f"decision {a.reason!r}")
-        if a.behavior_version != e.behavior_version:
-            problems.append(f"admitted for v{a.behavior_version}, stamped v{e.behavior_version}")
-        if not 0 <= a.lag <= a.max_lag:
-            problems.append(f"lag {a.lag} outside [0, {a.max_lag}]")
-        if a.drift is None or a.drift > a.max_drift:
-            problems.append(f"drift {a.drift} over {a.max_drift}")
-        if problems:
-            out.append(f"{e.rollout_id}: {e.state} but " + "; ".join(problems))
-    return out
+_exclusive_ownership = _each_entry(rules.ownership_problems)
+_reward_failures_clean = _each_entry(rules.reward_problems)
+_admitted_when_reserved = _each_entry(rules.admission_problems)
 
 
 def _failures_have_stage(w: World) -> list[str]:
-    out = []
-    for e in w.entries.values():
-        want = FAILURE_STAGES.get(e.state)
-        if want is None:
-            continue
-        if e.disposition is None:
-            out.append(f"{e.rollout_id}: {e.state} with no recorded stage/cause")
-        elif e.disposition.stage not in want:
-            out.append(f"{e.rollout_id}: {e.state} recorded at stage {e.disposition.stage!r}")
-    for v, a in (w.artifacts or {}).items():
-        want = FAILURE_STAGES.get(a.state)
-        if want is None:
-            continue
-        if a.failure is None:
-            out.append(f"artifact v{v}: {a.state} with no recorded stage/cause")
-        elif a.failure.stage not in want:
-            out.append(f"artifact v{v}: {a.state} recorded at stage {a.failure.stage!r}")
+    out = [m for e in w.entries.values() for m in rules.stage_problems(e)]
+    out.extend(m for a in (w.artifacts or {}).values() for m in rules.artifact_stage_problems(a))
     return out
 
 
@@ -248,7 +209,7 @@ def _declared_edges(before: World, events: Sequence[TraceEvent], _after: World) 
                 if not any(e.dest == dst for e in LIFECYCLE.candidates(src, ev.event)):
                     out.append(f"{ev.rollout_id}: {src} --{ev.event}--> {dst} is not declared")
             seen_entries[ev.rollout_id] = ev.after
-        else:
+        elif isinstance(ev, ArtifactChanged):
             prev_a = seen_arts.get(ev.version)
             if ev.before is None:
                 if prev_a is not None:
@@ -266,7 +227,7 @@ def _declared_edges(before: World, events: Sequence[TraceEvent], _after: World) 
 def _terminal_absorbing(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
     out = []
     for ev in events:
-        if ev.before is None:
+        if not isinstance(ev, EntryChanged | ArtifactChanged) or ev.before is None:
             continue
         if isinstance(ev, EntryChanged) and ev.before.state in LIFECYCLE.terminal:
             out.append(f"{ev.rollout_id}: left terminal state {ev.before.state!r}")
@@ -309,45 +270,70 @@ def _exactly_once(before: World, events: Sequence[TraceEvent], _after: World) ->
 def _reserved_against_current_version(
     before: World, events: Sequence[TraceEvent], _after: World
 ) -> list[str]:
+    """The reservation premise (model.rules.reservation_refusal), judged at the replayed step.
+
+    The pointer and the activation history are the replayed ones at the reservation's own
+    step, read from the trace, not from what the writer claimed.
+    """
     if before.artifacts is None:
         return []
     out = []
     pointer = before.pointer
+    arts = dict(before.artifacts)
     for ev in events:
         if isinstance(ev, ArtifactChanged):
             pointer = ev.pointer_after
+            arts[ev.version] = ev.after
             continue
-        if ev.event != "reserve" or ev.after.state != "reserved":
+        if not isinstance(ev, EntryChanged) or ev.event != "reserve":
             continue
-        a = ev.after.admission
-        current = None if pointer is None else pointer.version
-        if a is None or a.current_version != current:
-            got = None if a is None else a.current_version
-            out.append(
-                f"{ev.rollout_id}: reserved on an admission against v{got}, active version is "
-                f"v{current}"
-            )
+        if ev.after.state != "reserved":
+            continue
+        v = ev.after.behavior_version
+        art = arts.get(v)
+        was_active = art is not None and art.state in EVER_ACTIVE_STATES
+        refusal = rules.reservation_refusal(
+            ev.after.admission, v, None if pointer is None else pointer.version, was_active
+        )
+        if refusal is not None and refusal[0] != rules.NOT_ADMITTED:
+            # a bad stamp itself is admitted_when_reserved's finding; this one is the moment
+            out.append(f"{ev.rollout_id}: reserved although {refusal[1]}")
     return out
 
 
 def _activation_needs_all_acks(
-    _before: World, events: Sequence[TraceEvent], _after: World
+    before: World, events: Sequence[TraceEvent], _after: World
 ) -> list[str]:
+    """Judged on replayed, durable state: the required set recorded by explicit membership
+    changes and the acks the registry really stored, never on what the activator claims."""
     out = []
+    required = before.required_workers
+    reports = dict(before.workers)
+    arts = dict(before.artifacts or {})
     for ev in events:
-        if not isinstance(ev, ArtifactChanged) or ev.after.state != "active":
+        if isinstance(ev, MembershipChanged):
+            required = ev.after
             continue
-        if ev.event != "activate":
+        if isinstance(ev, WorkerReported):
+            reports[ev.worker_id] = WorkerReport(ev.worker_id, ev.floor, ev.ack)
+            continue
+        if not isinstance(ev, ArtifactChanged):
+            continue
+        prior = arts.get(ev.version, ev.before)
+        arts[ev.version] = ev.after
+        if ev.after.state != "active" or ev.event != "activate":
             continue
         art = ev.after
         if not art.committed or art.artifact_hash is None:
             out.append(f"artifact v{ev.version}: activated without a committed artifact")
             continue
-        if not ev.required_workers:
-            out.append(f"artifact v{ev.version}: activated with no required workers recorded")
-        acks = {a.worker_id: a for a in ev.acks}
-        for w in ev.required_workers:
-            a = acks.get(w)
+        if not required:
+            out.append(f"artifact v{ev.version}: activated with no required worker set recorded")
+            continue
+        attempt = art.attempts if prior is None else prior.attempts
+        for w in required:
+            r = reports.get(w)
+            a = None if r is None else r.ack
             if a is None:
                 out.append(f"artifact v{ev.version}: activated without an ack from {w!r}")
             elif a.version != ev.version or a.artifact_hash != art.artifact_hash:
@@ -355,9 +341,33 @@ def _activation_needs_all_acks(
                     f"artifact v{ev.version}: activated on {w!r}'s ack of v{a.version} "
                     f"hash {a.artifact_hash[:12]}"
                 )
+            elif a.attempt != attempt:
+                out.append(
+                    f"artifact v{ev.version}: activated on {w!r}'s ack of attempt {a.attempt}, "
+                    f"not the current attempt {attempt}"
+                )
         p = ev.pointer_after
         if p is None or p.version != ev.version or p.artifact_hash != art.artifact_hash:
             out.append(f"artifact v{ev.version}: activated but the pointer is {p}")
+    return out
+
+
+def _membership_explicit(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
+    out = []
+    for ev in events:
+        if not isinstance(ev, MembershipChanged):
+            continue
+        if not ev.after or len(set(ev.after)) != len(ev.after):
+            out.append(f"required worker set changed to {list(ev.after)}")
+        if ev.before != before.required_workers:
+            out.append(
+                f"membership change from {ev.before} does not start from the recorded "
+                f"{before.required_workers}"
+            )
+        if not ev.reason:
+            out.append("membership changed without a recorded reason")
+        if len(events) > 1:
+            out.append("a membership change shares its atomic step with other writes")
     return out
 
 
@@ -392,7 +402,7 @@ def _failure_keeps_pointer(_b: World, events: Sequence[TraceEvent], _a: World) -
         f"{ev.pointer_after}"
         for ev in events
         if isinstance(ev, ArtifactChanged)
-        and ev.after.state in FAILURE_STAGES
+        and ev.after.state in FAILED_ACTIVATION
         and ev.pointer_before != ev.pointer_after
     ]
 
@@ -526,6 +536,14 @@ INVARIANTS: tuple[Invariant, ...] = (
         "A version becomes active only with a committed artifact and every required "
         "worker's ack of the same version and hash.",
         step_check=_activation_needs_all_acks,
+    ),
+    Invariant(
+        "membership_explicit",
+        "step",
+        "activation",
+        "The required worker set is durable, non-empty, and changed only by an explicit, "
+        "recorded membership change of its own.",
+        step_check=_membership_explicit,
     ),
     Invariant(
         "pointer_monotonic",
@@ -688,7 +706,7 @@ def check_trace(
     """
     evs = list(events)
     if with_registry is None:
-        with_registry = any(isinstance(e, ArtifactChanged) for e in evs)
+        with_registry = any(not isinstance(e, EntryChanged) for e in evs)
     world = initial or World(artifacts={} if with_registry else None)
     if with_registry and world.artifacts is None:
         world = attrs.evolve(world, artifacts={})
@@ -819,8 +837,8 @@ def sometimes_from_events(events: Iterable[TraceEvent]) -> set[str]:
                 hit.add("reward_timeout")
             elif ev.event == "retire_stale":
                 hit.add("stale_retired")
-        else:
-            if ev.after.state in ("distribution_failed", "commit_failed", "abandoned"):
+        elif isinstance(ev, ArtifactChanged):
+            if ev.after.state in FAILED_ACTIVATION:
                 hit.add("activation_failed")
             elif ev.event == "roll_back":
                 hit.add("rollback")

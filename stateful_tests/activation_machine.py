@@ -128,7 +128,6 @@ class ActivationMachine(RuleBasedStateMachine):
         self.options: dict[str, Any] = {
             "lease_seconds": LEASE,
             "recovery": RecoveryRule(),
-            "require_admission": True,
         }
         self.stack: Stack = open_stack(self.backend, self.tmp, self.clock, WORKERS, **self.options)
         self.truth = {w: WorkerTruth() for w in WORKERS}
@@ -194,6 +193,10 @@ class ActivationMachine(RuleBasedStateMachine):
             return ActivationError
         if not ACTIVATION.is_legal(a.state, event):
             return IllegalTransition
+        # a version no newer than the active one is never distributed (it could not activate)
+        active = [u for u in self._versions("active")]
+        if event in ("distribute", "retry") and active and v <= active[0]:
+            return ActivationError
         return None
 
     def _apply(self, v: int, event: str) -> None:
@@ -638,7 +641,7 @@ class ActivationMachine(RuleBasedStateMachine):
         snap = led.snapshot()
         arts = reg.artifacts()
         pointer = reg.pointer()
-        world = world_of(snap, arts, pointer)
+        world = world_of(snap, arts, pointer, reg)
         raise_violations(rec, "stores", check_snapshot(rec, world))
         rec.checked(["trace_matches_store", "reference_model", "ghost_truth"])
         if self.checker.world != world:

@@ -4,7 +4,7 @@ Mutants monkeypatch names inside `model.ledger`, `model.coordinator` and friends
 constructor here is looked up through its module when a machine starts, never bound at
 import time. A ledger factory is any callable ``factory(tmp_path, clock, **options)``; the
 options every backend must accept are ``lease_seconds``, ``recovery`` and
-``require_admission``. A factory that also has ``reopen(ledger, tmp_path, clock, **options)``
+and nothing else. A factory that also has ``reopen(ledger, tmp_path, clock, **options)``
 is durable: the ledger machine then closes and reopens it mid-run.
 """
 
@@ -184,8 +184,11 @@ def open_stack(
     """Ledger + registry + coordinator on `backend` ('memory', or 'sqlite' in one file)."""
     if backend == "memory":
         log = EventLog()
-        mem_ledger: Ledger = ledger_mod.MemoryLedger(clock=clock, event_log=log, **ledger_options)
-        mem_registry: RegistryStore = registry_mod.MemoryRegistry(event_log=log)
+        mem_reg = registry_mod.MemoryRegistry(event_log=log)
+        mem_ledger: Ledger = ledger_mod.MemoryLedger(
+            clock=clock, event_log=log, activation=mem_reg, **ledger_options
+        )
+        mem_registry: RegistryStore = mem_reg
         coord = coord_mod.ActivationCoordinator(
             mem_registry, workers, ledger=mem_ledger, clock=clock
         )

@@ -3,7 +3,7 @@
 A backend passes when every protocol-level check below holds and the ledger race machine
 (a reference model, the spec's invariants on every atomic step, `check_reservation` on every
 reserve call) finds nothing. The factory is ``factory(tmp_path, clock, **options)``, with
-the options ``lease_seconds``, ``recovery`` and ``require_admission``; give it a
+the options ``lease_seconds`` and ``recovery``; give it a
 ``reopen(ledger, tmp_path, clock, **options)`` method and the machine also closes and
 reopens the ledger mid-run.
 
@@ -324,7 +324,6 @@ def run_protocol_checks(factory: LedgerFactory, workdir: Path) -> dict[str, list
                 clock,
                 lease_seconds=LEASE,
                 recovery=RecoveryRule(max_releases=1),
-                require_admission=True,
             )
             problems[name] = check(led, clock)
         except Exception as exc:  # the backend broke the protocol: report, keep checking

@@ -126,7 +126,6 @@ class EndToEndMachine(RuleBasedStateMachine):
         self.options: dict[str, Any] = {
             "lease_seconds": LEASE,
             "recovery": RecoveryRule(max_releases=MAX_RELEASES),
-            "require_admission": True,
         }
         self.stack: Stack = open_stack(self.backend, self.tmp, self.clock, WORKERS, **self.options)
         self.truth = {w: WorkerTruth() for w in WORKERS}
@@ -611,7 +610,7 @@ class EndToEndMachine(RuleBasedStateMachine):
         )
         snap = self.stack.ledger.snapshot()
         reg = self.stack.registry
-        world = world_of(snap, reg.artifacts(), reg.pointer())
+        world = world_of(snap, reg.artifacts(), reg.pointer(), reg)
         raise_violations(rec, "stores", check_snapshot(rec, world))
         rec.checked(["trace_matches_store"])
         if self.checker.world != world:

@@ -137,7 +137,6 @@ class LedgerRaceMachine(RuleBasedStateMachine):
         self.options: dict[str, Any] = {
             "lease_seconds": LEASE,
             "recovery": RecoveryRule(max_releases=MAX_RELEASES),
-            "require_admission": True,
         }
         self.ledger: Ledger = type(self).factory(self.tmp, self.clock, **self.options)
         self.reopen_fn = reopener(type(self).factory)

@@ -25,6 +25,7 @@ from rollout_lifecycle.model import api as api_mod
 from rollout_lifecycle.model import coordinator as coord_mod
 from rollout_lifecycle.model import gate as gate_mod
 from rollout_lifecycle.model import ledger as ledger_mod
+from rollout_lifecycle.model import registry as registry_mod
 from rollout_lifecycle.model.ledger import (
     IDEMPOTENT,
     MISSING,
@@ -95,7 +96,7 @@ def _buggy_reserve(
         update_id: str,
         admission: Any,
         *,
-        require_admission: bool,
+        premise: Any,
         lease_expires_at: float | None,
     ) -> tuple[ReserveOutcome, LedgerEntry | None]:
         if entry is None:
@@ -259,6 +260,13 @@ def _decide(
         }
     if ignore_version_order:
         active_pointer = None
+    if not required:
+        # "nobody needs to ack": the real decision refuses an empty set, so stand in one
+        # worker that acked exactly this artifact
+        required = ["<nobody>"]
+        worker_states = {
+            "<nobody>": {"version": artifact["version"], "artifact_hash": artifact["artifact_hash"]}
+        }
     return _real_activate(active_pointer, artifact, worker_states, required)
 
 
@@ -375,7 +383,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         "version_before_load",
         "the pointer flips when the artifact is committed, before workers load it",
         3,
-        _simple(coord_mod, "activate_policy_version", _version_before_load),
+        _simple(registry_mod, "activate_policy_version", _version_before_load),
         explorer_model="activation",
         fuzz_machine="activation",
     ),
@@ -383,7 +391,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         "success_without_all_acks",
         "activation reported once some workers acked",
         4,
-        _simple(coord_mod, "activate_policy_version", _success_without_all_acks),
+        _simple(registry_mod, "activate_policy_version", _success_without_all_acks),
         explorer_model="activation",
         fuzz_machine="activation",
     ),
@@ -391,7 +399,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         "stale_ack_counted",
         "an ack of an older version or another hash counts",
         12,
-        _simple(coord_mod, "activate_policy_version", _stale_ack_counted),
+        _simple(registry_mod, "activate_policy_version", _stale_ack_counted),
         explorer_model="activation",
         fuzz_machine="activation",
     ),
@@ -415,7 +423,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         "non_monotonic_activation",
         "an older version may be activated over a newer one",
         None,
-        _simple(coord_mod, "activate_policy_version", _non_monotonic),
+        _simple(registry_mod, "activate_policy_version", _non_monotonic),
         explorer_model="activation-2v",
         fuzz_machine="activation",
     ),

@@ -52,8 +52,9 @@ def quiesce_copy(
     pointer = registry.pointer()
     log = EventLog()
     clock = ledger_mod.ManualClock(now)
+    required = registry.required_workers() or tuple(sorted(workers))
     reg = registry_mod.MemoryRegistry.restore(
-        artifacts, pointer, registry.workers().values(), event_log=log
+        artifacts, pointer, registry.workers().values(), event_log=log, membership=required
     )
     led = ledger_mod.MemoryLedger.restore(
         snapshot.values(),
@@ -62,12 +63,12 @@ def quiesce_copy(
         lease_seconds=lease_seconds,
         recovery=recovery,
         event_log=log,
+        activation=reg,
     )
-    required = tuple(sorted(workers))
-    coord = coord_mod.ActivationCoordinator(reg, required, ledger=led, clock=clock)
+    coord = coord_mod.ActivationCoordinator(reg, ledger=led, clock=clock)
     truth = {w: t.copy() for w, t in workers.items()}
     checker = TraceChecker(
-        recorder, with_registry=True, world=world_of(snapshot, artifacts, pointer)
+        recorder, with_registry=True, world=world_of(snapshot, artifacts, pointer, reg)
     )
     problems: list[str] = []
     try:
@@ -80,7 +81,7 @@ def quiesce_copy(
         problems.append(f"liveness driver was refused: {type(exc).__name__}: {exc}")
     events = log.events()
     problems.extend(str(v) for v in checker.feed(events, observe=False))
-    final = world_of(led.snapshot(), reg.artifacts(), reg.pointer())
+    final = world_of(led.snapshot(), reg.artifacts(), reg.pointer(), reg)
     recorder.checked(EVENTUALLY_NAMES)
     problems.extend(str(v) for v in check_quiescent(final))
     return [f"liveness: {p}" for p in problems]
@@ -88,7 +89,7 @@ def quiesce_copy(
 
 def log_of(reg: RegistryStore) -> list[TraceEvent]:
     """The copy's trace so far (a MemoryRegistry shares its log with the ledger copy)."""
-    return list(reg.history())
+    return list(reg.trace())
 
 
 def _resolve_activations(

@@ -20,6 +20,7 @@ import attrs
 from rollout_lifecycle.model.events import TraceEvent
 from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE, MachineSpec
 from rollout_lifecycle.model.records import ActivePointer, ArtifactRecord, LedgerEntry
+from rollout_lifecycle.model.registry import RegistryStore
 from rollout_lifecycle.spec.coverage import edge_of
 from rollout_lifecycle.spec.invariants import (
     OUTCOME_INVARIANTS,
@@ -131,10 +132,20 @@ def world_of(
     entries: Mapping[str, LedgerEntry],
     artifacts: Iterable[ArtifactRecord] | None = None,
     pointer: ActivePointer | None = None,
+    registry: RegistryStore | None = None,
 ) -> World:
-    """A spec World from a ledger snapshot and (optionally) the registry's records."""
+    """A spec World from a ledger snapshot and (optionally) the registry's records; with
+    `registry`, its durable worker set and stored worker reports too."""
     arts = None if artifacts is None else {a.version: a for a in artifacts}
-    return World(entries=dict(entries), artifacts=arts, pointer=pointer)
+    if registry is None:
+        return World(entries=dict(entries), artifacts=arts, pointer=pointer)
+    return World(
+        entries=dict(entries),
+        artifacts=arts,
+        pointer=pointer,
+        required_workers=registry.required_workers(),
+        workers=registry.workers(),
+    )
 
 
 class TraceChecker:

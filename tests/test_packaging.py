@@ -33,8 +33,17 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel built from this checkout."""
     out = tmp_path_factory.mktemp("dist")
     run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out)]
-        + [str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
         cwd=out,
     )
     (whl,) = out.glob("rollout_lifecycle-*.whl")
