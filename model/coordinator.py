@@ -38,6 +38,7 @@ from rollout_lifecycle.model.registry import (
     activation_decision,
     check_membership,
     counted_acks,
+    distribution_refusal,
 )
 
 R = TypeVar("R")
@@ -289,12 +290,9 @@ class ActivationCoordinator:
                         f"before distributing v{version} (one distribution at a time)"
                     )
             ch = _change(rec, event, **fields(rec))  # the machine refuses illegal moves
-            pointer = view.pointer()
-            if exclusive and pointer is not None and version <= pointer.version:
-                raise ActivationError(
-                    f"v{version} is not newer than the active v{pointer.version}; only a "
-                    "newer version can be distributed (use rollback() to go back)"
-                )
+            why = distribution_refusal(view, version) if exclusive else None
+            if why is not None:
+                raise ActivationError(why)
             return RegistryStep(self.clock(), (ch,)), ch.after
 
         return self._step(plan)[0]

@@ -196,6 +196,18 @@ def activation_decision(view: RegistryView, rec: ArtifactRecord) -> dict[str, An
     )
 
 
+def distribution_refusal(view: RegistryView, version: int) -> str | None:
+    """Why `version` may not be distributed now (None: it may): only a version newer than
+    the active one can ever activate, so an older one would only hold the one slot."""
+    pointer = view.pointer()
+    if pointer is not None and version <= pointer.version:
+        return (
+            f"v{version} is not newer than the active v{pointer.version}; only a newer "
+            "version can be distributed (use rollback() to go back)"
+        )
+    return None
+
+
 def activated_hash(store: RegistryStore, version: int) -> str | None:
     """The hash of `version` if it ever became the active version, else None.
 
@@ -254,15 +266,10 @@ def check_step(view: RegistryView, step: RegistryStep) -> None:
         problems = rules.artifact_stage_problems(ch.after)
         if problems:
             raise ActivationError("; ".join(problems))
-        if (
-            ch.event in ("distribute", "retry")
-            and pointer_before is not None
-            and v <= pointer_before.version
-        ):
-            raise ActivationError(
-                f"v{v} is not newer than the active v{pointer_before.version}: distributing it "
-                "could never activate it (and would hold the one distribution slot)"
-            )
+        if ch.event in ("distribute", "retry"):
+            why = distribution_refusal(view, v)
+            if why is not None:
+                raise ActivationError(why)
         if ch.event == "activate" and current is not None:
             decision = activation_decision(view, current)
             if not decision["activated"]:

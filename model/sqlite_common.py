@@ -96,9 +96,8 @@ def ensure_schema(
             )
         elif int(row[0]) > version:
             raise LedgerError(
-                f"database has {component} schema version {row[0]}, newer than this program "
-                f"expects ({version}): it was written by a newer rollout-lifecycle; upgrade to "
-                "read it"
+                f"database has {component} schema version {row[0]}, this program expects "
+                f"{version}: the file was written by a newer rollout-lifecycle; upgrade to read it"
             )
         elif int(row[0]) < version:
             stored = int(row[0])

@@ -296,7 +296,7 @@ class ActivationModel:
                     )
                 )
             elif act.kind == "train":
-                self._train(co, led, act.rollout)
+                ghost.extend(self._train(co, led, act.rollout))
             elif act.kind == "rollback":
                 co.rollback()
             else:
@@ -334,8 +334,12 @@ class ActivationModel:
         )
         return None if new == s else new
 
-    def _train(self, co: Any, led: Any, rid: str) -> None:
-        """A learner admits one rollout against the active version, then reserves and commits."""
+    def _train(self, co: Any, led: Any, rid: str) -> list[str]:
+        """A learner admits one rollout against the active version, then reserves and commits.
+
+        Returns problems: an admission the ledger's own rules refuse means the gate broke
+        the spec (the write path caught it, the checker names it).
+        """
         e = led.get(rid)
         pointer = co.pointer()
         ro = Rollout(
@@ -362,6 +366,9 @@ class ActivationModel:
             out = led.reserve(rid, e.revision, "learner", d.stamp())
             if out.reserved:
                 led.commit("learner", [rid])
+            elif out.reason == ledger_mod.NOT_ADMITTED:
+                return [f"gate_contradicts_spec: {rid} admitted, yet {out.detail}"]
+        return []
 
     # ---- properties --------------------------------------------------------------------------
 
@@ -371,6 +378,8 @@ class ActivationModel:
             entries={e.rollout_id: e for e in s.entries},
             artifacts={a.version: a for a in s.artifacts},
             pointer=s.pointer,
+            required_workers=self.worker_ids,
+            workers={r.worker_id: r for r in s.reports},
         )
 
     def canonical(self, s: ActState) -> Any:

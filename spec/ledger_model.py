@@ -22,7 +22,7 @@ import attrs
 from rollout_lifecycle.model import ledger as ledger_mod
 from rollout_lifecycle.model.errors import CommitMismatch
 from rollout_lifecycle.model.events import EventLog
-from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule
+from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule, WriteRefused
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.records import AdmissionStamp, Disposition, LedgerEntry, Reward
 from rollout_lifecycle.spec.coverage import count_edges
@@ -198,98 +198,105 @@ class LedgerRaceModel:
         k = action.learner
         ln = learners[k] if k >= 0 else None
         kind = action.kind
-        if kind == "generation_done":
-            e = led.get(action.rollout)
-            led.transition(e.rollout_id, "generation_done", e.revision)
-        elif kind == "generation_failed":
-            e = led.get(action.rollout)
-            led.transition(e.rollout_id, "generation_failed", e.revision)
-        elif kind == "reward":
-            e = led.get(action.rollout)
-            if action.outcome == "ready":
-                led.transition(e.rollout_id, "reward_ready", e.revision, reward=REWARD)
-            elif action.outcome == "timeout":
-                led.transition(e.rollout_id, "reward_timeout", e.revision)
-            else:
-                led.transition(e.rollout_id, "reward_error", e.revision)
-        elif kind == "retire_stale":
-            e = led.get(action.rollout)
-            led.transition(
-                e.rollout_id,
-                "retire_stale",
-                e.revision,
-                disposition=Disposition("admission", "stale"),
-            )
-        elif kind == "quarantine":
-            e = led.get(action.rollout)
-            led.transition(
-                e.rollout_id,
-                "quarantine",
-                e.revision,
-                disposition=Disposition("admission", "artifact_hash_mismatch"),
-            )
-        elif kind == "expire_leases":
-            clock.advance(LEASE)
-            led.expire_leases()
-        elif ln is not None and kind == "read":
-            snap = tuple(
-                (e.rollout_id, e.revision) for e in led.snapshot().values() if e.state == "rewarded"
-            )
-            learners[k] = attrs.evolve(ln, phase="planning", snapshot=snap)
-        elif ln is not None and kind == "cas_any":
-            # a learner that misjudged availability tries a rollout that is not rewarded, with
-            # its current revision: the ledger must refuse and change nothing
-            e = led.get(action.rollout)
-            out = led.reserve(action.rollout, e.revision, ln.update_id, STAMP)
-            outcome_viol.extend(
-                check_reservation(e, ln.update_id, out.reserved, out.reason, out.entry)
-            )
-            if out.reserved:
-                learners[k] = attrs.evolve(ln, held=(*ln.held, action.rollout))
-        elif ln is not None and kind == "cas":
-            rev = dict(ln.snapshot)[action.rollout]
-            seen = led.find(action.rollout)
-            out = led.reserve(action.rollout, rev, ln.update_id, STAMP)
-            outcome_viol.extend(
-                check_reservation(seen, ln.update_id, out.reserved, out.reason, out.entry)
-            )
-            self.observed[f"reserve:{out.reason}"] += 1
-            if out.reason == ledger_mod.CONFLICT:
-                self.observed["cas_lost"] += 1
-            snap = tuple(p for p in ln.snapshot if p[0] != action.rollout)
-            held = ln.held + ((action.rollout,) if out.reserved else ())
-            learners[k] = attrs.evolve(ln, snapshot=snap, held=held)
-        elif ln is not None and kind == "retry":
-            seen = led.find(action.rollout)
-            out = led.reserve(action.rollout, 0, ln.update_id, STAMP)
-            outcome_viol.extend(
-                check_reservation(seen, ln.update_id, out.reserved, out.reason, out.entry)
-            )
-            self.observed[f"reserve:{out.reason}"] += 1
-            if out.reason == ledger_mod.IDEMPOTENT:
-                self.observed["idempotent_retry"] += 1
-            if not out.reserved:
-                learners[k] = attrs.evolve(
-                    ln, held=tuple(r for r in ln.held if r != action.rollout)
+        try:
+            if kind == "generation_done":
+                e = led.get(action.rollout)
+                led.transition(e.rollout_id, "generation_done", e.revision)
+            elif kind == "generation_failed":
+                e = led.get(action.rollout)
+                led.transition(e.rollout_id, "generation_failed", e.revision)
+            elif kind == "reward":
+                e = led.get(action.rollout)
+                if action.outcome == "ready":
+                    led.transition(e.rollout_id, "reward_ready", e.revision, reward=REWARD)
+                elif action.outcome == "timeout":
+                    led.transition(e.rollout_id, "reward_timeout", e.revision)
+                else:
+                    led.transition(e.rollout_id, "reward_error", e.revision)
+            elif kind == "retire_stale":
+                e = led.get(action.rollout)
+                led.transition(
+                    e.rollout_id,
+                    "retire_stale",
+                    e.revision,
+                    disposition=Disposition("admission", "stale"),
                 )
-        elif ln is not None and kind in ("commit", "abort", "update_failed"):
-            if kind == "commit":
-                try:
-                    led.commit(ln.update_id, ln.held)
-                    self.observed["commit"] += 1
-                except CommitMismatch:
-                    # a lease ran out under us: return what is still ours
-                    self.observed["commit_refused"] += 1
+            elif kind == "quarantine":
+                e = led.get(action.rollout)
+                led.transition(
+                    e.rollout_id,
+                    "quarantine",
+                    e.revision,
+                    disposition=Disposition("admission", "artifact_hash_mismatch"),
+                )
+            elif kind == "expire_leases":
+                clock.advance(LEASE)
+                led.expire_leases()
+            elif ln is not None and kind == "read":
+                snap = tuple(
+                    (e.rollout_id, e.revision)
+                    for e in led.snapshot().values()
+                    if e.state == "rewarded"
+                )
+                learners[k] = attrs.evolve(ln, phase="planning", snapshot=snap)
+            elif ln is not None and kind == "cas_any":
+                # a learner that misjudged availability tries a rollout that is not rewarded, with
+                # its current revision: the ledger must refuse and change nothing
+                e = led.get(action.rollout)
+                out = led.reserve(action.rollout, e.revision, ln.update_id, STAMP)
+                outcome_viol.extend(
+                    check_reservation(e, ln.update_id, out.reserved, out.reason, out.entry)
+                )
+                if out.reserved:
+                    learners[k] = attrs.evolve(ln, held=(*ln.held, action.rollout))
+            elif ln is not None and kind == "cas":
+                rev = dict(ln.snapshot)[action.rollout]
+                seen = led.find(action.rollout)
+                out = led.reserve(action.rollout, rev, ln.update_id, STAMP)
+                outcome_viol.extend(
+                    check_reservation(seen, ln.update_id, out.reserved, out.reason, out.entry)
+                )
+                self.observed[f"reserve:{out.reason}"] += 1
+                if out.reason == ledger_mod.CONFLICT:
+                    self.observed["cas_lost"] += 1
+                snap = tuple(p for p in ln.snapshot if p[0] != action.rollout)
+                held = ln.held + ((action.rollout,) if out.reserved else ())
+                learners[k] = attrs.evolve(ln, snapshot=snap, held=held)
+            elif ln is not None and kind == "retry":
+                seen = led.find(action.rollout)
+                out = led.reserve(action.rollout, 0, ln.update_id, STAMP)
+                outcome_viol.extend(
+                    check_reservation(seen, ln.update_id, out.reserved, out.reason, out.entry)
+                )
+                self.observed[f"reserve:{out.reason}"] += 1
+                if out.reason == ledger_mod.IDEMPOTENT:
+                    self.observed["idempotent_retry"] += 1
+                if not out.reserved:
+                    learners[k] = attrs.evolve(
+                        ln, held=tuple(r for r in ln.held if r != action.rollout)
+                    )
+            elif ln is not None and kind in ("commit", "abort", "update_failed"):
+                if kind == "commit":
+                    try:
+                        led.commit(ln.update_id, ln.held)
+                        self.observed["commit"] += 1
+                    except CommitMismatch:
+                        # a lease ran out under us: return what is still ours
+                        self.observed["commit_refused"] += 1
+                        led.abort(ln.update_id)
+                elif kind == "abort":
                     led.abort(ln.update_id)
-            elif kind == "abort":
-                led.abort(ln.update_id)
+                else:
+                    led.fail_update(ln.update_id, "nan_loss")
+                learners[k] = Learner(ln.name, ln.update_no + 1)
+            elif ln is not None and kind == "crash":
+                learners[k] = attrs.evolve(ln, phase="crashed", snapshot=(), held=())
             else:
-                led.fail_update(ln.update_id, "nan_loss")
-            learners[k] = Learner(ln.name, ln.update_no + 1)
-        elif ln is not None and kind == "crash":
-            learners[k] = attrs.evolve(ln, phase="crashed", snapshot=(), held=())
-        else:
-            raise ValueError(f"unknown action {action}")
+                raise ValueError(f"unknown action {action}")
+        except WriteRefused as exc:
+            # a correct ledger never plans a write its own rules refuse: a refusal here is
+            # a bug the write path caught (fail closed), and the model reports it
+            outcome_viol.append(Violation("write_refused", f"{kind}: {exc}"))
         events = log.events()
         count_edges(events, self.edges)
         self.observed.update(sometimes_from_events(events))

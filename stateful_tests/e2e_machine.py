@@ -534,7 +534,9 @@ class EndToEndMachine(RuleBasedStateMachine):
     def retry(self, give_up: bool) -> None:
         """Retry the failed distribution (if none is in flight), or abandon it."""
         v = self._artifacts("distribution_failed")[0]
-        if give_up or self._artifacts("awaiting_acks"):
+        pointer = self.coord.pointer()
+        overtaken = pointer is not None and v <= pointer.version  # it can never activate now
+        if give_up or overtaken or self._artifacts("awaiting_acks"):
             self.coord.abandon(v, "operator")
         else:
             self.coord.retry(v)

@@ -285,9 +285,19 @@ def _stale_ack_counted(*args: Any) -> dict[str, Any]:
     return _decide(*args, ignore_missing="none", ignore_mismatch=True)
 
 
-def _non_monotonic(*args: Any) -> dict[str, Any]:
-    """An older version may activate over a newer one (no monotonic check)."""
+def _non_monotonic_decision(*args: Any) -> dict[str, Any]:
     return _decide(*args, ignore_missing="none", ignore_version_order=True)
+
+
+@contextlib.contextmanager
+def _non_monotonic() -> Iterator[None]:
+    """Version order is checked nowhere: an older version may be distributed and then
+    activate over a newer one (both the decision and the distribution guard forget it)."""
+    with (
+        patch_everywhere(registry_mod, "activate_policy_version", _non_monotonic_decision),
+        patch_everywhere(registry_mod, "distribution_refusal", lambda *_a: None),
+    ):
+        yield
 
 
 def _ignore_incarnation(report: Any, ack: Any) -> str:
@@ -423,7 +433,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         "non_monotonic_activation",
         "an older version may be activated over a newer one",
         None,
-        _simple(registry_mod, "activate_policy_version", _non_monotonic),
+        _non_monotonic,
         explorer_model="activation-2v",
         fuzz_machine="activation",
     ),

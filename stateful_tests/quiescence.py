@@ -128,7 +128,12 @@ def _resolve_activations(
                     )
                 coord.fail_distribution(v, QUIESCE_CAUSE, result.reason)
         elif committed:
-            coord.distribute(committed[0].version)
+            v = committed[0].version
+            pointer = reg.pointer()
+            if pointer is not None and v <= pointer.version:
+                coord.abandon(v, QUIESCE_CAUSE, "overtaken by a newer active version")
+            else:
+                coord.distribute(v)
         elif prepared:
             v = prepared[0].version
             coord.commit_artifact(v, true_hash(v))

@@ -11,7 +11,7 @@ from rollout_lifecycle.model import backends
 from rollout_lifecycle.model.backends import DEFAULT_URL, Backend, OpenOptions, open_backend
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.errors import BackendURLError
-from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged
+from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, MembershipChanged
 from rollout_lifecycle.model.ledger import MemoryLedger
 from rollout_lifecycle.model.records import LedgerEntry
 from rollout_lifecycle.model.registry import MemoryRegistry, SQLiteRegistry
@@ -140,9 +140,15 @@ def test_trace_merges_ledger_and_registry_in_global_order(kind: str, tmp_path: P
         b.ledger.add(_entry("r1"))
         trace = b.trace()
     kinds = [type(e) for e in trace]
-    assert kinds == [ArtifactChanged, EntryChanged, ArtifactChanged, EntryChanged]
+    assert kinds == [
+        MembershipChanged,
+        ArtifactChanged,
+        EntryChanged,
+        ArtifactChanged,
+        EntryChanged,
+    ]
     seqs = [e.seq for e in trace]
-    assert seqs == sorted(seqs) and len(set(seqs)) == 4
+    assert seqs == sorted(seqs) and len(set(seqs)) == 5
 
 
 def test_close_is_idempotent(tmp_path: Path) -> None:

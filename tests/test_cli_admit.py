@@ -422,12 +422,15 @@ def test_out_directory_must_exist(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "does not exist" in res.output
 
 
-def test_no_progress_bar_when_stderr_is_not_a_tty(tmp_path: Path) -> None:
-    """Progress is silent when stderr is not a terminal (only the registry warning shows)."""
+def test_progress_lines_when_piped_and_none_with_quiet(tmp_path: Path) -> None:
+    """Piped stderr gets plain progress lines (no bar); --quiet silences them."""
     inp = write_jsonl(tmp_path / "in.jsonl", [row("a")])
     reg = tmp_path / "reg.json"
     reg.write_text(json.dumps({"3": H[3]}))
     res = run(admit_args(inp, tmp_path / "o.jsonl", "--registry-json", str(reg)))
+    assert res.exit_code == 0 and "admit: " in res.stderr and "(100.0%)" in res.stderr
+    assert "\r" not in res.stderr and "\x1b" not in res.stderr
+    res = run([*admit_args(inp, tmp_path / "q.jsonl", "--registry-json", str(reg)), "--quiet"])
     assert res.exit_code == 0 and res.stderr == ""
 
 

@@ -302,12 +302,47 @@ def test_not_admitted_is_refused(ledger: Ledger, admission: AdmissionStamp | Non
     assert ledger.statistics().refused == 1
 
 
-def test_admission_can_be_switched_off(make_ledger: MakeLedger) -> None:
-    """With require_admission=False a reservation without a stamp succeeds."""
-    led = make_ledger(require_admission=False)
+def test_admission_cannot_be_switched_off(make_ledger: MakeLedger) -> None:
+    """There is no switch that lets a reservation land without a stamp that passed."""
+    with pytest.raises(TypeError):
+        make_ledger(require_admission=False)
+    led = make_ledger()
     add_rewarded(led, ["a"])
     out = led.reserve("a", 0, "u", None)
-    assert out.reason == "reserved" and out.entry is not None and out.entry.admission is None
+    assert (out.reserved, out.reason) == (False, "not_admitted")
+
+
+def test_self_contradicting_stamp_is_refused(ledger: Ledger) -> None:
+    """A stamp saying accepted while its own figures say stale and drifted never reserves."""
+    add_rewarded(ledger, ["a"], version=1)
+    frozen = Frozen(ledger)
+    liar = AdmissionStamp(
+        current_version=11,
+        behavior_version=1,
+        max_lag=1,
+        max_drift=0.1,
+        drift=5.0,
+        freshness="stale",
+        reason="stale_policy",
+        accepted=True,
+    )
+    out = ledger.reserve("a", 0, "u", liar)
+    assert (out.reserved, out.reason) == (False, "not_admitted")
+    assert "lag 10 outside [0, 1]" in out.detail and "drift 5.0 over 0.1" in out.detail
+    frozen.assert_unchanged()
+    (batch,) = ledger.reserve_batch("u", [ReserveRequest("a", 0, liar)])
+    assert (batch.reserved, batch.reason) == (False, "not_admitted")
+    frozen.assert_unchanged()
+
+
+def test_rewarded_without_a_reward_is_refused(ledger: Ledger) -> None:
+    """add() of a 'rewarded' entry without a reward value is refused, nothing written."""
+    from rollout_lifecycle.model.ledger import WriteRefused
+
+    bad = LedgerEntry(rollout_id="x", behavior_version=0, artifact_hash=HASH, state="rewarded")
+    with pytest.raises(WriteRefused, match="without a reward value"):
+        ledger.add(bad)
+    assert ledger.find("x") is None and ledger.history("x") == []
 
 
 def test_empty_update_id_is_refused(ledger: Ledger) -> None:

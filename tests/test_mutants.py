@@ -34,7 +34,7 @@ def test_mutants_command_reports_all_killed(tmp_path: Path) -> None:
     out = tmp_path / "m.json"
     res = CliRunner().invoke(
         cli,
-        ["mutants", "--only", "blind_reserve", "--only", "stale_ack_counted", "--json", str(out)],
+        ["mutants", "--only", "blind_reserve", "--only", "stale_ack_counted", "--report", str(out)],
     )
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())

@@ -15,7 +15,7 @@ PINNED = {
     "ledger-small": 5116,
     "lifecycle": 22919,
     "activation-small": 26955,
-    "activation-2v": 1723,
+    "activation-2v": 1695,
 }
 
 

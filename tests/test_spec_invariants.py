@@ -7,7 +7,14 @@ from typing import Any
 import attrs
 import pytest
 
-from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, EventLog, TraceEvent
+from rollout_lifecycle.model.events import (
+    ArtifactChanged,
+    EntryChanged,
+    EventLog,
+    MembershipChanged,
+    TraceEvent,
+    WorkerReported,
+)
 from rollout_lifecycle.model.ledger import ManualClock, MemoryLedger
 from rollout_lifecycle.model.records import (
     ActivePointer,
@@ -55,6 +62,14 @@ class Registry:
         self.log = log
         self.arts: dict[int, ArtifactRecord] = {}
         self.pointer: ActivePointer | None = None
+        self.seq = 0
+        self.log.record([MembershipChanged(0, 0, 0.0, None, WORKERS, "initial membership")])
+
+    def report(self, v: int, h: str) -> None:
+        """Every worker's ack of (v, h) for attempt 1, as the registry stores it."""
+        self.seq += 1
+        for w in WORKERS:
+            self.log.record([WorkerReported(0, 0, 0.0, w, 0, WorkerAck(w, v, h, 0, self.seq, 1))])
 
     def _emit(
         self,
@@ -96,7 +111,8 @@ class Registry:
         self._emit(
             [(v, "distribute", attrs.evolve(self.arts[v], state="awaiting_acks", attempts=1))]
         )
-        acks = tuple(WorkerAck(w, v, h) for w in WORKERS)
+        self.report(v, h)
+        acks = tuple(WorkerAck(w, v, h, 0, self.seq, 1) for w in WORKERS)
         changes = [(v, "activate", attrs.evolve(self.arts[v], state="active"))]
         if self.pointer is not None:
             old = self.pointer.version
@@ -341,13 +357,20 @@ def test_admitted_when_reserved_violation() -> None:
 
 
 def test_reserved_against_current_version_violation() -> None:
-    """An admission judged against an older version than the active one is named."""
+    """A reservation whose lag, re-judged against the pointer of its own step, exceeds the
+    bound is named, however self-consistent its stamp looks."""
     events, _, _ = correct_history()
     ev = next(e for e in events if is_entry("r4", "reserve")(e) and e.update_id == "u3")
     assert isinstance(ev, EntryChanged)
-    bad_after = attrs.evolve(ev.after, admission=stamp(0, 0))
-    bad = [attrs.evolve(e, after=bad_after) if e is ev else e for e in events]
-    assert "reserved_against_current_version" in names(bad)
+    # admitted at v1 with max_lag 0 (fresh, lag 0 by its own figures)...
+    fresh = attrs.evolve(stamp(0, 0, max_lag=0), current_version=0)
+    ok = [
+        attrs.evolve(e, after=attrs.evolve(ev.after, admission=fresh)) if e is ev else e
+        for e in events
+    ]
+    # ...but v1 is active when it lands: lag 1 > 0
+    assert "reserved_against_current_version" in names(ok)
+    assert "admitted_when_reserved" not in names(ok)
 
 
 def test_failures_have_stage_violation() -> None:
@@ -375,14 +398,35 @@ def test_pointer_names_active_artifact_violation() -> None:
 
 
 def test_activation_needs_all_acks_violation() -> None:
-    """Activation with a missing ack (peer bug 4) or a stale ack (peer bug 12) is named."""
+    """Activation judged on the STORED reports and the durable worker set: a stale ack (peer
+    bug 12), an ack of an earlier attempt, no recorded membership, each is named; what the
+    activator claims in its own event does not count."""
+
+    def is_report(w: str, v: int) -> Any:
+        return lambda e: isinstance(e, WorkerReported) and e.worker_id == w and e.ack.version == v
+
     events, _, _ = correct_history()
-    missing = tamper(events, is_art(1, "activate"), acks=(WorkerAck("w1", 1, "h1"),))
-    assert "activation_needs_all_acks" in names(missing)
-    stale = tamper(
-        events, is_art(1, "activate"), acks=(WorkerAck("w1", 1, "h1"), WorkerAck("w2", 0, "h0"))
-    )
+    # w1's report of v1 never stored: it still reports v0 when v1 activates
+    stale = [e for e in events if not is_report(WORKERS[1], 1)(e)]
     assert "activation_needs_all_acks" in names(stale)
+    ev = next(e for e in events if is_report(WORKERS[0], 1)(e))
+    assert isinstance(ev, WorkerReported) and ev.ack is not None
+    old_attempt = tamper(events, is_report(WORKERS[0], 1), ack=attrs.evolve(ev.ack, attempt=0))
+    assert "activation_needs_all_acks" in names(old_attempt)
+    no_members = [e for e in events if not isinstance(e, MembershipChanged)]
+    assert "activation_needs_all_acks" in names(no_members)
+    # the activator's own claim of acks is not evidence
+    claimed = tamper(events, is_art(1, "activate"), acks=())
+    assert "activation_needs_all_acks" not in names(claimed)
+
+
+def test_membership_explicit_violation() -> None:
+    """An empty worker set, or a change that does not start from the recorded one, is named."""
+    events, _, _ = correct_history()
+    empty = tamper(events, lambda e: isinstance(e, MembershipChanged), after=())
+    assert "membership_explicit" in names(empty)
+    unrecorded = tamper(events, lambda e: isinstance(e, MembershipChanged), before=("x",))
+    assert "membership_explicit" in names(unrecorded)
 
 
 def test_pointer_monotonic_violation() -> None:
