@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -22,12 +24,25 @@ from rich.console import Console
 from rich.table import Table
 
 from rollout_lifecycle.cli.exitcodes import InputError, findings
+from rollout_lifecycle.cli.output import (
+    Progress,
+    check_report_path,
+    emit_report,
+    quiet_option,
+    report_options,
+)
 from rollout_lifecycle.model.backends import DEFAULT_URL, Backend, open_backend
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 from rollout_lifecycle.model.events import EntryChanged
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.records import LedgerEntry, to_jsonable
-from rollout_lifecycle.spec.invariants import check_trace
+from rollout_lifecycle.spec.invariants import (
+    STORE_INVARIANTS,
+    check_trace,
+    compare_with_store,
+    stored_world,
+    violated_names,
+)
 
 __all__ = ["ledger"]
 
@@ -239,28 +254,66 @@ def history(rollout_id: str, url: str, as_json: bool) -> None:
     is_flag=True,
     help="The run is over: also require every reservation and activation to be resolved.",
 )
-@json_option
-def check(url: str, quiescent: bool, as_json: bool) -> None:
-    """Replay the whole stored trace through the spec invariants; exit 1 on any violation."""
+@click.option(
+    "--max-report",
+    type=click.IntRange(min=1),
+    default=50,
+    show_default=True,
+    help="Print at most this many violations (the count and the JSON report have them all).",
+)
+@report_options
+@quiet_option
+def check(
+    url: str,
+    quiescent: bool,
+    max_report: int,
+    as_json: bool,
+    report_path: Path | None,
+    quiet: bool,
+) -> None:
+    """Replay the stored trace through the spec and compare it with the stored rows.
+
+    Every atomic step is judged by the step and always invariants (each bad record named
+    once, when it goes bad); the replayed world must then equal the stored rows (a deleted
+    or reverted row is a violation). Linear in the trace. Exit 1 on any violation.
+    """
+    check_report_path(report_path)
+    tick = Progress("ledger check", quiet=quiet)
+    started = time.perf_counter()
     with _opened(url) as backend:
-        report = check_trace(backend.trace(), quiescent=quiescent)
-    if as_json:
-        _echo_json(
-            {
-                "backend": url,
-                "events": report.events,
-                "steps": report.steps,
-                "checked": list(report.checked),
-                "ok": report.ok,
-                "violations": [attrs.asdict(v) for v in report.violations],
-            }
-        )
-    else:
-        for v in report.violations:
+        tick("reading the trace")
+        events = backend.trace()
+        tick(f"replaying {len(events):,} events")
+        report = check_trace(events, quiescent=quiescent, with_registry=True)
+        tick("comparing with the stored rows")
+        stored = stored_world(backend.ledger, backend.registry)
+    store_viol = compare_with_store(report.final, stored)
+    violations = [*report.violations, *store_viol]
+    elapsed = time.perf_counter() - started
+    tick(f"done in {elapsed:.1f}s", True)
+    data = {
+        "backend": url,
+        "events": report.events,
+        "steps": report.steps,
+        "rows": len(stored.entries),
+        "checked": [*report.checked, *STORE_INVARIANTS],
+        "ok": not violations,
+        "violation_count": len(violations),
+        "by_invariant": dict(violated_names(violations)),
+        "violations": [attrs.asdict(v) for v in violations],
+        "elapsed_s": round(elapsed, 3),
+    }
+    console = Console(quiet=as_json)
+    if not as_json:
+        for v in violations[:max_report]:
             click.echo(str(v))
+        if len(violations) > max_report:
+            click.echo(f"... and {len(violations) - max_report} more (see --json)")
         click.echo(
             f"replayed {report.events} events in {report.steps} atomic steps against "
-            f"{len(report.checked)} invariants: {len(report.violations)} violations"
+            f"{len(report.checked)} invariants, compared {len(stored.entries)} stored rows: "
+            f"{len(violations)} violations"
         )
-    if not report.ok:
+    emit_report(data, as_json=as_json, report_path=report_path, console=console)
+    if violations:
         raise findings()

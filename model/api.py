@@ -98,7 +98,15 @@ def activate_policy_version(
     Returns {activated, reason, active_pointer, missing_workers, mismatched_workers}; the
     caller's pointer is never mutated, and on failure the returned pointer equals the old one.
     """
+    if isinstance(required_workers, str):
+        raise ActivationError(
+            f"required_workers must be a list of worker ids, got the string {required_workers!r}"
+        )
     required = list(required_workers)
+    if not required:
+        raise ActivationError(
+            "at least one required worker is needed: a version no worker loaded is never active"
+        )
     if len(set(required)) != len(required):
         dups = sorted({w for w in required if required.count(w) > 1})
         raise ActivationError(f"required workers listed more than once: {dups}")

@@ -12,6 +12,7 @@ until then `PLANNED` explains why its URL is refused.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from rollout_lifecycle.model.errors import BackendURLError, LedgerError
 from rollout_lifecycle.model.events import EventLog, TraceEvent
 from rollout_lifecycle.model.ledger import Clock, Ledger, MemoryLedger
 from rollout_lifecycle.model.registry import MemoryRegistry, RegistryStore, SQLiteRegistry
+from rollout_lifecycle.model.sqlite_common import connect_read_only, has_component
 from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
 
 DEFAULT_URL = "sqlite:///rollout-lifecycle.db"
@@ -118,16 +120,12 @@ def _check_existing(url: str, path: Path) -> None:
         raise _bad(url, f"no such file {path} (reading never creates a ledger; check the path)")
     if path.is_dir():
         raise _bad(url, f"{path} is a directory, not a database file")
+    if not os.access(path, os.R_OK):
+        raise _bad(url, f"{path} cannot be read (permission denied)")
     try:
-        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        conn = connect_read_only(path)
         try:
-            row = conn.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_meta'"
-            ).fetchone()
-            found = row is not None and (
-                conn.execute("SELECT 1 FROM schema_meta WHERE component = 'ledger'").fetchone()
-                is not None
-            )
+            found = has_component(conn, "ledger") is not None
         finally:
             conn.close()
     except sqlite3.Error as exc:
@@ -136,16 +134,37 @@ def _check_existing(url: str, path: Path) -> None:
         raise _bad(url, f"{path} is a SQLite file but holds no rollout-lifecycle ledger")
 
 
+def _read_only_storage(path: Path) -> bool:
+    folder = path.parent if str(path.parent) else Path(".")
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY) or not os.access(folder, os.W_OK)
+    except OSError:
+        return False
+
+
+def _storage_hint(path: Path, message: str) -> str:
+    """Say plainly when the cause is storage that cannot be written."""
+    if "readonly" in message or "read-only" in message or _read_only_storage(path):
+        return (
+            f"{message}. {path} (or its folder) cannot be written: commands that only read "
+            "(ledger counts/show/history/check) open it read-only; to write, use writable storage"
+        )
+    return message
+
+
 def _open_sqlite(url: str, _rest: str, opts: OpenOptions) -> Backend:
     path = sqlite_path(url)
     if not opts.create:
         _check_existing(url, path)
+    read_only = not opts.create  # a reader never writes, not even a table
     try:
-        ledger = SQLiteLedger(path, clock=opts.clock, lease_seconds=opts.lease_seconds)
+        ledger = SQLiteLedger(
+            path, clock=opts.clock, lease_seconds=opts.lease_seconds, read_only=read_only
+        )
     except LedgerError as exc:
-        raise _bad(url, str(exc)) from None
+        raise _bad(url, _storage_hint(path, str(exc))) from None
     try:
-        registry = SQLiteRegistry(path)
+        registry = SQLiteRegistry(path, read_only=read_only)
     except BaseException:
         ledger.close()
         raise

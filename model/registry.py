@@ -41,7 +41,15 @@ from rollout_lifecycle.model.records import (
     to_jsonable,
 )
 from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES
-from rollout_lifecycle.model.sqlite_common import append_events, connect, ensure_schema, read_events
+from rollout_lifecycle.model.sqlite_common import (
+    append_events,
+    check_identity,
+    connect,
+    ensure_schema,
+    file_identity,
+    has_component,
+    read_events,
+)
 
 R = TypeVar("R")
 
@@ -646,6 +654,31 @@ class _SQLiteView:
         return None if row is None else tuple(str(w) for w in json.loads(str(row[0])))
 
 
+class _EmptyView:
+    """A file with no registry tables, read without creating them: nothing registered."""
+
+    def artifact(self, version: int) -> ArtifactRecord | None:
+        return None
+
+    def artifacts(self) -> list[ArtifactRecord]:
+        return []
+
+    def pointer(self) -> ActivePointer | None:
+        return None
+
+    def worker(self, worker_id: str) -> WorkerReport | None:
+        return None
+
+    def workers(self) -> dict[str, WorkerReport]:
+        return {}
+
+    def max_version(self) -> int | None:
+        return None
+
+    def required_workers(self) -> tuple[str, ...] | None:
+        return None
+
+
 def _unusable(path: Path, exc: Exception) -> ActivationError:
     return ActivationError(
         f"{path} is not a usable registry database ({exc}); give a new file, or the file "
@@ -661,16 +694,30 @@ class SQLiteRegistry(_ViewReads):
     of a step or none of it, and ledger and registry events share one global order.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
+        """Open (creating the tables on first use) or, with `read_only`, only read: a file
+        that holds no registry then reads as an empty one and nothing is ever created."""
         self.path = Path(path)
+        self.read_only = read_only
         try:
-            self._conn = connect(self.path)
+            self._conn = connect(self.path, read_only=read_only)
         except sqlite3.Error as exc:
             raise _unusable(self.path, exc) from None
+        view: RegistryView = _SQLiteView(self._conn)
         try:
-            ensure_schema(self._conn, COMPONENT, SCHEMA_VERSION, _DDL, migrations=MIGRATIONS)
-            for trig in _TRIGGERS:
-                self._conn.execute(trig)
+            if read_only:
+                version = has_component(self._conn, COMPONENT)
+                if version is None:
+                    view = _EmptyView()
+                elif version > SCHEMA_VERSION:
+                    raise ActivationError(
+                        f"database has registry schema version {version}, this program "
+                        f"expects {SCHEMA_VERSION}: written by a newer rollout-lifecycle; upgrade"
+                    )
+            else:
+                ensure_schema(self._conn, COMPONENT, SCHEMA_VERSION, _DDL, migrations=MIGRATIONS)
+                for trig in _TRIGGERS:
+                    self._conn.execute(trig)
         except sqlite3.Error as exc:
             self._conn.close()
             raise _unusable(self.path, exc) from None
@@ -678,16 +725,20 @@ class SQLiteRegistry(_ViewReads):
             self._conn.close()
             raise
         self._lock = threading.RLock()
-        self._view = _SQLiteView(self._conn)
+        self._view = view
+        self._identity = file_identity(self.path)
 
     def transact(
         self, plan: Callable[[RegistryView], tuple[RegistryStep, R]]
     ) -> tuple[R, list[ArtifactChanged]]:
         """Plan and write one step inside BEGIN IMMEDIATE; any exception rolls it all back."""
+        if self.read_only:
+            raise ActivationError(f"registry {self.path} was opened read-only; nothing written")
         with self._lock:
             conn = self._conn
             conn.execute("BEGIN IMMEDIATE")
             try:
+                check_identity(self.path, self._identity, "registry")
                 step, result = plan(self._view)
                 check_step(self._view, step)
                 events = make_events(step, self._view.pointer(), self._view.required_workers())

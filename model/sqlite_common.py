@@ -8,6 +8,7 @@ that a reservation was admitted against the version active at that moment.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -46,16 +47,96 @@ CREATE TABLE IF NOT EXISTS schema_meta (
 """
 
 
-def connect(path: str | Path) -> sqlite3.Connection:
+class FileReplaced(LedgerError):
+    """The database file was deleted or replaced while open: every use fails closed."""
+
+
+def file_identity(path: Path) -> tuple[int, int]:
+    """(device, inode) of the file now; identifies THIS file, not whatever the name holds."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def check_identity(path: Path, identity: tuple[int, int], what: str) -> None:
+    """Refuse to go on when `path` no longer names the file that was opened.
+
+    SQLite keeps writing into an unlinked file, and a file restored under the same name
+    is a different database: two learners could then each consume one rollout, one in the
+    old file and one in the new. Both cases fail closed here.
+    """
+    try:
+        now = file_identity(path)
+    except FileNotFoundError:
+        raise FileReplaced(
+            f"{what} {path} was deleted while open; nothing was written. Reopen it (or restore "
+            "it and reopen) to go on"
+        ) from None
+    except OSError as exc:
+        raise FileReplaced(
+            f"{what} {path} cannot be checked ({exc}); nothing was written"
+        ) from None
+    if now != identity:
+        raise FileReplaced(
+            f"{what} {path} was replaced by another file while open; nothing was written. "
+            "Reopen it to use the new file"
+        )
+
+
+def connect_read_only(path: Path) -> sqlite3.Connection:
+    """Open an existing database so that nothing can be written through the connection.
+
+    `mode=ro` never creates tables or files of its own content; on read-only storage where
+    SQLite cannot create the WAL index (-shm) either, the file is opened `immutable`, which
+    is exact because nothing can change it there.
+    """
+    uri = f"{path.resolve().as_uri()}?mode=ro"
+    try:
+        conn = sqlite3.connect(
+            uri,
+            uri=True,
+            timeout=BUSY_TIMEOUT_MS / 1000,
+            isolation_level=None,
+            check_same_thread=False,
+        )
+        conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchall()
+    except sqlite3.OperationalError:
+        if os.access(path.parent, os.W_OK):
+            raise
+        conn = sqlite3.connect(
+            f"{uri}&immutable=1", uri=True, isolation_level=None, check_same_thread=False
+        )
+        conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchall()
+    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    conn.execute("PRAGMA query_only = ON")
+    return conn
+
+
+def has_component(conn: sqlite3.Connection, component: str) -> int | None:
+    """The schema version of `component` in this file, or None when it has none."""
+    row = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_meta'"
+    ).fetchone()
+    if row is None:
+        return None
+    found = conn.execute(
+        "SELECT version FROM schema_meta WHERE component = ?", (component,)
+    ).fetchone()
+    return None if found is None else int(found[0])
+
+
+def connect(path: str | Path, *, read_only: bool = False) -> sqlite3.Connection:
     """Open a database in autocommit mode with WAL and a long busy timeout.
 
     Autocommit (isolation_level=None) keeps a single-statement compare-and-set atomic on its
     own; multi-statement steps use explicit BEGIN IMMEDIATE so the write lock is taken up
-    front instead of failing with "database is locked" on upgrade.
+    front instead of failing with "database is locked" on upgrade. With `read_only`, see
+    `connect_read_only`.
     """
     p = Path(path)
     if str(p) != ":memory:" and not p.parent.exists():
         raise LedgerError(f"directory {p.parent} does not exist; create it first")
+    if read_only:
+        return connect_read_only(p)
     conn = sqlite3.connect(
         str(p), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
     )

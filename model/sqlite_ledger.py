@@ -67,7 +67,16 @@ from rollout_lifecycle.model.records import (
     to_jsonable,
 )
 from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES
-from rollout_lifecycle.model.sqlite_common import append_events, connect, ensure_schema, read_events
+from rollout_lifecycle.model.sqlite_common import (
+    FileReplaced,
+    append_events,
+    check_identity,
+    connect,
+    ensure_schema,
+    file_identity,
+    has_component,
+    read_events,
+)
 
 COMPONENT = "ledger"
 SCHEMA_VERSION = 1
@@ -179,8 +188,10 @@ class SQLiteLedger:
         clock: Clock = time.time,
         lease_seconds: float = 600.0,
         recovery: RecoveryRule | None = None,
+        read_only: bool = False,
     ) -> None:
         lease_seconds = check_lease_seconds(lease_seconds)
+        self.read_only = read_only
         if str(path) == ":memory:":
             # each thread's connection would get its own private database
             raise LedgerError("SQLiteLedger needs a file path; use MemoryLedger for memory")
@@ -196,8 +207,13 @@ class SQLiteLedger:
         self._inherited: list[_Handle] = []
         self._handles_lock = threading.Lock()
         self._closed = False
+        self._identity: tuple[int, int] | None = None
         try:
-            ensure_schema(self._conn(), COMPONENT, SCHEMA_VERSION, _DDL)
+            if read_only:
+                self._check_readable(self._conn())
+            else:
+                ensure_schema(self._conn(), COMPONENT, SCHEMA_VERSION, _DDL)
+            self._identity = file_identity(self.path)
         except sqlite3.Error as exc:
             self.close()
             raise LedgerError(
@@ -221,7 +237,7 @@ class SQLiteLedger:
             # a connection inherited through fork must never be used or closed here
             self._inherited.append(handle)
         try:
-            conn = connect(self.path)
+            conn = connect(self.path, read_only=self.read_only)
             # connect() may succeed on a non-database file; the first read tells
             conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchall()
         except sqlite3.Error as exc:
@@ -241,6 +257,8 @@ class SQLiteLedger:
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         """One BEGIN IMMEDIATE ... COMMIT; any exception rolls everything back."""
+        if self.read_only:
+            raise LedgerError(f"ledger {self.path} was opened read-only; nothing was written")
         conn = self._conn()
         try:
             if conn.in_transaction:
@@ -250,6 +268,7 @@ class SQLiteLedger:
         except sqlite3.Error as exc:
             raise LedgerError(f"{self.path}: cannot start a write ({exc})") from exc
         try:
+            self._check_file()
             yield conn
             conn.execute("COMMIT")
         except BaseException as exc:
@@ -258,6 +277,26 @@ class SQLiteLedger:
             if isinstance(exc, sqlite3.Error):
                 raise LedgerError(f"{self.path}: write failed, nothing written ({exc})") from exc
             raise
+
+    def _check_readable(self, conn: sqlite3.Connection) -> None:
+        """A read-only open needs an existing ledger of a schema this program knows."""
+        version = has_component(conn, COMPONENT)
+        if version is None:
+            raise LedgerError(f"{self.path} holds no rollout-lifecycle ledger")
+        if version > SCHEMA_VERSION:
+            raise LedgerError(
+                f"database has ledger schema version {version}, this program expects "
+                f"{SCHEMA_VERSION}: the file was written by a newer rollout-lifecycle; upgrade"
+            )
+
+    def _check_file(self) -> None:
+        """Fail closed when the file was deleted or replaced under this open ledger."""
+        if self._identity is not None:
+            try:
+                check_identity(self.path, self._identity, "ledger")
+            except FileReplaced:
+                self.close()
+                raise
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -268,6 +307,7 @@ class SQLiteLedger:
                 conn.execute("ROLLBACK")
             conn.execute("BEGIN")
             try:
+                self._check_file()
                 yield conn
             finally:
                 conn.execute("COMMIT")
@@ -283,6 +323,8 @@ class SQLiteLedger:
             conn.executemany(_BUMP, rows)
 
     def _bump_now(self, counts: Mapping[str, int]) -> None:
+        if self.read_only:
+            raise LedgerError(f"ledger {self.path} was opened read-only; nothing was written")
         try:
             self._bump(self._conn(), counts)
         except sqlite3.Error as exc:
@@ -425,6 +467,7 @@ class SQLiteLedger:
 
     def find(self, rollout_id: str) -> LedgerEntry | None:
         """The entry, or None when absent."""
+        self._check_file()
         try:
             return self._row(self._conn(), rollout_id)
         except sqlite3.Error as exc:

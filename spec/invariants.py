@@ -21,9 +21,9 @@ from here, so "the same invariants" is literal.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Literal
+from collections import ChainMap, Counter
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from typing import Literal, TypeVar, cast
 
 import attrs
 
@@ -35,9 +35,10 @@ from rollout_lifecycle.model.events import (
     TraceEvent,
     WorkerReported,
 )
+from rollout_lifecycle.model.ledger import Ledger
 from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
 from rollout_lifecycle.model.records import ActivePointer, ArtifactRecord, LedgerEntry
-from rollout_lifecycle.model.registry import WorkerReport
+from rollout_lifecycle.model.registry import RegistryStore, WorkerReport
 
 Kind = Literal["always", "step", "rest", "eventually"]
 
@@ -116,6 +117,8 @@ class Violation:
 
 WorldCheck = Callable[[World], list[str]]
 StepCheck = Callable[[World, Sequence[TraceEvent], World], list[str]]
+EntryCheck = Callable[[LedgerEntry, World], list[str]]
+ArtifactCheck = Callable[[ArtifactRecord, World], list[str]]
 
 
 @attrs.frozen
@@ -128,27 +131,49 @@ class Invariant:
     doc: str
     world_check: WorldCheck | None = None
     step_check: StepCheck | None = None
+    # record-local `always` checks: judged per entry / artifact, so a replay judges only
+    # the records a step wrote (linear in the trace) and names each bad record once
+    entry_check: EntryCheck | None = None
+    artifact_check: ArtifactCheck | None = None
+
+    def on_world(self, w: World) -> list[str]:
+        """This invariant's findings on a whole world (every record, then the global part)."""
+        out: list[str] = []
+        if self.entry_check is not None:
+            for e in w.entries.values():
+                out.extend(self.entry_check(e, w))
+        if self.artifact_check is not None and w.artifacts is not None:
+            for a in w.artifacts.values():
+                out.extend(self.artifact_check(a, w))
+        if self.world_check is not None:
+            out.extend(self.world_check(w))
+        return out
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _overlay(base: Mapping[K, V]) -> ChainMap[K, V]:
+    """A step-local view: writes stay local, reads fall through to `base` (no copy)."""
+    return ChainMap({}, cast(MutableMapping[K, V], base))
 
 
 # ---- always: ledger (the write paths enforce the same predicates, from model.rules) ------
 
 
-def _each_entry(check: Callable[[LedgerEntry], list[str]]) -> WorldCheck:
-    def world_check(w: World) -> list[str]:
-        return [m for e in w.entries.values() for m in check(e)]
-
-    return world_check
+def _on_entry(check: Callable[[LedgerEntry], list[str]]) -> EntryCheck:
+    return lambda e, _w: check(e)
 
 
-_exclusive_ownership = _each_entry(rules.ownership_problems)
-_reward_failures_clean = _each_entry(rules.reward_problems)
-_admitted_when_reserved = _each_entry(rules.admission_problems)
+_exclusive_ownership = _on_entry(rules.ownership_problems)
+_reward_failures_clean = _on_entry(rules.reward_problems)
+_admitted_when_reserved = _on_entry(rules.admission_problems)
+_entry_stage = _on_entry(rules.stage_problems)
 
 
-def _failures_have_stage(w: World) -> list[str]:
-    out = [m for e in w.entries.values() for m in rules.stage_problems(e)]
-    out.extend(m for a in (w.artifacts or {}).values() for m in rules.artifact_stage_problems(a))
-    return out
+def _artifact_stage(a: ArtifactRecord, _w: World) -> list[str]:
+    return rules.artifact_stage_problems(a)
 
 
 # ---- always: activation --------------------------------------------------------------------
@@ -176,14 +201,14 @@ def _pointer_names_active_artifact(w: World) -> list[str]:
     return out
 
 
-def _never_active_not_consumed(w: World) -> list[str]:
-    if w.artifacts is None:
+def _never_active_not_consumed(e: LedgerEntry, w: World) -> list[str]:
+    if w.artifacts is None or e.state not in rules.ADMITTED_STATES:
         return []
-    ever = w.ever_active
+    art = w.artifacts.get(e.behavior_version)
+    if art is not None and art.state in EVER_ACTIVE_STATES:
+        return []
     return [
         f"{e.rollout_id}: {e.state} although its version v{e.behavior_version} never became active"
-        for e in w.entries.values()
-        if e.state in ("reserved", "consumed") and e.behavior_version not in ever
     ]
 
 
@@ -192,8 +217,8 @@ def _never_active_not_consumed(w: World) -> list[str]:
 
 def _declared_edges(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
     out = []
-    seen_entries = dict(before.entries)
-    seen_arts = dict(before.artifacts or {})
+    seen_entries: ChainMap[str, LedgerEntry] = _overlay(before.entries)
+    seen_arts: ChainMap[int, ArtifactRecord] = _overlay(before.artifacts or {})
     for ev in events:
         if isinstance(ev, EntryChanged):
             prev = seen_entries.get(ev.rollout_id)
@@ -279,7 +304,7 @@ def _reserved_against_current_version(
         return []
     out = []
     pointer = before.pointer
-    arts = dict(before.artifacts)
+    arts: ChainMap[int, ArtifactRecord] = _overlay(before.artifacts)
     for ev in events:
         if isinstance(ev, ArtifactChanged):
             pointer = ev.pointer_after
@@ -308,8 +333,8 @@ def _activation_needs_all_acks(
     changes and the acks the registry really stored, never on what the activator claims."""
     out = []
     required = before.required_workers
-    reports = dict(before.workers)
-    arts = dict(before.artifacts or {})
+    reports: ChainMap[str, WorkerReport] = _overlay(before.workers)
+    arts: ChainMap[int, ArtifactRecord] = _overlay(before.artifacts or {})
     for ev in events:
         if isinstance(ev, MembershipChanged):
             required = ev.after
@@ -373,7 +398,7 @@ def _membership_explicit(before: World, events: Sequence[TraceEvent], _after: Wo
 
 def _pointer_monotonic(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
     out = []
-    arts = dict(before.artifacts or {})
+    arts: ChainMap[int, ArtifactRecord] = _overlay(before.artifacts or {})
     for ev in events:
         if not isinstance(ev, ArtifactChanged):
             continue
@@ -483,7 +508,7 @@ INVARIANTS: tuple[Invariant, ...] = (
         "always",
         "ledger",
         "reserved_by is set if and only if the state is reserved.",
-        world_check=_exclusive_ownership,
+        entry_check=_exclusive_ownership,
     ),
     Invariant(
         "revision_bumps_by_one",
@@ -498,7 +523,7 @@ INVARIANTS: tuple[Invariant, ...] = (
         "ledger",
         "No reward failure is reserved or carries a reward value; whatever is reserved or "
         "consumed has a real reward.",
-        world_check=_reward_failures_clean,
+        entry_check=_reward_failures_clean,
     ),
     Invariant(
         "admitted_when_reserved",
@@ -506,7 +531,7 @@ INVARIANTS: tuple[Invariant, ...] = (
         "ledger",
         "Every reserved or consumed rollout passed admission: 0 <= lag <= L_max and "
         "drift <= D_max.",
-        world_check=_admitted_when_reserved,
+        entry_check=_admitted_when_reserved,
     ),
     Invariant(
         "reserved_against_current_version",
@@ -520,7 +545,8 @@ INVARIANTS: tuple[Invariant, ...] = (
         "always",
         "ledger",
         "Every failure is recorded with its own stage.",
-        world_check=_failures_have_stage,
+        entry_check=_entry_stage,
+        artifact_check=_artifact_stage,
     ),
     Invariant(
         "pointer_names_active_artifact",
@@ -565,7 +591,7 @@ INVARIANTS: tuple[Invariant, ...] = (
         "always",
         "activation",
         "No rollout of a version that never became active is reserved or consumed.",
-        world_check=_never_active_not_consumed,
+        entry_check=_never_active_not_consumed,
     ),
     Invariant(
         "artifact_immutable",
@@ -599,14 +625,16 @@ INVARIANTS: tuple[Invariant, ...] = (
 )
 
 BY_NAME: dict[str, Invariant] = {inv.name: inv for inv in INVARIANTS}
+_STEP = tuple(inv for inv in INVARIANTS if inv.kind == "step" and inv.step_check is not None)
+_ALWAYS = tuple(inv for inv in INVARIANTS if inv.kind == "always")
 
 
 def check_world(world: World) -> list[Violation]:
     """Every `always` invariant on one world."""
     out: list[Violation] = []
     for inv in INVARIANTS:
-        if inv.kind == "always" and inv.world_check is not None:
-            out.extend(Violation(inv.name, m) for m in inv.world_check(world))
+        if inv.kind == "always":
+            out.extend(Violation(inv.name, m) for m in inv.on_world(world))
     return out
 
 
@@ -666,19 +694,194 @@ def group_by_txn(events: Iterable[TraceEvent]) -> list[list[TraceEvent]]:
     return steps
 
 
+class Replayer:
+    """Replays a trace one atomic step (txn) at a time against the spec, in linear time.
+
+    The replayed state is kept in mutable maps; each step is judged on a no-copy overlay
+    (before / after), the `always` invariants only on the records the step wrote (plus the
+    registry-wide ones when the registry changed), and each bad record is reported once,
+    when it goes bad, not again at every later step. Every checker that judges new events
+    (trace replay, `ledger check`, explorer models, stateful machines) uses this.
+    """
+
+    def __init__(self, world: World | None = None, *, with_registry: bool = True) -> None:
+        w = world or World(artifacts={} if with_registry else None)
+        self.entries: dict[str, LedgerEntry] = dict(w.entries)
+        self.artifacts: dict[int, ArtifactRecord] | None = (
+            None if w.artifacts is None else dict(w.artifacts)
+        )
+        self.pointer = w.pointer
+        self.required = w.required_workers
+        self.workers: dict[str, WorkerReport] = dict(w.workers)
+        self.steps = 0
+        self.events = 0
+        self._open: set[tuple[str, str]] = set()
+
+    def view(self) -> World:
+        """The replayed state as a World sharing this replayer's maps (do not keep it)."""
+        return World(
+            entries=self.entries,
+            artifacts=self.artifacts,
+            pointer=self.pointer,
+            required_workers=self.required,
+            workers=self.workers,
+        )
+
+    def world(self) -> World:
+        """A copy of the replayed state."""
+        return World(
+            entries=dict(self.entries),
+            artifacts=None if self.artifacts is None else dict(self.artifacts),
+            pointer=self.pointer,
+            required_workers=self.required,
+            workers=dict(self.workers),
+        )
+
+    def feed(self, events: Iterable[TraceEvent]) -> list[Violation]:
+        """Judge and apply `events`, one atomic step at a time; returns new violations."""
+        out: list[Violation] = []
+        for step in group_by_txn(events):
+            out.extend(self._step(step))
+        return out
+
+    def _step(self, step: Sequence[TraceEvent]) -> list[Violation]:
+        before = self.view()
+        e_ch: dict[str, LedgerEntry] = {}
+        a_ch: dict[int, ArtifactRecord] = {}
+        w_ch: dict[str, WorkerReport] = {}
+        pointer, required, registry = self.pointer, self.required, False
+        for ev in step:
+            if isinstance(ev, EntryChanged):
+                e_ch[ev.rollout_id] = ev.after
+                continue
+            registry = True
+            if isinstance(ev, ArtifactChanged):
+                a_ch[ev.version] = ev.after
+                pointer = ev.pointer_after
+            elif isinstance(ev, MembershipChanged):
+                required = ev.after
+            else:
+                w_ch[ev.worker_id] = WorkerReport(ev.worker_id, ev.floor, ev.ack)
+        arts: Mapping[int, ArtifactRecord] | None = None
+        if self.artifacts is not None or registry:
+            arts = ChainMap(a_ch, self.artifacts if self.artifacts is not None else {})
+        after = World(
+            entries=ChainMap(e_ch, self.entries),
+            artifacts=arts,
+            pointer=pointer,
+            required_workers=required,
+            workers=ChainMap(w_ch, self.workers),
+        )
+        seq = step[0].seq if step else None
+        out = [
+            Violation(inv.name, m, seq)
+            for inv in _STEP
+            for m in inv.step_check(before, step, after)  # type: ignore[misc]
+        ]
+        self.entries.update(e_ch)
+        if registry:
+            if self.artifacts is None:
+                self.artifacts = {}
+            self.artifacts.update(a_ch)
+            self.workers.update(w_ch)
+            self.pointer, self.required = pointer, required
+        now = self.view()
+        for inv in _ALWAYS:
+            if inv.entry_check is not None:
+                for e in e_ch.values():
+                    self._judge(inv.name, e.rollout_id, inv.entry_check(e, now), seq, out)
+            if inv.artifact_check is not None and now.artifacts is not None:
+                for a in a_ch.values():
+                    self._judge(inv.name, f"v{a.version}", inv.artifact_check(a, now), seq, out)
+            if inv.world_check is not None and registry:
+                self._judge(inv.name, "*", inv.world_check(now), seq, out)
+        self.steps += 1
+        self.events += len(step)
+        return out
+
+    def _judge(
+        self, name: str, subject: str, found: list[str], seq: int | None, out: list[Violation]
+    ) -> None:
+        key = (name, subject)
+        if found:
+            if key not in self._open:  # named when it goes bad, not at every later step
+                self._open.add(key)
+                out.extend(Violation(name, m, seq) for m in found)
+        else:
+            self._open.discard(key)
+
+
 def replay(world: World, events: Iterable[TraceEvent]) -> tuple[World, list[Violation], int]:
     """Apply `events` to `world` one atomic step (txn) at a time, checking each step.
 
-    Returns the world after, the violations, and how many steps were judged. Every checker
-    that judges new events (trace replay, explorer models, stateful machines) calls this.
+    Returns the world after, the violations, and how many steps were judged (see Replayer).
     """
+    r = Replayer(world, with_registry=world.artifacts is not None)
+    out = r.feed(events)
+    return r.world(), out, r.steps
+
+
+STORE_INVARIANTS: dict[str, str] = {
+    "stored_matches_trace": "The stored rows are exactly what replaying the trace gives: no "
+    "row missing, extra or different (a deleted or reverted row is a violation).",
+}
+
+
+def stored_world(ledger: Ledger, registry: RegistryStore | None = None) -> World:
+    """The stored rows as a World: the ledger's entries and the registry's durable state."""
+    if registry is None:
+        return World(entries=ledger.snapshot())
+    return World(
+        entries=ledger.snapshot(),
+        artifacts={a.version: a for a in registry.artifacts()},
+        pointer=registry.pointer(),
+        required_workers=registry.required_workers(),
+        workers=registry.workers(),
+    )
+
+
+def compare_with_store(replayed: World, stored: World) -> list[Violation]:
+    """Rows missing from, extra in, or different in the store, against the replayed trace."""
+    name = "stored_matches_trace"
     out: list[Violation] = []
-    steps = group_by_txn(events)
-    for step in steps:
-        after = world.apply(step)
-        out.extend(check_step(world, step, after))
-        world = after
-    return world, out, len(steps)
+    for rid in sorted(set(replayed.entries) | set(stored.entries)):
+        want, got = replayed.entries.get(rid), stored.entries.get(rid)
+        if want == got:
+            continue
+        if want is not None and got is None:
+            out.append(Violation(name, f"{rid}: in the trace ({want.state}) but not stored"))
+        elif want is None and got is not None:
+            out.append(Violation(name, f"{rid}: stored ({got.state}) but no trace event wrote it"))
+        elif want is not None and got is not None:
+            out.append(
+                Violation(
+                    name,
+                    f"{rid}: stored {got.state} rev {got.revision}, the trace says {want.state} "
+                    f"rev {want.revision}",
+                )
+            )
+    if stored.artifacts is not None:
+        want_a = replayed.artifacts or {}
+        for v in sorted(set(want_a) | set(stored.artifacts)):
+            if want_a.get(v) != stored.artifacts.get(v):
+                out.append(Violation(name, f"artifact v{v}: stored record differs from the trace"))
+        if replayed.pointer != stored.pointer:
+            out.append(
+                Violation(
+                    name, f"pointer: stored {stored.pointer}, the trace says {replayed.pointer}"
+                )
+            )
+        if replayed.required_workers != stored.required_workers:
+            out.append(
+                Violation(
+                    name,
+                    f"required workers: stored {stored.required_workers}, the trace says "
+                    f"{replayed.required_workers}",
+                )
+            )
+        if dict(replayed.workers) != dict(stored.workers):
+            out.append(Violation(name, "worker reports: stored reports differ from the trace"))
+    return out
 
 
 def invariant_names(kinds: Iterable[str], *, with_registry: bool) -> tuple[str, ...]:
@@ -710,12 +913,14 @@ def check_trace(
     world = initial or World(artifacts={} if with_registry else None)
     if with_registry and world.artifacts is None:
         world = attrs.evolve(world, artifacts={})
-    world, out, n_steps = replay(world, evs)
+    r = Replayer(world, with_registry=with_registry)
+    out = r.feed(evs)
+    final = r.world()
     kinds = ["always", "step"] + (["rest", "eventually"] if quiescent else [])
     if quiescent:
-        out.extend(check_quiescent(world))
+        out.extend(check_quiescent(final))
     checked = invariant_names(kinds, with_registry=with_registry)
-    return TraceReport(tuple(out), n_steps, len(evs), world, checked)
+    return TraceReport(tuple(out), r.steps, len(evs), final, checked)
 
 
 def check(

@@ -25,11 +25,11 @@ from rollout_lifecycle.spec.coverage import edge_of
 from rollout_lifecycle.spec.invariants import (
     OUTCOME_INVARIANTS,
     SOMETIMES,
+    Replayer,
     Violation,
     World,
     check_at_rest,
     invariant_names,
-    replay,
     sometimes_from_events,
 )
 
@@ -158,13 +158,21 @@ class TraceChecker:
     def __init__(self, recorder: Recorder, *, with_registry: bool, world: World | None = None):
         self.recorder = recorder
         self.with_registry = with_registry
-        self.world = world or World(artifacts={} if with_registry else None)
+        self._replayer = Replayer(
+            world or World(artifacts={} if with_registry else None), with_registry=with_registry
+        )
         self._names = invariant_names(("step", "always"), with_registry=with_registry)
+
+    @property
+    def world(self) -> World:
+        """The replayed world so far (a copy)."""
+        return self._replayer.world()
 
     def feed(self, events: Sequence[TraceEvent], *, observe: bool = True) -> list[Violation]:
         """Check each atomic step in `events`; record edges and sometimes when `observe`."""
-        self.world, out, n_steps = replay(self.world, events)
-        for _ in range(n_steps):
+        before = self._replayer.steps
+        out = self._replayer.feed(events)
+        for _ in range(self._replayer.steps - before):
             self.recorder.checked(self._names)
         if observe:
             self.recorder.observe(events)

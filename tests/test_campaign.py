@@ -63,7 +63,7 @@ def test_campaign_explore_subset(tmp_path: Path) -> None:
     )
     assert res.exit_code == 0, res.output
     ex = json.loads((out / "explore-report.json").read_text())
-    assert ex["models"]["activation-2v"]["distinct_states"] == 1723
+    assert ex["models"]["activation-2v"]["distinct_states"] == 1695
     assert ex["violations"] == 0
 
 
