@@ -356,15 +356,28 @@ def _nested_types() -> dict[type[Any], dict[str, type[Any]]]:
     }
 
 
+_NESTED = _nested_types()  # built once: from_jsonable runs per stored record
+
+
+_FIELDS: dict[type[Any], frozenset[str]] = {}
+
+
+def _field_names(cls: type[Any]) -> frozenset[str]:
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = frozenset(f.name for f in attrs.fields(cls))
+    return names
+
+
 def from_jsonable(cls: type[T], data: Any) -> T:
     """Plain dict -> attrs record, with nested records rebuilt; bad shapes raise InvalidRecord."""
     if not isinstance(data, Mapping):
         raise InvalidRecord(f"{cls.__name__} must be a JSON object, got {type(data).__name__}")
-    names = {f.name for f in attrs.fields(cls)}  # type: ignore[arg-type]
-    unknown = set(data) - names
+    names = _field_names(cls)
+    unknown = data.keys() - names
     if unknown:
         raise InvalidRecord(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
-    nested = _nested_types().get(cls, {})
+    nested = _NESTED.get(cls, {})
     kwargs: dict[str, Any] = {}
     for k, v in data.items():
         sub = nested.get(k)

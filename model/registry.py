@@ -798,7 +798,7 @@ class SQLiteRegistry(_ViewReads):
     def trace(self) -> list[TraceEvent]:
         """Every registry event (artifacts, membership, worker reports) in global order."""
         with self._lock:
-            evs = read_events(self._conn)
+            evs = read_events(self._conn, exclude_kind="entry")
         return [e for e in evs if not isinstance(e, EntryChanged)]
 
     def close(self) -> None:

@@ -241,6 +241,7 @@ def read_events(
     subject: str | None = None,
     *,
     after_seq: int = 0,
+    exclude_kind: str | None = None,
 ) -> list[TraceEvent]:
     """Events in global order, optionally of one kind and one subject (rollout id / version),
     and only those after `after_seq` (an incremental reader need not re-read the table)."""
@@ -253,6 +254,9 @@ def read_events(
     if kind is not None:
         where.append("kind = ?")
         args.append(kind)
+    if exclude_kind is not None:
+        where.append("kind != ?")
+        args.append(exclude_kind)
     if subject is not None:
         where.append("subject = ?")
         args.append(subject)
