@@ -39,6 +39,8 @@ from rollout_lifecycle.model.registry import (
     check_membership,
     counted_acks,
     distribution_refusal,
+    reconcile_membership,
+    required_set,
 )
 
 R = TypeVar("R")
@@ -200,26 +202,14 @@ class ActivationCoordinator:
         self.clock = clock
         wanted = None if required_workers is None else check_membership(required_workers)
 
-        def plan(view: RegistryView) -> tuple[RegistryStep, tuple[str, ...]]:
-            stored = view.required_workers()
-            if stored is None:
-                if wanted is None:
-                    raise ActivationError(
-                        "this registry records no required workers yet; pass "
-                        "required_workers=[...] to set them"
-                    )
-                step = RegistryStep(
-                    self.clock(), membership=wanted, membership_reason="initial membership"
-                )
-                return step, wanted
-            if wanted is not None and set(wanted) != set(stored):
-                raise ActivationError(
-                    f"the registry requires workers {sorted(stored)}, this coordinator was "
-                    f"given {sorted(wanted)}; every coordinator of a deployment uses the "
-                    "registry's set: omit required_workers, or change it explicitly with "
-                    "change_membership()"
-                )
-            return RegistryStep(self.clock()), stored
+        def plan(view: RegistryView) -> tuple[RegistryStep, None]:
+            initial = reconcile_membership(view.required_workers(), wanted)
+            if initial is None:
+                return RegistryStep(self.clock()), None
+            step = RegistryStep(
+                self.clock(), membership=initial, membership_reason="initial membership"
+            )
+            return step, None
 
         self._step(plan)
         self._acks: Counter[str] = Counter()
@@ -458,7 +448,7 @@ class ActivationCoordinator:
                 return RegistryStep(now), ActivationResult(False, reason, pointer)
             decision = activation_decision(view, rec)
             reports = counted_acks(view, rec)
-            required = view.required_workers() or ()
+            required = required_set(view)
             p = decision["active_pointer"]
             result = ActivationResult(
                 activated=decision["activated"],

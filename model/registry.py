@@ -182,18 +182,49 @@ def counted_acks(view: RegistryView, rec: ArtifactRecord) -> dict[str, WorkerAck
     }
 
 
-def activation_decision(view: RegistryView, rec: ArtifactRecord) -> dict[str, Any]:
-    """The contract's activation decision (`activate_policy_version`) on STORED state.
-
-    The coordinator plans with it and every registry write re-checks a pointer switch with
-    it, reading the durable required worker set and the stored acks of the same step.
-    """
+def required_set(view: RegistryView) -> tuple[str, ...]:
+    """The durable required worker set an activation is judged against (never a caller's)."""
     required = view.required_workers()
     if not required:
         raise ActivationError(
             "the registry records no required workers; set them with "
             "ActivationCoordinator(registry, required_workers=[...]) first"
         )
+    return required
+
+
+def reconcile_membership(
+    stored: tuple[str, ...] | None, wanted: tuple[str, ...] | None
+) -> tuple[str, ...] | None:
+    """The set a coordinator attaches with: the stored one; `wanted` only if none is stored.
+
+    Returns the set to record as the initial membership (None: nothing to record). A
+    coordinator asking for another set than the stored one is refused: it must call
+    `change_membership` explicitly.
+    """
+    if stored is None:
+        if wanted is None:
+            raise ActivationError(
+                "this registry records no required workers yet; pass required_workers=[...] "
+                "to set them"
+            )
+        return wanted
+    if wanted is not None and set(wanted) != set(stored):
+        raise ActivationError(
+            f"the registry requires workers {sorted(stored)}, this coordinator was given "
+            f"{sorted(wanted)}; every coordinator of a deployment uses the registry's set: "
+            "omit required_workers, or change it explicitly with change_membership()"
+        )
+    return None
+
+
+def activation_decision(view: RegistryView, rec: ArtifactRecord) -> dict[str, Any]:
+    """The contract's activation decision (`activate_policy_version`) on STORED state.
+
+    The coordinator plans with it and every registry write re-checks a pointer switch with
+    it, reading the durable required worker set and the stored acks of the same step.
+    """
+    required = required_set(view)
     pointer = view.pointer()
     reports = counted_acks(view, rec)
     return activate_policy_version(

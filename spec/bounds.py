@@ -11,6 +11,7 @@ from typing import Any
 
 from rollout_lifecycle.spec.activation_model import ActivationModel
 from rollout_lifecycle.spec.ledger_model import LedgerRaceModel
+from rollout_lifecycle.spec.seams_model import SeamsModel
 
 ModelFactory = Callable[[], Any]
 
@@ -42,6 +43,14 @@ EXPLORER_MODELS: dict[str, tuple[ModelFactory, str]] = {
         ),
         "2 workers, 2 new versions (ordering between versions), no faults, no retries",
     ),
+    "seams": (
+        lambda: SeamsModel(
+            learners=2, second_coordinator=True, max_versions=2, max_rollouts=1, lies=1, bad_adds=1
+        ),
+        "the README's composition: an activator publishing v1, v2 while 2 learners admit, "
+        "reserve and commit; a second coordinator on the same registry (asks for a partial "
+        "worker set, distributes its oldest version); a lying stamp and a reward-less rollout",
+    ),
     "ledger-small": (
         lambda: LedgerRaceModel(
             n_rollouts=2, n_learners=2, start="rewarded", allow_failures=False, max_updates=1
@@ -54,7 +63,7 @@ EXPLORER_MODELS: dict[str, tuple[ModelFactory, str]] = {
     ),
 }
 
-README_MODELS = ("lifecycle", "ledger", "activation", "activation-2v")
+README_MODELS = ("lifecycle", "ledger", "activation", "activation-2v", "seams")
 
 # CI-sized stand-ins for each model name a mutant may name (tests and `mutants` use these)
 CI_MODELS: dict[str, str] = {
@@ -62,4 +71,5 @@ CI_MODELS: dict[str, str] = {
     "lifecycle": "lifecycle",
     "activation": "activation-small",
     "activation-2v": "activation-2v",
+    "seams": "seams",
 }

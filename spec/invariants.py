@@ -421,6 +421,20 @@ def _pointer_monotonic(before: World, events: Sequence[TraceEvent], _after: Worl
     return out
 
 
+def _distributed_newer_than_active(
+    before: World, events: Sequence[TraceEvent], _after: World
+) -> list[str]:
+    return [
+        f"artifact v{ev.version}: {ev.event} while v{ev.pointer_before.version} is active "
+        "(an older or equal version can never activate and would hold the distribution slot)"
+        for ev in events
+        if isinstance(ev, ArtifactChanged)
+        and ev.event in ("distribute", "retry")
+        and ev.pointer_before is not None
+        and ev.version <= ev.pointer_before.version
+    ]
+
+
 def _failure_keeps_pointer(_b: World, events: Sequence[TraceEvent], _a: World) -> list[str]:
     return [
         f"artifact v{ev.version}: {ev.event} moved the pointer {ev.pointer_before} -> "
@@ -578,6 +592,14 @@ INVARIANTS: tuple[Invariant, ...] = (
         "The active version only increases, except an explicit rollback to the recorded "
         "rollback pointer.",
         step_check=_pointer_monotonic,
+    ),
+    Invariant(
+        "distributed_newer_than_active",
+        "step",
+        "activation",
+        "Only a version newer than the active one is ever distributed (versions only move "
+        "forward).",
+        step_check=_distributed_newer_than_active,
     ),
     Invariant(
         "failed_activation_keeps_pointer",
@@ -1023,6 +1045,11 @@ SOMETIMES: dict[str, str] = {
     "restart_ack_refused": "an ack from before a worker restart did not count",
     "rollback": "an explicit rollback restored the recorded pointer",
     "activated": "a new version became active with all acks",
+    "pointer_moved_refused": "a reservation was refused because the pointer moved past the "
+    "stamp's lag bound after admission",
+    "old_distribution_refused": "a coordinator's distribution of a version older than the "
+    "active one was refused",
+    "partial_set_refused": "a coordinator asking for a partial worker set was refused",
 }
 
 

@@ -13,6 +13,7 @@ binding), so a mutant of `model.ledger.plan_reserve` also reaches the SQLite bac
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import sys
 from collections.abc import Callable, Iterator
@@ -26,6 +27,8 @@ from rollout_lifecycle.model import coordinator as coord_mod
 from rollout_lifecycle.model import gate as gate_mod
 from rollout_lifecycle.model import ledger as ledger_mod
 from rollout_lifecycle.model import registry as registry_mod
+from rollout_lifecycle.model import rules as rules_mod
+from rollout_lifecycle.model.errors import ActivationError
 from rollout_lifecycle.model.ledger import (
     IDEMPOTENT,
     MISSING,
@@ -334,6 +337,82 @@ def _stamp_patch() -> Iterator[None]:
         yield
 
 
+# ---- safety at the seams (issue 9): each reverts one write-path fix --------------------------
+
+
+def _stamp_only(
+    self: ledger_mod.ActivationPremise, admission: Any, behavior_version: int
+) -> tuple[str, str] | None:
+    """The reservation judges the stamp it is given, never the pointer of its own step."""
+    problems = (
+        ["no stamp"] if admission is None else rules_mod.stamp_problems(admission, behavior_version)
+    )
+    return (ledger_mod.NOT_ADMITTED, "; ".join(problems)) if problems else None
+
+
+def _trust_accepted(
+    self: ledger_mod.ActivationPremise, admission: Any, behavior_version: int
+) -> tuple[str, str] | None:
+    """The reservation trusts a stamp's `accepted` flag, not its own figures."""
+    if admission is None or not admission.accepted:
+        return ledger_mod.NOT_ADMITTED, "no accepted stamp"
+    known = None if self.was_active is None else behavior_version in self.was_active
+    if known is False:
+        return ledger_mod.VERSION_NOT_ACTIVE, ""
+    if self.pointer_version is not None and not (
+        0 <= self.pointer_version - behavior_version <= admission.max_lag
+    ):
+        return ledger_mod.POINTER_MOVED, ""
+    return None
+
+
+@contextlib.contextmanager
+def _ledger_trusts_writes() -> Iterator[None]:
+    """The ledger stores what it is told: no per-record rules on write, stamps trusted."""
+    with (
+        patch_everywhere(ledger_mod, "enforce", lambda _afters: None),
+        patch_everywhere(ledger_mod.ActivationPremise, "refusal", _trust_accepted),
+    ):
+        yield
+
+
+_ACTING: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "acting_worker_set", default=None
+)
+
+
+@contextlib.contextmanager
+def _own_worker_set() -> Iterator[None]:
+    """Each coordinator activates against the worker set IT was given, not a durable one."""
+    cls = coord_mod.ActivationCoordinator
+    orig_init, orig_step = cls.__init__, cls._step
+    orig_required = registry_mod.required_set
+
+    def init(self: Any, registry: Any, required_workers: Any = None, **kw: Any) -> None:
+        self._own = None if required_workers is None else tuple(required_workers)
+        try:
+            orig_init(self, registry, required_workers, **kw)
+        except ActivationError:
+            orig_init(self, registry, None, **kw)  # attach anyway, keeping its own set
+
+    def step(self: Any, plan: Any) -> Any:
+        token = _ACTING.set(getattr(self, "_own", None))
+        try:
+            return orig_step(self, plan)
+        finally:
+            _ACTING.reset(token)
+
+    def required(view: Any) -> tuple[str, ...]:
+        return _ACTING.get() or orig_required(view)
+
+    with (
+        patch_everywhere(cls, "__init__", init),
+        patch_everywhere(cls, "_step", step),
+        patch_everywhere(registry_mod, "required_set", required),
+    ):
+        yield
+
+
 def _simple(
     owner: Any, name: str, replacement: Any
 ) -> Callable[[], contextlib.AbstractContextManager[None]]:
@@ -436,6 +515,42 @@ CATALOGUE: tuple[Mutant, ...] = (
         _non_monotonic,
         explorer_model="activation-2v",
         fuzz_machine="activation",
+    ),
+    Mutant(
+        "reservation_ignores_pointer",
+        "a reservation judges its stamp but not the pointer of its own step: a version "
+        "activated after admission lets stale rollouts in (the README pattern, issue 9 #1)",
+        8,
+        _simple(ledger_mod.ActivationPremise, "refusal", _stamp_only),
+        explorer_model="seams",
+        fuzz_machine="seams",
+    ),
+    Mutant(
+        "coordinator_own_worker_set",
+        "each coordinator activates against its own worker set: a second one requiring "
+        "only gen-0 moves the pointer on a partial set (issue 9 #2)",
+        4,
+        _own_worker_set,
+        explorer_model="seams",
+        fuzz_machine="seams",
+    ),
+    Mutant(
+        "ledger_trusts_writes",
+        "the ledger stores records its spec rejects: a rewarded rollout without a reward, a "
+        "stamp saying accepted with stale figures (issue 9 #3)",
+        2,
+        _ledger_trusts_writes,
+        explorer_model="seams",
+        fuzz_machine="seams",
+    ),
+    Mutant(
+        "older_distribution_accepted",
+        "a version older than the active one is distributed and holds the one distribution "
+        "slot (issue 9 #4)",
+        None,
+        _simple(registry_mod, "distribution_refusal", lambda *_a: None),
+        explorer_model="seams",
+        fuzz_machine="seams",
     ),
     Mutant(
         "version_stamped_at_completion",

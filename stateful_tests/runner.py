@@ -33,13 +33,18 @@ from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from rollout_lifecycle.model.atomic import atomic_write
 from rollout_lifecycle.spec.invariants import SOMETIMES
-from rollout_lifecycle.stateful_tests import activation_machine, e2e_machine, ledger_machine
+from rollout_lifecycle.stateful_tests import (
+    activation_machine,
+    e2e_machine,
+    ledger_machine,
+    seams_machine,
+)
 from rollout_lifecycle.stateful_tests.backends import BACKEND_NAMES, LedgerFactory, resolve_factory
 from rollout_lifecycle.stateful_tests.minimize import minimize
 from rollout_lifecycle.stateful_tests.profiles import register_profiles
 from rollout_lifecycle.stateful_tests.recording import DECLARED, Recorder
 
-MACHINES = ("ledger", "activation", "e2e")
+MACHINES = ("ledger", "activation", "e2e", "seams")
 PROFILES = ("ci", "dev", "fuzz")
 SCHEMA = "rollout-lifecycle/fuzz-report/1"
 BATCH_EXAMPLES = 25  # examples per batch when a time budget drives the campaign
@@ -52,11 +57,13 @@ _MODULES = {
         "make_activation_machine",
     ),
     "e2e": ("rollout_lifecycle.stateful_tests.e2e_machine", "make_e2e_machine"),
+    "seams": ("rollout_lifecycle.stateful_tests.seams_machine", "make_seams_machine"),
 }
 _INVARIANT_NAMES = {
     "ledger": ledger_machine.INVARIANT_NAMES,
     "activation": activation_machine.INVARIANT_NAMES,
     "e2e": e2e_machine.INVARIANT_NAMES,
+    "seams": seams_machine.INVARIANT_NAMES,
 }
 
 
@@ -223,6 +230,8 @@ def _machine_class(
         )
     if machine == "e2e":
         return e2e_machine.make_e2e_machine(stack, recorder=recorder, workdir=workdir), stack
+    if machine == "seams":
+        return seams_machine.make_seams_machine(stack, recorder=recorder, workdir=workdir), stack
     raise ValueError(f"unknown machine {machine!r}: choose from {list(MACHINES)}")
 
 

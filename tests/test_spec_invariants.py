@@ -420,6 +420,13 @@ def test_activation_needs_all_acks_violation() -> None:
     assert "activation_needs_all_acks" not in names(claimed)
 
 
+def test_distributed_newer_than_active_violation() -> None:
+    """Distributing a version no newer than the active one is named."""
+    events, _, _ = correct_history()
+    bad = tamper(events, is_art(2, "distribute"), pointer_before=ActivePointer(2, "h2"))
+    assert "distributed_newer_than_active" in names(bad)
+
+
 def test_membership_explicit_violation() -> None:
     """An empty worker set, or a change that does not start from the recorded one, is named."""
     events, _, _ = correct_history()
