@@ -131,8 +131,8 @@ def _finite(x: Any) -> bool:
 
 def _comparison(name: str, cmp: Any, tol: Tolerances) -> CheckResult | str:
     """A same-version comparison within the fixed bounds, or a technical problem."""
-    mx = cmp.get("max_abs_error") if isinstance(cmp, Mapping) else None
-    mean = cmp.get("mean_abs_error") if isinstance(cmp, Mapping) else None
+    mx: Any = cmp.get("max_abs_error") if isinstance(cmp, Mapping) else None
+    mean: Any = cmp.get("mean_abs_error") if isinstance(cmp, Mapping) else None
     if not (_finite(mx) and _finite(mean)):
         return f"{name} needs finite max_abs_error and mean_abs_error"
     return CheckResult(

@@ -333,5 +333,6 @@ class SeparateCopyRollout(BaseRollout):  # type: ignore[misc]
         pos = batch.batch["position_ids"].to(self.device)
         r = batch.batch["responses"].shape[1]
         logits = self.model(input_ids=ids, attention_mask=am, position_ids=pos).logits
-        lp = logprobs_from_logits(logits[:, -r - 1 : -1, :].float(), ids[:, -r:])
-        return lp * batch.batch["response_mask"].to(lp.device)
+        lp: torch.Tensor = logprobs_from_logits(logits[:, -r - 1 : -1, :].float(), ids[:, -r:])
+        masked: torch.Tensor = lp * batch.batch["response_mask"].to(lp.device)
+        return masked

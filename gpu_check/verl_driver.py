@@ -123,7 +123,8 @@ def register_rollout() -> None:
 
 def _full(t: Any) -> torch.Tensor:
     t = t.full_tensor() if hasattr(t, "full_tensor") else t
-    return t.detach().to("cpu", copy=True)
+    out: torch.Tensor = t.detach().to("cpu", copy=True)
+    return out
 
 
 class Trainer:
@@ -161,8 +162,9 @@ class Trainer:
         td = left_right_2_no_padding(batch.to_tensordict())
         tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
         out = self.worker.compute_log_prob(td)
-        lp = no_padding_2_padding(tu.get(out, "log_probs"), td)
-        return lp.float() * batch.batch["response_mask"].to(lp.device)
+        lp: torch.Tensor = no_padding_2_padding(tu.get(out, "log_probs"), td)
+        masked: torch.Tensor = lp.float() * batch.batch["response_mask"].to(lp.device)
+        return masked
 
     def sft_step(
         self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
