@@ -31,7 +31,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -611,80 +610,91 @@ def reserve_label(root: Path, label: str) -> Path:
     return run_dir
 
 
+def _setup(
+    config: RunConfig, assets: ModelAssets | None, run_dir: Path, say: Progress, tmp: Path
+) -> _Context:
+    """Tokenizer, model (built here when none was given) and the generation conditions."""
+    from transformers import AutoTokenizer
+
+    if assets is None:
+        say("building the small Qwen2 model (seed 42) and its tokenizer")
+        assets = build_small_model(tmp)
+    tokenizer = AutoTokenizer.from_pretrained(str(assets.path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    r = config.response_length or (
+        SMALL_RESPONSE_LENGTH if assets.built_here else REAL_RESPONSE_LENGTH
+    )
+    return _Context(
+        config=config,
+        run_dir=run_dir,
+        say=say,
+        assets=assets,
+        tokenizer=tokenizer,
+        pad_id=int(tokenizer.pad_token_id),
+        eos_id=int(tokenizer.eos_token_id),
+        response_length=r,
+        conditions=GenerationConditions(
+            tokenizer_id=tokenizer_id(assets.path),
+            temperature=1.0,
+            top_p=1.0,
+            top_k=-1,
+            max_tokens=r,
+            seed=42,
+        ),
+        control=config.control,
+    )
+
+
+# what a failing library call may raise; anything else is a bug and propagates
+_TECHNICAL = (GpuCheckError, RuntimeError, ValueError, AssertionError, OSError, ImportError)
+
+
 def run_experiment(config: RunConfig, progress: Progress | None = None) -> RunOutcome:
-    """Run both groups, save the result beside its run folder, and judge it."""
+    """Run both groups, save the result beside its run folder, and judge it.
+
+    Refused before anything is written (typed errors): the extra missing, an unusable
+    model folder, a device that is not there, a label already used. After the label is
+    claimed, every failure is a technical failure recorded IN the result.
+    """
     say = progress or (lambda _msg: None)
     extra.require_extra()
     assets = inspect_model_dir(config.model_path) if config.model_path is not None else None
-    run_dir = reserve_label(config.output_root, config.run_label)
     from rollout_lifecycle.gpu_check import platform
 
-    started = time.perf_counter()
-    created = _now()
+    platform.resolve_device(config.device)
+    run_dir = reserve_label(config.output_root, config.run_label)
+    started, created = time.perf_counter(), _now()
     technical: list[dict[str, str]] = []
     groups: list[dict[str, Any]] = []
-    log_fd, log_tmp = tempfile.mkstemp(prefix="gpu-check-", suffix=".log")
-    os.close(log_fd)
-    tmp_model: str | None = None
-    device_info: Any = None
-    ctx: _Context | None = None
+    device_info: platform.DeviceInfo | None = None
     timings: dict[str, float] = {}
-    try:
-        with platform.output_to(log_tmp):
-            t0 = time.perf_counter()
-            device_info = platform.prepare(config.device)
-            from transformers import AutoTokenizer
-
-            timings["setup"] = round(time.perf_counter() - t0, 3)
-            if assets is None:
-                tmp_model = tempfile.mkdtemp(prefix="gpu-check-model-")
-                say("building the small Qwen2 model (seed 42) and its tokenizer")
-                assets = build_small_model(Path(tmp_model))
-            tokenizer = AutoTokenizer.from_pretrained(str(assets.path))
-            if tokenizer.pad_token_id is None:
-                tokenizer.pad_token = tokenizer.eos_token
-            r = config.response_length or (
-                SMALL_RESPONSE_LENGTH if assets.built_here else REAL_RESPONSE_LENGTH
-            )
-            ctx = _Context(
-                config=config,
-                run_dir=run_dir,
-                say=say,
-                assets=assets,
-                tokenizer=tokenizer,
-                pad_id=int(tokenizer.pad_token_id),
-                eos_id=int(tokenizer.eos_token_id),
-                response_length=r,
-                conditions=GenerationConditions(
-                    tokenizer_id=tokenizer_id(assets.path),
-                    temperature=1.0,
-                    top_p=1.0,
-                    top_k=-1,
-                    max_tokens=r,
-                    seed=42,
-                ),
-                control=config.control,
-            )
-            first: dict[str, Any] | None = None
-            for name in GROUPS:
-                g = _Group(ctx, name, name == "release_resume", first)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        log = Path(tmp) / "verl.log"
+        try:
+            with platform.output_to(str(log)):
                 try:
-                    g.run()
-                except (GpuCheckError, RuntimeError, ValueError, AssertionError, OSError) as exc:
-                    stage = exc.stage if isinstance(exc, TechnicalFailure) else "verl"
-                    technical.append(
-                        {"group": name, "stage": stage, "message": f"{type(exc).__name__}: {exc}"}
-                    )
-                    groups.append(g.doc)
-                    break
-                groups.append(g.doc)
-                first = first or g.doc
-    finally:
-        with contextlib.suppress(OSError):
-            atomic_write(run_dir / "verl.log", Path(log_tmp).read_bytes())
-        Path(log_tmp).unlink(missing_ok=True)
-        if tmp_model is not None:
-            shutil.rmtree(tmp_model, ignore_errors=True)
+                    device_info = platform.prepare(config.device)
+                    ctx = _setup(config, assets, run_dir, say, Path(tmp) / "model")
+                    assets = ctx.assets
+                except _TECHNICAL as exc:
+                    technical.append(_technical("setup", exc))
+                else:
+                    timings["setup"] = round(time.perf_counter() - started, 3)
+                    first: dict[str, Any] | None = None
+                    for name in GROUPS:
+                        g = _Group(ctx, name, name == "release_resume", first)
+                        try:
+                            g.run()
+                        except _TECHNICAL as exc:
+                            technical.append({"group": name, **_technical("verl", exc)})
+                        groups.append(g.doc)
+                        if technical:
+                            break
+                        first = first or g.doc
+        finally:
+            if log.exists():
+                atomic_write(run_dir / "verl.log", log.read_bytes())
     timings["total"] = round(time.perf_counter() - started, 3)
     doc = _result_doc(config, created, device_info, assets, groups, technical, timings, run_dir)
     tech, checks = judge_result(doc)
@@ -696,8 +706,12 @@ def run_experiment(config: RunConfig, progress: Progress | None = None) -> RunOu
         doc["negative_control"]["observed_failures"] = sorted(doc["failed_checks"])
         doc["negative_control"]["as_expected"] = not tech and set(doc["failed_checks"]) == want
     path = save(config.output_root, doc, require_seed_paths="incomplete" not in doc)
-    del ctx
     return RunOutcome(path, doc, tuple(tech), tuple(checks))
+
+
+def _technical(default_stage: str, exc: BaseException) -> dict[str, str]:
+    stage = exc.stage if isinstance(exc, TechnicalFailure) else default_stage
+    return {"stage": stage, "message": f"{type(exc).__name__}: {exc}"}
 
 
 def _result_doc(
