@@ -223,7 +223,7 @@ def _lora(model_dir: Path, seed: int) -> Any:
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), attn_implementation="eager", torch_dtype=torch.float32
+        str(model_dir), attn_implementation="eager", dtype=torch.float32
     )
     torch.manual_seed(seed)
     cfg = LoraConfig(

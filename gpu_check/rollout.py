@@ -95,11 +95,11 @@ class SeparateCopyRollout(BaseRollout):  # type: ignore[misc]
             torch.manual_seed(DUMMY_SEED)
             if "dummy" in self.config.load_format:
                 model = AutoModelForCausalLM.from_config(
-                    hf_config, attn_implementation="eager", torch_dtype=torch.float32
+                    hf_config, attn_implementation="eager", dtype=torch.float32
                 )
             else:
                 model = AutoModelForCausalLM.from_pretrained(
-                    path, attn_implementation="eager", torch_dtype=torch.float32
+                    path, attn_implementation="eager", dtype=torch.float32
                 )
         self.model: Any = model.to(self.device).eval()
         self.version: int | None = None
