@@ -30,7 +30,7 @@ COMMANDS = (campaign, fuzz, explore, mutants, admit, ledger, demo, diagram, gpu_
 EXIT_CODES_HELP = (
     "Exit codes: 0 clean; 1 findings (a violation, a failed or surviving check, stale "
     "docs, a missed coverage goal); 2 usage or input error; 3 technical failure; "
-    "4 gpu-check preflight: only the model weights are missing; 130 interrupted."
+    "4 gpu-check preflight/run: only the model weights are missing; 130 interrupted."
 )
 
 
