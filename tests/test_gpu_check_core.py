@@ -100,7 +100,7 @@ def test_model_folder_other_problems_are_not_weights(tmp_path: Path) -> None:
     with pytest.raises(ModelAssetsError, match="not a directory") as e:
         inspect_model_dir(tmp_path / "nope")
     assert not e.value.only_weights_missing
-    with pytest.raises(ModelAssetsError, match="config.json is missing") as e:
+    with pytest.raises(ModelAssetsError, match=r"config\.json is missing") as e:
         inspect_model_dir(_folder(tmp_path, weights=b"x", config=False))
     assert not e.value.only_weights_missing
     sharded = tmp_path / "sharded"
