@@ -213,9 +213,14 @@ def prepare(requested: str = "auto") -> DeviceInfo:
         raise TechnicalFailure(
             "platform", f"the check runs in one process; WORLD_SIZE is {world} (unset it)"
         )
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    # a fresh port every time: an inherited MASTER_PORT may belong to another process
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+    )
     os.environ.setdefault("VERL_LOGGING_LEVEL", "WARN")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if device == "cpu":
@@ -229,8 +234,8 @@ def prepare(requested: str = "auto") -> DeviceInfo:
     from verl.plugin.platform import get_platform
 
     if not dist.is_initialized():
-        try:
-            dist.init_process_group(backend, rank=0, world_size=1)
+        try:  # a process-local store: no socket to race for, nobody else ever joins
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         except (RuntimeError, ValueError) as exc:
             raise TechnicalFailure("platform", f"torch.distributed init failed: {exc}") from None
     _PREPARED = DeviceInfo(requested, device, type(get_platform()).__name__, backend, name)
