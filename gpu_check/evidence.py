@@ -129,12 +129,12 @@ def _finite(x: Any) -> bool:
 # ---- the seed's checks (need only the seed's field paths) ---------------------------------
 
 
-def _comparison(name: str, cmp: Any, tol: Tolerances) -> CheckResult | str:
-    """A same-version comparison within the fixed bounds, or a technical problem."""
+def _comparison(name: str, field: str, cmp: Any, tol: Tolerances) -> CheckResult | str:
+    """Check `name`: the comparison stored at `field` within the fixed bounds (else technical)."""
     mx: Any = cmp.get("max_abs_error") if isinstance(cmp, Mapping) else None
     mean: Any = cmp.get("mean_abs_error") if isinstance(cmp, Mapping) else None
     if not (_finite(mx) and _finite(mean)):
-        return f"{name} needs finite max_abs_error and mean_abs_error"
+        return f"{field} needs finite max_abs_error and mean_abs_error"
     return CheckResult(
         name,
         mx <= tol.max_abs_logprob and mean <= tol.mean_abs_logprob,
@@ -177,10 +177,13 @@ def _seed_checks(doc: Mapping[str, Any], tol: Tolerances) -> tuple[list[str], li
             )
         )
     got = _comparison(
-        "same_version_logprobs", doc["decision"]["comparisons"]["same_version_after"], tol
+        "same_version_logprobs",
+        "same_version_after",
+        doc["decision"]["comparisons"]["same_version_after"],
+        tol,
     )
     if isinstance(got, str):
-        technical.append(got.replace("same_version_logprobs", "same_version_after"))
+        technical.append(got)
     else:
         checks.append(got)
     sync = doc["sync_rpc_and_version"]
@@ -269,7 +272,10 @@ def _check_attribution(doc: Mapping[str, Any], _t: Tolerances) -> CheckResult:
 
 def _check_before(doc: Mapping[str, Any], tol: Tolerances) -> CheckResult:
     got = _comparison(
-        "same_version_before", doc["decision"]["comparisons"]["same_version_before"], tol
+        "same_version_before",
+        "same_version_before",
+        doc["decision"]["comparisons"]["same_version_before"],
+        tol,
     )
     if isinstance(got, str):
         raise KeyError(got)
@@ -435,6 +441,27 @@ GROUP_CHECKS: tuple[Callable[[Mapping[str, Any], Tolerances], CheckResult], ...]
 )
 
 
+# every check of a group, in the order results list them (docs/gpu-check.md's table)
+CHECK_ORDER = (
+    "update_moved_weights",
+    "weights_changed_hash",
+    "base_weights_frozen",
+    "change_attribution",
+    "same_version_before",
+    "same_version_logprobs",
+    "version_seen_after_sync",
+    "admission_within_bounds",
+    "update_consumed_admitted",
+    "artifact_committed",
+    "activation_flipped_pointer",
+    "ack_matches_held",
+    "generation_holds_artifact",
+    "version_matches_weights",
+    "generation_memory_mode",
+    "trace_invariants",
+)
+
+
 def judge_group(
     doc: Mapping[str, Any], tol: Tolerances | None = None
 ) -> tuple[list[str], list[CheckResult]]:
@@ -449,16 +476,7 @@ def judge_group(
             checks.append(fn(doc, tol))
         except (KeyError, TypeError, AttributeError, IndexError) as exc:
             technical.append(f"{fn.__name__.removeprefix('_check_')}: evidence field {exc}")
-    order = [
-        "update_moved_weights",
-        "weights_changed_hash",
-        "base_weights_frozen",
-        "change_attribution",
-        "same_version_before",
-        "same_version_logprobs",
-        "version_seen_after_sync",
-    ]
-    checks.sort(key=lambda c: order.index(c.name) if c.name in order else len(order))
+    checks.sort(key=lambda c: CHECK_ORDER.index(c.name))
     return technical, checks
 
 

@@ -28,6 +28,7 @@ Every figure is measured in the run; the checks are computed from the saved evid
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -210,7 +211,16 @@ class _Group:
             finally:
                 self._close_protocol()
         finally:
-            self.trainer.close()
+            self._release()
+
+    def _release(self) -> None:
+        """Let go of verl's worker and the generation copy before the next group is built."""
+        self.trainer.close()
+        del self.trainer, self.rollout, self.phases
+        gc.collect()
+        from verl.utils.device import get_torch_device
+
+        get_torch_device().empty_cache()
 
     def _initialization(self) -> bool:
         spec, doc = self.spec, self.doc

@@ -235,7 +235,8 @@ def prepare(requested: str = "auto") -> DeviceInfo:
 
     if not dist.is_initialized():
         try:  # a process-local store: no socket to race for, nobody else ever joins
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            store = dist.HashStore()  # type: ignore[attr-defined,unused-ignore]
+            dist.init_process_group(backend, store=store, rank=0, world_size=1)
         except (RuntimeError, ValueError) as exc:
             raise TechnicalFailure("platform", f"torch.distributed init failed: {exc}") from None
     _PREPARED = DeviceInfo(requested, device, type(get_platform()).__name__, backend, name)

@@ -17,6 +17,7 @@ from rollout_lifecycle.gpu_check import extra
 from rollout_lifecycle.gpu_check.controls import CONTROLS, GROUPS, expected_failed_checks
 from rollout_lifecycle.gpu_check.errors import ExtraMissing, ModelAssetsError
 from rollout_lifecycle.gpu_check.evidence import (
+    CHECK_ORDER,
     judge_result,
     load_trace,
     trace_report,
@@ -122,6 +123,8 @@ def test_controls_name_real_checks_and_differ() -> None:
     """Every expected failure is a check a run records; no two controls fail alike."""
     recorded = {c["name"] for c in json.loads(REFERENCE.read_text())["checks"]}
     sets = [c.expected_failures for c in CONTROLS.values()]
+    assert all(s <= set(CHECK_ORDER) for s in sets)
+    assert {n.split("/", 1)[-1] for n in recorded} == {*CHECK_ORDER, "groups_same_initial_adapter"}
     for control in CONTROLS:
         assert expected_failed_checks(control) <= recorded, control
     assert all(sets) and len(set(sets)) == len(sets)
