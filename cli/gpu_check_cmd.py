@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from rollout_lifecycle.cli import exitcodes
@@ -114,7 +115,7 @@ def preflight(
             table.add_column(col)
         colour = {"ok": "green", "fail": "red", "weights_missing": "yellow", "skipped": "dim"}
         for i in report.items:
-            table.add_row(i.name, f"[{colour[i.status]}]{i.status}[/]", i.detail)
+            table.add_row(i.name, f"[{colour[i.status]}]{i.status}[/]", escape(i.detail))
         Console(width=None if sys.stdout.isatty() else 140).print(table)
         verdict = {
             0: "ready",
@@ -261,7 +262,9 @@ def _print(summary: dict[str, Any], doc: dict[str, Any]) -> None:
     for col in ("check", "result", "detail"):
         table.add_column(col)
     for c in doc["checks"]:
-        table.add_row(c["name"], "[green]pass[/]" if c["passed"] else "[red]FAIL[/]", c["detail"])
+        table.add_row(
+            c["name"], "[green]pass[/]" if c["passed"] else "[red]FAIL[/]", escape(c["detail"])
+        )
     console.print(table)
     for name, g in summary["groups"].items():
         if not g["trained"]:
@@ -279,9 +282,9 @@ def _print(summary: dict[str, Any], doc: dict[str, Any]) -> None:
             highlight=False,
         )
     for t in summary["technical"]:
-        console.print(f"[red]technical failure[/]: {t}")
+        console.print(f"[red]technical failure[/]: {escape(t)}")
     ctl = summary["negative_control"]
     if ctl:
         state = "exactly the expected checks failed" if ctl["as_expected"] else "NOT as expected"
         console.print(f"negative control {ctl['name']}: {state}")
-    console.print(f"result: {summary['result']}", highlight=False)
+    console.print(f"result: {escape(summary['result'])}", highlight=False)
