@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,16 +51,6 @@ def batch() -> dict[str, Any]:
     }
 
 
-def best_of(fn: Callable[[], Any], repeat: int = 5) -> float:
-    """Fastest wall time of `repeat` runs."""
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -69,6 +58,7 @@ def main() -> None:
     import torch
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_rejection_mask
 
+    from benchmarks.run import best_of
     from rollout_lifecycle.gpu_check.verl_adapter import admission_mask
 
     torch.set_num_threads(1)
