@@ -224,8 +224,8 @@ class _Group:
 
     def _initialization(self) -> bool:
         spec, doc = self.spec, self.doc
-        self.adapter0, self.base0 = self.trainer.adapter(), self.trainer.base()
-        self.h0, self.b0 = tensors_sha256(self.adapter0), tensors_sha256(self.base0)
+        self.adapter0 = self.trainer.adapter()
+        self.h0, self.b0 = tensors_sha256(self.adapter0), tensors_sha256(self.trainer.base())
         trained = self.first is None or self.h0 == self.first["initialization"]["adapter_sha256"]
         doc["initialization"] = {
             "seed": spec.seed,
@@ -365,10 +365,9 @@ class _Group:
             except Exception as exc:
                 proto.fail_update(update_id, "update_actor_failed", str(exc)[:200])
                 raise TechnicalFailure("update", f"update_actor failed: {exc}") from None
-            adapter1, base1 = trainer.adapter(), trainer.base()
+            adapter1, b1 = trainer.adapter(), tensors_sha256(trainer.base())
             proto.commit(update_id, reservation.reserved)
         self.phases.close("update")
-        b1 = tensors_sha256(base1)
         doc["update"] = _update_json(self.adapter0, adapter1, self.b0, b1, metrics, self.spec)
         ctx.say(f"{self.name}: one update_actor step, grad_norm {doc['update']['grad_norm']:.4g}")
 
