@@ -5,11 +5,13 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 OUT    ?= campaign-out
-# torch is only needed by the tests that feed tensors to the gate; pin the CPU build
-# (pip takes it from local disk here; an unpinned torch pulls several GB of CUDA)
+# torch is needed by the tests that feed tensors to the gate and by the real-run check;
+# pin the CPU build FIRST (pip takes it from local disk here; an unpinned torch pulls several
+# GB of CUDA), then the [verl] extra, whose torch range it satisfies
 TORCH  ?= torch==2.13.0
+LABEL  ?= cpu-$(shell date -u +%Y%m%dT%H%M%SZ)
 
-.PHONY: campaign test setup setup-dev lint demo docs bench clean
+.PHONY: campaign test setup setup-dev lint demo docs bench gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ needed"'
@@ -22,7 +24,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,verl]"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -49,5 +51,10 @@ docs: setup
 bench: setup-dev
 	$(BIN)/python benchmarks/run.py
 
+# the real-run check on this machine (small model; cuda when torch sees one): preflight, run
+gpu-check: setup-dev
+	$(BIN)/rollout-lifecycle gpu-check preflight --run-label $(LABEL)
+	$(BIN)/rollout-lifecycle gpu-check run --run-label $(LABEL)
+
 clean:
-	rm -rf $(VENV) $(OUT) .hypothesis .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(OUT) .hypothesis .pytest_cache .mypy_cache .ruff_cache gpu-check-results

@@ -5,7 +5,8 @@
   2  usage or input error: bad options, unreadable or invalid input, a refused operation
   3  technical failure: the environment failed (I/O, a database that cannot be reached,
      a missing optional dependency); nothing was judged
-  4  gpu-check preflight: ready except that the model weights are missing
+  4  gpu-check preflight: ready except that the model weights are missing (gpu-check run:
+     refused for the same reason, before anything is written)
 130  interrupted (Ctrl-C or SIGTERM)
 """
 

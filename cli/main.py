@@ -24,17 +24,18 @@ from rollout_lifecycle.cli.demo_cmd import demo
 from rollout_lifecycle.cli.diagram_cmd import diagram
 from rollout_lifecycle.cli.explore_cmd import explore
 from rollout_lifecycle.cli.fuzz_cmd import fuzz
+from rollout_lifecycle.cli.gpu_check_cmd import gpu_check
 from rollout_lifecycle.cli.ledger_cmd import ledger
 from rollout_lifecycle.cli.mutants_cmd import mutants
 from rollout_lifecycle.model.atomic import cleanup_temporaries, describe_os_error
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 
-COMMANDS = (campaign, fuzz, explore, mutants, admit, ledger, demo, diagram)
+COMMANDS = (campaign, fuzz, explore, mutants, admit, ledger, demo, diagram, gpu_check)
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 clean; 1 findings (a violation, a failed or surviving check, stale "
     "docs, a missed coverage goal); 2 usage or input error; 3 technical failure; "
-    "4 gpu-check preflight: only the model weights are missing; 130 interrupted."
+    "4 gpu-check preflight/run: only the model weights are missing; 130 interrupted."
 )
 
 
