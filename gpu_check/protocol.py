@@ -111,7 +111,6 @@ class RunProtocol:
         self.policy = policy
         self.gate = AdmissionGate(policy, registry=self.coordinator.activated_hash)
         self.dataset = dataset
-        self._ack_seq = 0
 
     @property
     def ledger(self) -> Any:
@@ -155,15 +154,9 @@ class RunProtocol:
     def ack(self, version: int, artifact_hash: str) -> AckResult:
         """Record the generation side's report of what it loaded for the current attempt."""
         rec = self.coordinator.artifact(version)
-        ack = WorkerAck(
-            worker_id=WORKER_ID,
-            version=version,
-            artifact_hash=artifact_hash,
-            incarnation=0,
-            seq=self._ack_seq,
-            attempt=rec.attempts,
-        )
-        self._ack_seq += 1
+        # the worker says what it loaded and which distribution it answered; the
+        # coordinator numbers the report
+        ack = WorkerAck(WORKER_ID, version, artifact_hash, attempt=rec.attempts)
         return self.coordinator.record_ack(ack)
 
     def activate(self, version: int) -> ActivationResult:

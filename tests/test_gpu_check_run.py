@@ -192,8 +192,15 @@ def test_trace_replays_through_the_spec(runs: dict[str, Run]) -> None:
         again = trace_report(events)
         assert again == {k: v for k, v in g["invariants"].items() if k != "trace_file"}
         assert len(again["held"]) == len(again["checked"]) >= 15
-        kinds = {e.event for e in events}
-        assert {"reserve", "commit", "activate", "distribute", "commit_artifact"} <= kinds
+        kinds = {getattr(e, "event", e.kind) for e in events}
+        assert {
+            "reserve",
+            "commit",
+            "activate",
+            "distribute",
+            "commit_artifact",
+            "membership",
+        } <= kinds
 
 
 def test_saved_result_rejudges_to_the_same_checks(runs: dict[str, Run]) -> None:
