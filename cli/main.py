@@ -27,10 +27,11 @@ from rollout_lifecycle.cli.fuzz_cmd import fuzz
 from rollout_lifecycle.cli.gpu_check_cmd import gpu_check
 from rollout_lifecycle.cli.ledger_cmd import ledger
 from rollout_lifecycle.cli.mutants_cmd import mutants
+from rollout_lifecycle.cli.race_cmd import race
 from rollout_lifecycle.model.atomic import cleanup_temporaries, describe_os_error
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 
-COMMANDS = (campaign, fuzz, explore, mutants, admit, ledger, demo, diagram, gpu_check)
+COMMANDS = (campaign, fuzz, explore, mutants, race, admit, ledger, demo, diagram, gpu_check)
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 clean; 1 findings (a violation, a failed or surviving check, stale "

@@ -1,0 +1,93 @@
+"""`race`: the README's pattern in real processes, judged by the spec, the stored rows and a
+history check of every call (see stateful_tests/race.py). Exit 1 on any violation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from rollout_lifecycle.cli.exitcodes import InputError, TechnicalError, findings
+from rollout_lifecycle.cli.output import (
+    Progress,
+    check_report_path,
+    emit_report,
+    make_console,
+    quiet_option,
+    report_options,
+)
+from rollout_lifecycle.model.errors import RolloutLifecycleError
+from rollout_lifecycle.stateful_tests.race import RaceConfig, fresh_file, run_race
+
+
+@click.command("race")
+@click.option(
+    "--backend",
+    "url",
+    default="sqlite:///race.db",
+    show_default=True,
+    help="A NEW SQLite file (sqlite:///path); every process opens its own connection.",
+)
+@click.option("--learners", type=click.IntRange(1, 64), default=4, show_default=True)
+@click.option("--activators", type=click.IntRange(1, 8), default=1, show_default=True)
+@click.option(
+    "--seconds", type=click.FloatRange(min=1.0, max=86_400.0), default=60.0, show_default=True
+)
+@click.option("--max-lag", type=click.IntRange(0, 1000), default=1, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True)
+@report_options
+@quiet_option
+def race(
+    url: str,
+    learners: int,
+    activators: int,
+    seconds: float,
+    max_lag: int,
+    seed: int,
+    as_json: bool,
+    report_path: Path | None,
+    quiet: bool,
+) -> None:
+    """Race activators against learners running the README pattern; judge everything."""
+    check_report_path(report_path)
+    try:
+        fresh_file(url)
+    except RolloutLifecycleError as exc:
+        raise InputError(str(exc)) from None
+    cfg = RaceConfig(
+        url=url,
+        learners=learners,
+        activators=activators,
+        seconds=seconds,
+        max_lag=max_lag,
+        seed=seed,
+    )
+    tick = Progress("race", quiet=quiet)
+    try:
+        report = run_race(cfg, progress=tick)
+    except RolloutLifecycleError as exc:
+        raise TechnicalError(f"the race could not run: {exc}") from None
+    tick("done", True)
+    console = make_console(quiet=as_json)
+    totals = report.totals()
+    table = Table(title=f"race: {activators} activator(s), {learners} learners, {seconds:.0f}s")
+    table.add_column("counter")
+    table.add_column("total", justify="right")
+    for key, n in totals.items():
+        table.add_row(key, f"{n:,}")
+    console.print(table)
+    for v in report.violations[:50]:
+        console.print(f"[red]{v}[/]")
+    for e in report.errors:
+        console.print(f"[red]process failed: {e}[/]")
+    console.print(
+        f"{report.events:,} events replayed, {report.calls:,} reserve calls judged: "
+        f"{len(report.violations)} violations"
+    )
+    emit_report(report.to_json(), as_json=as_json, report_path=report_path, console=console)
+    if not report.ok:
+        raise findings()
+
+
+__all__ = ["race"]

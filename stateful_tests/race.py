@@ -1,0 +1,471 @@
+"""The README's pattern raced in real processes: activators move the pointer while learners
+admit, reserve and commit, each process on its own connection to one database.
+
+Every learner records every call it makes (what it asked, when it started and returned,
+what it got). At the end the whole stored trace is replayed through the spec, the stored
+rows are compared with it, and each recorded call's outcome is judged against the
+sequential specification at some moment inside its own call window (a history check in
+the Wing-Gong sense, per rollout, with the trace as the witness of the write order): a
+success must be the one reservation event the trace shows for it, a refusal must be true
+of the rollout at some moment while the call was running. A compare-and-set that is atomic
+on one connection but not across several, or a reservation that is judged against a
+stale pointer, shows up as a violation, not only in a unit test.
+
+    rollout-lifecycle race --backend sqlite:///race.db --learners 4 --seconds 60
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from rollout_lifecycle.model.backends import open_backend
+from rollout_lifecycle.model.coordinator import ActivationCoordinator
+from rollout_lifecycle.model.errors import ActivationError, BackendURLError, RevisionConflict
+from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, TraceEvent
+from rollout_lifecycle.model.gate import AdmissionGate, GatePolicy
+from rollout_lifecycle.model.ledger import ReserveRequest
+from rollout_lifecycle.model.records import (
+    ActionEvidence,
+    AdmissionStamp,
+    BehaviorPolicy,
+    Disposition,
+    GenerationConditions,
+    LedgerEntry,
+    Reward,
+    Rollout,
+    RolloutIdentity,
+    WorkerAck,
+    from_jsonable,
+    to_jsonable,
+)
+from rollout_lifecycle.spec.invariants import (
+    Violation,
+    check_trace,
+    compare_with_store,
+    stored_world,
+    violated_names,
+)
+
+WORKERS = ("gen-0", "gen-1")
+REWARD = Reward("race-rm", "1", 1.0)
+CONDITIONS = GenerationConditions("race-tok", 1.0, 1.0, -1, 4)
+EVIDENCE = ActionEvidence((1, 2, 3, 4), (True, True, True, True), (-1.0, -1.0, -1.0, -1.0))
+BATCH = 16
+SCHEMA = "rollout-lifecycle/race-report/1"
+
+
+def version_hash(v: int) -> str:
+    """The artifact hash of version v in a race."""
+    return f"{v:x}".rjust(64, "d")
+
+
+@attrs.frozen
+class RaceConfig:
+    """What to race: how many processes of each kind, how long, and the admission bounds."""
+
+    url: str
+    learners: int = 4
+    activators: int = 1
+    seconds: float = 60.0
+    max_lag: int = 1
+    max_drift: float = 0.2
+    seed: int = 0
+    pool: int = 64  # the generator keeps about this many rollouts waiting
+
+
+def _hashes(registry: Any) -> Callable[[int], str | None]:
+    from rollout_lifecycle.model.registry import activated_hash
+
+    return lambda v: activated_hash(registry, v)
+
+
+def _activator(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
+    """Publish version after version (and generate rollouts at the version workers serve)."""
+    rng = random.Random(cfg.seed * 7919 + index)
+    stats: Counter[str] = Counter()
+    try:
+        with open_backend(cfg.url) as b:
+            coord = ActivationCoordinator(b.registry, ledger=b.ledger)
+            serving = coord.pointer()
+            n = 0
+            while time.time() < deadline:
+                if index == 0:  # the generator: rollouts from the weights being served
+                    waiting = b.ledger.statistics().by_state.get("rewarded", 0)
+                    if waiting < cfg.pool and serving is not None:
+                        entries = [
+                            LedgerEntry(
+                                rollout_id=f"a{index}.{n + i}",
+                                behavior_version=serving.version,
+                                artifact_hash=serving.artifact_hash,
+                                state="rewarded",
+                                reward=REWARD,
+                            )
+                            for i in range(BATCH)
+                        ]
+                        n += BATCH
+                        b.ledger.add_many(entries)  # type: ignore[attr-defined]
+                        stats["generated"] += BATCH
+                try:
+                    top = coord.registry.max_version() or 0
+                    v = top + 1
+                    coord.prepare(v)
+                    coord.commit_artifact(v, version_hash(v))
+                    coord.distribute(v)
+                    for w in WORKERS:
+                        coord.record_ack(WorkerAck(w, v, version_hash(v)))
+                    res = coord.try_activate(v)
+                    stats[f"activate:{res.reason}"] += 1
+                    if res.activated:
+                        # generators switch a little later: rollouts in flight lag behind
+                        serving = coord.pointer() if rng.random() < 0.7 else serving
+                except ActivationError as exc:
+                    stats[f"refused:{type(exc).__name__}"] += 1
+                time.sleep(rng.uniform(0.02, 0.2))
+        out.put({"role": f"activator-{index}", "stats": dict(stats)})
+    except BaseException as exc:  # the parent must see why a child failed
+        out.put({"role": f"activator-{index}", "error": repr(exc)})
+        raise
+
+
+def _learner(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
+    """The README pattern in a loop: pointer -> assess_batch -> reserve_batch -> commit."""
+    rng = random.Random(cfg.seed * 104729 + index)
+    stats: Counter[str] = Counter()
+    calls: list[dict[str, Any]] = []
+    update = 0
+    try:
+        with open_backend(cfg.url) as b:
+            gate = AdmissionGate(
+                GatePolicy(max_lag=cfg.max_lag, max_drift=cfg.max_drift),
+                registry=_hashes(b.registry),
+            )
+            reader = _reader(cfg.url)
+            while time.time() < deadline:
+                pointer = b.registry.pointer()
+                entries = _waiting(reader, rng)
+                if pointer is None or not entries:
+                    time.sleep(0.01)
+                    continue
+                rollouts = [_rollout(e) for e in entries]
+                current = np.full((len(rollouts), 4), -1.0)
+                decisions = gate.assess_batch(rollouts, current, pointer.version)
+                for d, e in zip(decisions, entries, strict=True):
+                    stats[f"admission:{d.reason}"] += 1
+                    event = {"offline": "retire_stale", "quarantine": "quarantine"}.get(d.route)
+                    if event is not None:  # what the gate routes away never waits again
+                        try:
+                            b.ledger.transition(
+                                e.rollout_id,
+                                event,
+                                e.revision,
+                                disposition=Disposition("admission", d.reason),
+                            )
+                            stats[f"routed:{event}"] += 1
+                        except RevisionConflict:
+                            stats["routed:conflict"] += 1
+                requests = [
+                    ReserveRequest(e.rollout_id, e.revision, d.stamp())
+                    for d, e in zip(decisions, entries, strict=True)
+                    if d.accepted
+                ]
+                if not requests:
+                    continue
+                update_id = f"L{index}.u{update}"
+                update += 1
+                started = time.time()
+                if rng.random() < 0.3:  # single compare-and-sets too: one statement each
+                    outs = [
+                        b.ledger.reserve(r.rollout_id, r.expected_revision, update_id, r.admission)
+                        for r in requests
+                    ]
+                else:
+                    outs = b.ledger.reserve_batch(update_id, requests)
+                ended = time.time()
+                calls.append(
+                    {
+                        "update_id": update_id,
+                        "start": started,
+                        "end": ended,
+                        "asked": [
+                            [r.rollout_id, r.expected_revision, to_jsonable(r.admission)]
+                            for r in requests
+                        ],
+                        "got": [[o.rollout_id, o.reason] for o in outs],
+                    }
+                )
+                won = [o.rollout_id for o in outs if o.reserved]
+                for o in outs:
+                    stats[f"reserve:{o.reason}"] += 1
+                if won:
+                    b.ledger.commit(update_id, won)
+                    stats["committed"] += len(won)
+            reader.close()
+        out.put({"role": f"learner-{index}", "stats": dict(stats), "calls": calls})
+    except BaseException as exc:
+        out.put({"role": f"learner-{index}", "error": repr(exc)})
+        raise
+
+
+def _reader(url: str) -> Any:
+    """A read-only connection for the learner's own 'what is waiting' query (its buffer)."""
+    from rollout_lifecycle.model.backends import sqlite_path
+    from rollout_lifecycle.model.sqlite_common import connect_read_only
+
+    return connect_read_only(sqlite_path(url))
+
+
+def _waiting(conn: Any, rng: random.Random) -> list[LedgerEntry]:
+    import json
+
+    rows = conn.execute(
+        "SELECT entry FROM rollouts WHERE state = 'rewarded' ORDER BY rollout_id LIMIT 64"
+    ).fetchall()
+    entries = [from_jsonable(LedgerEntry, json.loads(r[0])) for r in rows]
+    rng.shuffle(entries)
+    return entries[: rng.randint(1, BATCH)]
+
+
+def _rollout(e: LedgerEntry) -> Rollout:
+    return Rollout(
+        identity=RolloutIdentity(e.rollout_id, "p", "race", 0),
+        behavior=BehaviorPolicy(e.behavior_version, e.artifact_hash),
+        conditions=CONDITIONS,
+        evidence=EVIDENCE,
+        status=e,
+    )
+
+
+@attrs.frozen
+class RaceReport:
+    """Counts per role and reason, and every violation the checks found."""
+
+    config: RaceConfig
+    elapsed_s: float
+    stats: dict[str, dict[str, int]]
+    events: int
+    calls: int
+    violations: tuple[Violation, ...]
+    errors: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        """No violation and no process failed."""
+        return not self.violations and not self.errors
+
+    def totals(self) -> dict[str, int]:
+        """Counters summed over every process."""
+        out: Counter[str] = Counter()
+        for s in self.stats.values():
+            out.update(s)
+        return dict(sorted(out.items()))
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON (schema rollout-lifecycle/race-report/1)."""
+        return {
+            "schema": SCHEMA,
+            "config": attrs.asdict(self.config),
+            "elapsed_s": round(self.elapsed_s, 2),
+            "ok": self.ok,
+            "events": self.events,
+            "calls_judged": self.calls,
+            "totals": self.totals(),
+            "per_process": self.stats,
+            "violation_count": len(self.violations),
+            "by_invariant": dict(violated_names(self.violations)),
+            "violations": [attrs.asdict(v) for v in self.violations[:200]],
+            "errors": list(self.errors),
+        }
+
+
+def prepare(cfg: RaceConfig) -> None:
+    """A fresh database with the worker set recorded and v0 active."""
+    with open_backend(cfg.url) as b:
+        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger)
+        if coord.pointer() is None:
+            coord.prepare(0)
+            coord.commit_artifact(0, version_hash(0))
+            coord.distribute(0)
+            for w in WORKERS:
+                coord.record_ack(WorkerAck(w, 0, version_hash(0)))
+            coord.try_activate(0)
+
+
+def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> RaceReport:
+    """Race the processes for `cfg.seconds`, then judge the trace, the rows and every call."""
+    say = progress or (lambda _t: None)
+    prepare(cfg)
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    started = time.time()
+    deadline = started + cfg.seconds + 3.0  # spawning children takes a moment
+    procs = [
+        ctx.Process(target=_activator, args=(cfg, i, deadline, results))
+        for i in range(cfg.activators)
+    ] + [
+        ctx.Process(target=_learner, args=(cfg, i, deadline, results)) for i in range(cfg.learners)
+    ]
+    for p in procs:
+        p.start()
+    reports: list[dict[str, Any]] = []
+    while len(reports) < len(procs):
+        left = max(0.0, deadline - time.time())
+        say(f"{len(procs)} processes racing, {left:.0f}s left, {len(reports)} done")
+        try:
+            reports.append(results.get(timeout=5.0))
+        except Exception:  # queue.Empty: keep waiting while children run
+            if not any(p.is_alive() for p in procs):
+                break
+    for p in procs:
+        p.join(timeout=30)
+    elapsed = time.time() - started
+    errors = tuple(f"{r['role']}: {r['error']}" for r in reports if "error" in r)
+    errors += tuple(f"process {p.name} exited {p.exitcode}" for p in procs if p.exitcode)
+    say("judging the trace, the stored rows and every call")
+    with open_backend(cfg.url, create=False) as b:
+        trace = b.trace()
+        report = check_trace(trace, with_registry=True)
+        store = compare_with_store(report.final, stored_world(b.ledger, b.registry))
+    calls = [c for r in reports for c in r.get("calls", [])]
+    history = judge_calls(trace, calls)
+    return RaceReport(
+        config=cfg,
+        elapsed_s=elapsed,
+        stats={r["role"]: r.get("stats", {}) for r in reports},
+        events=len(trace),
+        calls=len(calls),
+        violations=(*report.violations, *store, *history),
+        errors=errors,
+    )
+
+
+def judge_calls(trace: Sequence[TraceEvent], calls: Sequence[dict[str, Any]]) -> list[Violation]:
+    """Each recorded reserve call's per-rollout outcome against the sequential spec.
+
+    The trace orders every write; a rollout's state and the pointer are known at each
+    moment. A reported win must be the trace's reservation of that rollout by that update,
+    inside the call's window; a refusal must hold at some moment inside the window.
+    """
+    name = "call_outcome_linearizable"
+    out: list[Violation] = []
+    timeline: dict[str, list[EntryChanged]] = defaultdict(list)
+    pointer_at: list[tuple[float, int | None]] = []
+    for ev in trace:
+        if isinstance(ev, EntryChanged):
+            timeline[ev.rollout_id].append(ev)
+        elif isinstance(ev, ArtifactChanged) and ev.pointer_after != ev.pointer_before:
+            pointer_at.append(
+                (ev.at, None if ev.pointer_after is None else ev.pointer_after.version)
+            )
+    slack = 0.005  # clock reads around the call vs the write's own clock read
+    for call in calls:
+        lo, hi = call["start"] - slack, call["end"] + slack
+        asked = {rid: (rev, stamp) for rid, rev, stamp in call["asked"]}
+        for rid, reason in call["got"]:
+            evs = timeline.get(rid, [])
+            mine = [e for e in evs if e.event == "reserve" and e.update_id == call["update_id"]]
+            expected_rev = asked[rid][0]
+            if reason == "reserved":
+                if len(mine) != 1 or not lo <= mine[0].at <= hi:
+                    out.append(
+                        Violation(
+                            name,
+                            f"{call['update_id']} won {rid}, yet the trace "
+                            f"holds {len(mine)} such reservation(s) in its window",
+                        )
+                    )
+                elif mine[0].before is None or mine[0].before.revision != expected_rev:
+                    out.append(
+                        Violation(
+                            name,
+                            f"{call['update_id']} won {rid} at revision "
+                            f"{expected_rev}, the trace wrote over another",
+                        )
+                    )
+                continue
+            if mine:
+                out.append(
+                    Violation(
+                        name,
+                        f"{call['update_id']} was told {reason} for {rid} "
+                        "but the trace shows it reserved",
+                    )
+                )
+                continue
+            states = _states_in(evs, lo, hi)
+            if reason == "revision_conflict":
+                ok = any(e.revision != expected_rev for e in states)
+            elif reason == "not_rewarded":
+                ok = any(e.state != "rewarded" for e in states)
+            elif reason == "pointer_moved":
+                stamp = from_jsonable(AdmissionStamp, asked[rid][1])
+                ok = any(
+                    p is not None and not 0 <= p - stamp.behavior_version <= stamp.max_lag
+                    for p in _pointers_in(pointer_at, lo, hi)
+                )
+            else:
+                ok = True  # refusals that do not depend on the moment (a bad stamp)
+            if not ok:
+                out.append(
+                    Violation(
+                        name,
+                        f"{call['update_id']} was refused {rid} with "
+                        f"{reason!r}, untrue at every moment of its call",
+                    )
+                )
+    return out
+
+
+def _states_in(evs: Sequence[EntryChanged], lo: float, hi: float) -> list[LedgerEntry]:
+    """The rollout's records that were current at some moment in [lo, hi]."""
+    out = []
+    current = None
+    for e in evs:
+        if e.at <= lo:
+            current = e.after
+        elif e.at <= hi:
+            if current is not None:
+                out.append(current)
+            current = e.after
+        else:
+            break
+    if current is not None:
+        out.append(current)
+    return out
+
+
+def _pointers_in(
+    changes: Sequence[tuple[float, int | None]], lo: float, hi: float
+) -> list[int | None]:
+    out: list[int | None] = []
+    current: int | None = None
+    for at, v in changes:
+        if at <= lo:
+            current = v
+        elif at <= hi:
+            out.append(current)
+            current = v
+        else:
+            break
+    out.append(current)
+    return out
+
+
+def fresh_file(url: str) -> Path:
+    """The race needs a new SQLite file (its checks judge the whole trace)."""
+    from rollout_lifecycle.model.backends import sqlite_path
+
+    path = sqlite_path(url)
+    if path.exists():
+        raise BackendURLError(
+            f"{path} already exists: a race starts from a new file; remove it or give another"
+        )
+    return path
