@@ -73,7 +73,9 @@ def explore_models(
         ]
         report["models"][name] = entry
         report["violations"] += len(result.violations)
-    report.update(coverage_json(edges))
+    report.update(
+        coverage_json(edges, f"explore: {', '.join(names)} (transitions taking each edge)")
+    )
     return report
 
 

@@ -40,8 +40,11 @@ def count_edges(
     return out
 
 
-def coverage_json(counts: Mapping[tuple[str, str], int]) -> dict[str, Any]:
-    """The shared coverage document, every declared edge of both machines listed."""
+def coverage_json(
+    counts: Mapping[tuple[str, str], int], source: str | None = None
+) -> dict[str, Any]:
+    """The shared coverage document, every declared edge of both machines listed; `source`
+    says what the counts count (drawn on the coverage pictures)."""
     machines: dict[str, Any] = {}
     for name, spec in MACHINES.items():
         edges = {spec.edge_id(e): int(counts.get((name, spec.edge_id(e)), 0)) for e in spec.edges}
@@ -50,17 +53,23 @@ def coverage_json(counts: Mapping[tuple[str, str], int]) -> dict[str, Any]:
             "declared": len(edges),
             "covered": sum(1 for n in edges.values() if n > 0),
         }
-    return {"machines": machines}
+    out: dict[str, Any] = {"machines": machines}
+    if source:
+        out["source"] = source
+    return out
 
 
 def merge_coverage(*docs: Mapping[str, Any]) -> dict[str, Any]:
     """Sum several coverage documents (e.g. fuzz + explore) into one."""
     total: Counter[tuple[str, str]] = Counter()
+    sources = [str(d["source"]) for d in docs if d.get("source")]
     for doc in docs:
         for name, m in doc.get("machines", {}).items():
             for edge_id, n in m.get("edges", {}).items():
                 total[(name, edge_id)] += int(n)
-    return coverage_json(total)
+    if len(sources) > 1:
+        return coverage_json(total, " + ".join(sources) + " (counts summed)")
+    return coverage_json(total, sources[0] if sources else None)
 
 
 def uncovered(doc: Mapping[str, Any]) -> dict[str, list[str]]:

@@ -219,9 +219,18 @@ def _counts_or_none(
     return None if coverage is None else edge_counts(machine, coverage)
 
 
-def _coverage_summary(counts: Mapping[str, int]) -> str:
+def _coverage_summary(counts: Mapping[str, int], source: str | None = None) -> str:
     hit = sum(1 for c in counts.values() if c > 0)
-    return f"coverage {hit}/{len(counts)} edges exercised, {len(counts) - hit} never"
+    text = f"coverage {hit}/{len(counts)} edges exercised, {len(counts) - hit} never"
+    return f"{text}; counts: {source}" if source else text
+
+
+def coverage_source(coverage: Mapping[str, Any] | None) -> str | None:
+    """What a coverage document's counts count, when it says so."""
+    if coverage is None:
+        return None
+    src = coverage.get("source")
+    return str(src) if isinstance(src, str) and src else None
 
 
 # ---- Mermaid ------------------------------------------------------------------------------
@@ -232,13 +241,16 @@ def _mermaid_text(text: str) -> str:
     return re.sub(r"[#:;]", lambda m: f"#{ord(m.group())};", text)
 
 
-def to_mermaid(machine: MachineSpec, coverage: Mapping[str, Any] | None = None) -> str:
+def to_mermaid(
+    machine: MachineSpec, coverage: Mapping[str, Any] | None = None, *, source: str | None = None
+) -> str:
     """Mermaid stateDiagram-v2 text: every declared edge once, grouped and coloured by tag."""
     counts = _counts_or_none(machine, coverage)
     for s in machine.states:
         if not _MERMAID_ID.match(s):
             raise DiagramError(f"{machine.name}: state {s!r} is not a valid Mermaid state id")
-    title = machine.name if counts is None else f"{machine.name} ({_coverage_summary(counts)})"
+    src = source or coverage_source(coverage)
+    title = machine.name if counts is None else f"{machine.name} ({_coverage_summary(counts, src)})"
     out = [
         "---",
         f"title: {title}",
@@ -292,24 +304,36 @@ def _attrs(**kw: str) -> str:
     return "[" + ", ".join(f"{k}={_q(v)}" for k, v in kw.items()) + "]"
 
 
-def to_dot(machine: MachineSpec, coverage: Mapping[str, Any] | None = None) -> str:
+def to_dot(
+    machine: MachineSpec, coverage: Mapping[str, Any] | None = None, *, source: str | None = None
+) -> str:
     """Graphviz DOT text: clustered states, styled edge kinds, optional coverage counts."""
     counts = _counts_or_none(machine, coverage)
-    legend = (
-        '<font color="#263238">solid: normal</font> &#160; '
-        '<font color="#c62828">dashed: failure</font> &#160; '
-        '<font color="#1565c0">dotted: recovery</font> &#160; double octagon: terminal'
-    )
-    heading = f"<b>{_html(machine.name)}</b>"
+    # One table cell per phrase: cell spacing, not spaces, keeps words apart, so the text
+    # stays legible in any SVG renderer (SVG collapses and trims plain spaces).
+    items = [
+        '<font color="#263238">solid: normal</font>',
+        '<font color="#c62828">dashed: failure</font>',
+        '<font color="#1565c0">dotted: recovery</font>',
+        "double octagon: terminal",
+    ]
+    title = [f"<b>{_html(machine.name)}</b>"]
     if counts is not None:
-        heading += f" &#160; {_html(_coverage_summary(counts))}"
-        legend += f' &#160; <font color="{_NEVER_COLOUR}"><b>bold orange ×0 NEVER</b></font>'
+        title.append(_html(_coverage_summary(counts, source or coverage_source(coverage))))
+        items.append(f'<font color="{_NEVER_COLOUR}"><b>bold orange ×0: never exercised</b></font>')
+    row = "".join(f"<td>{c}</td>" for c in title)
+    legend_row = "".join(f'<td><font point-size="10">{c}</font></td>' for c in items)
+    heading = (
+        f'<table border="0" cellborder="0" cellspacing="8" cellpadding="0">'
+        f'<tr><td colspan="{len(items)}"><table border="0" cellspacing="8" cellpadding="0">'
+        f"<tr>{row}</tr></table></td></tr><tr>{legend_row}</tr></table>"
+    )
     out = [
         f"digraph {_q(machine.name)} {{",
         "    // Generated from model.machines by spec/diagrams.py; do not edit by hand.",
         '    graph [rankdir="LR", fontname="Helvetica", fontsize="12", labelloc="t", '
         'nodesep="0.35", ranksep="0.55", newrank="true", '
-        f'label=<{heading}<br/><font point-size="10">{legend}</font>>]',
+        f"label=<{heading}>]",
         '    node [fontname="Helvetica", fontsize="11", style="rounded,filled", shape="box", '
         'height="0.4"]',
         '    edge [fontname="Helvetica", fontsize="10", arrowsize="0.8"]',
@@ -470,9 +494,13 @@ def _stem(name: str, coverage: bool) -> str:
     return f"{name}-coverage" if coverage else name
 
 
-def _coverage_json(machine: MachineSpec, counts: Mapping[str, int]) -> str:
+def _coverage_json(
+    machine: MachineSpec, counts: Mapping[str, int], source: str | None = None
+) -> str:
     """The counts a coverage picture was drawn from, in a run's JSON shape (re-checkable)."""
-    doc = {"machines": {machine.name: {"edges": dict(counts)}}}
+    doc: dict[str, Any] = {"machines": {machine.name: {"edges": dict(counts)}}}
+    if source:
+        doc["source"] = source
     return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
 
 
@@ -504,12 +532,13 @@ def write_docs(
     exe = _dot_executable(dot_path)
     for machine, counts in jobs:
         stem = _stem(machine.name, counts is not None)
-        dot_text = to_dot(machine, counts)
-        files[f"{stem}.mmd"] = to_mermaid(machine, counts).encode("utf-8")
+        src = None if counts is None else coverage_source(coverage)
+        dot_text = to_dot(machine, counts, source=src)
+        files[f"{stem}.mmd"] = to_mermaid(machine, counts, source=src).encode("utf-8")
         files[f"{stem}.dot"] = dot_text.encode("utf-8")
         files[f"{stem}.svg"] = _run_dot(dot_text, "svg", exe, 60.0)
         if counts is not None:
-            files[f"{stem}.json"] = _coverage_json(machine, counts).encode("utf-8")
+            files[f"{stem}.json"] = _coverage_json(machine, counts, src).encode("utf-8")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -528,11 +557,15 @@ def _read_text(path: Path) -> str | None:
 
 
 def _stale_set(
-    out: Path, stem: str, machine: MachineSpec, counts: Mapping[str, int] | None
+    out: Path,
+    stem: str,
+    machine: MachineSpec,
+    counts: Mapping[str, int] | None,
+    source: str | None = None,
 ) -> list[str]:
-    dot_text = to_dot(machine, counts)
+    dot_text = to_dot(machine, counts, source=source)
     stale = []
-    if _read_text(out / f"{stem}.mmd") != to_mermaid(machine, counts):
+    if _read_text(out / f"{stem}.mmd") != to_mermaid(machine, counts, source=source):
         stale.append(f"{stem}.mmd")
     if _read_text(out / f"{stem}.dot") != dot_text:
         stale.append(f"{stem}.dot")
@@ -569,5 +602,5 @@ def check_docs(out_dir: str | os.PathLike[str] = DOCS_DIR) -> list[str]:
         except (OSError, ValueError):
             stale += [cov.name] + [f"{stem}.{x}" for x in ("mmd", "dot", "svg")]
             continue
-        stale += _stale_set(out, stem, machine_or_none, counts)
+        stale += _stale_set(out, stem, machine_or_none, counts, coverage_source(data))
     return sorted(set(stale))

@@ -202,6 +202,7 @@ class CampaignReport:
             "elapsed_s": round(self.elapsed_s, 3),
             "runs": {m: r.to_json() for m, r in self.runs.items()},
             "machines": self.coverage(),
+            "source": f"fuzz: {', '.join(self.runs)} on {self.backend} (times each edge fired)",
             "invariants": dict(sorted(self.invariants.items())),
             "sometimes": dict(self.sometimes),
             "notes": dict(sorted(self.notes.items())),
