@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -18,6 +19,7 @@ from rollout_lifecycle.cli.exitcodes import findings
 from rollout_lifecycle.cli.explore_cmd import explore_models, print_explore_report
 from rollout_lifecycle.cli.fuzz_cmd import print_fuzz_report, progress_callback
 from rollout_lifecycle.cli.output import (
+    Progress,
     check_report_path,
     emit_report,
     make_console,
@@ -32,13 +34,15 @@ from rollout_lifecycle.spec.bounds import EXPLORER_MODELS, README_MODELS
 from rollout_lifecycle.spec.coverage import merge_coverage, uncovered
 from rollout_lifecycle.spec.diagrams import DiagramError, render
 from rollout_lifecycle.stateful_tests.profiles import selected_profile_name
+from rollout_lifecycle.stateful_tests.race import RaceConfig, run_race
 from rollout_lifecycle.stateful_tests.runner import MACHINES as FUZZ_MACHINES
-from rollout_lifecycle.stateful_tests.runner import PROFILES, run_campaign
-
-# the README campaign's size: enough to cover every declared edge and reach every
-# sometimes-property on the default seed (see tests/test_campaign.py)
-README_EXAMPLES = 200
-README_SEED = 20261130
+from rollout_lifecycle.stateful_tests.runner import (
+    PROFILES,
+    README_EXAMPLES,
+    README_RACE_SECONDS,
+    README_SEED,
+    run_campaign,
+)
 
 
 @click.command("campaign")
@@ -78,6 +82,14 @@ README_SEED = 20261130
     help="Explorer model(s) (repeatable); default: the README set.",
 )
 @click.option("--no-explore", is_flag=True, help="Fuzz only.")
+@click.option(
+    "--race-seconds",
+    type=click.FloatRange(min=0.0, max=3600.0),
+    default=README_RACE_SECONDS,
+    show_default=True,
+    help="Real processes racing on the SQLite file (1 activator, 3 learners), every call "
+    "judged; 0 skips. Only on sqlite.",
+)
 @report_options
 @quiet_option
 def campaign(
@@ -88,6 +100,7 @@ def campaign(
     profile: str | None,
     models: tuple[str, ...],
     no_explore: bool,
+    race_seconds: float,
     as_json: bool,
     report_path: Path | None,
     quiet: bool,
@@ -137,6 +150,29 @@ def campaign(
         write_json_atomic(out_dir / "explore-report.json", ex)
         docs.append(ex)
         violations += ex["violations"]
+    race_json = None
+    if race_seconds > 0 and backend == "sqlite":
+        console.rule("race")
+        db = out_dir / "race.db"
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{db}{suffix}").unlink(missing_ok=True)  # the campaign's own work file
+        tick = Progress("race", quiet=quiet)
+        raced = run_race(
+            RaceConfig(url=f"sqlite:///{db}", learners=3, seconds=race_seconds, seed=seed),
+            progress=tick,
+        )
+        tick("done", True)
+        race_json = raced.to_json()
+        write_json_atomic(out_dir / "race-report.json", race_json)
+        totals = race_json["totals"]
+        console.print(
+            f"race: {race_json['events']:,} events, {race_json['calls_judged']:,} calls judged, "
+            f"{totals.get('committed', 0):,} consumed, {totals.get('reserve:pointer_moved', 0):,} "
+            f"refused as pointer_moved, {race_json['violation_count']} violations"
+        )
+        for v in raced.violations[:20]:
+            console.print(f"[red]{v}[/]")
+        violations += len(raced.violations) + len(raced.errors)
     coverage = merge_coverage(*docs)
     write_json_atomic(out_dir / "coverage.json", coverage)
     console.rule("coverage")
@@ -147,6 +183,11 @@ def campaign(
             console.print(f"[yellow]{name}: never exercised:[/] {', '.join(ids)}")
     _draw(coverage, out_dir, console)
     console.print(f"reports, coverage.json and diagrams written to {out_dir}/")
+    goals = campaign_goals(fuzz_json, docs[1] if len(docs) > 1 else None)
+    missed = sum(len(v) for v in goals.values())
+    for what, names in goals.items():
+        if names:
+            console.print(f"[bold red]goal missed, {what}:[/] {', '.join(names)}")
     summary = {
         "backend": backend,
         "profile": chosen,
@@ -156,12 +197,41 @@ def campaign(
         "fuzz": fuzz_json,
         "explore": docs[1] if len(docs) > 1 else None,
         "coverage": coverage,
+        "race": race_json,
+        "goals_missed": goals,
         "out": str(out_dir),
     }
     emit_report(summary, as_json=as_json, report_path=report_path, console=console)
     if violations:
         console.print(f"[bold red]{violations} violation(s)[/]")
+    if violations or missed:
         raise findings()
+
+
+def campaign_goals(fuzz: dict[str, Any], explore: dict[str, Any] | None) -> dict[str, list[str]]:
+    """What the campaign was given the budget to reach and did not: every declared edge and
+    every sometimes-property by the fuzzer (on the campaign's backend), and every explorer
+    model's reachability witnesses. A missed goal fails the campaign: a budget that cannot
+    reach an edge cannot catch a bug on it."""
+    goals: dict[str, list[str]] = {
+        "declared edges the fuzzer never took": [
+            f"{m}: {e}"
+            for m, c in fuzz["machines"].items()
+            for e, n in c["edges"].items()
+            if n == 0
+        ],
+        "sometimes-properties the fuzzer never reached": [
+            k for k, n in fuzz["sometimes"].items() if n == 0
+        ],
+    }
+    if explore is not None:
+        goals["explorer witnesses never reached"] = [
+            f"{name}: {prop}"
+            for name, m in explore["models"].items()
+            for prop, witness in m.get("sometimes", {}).items()
+            if witness is None
+        ]
+    return goals
 
 
 def _draw(coverage: dict[str, object], out_dir: Path, console: object) -> None:

@@ -41,7 +41,7 @@ def _cell(k: object) -> str:
 def print_mutants(results: list[MutantResult], console: Console) -> None:
     """One row per mutant, then kill rates and median time to kill."""
     table = Table(title="mutation catalogue")
-    for col in ("mutant", "peer bug", "killed by", "fuzzer", "explorer"):
+    for col in ("mutant", "peer bug", "killed by", "fuzzer", "explorer", "README campaign"):
         table.add_column(col)
     for r in results:
         table.add_row(
@@ -50,11 +50,14 @@ def print_mutants(results: list[MutantResult], console: Console) -> None:
             ", ".join(r.killed_by) or "[bold red]nobody[/]",
             _cell(r.fuzz),
             _cell(r.explore),
+            _cell(r.campaign),
         )
     console.print(table)
     s = summary(results)
-    for checker in ("fuzz", "explore"):
+    for checker in ("fuzz", "explore", "campaign"):
         c = s[checker]
+        if not c["reached"]:
+            continue
         console.print(
             f"{checker}: killed {c['killed']}/{c['reached']} it reaches; median "
             f"time to kill {c['median_seconds_to_kill']}s"
@@ -71,7 +74,11 @@ def print_mutants(results: list[MutantResult], console: Console) -> None:
     help="Run only these mutants (repeatable).",
 )
 @click.option(
-    "--checker", type=click.Choice(["both", "fuzz", "explore"]), default="both", show_default=True
+    "--checker",
+    type=click.Choice(["all", "both", "fuzz", "explore", "campaign"]),
+    default="all",
+    show_default=True,
+    help="all: fuzzer, explorer and the README campaign; both: fuzzer and explorer.",
 )
 @click.option(
     "--examples",
@@ -116,8 +123,9 @@ def mutants(
 
     results = run_catalogue(
         chosen,
-        fuzz=checker in ("both", "fuzz"),
-        explorer=checker in ("both", "explore"),
+        fuzz=checker in ("all", "both", "fuzz"),
+        explorer=checker in ("all", "both", "explore"),
+        campaign=checker in ("all", "campaign"),
         seed=seed,
         max_examples=examples,
         workdir=out_dir,

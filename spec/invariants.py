@@ -1050,6 +1050,9 @@ SOMETIMES: dict[str, str] = {
     "old_distribution_refused": "a coordinator's distribution of a version older than the "
     "active one was refused",
     "partial_set_refused": "a coordinator asking for a partial worker set was refused",
+    "artifact_damaged": "a published artifact's files were damaged on disk (truncated, a "
+    "byte flipped, or swapped with another version's)",
+    "damaged_load_refused": "a worker's loader read damaged bytes and refused to ack them",
 }
 
 

@@ -17,6 +17,8 @@ versions really became active, what was consumed, what each worker really staged
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import math
 import shutil
 import sys
@@ -61,6 +63,7 @@ from rollout_lifecycle.stateful_tests.recording import (
 from rollout_lifecycle.stateful_tests.workers import WorkerTruth, activation_ghost_violations
 
 WORKERS = ("g0", "g1")
+TORCH = importlib.util.find_spec("torch") is not None  # the gate's torch path, when installed
 MAX_LAG = 1
 MAX_DRIFT = 0.25
 LEASE = 10.0
@@ -248,7 +251,7 @@ class EndToEndMachine(RuleBasedStateMachine):
         """L_max per example: 1 exercises tolerated rollouts, 0 the one-version boundary."""
         self.max_lag = max_lag
 
-    def _admit_batch(self) -> None:
+    def _admit_batch(self, *, tensors: bool = False) -> None:
         """Admit up to BATCH rewarded rollouts at once; cross-check every row; reserve."""
         batch = self._unjudged()[:BATCH]
         cv = self._pointer()[0]
@@ -258,7 +261,13 @@ class EndToEndMachine(RuleBasedStateMachine):
             gate_mod.GatePolicy(self.max_lag, MAX_DRIFT, CONDITIONS),
             registry=self.coord.activated_hash,
         )
-        decisions = gate.assess_batch(rollouts, current, cv, entries=batch)
+        given: Any = current
+        if tensors:
+            given = importlib.import_module("torch").as_tensor(current)
+            self.recorder.note("gate:torch")
+        else:
+            self.recorder.note("gate:numpy")
+        decisions = gate.assess_batch(rollouts, given, cv, entries=batch)
         requests = []
         for i, (e, ro, d) in enumerate(zip(batch, rollouts, decisions, strict=True)):
             self.judged[e.rollout_id] = cv
@@ -478,12 +487,14 @@ class EndToEndMachine(RuleBasedStateMachine):
         gen = self._entries("generated")
         self._reward(gen[pick % len(gen)], outcome)
 
-    @rule()
+    @rule(tensors=st.booleans())
     @precondition(lambda self: bool(self._unjudged()))
     @counted
-    def admit(self) -> None:
-        """The learner admits a batch against the current version and reserves it."""
-        self._admit_batch()
+    def admit(self, tensors: bool) -> None:
+        """The learner admits a batch against the current version and reserves it; half the
+        time its current log-probs are a torch tensor (the gate's torch path), when torch is
+        installed, judged by the same cross-check."""
+        self._admit_batch(tensors=tensors and TORCH)
 
     @rule(outcome=st.sampled_from(["commit", "commit", "abort", "fail"]))
     @precondition(lambda self: bool(self.held))

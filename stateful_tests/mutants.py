@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import importlib
 import sys
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ import attrs
 import numpy as np
 
 from rollout_lifecycle.model import api as api_mod
+from rollout_lifecycle.model import artifacts as artifacts_mod
 from rollout_lifecycle.model import coordinator as coord_mod
 from rollout_lifecycle.model import gate as gate_mod
 from rollout_lifecycle.model import ledger as ledger_mod
@@ -74,7 +76,8 @@ class Mutant:
     description: str
     peer_bug: int | None
     patch: Callable[[], contextlib.AbstractContextManager[None]]
-    # which checkers can reach it: 'fuzz' and/or 'explore', with which machine / model
+    # which checkers can reach it: 'fuzz', 'explore' and/or 'race' (real processes, each
+    # with its own connection), with which machine / model
     reach: tuple[str, ...] = ("fuzz", "explore")
     explorer_model: str = "ledger"
     fuzz_machine: str = "ledger"
@@ -413,6 +416,52 @@ def _own_worker_set() -> Iterator[None]:
         yield
 
 
+# ---- the campaign's former blind spots (issue 14) ---------------------------------------------
+
+_real_load = artifacts_mod.WorkerLoader.load
+
+
+def _ack_registered_hash(
+    self: Any, version: int, expected_hash: str, *, attempt: int = 1
+) -> tuple[Any, Any]:
+    """The loader parses whatever it read and acks the hash it was TOLD to expect."""
+    manifest = self.store.read_manifest(version)
+    entries = []
+    for f in manifest.files:
+        data = self.store.read_bytes(version, f.name)
+        entries.append(artifacts_mod.FileEntry(f.name, len(data), hashlib.sha256(data).hexdigest()))
+    loaded, ack = _real_load(self, version, artifacts_mod.content_hash(entries), attempt=attempt)
+    return loaded, attrs.evolve(ack, artifact_hash=expected_hash)
+
+
+def _unconditional_cas(conn: Any, before: LedgerEntry, after: LedgerEntry) -> bool:
+    """SQLite's CAS without `AND revision = ?`: atomic on one connection (the read and the
+    write of one thread never interleave with another's) but not across connections."""
+    from rollout_lifecycle.model import sqlite_ledger as sl
+
+    cur = conn.execute(
+        "UPDATE rollouts SET state = ?, revision = ?, reserved_by = ?, lease_expires_at = ?, "
+        "entry = ? WHERE rollout_id = ?",
+        (
+            after.state,
+            after.revision,
+            after.reserved_by,
+            after.lease_expires_at,
+            sl._dump(after),
+            after.rollout_id,
+        ),
+    )
+    return bool(cur.rowcount == 1)
+
+
+@contextlib.contextmanager
+def _cas_one_connection() -> Iterator[None]:
+    from rollout_lifecycle.model import sqlite_ledger as sl
+
+    with patch_everywhere(sl.SQLiteLedger, "_cas", staticmethod(_unconditional_cas)):
+        yield
+
+
 def _simple(
     owner: Any, name: str, replacement: Any
 ) -> Callable[[], contextlib.AbstractContextManager[None]]:
@@ -551,6 +600,23 @@ CATALOGUE: tuple[Mutant, ...] = (
         _simple(registry_mod, "distribution_refusal", lambda *_a: None),
         explorer_model="seams",
         fuzz_machine="seams",
+    ),
+    Mutant(
+        "loader_acks_registered_hash",
+        "a worker's loader acks the registered artifact hash instead of the hash of the "
+        "bytes it read: damaged weights activate (issue 14: acks were abstract)",
+        4,
+        _simple(artifacts_mod.WorkerLoader, "load", _ack_registered_hash),
+        reach=("fuzz",),
+        fuzz_machine="artifacts",
+    ),
+    Mutant(
+        "cas_atomic_on_one_connection",
+        "SQLite's compare-and-set drops its revision condition: correct on one connection, "
+        "two learners on two connections both win a rollout (issue 14: one connection)",
+        1,
+        _cas_one_connection,
+        reach=("race",),
     ),
     Mutant(
         "version_stamped_at_completion",

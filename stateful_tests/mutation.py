@@ -17,10 +17,20 @@ from typing import Any
 
 import attrs
 
-from rollout_lifecycle.spec.bounds import CI_MODELS, EXPLORER_MODELS
+from rollout_lifecycle.spec.bounds import CI_MODELS, EXPLORER_MODELS, README_MODELS
 from rollout_lifecycle.spec.explorer import explore
 from rollout_lifecycle.stateful_tests.mutants import CATALOGUE, Mutant
-from rollout_lifecycle.stateful_tests.runner import run_campaign
+from rollout_lifecycle.stateful_tests.race import RaceConfig, run_race
+from rollout_lifecycle.stateful_tests.runner import (
+    MACHINES as FUZZ_MACHINES,
+)
+from rollout_lifecycle.stateful_tests.runner import (
+    README_BACKEND,
+    README_EXAMPLES,
+    README_RACE_SECONDS,
+    README_SEED,
+    run_campaign,
+)
 
 
 @attrs.frozen
@@ -48,16 +58,22 @@ class MutantResult:
     peer_bug: int | None
     fuzz: Kill
     explore: Kill
+    campaign: Kill = Kill("campaign", None, None, "examples", 0.0, "not run")
+
+    @property
+    def kills(self) -> tuple[Kill, Kill, Kill]:
+        """The three verdicts: fuzzer, explorer, the README campaign."""
+        return (self.fuzz, self.explore, self.campaign)
 
     @property
     def killed_by(self) -> tuple[str, ...]:
         """Checkers that killed it."""
-        return tuple(k.checker for k in (self.fuzz, self.explore) if k.killed)
+        return tuple(k.checker for k in self.kills if k.killed)
 
     @property
     def survived(self) -> bool:
-        """True when a checker that reaches the mutant did not kill it."""
-        return any(k.killed is False for k in (self.fuzz, self.explore))
+        """True when a checker that reaches the mutant (the campaign reaches all) missed it."""
+        return any(k.killed is False for k in self.kills)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able dict."""
@@ -68,6 +84,7 @@ class MutantResult:
             "killed_by": list(self.killed_by),
             "fuzz": self.fuzz.to_json(),
             "explore": self.explore.to_json(),
+            "campaign": self.campaign.to_json(),
         }
 
 
@@ -150,6 +167,86 @@ def explore_kill(
     return Kill("explore", True, res.distinct_states, "states", seconds, detail)
 
 
+def campaign_kill(mutant: Mutant, *, workdir: Path) -> Kill:
+    """Whether the README campaign, exactly as `make campaign` runs it, kills the mutant.
+
+    Its fuzz stage (every machine, README seed and examples, on SQLite) runs first, the
+    mutant's own machine leading; then its explore stage (the README models at README
+    bounds). The first stage that fails kills it. The race stage runs in child processes,
+    which an in-process patch cannot reach, so it is not counted here.
+    """
+    t0 = time.perf_counter()
+    if "race" in mutant.reach:  # real processes: the patch is entered in each child
+        with tempfile.TemporaryDirectory(prefix="mutant-race-") as tmp:
+            raced = run_race(
+                RaceConfig(
+                    url=f"sqlite:///{Path(tmp) / 'race.db'}",
+                    learners=3,
+                    seconds=README_RACE_SECONDS,
+                    seed=README_SEED,
+                    mutant=mutant.name,
+                )
+            )
+        if raced.violations or raced.errors:
+            first = raced.violations[0] if raced.violations else raced.errors[0]
+            return Kill(
+                "campaign",
+                True,
+                raced.calls,
+                "calls",
+                time.perf_counter() - t0,
+                f"race: {first}",
+            )
+    order = [mutant.fuzz_machine, *(m for m in FUZZ_MACHINES if m != mutant.fuzz_machine)]
+    examples = 0
+    for machine in order:
+        report = run_campaign(
+            [machine],
+            README_BACKEND,
+            examples=README_EXAMPLES,
+            seed=README_SEED,
+            profile="ci",
+            workdir=workdir / machine,
+            mutant=mutant(),
+            mutant_name=mutant.name,
+            shrink=False,
+        )
+        run = report.runs[machine]
+        examples += run.examples
+        if run.failure is not None:
+            return Kill(
+                "campaign",
+                True,
+                examples,
+                "examples",
+                time.perf_counter() - t0,
+                f"fuzz {machine}: {_first_line(run.failure.exception)}",
+            )
+    models = [mutant.explorer_model, *(m for m in README_MODELS if m != mutant.explorer_model)]
+    states = 0
+    for name in dict.fromkeys(m for m in models if m in README_MODELS):
+        with mutant():
+            res = explore(EXPLORER_MODELS[name][0]())
+        states += res.distinct_states
+        if res.violations:
+            return Kill(
+                "campaign",
+                True,
+                states,
+                "states",
+                time.perf_counter() - t0,
+                f"explore {name}: {res.violations[0].property_name}",
+            )
+    return Kill(
+        "campaign",
+        False,
+        examples,
+        "examples",
+        time.perf_counter() - t0,
+        f"survived the README fuzz ({examples} examples) and explorer ({states} states)",
+    )
+
+
 def run_catalogue(
     mutants: Sequence[Mutant] = CATALOGUE,
     *,
@@ -159,6 +256,7 @@ def run_catalogue(
     max_examples: int = 300,
     workdir: Path | None = None,
     on_result: Callable[[MutantResult], None] | None = None,
+    campaign: bool = False,
 ) -> list[MutantResult]:
     """Every mutant against the chosen checkers, in catalogue order."""
     out = []
@@ -175,7 +273,12 @@ def run_catalogue(
                 if explorer
                 else Kill("explore", None, None, "states", 0.0, "not run")
             )
-            res = MutantResult(m.name, m.description, m.peer_bug, fz, ex)
+            cp = (
+                campaign_kill(m, workdir=base / m.name / "campaign")
+                if campaign
+                else Kill("campaign", None, None, "examples", 0.0, "not run")
+            )
+            res = MutantResult(m.name, m.description, m.peer_bug, fz, ex, cp)
             if on_result is not None:
                 on_result(res)
             out.append(res)
@@ -185,7 +288,7 @@ def run_catalogue(
 def summary(results: Sequence[MutantResult]) -> dict[str, Any]:
     """Kill rate and median time to kill, per checker."""
     out: dict[str, Any] = {"mutants": len(results)}
-    for checker in ("fuzz", "explore"):
+    for checker in ("fuzz", "explore", "campaign"):
         kills = [getattr(r, checker) for r in results]
         reached = [k for k in kills if k.killed is not None]
         killed = [k for k in reached if k.killed]

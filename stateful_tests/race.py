@@ -80,6 +80,7 @@ class RaceConfig:
     max_drift: float = 0.2
     seed: int = 0
     pool: int = 64  # the generator keeps about this many rollouts waiting
+    mutant: str | None = None  # a catalogue mutant every child process runs with
 
 
 def _hashes(registry: Any) -> Callable[[int], str | None]:
@@ -88,8 +89,30 @@ def _hashes(registry: Any) -> Callable[[int], str | None]:
     return lambda v: activated_hash(registry, v)
 
 
+def _with_mutant(cfg: RaceConfig) -> Any:
+    """The mutant's patch, entered in this (child) process; a no-op context without one."""
+    import contextlib
+
+    if cfg.mutant is None:
+        return contextlib.nullcontext()
+    from rollout_lifecycle.stateful_tests.mutants import BY_NAME
+
+    return BY_NAME[cfg.mutant]()
+
+
 def _activator(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
     """Publish version after version (and generate rollouts at the version workers serve)."""
+    with _with_mutant(cfg):
+        _activate_loop(cfg, index, deadline, out)
+
+
+def _learner(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
+    """The README pattern in a loop: pointer -> assess_batch -> reserve_batch -> commit."""
+    with _with_mutant(cfg):
+        _learn_loop(cfg, index, deadline, out)
+
+
+def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
     rng = random.Random(cfg.seed * 7919 + index)
     stats: Counter[str] = Counter()
     try:
@@ -136,8 +159,7 @@ def _activator(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
         raise
 
 
-def _learner(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
-    """The README pattern in a loop: pointer -> assess_batch -> reserve_batch -> commit."""
+def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
     rng = random.Random(cfg.seed * 104729 + index)
     stats: Counter[str] = Counter()
     calls: list[dict[str, Any]] = []

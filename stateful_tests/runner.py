@@ -35,6 +35,7 @@ from rollout_lifecycle.model.atomic import atomic_write
 from rollout_lifecycle.spec.invariants import SOMETIMES
 from rollout_lifecycle.stateful_tests import (
     activation_machine,
+    artifact_machine,
     e2e_machine,
     ledger_machine,
     seams_machine,
@@ -44,7 +45,13 @@ from rollout_lifecycle.stateful_tests.minimize import minimize
 from rollout_lifecycle.stateful_tests.profiles import register_profiles
 from rollout_lifecycle.stateful_tests.recording import DECLARED, Recorder
 
-MACHINES = ("ledger", "activation", "e2e", "seams")
+MACHINES = ("ledger", "activation", "e2e", "seams", "artifacts")
+# the README campaign's fuzz budget (`make campaign`): enough to take every declared edge and
+# reach every sometimes-property on the default seed, on either backend (tests check it)
+README_EXAMPLES = 200
+README_SEED = 20261130
+README_BACKEND = "sqlite"
+README_RACE_SECONDS = 20.0  # the campaign's race stage: 1 activator, 3 learner processes
 PROFILES = ("ci", "dev", "fuzz")
 SCHEMA = "rollout-lifecycle/fuzz-report/1"
 BATCH_EXAMPLES = 25  # examples per batch when a time budget drives the campaign
@@ -58,12 +65,14 @@ _MODULES = {
     ),
     "e2e": ("rollout_lifecycle.stateful_tests.e2e_machine", "make_e2e_machine"),
     "seams": ("rollout_lifecycle.stateful_tests.seams_machine", "make_seams_machine"),
+    "artifacts": ("rollout_lifecycle.stateful_tests.artifact_machine", "make_artifact_machine"),
 }
 _INVARIANT_NAMES = {
     "ledger": ledger_machine.INVARIANT_NAMES,
     "activation": activation_machine.INVARIANT_NAMES,
     "e2e": e2e_machine.INVARIANT_NAMES,
     "seams": seams_machine.INVARIANT_NAMES,
+    "artifacts": artifact_machine.INVARIANT_NAMES,
 }
 
 
@@ -233,6 +242,9 @@ def _machine_class(
         return e2e_machine.make_e2e_machine(stack, recorder=recorder, workdir=workdir), stack
     if machine == "seams":
         return seams_machine.make_seams_machine(stack, recorder=recorder, workdir=workdir), stack
+    if machine == "artifacts":
+        cls = artifact_machine.make_artifact_machine(stack, recorder=recorder, workdir=workdir)
+        return cls, stack
     raise ValueError(f"unknown machine {machine!r}: choose from {list(MACHINES)}")
 
 
