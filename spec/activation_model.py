@@ -267,6 +267,14 @@ class ActivationModel:
                 network.append(WorkerAck(w.worker_id, v, h, w.incarnation, w.seq + 1, attempt))
             elif act.kind == "deliver":
                 ack = network.pop(act.index)
+                current = next((a for a in s.artifacts if a.version == ack.version), None)
+                if (
+                    current is not None
+                    and current.state == "awaiting_acks"
+                    and ack.attempt is not None
+                    and ack.attempt < current.attempts
+                ):
+                    self.observed["late_attempt_ack"] += 1
                 res_ack = co.record_ack(ack)
                 self.observed[f"ack:{res_ack.reason}"] += 1
                 if res_ack.reason == coord_mod.STALE_INCARNATION:

@@ -1053,6 +1053,8 @@ SOMETIMES: dict[str, str] = {
     "artifact_damaged": "a published artifact's files were damaged on disk (truncated, a "
     "byte flipped, or swapped with another version's)",
     "damaged_load_refused": "a worker's loader read damaged bytes and refused to ack them",
+    "late_attempt_ack": "an ack of an earlier distribution attempt arrived during a retry "
+    "of the same version (it never counts toward the new attempt)",
 }
 
 

@@ -255,6 +255,16 @@ class ActivationMachine(RuleBasedStateMachine):
     def _deliver(self, ack: WorkerAck) -> None:
         ref = self.reports[ack.worker_id]
         want = ref.expect(ack)
+        art = self.arts.get(ack.version)
+        if (
+            art is not None
+            and art.state == "awaiting_acks"
+            and ack.attempt is not None
+            and ack.attempt < art.attempts
+        ):
+            # an ack of an earlier attempt of this version, delayed across the retry: it is
+            # stored as the worker's report but must not count toward this attempt
+            self.recorder.reached("late_attempt_ack")
         got = self.coord.record_ack(ack)
         self.recorder.checked(["ack_judged_as_reference"])
         if got.reason != want or got.counted != (want == "counted"):

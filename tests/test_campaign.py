@@ -22,16 +22,18 @@ def test_campaign_fuzz_covers_everything(tmp_path: Path) -> None:
             "--no-explore",
             "--backend",
             "memory",
-            "--examples",
-            "100",
             "--seed",
             str(README_SEED),
             "--out",
             str(out),
+            "--report",
+            str(tmp_path / "summary.json"),
             "--quiet",
         ],
     )
     assert res.exit_code == 0, res.output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert all(not v for v in summary["goals_missed"].values()), summary["goals_missed"]
     cov = json.loads((out / "coverage.json").read_text())
     for name, m in cov["machines"].items():
         assert m["covered"] == m["declared"], (name, [e for e, n in m["edges"].items() if not n])
@@ -61,7 +63,9 @@ def test_campaign_explore_subset(tmp_path: Path) -> None:
             "--quiet",
         ],
     )
-    assert res.exit_code == 0, res.output
+    # 5 examples cannot take every edge: the campaign says which goals it missed, exit 1
+    assert res.exit_code == 1, res.output
+    assert "goal missed" in res.output and "never took" in res.output
     ex = json.loads((out / "explore-report.json").read_text())
     assert ex["models"]["activation-2v"]["distinct_states"] == 1695
     assert ex["violations"] == 0

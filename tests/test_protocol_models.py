@@ -16,6 +16,7 @@ PINNED = {
     "lifecycle": 22919,
     "activation-small": 26955,
     "activation-2v": 1695,
+    "seams": 12948,
 }
 
 
@@ -27,6 +28,29 @@ def test_correct_model_has_no_violation_and_pinned_count(name: str) -> None:
     assert res.complete and res.ok, [c.property_name for c in res.violations]
     assert res.distinct_states == PINNED[name]
     assert all(w is not None for w in res.sometimes.values()), res.sometimes
+
+
+def test_activation_explorer_delays_acks_across_retries() -> None:
+    """The CI activation model delivers acks of an earlier attempt during a retry."""
+    model = EXPLORER_MODELS["activation-small"][0]()
+    assert explore(model).ok
+    assert model.observed["late_attempt_ack"] > 0
+
+
+def test_seams_model_reaches_the_races_it_is_for() -> None:
+    """The composition model refuses a moved pointer, an older distribution and a partial
+    worker set, and still trains rollouts admitted under an older pointer within bounds."""
+    model = EXPLORER_MODELS["seams"][0]()
+    res = explore(model)
+    assert res.ok and all(w is not None for w in res.sometimes.values()), res.sometimes
+    for key in (
+        "reserve:pointer_moved",
+        "old_distribution_refused",
+        "partial_set_refused",
+        "bad_add_refused",
+        "reserve:not_admitted",
+    ):
+        assert model.observed[key] > 0, key
 
 
 def test_explorer_reaches_every_declared_edge() -> None:
