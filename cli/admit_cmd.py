@@ -495,6 +495,7 @@ def _summary_json(
         by_reason[reason] += n
         by_route[route] += n
     return {
+        "schema": "rollout-lifecycle/admit-summary/1",
         "input": str(input_path),
         "output": str(out),
         "current_version": cv,

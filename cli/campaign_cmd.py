@@ -189,6 +189,7 @@ def campaign(
         if names:
             console.print(f"[bold red]goal missed, {what}:[/] {', '.join(names)}")
     summary = {
+        "schema": "rollout-lifecycle/campaign-report/1",
         "backend": backend,
         "profile": chosen,
         "seed": seed,

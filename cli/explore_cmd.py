@@ -41,7 +41,11 @@ def explore_models(
     console: Console,
 ) -> dict[str, Any]:
     """Explore each named model; return a JSON-able report with coverage and any violations."""
-    report: dict[str, Any] = {"models": {}, "violations": 0}
+    report: dict[str, Any] = {
+        "schema": "rollout-lifecycle/explore-report/1",
+        "models": {},
+        "violations": 0,
+    }
     edges: Counter[tuple[str, str]] = Counter()
     for name in names:
         factory, about = EXPLORER_MODELS[name]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from rollout_lifecycle.cli.exitcodes import InputError, findings
 from rollout_lifecycle.cli.output import (
     Progress,
     check_report_path,
+    dumps,
     emit_report,
     quiet_option,
     report_options,
@@ -87,7 +87,7 @@ def _when(at: float) -> str:
 
 
 def _echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2))
+    click.echo(dumps(data), nl=False)
 
 
 @click.group("ledger")
@@ -106,6 +106,7 @@ def counts(url: str, as_json: bool) -> None:
     if as_json:
         _echo_json(
             {
+                "schema": "rollout-lifecycle/ledger-counts/1",
                 "backend": url,
                 "entries": stats.entries,
                 "by_state": stats.by_state,
@@ -292,6 +293,7 @@ def check(
     elapsed = time.perf_counter() - started
     tick(f"done in {elapsed:.1f}s", True)
     data = {
+        "schema": "rollout-lifecycle/ledger-check/1",
         "backend": url,
         "events": report.events,
         "steps": report.steps,

@@ -132,7 +132,11 @@ def mutants(
         on_result=on_result,
     )
     print_mutants(results, console)
-    data = {"results": [r.to_json() for r in results], "summary": summary(results)}
+    data = {
+        "schema": "rollout-lifecycle/mutants-report/1",
+        "results": [r.to_json() for r in results],
+        "summary": summary(results),
+    }
     emit_report(data, as_json=as_json, report_path=report_path, console=console)
     if any(r.survived for r in results):
         raise findings()

@@ -90,22 +90,23 @@ def connect_read_only(path: Path) -> sqlite3.Connection:
     is exact because nothing can change it there.
     """
     uri = f"{path.resolve().as_uri()}?mode=ro"
+    conn = sqlite3.connect(
+        uri, uri=True, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+    )
     try:
-        conn = sqlite3.connect(
-            uri,
-            uri=True,
-            timeout=BUSY_TIMEOUT_MS / 1000,
-            isolation_level=None,
-            check_same_thread=False,
-        )
         conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchall()
     except sqlite3.OperationalError:
+        conn.close()
         if os.access(path.parent, os.W_OK):
             raise
         conn = sqlite3.connect(
             f"{uri}&immutable=1", uri=True, isolation_level=None, check_same_thread=False
         )
-        conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchall()
+        try:
+            conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchall()
+        except BaseException:
+            conn.close()
+            raise
     conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
     conn.execute("PRAGMA query_only = ON")
     return conn
@@ -140,12 +141,16 @@ def connect(path: str | Path, *, read_only: bool = False) -> sqlite3.Connection:
     conn = sqlite3.connect(
         str(p), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
     )
-    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-    mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-    if str(p) != ":memory:" and str(mode).lower() != "wal":
-        raise LedgerError(f"could not switch {p} to WAL journal mode (got {mode!r})")
-    conn.execute("PRAGMA synchronous = FULL")
-    conn.execute("PRAGMA foreign_keys = ON")
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(p) != ":memory:" and str(mode).lower() != "wal":
+            raise LedgerError(f"could not switch {p} to WAL journal mode (got {mode!r})")
+        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute("PRAGMA foreign_keys = ON")
+    except BaseException:
+        conn.close()  # a half-opened connection must not keep the file (or a mount) busy
+        raise
     return conn
 
 

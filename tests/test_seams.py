@@ -377,4 +377,5 @@ def test_read_only_storage_is_read_and_said_plainly(tmp_path: Path) -> None:
         with pytest.raises(Exception, match=r"cannot be written|read-only|readonly"):
             open_backend(url)
     finally:
-        subprocess.run(["umount", str(ro)], capture_output=True)
+        if subprocess.run(["umount", str(ro)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(ro)], capture_output=True)  # detach when busy
