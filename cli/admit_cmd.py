@@ -476,14 +476,47 @@ def _run(
         _atomic_output(out, force) as sink,
     ):
         for chunk in _chunks(_lines(f, advance), parser, chunk_size):
-            cur = _current_matrix(chunk)
-            _check_finite(chunk, cur)
-            decisions = gate.assess_batch(
-                [p.rollout for p in chunk], cur, current_version, [p.entry for p in chunk]
-            )
-            sink.write("".join(_decision_line(d) + "\n" for d in decisions))
-            summary.add(decisions)
+            decisions: list[AdmissionDecision | None] = [None] * len(chunk)
+            groups = list(_by_width(chunk))
+            errors = []
+            for rows in groups:  # every group first: the file's FIRST bad line is reported
+                part = [chunk[i] for i in rows]
+                try:
+                    _check_finite(part, _current_matrix(part))
+                except InputLineError as exc:
+                    errors.append(exc)
+            if errors:
+                raise min(errors, key=lambda e: e.lineno)
+            for rows in groups:
+                part = [chunk[i] for i in rows]
+                cur = _current_matrix(part)
+                got = gate.assess_batch(
+                    [p.rollout for p in part], cur, current_version, [p.entry for p in part]
+                )
+                for i, d in zip(rows, got, strict=True):
+                    decisions[i] = d
+            done = [d for d in decisions if d is not None]
+            sink.write("".join(_decision_line(d) + "\n" for d in done))
+            summary.add(done)
     return summary
+
+
+MAX_CELLS = 1 << 20  # padded B x T cells per gate call: memory stays near the input's size
+
+
+def _by_width(chunk: Sequence[ParsedLine]) -> Iterator[list[int]]:
+    """Row groups of similar length whose padded B x T stays within MAX_CELLS (a row longer
+    than that goes alone), so one length outlier never pads the whole chunk to its width."""
+    order = sorted(range(len(chunk)), key=lambda i: len(chunk[i].current))
+    group: list[int] = []
+    for i in order:
+        width = len(chunk[i].current)
+        if group and (len(group) + 1) * max(width, 1) > MAX_CELLS:
+            yield group
+            group = []
+        group.append(i)
+    if group:
+        yield group
 
 
 def _summary_json(
