@@ -44,6 +44,7 @@ from rollout_lifecycle.cli.output import (
     quiet_option,
     report_options,
 )
+from rollout_lifecycle.cli.params import VERSION, FiniteFloat, StrictInt
 from rollout_lifecycle.model.backends import open_backend
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 from rollout_lifecycle.model.gate import (
@@ -603,19 +604,19 @@ _EPILOG = "\n".join(
 )
 @click.option(
     "--current-version",
-    type=click.IntRange(min=0),
+    type=VERSION,
     required=True,
     help="v_current, the policy version the update trains.",
 )
 @click.option(
     "--max-lag",
-    type=click.IntRange(min=0),
+    type=StrictInt(0, 10**6),
     required=True,
     help="L_max: admit 0 <= v_current - v_behavior <= L_max.",
 )
 @click.option(
     "--max-drift",
-    type=float,
+    type=FiniteFloat(0.0, 1e6),
     required=True,
     help="D_max: admit mean |log-prob difference| over action tokens <= D_max.",
 )
@@ -643,7 +644,7 @@ _EPILOG = "\n".join(
 @quiet_option
 @click.option(
     "--chunk-size",
-    type=click.IntRange(min=1),
+    type=StrictInt(1, 1_000_000),
     default=DEFAULT_CHUNK,
     show_default=True,
     help="Rollouts gated per vectorised batch.",

@@ -27,6 +27,7 @@ from rollout_lifecycle.cli.output import (
     report_options,
     write_json_atomic,
 )
+from rollout_lifecycle.cli.params import COUNT, SEED, FiniteFloat
 from rollout_lifecycle.model.atomic import atomic_write, check_target, describe_os_error
 from rollout_lifecycle.model.errors import OutputError
 from rollout_lifecycle.model.machines import MACHINES
@@ -62,12 +63,12 @@ from rollout_lifecycle.stateful_tests.runner import (
 )
 @click.option(
     "--examples",
-    type=click.IntRange(min=1),
+    type=COUNT,
     default=README_EXAMPLES,
     show_default=True,
     help="Fuzz examples per machine.",
 )
-@click.option("--seed", type=int, default=README_SEED, show_default=True)
+@click.option("--seed", type=SEED, default=README_SEED, show_default=True)
 @click.option(
     "--profile",
     type=click.Choice(PROFILES),
@@ -84,7 +85,7 @@ from rollout_lifecycle.stateful_tests.runner import (
 @click.option("--no-explore", is_flag=True, help="Fuzz only.")
 @click.option(
     "--race-seconds",
-    type=click.FloatRange(min=0.0, max=3600.0),
+    type=FiniteFloat(0.0, 3600.0),
     default=README_RACE_SECONDS,
     show_default=True,
     help="Real processes racing on the SQLite file (1 activator, 3 learners), every call "

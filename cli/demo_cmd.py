@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rollout_lifecycle.cli.exitcodes import findings
+from rollout_lifecycle.cli.params import SEED
 from rollout_lifecycle.model.artifacts import ArtifactStore, WorkerLoader
 from rollout_lifecycle.model.backends import Backend, open_backend, sqlite_path
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
@@ -317,7 +318,7 @@ def _check_fresh(url: str | None, workdir: Path | None) -> None:
     default=None,
     help="Directory for the artifacts (under artifacts/) [default: the new temp dir].",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic data.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the synthetic data.")
 def demo(url: str | None, workdir: Path | None, seed: int) -> None:
     """Run the whole protocol once on SQLite with real artifacts, then check the trace."""
     _check_fresh(url, workdir)

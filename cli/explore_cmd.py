@@ -27,6 +27,7 @@ from rollout_lifecycle.cli.output import (
     quiet_option,
     report_options,
 )
+from rollout_lifecycle.cli.params import COUNT
 from rollout_lifecycle.spec.bounds import EXPLORER_MODELS, README_MODELS
 from rollout_lifecycle.spec.coverage import coverage_json, uncovered
 from rollout_lifecycle.spec.explorer import ExplorationResult, ExploreProgress
@@ -139,7 +140,7 @@ def print_explore_report(report: dict[str, Any], console: Console) -> None:
 )
 @click.option(
     "--max-states",
-    type=click.IntRange(min=1),
+    type=COUNT,
     default=None,
     help="Stop after this many distinct states (the report says 'bounded').",
 )

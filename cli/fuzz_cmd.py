@@ -24,6 +24,7 @@ from rollout_lifecycle.cli.output import (
     quiet_option,
     report_options,
 )
+from rollout_lifecycle.cli.params import COUNT, SEED, FiniteFloat, StrictInt
 from rollout_lifecycle.stateful_tests.profiles import selected_profile_name
 from rollout_lifecycle.stateful_tests.runner import MACHINES as FUZZ_MACHINES
 from rollout_lifecycle.stateful_tests.runner import (
@@ -106,17 +107,17 @@ def print_fuzz_report(report: CampaignReport, console: Console) -> None:
 )
 @click.option(
     "--examples",
-    type=click.IntRange(min=1),
+    type=COUNT,
     default=None,
     help="Examples per machine (per batch with --time-budget).",
 )
 @click.option(
     "--time-budget",
-    type=click.FloatRange(min=0.1),
+    type=FiniteFloat(0.1, 7 * 86_400.0),
     default=None,
     help="Seconds to spend in all; batches with fresh seeds until spent.",
 )
-@click.option("--seed", type=int, default=None, help="Base seed (runs are repeatable).")
+@click.option("--seed", type=SEED, default=None, help="Base seed (runs are repeatable).")
 @click.option(
     "--profile",
     type=click.Choice(PROFILES),
@@ -125,7 +126,7 @@ def print_fuzz_report(report: CampaignReport, console: Console) -> None:
 )
 @click.option(
     "--steps",
-    type=click.IntRange(min=1),
+    type=StrictInt(1, 100_000),
     default=None,
     help="Steps per example (stateful_step_count).",
 )

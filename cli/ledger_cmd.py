@@ -31,6 +31,7 @@ from rollout_lifecycle.cli.output import (
     quiet_option,
     report_options,
 )
+from rollout_lifecycle.cli.params import COUNT
 from rollout_lifecycle.model.backends import DEFAULT_URL, Backend, open_backend
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 from rollout_lifecycle.model.events import EntryChanged
@@ -257,7 +258,7 @@ def history(rollout_id: str, url: str, as_json: bool) -> None:
 )
 @click.option(
     "--max-report",
-    type=click.IntRange(min=1),
+    type=COUNT,
     default=50,
     show_default=True,
     help="Print at most this many violations (the count and the JSON report have them all).",

@@ -23,6 +23,7 @@ from rollout_lifecycle.cli.output import (
     quiet_option,
     report_options,
 )
+from rollout_lifecycle.cli.params import COUNT, SEED
 from rollout_lifecycle.stateful_tests.mutants import BY_NAME, CATALOGUE
 from rollout_lifecycle.stateful_tests.mutation import MutantResult, run_catalogue, summary
 
@@ -82,12 +83,12 @@ def print_mutants(results: list[MutantResult], console: Console) -> None:
 )
 @click.option(
     "--examples",
-    type=click.IntRange(min=1),
+    type=COUNT,
     default=300,
     show_default=True,
     help="Fuzzer examples per mutant before it counts as a survivor.",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option(
     "--out",
     "out_dir",

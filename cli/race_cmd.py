@@ -17,6 +17,7 @@ from rollout_lifecycle.cli.output import (
     quiet_option,
     report_options,
 )
+from rollout_lifecycle.cli.params import SEED, FiniteFloat, StrictInt
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 from rollout_lifecycle.stateful_tests.race import RaceConfig, fresh_file, run_race
 
@@ -29,13 +30,11 @@ from rollout_lifecycle.stateful_tests.race import RaceConfig, fresh_file, run_ra
     show_default=True,
     help="A NEW SQLite file (sqlite:///path); every process opens its own connection.",
 )
-@click.option("--learners", type=click.IntRange(1, 64), default=4, show_default=True)
-@click.option("--activators", type=click.IntRange(1, 8), default=1, show_default=True)
-@click.option(
-    "--seconds", type=click.FloatRange(min=1.0, max=86_400.0), default=60.0, show_default=True
-)
-@click.option("--max-lag", type=click.IntRange(0, 1000), default=1, show_default=True)
-@click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True)
+@click.option("--learners", type=StrictInt(1, 64), default=4, show_default=True)
+@click.option("--activators", type=StrictInt(1, 8), default=1, show_default=True)
+@click.option("--seconds", type=FiniteFloat(1.0, 86_400.0), default=60.0, show_default=True)
+@click.option("--max-lag", type=StrictInt(0, 1000), default=1, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @report_options
 @quiet_option
 def race(
