@@ -16,9 +16,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -45,8 +45,9 @@ from rollout_lifecycle.cli.output import (
     report_options,
 )
 from rollout_lifecycle.cli.params import VERSION, FiniteFloat, StrictInt
+from rollout_lifecycle.model.atomic import atomic_open
 from rollout_lifecycle.model.backends import open_backend
-from rollout_lifecycle.model.errors import RolloutLifecycleError
+from rollout_lifecycle.model.errors import OutputError, RolloutLifecycleError
 from rollout_lifecycle.model.gate import (
     FRESHNESS,
     AdmissionDecision,
@@ -143,7 +144,13 @@ def _numbers(values: list[Any], key: str, lineno: int) -> list[float]:
                 raise InputLineError(
                     lineno, f"field {key!r}[{i}] must be a number, got {type(v).__name__} {v!r}"
                 )
-    return list(map(float, values))
+    try:
+        return list(map(float, values))
+    except OverflowError:
+        i = next(j for j, v in enumerate(values) if isinstance(v, int) and abs(v) > 2**1023)
+        raise InputLineError(
+            lineno, f"field {key!r}[{i}] is too large to be a log-prob ({str(values[i])[:20]}...)"
+        ) from None
 
 
 class LineParser:
@@ -186,6 +193,8 @@ class LineParser:
             raise InputLineError(
                 lineno, f"invalid JSON ({exc.msg} at column {exc.colno})"
             ) from None
+        except RecursionError:
+            raise InputLineError(lineno, "JSON nested too deeply to be a rollout") from None
         if not isinstance(obj, dict):
             raise InputLineError(lineno, f"expected a JSON object, got {type(obj).__name__}")
         missing = [k for k in _REQUIRED if k not in obj]
@@ -218,7 +227,7 @@ class LineParser:
                 state=state,
                 reserved_by=_INPUT_OWNER if state == "reserved" else None,
             )
-        except RolloutLifecycleError as exc:
+        except (RolloutLifecycleError, OverflowError) as exc:
             raise InputLineError(lineno, str(exc)) from None
         conditions = self._conditions_of(obj["conditions"], lineno)
         first = self._seen.setdefault(identity.rollout_id, lineno)
@@ -272,7 +281,14 @@ def _current_matrix(chunk: Sequence[ParsedLine]) -> npt.NDArray[np.float64]:
 
 
 def _decision_line(d: AdmissionDecision) -> str:
-    return json.dumps({k: getattr(d, k) for k in OUTPUT_FIELDS}, separators=(",", ":"))
+    """One decision as strict JSON: a drift too large to represent (finite log-probs near
+    +-1e308 differ by more than a float holds) is written as null with `drift_overflow`."""
+    row = {k: getattr(d, k) for k in OUTPUT_FIELDS}
+    drift = row["drift"]
+    if isinstance(drift, float) and not math.isfinite(drift):
+        row["drift"] = None
+        row["drift_overflow"] = True
+    return json.dumps(row, separators=(",", ":"), allow_nan=False)
 
 
 # ---- options ---------------------------------------------------------------------------------
@@ -400,8 +416,20 @@ def _chunks(
         yield chunk
 
 
+MAX_LINE_BYTES = 256 * 2**20  # one rollout per line; a line this long is not a rollout
+
+
 def _lines(f: IO[bytes], advance: Callable[[int], None]) -> Iterator[tuple[int, bytes]]:
-    for lineno, raw in enumerate(f, start=1):
+    lineno = 0
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)  # bounded: /dev/zero has no newline at all
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > MAX_LINE_BYTES:
+            raise InputLineError(
+                lineno, f"line longer than {MAX_LINE_BYTES // 2**20} MiB; one rollout per line"
+            )
         advance(len(raw))
         if raw.strip():
             yield lineno, raw
@@ -438,26 +466,15 @@ def _progress(total: int, quiet: bool = False) -> Iterator[Callable[[int], None]
 
 @contextlib.contextmanager
 def _atomic_output(out: Path, force: bool) -> Iterator[IO[str]]:
-    """A temp file beside `out`, renamed over it only if the block finishes; removed otherwise."""
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    tmp = Path(tmp_name)
-    done = False
+    """Decisions land at `out` only if the whole run finishes (model.atomic: a temporary in
+    the same folder, fsync, rename; removed on error, Ctrl-C or SIGTERM)."""
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(f.fileno(), 0o666 & ~umask)  # mkstemp's 0600 would survive the rename
+        with atomic_open(out, "w") as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
-        if out.exists() and not force:
-            raise click.UsageError(f"--out {out} appeared while admitting; pass --force")
-        os.replace(tmp, out)
-        done = True
-    finally:
-        if not done:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+            if out.exists() and not force:
+                raise click.UsageError(f"--out {out} appeared while admitting; pass --force")
+    except OutputError as exc:
+        raise TechnicalError(f"{exc}; no decisions were written") from None
 
 
 def _run(
@@ -678,8 +695,8 @@ def admit(
         raise click.UsageError("pass --registry-json or --backend, not both")
     if out.exists() and not force:
         raise click.UsageError(f"--out {out} already exists; pass --force to replace it")
-    if out.exists() and out.resolve() == input_path.resolve():
-        raise click.UsageError("--out names the input file; choose another path")
+    if out.exists() and os.path.samefile(out, input_path):
+        raise click.UsageError("--out is the input file (or a link to it); choose another path")
     if not out.parent.is_dir():
         raise click.UsageError(f"--out {out}: directory {out.parent} does not exist")
     conditions = None if conditions_json is None else load_conditions_json(conditions_json)

@@ -22,14 +22,14 @@ from rollout_lifecycle.cli.output import (
     Progress,
     check_report_path,
     emit_report,
+    ensure_dir,
     make_console,
     quiet_option,
     report_options,
     write_json_atomic,
 )
 from rollout_lifecycle.cli.params import COUNT, SEED, FiniteFloat
-from rollout_lifecycle.model.atomic import atomic_write, check_target, describe_os_error
-from rollout_lifecycle.model.errors import OutputError
+from rollout_lifecycle.model.atomic import atomic_write
 from rollout_lifecycle.model.machines import MACHINES
 from rollout_lifecycle.spec.bounds import EXPLORER_MODELS, README_MODELS
 from rollout_lifecycle.spec.coverage import merge_coverage, uncovered
@@ -109,17 +109,7 @@ def campaign(
     """Fuzz and explore both machines, print the report, write coverage JSON and diagrams."""
     check_report_path(report_path)
     console = make_console(quiet=as_json)
-    try:
-        check_target(out_dir / "coverage.json")
-    except OutputError:
-        if out_dir.exists() and not out_dir.is_dir():
-            raise click.BadParameter(f"{out_dir} is a file", param_hint="--out") from None
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise click.BadParameter(
-                f"cannot create {out_dir} ({describe_os_error(exc)})", param_hint="--out"
-            ) from None
+    ensure_dir(out_dir, "--out")
     chosen = profile or selected_profile_name()
     show = not quiet
     console.rule("fuzz")

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rollout_lifecycle.cli.exitcodes import findings
+from rollout_lifecycle.cli.output import ensure_dir
 from rollout_lifecycle.cli.params import SEED
 from rollout_lifecycle.model.artifacts import ArtifactStore, WorkerLoader
 from rollout_lifecycle.model.backends import Backend, open_backend, sqlite_path
@@ -286,6 +287,8 @@ class _Demo:
 
 
 def _check_fresh(url: str | None, workdir: Path | None) -> None:
+    if workdir is not None:
+        ensure_dir(workdir, "--workdir")
     """Refuse a ledger file or artifact store that already exists: the demo writes new ones."""
     if workdir is not None:
         artifacts = workdir / "artifacts"

@@ -16,7 +16,9 @@ from typing import Any
 import click
 
 from rollout_lifecycle.cli.exitcodes import InputError, TechnicalError, findings
-from rollout_lifecycle.model.atomic import atomic_write
+from rollout_lifecycle.cli.output import ensure_dir
+from rollout_lifecycle.model.atomic import atomic_write, check_target
+from rollout_lifecycle.model.errors import OutputError
 from rollout_lifecycle.model.machines import MACHINES, MachineSpec
 from rollout_lifecycle.spec.diagrams import (
     FORMAT_ENGINE,
@@ -118,6 +120,11 @@ def _targets(
     default=None,
     help="Regenerate the committed diagram files in DIR (.mmd, .dot, .svg).",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace existing files at --out even if they do not look like diagrams.",
+)
 def diagram(
     machine_name: str,
     fmt: str,
@@ -127,14 +134,17 @@ def diagram(
     dot_path: Path | None,
     check_dir: Path | None,
     write_dir: Path | None,
+    force: bool,
 ) -> None:
     """Draw the lifecycle/activation machines as Mermaid, DOT, SVG or PNG."""
+    if write_dir is not None:
+        ensure_dir(write_dir, "--write-docs")
     coverage = None if coverage_path is None else _load_coverage(coverage_path)
     try:
         if check_dir is not None or write_dir is not None:
             _docs_mode(check_dir, write_dir, coverage, dot_path, out)
             return
-        _draw(machine_name, fmt, engine or FORMAT_ENGINE[fmt], coverage, out, dot_path)
+        _draw(machine_name, fmt, engine or FORMAT_ENGINE[fmt], coverage, out, dot_path, force)
     except GraphvizNotFound as exc:
         raise TechnicalError(str(exc)) from None
     except DiagramError as exc:
@@ -181,6 +191,7 @@ def _draw(
     coverage: dict[str, Any] | None,
     out: Path | None,
     dot_path: Path | None,
+    force: bool = False,
 ) -> None:
     machines = list(MACHINES.values()) if machine_name == "all" else [MACHINES[machine_name]]
     if coverage is not None and "machines" not in coverage and len(machines) > 1:
@@ -199,8 +210,23 @@ def _draw(
         return
     covered = coverage is not None
     targets = {m.name: p for m, p in _targets(machines, out, _EXTENSIONS[fmt], covered)}
+    for path in targets.values():  # every target checked before anything is written
+        ensure_dir(path.parent, "--out")
+        try:
+            check_target(path, force=force, written_by=GENERATED_MARKERS[fmt])
+        except OutputError as exc:
+            raise click.BadParameter(str(exc), param_hint="--out") from None
     for m, data in drawn:
         path = targets[m.name]
-        path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, data)
         click.echo(f"wrote {path}")
+
+
+# what a file this command wrote contains near its start: anything else at --out is a file
+# of the user's, never replaced without --force
+GENERATED_MARKERS = {
+    "mermaid": "Generated from model.machines",
+    "dot": "Generated from model.machines",
+    "svg": "<svg",
+    "png": "PNG",  # inside the PNG signature
+}

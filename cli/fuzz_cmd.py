@@ -20,6 +20,7 @@ from rollout_lifecycle.cli.output import (
     Progress,
     check_report_path,
     emit_report,
+    ensure_dir,
     make_console,
     quiet_option,
     report_options,
@@ -156,6 +157,7 @@ def fuzz(
     """Fuzz the protocol machines against the spec; exit 1 on a violation."""
     chosen = profile or selected_profile_name()
     check_report_path(report_path)
+    ensure_dir(out_dir, "--out")
     console = make_console(quiet=as_json)
     try:
         report = run_campaign(

@@ -84,7 +84,11 @@ def _opened(url: str) -> Iterator[Backend]:
 
 
 def _when(at: float) -> str:
-    return dt.datetime.fromtimestamp(at, dt.UTC).isoformat(timespec="milliseconds")
+    """A timestamp as UTC ISO text; one no calendar can hold is shown as the raw number."""
+    try:
+        return dt.datetime.fromtimestamp(at, dt.UTC).isoformat(timespec="milliseconds")
+    except (OverflowError, OSError, ValueError):
+        return f"{at!r} (seconds since the epoch; out of calendar range)"
 
 
 def _echo_json(data: Any) -> None:

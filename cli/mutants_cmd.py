@@ -19,6 +19,7 @@ from rollout_lifecycle.cli.output import (
     Progress,
     check_report_path,
     emit_report,
+    ensure_dir,
     make_console,
     quiet_option,
     report_options,
@@ -110,6 +111,8 @@ def mutants(
 ) -> None:
     """Kill every mutant of the catalogue with the fuzzer and the explorer; exit 1 on a survivor."""
     check_report_path(report_path)
+    if out_dir is not None:
+        ensure_dir(out_dir, "--out")
     chosen = [BY_NAME[n] for n in only] if only else list(CATALOGUE)
     console = make_console(quiet=as_json)
     tick = Progress("mutants", quiet=quiet, every_s=0.0)

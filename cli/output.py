@@ -68,6 +68,22 @@ def check_report_path(path: Path | None) -> None:
         raise click.BadParameter(str(exc), param_hint="--report") from None
 
 
+def ensure_dir(path: Path, option: str) -> Path:
+    """Create a working folder before any work, or say exactly why it cannot be one."""
+    p = Path(path)
+    for anc in (p, *p.parents):
+        if anc.exists():
+            if not anc.is_dir():
+                where = "is a file" if anc == p else f"is inside {anc}, which is a file"
+                raise click.BadParameter(f"{p} {where}; give a folder", param_hint=option)
+            break
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot create {p} ({exc.strerror})", param_hint=option) from None
+    return p
+
+
 def report_options(func: F) -> F:
     """`--json` (report on stdout) and `--report PATH` (report to a file), the same everywhere."""
     func = click.option(

@@ -444,6 +444,40 @@ class ActivationMachine(RuleBasedStateMachine):
         """An ack in flight arrives (any one: the network reorders; the rest are delayed)."""
         self._deliver(self.bag.pop(pick % len(self.bag)))
 
+    def _late_acks(self) -> list[int]:
+        """Bag positions of acks from an earlier attempt of a version being retried."""
+        return [
+            i
+            for i, a in enumerate(self.bag)
+            if (art := self.arts.get(a.version)) is not None
+            and art.state == "awaiting_acks"
+            and a.attempt is not None
+            and a.attempt < art.attempts
+        ]
+
+    @rule()
+    @precondition(
+        lambda self: self._awaiting() is not None
+        and any(a.version == self._awaiting() for a in self.bag)
+    )
+    @counted
+    def timeout_and_retry(self) -> None:
+        """The distribution times out while acks are still in flight and is retried at once:
+        those acks, of the failed attempt, may now arrive during the retry."""
+        v = self._awaiting()
+        assert v is not None
+        self._apply(v, "fail_distribution")
+        if self.arts[v].state == "distribution_failed" and self._expect(v, "retry") is None:
+            self._apply(v, "retry")
+
+    @rule(pick=picks)
+    @precondition(lambda self: bool(self._late_acks()))
+    @counted
+    def deliver_late(self, pick: int) -> None:
+        """An ack sent during a failed attempt arrives during the retry (a slow network)."""
+        late = self._late_acks()
+        self._deliver(self.bag.pop(late[pick % len(late)]))
+
     @rule(pick=picks, duplicate=st.booleans())
     @precondition(lambda self: bool(self.bag))
     @counted
