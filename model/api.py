@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from rollout_lifecycle.model.errors import ActivationError
+from rollout_lifecycle.model.errors import ActivationError, InvalidRecord
 from rollout_lifecycle.model.gate import lag_drift_decision
 from rollout_lifecycle.model.ledger import MISSING, RESERVED, reserve_precheck
 from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
+from rollout_lifecycle.model.records import INT64_MAX
 
 
 def transition_lifecycle(state: str, event: str) -> str:
@@ -48,8 +49,15 @@ def assess_policy_compatibility(
 
 def _entry_field(entry: Mapping[str, Any], key: str, rollout_id: Any) -> Any:
     if key not in entry:
-        raise ValueError(f"ledger entry for {rollout_id!r} has no {key!r}")
+        raise InvalidRecord(f"ledger entry for {rollout_id!r} has no {key!r}")
     return entry[key]
+
+
+def _revision(value: Any, what: str) -> int:
+    """A revision is a non-negative int (never a bool, a float or a negative number)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > INT64_MAX:
+        raise InvalidRecord(f"{what} must be a non-negative int, got {value!r}")
+    return value
 
 
 def compare_and_reserve(
@@ -61,14 +69,22 @@ def compare_and_reserve(
     otherwise the ledger is untouched. `record` is always a copy.
     """
     if not isinstance(update_id, str) or not update_id:
-        raise ValueError(f"update_id must be a non-empty string, got {update_id!r}")
-    if isinstance(expected_revision, bool) or not isinstance(expected_revision, int):
-        raise ValueError(f"expected_revision must be an int, got {expected_revision!r}")
-    entry = ledger.get(rollout_id)
+        raise InvalidRecord(f"update_id must be a non-empty string, got {update_id!r}")
+    _revision(expected_revision, "expected_revision")
+    if not isinstance(ledger, dict):
+        raise InvalidRecord(f"ledger must be a dict of rollout id -> entry, got {type(ledger)}")
+    try:
+        entry = ledger.get(rollout_id)
+    except TypeError:
+        raise InvalidRecord(f"rollout_id must be hashable, got {rollout_id!r}") from None
     if entry is None:
         return {"reserved": False, "reason": MISSING, "record": None}
+    if not isinstance(entry, Mapping):
+        raise InvalidRecord(f"ledger entry for {rollout_id!r} must be a dict, got {type(entry)}")
     state = _entry_field(entry, "lifecycle_state", rollout_id)
-    revision = _entry_field(entry, "revision", rollout_id)
+    if not isinstance(state, str) or state not in LIFECYCLE.states:
+        raise InvalidRecord(f"ledger entry for {rollout_id!r}: unknown lifecycle_state {state!r}")
+    revision = _revision(_entry_field(entry, "revision", rollout_id), "stored revision")
     why = reserve_precheck(state, revision, entry.get("reserved_by"), expected_revision, update_id)
     if why is not None:
         return {"reserved": why == "idempotent_retry", "reason": why, "record": dict(entry)}
@@ -81,7 +97,7 @@ def compare_and_reserve(
 
 
 def _version(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > INT64_MAX:
         raise ActivationError(f"{name} must be a non-negative int, got {v!r}")
     return v
 
@@ -98,11 +114,27 @@ def activate_policy_version(
     Returns {activated, reason, active_pointer, missing_workers, mismatched_workers}; the
     caller's pointer is never mutated, and on failure the returned pointer equals the old one.
     """
+    for name, arg in (("artifact", artifact), ("worker_states", worker_states)):
+        if not isinstance(arg, Mapping):
+            raise ActivationError(f"{name} must be a dict, got {type(arg).__name__}")
+    if active_pointer is not None and not isinstance(active_pointer, Mapping):
+        raise ActivationError(f"active_pointer must be a dict or None, got {active_pointer!r}")
+    for w, reported in worker_states.items():
+        if not isinstance(reported, Mapping):
+            raise ActivationError(f"worker {w!r}: state must be a dict, got {reported!r}")
     if isinstance(required_workers, str):
         raise ActivationError(
             f"required_workers must be a list of worker ids, got the string {required_workers!r}"
         )
-    required = list(required_workers)
+    try:
+        required = list(required_workers)
+    except TypeError:
+        raise ActivationError(
+            f"required_workers must be a list of worker ids, got {required_workers!r}"
+        ) from None
+    for w in required:
+        if not isinstance(w, str) or not w:
+            raise ActivationError(f"worker id must be a non-empty string, got {w!r}")
     if not required:
         raise ActivationError(
             "at least one required worker is needed: a version no worker loaded is never active"

@@ -166,6 +166,8 @@ class ArtifactManifest:
             )
         except (ValueError, KeyError, TypeError, AttributeError, ArtifactError) as exc:
             raise ArtifactError(f"{where}: unreadable manifest ({exc})") from None
+        except RecursionError:
+            raise ArtifactError(f"{where}: unreadable manifest (nested too deeply)") from None
 
 
 def _size(v: Any) -> int:
@@ -224,8 +226,16 @@ class ArtifactStore:
 
     def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
         p = Path(root)
+        for anc in (p, *p.parents):
+            if anc.exists() and not anc.is_dir():
+                raise ArtifactError(f"artifact root {p}: {anc} is a file, not a directory")
+            if anc.exists():
+                break
         if create:
-            p.mkdir(parents=True, exist_ok=True)
+            try:
+                p.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ArtifactError(f"cannot create artifact root {p} ({exc.strerror})") from None
         if not p.is_dir():
             raise ArtifactError(f"artifact root {p} is not a directory")
         self.root = p.resolve()
@@ -304,6 +314,13 @@ class ArtifactStore:
             digest = content_hash(entries)
             manifest = ArtifactManifest(version, digest, tuple(entries), label)
             _write_file(tmp / MANIFEST_NAME, manifest.to_json().encode("utf-8"))
+            # mkdtemp's 0700 would stay on the published folder: a worker running as another
+            # user could not read it. Folder 0777 & ~umask, files 0444 & ~umask (immutable).
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o777 & ~umask)
+            for child in tmp.iterdir():
+                os.chmod(child, 0o444 & ~umask)
             _fsync_dir(tmp)
             try:
                 os.rename(tmp, final)

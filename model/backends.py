@@ -20,9 +20,10 @@ from pathlib import Path
 
 import attrs
 
+from rollout_lifecycle.model.atomic import describe_os_error
 from rollout_lifecycle.model.errors import BackendURLError, LedgerError
 from rollout_lifecycle.model.events import EventLog, TraceEvent
-from rollout_lifecycle.model.ledger import Clock, Ledger, MemoryLedger
+from rollout_lifecycle.model.ledger import Clock, Ledger, MemoryLedger, check_lease_seconds
 from rollout_lifecycle.model.registry import MemoryRegistry, RegistryStore, SQLiteRegistry
 from rollout_lifecycle.model.sqlite_common import connect_read_only, has_component
 from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
@@ -210,6 +211,8 @@ def open_backend(
     opener = OPENERS.get(scheme)
     if opener is None:
         raise _bad(url, f"unknown scheme {scheme!r} (known: {', '.join(sorted(OPENERS))})")
-    if lease_seconds <= 0:
-        raise ValueError("lease_seconds must be > 0")
-    return opener(url, rest, OpenOptions(clock, float(lease_seconds), create))
+    lease = check_lease_seconds(lease_seconds)
+    try:
+        return opener(url, rest, OpenOptions(clock, lease, create))
+    except OSError as exc:  # e.g. a path too long for the file system
+        raise _bad(url, f"cannot open it ({describe_os_error(exc)}: {exc})") from None

@@ -399,6 +399,9 @@ class ActivationCoordinator:
         against its ack arriving late, after a retry.
         """
 
+        if not isinstance(ack, WorkerAck):
+            raise ActivationError(f"record_ack takes a WorkerAck, got {type(ack).__name__}")
+
         def plan(view: RegistryView) -> tuple[RegistryStep, AckResult]:
             required = view.required_workers() or ()
             if ack.worker_id not in required:

@@ -75,3 +75,7 @@ class BackendURLError(RolloutLifecycleError, ValueError):
 class OutputError(RolloutLifecycleError):
     """A file could not be written where asked (missing folder, a file in the way, full disk);
     nothing was left half-written."""
+
+
+class InvalidLedgerArgument(LedgerError, ValueError):
+    """An argument of a ledger call of the wrong type or range (nothing was read or written)."""

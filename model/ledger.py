@@ -21,6 +21,7 @@ from rollout_lifecycle.model import rules
 from rollout_lifecycle.model.errors import (
     CommitMismatch,
     DuplicateRollout,
+    InvalidLedgerArgument,
     LedgerError,
     RevisionConflict,
     UnknownRollout,
@@ -203,6 +204,57 @@ class LedgerStatistics:
 # ---- planning (shared by every backend) ---------------------------------------------------
 
 
+def check_revision(value: object, what: str = "expected_revision") -> int:
+    """A revision the caller read: a non-negative int (never a bool or a float)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**63 - 1:
+        raise InvalidLedgerArgument(f"{what} must be a non-negative int, got {value!r}")
+    return value
+
+
+def check_update_id(update_id: object) -> str:
+    """An update id: a non-empty string."""
+    if not isinstance(update_id, str) or not update_id:
+        raise InvalidLedgerArgument(f"update_id must be a non-empty string, got {update_id!r}")
+    return update_id
+
+
+def check_requests(requests: object) -> list[ReserveRequest]:
+    """A batch: ReserveRequests, each rollout named once, each with a valid revision."""
+    if isinstance(requests, str | bytes) or not isinstance(requests, Sequence):
+        raise InvalidLedgerArgument(
+            f"a batch is a list of ReserveRequest, got {type(requests).__name__}"
+        )
+    out = list(requests)
+    for r in out:
+        if not isinstance(r, ReserveRequest):
+            raise InvalidLedgerArgument(f"a batch holds ReserveRequest items, got {r!r}")
+        if not isinstance(r.rollout_id, str) or not r.rollout_id:
+            raise InvalidLedgerArgument(
+                f"rollout_id must be a non-empty string, got {r.rollout_id!r}"
+            )
+        check_revision(r.expected_revision)
+        if r.admission is not None and not isinstance(r.admission, AdmissionStamp):
+            raise InvalidLedgerArgument(
+                f"admission must be an AdmissionStamp or None, got {r.admission!r}"
+            )
+    seen = Counter(r.rollout_id for r in out)
+    dups = [k for k, n in seen.items() if n > 1]
+    if dups:
+        raise InvalidLedgerArgument(f"a batch names rollouts more than once: {sorted(dups)[:5]}")
+    return out
+
+
+def as_entry(rollout: object) -> LedgerEntry:
+    """What `add` accepts: a Rollout (its entry at dispatch) or a LedgerEntry."""
+    if isinstance(rollout, Rollout):
+        return rollout.entry()
+    if isinstance(rollout, LedgerEntry):
+        return rollout
+    raise InvalidLedgerArgument(
+        f"add() takes a Rollout or a LedgerEntry, got {type(rollout).__name__}"
+    )
+
+
 def plan_transition(
     entry: LedgerEntry,
     event: str,
@@ -248,8 +300,8 @@ def plan_reserve(
     with what this atomic step read of the registry: a stamp that passed, for a version
     that was active, within the lag bound of the pointer as it is now.
     """
-    if not update_id:
-        raise ValueError("update_id must be a non-empty string")
+    check_update_id(update_id)
+    check_revision(expected_revision)
     if entry is None:
         return ReserveOutcome(rollout_id, False, MISSING, None), None
     why = reserve_precheck(
@@ -548,7 +600,7 @@ class MemoryLedger:
 
     def add(self, rollout: Rollout | LedgerEntry) -> LedgerEntry:
         """Insert a new rollout at revision 0; its id must be new."""
-        entry = rollout.entry() if isinstance(rollout, Rollout) else rollout
+        entry = as_entry(rollout)
         with self._lock:
             changes = plan_add(entry, self._bad_versions)
             if entry.rollout_id in self._entries:
@@ -579,6 +631,7 @@ class MemoryLedger:
     ) -> LedgerEntry:
         """Fire a direct lifecycle event under compare-and-set; nothing changes on failure."""
         changes = direct_changes(event, reward, disposition)
+        check_revision(expected_revision)
         with self._lock:
             entry = self.get(rollout_id)
             if entry.revision != expected_revision:
@@ -604,12 +657,8 @@ class MemoryLedger:
         self, update_id: str, requests: Sequence[ReserveRequest]
     ) -> list[ReserveOutcome]:
         """Reserve many rollouts in one atomic step; each item wins or loses on its own CAS."""
-        if not update_id:
-            raise ValueError("update_id must be a non-empty string")
-        seen = Counter(r.rollout_id for r in requests)
-        dups = [k for k, n in seen.items() if n > 1]
-        if dups:
-            raise LedgerError(f"a batch names rollouts more than once: {sorted(dups)[:5]}")
+        check_update_id(update_id)
+        requests = check_requests(requests)
         with self._lock:
             lease = self.clock() + self.lease_seconds
             premise = NO_REGISTRY if self.activation is None else self.activation.premise()

@@ -23,9 +23,14 @@ T = TypeVar("T")
 # ---- validators ----------------------------------------------------------------------------
 
 
+INT64_MAX = 2**63 - 1  # every stored integer fits a signed 64-bit column
+
+
 def _nonneg_int(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidRecord(f"{attribute.name} must be a non-negative int, got {value!r}")
+    if value > INT64_MAX:
+        raise InvalidRecord(f"{attribute.name} must fit in 64 bits (<= 2**63 - 1), got {value}")
 
 
 def _opt_nonneg_int(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -44,8 +49,12 @@ def _opt_nonempty_str(inst: Any, attribute: attrs.Attribute[Any], value: Any) ->
 
 
 def _finite(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidRecord(f"{attribute.name} must be a finite number, got {value!r}")
+    try:
+        ok = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        ok = False
+    if not ok:
+        raise InvalidRecord(f"{attribute.name} must be a finite number, got {str(value)[:40]}")
 
 
 def _opt_finite(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

@@ -11,6 +11,7 @@ backends, so a buggy plan is refused instead of written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
@@ -710,6 +711,15 @@ class _EmptyView:
         return None
 
 
+def _sqlite_cause(exc: sqlite3.Error) -> str:
+    text = str(exc)
+    if "disk is full" in text or "SQLITE_FULL" in text:
+        return f"{text}: no space left on the device"
+    if "readonly" in text:
+        return f"{text}: the file or its folder cannot be written"
+    return text
+
+
 def _unusable(path: Path, exc: Exception) -> ActivationError:
     return ActivationError(
         f"{path} is not a usable registry database ({exc}); give a new file, or the file "
@@ -813,8 +823,16 @@ class SQLiteRegistry(_ViewReads):
                     )
                 stamped = append_events(conn, events)
                 conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
+            except BaseException as exc:
+                # SQLite may already have rolled back (a full disk does): a failing ROLLBACK
+                # must not hide the real cause
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise ActivationError(
+                        f"registry {self.path}: write failed, nothing written "
+                        f"({_sqlite_cause(exc)})"
+                    ) from exc
                 raise
             return result, _artifact_events(stamped)
 

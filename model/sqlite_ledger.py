@@ -46,7 +46,11 @@ from rollout_lifecycle.model.ledger import (
     RecoveryRule,
     ReserveOutcome,
     ReserveRequest,
+    as_entry,
     check_lease_seconds,
+    check_requests,
+    check_revision,
+    check_update_id,
     commit_plan,
     direct_changes,
     enforce,
@@ -132,6 +136,7 @@ _COUNTER_OF = {
     CONFLICT: "cas_conflicts",
 }
 
+_IN_CHUNK = 500  # ids per IN (...) list, well under SQLite's bound-parameter limit
 _WAS_ACTIVE = tuple(sorted(WAS_ACTIVE_STATES))
 _WAS_ACTIVE_MARKS = ",".join("?" * len(_WAS_ACTIVE))
 
@@ -339,13 +344,18 @@ class SQLiteLedger:
 
     @staticmethod
     def _rows(conn: sqlite3.Connection, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
-        # one statement for the whole batch; json_each avoids the bound-parameter limit
-        rows = conn.execute(
-            "SELECT rollout_id, entry FROM rollouts "
-            "WHERE rollout_id IN (SELECT value FROM json_each(?))",
-            (json.dumps(list(rollout_ids)),),
-        ).fetchall()
-        return {rid: _load(text) for rid, text in rows}
+        # bound parameters, chunked under SQLite's limit: every id compares byte for byte,
+        # NUL included (json_each cut such ids at the NUL and reported them missing)
+        out: dict[str, LedgerEntry] = {}
+        ids = list(rollout_ids)
+        for start in range(0, len(ids), _IN_CHUNK):
+            part = ids[start : start + _IN_CHUNK]
+            marks = ",".join("?" * len(part))
+            rows = conn.execute(
+                f"SELECT rollout_id, entry FROM rollouts WHERE rollout_id IN ({marks})", part
+            ).fetchall()
+            out.update((rid, _load(text)) for rid, text in rows)
+        return out
 
     @staticmethod
     def _owned(conn: sqlite3.Connection, update_id: str) -> list[LedgerEntry]:
@@ -438,7 +448,7 @@ class SQLiteLedger:
 
         All or nothing: a duplicate id anywhere (in the file or the list) adds none of them.
         """
-        entries = [r.entry() if isinstance(r, Rollout) else r for r in rollouts]
+        entries = [as_entry(r) for r in rollouts]
         for e in entries:
             plan_add(e, ())  # validate before taking the write lock
         if not entries:
@@ -491,6 +501,7 @@ class SQLiteLedger:
     ) -> LedgerEntry:
         """Fire a direct lifecycle event under compare-and-set; nothing changes on failure."""
         changes = direct_changes(event, reward, disposition)
+        check_revision(expected_revision)
         entry = self.get(rollout_id)
         if entry.revision != expected_revision:
             self._bump_now({"cas_conflicts": 1})
@@ -562,12 +573,8 @@ class SQLiteLedger:
         self, update_id: str, requests: Sequence[ReserveRequest]
     ) -> list[ReserveOutcome]:
         """Reserve many rollouts in one transaction; each item wins or loses on its own CAS."""
-        if not update_id:
-            raise ValueError("update_id must be a non-empty string")
-        seen = Counter(r.rollout_id for r in requests)
-        dups = [k for k, n in seen.items() if n > 1]
-        if dups:
-            raise LedgerError(f"a batch names rollouts more than once: {sorted(dups)[:5]}")
+        check_update_id(update_id)
+        requests = check_requests(requests)
         if not requests:
             return []
         outcomes: list[ReserveOutcome] = []
