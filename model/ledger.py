@@ -8,6 +8,7 @@ write" one indivisible step (a lock here, a single-statement compare-and-set in 
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections import Counter
@@ -133,6 +134,38 @@ class LedgerStatistics:
 # ---- planning (shared by every backend) ---------------------------------------------------
 
 
+_EVOLVABLE: dict[type[Any], tuple[attrs.Attribute[Any], ...] | None] = {}
+
+
+def _evolve(entry: LedgerEntry, **changes: Any) -> LedgerEntry:
+    """attrs.evolve that re-validates only what changes (it runs once per written row).
+
+    The unchanged fields come from a record that passed its validators when it was built
+    (frozen, so they still hold); the changed fields run their validators, and the class's
+    post-init check (which ties fields together) runs on the result. A class with converters
+    or init-less fields takes attrs.evolve as is.
+    """
+    cls = type(entry)
+    if cls not in _EVOLVABLE:
+        fields = attrs.fields(cls)
+        plain = all(a.init and a.converter is None for a in fields)
+        _EVOLVABLE[cls] = fields if plain else None
+    fields_or_none = _EVOLVABLE[cls]
+    if fields_or_none is None or not changes.keys() <= {a.alias for a in fields_or_none}:
+        return attrs.evolve(entry, **changes)
+    new = object.__new__(cls)
+    put = object.__setattr__
+    for a in fields_or_none:
+        put(new, a.name, changes[a.alias] if a.alias in changes else getattr(entry, a.name))
+    for a in fields_or_none:
+        if a.alias in changes and a.validator is not None:
+            a.validator(new, a, changes[a.alias])
+    post = getattr(new, "__attrs_post_init__", None)
+    if post is not None:
+        post()
+    return new
+
+
 def plan_transition(
     entry: LedgerEntry,
     event: str,
@@ -141,7 +174,7 @@ def plan_transition(
 ) -> LedgerEntry:
     """The entry after `event`, per the declared machine; revision + 1. Raises IllegalTransition."""
     edge = LIFECYCLE.resolve(entry.state, event, guards)
-    return attrs.evolve(entry, state=edge.dest, revision=entry.revision + 1, **changes)
+    return _evolve(entry, state=edge.dest, revision=entry.revision + 1, **changes)
 
 
 def reserve_precheck(
@@ -385,6 +418,13 @@ def commit_plan(
     return [plan_transition(e, "commit", reserved_by=None, lease_expires_at=None) for e in owned]
 
 
+_COUNTER_OF = {
+    RESERVED: "reservations",
+    IDEMPOTENT: "idempotent_retries",
+    CONFLICT: "cas_conflicts",
+}
+
+
 class MemoryLedger:
     """Thread-safe in-memory ledger: one lock makes read-check-write indivisible.
 
@@ -406,6 +446,7 @@ class MemoryLedger:
         self._entries: dict[str, LedgerEntry] = {}
         self._bad_versions: set[int] = set()
         self._counters: Counter[str] = Counter()
+        self._index_reset()
         self.clock = clock
         self.lease_seconds = float(lease_seconds)
         self.recovery = recovery or RecoveryRule()
@@ -427,6 +468,7 @@ class MemoryLedger:
         led = cls(**kwargs)
         led._entries = {e.rollout_id: e for e in entries}
         led._bad_versions = set(bad_versions)
+        led._index_reset()
         return led
 
     @property
@@ -444,29 +486,52 @@ class MemoryLedger:
             return
         at = self.clock()
         for _, _, after, _ in changes:
+            self._index_write(self._entries.get(after.rollout_id), after)
             self._entries[after.rollout_id] = after
         self._counters["writes"] += len(changes)
-        self.log.record(
-            [
-                EntryChanged(
-                    seq=0,
-                    txn=0,
-                    at=at,
-                    rollout_id=a.rollout_id,
-                    event=ev,
-                    before=b,
-                    after=a,
-                    update_id=u,
-                )
-                for ev, b, a, u in changes
-            ]
-        )
+        self.log.record_entries(at, changes)
+
+    # ---- ownership and lease index -----------------------------------------------------
+    # Which rollouts each update holds, and a heap of lease deadlines, kept in step with every
+    # write in `_record`, so commit, abort, fail_update, reserved_by and expire_leases cost
+    # what the update holds or what is due, not the size of the ledger. The heap is lazy: a
+    # deadline whose reservation has since ended is dropped when it surfaces.
+
+    def _index_reset(self) -> None:
+        self._owners: dict[str, set[str]] = {}
+        self._leases: list[tuple[float, str]] = []
+        self._held = 0
+        for e in self._entries.values():
+            self._index_write(None, e)
+
+    def _index_write(self, before: LedgerEntry | None, after: LedgerEntry) -> None:
+        if before is not None and before.reserved_by is not None:
+            held = self._owners.get(before.reserved_by)
+            if held is not None and before.rollout_id in held:
+                held.discard(before.rollout_id)
+                self._held -= 1
+                if not held:
+                    del self._owners[before.reserved_by]
+        if after.reserved_by is None:
+            return
+        held = self._owners.setdefault(after.reserved_by, set())
+        if after.rollout_id not in held:
+            held.add(after.rollout_id)
+            self._held += 1
+        if after.lease_expires_at is not None:
+            heapq.heappush(self._leases, (after.lease_expires_at, after.rollout_id))
+            if len(self._leases) > 1024 and len(self._leases) > 4 * self._held:
+                # mostly deadlines of reservations that ended: rebuild from what is held
+                self._leases = [
+                    (e.lease_expires_at, e.rollout_id)
+                    for e in (self._entries.get(r) for s in self._owners.values() for r in s)
+                    if e is not None and e.lease_expires_at is not None
+                ]
+                heapq.heapify(self._leases)
 
     def _owned(self, update_id: str) -> list[LedgerEntry]:
-        return sorted(
-            (e for e in self._entries.values() if e.reserved_by == update_id),
-            key=lambda e: e.rollout_id,
-        )
+        held = self._owners.get(update_id, ())
+        return sorted((self._entries[r] for r in held), key=lambda e: e.rollout_id)
 
     # ---- protocol ----------------------------------------------------------------------
 
@@ -557,12 +622,7 @@ class MemoryLedger:
             return outcomes
 
     def _count(self, reason: str) -> None:
-        key = {
-            RESERVED: "reservations",
-            IDEMPOTENT: "idempotent_retries",
-            CONFLICT: "cas_conflicts",
-        }.get(reason, "refused")
-        self._counters[key] += 1
+        self._counters[_COUNTER_OF.get(reason, "refused")] += 1
 
     def commit(self, update_id: str, rollout_ids: Sequence[str]) -> list[LedgerEntry]:
         """Consume exactly the rollouts `update_id` reserved, atomically; else CommitMismatch."""
@@ -609,16 +669,18 @@ class MemoryLedger:
         """Return reservations whose lease ran out (a crashed learner never blocks forever)."""
         with self._lock:
             now = self.clock()
-            due = sorted(
-                (
-                    e
-                    for e in self._entries.values()
-                    if e.state == "reserved"
+            found: dict[str, LedgerEntry] = {}
+            while self._leases and self._leases[0][0] <= now:
+                _, rid = heapq.heappop(self._leases)
+                e = self._entries.get(rid)
+                if (
+                    e is not None
+                    and e.state == "reserved"
                     and e.lease_expires_at is not None
                     and e.lease_expires_at <= now
-                ),
-                key=lambda e: e.rollout_id,
-            )
+                ):
+                    found[rid] = e
+            due = sorted(found.values(), key=lambda e: e.rollout_id)
             new = [plan_release(e, "expire_lease", self.recovery, self._bad_versions) for e in due]
             self._record(
                 [("expire_lease", b, a, b.reserved_by) for b, a in zip(due, new, strict=True)]
