@@ -47,7 +47,7 @@ docs: setup
 	$(BIN)/rollout-lifecycle diagram --write-docs docs/diagrams
 
 bench: setup-dev
-	$(BIN)/python benchmarks/run.py
+	$(BIN)/rollout-lifecycle bench
 
 clean:
 	rm -rf $(VENV) $(OUT) .hypothesis .pytest_cache .mypy_cache .ruff_cache

@@ -15,6 +15,7 @@ import click
 
 from rollout_lifecycle.cli import exitcodes
 from rollout_lifecycle.cli.admit_cmd import admit
+from rollout_lifecycle.cli.bench_cmd import bench
 from rollout_lifecycle.cli.campaign_cmd import campaign
 from rollout_lifecycle.cli.demo_cmd import demo
 from rollout_lifecycle.cli.diagram_cmd import diagram
@@ -24,7 +25,7 @@ from rollout_lifecycle.cli.ledger_cmd import ledger
 from rollout_lifecycle.cli.mutants_cmd import mutants
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 
-COMMANDS = (campaign, fuzz, explore, mutants, admit, ledger, demo, diagram)
+COMMANDS = (campaign, fuzz, explore, mutants, admit, ledger, demo, diagram, bench)
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 clean; 1 findings (a violation, a failed or surviving check, stale "

@@ -1,0 +1,97 @@
+"""`rollout-lifecycle bench`: the quick run end to end, its report's shape (never its times)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from rollout_lifecycle.cli.main import cli
+
+VARIANTS = {"gate_arrays", "gate_records", "bare", "read_once", "python_loop"}
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x >= 0
+
+
+def test_quick_bench_end_to_end(tmp_path: Path) -> None:
+    """bench --quick measures every part, prints the JSON report and writes the docs."""
+    out = tmp_path / "docs"
+    res = CliRunner().invoke(
+        cli, ["bench", "--quick", "--json", "--quiet", "--out", str(out)], catch_exceptions=False
+    )
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["schema"] == "rollout-lifecycle/bench-report/1" and report["quick"] is True
+    assert report["command"] == f"rollout-lifecycle bench --quick --out={out}"
+    assert {"cpus", "python", "numpy", "torch", "verl", "sqlite"} <= set(report["machine"])
+
+    rows = report["admission"]["rows"]
+    libs = {r["library"] for r in rows}
+    assert "numpy" in libs and (report["machine"]["torch"] is None or "torch" in libs)
+    for r in rows:
+        assert set(r["ms"]) >= VARIANTS and all(_number(r["ms"][k]) for k in VARIANTS)
+        assert ("verl" in r["ms"]) == (
+            r["library"] == "torch" and report["machine"]["verl"] is not None
+        )
+        assert set(r["ratios"]) == {
+            "arrays_vs_bare",
+            "arrays_vs_read_once",
+            "records_vs_arrays",
+            "python_loop_vs_arrays",
+            "verl_vs_arrays",
+        }
+        assert r["ratios"]["arrays_vs_bare"] == pytest.approx(
+            r["ms"]["gate_arrays"] / r["ms"]["bare"], rel=0.01
+        )
+        assert set(r["peak_extra_bytes"]) == {"gate_arrays", "gate_records", "bare"}
+        assert r["input_bytes"] == r["B"] * r["T"] * 9  # two float32 arrays and a bool mask
+
+    for backend in ("memory", "sqlite"):
+        x = report["ledgers"][backend]
+        assert _number(x["single_per_s"]) and _number(x["batch_per_s"])
+        assert [r["workers"] for r in x["racing"]] == [1, 4]
+        assert all(r["wins"] == r["rollouts"] for r in x["racing"])  # every rollout won once
+        assert len(x["commits_per_s"]) == 2 and all(map(_number, x["commits_per_s"].values()))
+        assert {"batch_vs_single", "commit_large_vs_small"} <= set(x["ratios"])
+    assert {"autocommit_update_per_s", "executemany_1000_per_s"} <= set(
+        report["ledgers"]["sqlite"]["baseline"]
+    )
+    assert report["ledgers"]["sqlite"]["baseline"]["synchronous"] == "FULL"
+
+    fuzz = report["checkers"]["fuzz"]["memory"]
+    assert set(fuzz) == {"ledger", "activation", "e2e"}
+    assert all(r["steps"] > 0 and not r["failed"] for r in fuzz.values())
+    assert all(m["distinct_states"] > 0 for m in report["checkers"]["explore"].values())
+
+    for g in report["goals"]:
+        assert set(g) == {"goal", "measured", "target", "met"}
+        assert g["met"] in (True, False, None)
+
+    written = json.loads((out / "bench.json").read_text())
+    assert written == report
+    md = (out / "README.md").read_text()
+    assert "## Goals (issue 13)" in md and "## Admission" in md and report["command"] in md
+    png = out / "admission.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not png.exists() and "matplotlib is not installed" in md
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "admission.png" in md
+
+
+def test_bad_destinations_are_refused_before_any_work(tmp_path: Path) -> None:
+    """A file given as --out, or a --report in a missing folder: exit 2 at once."""
+    afile = tmp_path / "f"
+    afile.write_text("x")
+    res = CliRunner().invoke(cli, ["bench", "--quick", "--out", str(afile)])
+    assert res.exit_code == 2 and "is a file" in res.output
+    res = CliRunner().invoke(
+        cli, ["bench", "--quick", "--no-docs", "--report", str(tmp_path / "no" / "r.json")]
+    )
+    assert res.exit_code == 2 and "does not exist" in res.output
