@@ -361,7 +361,9 @@ def _torch_sums(
     rows, cols = d.shape
     narrow = d.dtype != torch.float64
     word_t = torch.int32 if narrow else torch.int64
-    sums = torch.zeros(b, dtype=torch.float64, device=d.device)
+    # accumulate in float64 where the device has it (Apple's MPS does not)
+    acc = torch.float32 if d.device.type == "mps" else torch.float64
+    sums = torch.zeros(b, dtype=acc, device=d.device)
     counts = torch.zeros(b, dtype=torch.int64, device=d.device)
     extremes: list[Any] = []
     for r0 in range(0, b, rows):
@@ -377,9 +379,9 @@ def _torch_sums(
             dd.view(word_t).mul_(m)
             dd.abs_()
             if narrow and k % _PARTIAL == 0 and dd.is_contiguous():
-                s = torch.sum(dd.view(n, k // _PARTIAL, _PARTIAL).sum(-1), 1, dtype=torch.float64)
+                s = torch.sum(dd.view(n, k // _PARTIAL, _PARTIAL).sum(-1), 1, dtype=acc)
             else:
-                s = torch.sum(dd, dim=1, dtype=torch.float64)
+                s = torch.sum(dd, dim=1, dtype=acc)
             sums[r0:r1] += s
             counts[r0:r1] += _torch_counts(torch, m, n, k)
     if extremes:  # one synchronisation for the whole mask

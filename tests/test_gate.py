@@ -610,3 +610,29 @@ def test_entries_still_work_and_fall_back_to_status() -> None:
         gate().assess_batch([with_status], np.full((1, 1), -0.1), 1, [entry])
     with pytest.raises(GateConfigError, match="1 entries for 2 rollouts"):
         gate().assess_batch([with_status, bare], np.full((2, 1), -0.1), 1, [entry])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_records_path_with_narrow_current_tensors(dtype: str) -> None:
+    """bfloat16 / float16 current log-probs (torch's own kernels, as on an accelerator)."""
+    rng = np.random.default_rng(1)
+    ros, rows = [], []
+    for i in range(5):
+        n = int(rng.integers(1, 9))
+        lp = rng.normal(-1, 0.3, n).round(2).tolist()
+        m = (rng.random(n) < 0.7).tolist()
+        ros.append(make_rollout(f"r{i}", 4, lp, m))
+        rows.append((np.array(lp) + rng.normal(0, 0.1, n)).tolist())
+    cur = torch.zeros(5, 8, dtype=getattr(torch, dtype))
+    for i, r in enumerate(rows):
+        cur[i, : len(r)] = torch.tensor(r)
+    g = gate(registry=None, max_drift=0.08)
+    batch = g.assess_batch(ros, cur, 4)
+    exact = cur.double().numpy()
+    singles = [g.assess(ro, exact[i, : len(rows[i])].tolist(), 4) for i, ro in enumerate(ros)]
+    for d, w in zip(batch, singles, strict=True):
+        assert (d.freshness, d.drift is None) == (w.freshness, w.drift is None)
+        if w.drift is not None:
+            assert d.drift == pytest.approx(w.drift, rel=1e-6, abs=1e-9)
+            if abs(w.drift - 0.08) > 1e-6:
+                assert d.reason == w.reason
