@@ -73,6 +73,7 @@ class Sizes:
     sqlite_commit_sizes: tuple[int, int]
     racers: tuple[int, ...]
     race_rollouts: int
+    ledger_repeats: int
     fuzz_examples: int
     fuzz_backends: tuple[str, ...]
     explore_max_states: int | None
@@ -83,11 +84,12 @@ FULL = Sizes(
     widths=(512, 4096),
     repeats=7,
     rollouts=20_000,
-    sqlite_rollouts=2_000,
+    sqlite_rollouts=1_000,
     commit_sizes=(1_000, 100_000),
     sqlite_commit_sizes=(1_000, 100_000),
     racers=(1, 4, 8),
     race_rollouts=2_000,
+    ledger_repeats=3,
     fuzz_examples=25,
     fuzz_backends=("memory", "sqlite"),
     explore_max_states=None,
@@ -102,6 +104,7 @@ QUICK = Sizes(
     sqlite_commit_sizes=(200, 1_000),
     racers=(1, 4),
     race_rollouts=100,
+    ledger_repeats=1,
     fuzz_examples=3,
     fuzz_backends=("memory",),
     explore_max_states=500,
@@ -314,7 +317,7 @@ def bench_admission(sizes: Sizes, progress: Progress = _nothing) -> dict[str, An
                 for fn in variants.values():  # warm up (imports, first-touch of pages)
                     fn()
                 best = _interleaved(variants, sizes.repeats)
-                ms = {k: None if v is None else round(v * 1e3, 3) for k, v in best.items()}
+                ms = {k: None if v is None else round(v * 1e3, 4) for k, v in best.items()}
                 measure = _tracemalloc_peak if lib == "numpy" else _rss_peak
                 peaks = {k: measure(variants[k]) for k in ("gate_arrays", "gate_records", "bare")}
                 inputs = int(data["old"].nbytes + data["cur"].nbytes + data["mask"].nbytes)
@@ -406,31 +409,53 @@ def _ledger(backend: str, folder: Path, entries: Sequence[LedgerEntry]) -> Itera
 
 def _reserve_rates(
     backend: str, folder: Path, n: int, batch: int, repeats: int
-) -> dict[str, float | None]:
-    """Reservations per second, one CAS at a time vs batches, interleaved."""
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Reservations per second, one CAS at a time and in batches, each next to its plain
+    baseline. The ledger and the baseline file are open side by side and take turns every
+    few operations, so a slow spell of the disk (fsync) or the CPU hits both alike."""
     entries = _entries(n)
     requests = [ReserveRequest(e.rollout_id, 0, STAMP) for e in entries]
-
-    def single() -> None:
-        with _ledger(backend, folder, entries) as led:
-            t0 = time.perf_counter()
-            for e in entries:
-                led.reserve(e.rollout_id, 0, "u", STAMP)
-            times.append(("single", time.perf_counter() - t0))
-
-    def batched() -> None:
-        with _ledger(backend, folder, entries) as led:
-            t0 = time.perf_counter()
-            for k in range(0, n, batch):
-                led.reserve_batch("u", requests[k : k + batch])
-            times.append(("batch", time.perf_counter() - t0))
-
-    times: list[tuple[str, float]] = []
+    plain = _plain_memory(n) if backend == "memory" else _plain_sqlite(folder, n)
+    turn = 25  # single operations per turn
+    totals: dict[str, float] = {}
     for _ in range(repeats):
-        single()
-        batched()
-    best = {k: min(t for name, t in times if name == k) for k in ("single", "batch")}
-    return {f"{k}_per_s": round(n / v, 1) for k, v in best.items()}
+        spent = dict.fromkeys(("single", "plain_single", "batch", "plain_batch"), 0.0)
+        with _ledger(backend, folder, entries) as led, plain() as base:
+            for k in range(0, n, turn):
+                t0 = time.perf_counter()
+                for e in entries[k : k + turn]:
+                    led.reserve(e.rollout_id, 0, "u", STAMP)
+                spent["single"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                base.single(k, min(n, k + turn))
+                spent["plain_single"] += time.perf_counter() - t0
+        with _ledger(backend, folder, entries) as led, plain() as base:
+            for k in range(0, n, batch):
+                t0 = time.perf_counter()
+                led.reserve_batch("u", requests[k : k + batch])
+                spent["batch"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                base.many(k, min(n, k + batch))
+                spent["plain_batch"] += time.perf_counter() - t0
+        for name, dt in spent.items():
+            totals[name] = min(totals.get(name, dt), dt)
+    rates = {
+        "single_per_s": round(n / totals["single"], 1),
+        "batch_per_s": round(n / totals["batch"], 1),
+    }
+    if backend == "memory":
+        baseline: dict[str, Any] = {
+            "dict_write_per_s": round(n / totals["plain_single"], 1),
+            f"dict_write_batch_{batch}_per_s": round(n / totals["plain_batch"], 1),
+        }
+    else:
+        baseline = {
+            "autocommit_update_per_s": round(n / totals["plain_single"], 1),
+            f"executemany_{batch}_per_s": round(n / totals["plain_batch"], 1),
+            "synchronous": _sqlite_synchronous(folder),
+            "journal_mode": "wal",
+        }
+    return rates, baseline
 
 
 def _race(backend: str, folder: Path, n: int, workers: int) -> dict[str, Any]:
@@ -473,94 +498,136 @@ def _race(backend: str, folder: Path, n: int, workers: int) -> dict[str, Any]:
     }
 
 
-def _commit_rate(backend: str, folder: Path, size: int, per_update: int, updates: int) -> float:
-    """Commits per second of small updates in a ledger holding `size` rollouts."""
-    updates = max(1, min(updates, size // per_update))
-    entries = _entries(size)
-    with _ledger(backend, folder, entries) as led:
-        spent = 0.0
-        for u in range(updates):
-            ids = [f"r{u * per_update + k}" for k in range(per_update)]
-            led.reserve_batch(f"u{u}", [ReserveRequest(r, 0, STAMP) for r in ids])
-            t0 = time.perf_counter()
-            led.commit(f"u{u}", ids)
-            spent += time.perf_counter() - t0
-    return updates / spent
+def _commit_rates(
+    backend: str, folder: Path, sizes: tuple[int, int], repeats: int, per_update: int = 10
+) -> dict[str, float]:
+    """Commits per second of small updates in ledgers of two sizes, the two in turn."""
+    best: dict[int, float] = {}
+    ledgers = {}
+    with contextlib.ExitStack() as stack:
+        for size in sizes:
+            ledgers[size] = stack.enter_context(_ledger(backend, folder, _entries(size)))
+        next_id = dict.fromkeys(sizes, 0)
+        for _ in range(repeats):
+            for size in sizes:
+                led = ledgers[size]
+                updates = min(20, (size - next_id[size]) // per_update)
+                if updates < 1:
+                    continue
+                spent = 0.0
+                for _u in range(updates):
+                    first = next_id[size]
+                    next_id[size] += per_update
+                    ids = [f"r{first + k}" for k in range(per_update)]
+                    u = f"u{first}"
+                    led.reserve_batch(u, [ReserveRequest(r, 0, STAMP) for r in ids])
+                    t0 = time.perf_counter()
+                    led.commit(u, ids)
+                    spent += time.perf_counter() - t0
+                best[size] = max(best.get(size, 0.0), updates / spent)
+    return {str(k): round(v, 1) for k, v in best.items()}
 
 
-def _plain_sqlite(folder: Path, n: int, repeats: int) -> dict[str, Any]:
-    """The same rows, the same table shape and durability, written by plain statements."""
+_PLAIN_DDL = (
+    "CREATE TABLE rollouts (rollout_id TEXT PRIMARY KEY, state TEXT NOT NULL, "
+    "revision INTEGER NOT NULL, reserved_by TEXT, lease_expires_at REAL, "
+    "behavior_version INTEGER NOT NULL, entry TEXT NOT NULL) WITHOUT ROWID;"
+    "CREATE INDEX rollouts_owner ON rollouts(reserved_by) WHERE reserved_by IS NOT NULL;"
+    "CREATE INDEX rollouts_lease ON rollouts(lease_expires_at) WHERE reserved_by IS NOT NULL;"
+    "CREATE INDEX rollouts_version ON rollouts(behavior_version, state);"
+)
+_PLAIN_UPDATE = (
+    "UPDATE rollouts SET state = ?, revision = revision + 1, reserved_by = ?, "
+    "lease_expires_at = ?, entry = ? WHERE rollout_id = ? AND revision = ?"
+)
+
+
+def _sqlite_synchronous(folder: Path) -> str:
+    conn = connect(folder / "probe.db")
+    try:
+        level = conn.execute("PRAGMA synchronous").fetchone()[0]
+    finally:
+        conn.close()
+    return {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}.get(level, str(level))
+
+
+class _Plain:
+    """A baseline store: `single(a, b)` writes rows a..b one statement each, `many(a, b)` in
+    one transaction."""
+
+    def single(self, a: int, b: int) -> None:
+        raise NotImplementedError
+
+    def many(self, a: int, b: int) -> None:
+        raise NotImplementedError
+
+
+def _plain_sqlite(folder: Path, n: int) -> Callable[[], contextlib.AbstractContextManager[_Plain]]:
+    """The same rows on a file with the ledger's table shape, connection settings (WAL,
+    synchronous=FULL) and a reserved entry's JSON: one autocommit UPDATE per row, or an
+    executemany per transaction."""
     entry = attrs.evolve(
         _entries(1)[0], state="reserved", revision=1, reserved_by="u", lease_expires_at=1e9
     )
     payload = json.dumps(to_jsonable(attrs.evolve(entry, admission=STAMP)))
-    update = (
-        "UPDATE rollouts SET state = ?, revision = revision + 1, reserved_by = ?, "
-        "lease_expires_at = ?, entry = ? WHERE rollout_id = ? AND revision = ?"
-    )
-    best_single = best_many = float("inf")
-    sync = "FULL"
-    for _ in range(repeats):
-        path = folder / f"plain{random.getrandbits(40):x}.db"
-        conn = connect(path)  # WAL, synchronous=FULL, busy timeout: as the ledger's own
-        sync = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}.get(
-            conn.execute("PRAGMA synchronous").fetchone()[0], "?"
-        )
-        conn.executescript(
-            "CREATE TABLE rollouts (rollout_id TEXT PRIMARY KEY, state TEXT NOT NULL, "
-            "revision INTEGER NOT NULL, reserved_by TEXT, lease_expires_at REAL, "
-            "behavior_version INTEGER NOT NULL, entry TEXT NOT NULL) WITHOUT ROWID;"
-            "CREATE INDEX rollouts_owner ON rollouts(reserved_by) WHERE reserved_by IS NOT NULL;"
-            "CREATE INDEX rollouts_lease ON rollouts(lease_expires_at) "
-            "WHERE reserved_by IS NOT NULL;"
-            "CREATE INDEX rollouts_version ON rollouts(behavior_version, state);"
-        )
-        rows = [(f"r{i}", "rewarded", 0, None, None, 0, payload) for i in range(2 * n)]
-        conn.execute("BEGIN IMMEDIATE")
-        conn.executemany("INSERT INTO rollouts VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
-        conn.execute("COMMIT")
-        t0 = time.perf_counter()
-        for i in range(n):
-            conn.execute(update, ("reserved", "u", 1e9, payload, f"r{i}", 0))
-        best_single = min(best_single, time.perf_counter() - t0)
-        args = [("reserved", "u", 1e9, payload, f"r{i}", 0) for i in range(n, 2 * n)]
-        t0 = time.perf_counter()
-        for k in range(0, n, 1000):
+    args = [("reserved", "u", 1e9, payload, f"r{i}", 0) for i in range(n)]
+
+    class Plain(_Plain):
+        def __init__(self, conn: sqlite3.Connection) -> None:
+            self.conn = conn
+
+        def single(self, a: int, b: int) -> None:
+            for row in args[a:b]:
+                self.conn.execute(_PLAIN_UPDATE, row)
+
+        def many(self, a: int, b: int) -> None:
+            self.conn.execute("BEGIN IMMEDIATE")
+            self.conn.executemany(_PLAIN_UPDATE, args[a:b])
+            self.conn.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def fresh() -> Iterator[_Plain]:
+        conn = connect(folder / f"plain{random.getrandbits(40):x}.db")
+        try:
+            conn.executescript(_PLAIN_DDL)
             conn.execute("BEGIN IMMEDIATE")
-            conn.executemany(update, args[k : k + 1000])
+            conn.executemany(
+                "INSERT INTO rollouts VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(f"r{i}", "rewarded", 0, None, None, 0, payload) for i in range(n)],
+            )
             conn.execute("COMMIT")
-        best_many = min(best_many, time.perf_counter() - t0)
-        conn.close()
-    return {
-        "autocommit_update_per_s": round(n / best_single, 1),
-        "executemany_1000_per_s": round(n / best_many, 1),
-        "synchronous": sync,
-        "journal_mode": "wal",
-    }
+            yield Plain(conn)
+        finally:
+            conn.close()
+
+    return fresh
 
 
-def _plain_memory(n: int, repeats: int) -> dict[str, Any]:
-    """A dict write under a lock per row, and per batch of 100: the memory floor."""
+def _plain_memory(n: int) -> Callable[[], contextlib.AbstractContextManager[_Plain]]:
+    """A dict write under a lock per row, or per batch: the memory floor."""
     entry = attrs.evolve(_entries(1)[0], state="reserved", revision=1, reserved_by="u")
-    lock = threading.Lock()
-    best_single = best_batch = float("inf")
-    for _ in range(repeats):
-        d: dict[str, LedgerEntry] = {}
-        t0 = time.perf_counter()
-        for i in range(n):
-            with lock:
-                d[f"r{i}"] = entry
-        best_single = min(best_single, time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for k in range(0, n, 100):
-            with lock:
-                for i in range(k, min(n, k + 100)):
-                    d[f"r{i}"] = entry
-        best_batch = min(best_batch, time.perf_counter() - t0)
-    return {
-        "dict_write_per_s": round(n / best_single, 1),
-        "dict_write_batch_100_per_s": round(n / best_batch, 1),
-    }
+    keys = [f"r{i}" for i in range(n)]
+
+    class Plain(_Plain):
+        def __init__(self) -> None:
+            self.d: dict[str, LedgerEntry] = {}
+            self.lock = threading.Lock()
+
+        def single(self, a: int, b: int) -> None:
+            for k in keys[a:b]:
+                with self.lock:
+                    self.d[k] = entry
+
+        def many(self, a: int, b: int) -> None:
+            with self.lock:
+                for k in keys[a:b]:
+                    self.d[k] = entry
+
+    @contextlib.contextmanager
+    def fresh() -> Iterator[_Plain]:
+        yield Plain()
+
+    return fresh
 
 
 def bench_ledgers(sizes: Sizes, progress: Progress = _nothing) -> dict[str, Any]:
@@ -572,24 +639,14 @@ def bench_ledgers(sizes: Sizes, progress: Progress = _nothing) -> dict[str, Any]
             n = sizes.rollouts if backend == "memory" else sizes.sqlite_rollouts
             batch = 100 if backend == "memory" else 1000
             progress(f"ledger {backend}: single and batch reservations ({n} rollouts)")
-            rates = _reserve_rates(backend, folder, n, batch, max(2, sizes.repeats // 2))
+            rates, baseline = _reserve_rates(backend, folder, n, batch, sizes.ledger_repeats)
             races = []
             for w in sizes.racers:
                 progress(f"ledger {backend}: {w} racing threads")
                 races.append(_race(backend, folder, sizes.race_rollouts, w))
             small, large = sizes.commit_sizes if backend == "memory" else sizes.sqlite_commit_sizes
             progress(f"ledger {backend}: commits at {small} and {large} rollouts")
-            commits = {
-                str(size): round(
-                    max(_commit_rate(backend, folder, size, 10, 100) for _ in range(2)), 1
-                )
-                for size in (small, large)
-            }
-            baseline = (
-                _plain_memory(n, max(2, sizes.repeats // 2))
-                if backend == "memory"
-                else _plain_sqlite(folder, n, max(1, sizes.repeats // 3))
-            )
+            commits = _commit_rates(backend, folder, (small, large), sizes.ledger_repeats)
             single = rates["single_per_s"]
             one = next((r["wins_per_s"] for r in races if r["workers"] == 1), None)
             most = max(races, key=lambda r: int(r["workers"])) if races else None
@@ -602,7 +659,7 @@ def bench_ledgers(sizes: Sizes, progress: Progress = _nothing) -> dict[str, Any]
             }
             if backend == "sqlite":
                 ratios["batch_vs_executemany"] = _ratio(
-                    rates["batch_per_s"], baseline["executemany_1000_per_s"]
+                    rates["batch_per_s"], baseline[f"executemany_{batch}_per_s"]
                 )
                 ratios["single_vs_autocommit_update"] = _ratio(
                     single, baseline["autocommit_update_per_s"]

@@ -45,9 +45,10 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
             "python_loop_vs_arrays",
             "verl_vs_arrays",
         }
-        assert r["ratios"]["arrays_vs_bare"] == pytest.approx(
-            r["ms"]["gate_arrays"] / r["ms"]["bare"], rel=0.01
-        )
+        if r["ms"]["bare"] >= 0.05:  # ms are rounded to 0.1 us
+            assert r["ratios"]["arrays_vs_bare"] == pytest.approx(
+                r["ms"]["gate_arrays"] / r["ms"]["bare"], rel=0.01
+            )
         assert set(r["peak_extra_bytes"]) == {"gate_arrays", "gate_records", "bare"}
         assert r["input_bytes"] == r["B"] * r["T"] * 9  # two float32 arrays and a bool mask
 

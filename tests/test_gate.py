@@ -636,3 +636,26 @@ def test_records_path_with_narrow_current_tensors(dtype: str) -> None:
             assert d.drift == pytest.approx(w.drift, rel=1e-6, abs=1e-9)
             if abs(w.drift - 0.08) > 1e-6:
                 assert d.reason == w.reason
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "views", "torch"])
+@pytest.mark.parametrize("width", [256, 1024, 1000])
+def test_wide_rows_through_float32_partial_sums(kernel: str, width: int) -> None:
+    """Rows wide enough for the float32 partial sums (and one that is not a multiple of
+    them) stay within float32 rounding of the plain-Python reference."""
+    rng = np.random.default_rng(width)
+    old = rng.normal(-2, 1.5, (6, width)).astype(np.float32)
+    cur = (old + rng.normal(0, 0.05, (6, width))).astype(np.float32)
+    mask = rng.random((6, width)) < 0.6
+    mask[2] = False
+    old[~mask & (rng.random((6, width)) < 0.3)] = np.nan
+    args: tuple[Any, ...] = (old, cur, mask)
+    with contextlib.ExitStack() as stack:
+        if kernel != "numpy":
+            args = tuple(torch.from_numpy(a) for a in args)
+        if kernel == "torch":
+            stack.enter_context(mock.patch.object(gate_mod, "_numpy_viewable", lambda _t: ()))
+        res = assess_arrays(*args, np.zeros(6, np.int64), 0, 0, 0.05)
+    b = {"old": old, "cur": cur, "bool_mask": mask, "bvs": np.zeros(6, np.int64)}
+    assert_rows_agree(res, reference_rows(b, 0, 0, 0.05), 0.05, float32=True)
+    assert res.reasons[2] == "empty_action_mask"
