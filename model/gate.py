@@ -993,27 +993,23 @@ class AdmissionGate:
         if len(shape) != 2 or shape[0] != b:
             raise GateConfigError(f"current log-probs must be {b} x T, got shape {shape}")
         t = shape[1]
-        early: list[str | None] = []
-        olds: list[npt.NDArray[Any] | None] = []
-        masks: list[npt.NDArray[np.bool_] | None] = []
         memo: dict[Any, Any] = {}
         check = self._record_checks
-        for ro, st in zip(rollouts, states, strict=True):
-            why = check(ro, st, current_version, memo)
-            early.append(why)
-            if why is None:
-                ev = ro.evidence
-                assert ev is not None
-                if ev.behavior_log_probs.size > t:
-                    raise GateConfigError(
-                        f"rollout {ro.rollout_id!r} has {ev.behavior_log_probs.size} tokens "
-                        f"but the batch is T={t} wide"
-                    )
-                olds.append(ev.behavior_log_probs)
-                masks.append(ev.action_mask)
-            else:
-                olds.append(None)
-                masks.append(None)
+        early = [
+            check(ro, st, current_version, memo) for ro, st in zip(rollouts, states, strict=True)
+        ]
+        evidence = [
+            ro.evidence if why is None else None for ro, why in zip(rollouts, early, strict=True)
+        ]
+        olds = [None if ev is None else ev.behavior_log_probs for ev in evidence]
+        masks = [None if ev is None else ev.action_mask for ev in evidence]
+        widest = max((lp.size for lp in olds if lp is not None), default=0)
+        if widest > t:
+            i = next(i for i, lp in enumerate(olds) if lp is not None and lp.size > t)
+            raise GateConfigError(
+                f"rollout {rollouts[i].rollout_id!r} has {widest} tokens but the batch is "
+                f"T={t} wide"
+            )
         ids = [ro.identity.rollout_id for ro in rollouts]
         sums, counts = _records_sums(olds, masks, current_log_probs, ids)
         versions = np.fromiter((ro.behavior.version for ro in rollouts), np.int64, count=b)
