@@ -134,35 +134,35 @@ class LedgerStatistics:
 # ---- planning (shared by every backend) ---------------------------------------------------
 
 
-_EVOLVABLE: dict[type[Any], tuple[attrs.Attribute[Any], ...] | None] = {}
+_EVOLVERS: dict[tuple[type[Any], frozenset[str]], Callable[..., Any]] = {}
+
+
+def _evolver(cls: type[Any], changed: frozenset[str]) -> Callable[..., Any]:
+    """attrs.evolve for one class and one set of changed fields, written out once: a direct
+    call of the class's own __init__ (its validators and post-init check still run)."""
+    fields = [a for a in attrs.fields(cls) if a.init]
+    unknown = changed - {a.alias for a in fields}
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    args = ", ".join(
+        (f"{a.alias}=" if a.kw_only else "")  # positional where __init__ allows it
+        + (f"c[{a.alias!r}]" if a.alias in changed else f"e.{a.name}")
+        for a in fields
+    )
+    scope: dict[str, Any] = {"cls": cls}
+    exec(f"def evolve(e, c):\n    return cls({args})\n", scope)
+    fn: Callable[..., Any] = scope["evolve"]
+    return fn
 
 
 def _evolve(entry: LedgerEntry, **changes: Any) -> LedgerEntry:
-    """attrs.evolve that re-validates only what changes (it runs once per written row).
-
-    The unchanged fields come from a record that passed its validators when it was built
-    (frozen, so they still hold); the changed fields run their validators, and the class's
-    post-init check (which ties fields together) runs on the result. A class with converters
-    or init-less fields takes attrs.evolve as is.
-    """
-    cls = type(entry)
-    if cls not in _EVOLVABLE:
-        fields = attrs.fields(cls)
-        plain = all(a.init and a.converter is None for a in fields)
-        _EVOLVABLE[cls] = fields if plain else None
-    fields_or_none = _EVOLVABLE[cls]
-    if fields_or_none is None or not changes.keys() <= {a.alias for a in fields_or_none}:
-        return attrs.evolve(entry, **changes)
-    new = object.__new__(cls)
-    put = object.__setattr__
-    for a in fields_or_none:
-        put(new, a.name, changes[a.alias] if a.alias in changes else getattr(entry, a.name))
-    for a in fields_or_none:
-        if a.alias in changes and a.validator is not None:
-            a.validator(new, a, changes[a.alias])
-    post = getattr(new, "__attrs_post_init__", None)
-    if post is not None:
-        post()
+    """attrs.evolve(entry, **changes) without its per-call introspection: it runs once per
+    written row, so the few (class, changed fields) shapes are compiled once each."""
+    key = (type(entry), frozenset(changes))
+    fn = _EVOLVERS.get(key)
+    if fn is None:
+        fn = _EVOLVERS[key] = _evolver(*key)
+    new: LedgerEntry = fn(entry, changes)
     return new
 
 
