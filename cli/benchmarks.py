@@ -92,7 +92,7 @@ FULL = Sizes(
     ledger_repeats=3,
     fuzz_examples=25,
     fuzz_backends=("memory", "sqlite"),
-    explore_max_states=None,
+    explore_max_states=20_000,
 )
 QUICK = Sizes(
     batches=(64, 256),
