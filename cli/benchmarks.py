@@ -82,7 +82,7 @@ class Sizes:
 FULL = Sizes(
     batches=(64, 1024, 4096),
     widths=(512, 4096),
-    repeats=7,
+    repeats=11,
     rollouts=20_000,
     sqlite_rollouts=1_000,
     commit_sizes=(1_000, 100_000),
