@@ -49,7 +49,7 @@ docs: setup
 	$(BIN)/rollout-lifecycle diagram --write-docs docs/diagrams
 
 bench: setup-dev
-	$(BIN)/python benchmarks/run.py
+	$(BIN)/rollout-lifecycle bench
 
 # the real-run check on this machine (small model; cuda when torch sees one): preflight, run
 gpu-check: setup-dev

@@ -153,6 +153,17 @@ def _numbers(values: list[Any], key: str, lineno: int) -> list[float]:
         ) from None
 
 
+def _booleans(values: list[Any], key: str, lineno: int) -> list[bool]:
+    """JSON booleans only: the input schema says so (records would also take 0/1 integers)."""
+    if not set(map(type, values)) <= {bool}:
+        for i, v in enumerate(values):
+            if type(v) is not bool:
+                raise InputLineError(
+                    lineno, f"field {key!r}[{i}]: action mask entries must be booleans, got {v!r}"
+                )
+    return values
+
+
 class LineParser:
     """Parses input lines; caches conditions, which are usually identical on every line."""
 
@@ -218,7 +229,9 @@ class LineParser:
             )
             behavior = BehaviorPolicy(obj["behavior_version"], obj["artifact_hash"])
             evidence = ActionEvidence(
-                lists["response_token_ids"], lists["action_mask"], lists["behavior_log_probs"]
+                lists["response_token_ids"],
+                _booleans(lists["action_mask"], "action_mask", lineno),
+                lists["behavior_log_probs"],
             )
             entry = LedgerEntry(
                 rollout_id=identity.rollout_id,
@@ -268,7 +281,7 @@ def _check_finite(chunk: Sequence[ParsedLine], cur: npt.NDArray[np.float64]) -> 
         raise InputLineError(
             chunk[i].lineno,
             f"non-finite log-prob at action position {pos} (behavior "
-            f"{ev.behavior_log_probs[pos]!r}, current {float(cur[i, pos])!r})",
+            f"{float(ev.behavior_log_probs[pos])!r}, current {float(cur[i, pos])!r})",
         )
 
 

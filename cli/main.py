@@ -19,6 +19,7 @@ import click
 
 from rollout_lifecycle.cli import exitcodes
 from rollout_lifecycle.cli.admit_cmd import admit
+from rollout_lifecycle.cli.bench_cmd import bench
 from rollout_lifecycle.cli.campaign_cmd import campaign
 from rollout_lifecycle.cli.demo_cmd import demo
 from rollout_lifecycle.cli.diagram_cmd import diagram
@@ -31,7 +32,19 @@ from rollout_lifecycle.cli.race_cmd import race
 from rollout_lifecycle.model.atomic import cleanup_temporaries, describe_os_error
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 
-COMMANDS = (campaign, fuzz, explore, mutants, race, admit, ledger, demo, diagram, gpu_check)
+COMMANDS = (
+    campaign,
+    fuzz,
+    explore,
+    mutants,
+    race,
+    admit,
+    ledger,
+    demo,
+    diagram,
+    gpu_check,
+    bench,
+)
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 clean; 1 findings (a violation, a failed or surviving check, stale "

@@ -178,6 +178,21 @@ class EventLog:
             self._events.extend(stamped)
             return stamped
 
+    def record_entries(
+        self,
+        at: float,
+        changes: Sequence[tuple[str, LedgerEntry | None, LedgerEntry, str | None]],
+    ) -> None:
+        """`record` for a ledger step of (event, before, after, update_id) changes: each
+        EntryChanged is built once, already stamped, instead of built then copied."""
+        with self._lock:
+            self._txn += 1
+            txn, base = self._txn, len(self._events)
+            self._events.extend(
+                EntryChanged(base + i, txn, at, after.rollout_id, event, before, after, update)
+                for i, (event, before, after, update) in enumerate(changes, 1)
+            )
+
     def events(self) -> list[TraceEvent]:
         """A copy of the whole trace, in order."""
         with self._lock:

@@ -15,10 +15,12 @@ module is used). Tests check that they agree, which is worth more than one share
 
 from __future__ import annotations
 
+import concurrent.futures
+import itertools
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -149,7 +151,7 @@ def lag_drift_decision(
 
 
 # --------------------------------------------------------------------------------------------
-# Vectorised batch core (numpy, or torch without importing it)
+# Per-row results of the batch core
 # --------------------------------------------------------------------------------------------
 
 
@@ -177,6 +179,45 @@ class BatchAssessment:
         }
 
 
+# --------------------------------------------------------------------------------------------
+# Vectorised batch core (numpy, or torch without importing it)
+# --------------------------------------------------------------------------------------------
+#
+# Σ_t m_t |cur_t - old_t| and Σ_t m_t per row, in ONE pass over cache-sized blocks of rows,
+# never a full-size temporary. Per block:
+#   d = cur - old        in the compute dtype: float64 when either input is float64, else
+#                        float32 (float16 / bfloat16 inputs widen exactly). The records path
+#                        writes each row of d straight from the record's stored array.
+#   bits(d) *= m         an integer multiply of d's bit pattern by the 0/1 mask: a masked
+#                        position becomes +0.0 whatever it held, NaN and inf included (a float
+#                        multiply would keep them: NaN * 0 = NaN; a select is branchy and
+#                        several times slower)
+#   d = |d|, row sums    summed in float64
+#   counts               bools counted 8 (numpy: popcount) or 64 (torch: byte sums) at a time
+# A NaN or inf at an action position makes its row's sum non-finite, so detecting it costs no
+# extra pass: only rows whose sum is not finite are looked at again, exactly, to tell a real
+# NaN/inf (an error naming the rows) from finite float32 values whose difference overflowed
+# (that row is then recomputed in float64, as the plain-Python reference computes it).
+#
+# Precision: float64 inputs are computed in float64 throughout, like the reference (up to the
+# order of summation). float32 inputs round cur - old to float32 (relative error <= 2^-24 per
+# token, and none when the two are within a factor of 2 of each other: the data's own
+# precision), add 256 tokens at a time in float32 and those partial sums in float64: the
+# measured relative error is a few 1e-8.
+
+_CPU_BLOCK = 1 << 16  # elements per numpy block: ~0.25 MiB of float32 scratch, inside L2
+_TORCH_CPU_BLOCK = 1 << 17  # torch's per-call overhead is higher: somewhat larger blocks
+_PARTIAL = 256  # float32: tokens per float32 partial sum, then the partials summed in float64
+_BYTES_SUM = 0x0101010101010101  # (x * this) >> 56: the sum of x's 8 bytes (each small)
+
+# diff_into(r0, r1, c0, c1, d, m): write cur - old of that block into d and return its mask
+# (numpy: `m` is bool scratch of the block's shape that it may fill and return)
+DiffInto = Callable[..., Any]
+_THREADS_FROM = 1 << 20  # elements: below this a thread costs more than it saves
+_MASK_DTYPE_MSG = "action mask must be bool or 0/1 integers, got {}"
+_MASK_VALUES_MSG = "integer action mask must hold only 0 and 1"
+
+
 def _is_torch(x: Any) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
 
@@ -188,25 +229,262 @@ def _to_host(x: Any) -> npt.NDArray[Any]:
     return np.asarray(x)
 
 
-def _mask_ok(mask: Any) -> Any:
-    """Accept bool masks, or integer masks holding only 0/1 (verl's response_mask is int)."""
-    if _is_torch(mask):
-        torch = sys.modules["torch"]
-        if mask.dtype == torch.bool:
-            return mask
-        if mask.dtype.is_floating_point or mask.dtype.is_complex:
-            raise GateConfigError(f"action mask must be bool or 0/1 integers, got {mask.dtype}")
-        if bool(((mask != 0) & (mask != 1)).any()):
-            raise GateConfigError("integer action mask must hold only 0 and 1")
-        return mask != 0
-    arr = np.asarray(mask)
-    if arr.dtype == np.bool_:
-        return arr
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise GateConfigError(f"action mask must be bool or 0/1 integers, got dtype {arr.dtype}")
-    if ((arr != 0) & (arr != 1)).any():
-        raise GateConfigError("integer action mask must hold only 0 and 1")
-    return arr != 0
+def _tiles(b: int, t: int, block: int) -> tuple[int, int]:
+    """(rows, columns) per block: whole rows when a row fits, else column chunks of one row."""
+    if t <= block:
+        return max(1, min(b, block // max(t, 1))), max(t, 1)
+    return 1, block
+
+
+def _np_sums(
+    diff_into: DiffInto,
+    b: int,
+    t: int,
+    dtype: np.dtype[Any],
+    int_mask: bool,
+    threads: int = 1,
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """Masked |cur - old| row sums and action counts, block by block (numpy).
+
+    With `threads` > 1 (torch tensors on the CPU: as many as torch's own intra-op threads)
+    contiguous ranges of blocks run on that many threads, each with its own scratch; numpy
+    releases the GIL inside every call, and no thread waits for another until the end.
+    """
+    rows, _ = _tiles(b, t, _CPU_BLOCK)
+    sums = np.zeros(b, np.float64)
+    counts = np.zeros(b, np.int64)
+    blocks = -(-b // rows)
+    threads = max(1, min(threads, blocks))
+    if threads == 1 or b * t < _THREADS_FROM:
+        _np_range(diff_into, 0, b, t, dtype, int_mask, sums, counts)
+        return sums, counts
+    per = -(-blocks // threads) * rows
+    ranges = [(lo, min(b, lo + per)) for lo in range(0, b, per)]
+    with concurrent.futures.ThreadPoolExecutor(len(ranges) - 1) as pool:
+        futures = [
+            pool.submit(_np_range, diff_into, lo, hi, t, dtype, int_mask, sums, counts)
+            for lo, hi in ranges[1:]
+        ]
+        _np_range(diff_into, *ranges[0], t, dtype, int_mask, sums, counts)
+        for f in futures:
+            f.result()
+    return sums, counts
+
+
+def _np_range(
+    diff_into: DiffInto,
+    lo: int,
+    hi: int,
+    t: int,
+    dtype: np.dtype[Any],
+    int_mask: bool,
+    sums: npt.NDArray[np.float64],
+    counts: npt.NDArray[np.int64],
+) -> None:
+    """Rows lo..hi of `_np_sums`, written into their slices of `sums` and `counts`."""
+    rows, cols = _tiles(hi - lo, t, _CPU_BLOCK)
+    narrow = dtype.itemsize == 4
+    word_t = np.int32 if narrow else np.int64
+    d = np.empty((rows, cols), dtype)
+    mask_scratch = np.zeros((rows, cols), np.bool_)
+    part = np.empty((rows, max(1, cols // _PARTIAL)), dtype)
+    more_s = np.empty(rows, np.float64)
+    more_c = np.empty(rows, np.int64)
+    popcount = getattr(np, "bitwise_count", None)  # numpy >= 2
+    with np.errstate(invalid="ignore", over="ignore"):
+        for r0 in range(lo, hi, rows):
+            r1 = min(hi, r0 + rows)
+            n = r1 - r0
+            for c0 in range(0, t, cols):
+                c1 = min(t, c0 + cols)
+                k = c1 - c0
+                dd = d[:n, :k]
+                m = diff_into(r0, r1, c0, c1, dd, mask_scratch[:n, :k])
+                if int_mask and m.size and m.view(f"u{m.itemsize}").max() > 1:
+                    raise GateConfigError(_MASK_VALUES_MSG)
+                bits = dd.view(word_t)
+                np.multiply(bits, m, out=bits, casting="unsafe")
+                np.abs(dd, out=dd)
+                s_out = sums[r0:r1] if c0 == 0 else more_s[:n]
+                c_out = counts[r0:r1] if c0 == 0 else more_c[:n]
+                if narrow and k % _PARTIAL == 0:
+                    p = part[:n, : k // _PARTIAL]
+                    # einsum's plain sum loop is about twice numpy's reduction over a short
+                    # inner axis, and single-threaded (BLAS would start threads)
+                    np.einsum("ij->i", dd.reshape(-1, _PARTIAL), out=p.reshape(-1))
+                    np.add.reduce(p, axis=1, dtype=np.float64, out=s_out)
+                else:
+                    np.add.reduce(dd, axis=1, dtype=np.float64, out=s_out)
+                if int_mask:
+                    np.add.reduce(m, axis=1, dtype=np.int64, out=c_out)
+                elif popcount is not None and k % 8 == 0 and m.strides[-1] == 1:
+                    # a bool is one byte, 0 or 1: the set bits of 8 packed bools count them
+                    np.add.reduce(popcount(m.view(np.uint64)), axis=1, dtype=np.int64, out=c_out)
+                else:
+                    c_out[...] = np.count_nonzero(m, axis=1)
+                if c0:
+                    sums[r0:r1] += s_out
+                    counts[r0:r1] += c_out
+
+
+def _torch_counts(torch: Any, m: Any, n: int, k: int) -> Any:
+    """Action positions per row of a block; bool masks 64 at a time through int64 words."""
+    if (
+        m.dtype == torch.bool
+        and k % 64 == 0
+        and m.stride(-1) == 1
+        and m.stride(0) % 8 == 0
+        and m.storage_offset() % 8 == 0
+    ):
+        words = m.view(torch.int64).view(n, k // 64, 8).sum(-1)  # each byte <= 8: no carries
+        return ((words * _BYTES_SUM) >> 56).sum(1)  # top byte: the sum of 8 bytes, <= 64
+    return torch.count_nonzero(m, dim=1)
+
+
+def _torch_block(torch: Any, device: Any, b: int, t: int) -> tuple[int, int]:
+    if device.type == "cpu":
+        return _tiles(b, t, _TORCH_CPU_BLOCK)
+    # an accelerator: few, large launches; the scratch stays under 1/8 of the inputs
+    return _tiles(b, t, max(t, (b * t) // 8))
+
+
+def _torch_sums(
+    torch: Any,
+    diff_into: DiffInto,
+    b: int,
+    t: int,
+    d: Any,
+    int_mask: bool,
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """The same pass with torch ops, where the tensors live; only B numbers come back.
+
+    `d` is the (rows, cols) scratch in the compute dtype on the tensors' device.
+    """
+    rows, cols = d.shape
+    narrow = d.dtype != torch.float64
+    word_t = torch.int32 if narrow else torch.int64
+    # accumulate in float64 where the device has it (Apple's MPS does not)
+    acc = torch.float32 if d.device.type == "mps" else torch.float64
+    sums = torch.zeros(b, dtype=acc, device=d.device)
+    counts = torch.zeros(b, dtype=torch.int64, device=d.device)
+    extremes: list[Any] = []
+    for r0 in range(0, b, rows):
+        r1 = min(b, r0 + rows)
+        n = r1 - r0
+        for c0 in range(0, t, cols):
+            c1 = min(t, c0 + cols)
+            k = c1 - c0
+            dd = d[:n, :k]
+            m = diff_into(r0, r1, c0, c1, dd)
+            if int_mask:
+                extremes.append(torch.aminmax(m))
+            dd.view(word_t).mul_(m)
+            dd.abs_()
+            if narrow and k % _PARTIAL == 0 and dd.is_contiguous():
+                s = torch.sum(dd.view(n, k // _PARTIAL, _PARTIAL).sum(-1), 1, dtype=acc)
+            else:
+                s = torch.sum(dd, dim=1, dtype=acc)
+            sums[r0:r1] += s
+            counts[r0:r1] += _torch_counts(torch, m, n, k)
+    if extremes:  # one synchronisation for the whole mask
+        lo = torch.stack([e[0] for e in extremes]).min()
+        hi = torch.stack([e[1] for e in extremes]).max()
+        if int(lo) < 0 or int(hi) > 1:
+            raise GateConfigError(_MASK_VALUES_MSG)
+    return _to_host(sums).astype(np.float64), _to_host(counts).astype(np.int64)
+
+
+def _nonfinite_message(rows: Sequence[int], ids: Sequence[str] | None = None) -> str:
+    shown = list(rows[:10])
+    more = " ..." if len(rows) > 10 else ""
+    msg = f"non-finite log-prob at an action position in row(s) {shown}{more}"
+    if ids is not None:
+        msg += f" (rollouts {[ids[i] for i in shown]}{more})"
+    return msg
+
+
+ExactRows = Callable[[npt.NDArray[np.intp]], tuple[Any, Any]]
+
+
+def _recheck(
+    sums: npt.NDArray[np.float64], exact_rows: ExactRows, ids: Sequence[str] | None = None
+) -> None:
+    """Rows whose sum is not finite: raise on a real NaN/inf at an action position, else
+    replace the float32 overflow by the exact float64 sum."""
+    rows = np.flatnonzero(~np.isfinite(sums))
+    if rows.size == 0:
+        return
+    bad, exact = exact_rows(rows)
+    bad = _to_host(bad).astype(bool)
+    if bad.any():
+        raise GateConfigError(_nonfinite_message(rows[bad].tolist(), ids))
+    sums[rows] = _to_host(exact).astype(np.float64)
+
+
+def _np_exact_rows(old: Any, cur: Any, mask: Any) -> ExactRows:
+    def exact(rows: npt.NDArray[np.intp]) -> tuple[Any, Any]:
+        o = np.asarray(old[rows], dtype=np.float64)
+        c = np.asarray(cur[rows], dtype=np.float64)
+        m = np.asarray(mask[rows]) != 0
+        with np.errstate(invalid="ignore", over="ignore"):
+            bad = (m & ~(np.isfinite(o) & np.isfinite(c))).any(axis=1)
+            total = np.where(m, np.abs(c - o), 0.0).sum(axis=1)
+        return bad, total
+
+    return exact
+
+
+def _torch_exact_rows(torch: Any, old: Any, cur: Any, mask: Any) -> ExactRows:
+    def exact(rows: npt.NDArray[np.intp]) -> tuple[Any, Any]:
+        idx = torch.as_tensor(rows, device=old.device)
+        o = old.index_select(0, idx).double()
+        c = cur.index_select(0, idx).double()
+        m = mask.index_select(0, idx) != 0
+        bad = (m & ~(torch.isfinite(o) & torch.isfinite(c))).any(dim=1)
+        total = torch.where(m, (c - o).abs(), torch.zeros_like(o)).sum(dim=1)
+        return bad, total
+
+    return exact
+
+
+_REASON_CODES = ("empty_action_mask", "future_policy", "stale_policy", "policy_drift", "ok")
+_FRESHNESS_CODES: tuple[str | None, ...] = (None, "future", "fresh", "tolerated", "stale")
+
+
+def _freshness_codes(lag: npt.NDArray[np.int64], max_lag: int) -> npt.NDArray[np.intp]:
+    """classify_lag over a vector: 1 future, 2 fresh, 3 tolerated, 4 stale."""
+    return np.select([lag < 0, lag == 0, lag <= max_lag], [1, 2, 3], default=4)
+
+
+def _decide(
+    sums: npt.NDArray[np.float64],
+    counts: npt.NDArray[np.int64],
+    behavior_versions: Any,
+    cv: int,
+    max_lag: int,
+    max_drift: float,
+) -> BatchAssessment:
+    """Per-row decisions from the sums, in the contract's order; vectorised over B."""
+    bv = _to_host(behavior_versions)
+    if bv.ndim != 1 or bv.shape[0] != sums.shape[0]:
+        raise GateConfigError(
+            f"behavior_versions must be a vector of length B={sums.shape[0]}, got shape {bv.shape}"
+        )
+    if bv.dtype == np.bool_ or not np.issubdtype(bv.dtype, np.integer) or (bv < 0).any():
+        raise GateConfigError("behavior_versions must be non-negative integers")
+    lag = (cv - bv.astype(np.int64)).astype(np.int64)
+    empty = counts == 0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        drift = np.where(empty, np.nan, sums / np.maximum(counts, 1))
+    fresh = np.where(empty, 0, _freshness_codes(lag, max_lag))
+    reason = np.select([empty, lag < 0, lag > max_lag, drift > max_drift], [0, 1, 2, 3], default=4)
+    return BatchAssessment(
+        accepted=reason == 4,
+        reasons=tuple(_REASON_CODES[i] for i in reason.tolist()),
+        freshness=tuple(_FRESHNESS_CODES[i] for i in fresh.tolist()),
+        drift=drift.astype(np.float64),
+        lag=lag,
+    )
 
 
 def assess_arrays(
@@ -221,100 +499,236 @@ def assess_arrays(
     """Lag and drift for B rollouts x T tokens at once; no Python loop over tokens.
 
     Inputs are numpy arrays (or anything np.asarray takes) or torch tensors on any device;
-    with tensors the reduction runs where they live and only B numbers come back. Values at
-    masked positions never matter, even NaN or inf. Non-finite values at action positions
-    raise GateConfigError naming the rows.
+    with tensors the reduction runs where they live and only B numbers come back. The mask
+    is bool, or integers that are all 0 or 1 (verl's response_mask). Values at masked
+    positions never matter, even NaN or inf. Non-finite values at action positions raise
+    GateConfigError naming the rows. One pass over cache-sized blocks: no full-size
+    temporaries, and scratch of a few hundred KiB (numpy) or under 1/8 of the inputs.
     """
     cv = _check_version("current_version", current_version)
     max_lag, max_drift = check_bounds(max_lag, max_drift)
-    torch_mode = _is_torch(old_log_probs) or _is_torch(current_log_probs)
-    if torch_mode:
-        torch = sys.modules["torch"]
-        old = old_log_probs if _is_torch(old_log_probs) else torch.as_tensor(old_log_probs)
-        cur = (
-            current_log_probs
-            if _is_torch(current_log_probs)
-            else torch.as_tensor(current_log_probs, device=old.device)
-        )
-        mask = _mask_ok(
-            action_mask if _is_torch(action_mask) else torch.as_tensor(np.asarray(action_mask))
-        ).to(old.device)
-        cur = cur.to(old.device)
-        if old.ndim != 2 or old.shape != cur.shape or old.shape != mask.shape:
-            raise GateConfigError(
-                "old, current log-probs and mask must all be B x T with the same shape, got "
-                f"{tuple(old.shape)}, {tuple(cur.shape)}, {tuple(mask.shape)}"
-            )
-        if not (old.dtype.is_floating_point and cur.dtype.is_floating_point):
-            raise GateConfigError("log-probs must be floating-point tensors")
-        old64, cur64 = old.double(), cur.double()
-        bad = (~torch.isfinite(old64) | ~torch.isfinite(cur64)) & mask
-        bad_rows = _to_host(bad.any(dim=1))
-        diff = torch.where(mask, (cur64 - old64).abs(), torch.zeros_like(old64))
-        sums = _to_host(diff.sum(dim=1)).astype(np.float64)
-        counts = _to_host(mask.sum(dim=1)).astype(np.int64)
+    if _is_torch(old_log_probs) or _is_torch(current_log_probs) or _is_torch(action_mask):
+        sums, counts = _torch_array_sums(old_log_probs, current_log_probs, action_mask)
     else:
-        old_a = np.asarray(old_log_probs)
-        cur_a = np.asarray(current_log_probs)
-        mask_a = _mask_ok(action_mask)
-        if old_a.ndim != 2 or old_a.shape != cur_a.shape or old_a.shape != mask_a.shape:
-            raise GateConfigError(
-                "old, current log-probs and mask must all be B x T with the same shape, got "
-                f"{old_a.shape}, {cur_a.shape}, {mask_a.shape}"
-            )
-        if not (
-            np.issubdtype(old_a.dtype, np.floating) and np.issubdtype(cur_a.dtype, np.floating)
-        ):
-            raise GateConfigError(
-                f"log-probs must be floating-point arrays, got {old_a.dtype} and {cur_a.dtype}"
-            )
-        old64, cur64 = old_a.astype(np.float64), cur_a.astype(np.float64)
-        with np.errstate(invalid="ignore", over="ignore"):
-            bad_rows = ((~np.isfinite(old64) | ~np.isfinite(cur64)) & mask_a).any(axis=1)
-            diff = np.where(mask_a, np.abs(cur64 - old64), 0.0)
-        sums = diff.sum(axis=1)
-        counts = mask_a.sum(axis=1).astype(np.int64)
-    if bad_rows.any():
-        rows = np.flatnonzero(bad_rows).tolist()
+        sums, counts = _np_array_sums(old_log_probs, current_log_probs, action_mask)
+    return _decide(sums, counts, behavior_versions, cv, max_lag, max_drift)
+
+
+def _check_shapes(old: Any, cur: Any, mask: Any) -> None:
+    shapes = (tuple(old.shape), tuple(cur.shape), tuple(mask.shape))
+    if len(shapes[0]) != 2 or shapes[0] != shapes[1] or shapes[0] != shapes[2]:
         raise GateConfigError(
-            f"non-finite log-prob at an action position in row(s) {rows[:10]}"
-            + (" ..." if len(rows) > 10 else "")
+            "old, current log-probs and mask must all be B x T with the same shape, got "
+            f"{shapes[0]}, {shapes[1]}, {shapes[2]}"
         )
-    bv = _to_host(behavior_versions)
-    if bv.ndim != 1 or bv.shape[0] != sums.shape[0]:
+
+
+def _np_compute_dtype(a: np.dtype[Any], b: np.dtype[Any]) -> np.dtype[Any]:
+    """float64 when either side is wider than float32, else float32."""
+    if a.itemsize > 4 or b.itemsize > 4:
+        return np.dtype(np.float64)
+    return np.dtype(np.float32)
+
+
+def _np_array_sums(
+    old_log_probs: Any, current_log_probs: Any, action_mask: Any, threads: int = 1
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    old = np.asarray(old_log_probs)
+    cur = np.asarray(current_log_probs)
+    mask = np.asarray(action_mask)
+    if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.integer):
+        raise GateConfigError(_MASK_DTYPE_MSG.format(f"dtype {mask.dtype}"))
+    _check_shapes(old, cur, mask)
+    if not (np.issubdtype(old.dtype, np.floating) and np.issubdtype(cur.dtype, np.floating)):
         raise GateConfigError(
-            f"behavior_versions must be a vector of length B={sums.shape[0]}, got shape {bv.shape}"
+            f"log-probs must be floating-point arrays, got {old.dtype} and {cur.dtype}"
         )
-    if bv.dtype == np.bool_ or not np.issubdtype(bv.dtype, np.integer) or (bv < 0).any():
-        raise GateConfigError("behavior_versions must be non-negative integers")
-    lag = (cv - bv.astype(np.int64)).astype(np.int64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        drift = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
-    reasons: list[str] = []
-    freshness: list[str | None] = []
-    for i in range(len(lag)):  # a loop over rollouts (B), never over tokens
-        if counts[i] == 0:
-            reasons.append("empty_action_mask")
-            freshness.append(None)
-            continue
-        fr = classify_lag(int(lag[i]), max_lag)
-        freshness.append(fr)
-        if fr == "future":
-            reasons.append("future_policy")
-        elif fr == "stale":
-            reasons.append("stale_policy")
-        elif drift[i] > max_drift:
-            reasons.append("policy_drift")
-        else:
-            reasons.append("ok")
-    accepted = np.array([r == "ok" for r in reasons], dtype=np.bool_)
-    return BatchAssessment(
-        accepted=accepted,
-        reasons=tuple(reasons),
-        freshness=tuple(freshness),
-        drift=drift.astype(np.float64),
-        lag=lag,
+    b, t = old.shape
+    dtype = _np_compute_dtype(old.dtype, cur.dtype)
+
+    def diff_into(r0: int, r1: int, c0: int, c1: int, d: Any, _m: Any) -> Any:
+        np.subtract(cur[r0:r1, c0:c1], old[r0:r1, c0:c1], out=d, dtype=dtype)
+        return mask[r0:r1, c0:c1]
+
+    sums, counts = _np_sums(diff_into, b, t, dtype, mask.dtype != np.bool_, threads)
+    _recheck(sums, _np_exact_rows(old, cur, mask))
+    return sums, counts
+
+
+def _numpy_viewable(torch: Any) -> tuple[Any, ...]:
+    """torch dtypes whose CPU tensors numpy can view without a copy."""
+    return (
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
     )
+
+
+def _torch_compute_dtype(torch: Any, a: Any, b: Any) -> Any:
+    return torch.float64 if torch.float64 in (a, b) else torch.float32
+
+
+def _torch_subtract(torch: Any, c: Any, o: Any, d: Any) -> None:
+    if c.dtype == d.dtype and o.dtype == d.dtype:
+        torch.sub(c, o, out=d)
+    else:  # in place, so the arithmetic runs in the compute dtype
+        d.copy_(c)
+        d.sub_(o)
+
+
+def _torch_array_sums(
+    old_log_probs: Any, current_log_probs: Any, action_mask: Any
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    torch = sys.modules["torch"]
+    ref = next(x for x in (old_log_probs, current_log_probs, action_mask) if _is_torch(x))
+    device = ref.device
+
+    def tensor(x: Any) -> Any:
+        if _is_torch(x):
+            return x.detach().to(device)
+        return torch.as_tensor(np.asarray(x), device=device)
+
+    old, cur, mask = tensor(old_log_probs), tensor(current_log_probs), tensor(action_mask)
+    if mask.dtype != torch.bool and (mask.dtype.is_floating_point or mask.dtype.is_complex):
+        raise GateConfigError(_MASK_DTYPE_MSG.format(mask.dtype))
+    _check_shapes(old, cur, mask)
+    if not (old.dtype.is_floating_point and cur.dtype.is_floating_point):
+        raise GateConfigError("log-probs must be floating-point tensors")
+    if device.type == "cpu" and all(x.dtype in _numpy_viewable(torch) for x in (old, cur, mask)):
+        # CPU tensors are host memory: numpy's kernel on zero-copy views, on as many threads
+        # as torch would use. torch's own CPU kernels pay a thread barrier per call, which a
+        # busy machine turns into a scheduler time slice per call.
+        return _np_array_sums(
+            old.numpy(), cur.numpy(), mask.numpy(), threads=torch.get_num_threads()
+        )
+    b, t = old.shape
+    rows, cols = _torch_block(torch, device, b, t)
+    dtype = _torch_compute_dtype(torch, old.dtype, cur.dtype)
+    d = torch.empty((rows, cols), dtype=dtype, device=device)
+
+    def diff_into(r0: int, r1: int, c0: int, c1: int, dd: Any) -> Any:
+        _torch_subtract(torch, cur[r0:r1, c0:c1], old[r0:r1, c0:c1], dd)
+        return mask[r0:r1, c0:c1]
+
+    sums, counts = _torch_sums(torch, diff_into, b, t, d, mask.dtype != torch.bool)
+    _recheck(sums, _torch_exact_rows(torch, old, cur, mask))
+    return sums, counts
+
+
+def _records_sums(
+    olds: Sequence[npt.NDArray[Any] | None],
+    masks: Sequence[npt.NDArray[np.bool_] | None],
+    current_log_probs: Any,
+    ids: Sequence[str],
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """The batch core over records' stored arrays, without B x T copies of them.
+
+    Row by row, `cur - old` is written from the record's own array straight into the
+    block's scratch and its mask copied beside it (two calls per row, none per token);
+    the rest runs on the whole block. Columns past a row's length are masked out, so
+    whatever the scratch holds there never counts. A None row (it failed a record check)
+    is all masked.
+    """
+    b = len(olds)
+    lp_dtype: np.dtype[Any] = np.dtype(np.float32)
+    if any(a is not None and a.dtype != np.float32 for a in olds):
+        lp_dtype = np.dtype(np.float64)
+    torch = sys.modules.get("torch") if _is_torch(current_log_probs) else None
+    cur: Any
+    if torch is not None:
+        cur_t = current_log_probs.detach()
+        if not cur_t.dtype.is_floating_point:
+            raise GateConfigError("current log-probs must be a floating-point tensor")
+        t = int(cur_t.shape[1])
+        if cur_t.device.type != "cpu" or cur_t.dtype not in (torch.float32, torch.float64):
+            # an accelerator (or bfloat16): build the two arrays on the host once, then the
+            # tensor path does the rest where the tensors live
+            old_h, mask_h = _records_rows(olds, masks, range(b), t, lp_dtype)
+            old_t = torch.as_tensor(old_h, device=cur_t.device)
+            mask_t = torch.as_tensor(mask_h, device=cur_t.device)
+            rows, cols = _torch_block(torch, cur_t.device, b, t)
+            dtype = _torch_compute_dtype(torch, old_t.dtype, cur_t.dtype)
+            d = torch.empty((rows, cols), dtype=dtype, device=cur_t.device)
+
+            def diff_dev(r0: int, r1: int, c0: int, c1: int, dd: Any) -> Any:
+                _torch_subtract(torch, cur_t[r0:r1, c0:c1], old_t[r0:r1, c0:c1], dd)
+                return mask_t[r0:r1, c0:c1]
+
+            sums, counts = _torch_sums(torch, diff_dev, b, t, d, False)
+            _recheck(sums, _torch_exact_rows(torch, old_t, cur_t, mask_t), ids)
+            return sums, counts
+        # a CPU tensor is host memory: a zero-copy numpy view, and numpy's kernel, whose
+        # calls per row cost far less than torch's (and leave torch's worker threads idle);
+        # one thread: filling rows is Python work, which a second thread only contends for
+        cur = cur_t.numpy()
+    else:
+        cur = np.asarray(current_log_probs)
+        if not np.issubdtype(cur.dtype, np.floating):
+            raise GateConfigError(f"current log-probs must be floating-point, got {cur.dtype}")
+        t = int(cur.shape[1])
+    dtype = _np_compute_dtype(lp_dtype, cur.dtype)
+    same_dtypes = lp_dtype == dtype == cur.dtype
+    subtract = np.subtract
+
+    def diff_into(r0: int, r1: int, c0: int, c1: int, d: Any, m: Any) -> Any:
+        m.fill(False)
+        if c0 == 0 and c1 == t:  # whole rows (the usual case): a tight loop
+            # d and m may have more rows than this (last) block: zip stops at the shortest
+            rows_in = zip(olds[r0:r1], masks[r0:r1], cur[r0:r1], d, m, strict=False)
+            if same_dtypes:  # positional out, no dtype: the cheapest ufunc call
+                for lp, mask, cr, dr, mr in rows_in:
+                    if lp is not None:
+                        n = lp.size
+                        subtract(cr[:n], lp, dr[:n])
+                        mr[:n] = mask
+                return m
+            for lp, mask, cr, dr, mr in rows_in:
+                if lp is not None:
+                    n = lp.size
+                    subtract(cr[:n], lp, out=dr[:n], dtype=dtype)
+                    mr[:n] = mask
+            return m
+        for j in range(r1 - r0):
+            lp, mask = olds[r0 + j], masks[r0 + j]
+            if lp is None or mask is None or lp.size <= c0:
+                continue
+            e = min(lp.size, c1)
+            subtract(cur[r0 + j, c0:e], lp[c0:e], out=d[j, : e - c0], dtype=dtype)
+            m[j, : e - c0] = mask[c0:e]
+        return m
+
+    sums, counts = _np_sums(diff_into, b, t, dtype, False)
+
+    def exact(rows_idx: npt.NDArray[np.intp]) -> tuple[Any, Any]:
+        o, m = _records_rows(olds, masks, rows_idx.tolist(), t, lp_dtype)
+        return _np_exact_rows(o, cur[rows_idx], m)(np.arange(len(rows_idx)))
+
+    _recheck(sums, exact, ids)
+    return sums, counts
+
+
+def _records_rows(
+    olds: Sequence[npt.NDArray[Any] | None],
+    masks: Sequence[npt.NDArray[np.bool_] | None],
+    rows: Sequence[int],
+    t: int,
+    dtype: np.dtype[Any],
+) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]:
+    """Some records' arrays as R x T arrays, right-padded (zeros, masked out)."""
+    old = np.zeros((len(rows), t), dtype)
+    mask = np.zeros((len(rows), t), np.bool_)
+    for j, i in enumerate(rows):
+        lp, m = olds[i], masks[i]
+        if lp is not None and m is not None:
+            old[j, : lp.size] = lp
+            mask[j, : m.size] = m
+    return old, mask
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,47 +790,127 @@ def _registered_hash(registry: Registry | None, version: int) -> tuple[bool, str
     return True, registry.get(version)
 
 
+class LedgerReader(Protocol):
+    """What the gate reads from a ledger: where each rollout stands now."""
+
+    def find(self, rollout_id: str) -> LedgerEntry | None: ...
+
+
 class AdmissionGate:
     """Admits rollouts for an update against the current version, the registry and conditions.
 
     `registry` maps every version that ever became active to its artifact hash (or is a
     callable doing the lookup). A behaviour version absent from it is a registration error
     (quarantine), as is a hash that contradicts the registered one.
+
+    Where each rollout stands (finished? reserved? consumed?) is read, in this order, from
+    `entries` (what the caller read from its ledger), from `ledger` (looked up here), or
+    from each record's own `status`. When none of them says, the gate raises
+    GateConfigError instead of guessing: a rollout with no known state is never silently
+    rejected as unfinished.
     """
 
     def __init__(self, policy: GatePolicy, registry: Registry | None = None) -> None:
         self.policy = policy
         self.registry = registry
 
+    @staticmethod
+    def _states(
+        rollouts: Sequence[Rollout],
+        entries: Sequence[LedgerEntry | None] | None,
+        ledger: LedgerReader | None,
+    ) -> list[LedgerEntry]:
+        """Each rollout's ledger entry: from entries, else the ledger, else its status."""
+        b = len(rollouts)
+        if entries is not None and ledger is not None:
+            raise GateConfigError("pass entries= or ledger=, not both")
+        if entries is not None:
+            if len(entries) != b:
+                raise GateConfigError(f"{len(entries)} entries for {b} rollouts")
+            given: Sequence[LedgerEntry | None] = entries
+        elif ledger is not None:
+            given = [ledger.find(ro.rollout_id) for ro in rollouts]
+            absent = [ro.rollout_id for ro, e in zip(rollouts, given, strict=True) if e is None]
+            if absent:
+                raise GateConfigError(
+                    f"{len(absent)} rollout(s) are not in the ledger ({absent[:5]}); "
+                    "add them before admitting them"
+                )
+        else:
+            given = [None] * b
+        out: list[LedgerEntry] = []
+        unknown: list[str] = []
+        for ro, e in zip(rollouts, given, strict=True):
+            if e is None:
+                e = ro.status
+                if e is None:
+                    unknown.append(ro.rollout_id)
+                    continue
+            elif e.rollout_id != ro.identity.rollout_id:
+                raise GateConfigError(
+                    f"the entry given for rollout {ro.identity.rollout_id!r} belongs to "
+                    f"{e.rollout_id!r}; entries must be in the rollouts' order"
+                )
+            out.append(e)
+        if unknown:
+            raise GateConfigError(
+                f"no ledger state for {len(unknown)} rollout(s) ({unknown[:5]}): pass "
+                "entries= (what the ledger holds for each) or ledger=, or give each Rollout "
+                "its status; the gate does not guess whether a rollout is finished"
+            )
+        return out
+
     def _record_checks(
-        self, rollout: Rollout, entry: LedgerEntry | None, current_version: int
+        self,
+        rollout: Rollout,
+        entry: LedgerEntry,
+        current_version: int,
+        memo: dict[Any, Any] | None = None,
     ) -> str | None:
-        """Reasons that do not need log-probs, in order; None when all pass."""
-        state = (entry or rollout.entry()).state
-        if state in ("dispatched", "generated"):
-            return "not_finished"
-        if state == "reserved":
-            return "already_reserved"
-        if state == "consumed":
-            return "already_consumed"
+        """Reasons that do not need log-probs, in order; None when all pass.
+
+        `memo` caches registry lookups per version and conditions comparisons per object
+        within one batch (thousands of rollouts share a handful of each).
+        """
+        state = entry.state
         if state != "rewarded":
+            if state in ("dispatched", "generated"):
+                return "not_finished"
+            if state == "reserved":
+                return "already_reserved"
+            if state == "consumed":
+                return "already_consumed"
             return "terminal_state"
-        bv = rollout.behavior.version
-        known, registered = _registered_hash(self.registry, bv)
+        behavior = rollout.behavior
+        bv = behavior.version
+        if memo is None:
+            memo = {}
+        key = ("v", bv)
+        looked = memo.get(key)
+        if looked is None:
+            looked = memo[key] = _registered_hash(self.registry, bv)
+        known, registered = looked
         if bv > current_version:
             return "future_policy"
         if known and registered is None:
             return "unregistered_version"
-        if known and registered != rollout.behavior.artifact_hash:
+        if known and registered != behavior.artifact_hash:
             return "artifact_hash_mismatch"
         expected = self.policy.conditions
-        if expected is not None and rollout.conditions != expected:
-            return "conditions_mismatch"
+        if expected is not None:
+            cond = rollout.conditions
+            if cond is not expected:
+                ckey = ("c", id(cond))
+                same = memo.get(ckey)
+                if same is None:
+                    same = memo[ckey] = (cond == expected, cond)  # keep cond alive: id stays
+                if not same[0]:
+                    return "conditions_mismatch"
         ev = rollout.evidence
         if ev is None:
             return "missing_evidence"
-        n = len(ev.response_token_ids)
-        if len(ev.action_mask) != n or len(ev.behavior_log_probs) != n:
+        n = ev.response_token_ids.size
+        if ev.action_mask.size != n or ev.behavior_log_probs.size != n:
             return "evidence_misaligned"
         return None
 
@@ -429,10 +923,10 @@ class AdmissionGate:
         drift: float | None,
     ) -> AdmissionDecision:
         lag = current_version - rollout.behavior.version
-        if freshness is None and reason not in ("empty_action_mask",):
+        if freshness is None and reason != "empty_action_mask":
             freshness = classify_lag(lag, self.policy.max_lag)
         return AdmissionDecision(
-            rollout_id=rollout.rollout_id,
+            rollout_id=rollout.identity.rollout_id,
             accepted=reason == "ok",
             reason=reason,
             route=REASON_ROUTE[reason],
@@ -451,23 +945,30 @@ class AdmissionGate:
         current_log_probs: Sequence[float],
         current_version: int,
         entry: LedgerEntry | None = None,
+        *,
+        ledger: LedgerReader | None = None,
     ) -> AdmissionDecision:
-        """Admit one rollout: record checks, then lag and drift in plain Python."""
+        """Admit one rollout: record checks, then lag and drift in plain Python.
+
+        Its state comes from `entry`, else `ledger`, else `rollout.status` (GateConfigError
+        when none is given).
+        """
         _check_version("current_version", current_version)
-        early = self._record_checks(rollout, entry, current_version)
+        (state,) = self._states([rollout], None if entry is None else [entry], ledger)
+        early = self._record_checks(rollout, state, current_version)
         if early is not None:
             return self._decision(rollout, current_version, early, None, None)
         ev = rollout.evidence
         assert ev is not None  # record checks guarantee it
-        if len(current_log_probs) != len(ev.behavior_log_probs):
+        if len(current_log_probs) != ev.behavior_log_probs.size:
             raise GateConfigError(
                 f"rollout {rollout.rollout_id!r}: {len(current_log_probs)} current log-probs for "
-                f"{len(ev.behavior_log_probs)} tokens"
+                f"{ev.behavior_log_probs.size} tokens"
             )
         r = lag_drift_decision(
-            ev.behavior_log_probs,
+            ev.behavior_log_probs.tolist(),
             current_log_probs,
-            ev.action_mask,
+            ev.action_mask.tolist(),
             rollout.behavior.version,
             current_version,
             self.policy.max_lag,
@@ -483,64 +984,73 @@ class AdmissionGate:
         current_log_probs: Any,
         current_version: int,
         entries: Sequence[LedgerEntry | None] | None = None,
+        *,
+        ledger: LedgerReader | None = None,
     ) -> list[AdmissionDecision]:
         """Admit B rollouts; `current_log_probs` is B x T (numpy or torch), right-padded.
 
-        Record checks loop over rollouts; lag and drift run vectorised over the whole batch.
+        Each rollout's state comes from `entries` (in the rollouts' order; a None falls back
+        to the record's status), else from `ledger`, else from each `rollout.status`; a
+        rollout whose state nobody gives raises GateConfigError. Record checks loop over
+        rollouts; lag and drift run vectorised over the whole batch, reading the records'
+        stored arrays block by block (no B x T copies, no Python work per token).
         """
         _check_version("current_version", current_version)
         b = len(rollouts)
-        if entries is not None and len(entries) != b:
-            raise GateConfigError(f"{len(entries)} entries for {b} rollouts")
-        shape = tuple(current_log_probs.shape)
+        states = self._states(rollouts, entries, ledger)
+        shape = tuple(getattr(current_log_probs, "shape", ()))
         if len(shape) != 2 or shape[0] != b:
             raise GateConfigError(f"current log-probs must be {b} x T, got shape {shape}")
         t = shape[1]
-        early: list[str | None] = []
-        old = np.zeros((b, t), dtype=np.float64)
-        mask = np.zeros((b, t), dtype=np.bool_)
-        for i, ro in enumerate(rollouts):
-            why = self._record_checks(ro, entries[i] if entries else None, current_version)
-            early.append(why)
-            if why is None:
-                ev = ro.evidence
-                assert ev is not None
-                n = len(ev.behavior_log_probs)
-                if n > t:
-                    raise GateConfigError(
-                        f"rollout {ro.rollout_id!r} has {n} tokens but the batch is T={t} wide"
-                    )
-                old[i, :n] = ev.behavior_log_probs
-                mask[i, :n] = ev.action_mask
-        if _is_torch(current_log_probs):
-            torch = sys.modules["torch"]
-            old_in: Any = torch.as_tensor(old, device=current_log_probs.device)
-            mask_in: Any = torch.as_tensor(mask, device=current_log_probs.device)
-        else:
-            old_in, mask_in = old, mask
-        versions = np.array([ro.behavior.version for ro in rollouts], dtype=np.int64)
-        res = assess_arrays(
-            old_in,
-            current_log_probs,
-            mask_in,
-            versions,
-            current_version,
-            self.policy.max_lag,
-            self.policy.max_drift,
+        memo: dict[Any, Any] = {}
+        check = self._record_checks
+        early = [
+            check(ro, st, current_version, memo) for ro, st in zip(rollouts, states, strict=True)
+        ]
+        evidence = [
+            ro.evidence if why is None else None for ro, why in zip(rollouts, early, strict=True)
+        ]
+        olds = [None if ev is None else ev.behavior_log_probs for ev in evidence]
+        masks = [None if ev is None else ev.action_mask for ev in evidence]
+        widest = max((lp.size for lp in olds if lp is not None), default=0)
+        if widest > t:
+            i = next(i for i, lp in enumerate(olds) if lp is not None and lp.size > t)
+            raise GateConfigError(
+                f"rollout {rollouts[i].rollout_id!r} has {widest} tokens but the batch is "
+                f"T={t} wide"
+            )
+        ids = [ro.identity.rollout_id for ro in rollouts]
+        sums, counts = _records_sums(olds, masks, current_log_probs, ids)
+        versions = np.fromiter((ro.behavior.version for ro in rollouts), np.int64, count=b)
+        pol = self.policy
+        res = _decide(sums, counts, versions, current_version, pol.max_lag, pol.max_drift)
+        # the same fields as _decision builds, for B rollouts at once (positional: this loop
+        # is the records path's only per-rollout cost besides the record checks)
+        fresh_all = _freshness_codes(res.lag, pol.max_lag).tolist()
+        drift = res.drift.tolist()
+        lags = res.lag.tolist()
+        bvs = versions.tolist()
+        reasons = list(res.reasons)
+        freshness = list(res.freshness)
+        for i, why in enumerate(early):
+            if why is not None:
+                reasons[i], freshness[i], drift[i] = why, _FRESHNESS_CODES[fresh_all[i]], None
+            elif drift[i] != drift[i]:  # NaN: no action position
+                drift[i] = None
+        route = REASON_ROUTE
+        return list(
+            map(
+                AdmissionDecision,
+                ids,
+                [r == "ok" for r in reasons],
+                reasons,
+                [route[r] for r in reasons],
+                freshness,
+                drift,
+                lags,
+                itertools.repeat(current_version, b),
+                bvs,
+                itertools.repeat(pol.max_lag, b),
+                itertools.repeat(pol.max_drift, b),
+            )
         )
-        out = []
-        for i, ro in enumerate(rollouts):
-            if early[i] is not None:
-                out.append(self._decision(ro, current_version, early[i] or "", None, None))
-            else:
-                d = float(res.drift[i])
-                out.append(
-                    self._decision(
-                        ro,
-                        current_version,
-                        res.reasons[i],
-                        res.freshness[i],
-                        None if math.isnan(d) else d,
-                    )
-                )
-        return out

@@ -8,6 +8,7 @@ write" one indivisible step (a lock here, a single-statement compare-and-set in 
 
 from __future__ import annotations
 
+import heapq
 import math
 import threading
 import time
@@ -255,6 +256,38 @@ def as_entry(rollout: object) -> LedgerEntry:
     )
 
 
+_EVOLVERS: dict[tuple[type[Any], frozenset[str]], Callable[..., Any]] = {}
+
+
+def _evolver(cls: type[Any], changed: frozenset[str]) -> Callable[..., Any]:
+    """attrs.evolve for one class and one set of changed fields, written out once: a direct
+    call of the class's own __init__ (its validators and post-init check still run)."""
+    fields = [a for a in attrs.fields(cls) if a.init]
+    unknown = changed - {a.alias for a in fields}
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    args = ", ".join(
+        (f"{a.alias}=" if a.kw_only else "")  # positional where __init__ allows it
+        + (f"c[{a.alias!r}]" if a.alias in changed else f"e.{a.name}")
+        for a in fields
+    )
+    scope: dict[str, Any] = {"cls": cls}
+    exec(f"def evolve(e, c):\n    return cls({args})\n", scope)
+    fn: Callable[..., Any] = scope["evolve"]
+    return fn
+
+
+def _evolve(entry: LedgerEntry, **changes: Any) -> LedgerEntry:
+    """attrs.evolve(entry, **changes) without its per-call introspection: it runs once per
+    written row, so the few (class, changed fields) shapes are compiled once each."""
+    key = (type(entry), frozenset(changes))
+    fn = _EVOLVERS.get(key)
+    if fn is None:
+        fn = _EVOLVERS[key] = _evolver(*key)
+    new: LedgerEntry = fn(entry, changes)
+    return new
+
+
 def plan_transition(
     entry: LedgerEntry,
     event: str,
@@ -263,7 +296,7 @@ def plan_transition(
 ) -> LedgerEntry:
     """The entry after `event`, per the declared machine; revision + 1. Raises IllegalTransition."""
     edge = LIFECYCLE.resolve(entry.state, event, guards)
-    return attrs.evolve(entry, state=edge.dest, revision=entry.revision + 1, **changes)
+    return _evolve(entry, state=edge.dest, revision=entry.revision + 1, **changes)
 
 
 def reserve_precheck(
@@ -511,6 +544,13 @@ def commit_plan(
     return [plan_transition(e, "commit", reserved_by=None, lease_expires_at=None) for e in owned]
 
 
+_COUNTER_OF = {
+    RESERVED: "reservations",
+    IDEMPOTENT: "idempotent_retries",
+    CONFLICT: "cas_conflicts",
+}
+
+
 class MemoryLedger:
     """Thread-safe in-memory ledger: one lock makes read-check-write indivisible.
 
@@ -534,6 +574,7 @@ class MemoryLedger:
         self._entries: dict[str, LedgerEntry] = {}
         self._bad_versions: set[int] = set()
         self._counters: Counter[str] = Counter()
+        self._index_reset()
         self.clock = clock
         self.lease_seconds = float(lease_seconds)
         self.recovery = recovery or RecoveryRule()
@@ -554,6 +595,7 @@ class MemoryLedger:
         led = cls(**kwargs)
         led._entries = {e.rollout_id: e for e in entries}
         led._bad_versions = set(bad_versions)
+        led._index_reset()
         return led
 
     @property
@@ -572,29 +614,52 @@ class MemoryLedger:
         enforce(after for _, _, after, _ in changes)
         at = self.clock()
         for _, _, after, _ in changes:
+            self._index_write(self._entries.get(after.rollout_id), after)
             self._entries[after.rollout_id] = after
         self._counters["writes"] += len(changes)
-        self.log.record(
-            [
-                EntryChanged(
-                    seq=0,
-                    txn=0,
-                    at=at,
-                    rollout_id=a.rollout_id,
-                    event=ev,
-                    before=b,
-                    after=a,
-                    update_id=u,
-                )
-                for ev, b, a, u in changes
-            ]
-        )
+        self.log.record_entries(at, changes)
+
+    # ---- ownership and lease index -----------------------------------------------------
+    # Which rollouts each update holds, and a heap of lease deadlines, kept in step with every
+    # write in `_record`, so commit, abort, fail_update, reserved_by and expire_leases cost
+    # what the update holds or what is due, not the size of the ledger. The heap is lazy: a
+    # deadline whose reservation has since ended is dropped when it surfaces.
+
+    def _index_reset(self) -> None:
+        self._owners: dict[str, set[str]] = {}
+        self._leases: list[tuple[float, str]] = []
+        self._held = 0
+        for e in self._entries.values():
+            self._index_write(None, e)
+
+    def _index_write(self, before: LedgerEntry | None, after: LedgerEntry) -> None:
+        if before is not None and before.reserved_by is not None:
+            held = self._owners.get(before.reserved_by)
+            if held is not None and before.rollout_id in held:
+                held.discard(before.rollout_id)
+                self._held -= 1
+                if not held:
+                    del self._owners[before.reserved_by]
+        if after.reserved_by is None:
+            return
+        held = self._owners.setdefault(after.reserved_by, set())
+        if after.rollout_id not in held:
+            held.add(after.rollout_id)
+            self._held += 1
+        if after.lease_expires_at is not None:
+            heapq.heappush(self._leases, (after.lease_expires_at, after.rollout_id))
+            if len(self._leases) > 1024 and len(self._leases) > 4 * self._held:
+                # mostly deadlines of reservations that ended: rebuild from what is held
+                self._leases = [
+                    (e.lease_expires_at, e.rollout_id)
+                    for e in (self._entries.get(r) for s in self._owners.values() for r in s)
+                    if e is not None and e.lease_expires_at is not None
+                ]
+                heapq.heapify(self._leases)
 
     def _owned(self, update_id: str) -> list[LedgerEntry]:
-        return sorted(
-            (e for e in self._entries.values() if e.reserved_by == update_id),
-            key=lambda e: e.rollout_id,
-        )
+        held = self._owners.get(update_id, ())
+        return sorted((self._entries[r] for r in held), key=lambda e: e.rollout_id)
 
     # ---- protocol ----------------------------------------------------------------------
 
@@ -683,12 +748,7 @@ class MemoryLedger:
             return outcomes
 
     def _count(self, reason: str) -> None:
-        key = {
-            RESERVED: "reservations",
-            IDEMPOTENT: "idempotent_retries",
-            CONFLICT: "cas_conflicts",
-        }.get(reason, "refused")
-        self._counters[key] += 1
+        self._counters[_COUNTER_OF.get(reason, "refused")] += 1
 
     def commit(self, update_id: str, rollout_ids: Sequence[str]) -> list[LedgerEntry]:
         """Consume exactly the rollouts `update_id` reserved, atomically; else CommitMismatch."""
@@ -735,16 +795,18 @@ class MemoryLedger:
         """Return reservations whose lease ran out (a crashed learner never blocks forever)."""
         with self._lock:
             now = self.clock()
-            due = sorted(
-                (
-                    e
-                    for e in self._entries.values()
-                    if e.state == "reserved"
+            found: dict[str, LedgerEntry] = {}
+            while self._leases and self._leases[0][0] <= now:
+                _, rid = heapq.heappop(self._leases)
+                e = self._entries.get(rid)
+                if (
+                    e is not None
+                    and e.state == "reserved"
                     and e.lease_expires_at is not None
                     and e.lease_expires_at <= now
-                ),
-                key=lambda e: e.rollout_id,
-            )
+                ):
+                    found[rid] = e
+            due = sorted(found.values(), key=lambda e: e.rollout_id)
             new = [plan_release(e, "expire_lease", self.recovery, self._bad_versions) for e in due]
             self._record(
                 [("expire_lease", b, a, b.reserved_by) for b, a in zip(due, new, strict=True)]

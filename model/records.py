@@ -10,10 +10,12 @@ a crash in the middle of a batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 from rollout_lifecycle.model.errors import InvalidRecord
 from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
@@ -70,36 +72,189 @@ def _one_of(*allowed: str) -> Any:
     return check
 
 
-# Evidence arrays are long: check element types with one set() over their types (fast
-# path), and walk the elements only to name the offending one.
+# ---- evidence arrays --------------------------------------------------------------------
+#
+# Evidence is what RL code already holds: numpy arrays, torch tensors, numpy scalars, lists.
+# It is converted ONCE here into read-only numpy arrays, with vectorised checks (no Python
+# work per element of an array; a Python list is type-checked with one C-level pass over
+# its element types, and walked element by element only to name the offending position).
+#
+#   response_token_ids  int64
+#   action_mask         bool (bool arrays, np.bool_, or integers that are all 0 or 1)
+#   behavior_log_probs  float32 when the input is float32 (or float16 / bfloat16, which
+#                       float32 holds exactly), else float64: an inference engine's float32
+#                       log-probs are not made more exact by widening them, and keeping
+#                       them halves the memory. Python floats and float64 stay float64.
+#
+# Non-finite log-probs are allowed here (masked positions may hold anything); the gate
+# judges the action positions.
+
+# element types a Python list may hold without a walk over its elements (the array check
+# that follows still validates the values, e.g. that integer mask entries are 0 or 1)
+_NP_INTS: frozenset[type] = frozenset(
+    {np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32}
+)
+_INT_TYPES: frozenset[type] = frozenset({int}) | _NP_INTS
+_MASK_TYPES: frozenset[type] = frozenset({bool, np.bool_, int}) | _NP_INTS
+_LP_TYPES: frozenset[type] = frozenset({float, int, np.float64, np.float32, np.float16}) | _NP_INTS
 
 
-def _int_tuple(value: Any) -> tuple[int, ...]:
-    out = tuple(value)
-    if not set(map(type, out)) <= {int}:
-        for v in out:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise InvalidRecord(f"token ids must be ints, got {v!r}")
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _tensor_to_numpy(t: Any) -> npt.NDArray[Any]:
+    """A torch tensor on any device -> a numpy array on the host (one transfer)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if str(t.dtype) == "torch.bfloat16":  # numpy has no bfloat16; float32 holds it exactly
+        t = t.float()
+    return np.asarray(t.numpy())
+
+
+def _first_bad(seq: Sequence[Any], ok: Callable[[Any], bool]) -> tuple[int, Any] | None:
+    for i, v in enumerate(seq):
+        if not ok(v):
+            return i, v
+    return None
+
+
+def _raw_array(value: Any, field: str, allowed: frozenset[type], ok: Callable[[Any], bool]) -> Any:
+    """numpy array, tensor -> as is; a Python sequence -> checked by element type first."""
+    if isinstance(value, np.ndarray):
+        return value
+    if _is_torch(value):
+        return _tensor_to_numpy(value)
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise InvalidRecord(f"{field} must be a 1-D sequence or array, got {type(value).__name__}")
+    seq = value if isinstance(value, list | tuple) else list(value)
+    types = set(map(type, seq))
+    if not types <= allowed:
+        bad = _first_bad(seq, ok)
+        if bad is not None:
+            raise InvalidRecord(f"{field}[{bad[0]}] {_WANT[field]}, got {bad[1]!r}")
+    return seq
+
+
+_WANT = {
+    "response_token_ids": "must be an int",
+    "action_mask": "must be a boolean (or 0/1)",
+    "behavior_log_probs": "must be a number",
+}
+
+
+def _ok_id(v: Any) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
+
+
+def _ok_mask(v: Any) -> bool:
+    return isinstance(v, bool | np.bool_) or (isinstance(v, int | np.integer) and v in (0, 1))
+
+
+def _ok_lp(v: Any) -> bool:
+    return isinstance(v, int | float | np.integer | np.floating) and not isinstance(
+        v, bool | np.bool_
+    )
+
+
+def _one_dim(arr: npt.NDArray[Any], field: str) -> None:
+    if arr.ndim != 1:
+        raise InvalidRecord(f"{field} must be 1-D, got shape {arr.shape}")
+
+
+def _frozen(arr: npt.NDArray[Any], dtype: Any) -> npt.NDArray[Any]:
+    """A read-only C-contiguous array of `dtype` that nobody else can write through.
+
+    An array that is already read-only, owns its data and has the dtype (one this converter
+    made, e.g. passed again by attrs.evolve) is kept; anything else is copied exactly once.
+    """
+    if (
+        arr.dtype == dtype
+        and not arr.flags.writeable
+        and arr.flags.owndata
+        and arr.flags.c_contiguous
+    ):
+        return arr
+    out = np.array(arr, dtype=dtype, order="C", copy=True)
+    out.flags.writeable = False
     return out
 
 
-def _bool_tuple(value: Any) -> tuple[bool, ...]:
-    out = tuple(value)
-    if not set(map(type, out)) <= {bool}:
-        for v in out:
-            if not isinstance(v, bool):
-                raise InvalidRecord(f"action mask entries must be booleans, got {v!r}")
+def _token_ids(value: Any) -> npt.NDArray[np.int64]:
+    field = "response_token_ids"
+    raw = _raw_array(value, field, _INT_TYPES, _ok_id)
+    if not isinstance(raw, np.ndarray):
+        try:
+            raw = np.asarray(raw, dtype=np.int64) if raw else np.zeros(0, np.int64)
+        except OverflowError:
+            raise InvalidRecord(f"{field}: a token id does not fit in int64") from None
+    _one_dim(raw, field)
+    if raw.size == 0:
+        return _frozen(np.zeros(0, np.int64), np.int64)
+    if raw.dtype == np.bool_ or not np.issubdtype(raw.dtype, np.integer):
+        if raw.dtype == object:
+            bad = _first_bad(raw.tolist(), _ok_id)
+            if bad is not None:
+                raise InvalidRecord(f"{field}[{bad[0]}] must be an int, got {bad[1]!r}")
+        raise InvalidRecord(f"{field} must hold integers, got dtype {raw.dtype}")
+    if raw.dtype == np.uint64:
+        big = np.flatnonzero(raw > np.iinfo(np.int64).max)
+        if big.size:
+            i = int(big[0])
+            raise InvalidRecord(f"{field}[{i}] does not fit in int64, got {int(raw[i])}")
+    return _frozen(raw, np.int64)
+
+
+def _mask_array(value: Any) -> npt.NDArray[np.bool_]:
+    field = "action_mask"
+    raw = _raw_array(value, field, _MASK_TYPES, _ok_mask)
+    if not isinstance(raw, np.ndarray):
+        raw = np.asarray(raw) if raw else np.zeros(0, np.bool_)
+    _one_dim(raw, field)
+    if raw.dtype == np.bool_:
+        return _frozen(raw, np.bool_)
+    if raw.size == 0:
+        return _frozen(np.zeros(0, np.bool_), np.bool_)
+    if not np.issubdtype(raw.dtype, np.integer):
+        if raw.dtype == object:
+            bad = _first_bad(raw.tolist(), _ok_mask)
+            if bad is not None:
+                raise InvalidRecord(f"{field}[{bad[0]}] must be a boolean (or 0/1), got {bad[1]!r}")
+        raise InvalidRecord(f"{field} must be booleans or 0/1 integers, got dtype {raw.dtype}")
+    bad_at = np.flatnonzero((raw != 0) & (raw != 1))
+    if bad_at.size:
+        i = int(bad_at[0])
+        raise InvalidRecord(f"{field}[{i}] must be a boolean (or 0/1), got {raw[i].item()!r}")
+    out: npt.NDArray[np.bool_] = np.not_equal(raw, 0)
+    out.flags.writeable = False
     return out
 
 
-def _float_tuple(value: Any) -> tuple[float, ...]:
-    items = tuple(value)
-    if set(map(type, items)) <= {float, int}:
-        return tuple(map(float, items))
-    for v in items:
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            raise InvalidRecord(f"log-probs must be numbers, got {v!r}")
-    return tuple(float(v) for v in items)
+_NARROW_FLOATS = frozenset({np.dtype(np.float16), np.dtype(np.float32)})
+
+
+def _log_probs(value: Any) -> npt.NDArray[np.floating[Any]]:
+    field = "behavior_log_probs"
+    raw = _raw_array(value, field, _LP_TYPES, _ok_lp)
+    if not isinstance(raw, np.ndarray):
+        if not raw:
+            return _frozen(np.zeros(0, np.float64), np.float64)
+        raw = np.asarray(raw)
+        if raw.dtype == object:  # mixed Python ints too large for a float, or other objects
+            try:
+                raw = np.asarray(raw, dtype=np.float64)
+            except (TypeError, ValueError, OverflowError):
+                raise InvalidRecord(f"{field} must hold numbers") from None
+    _one_dim(raw, field)
+    dt = raw.dtype
+    if dt in _NARROW_FLOATS:
+        return _frozen(raw, np.float32)
+    if dt == np.bool_ or not (np.issubdtype(dt, np.floating) or np.issubdtype(dt, np.integer)):
+        if raw.size == 0:
+            return _frozen(np.zeros(0, np.float64), np.float64)
+        raise InvalidRecord(f"{field} must hold real numbers, got dtype {dt}")
+    return _frozen(raw, np.float64)
 
 
 # ---- the five kinds of rollout information -------------------------------------------------
@@ -155,13 +310,40 @@ class GenerationConditions:
             raise InvalidRecord(f"seed must be an int or null, got {v!r}")
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class ActionEvidence:
-    """Tokens, action mask and behaviour log-probs; their alignment is judged by the gate."""
+    """Tokens, action mask and behaviour log-probs; their alignment is judged by the gate.
 
-    response_token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
-    action_mask: tuple[bool, ...] = attrs.field(converter=_bool_tuple)
-    behavior_log_probs: tuple[float, ...] = attrs.field(converter=_float_tuple)
+    Built from numpy arrays, torch tensors (moved to the host once), lists or numpy scalars;
+    held as read-only numpy arrays (see the converters above for the dtypes). Equality is by
+    value: same token ids, same mask, same log-probs (NaN equals NaN, float32 -0.5 equals
+    float64 -0.5), so a record equals its JSON round trip. The hash reads only the token ids
+    and the mask, which have one canonical dtype each, so equal records hash equally.
+    """
+
+    response_token_ids: npt.NDArray[np.int64] = attrs.field(converter=_token_ids)
+    action_mask: npt.NDArray[np.bool_] = attrs.field(converter=_mask_array)
+    behavior_log_probs: npt.NDArray[np.floating[Any]] = attrs.field(converter=_log_probs)
+
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        if not isinstance(other, ActionEvidence):
+            return NotImplemented
+        return (
+            np.array_equal(self.response_token_ids, other.response_token_ids)
+            and np.array_equal(self.action_mask, other.action_mask)
+            and np.array_equal(self.behavior_log_probs, other.behavior_log_probs, equal_nan=True)
+        )
+
+    def __hash__(self) -> int:
+        return hash(
+            (
+                self.response_token_ids.tobytes(),
+                self.action_mask.tobytes(),
+                self.behavior_log_probs.size,
+            )
+        )
 
 
 @attrs.frozen
@@ -346,6 +528,8 @@ def to_jsonable(obj: Any) -> Any:
         return {f.name: to_jsonable(getattr(obj, f.name)) for f in attrs.fields(type(obj))}
     if isinstance(obj, tuple | list):
         return [to_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray | np.generic):  # evidence arrays: one C-level tolist()
+        return obj.tolist()
     if isinstance(obj, Mapping):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
     return obj

@@ -237,6 +237,42 @@ def _drift_over_masked(
     )
 
 
+_real_assess_batch = gate_mod.AdmissionGate.assess_batch
+
+
+def _drift_over_masked_batch(
+    self: gate_mod.AdmissionGate,
+    rollouts: Any,
+    current_log_probs: Any,
+    current_version: int,
+    entries: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """The same masked-mean bug in the records path (which reduces the records' own arrays)."""
+    decisions = _real_assess_batch(
+        self, rollouts, current_log_probs, current_version, entries, **kwargs
+    )
+    width = max(int(current_log_probs.shape[1]), 1)
+    out = []
+    for ro, d in zip(rollouts, decisions, strict=True):
+        if d.drift is not None and ro.evidence is not None:
+            diluted = d.drift * int(np.count_nonzero(ro.evidence.action_mask)) / width
+            if d.reason == "policy_drift" and diluted <= self.policy.max_drift:
+                d = attrs.evolve(d, reason="ok", route=gate_mod.ROUTE_ADMIT, accepted=True)
+            d = attrs.evolve(d, drift=diluted)
+        out.append(d)
+    return out
+
+
+@contextlib.contextmanager
+def _drift_over_masked_everywhere() -> Iterator[None]:
+    with (
+        patch_everywhere(gate_mod, "assess_arrays", _drift_over_masked),
+        patch_everywhere(gate_mod.AdmissionGate, "assess_batch", _drift_over_masked_batch),
+    ):
+        yield
+
+
 # ---- activation mutants ----------------------------------------------------------------------
 
 _real_activate = api_mod.activate_policy_version
@@ -513,7 +549,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         "drift_over_masked",
         "behaviour drift averaged over every position, masked ones included",
         8,
-        _simple(gate_mod, "assess_arrays", _drift_over_masked),
+        _drift_over_masked_everywhere,
         reach=("fuzz",),
         fuzz_machine="e2e",
     ),

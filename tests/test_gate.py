@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import tracemalloc
 from typing import Any
+from unittest import mock
 
 import attrs
 import numpy as np
@@ -11,15 +14,25 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from rollout_lifecycle.model import gate as gate_mod
 from rollout_lifecycle.model.api import assess_policy_compatibility
 from rollout_lifecycle.model.errors import GateConfigError
 from rollout_lifecycle.model.gate import (
     AdmissionGate,
+    BatchAssessment,
     GatePolicy,
     assess_arrays,
     classify_lag,
+    lag_drift_decision,
 )
-from rollout_lifecycle.model.records import ActionEvidence, GenerationConditions
+from rollout_lifecycle.model.ledger import MemoryLedger
+from rollout_lifecycle.model.records import (
+    ActionEvidence,
+    GenerationConditions,
+    LedgerEntry,
+    Reward,
+    Rollout,
+)
 from tests.strategies import any_float, batches, drift_bounds, lags, make_rollout, versions
 
 torch = pytest.importorskip("torch")
@@ -282,3 +295,367 @@ def test_stamp_keeps_the_decision() -> None:
     d = gate().assess(make_rollout("a", 4, [-0.1], [True]), [-0.15], current_version=5)
     s = d.stamp()
     assert s.accepted and s.lag == 1 and s.max_lag == 1 and s.drift == pytest.approx(0.05)
+
+
+# ---- the one-pass batch core against the plain-Python contract --------------------------
+
+NONFINITE = st.sampled_from([math.nan, math.inf, -math.inf, 1e300, -1e300])
+
+
+@st.composite
+def hard_batches(draw: Any) -> dict[str, Any]:
+    """Batches with masked NaN/inf garbage, empty rows, and float32 or float64 values."""
+    b = draw(batches(max_b=7, max_t=40))
+    old, cur, mask = b["old"].copy(), b["cur"].copy(), b["mask"].copy()
+    for i in draw(st.lists(st.integers(0, len(mask) - 1), max_size=3)):
+        mask[i] = False  # whole empty rows
+    masked = np.argwhere(~mask)
+    if len(masked):
+        picks = draw(st.lists(st.integers(0, len(masked) - 1), max_size=len(masked)))
+        for k in picks:
+            i, j = masked[k]
+            arr = draw(st.sampled_from([old, cur]))
+            arr[i, j] = draw(NONFINITE)
+    dtype = draw(st.sampled_from([np.float64, np.float32]))
+    with np.errstate(over="ignore"):
+        old, cur = old.astype(dtype), cur.astype(dtype)
+    mask_kind = draw(st.sampled_from(["bool", "int64", "int32", "uint8"]))
+    m = mask if mask_kind == "bool" else mask.astype(mask_kind)
+    return {"old": old, "cur": cur, "mask": m, "bool_mask": mask, "bvs": b["bvs"]}
+
+
+def reference_rows(b: dict[str, Any], cv: int, max_lag: int, dmax: float) -> list[dict[str, Any]]:
+    """lag_drift_decision, in plain Python, on every row (float32 values taken exactly)."""
+    return [
+        lag_drift_decision(
+            b["old"][i].tolist(),
+            b["cur"][i].tolist(),
+            b["bool_mask"][i].tolist(),
+            int(b["bvs"][i]),
+            cv,
+            max_lag,
+            dmax,
+        )
+        for i in range(len(b["bvs"]))
+    ]
+
+
+def assert_rows_agree(
+    got: BatchAssessment, want: list[dict[str, Any]], dmax: float, float32: bool
+) -> None:
+    """Same reason, freshness and drift per row; float32 inputs allow their own rounding."""
+    rel = 4e-7 if float32 else 1e-12
+    for i, w in enumerate(want):
+        g = got.row(i)
+        assert g["freshness"] == w["freshness"], i
+        if w["mean_abs_log_ratio"] is None:
+            assert g["mean_abs_log_ratio"] is None and g["reason"] == w["reason"], i
+            continue
+        assert g["mean_abs_log_ratio"] == pytest.approx(
+            w["mean_abs_log_ratio"], rel=rel, abs=1e-300
+        )
+        near_bound = abs(w["mean_abs_log_ratio"] - dmax) <= rel * max(dmax, 1e-300)
+        if not (float32 and near_bound and w["reason"] in ("ok", "policy_drift")):
+            assert g["reason"] == w["reason"] and g["accepted"] == w["accepted"], i
+
+
+# small blocks split rows into several blocks and single rows into column chunks
+BLOCKS = st.sampled_from([None, 1, 3, 8, 16, 64])
+
+
+@contextlib.contextmanager
+def block_size(n: int | None, threads_from: int | None = None) -> Any:
+    with contextlib.ExitStack() as stack:
+        if n is not None:
+            stack.enter_context(mock.patch.object(gate_mod, "_CPU_BLOCK", n))
+            stack.enter_context(mock.patch.object(gate_mod, "_TORCH_CPU_BLOCK", n))
+        if threads_from is not None:
+            stack.enter_context(mock.patch.object(gate_mod, "_THREADS_FROM", threads_from))
+        yield
+
+
+@given(hard_batches(), versions, lags, drift_bounds, BLOCKS)
+def test_numpy_core_agrees_with_plain_python(
+    b: dict[str, Any], cv: int, max_lag: int, dmax: float, block: int | None
+) -> None:
+    """numpy: every row as lag_drift_decision decides it, masked garbage and empty rows too."""
+    with block_size(block):
+        got = assess_arrays(b["old"], b["cur"], b["mask"], b["bvs"], cv, max_lag, dmax)
+    assert_rows_agree(got, reference_rows(b, cv, max_lag, dmax), dmax, b["old"].dtype == np.float32)
+
+
+@given(hard_batches(), versions, lags, drift_bounds, BLOCKS, st.sampled_from(["views", "torch"]))
+def test_torch_core_agrees_with_plain_python(
+    b: dict[str, Any], cv: int, max_lag: int, dmax: float, block: int | None, kernel: str
+) -> None:
+    """torch: CPU tensors through numpy views (threaded) and through torch's own kernels."""
+    old, cur, mask = (torch.from_numpy(np.ascontiguousarray(b[k])) for k in ("old", "cur", "mask"))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(block_size(block, threads_from=1))
+        if kernel == "torch":  # the kernel an accelerator runs, here on the CPU
+            stack.enter_context(mock.patch.object(gate_mod, "_numpy_viewable", lambda _t: ()))
+        got = assess_arrays(old, cur, mask, torch.from_numpy(b["bvs"]), cv, max_lag, dmax)
+    assert_rows_agree(got, reference_rows(b, cv, max_lag, dmax), dmax, b["old"].dtype == np.float32)
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "views", "torch"])
+def test_float32_overflow_is_not_a_nonfinite_input(kernel: str) -> None:
+    """Finite float32 values whose difference overflows float32 still give the exact drift."""
+    old = np.array([[-3e38, -1.0], [-1.0, -1.0]], np.float32)
+    cur = np.array([[3e38, -1.0], [-1.5, -1.0]], np.float32)
+    mask = np.array([[True, True], [True, False]])
+    want = (6e38 + 0.0) / 2  # what the plain-Python reference computes
+    args: tuple[Any, ...] = (old, cur, mask)
+    with contextlib.ExitStack() as stack:
+        if kernel != "numpy":
+            args = tuple(torch.from_numpy(a) for a in args)
+        if kernel == "torch":
+            stack.enter_context(mock.patch.object(gate_mod, "_numpy_viewable", lambda _t: ()))
+        res = assess_arrays(*args, np.array([1, 1]), 1, 0, 0.1)
+    ref = lag_drift_decision(old[0].tolist(), cur[0].tolist(), [True, True], 1, 1, 0, 0.1)
+    assert res.drift[0] == pytest.approx(ref["mean_abs_log_ratio"], rel=1e-7)
+    assert res.drift[0] == pytest.approx(want, rel=1e-7)
+    assert res.reasons == ("policy_drift", "policy_drift") and res.drift[1] == 0.5
+
+
+def test_float64_overflow_is_infinite_drift_as_in_python() -> None:
+    """Finite float64 values whose difference is not finite: drift inf, like the reference."""
+    old, cur = np.array([[-1.7e308, 0.0]]), np.array([[1.7e308, 0.0]])
+    mask = np.array([[True, True]])
+    res = assess_arrays(old, cur, mask, [0], 0, 0, 1.0)
+    ref = lag_drift_decision(old[0].tolist(), cur[0].tolist(), [True, True], 0, 0, 0, 1.0)
+    assert res.drift[0] == ref["mean_abs_log_ratio"] == math.inf
+    assert res.reasons[0] == ref["reason"] == "policy_drift"
+
+
+@pytest.mark.parametrize("block", [None, 4])
+def test_integer_mask_checked_in_every_block(block: int | None) -> None:
+    """A 2 (or -1) anywhere in an integer mask is refused, also in a late block."""
+    mask = np.ones((6, 4), np.int64)
+    mask[5, 3] = 2
+    for lib in ("numpy", "torch", "torch-kernel"):
+        m: Any = mask if lib == "numpy" else torch.from_numpy(mask)
+        o: Any = np.zeros((6, 4)) if lib == "numpy" else torch.zeros(6, 4, dtype=torch.float64)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(block_size(block))
+            if lib == "torch-kernel":
+                stack.enter_context(mock.patch.object(gate_mod, "_numpy_viewable", lambda _t: ()))
+            with pytest.raises(GateConfigError, match="only 0 and 1"):
+                assess_arrays(o, o, m, np.zeros(6, np.int64), 0, 0, 0.1)
+            m2 = mask.copy()
+            m2[5, 3] = -1
+            with pytest.raises(GateConfigError, match="only 0 and 1"):
+                assess_arrays(
+                    o,
+                    o,
+                    m2 if lib == "numpy" else torch.from_numpy(m2),
+                    np.zeros(6, int),
+                    0,
+                    0,
+                    0.1,
+                )
+
+
+def test_scratch_memory_is_small() -> None:
+    """Peak extra memory (tracemalloc) stays a small fraction of the inputs, numpy path."""
+    rng = np.random.default_rng(0)
+    old = rng.normal(-1, 0.3, (256, 2048)).astype(np.float32)
+    cur = old + np.float32(0.01)
+    mask = rng.random((256, 2048)) < 0.7
+    inputs = old.nbytes + cur.nbytes + mask.nbytes
+    tracemalloc.start()
+    try:
+        assess_arrays(old, cur, mask, np.zeros(256, np.int64), 0, 0, 0.1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 0.1 * inputs, (peak, inputs)
+
+
+# ---- the records path --------------------------------------------------------------------
+
+
+@st.composite
+def record_batches(draw: Any) -> tuple[list[Rollout], np.ndarray, dict[str, Any]]:
+    """Rollouts of ragged lengths holding arrays, and the right-padded current log-probs."""
+    b = draw(hard_batches())
+    n_rows, t = b["bool_mask"].shape
+    lengths = draw(st.lists(st.integers(0, t), min_size=n_rows, max_size=n_rows))
+    form = draw(st.sampled_from(["numpy", "torch", "lists"]))
+    ros = []
+    for i, n in enumerate(lengths):
+        lp, m = b["old"][i, :n], b["bool_mask"][i, :n]
+        if form == "torch":
+            ev_args: tuple[Any, Any, Any] = (
+                torch.arange(n),
+                torch.from_numpy(m),
+                torch.from_numpy(lp),
+            )
+        elif form == "lists":
+            ev_args = (list(range(n)), m.tolist(), lp.tolist())
+        else:
+            ev_args = (np.arange(n), m, lp)
+        ro = make_rollout(f"r{i}", int(b["bvs"][i]), [0.0], [True])
+        ros.append(attrs.evolve(ro, evidence=ActionEvidence(*ev_args)))
+    pad = draw(st.sampled_from([0.0, math.nan, math.inf]))
+    cur = b["cur"].copy()
+    mask = b["bool_mask"].copy()
+    for i, n in enumerate(lengths):
+        cur[i, n:] = pad
+        mask[i, n:] = False
+    old = b["old"].copy()
+    old[~mask] = 0.0
+    if form == "lists":
+        old = old.astype(np.float64)
+    return ros, cur, {"old": old, "cur": cur, "bool_mask": mask, "bvs": b["bvs"]}
+
+
+@given(record_batches(), versions, lags, drift_bounds, BLOCKS, st.sampled_from(["numpy", "torch"]))
+def test_records_path_agrees_with_plain_python(
+    data: tuple[list[Rollout], np.ndarray, dict[str, Any]],
+    cv: int,
+    max_lag: int,
+    dmax: float,
+    block: int | None,
+    lib: str,
+) -> None:
+    """assess_batch over records holding arrays decides each rollout as the plain-Python
+    single path (`assess`, i.e. lag_drift_decision on Python lists) does."""
+    ros, cur, _ = data
+    g = gate(registry=None, max_lag=max_lag, max_drift=dmax)
+    current: Any = cur if lib == "numpy" else torch.from_numpy(cur)
+    with block_size(block, threads_from=1):
+        decisions = g.assess_batch(ros, current, cv)
+    singles = []
+    for i, ro in enumerate(ros):
+        assert ro.evidence is not None
+        n = ro.evidence.behavior_log_probs.size
+        singles.append(g.assess(ro, cur[i, :n].tolist(), cv))
+    float32 = cur.dtype == np.float32 and all(
+        r.evidence is not None and r.evidence.behavior_log_probs.dtype == np.float32 for r in ros
+    )
+    rel = 4e-7 if float32 else 1e-12
+    for d, w in zip(decisions, singles, strict=True):
+        assert (d.rollout_id, d.freshness, d.lag) == (w.rollout_id, w.freshness, w.lag)
+        if w.drift is None:
+            assert d.drift is None and (d.reason, d.route) == (w.reason, w.route)
+            continue
+        assert d.drift == pytest.approx(w.drift, rel=rel, abs=1e-300)
+        near_bound = abs(w.drift - dmax) <= rel * max(dmax, 1e-300)
+        if not (float32 and near_bound):
+            assert (d.reason, d.route, d.accepted) == (w.reason, w.route, w.accepted)
+
+
+def test_records_path_names_rollouts_with_nonfinite_actions() -> None:
+    """A NaN at an action position of a record (or of the current row) names that rollout."""
+    ros = [
+        make_rollout("ok", 1, [-0.1, -0.2], [True, True]),
+        make_rollout("bad", 1, [-0.1, math.nan], [True, True]),
+        make_rollout("masked", 1, [-0.1, math.nan], [True, False]),
+    ]
+    cur = np.full((3, 4), -0.1)
+    with pytest.raises(GateConfigError, match=r"row\(s\) \[1\] \(rollouts \['bad'\]\)"):
+        gate().assess_batch(ros, cur, 1)
+    cur2 = np.full((2, 2), -0.1)
+    cur2[0, 1] = math.inf
+    with pytest.raises(GateConfigError, match=r"rollouts \['ok'\]"):
+        gate().assess_batch([ros[0], ros[2]], torch.from_numpy(cur2), 1)
+
+
+# ---- where a rollout stands: entries, a ledger, or its status; never a guess --------------
+
+
+def _bare(rid: str, version: int = 1) -> Rollout:
+    return attrs.evolve(make_rollout(rid, version, [-0.1], [True]), status=None)
+
+
+def test_no_state_anywhere_is_an_error_not_a_rejection() -> None:
+    """Without entries, ledger or status the gate refuses to guess (it used to say
+    not_finished for everything)."""
+    ros = [_bare("a"), _bare("b")]
+    with pytest.raises(GateConfigError, match=r"no ledger state for 2 rollout\(s\)"):
+        gate().assess_batch(ros, np.full((2, 1), -0.1), 1)
+    with pytest.raises(GateConfigError, match="no ledger state"):
+        gate().assess(ros[0], [-0.1], 1)
+
+
+def test_state_read_from_a_ledger() -> None:
+    """With ledger=, each rollout's state is what the ledger holds now."""
+    led = MemoryLedger()
+    ros = [_bare("a"), _bare("b"), _bare("c")]
+    for ro in ros:
+        led.add(ro)
+    for rid in ("a", "b"):
+        led.transition(rid, "generation_done", 0)
+    led.transition("a", "reward_ready", 1, reward=Reward("rm", "1", 1.0))
+    d = gate().assess_batch(ros, np.full((3, 1), -0.1), 1, ledger=led)
+    assert [x.reason for x in d] == ["ok", "not_finished", "not_finished"]
+    assert gate().assess(ros[0], [-0.1], 1, ledger=led).reason == "ok"
+    with pytest.raises(GateConfigError, match=r"not in the ledger \(\['zz'\]\)"):
+        gate().assess_batch([_bare("zz")], np.full((1, 1), -0.1), 1, ledger=led)
+    with pytest.raises(GateConfigError, match="not both"):
+        gate().assess_batch(ros, np.full((3, 1), -0.1), 1, [None] * 3, ledger=led)
+
+
+def test_entries_still_work_and_fall_back_to_status() -> None:
+    """entries= is used as given; a None there falls back to the record's status."""
+    with_status = make_rollout("s", 1, [-0.1], [True], state="reserved")
+    bare = _bare("b")
+    entry = LedgerEntry(
+        "b", 1, "hash-v1", state="rewarded", revision=3, reward=Reward("rm", "1", 1.0)
+    )
+    d = gate().assess_batch([with_status, bare], np.full((2, 1), -0.1), 1, [None, entry])
+    assert [x.reason for x in d] == ["already_reserved", "ok"]
+    with pytest.raises(GateConfigError, match="belongs to 'b'"):
+        gate().assess_batch([with_status], np.full((1, 1), -0.1), 1, [entry])
+    with pytest.raises(GateConfigError, match="1 entries for 2 rollouts"):
+        gate().assess_batch([with_status, bare], np.full((2, 1), -0.1), 1, [entry])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_records_path_with_narrow_current_tensors(dtype: str) -> None:
+    """bfloat16 / float16 current log-probs (torch's own kernels, as on an accelerator)."""
+    rng = np.random.default_rng(1)
+    ros, rows = [], []
+    for i in range(5):
+        n = int(rng.integers(1, 9))
+        lp = rng.normal(-1, 0.3, n).round(2).tolist()
+        m = (rng.random(n) < 0.7).tolist()
+        ros.append(make_rollout(f"r{i}", 4, lp, m))
+        rows.append((np.array(lp) + rng.normal(0, 0.1, n)).tolist())
+    cur = torch.zeros(5, 8, dtype=getattr(torch, dtype))
+    for i, r in enumerate(rows):
+        cur[i, : len(r)] = torch.tensor(r)
+    g = gate(registry=None, max_drift=0.08)
+    batch = g.assess_batch(ros, cur, 4)
+    exact = cur.double().numpy()
+    singles = [g.assess(ro, exact[i, : len(rows[i])].tolist(), 4) for i, ro in enumerate(ros)]
+    for d, w in zip(batch, singles, strict=True):
+        assert (d.freshness, d.drift is None) == (w.freshness, w.drift is None)
+        if w.drift is not None:
+            assert d.drift == pytest.approx(w.drift, rel=1e-6, abs=1e-9)
+            if abs(w.drift - 0.08) > 1e-6:
+                assert d.reason == w.reason
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "views", "torch"])
+@pytest.mark.parametrize("width", [256, 1024, 1000])
+def test_wide_rows_through_float32_partial_sums(kernel: str, width: int) -> None:
+    """Rows wide enough for the float32 partial sums (and one that is not a multiple of
+    them) stay within float32 rounding of the plain-Python reference."""
+    rng = np.random.default_rng(width)
+    old = rng.normal(-2, 1.5, (6, width)).astype(np.float32)
+    cur = (old + rng.normal(0, 0.05, (6, width))).astype(np.float32)
+    mask = rng.random((6, width)) < 0.6
+    mask[2] = False
+    old[~mask & (rng.random((6, width)) < 0.3)] = np.nan
+    args: tuple[Any, ...] = (old, cur, mask)
+    with contextlib.ExitStack() as stack:
+        if kernel != "numpy":
+            args = tuple(torch.from_numpy(a) for a in args)
+        if kernel == "torch":
+            stack.enter_context(mock.patch.object(gate_mod, "_numpy_viewable", lambda _t: ()))
+        res = assess_arrays(*args, np.zeros(6, np.int64), 0, 0, 0.05)
+    b = {"old": old, "cur": cur, "bool_mask": mask, "bvs": np.zeros(6, np.int64)}
+    assert_rows_agree(res, reference_rows(b, 0, 0, 0.05), 0.05, float32=True)
+    assert res.reasons[2] == "empty_action_mask"

@@ -1,0 +1,211 @@
+"""What `rollout-lifecycle bench` writes: the run, the Markdown tables and the PNG plot.
+
+Imported only when the command runs (cli/bench_cmd.py holds its options), so the other
+commands never load the measurement code.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from rollout_lifecycle.cli import benchmarks as B
+from rollout_lifecycle.model.atomic import atomic_write
+
+FILES = ("bench.json", "README.md", "admission.png")
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def markdown(report: dict[str, Any], command: str) -> str:
+    """The report as Markdown tables: goals first, then each part."""
+    m = report["machine"]
+    lines = [
+        "# Benchmarks",
+        "",
+        "Measured side by side in one run (variants interleaved, best of the repeats), on "
+        f"{m['cpus']} CPUs, Python {m['python']}, numpy {m['numpy']}, torch {m['torch'] or '-'}"
+        f", verl {m['verl'] or 'not installed'}, SQLite {m['sqlite']}; load average at the "
+        f"start {', '.join(f'{x:.2f}' for x in m['loadavg_at_start'] or [])}. Read the ratios, "
+        "not the times: the machine is shared.",
+        "",
+        f"Produced by `{command}` "
+        f"({'quick sizes, not comparable' if report['quick'] else 'full sizes'}, "
+        f"{report['elapsed_s']} s).",
+        "",
+        "## Goals (issue 13)",
+        "",
+        "| goal | measured | target | met |",
+        "|---|---:|---:|:---:|",
+    ]
+    for g in report["goals"]:
+        met = "-" if g["met"] is None else ("yes" if g["met"] else "**no**")
+        lines.append(f"| {g['goal']} | {_fmt(g['measured'])} | {g['target']} | {met} |")
+    adm = report.get("admission")
+    if adm:
+        lines += [
+            "",
+            "## Admission",
+            "",
+            adm["what"] + ". Times in ms; ratios are gate_arrays over the baseline (or, for "
+            "records and verl, the other way round: their time over the gate's).",
+            "",
+            "| library | B | T | gate arrays | gate records | bare | read-once | Python loop "
+            "| verl | gate/bare | gate/read-once | records/arrays | verl/gate | peak mem gate "
+            "| peak mem bare |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in adm["rows"]:
+            ms, r, pk = row["ms"], row["ratios"], row["peak_extra_vs_inputs"]
+            lines.append(
+                f"| {row['library']} | {row['B']} | {row['T']} | {_fmt(ms['gate_arrays'])} | "
+                f"{_fmt(ms['gate_records'])} | {_fmt(ms['bare'])} | {_fmt(ms['read_once'])} | "
+                f"{_fmt(ms['python_loop'])} | {_fmt(ms.get('verl'))} | "
+                f"{_fmt(r['arrays_vs_bare'])} | {_fmt(r['arrays_vs_read_once'])} | "
+                f"{_fmt(r['records_vs_arrays'])} | {_fmt(r['verl_vs_arrays'])} | "
+                f"{_fmt(pk['gate_arrays'], 3)}x | {_fmt(pk['bare'], 3)}x |"
+            )
+        lines += ["", "Variants:", ""]
+        lines += [f"- `{k}`: {v}" for k, v in adm["variants"].items()]
+        lines += [
+            "",
+            f"Peak extra memory is relative to the inputs' bytes. numpy: {adm['memory']['numpy']}"
+            f"; torch: {adm['memory']['torch']}. torch ran with {adm['torch_threads']} threads.",
+        ]
+        if adm["verl"] is None:
+            lines.append("verl is not installed here: its column is empty.")
+    led = report.get("ledgers")
+    if led:
+        lines += [
+            "",
+            "## Ledgers",
+            "",
+            "| backend | single CAS /s | batch /s (size) | batch/single | commits /s "
+            "(ledger size) | baseline |",
+            "|---|---:|---:|---:|---|---|",
+        ]
+        for name, x in led.items():
+            commits = ", ".join(f"{_fmt(v)} ({k})" for k, v in x["commits_per_s"].items())
+            base = ", ".join(f"{k} {_fmt(v)}" for k, v in x["baseline"].items())
+            lines.append(
+                f"| {name} | {_fmt(x['single_per_s'])} | {_fmt(x['batch_per_s'])} "
+                f"({x['batch_size']}) | {_fmt(x['ratios']['batch_vs_single'])} | {commits} | "
+                f"{base} |"
+            )
+        lines += [
+            "",
+            "Racing threads (each reads a rollout, then tries a compare-and-set on it):",
+            "",
+            "| backend | threads | rollouts | wins | lost CAS | wins /s |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for name, x in led.items():
+            for r in x["racing"]:
+                lines.append(
+                    f"| {name} | {r['workers']} | {r['rollouts']} | {r['wins']} | "
+                    f"{r['lost_cas']} | {_fmt(r['wins_per_s'])} |"
+                )
+    chk = report.get("checkers")
+    if chk:
+        lines += ["", "## Checkers", "", "| fuzz backend | machine | examples | steps | steps/s |"]
+        lines.append("|---|---|---:|---:|---:|")
+        for backend, runs in chk["fuzz"].items():
+            for machine, r in runs.items():
+                lines.append(
+                    f"| {backend} | {machine} | {r['examples']} | {r['steps']} | "
+                    f"{_fmt(r['steps_per_s'], 1)} |"
+                )
+        lines += ["", "| explorer model | distinct states | complete | states/s |"]
+        lines.append("|---|---:|:---:|---:|")
+        for name, r in chk["explore"].items():
+            lines.append(
+                f"| {name} | {r['distinct_states']} | {'yes' if r['complete'] else 'no'} | "
+                f"{_fmt(r['states_per_s'], 1)} |"
+            )
+    plot = report.get("plot")
+    if plot:
+        lines += ["", f"![admission times]({plot})"]
+    else:
+        lines += ["", "(no plot: matplotlib is not installed)"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_png(report: dict[str, Any]) -> bytes | None:
+    """Admission times per case as grouped bars (log scale); None without matplotlib."""
+    adm = report.get("admission")
+    if not adm:
+        return None
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    libs = sorted({r["library"] for r in adm["rows"]})
+    names = ["gate_arrays", "gate_records", "bare", "read_once", "python_loop", "verl"]
+    fig = Figure(figsize=(11, 3.6 * len(libs)), layout="constrained")
+    axes = fig.subplots(len(libs), 1, squeeze=False)[:, 0]
+    for ax, lib in zip(axes, libs, strict=True):
+        rows = [r for r in adm["rows"] if r["library"] == lib]
+        present = [n for n in names if any(r["ms"].get(n) is not None for r in rows)]
+        width = 0.8 / max(1, len(present))
+        for k, name in enumerate(present):
+            xs = [i + (k - (len(present) - 1) / 2) * width for i in range(len(rows))]
+            ys = [r["ms"].get(name) or 0.0 for r in rows]
+            ax.bar(xs, ys, width, label=name)
+        ax.set_xticks(range(len(rows)), [f"B={r['B']}\nT={r['T']}" for r in rows])
+        ax.set_yscale("log")
+        ax.set_ylabel("ms (best of repeats)")
+        ax.set_title(f"admission, {lib}, float32")
+        ax.legend(ncols=3, fontsize="small")
+        ax.grid(axis="y", alpha=0.3)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return buf.getvalue()
+
+
+def run_and_write(
+    *,
+    quick: bool,
+    parts: Sequence[str],
+    out: Path | None,
+    report: Path | None,
+    as_json: bool,
+    command: str,
+    progress: Callable[[str], None],
+) -> None:
+    """Measure, then write the files (out=None: none) and print the JSON or a summary."""
+    result = B.run(B.QUICK if quick else B.FULL, parts=parts, progress=progress)
+    result["command"] = command
+    png = None if out is None else plot_png(result)
+    result["plot"] = "admission.png" if png is not None else None
+    text = json.dumps(result, indent=2) + "\n"
+    if out is not None:
+        atomic_write(out / "bench.json", text)
+        atomic_write(out / "README.md", markdown(result, command))
+        if png is not None:
+            atomic_write(out / "admission.png", png)
+    if report is not None:
+        atomic_write(report, text)
+    if as_json:
+        click.echo(text, nl=False)
+        return
+    met = [g for g in result["goals"] if g["met"]]
+    missed = [g for g in result["goals"] if g["met"] is False]
+    click.echo(f"bench: {len(met)} goals met, {len(missed)} missed, in {result['elapsed_s']} s")
+    for g in missed:
+        click.echo(f"  missed: {g['goal']}: {_fmt(g['measured'], 3)} (target {g['target']})")
+    if out is not None:
+        where = ", ".join(str(out / n) for n in FILES if (n != "admission.png" or png))
+        click.echo(f"wrote {where}" + ("" if png else " (no PNG: matplotlib is not installed)"))

@@ -1,0 +1,110 @@
+"""`rollout-lifecycle bench`: the quick run end to end, its report's shape (never its times).
+
+The command runs in a subprocess, as a user runs it: the measurement modules are then never
+loaded into the test process (Hypothesis draws on the constants of every loaded project
+module, so loading them here would change what later seeded fuzz runs generate).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_lifecycle", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+VARIANTS = {"gate_arrays", "gate_records", "bare", "read_once", "python_loop"}
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x >= 0
+
+
+def test_quick_bench_end_to_end(tmp_path: Path) -> None:
+    """bench --quick measures every part, prints the JSON report and writes the docs."""
+    out = tmp_path / "docs"
+    res = bench("--quick", "--json", "--quiet", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""  # --quiet: no progress lines
+    report = json.loads(res.stdout)
+    assert report["schema"] == "rollout-lifecycle/bench-report/1" and report["quick"] is True
+    assert report["command"] == f"rollout-lifecycle bench --quick --out={out}"
+    assert {"cpus", "python", "numpy", "torch", "verl", "sqlite"} <= set(report["machine"])
+
+    rows = report["admission"]["rows"]
+    libs = {r["library"] for r in rows}
+    assert "numpy" in libs and (report["machine"]["torch"] is None or "torch" in libs)
+    for r in rows:
+        assert set(r["ms"]) >= VARIANTS and all(_number(r["ms"][k]) for k in VARIANTS)
+        assert ("verl" in r["ms"]) == (
+            r["library"] == "torch" and report["machine"]["verl"] is not None
+        )
+        assert set(r["ratios"]) == {
+            "arrays_vs_bare",
+            "arrays_vs_read_once",
+            "records_vs_arrays",
+            "python_loop_vs_arrays",
+            "verl_vs_arrays",
+        }
+        if r["ms"]["bare"] >= 0.05:  # ms are rounded to 0.1 us
+            assert r["ratios"]["arrays_vs_bare"] == pytest.approx(
+                r["ms"]["gate_arrays"] / r["ms"]["bare"], rel=0.01, abs=2e-3
+            )
+        assert set(r["peak_extra_bytes"]) == {"gate_arrays", "gate_records", "bare"}
+        assert r["input_bytes"] == r["B"] * r["T"] * 9  # two float32 arrays and a bool mask
+
+    for backend in ("memory", "sqlite"):
+        x = report["ledgers"][backend]
+        assert _number(x["single_per_s"]) and _number(x["batch_per_s"])
+        assert [r["workers"] for r in x["racing"]] == [1, 4]
+        assert all(r["wins"] == r["rollouts"] for r in x["racing"])  # every rollout won once
+        assert len(x["commits_per_s"]) == 2 and all(map(_number, x["commits_per_s"].values()))
+        assert {"batch_vs_single", "commit_large_vs_small"} <= set(x["ratios"])
+    assert {"autocommit_update_per_s", "executemany_1000_per_s"} <= set(
+        report["ledgers"]["sqlite"]["baseline"]
+    )
+    assert report["ledgers"]["sqlite"]["baseline"]["synchronous"] == "FULL"
+
+    fuzz = report["checkers"]["fuzz"]["memory"]
+    assert set(fuzz) == {"ledger", "activation", "e2e"}
+    assert all(r["steps"] > 0 and not r["failed"] for r in fuzz.values())
+    assert all(m["distinct_states"] > 0 for m in report["checkers"]["explore"].values())
+
+    for g in report["goals"]:
+        assert set(g) == {"goal", "measured", "target", "met"}
+        assert g["met"] in (True, False, None)
+
+    written = json.loads((out / "bench.json").read_text())
+    assert written == report
+    md = (out / "README.md").read_text()
+    assert "## Goals (issue 13)" in md and "## Admission" in md and report["command"] in md
+    png = out / "admission.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not png.exists() and "matplotlib is not installed" in md
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "admission.png" in md
+
+
+def test_bad_destinations_are_refused_before_any_work(tmp_path: Path) -> None:
+    """A file given as --out, or a --report in a missing folder: exit 2 at once."""
+    afile = tmp_path / "f"
+    afile.write_text("x")
+    res = bench("--quick", "--out", str(afile))
+    assert res.returncode == 2 and "is a file" in res.stderr and res.stdout == ""
+    res = bench("--quick", "--no-docs", "--report", str(tmp_path / "no" / "r.json"))
+    assert res.returncode == 2 and "does not exist" in res.stderr
