@@ -197,6 +197,12 @@ class LineParser:
     def parse(self, raw: bytes, lineno: int) -> ParsedLine:
         """Validate one JSON line; InputLineError names the first problem found."""
         try:
+            return self._parse(raw, lineno)
+        except RecursionError:  # a field nested far deeper than any rollout's
+            raise InputLineError(lineno, "a field is nested too deeply to be a rollout") from None
+
+    def _parse(self, raw: bytes, lineno: int) -> ParsedLine:
+        try:
             obj = json.loads(raw)
         except UnicodeDecodeError as exc:
             raise InputLineError(lineno, f"not UTF-8 text ({exc.reason})") from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from rollout_lifecycle.model.errors import ActivationError, InvalidRecord
+from rollout_lifecycle.model.errors import ActivationError, InvalidRecord, brief
 from rollout_lifecycle.model.gate import lag_drift_decision
 from rollout_lifecycle.model.ledger import MISSING, RESERVED, reserve_precheck
 from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
@@ -22,7 +22,7 @@ def transition_lifecycle(state: str, event: str) -> str:
     No context is given, so guards are False: `abort` releases (reserved -> rewarded).
     """
     if not isinstance(state, str) or not isinstance(event, str):
-        raise ValueError(f"state and event must be strings, got {state!r}, {event!r}")
+        raise InvalidRecord(f"state and event must be strings, got {brief(state)}, {brief(event)}")
     return LIFECYCLE.next_state(state, event)
 
 
@@ -49,14 +49,14 @@ def assess_policy_compatibility(
 
 def _entry_field(entry: Mapping[str, Any], key: str, rollout_id: Any) -> Any:
     if key not in entry:
-        raise InvalidRecord(f"ledger entry for {rollout_id!r} has no {key!r}")
+        raise InvalidRecord(f"ledger entry for {brief(rollout_id)} has no {brief(key)}")
     return entry[key]
 
 
 def _revision(value: Any, what: str) -> int:
     """A revision is a non-negative int (never a bool, a float or a negative number)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > INT64_MAX:
-        raise InvalidRecord(f"{what} must be a non-negative int, got {value!r}")
+        raise InvalidRecord(f"{what} must be a non-negative int, got {brief(value)}")
     return value
 
 
@@ -69,21 +69,25 @@ def compare_and_reserve(
     otherwise the ledger is untouched. `record` is always a copy.
     """
     if not isinstance(update_id, str) or not update_id:
-        raise InvalidRecord(f"update_id must be a non-empty string, got {update_id!r}")
+        raise InvalidRecord(f"update_id must be a non-empty string, got {brief(update_id)}")
     _revision(expected_revision, "expected_revision")
     if not isinstance(ledger, dict):
         raise InvalidRecord(f"ledger must be a dict of rollout id -> entry, got {type(ledger)}")
     try:
         entry = ledger.get(rollout_id)
     except TypeError:
-        raise InvalidRecord(f"rollout_id must be hashable, got {rollout_id!r}") from None
+        raise InvalidRecord(f"rollout_id must be hashable, got {brief(rollout_id)}") from None
     if entry is None:
         return {"reserved": False, "reason": MISSING, "record": None}
     if not isinstance(entry, Mapping):
-        raise InvalidRecord(f"ledger entry for {rollout_id!r} must be a dict, got {type(entry)}")
+        raise InvalidRecord(
+            f"ledger entry for {brief(rollout_id)} must be a dict, got {type(entry)}"
+        )
     state = _entry_field(entry, "lifecycle_state", rollout_id)
     if not isinstance(state, str) or state not in LIFECYCLE.states:
-        raise InvalidRecord(f"ledger entry for {rollout_id!r}: unknown lifecycle_state {state!r}")
+        raise InvalidRecord(
+            f"ledger entry for {brief(rollout_id)}: unknown lifecycle_state {brief(state)}"
+        )
     revision = _revision(_entry_field(entry, "revision", rollout_id), "stored revision")
     why = reserve_precheck(state, revision, entry.get("reserved_by"), expected_revision, update_id)
     if why is not None:
@@ -98,7 +102,7 @@ def compare_and_reserve(
 
 def _version(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > INT64_MAX:
-        raise ActivationError(f"{name} must be a non-negative int, got {v!r}")
+        raise ActivationError(f"{name} must be a non-negative int, got {brief(v)}")
     return v
 
 
@@ -118,23 +122,24 @@ def activate_policy_version(
         if not isinstance(arg, Mapping):
             raise ActivationError(f"{name} must be a dict, got {type(arg).__name__}")
     if active_pointer is not None and not isinstance(active_pointer, Mapping):
-        raise ActivationError(f"active_pointer must be a dict or None, got {active_pointer!r}")
+        raise ActivationError(f"active_pointer must be a dict or None, got {brief(active_pointer)}")
     for w, reported in worker_states.items():
         if not isinstance(reported, Mapping):
-            raise ActivationError(f"worker {w!r}: state must be a dict, got {reported!r}")
+            raise ActivationError(f"worker {brief(w)}: state must be a dict, got {brief(reported)}")
     if isinstance(required_workers, str):
         raise ActivationError(
-            f"required_workers must be a list of worker ids, got the string {required_workers!r}"
+            f"required_workers must be a list of worker ids, got the "
+            f"string {brief(required_workers)}"
         )
     try:
         required = list(required_workers)
     except TypeError:
         raise ActivationError(
-            f"required_workers must be a list of worker ids, got {required_workers!r}"
+            f"required_workers must be a list of worker ids, got {brief(required_workers)}"
         ) from None
     for w in required:
         if not isinstance(w, str) or not w:
-            raise ActivationError(f"worker id must be a non-empty string, got {w!r}")
+            raise ActivationError(f"worker id must be a non-empty string, got {brief(w)}")
     if not required:
         raise ActivationError(
             "at least one required worker is needed: a version no worker loaded is never active"
@@ -151,10 +156,10 @@ def activate_policy_version(
     version = _version("artifact version", artifact.get("version"))
     art_hash = artifact.get("artifact_hash")
     if not isinstance(art_hash, str) or not art_hash:
-        raise ActivationError(f"artifact hash must be a non-empty string, got {art_hash!r}")
+        raise ActivationError(f"artifact hash must be a non-empty string, got {brief(art_hash)}")
     committed = artifact.get("committed")
     if not isinstance(committed, bool):
-        raise ActivationError(f"artifact 'committed' must be a bool, got {committed!r}")
+        raise ActivationError(f"artifact 'committed' must be a bool, got {brief(committed)}")
     missing: list[str] = []
     mismatched: list[str] = []
     for w in required:
@@ -164,7 +169,7 @@ def activate_policy_version(
             continue
         wv = st.get("version")
         if wv is not None:
-            _version(f"worker {w!r} version", wv)
+            _version(f"worker {brief(w)} version", wv)
         if wv != version or st.get("artifact_hash") != art_hash:
             mismatched.append(w)
 

@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 import safetensors.numpy as st_numpy
 
-from rollout_lifecycle.model.errors import ArtifactError
+from rollout_lifecycle.model.errors import ArtifactError, brief
 from rollout_lifecycle.model.records import WorkerAck
 
 FORMAT = "rollout-lifecycle-artifact/1"
@@ -61,23 +61,24 @@ def check_name(name: object, what: str) -> str:
     ('..', absolute paths, separators, NUL) is refused before it reaches the filesystem.
     """
     if not isinstance(name, str) or not name:
-        raise ArtifactError(f"{what} must be a non-empty string, got {name!r}")
+        raise ArtifactError(f"{what} must be a non-empty string, got {brief(name)}")
     if "\0" in name:
-        raise ArtifactError(f"{what} {name!r} contains a NUL byte")
+        raise ArtifactError(f"{what} {brief(name)} contains a NUL byte")
     if "/" in name or "\\" in name or os.sep in name:
-        raise ArtifactError(f"{what} {name!r} contains a path separator; use a plain name")
+        raise ArtifactError(f"{what} {brief(name)} contains a path separator; use a plain name")
     if name in (".", ".."):
-        raise ArtifactError(f"{what} {name!r} would leave its directory")
+        raise ArtifactError(f"{what} {brief(name)} would leave its directory")
     if not _NAME_RE.match(name):
         raise ArtifactError(
-            f"{what} {name!r} is not allowed: use 1-200 of [A-Za-z0-9._+-], not starting with '.'"
+            f"{what} {brief(name)} is not allowed: use 1-200 of "
+            f"[A-Za-z0-9._+-], not starting with '.'"
         )
     return name
 
 
 def _check_version(version: object) -> int:
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ArtifactError(f"version must be a non-negative int, got {version!r}")
+        raise ArtifactError(f"version must be a non-negative int, got {brief(version)}")
     if version >= 10**12:
         raise ArtifactError(f"version {version} is too large for the directory layout")
     return version
@@ -85,7 +86,7 @@ def _check_version(version: object) -> int:
 
 def _check_sha(value: object, what: str) -> str:
     if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{64}", value):
-        raise ArtifactError(f"{what} must be 64 lowercase hex digits, got {value!r}")
+        raise ArtifactError(f"{what} must be 64 lowercase hex digits, got {brief(value)}")
     return value
 
 
@@ -148,7 +149,7 @@ class ArtifactManifest:
         try:
             data = json.loads(raw.decode("utf-8"))
             if data.get("format") != FORMAT:
-                raise ValueError(f"format {data.get('format')!r}, expected {FORMAT!r}")
+                raise ValueError(f"format {brief(data.get('format'))}, expected {brief(FORMAT)}")
             label = data.get("label")
             files = tuple(
                 FileEntry(
@@ -172,7 +173,7 @@ class ArtifactManifest:
 
 def _size(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError(f"bad size {v!r}")
+        raise ValueError(f"bad size {brief(v)}")
     return v
 
 
@@ -288,13 +289,17 @@ class ArtifactStore:
         for name, data in (files or {}).items():
             check_name(name, "file name")
             if name == MANIFEST_NAME:
-                raise ArtifactError(f"file name {MANIFEST_NAME!r} is reserved for the manifest")
+                raise ArtifactError(
+                    f"file name {brief(MANIFEST_NAME)} is reserved for the manifest"
+                )
             if not isinstance(data, bytes | bytearray | memoryview):
-                raise ArtifactError(f"file {name!r}: content must be bytes, got {type(data)}")
+                raise ArtifactError(f"file {brief(name)}: content must be bytes, got {type(data)}")
             blobs[name] = bytes(data)
         if tensors is not None:
             if WEIGHTS_NAME in blobs:
-                raise ArtifactError(f"{WEIGHTS_NAME!r} given both as tensors and as a raw file")
+                raise ArtifactError(
+                    f"{brief(WEIGHTS_NAME)} given both as tensors and as a raw file"
+                )
             try:
                 blobs[WEIGHTS_NAME] = st_numpy.save(dict(tensors))
             except Exception as exc:  # safetensors raises its own untyped errors
@@ -381,7 +386,7 @@ class ArtifactStore:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
-            raise ArtifactError(f"artifact v{version}: cannot open {name!r}: {exc}") from None
+            raise ArtifactError(f"artifact v{version}: cannot open {brief(name)}: {exc}") from None
         with os.fdopen(fd, "rb") as f:
             return f.read()
 
@@ -421,7 +426,8 @@ class ArtifactStore:
             got = FileEntry(f.name, len(data), hashlib.sha256(data).hexdigest())
             if got != f:
                 raise ArtifactError(
-                    f"artifact v{version}: {f.name!r} has size {got.size} sha256 {got.sha256}, "
+                    f"artifact v{version}: {brief(f.name)} has size {got.size} "
+                    f"sha256 {got.sha256}, "
                     f"manifest says size {f.size} sha256 {f.sha256}"
                 )
             entries.append(got)
@@ -452,9 +458,9 @@ class WorkerLoader:
 
     def __init__(self, store: ArtifactStore, worker_id: str, incarnation: int = 0) -> None:
         if not isinstance(worker_id, str) or not worker_id:
-            raise ArtifactError(f"worker_id must be a non-empty string, got {worker_id!r}")
+            raise ArtifactError(f"worker_id must be a non-empty string, got {brief(worker_id)}")
         if isinstance(incarnation, bool) or not isinstance(incarnation, int) or incarnation < 0:
-            raise ArtifactError(f"incarnation must be a non-negative int, got {incarnation!r}")
+            raise ArtifactError(f"incarnation must be a non-negative int, got {brief(incarnation)}")
         self.store = store
         self.worker_id = worker_id
         self.incarnation = incarnation
@@ -480,7 +486,8 @@ class WorkerLoader:
         )
         if loaded_hash != expected_hash:
             raise ArtifactError(
-                f"worker {self.worker_id!r}: artifact v{version} loaded with hash {loaded_hash}, "
+                f"worker {brief(self.worker_id)}: artifact v{version} loaded "
+                f"with hash {loaded_hash}, "
                 f"expected {expected_hash}; not acknowledging"
             )
         tensors: dict[str, npt.NDArray[Any]] = {}
@@ -493,12 +500,13 @@ class WorkerLoader:
                 parsed = st_numpy.load(data)
             except Exception as exc:  # SafetensorError is not importable as a type
                 raise ArtifactError(
-                    f"worker {self.worker_id!r}: v{version} {name!r} is not valid safetensors "
+                    f"worker {brief(self.worker_id)}: v{version} {brief(name)} is "
+                    f"not valid safetensors "
                     f"({exc}); not acknowledging"
                 ) from None
             for k, arr in parsed.items():
                 if k in tensors:
-                    raise ArtifactError(f"v{version}: tensor {k!r} appears in two shards")
+                    raise ArtifactError(f"v{version}: tensor {brief(k)} appears in two shards")
                 tensors[k] = np.asarray(arr)
         with self._lock:
             seq = self._seq

@@ -21,7 +21,7 @@ from pathlib import Path
 import attrs
 
 from rollout_lifecycle.model.atomic import describe_os_error
-from rollout_lifecycle.model.errors import BackendURLError, LedgerError
+from rollout_lifecycle.model.errors import BackendURLError, LedgerError, brief
 from rollout_lifecycle.model.events import EventLog, TraceEvent
 from rollout_lifecycle.model.ledger import Clock, Ledger, MemoryLedger, check_lease_seconds
 from rollout_lifecycle.model.registry import MemoryRegistry, RegistryStore, SQLiteRegistry
@@ -79,7 +79,7 @@ Opener = Callable[[str, str, OpenOptions], Backend]
 
 def _bad(url: str, why: str) -> BackendURLError:
     examples = "; ".join(EXAMPLES)
-    return BackendURLError(f"backend URL {url!r}: {why}. Valid examples: {examples}")
+    return BackendURLError(f"backend URL {brief(url)}: {why}. Valid examples: {examples}")
 
 
 def _open_memory(url: str, rest: str, opts: OpenOptions) -> Backend:
@@ -198,8 +198,10 @@ def open_backend(
     With `create=False` (every read-only command) a SQLite file must already exist and hold
     a ledger: a typo in a path must be an error, not a new empty database.
     """
-    if not isinstance(url, str) or not url.strip():
-        raise _bad(str(url), "it is empty")
+    if not isinstance(url, str):
+        raise _bad(brief(url), f"a backend URL is a string, got {type(url).__name__}")
+    if not url.strip():
+        raise _bad(url, "it is empty")
     scheme, sep, rest = url.partition("://")
     if not sep:
         hint = ""
@@ -210,7 +212,7 @@ def open_backend(
         raise _bad(url, PLANNED[scheme])
     opener = OPENERS.get(scheme)
     if opener is None:
-        raise _bad(url, f"unknown scheme {scheme!r} (known: {', '.join(sorted(OPENERS))})")
+        raise _bad(url, f"unknown scheme {brief(scheme)} (known: {', '.join(sorted(OPENERS))})")
     lease = check_lease_seconds(lease_seconds)
     try:
         return opener(url, rest, OpenOptions(clock, lease, create))

@@ -23,7 +23,7 @@ from typing import Any, Literal, TypeVar
 
 import attrs
 
-from rollout_lifecycle.model.errors import ActivationError
+from rollout_lifecycle.model.errors import ActivationError, brief
 from rollout_lifecycle.model.events import ArtifactChanged, TraceEvent
 from rollout_lifecycle.model.ledger import Ledger
 from rollout_lifecycle.model.machines import ACTIVATION
@@ -161,13 +161,13 @@ def _change(
 
 def _version(v: object, what: str = "version") -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ActivationError(f"{what} must be a non-negative int, got {v!r}")
+        raise ActivationError(f"{what} must be a non-negative int, got {brief(v)}")
     return v
 
 
 def _text(v: object, what: str) -> str:
     if not isinstance(v, str) or not v:
-        raise ActivationError(f"{what} must be a non-empty string, got {v!r}")
+        raise ActivationError(f"{what} must be a non-empty string, got {brief(v)}")
     return v
 
 

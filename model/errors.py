@@ -5,6 +5,8 @@ They subclass ValueError where the small API (CONTRACT section 5) promises a Val
 
 from __future__ import annotations
 
+import reprlib
+
 
 class RolloutLifecycleError(Exception):
     """Base class for every error this project raises on purpose."""
@@ -79,3 +81,21 @@ class OutputError(RolloutLifecycleError):
 
 class InvalidLedgerArgument(LedgerError, ValueError):
     """An argument of a ledger call of the wrong type or range (nothing was read or written)."""
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring = 80
+_BRIEF.maxother = 80
+_BRIEF.maxlevel = 3
+_BRIEF.maxlist = _BRIEF.maxtuple = _BRIEF.maxdict = _BRIEF.maxset = 6
+
+
+def brief(value: object) -> str:
+    """A short, safe repr for an error message: bounded in size and depth, so a hostile value
+    (a 100k-deep list, a 10**400 int, a huge string) never breaks the message itself."""
+    try:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
+            return f"an integer of {len(str(abs(value)))} digits"
+        return _BRIEF.repr(value)
+    except (RecursionError, ValueError, TypeError):
+        return f"<{type(value).__name__}>"

@@ -26,7 +26,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from rollout_lifecycle.model.errors import GateConfigError
+from rollout_lifecycle.model.errors import GateConfigError, RolloutLifecycleError, brief
 from rollout_lifecycle.model.records import (
     AdmissionStamp,
     GenerationConditions,
@@ -63,18 +63,38 @@ REASON_ROUTE: dict[str, str] = {
 
 def _check_version(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise GateConfigError(f"{name} must be a non-negative int (bool is not an int), got {v!r}")
+        raise GateConfigError(
+            f"{name} must be a non-negative int (bool is not an int), got {brief(v)}"
+        )
     return v
+
+
+_REAL = (int, float, np.integer, np.floating)
+
+
+def _log_prob(v: Any, which: str, i: int) -> float:
+    """One log-prob of the plain-Python path: a real number (never a bool, a string, a
+    container or a complex), as a float; an int too large for a float is refused."""
+    if isinstance(v, bool | np.bool_) or not isinstance(v, _REAL):
+        raise GateConfigError(f"{which}_log_probs[{i}] must be a number, got {brief(v)}")
+    try:
+        return float(v)
+    except OverflowError:
+        raise GateConfigError(f"{which}_log_probs[{i}] is too large: {brief(v)}") from None
 
 
 def check_bounds(max_lag: Any, max_drift: Any) -> tuple[int, float]:
     """Validate L_max (int >= 0) and D_max (finite, >= 0)."""
     if isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0:
-        raise GateConfigError(f"max_lag must be an int >= 0, got {max_lag!r}")
+        raise GateConfigError(f"max_lag must be an int >= 0, got {brief(max_lag)}")
     if isinstance(max_drift, bool) or not isinstance(max_drift, int | float):
-        raise GateConfigError(f"max drift must be a number, got {max_drift!r}")
-    if not math.isfinite(max_drift) or max_drift < 0:
-        raise GateConfigError(f"max drift must be finite and >= 0, got {max_drift!r}")
+        raise GateConfigError(f"max drift must be a number, got {brief(max_drift)}")
+    try:
+        finite = math.isfinite(max_drift)
+    except OverflowError:
+        finite = False
+    if not finite or max_drift < 0:
+        raise GateConfigError(f"max drift must be finite and >= 0, got {brief(max_drift)}")
     return max_lag, float(max_drift)
 
 
@@ -115,13 +135,13 @@ def lag_drift_decision(
     count = 0
     for i, (o, c, m) in enumerate(zip(old_log_probs, current_log_probs, action_mask, strict=True)):
         if not isinstance(m, bool | np.bool_):
-            raise GateConfigError(f"action_mask[{i}] must be a boolean, got {m!r}")
+            raise GateConfigError(f"action_mask[{i}] must be a boolean, got {brief(m)}")
         if not m:
             continue
-        fo, fc = float(o), float(c)
+        fo, fc = _log_prob(o, "old", i), _log_prob(c, "current", i)
         if not (math.isfinite(fo) and math.isfinite(fc)):
             raise GateConfigError(
-                f"non-finite log-prob at action position {i} (old {fo!r}, current {fc!r})"
+                f"non-finite log-prob at action position {i} (old {brief(fo)}, current {brief(fc)})"
             )
         total += abs(fc - fo)
         count += 1
@@ -784,10 +804,17 @@ Registry = Mapping[int, str] | Callable[[int], str | None]
 def _registered_hash(registry: Registry | None, version: int) -> tuple[bool, str | None]:
     if registry is None:
         return False, None
-    if callable(registry):
-        h = registry(version)
-        return True, h
-    return True, registry.get(version)
+    try:
+        h = registry(version) if callable(registry) else registry.get(version)
+    except RolloutLifecycleError:
+        raise
+    except Exception as exc:  # the caller's lookup failed: say so, typed, with its cause
+        raise GateConfigError(
+            f"the registry lookup for v{version} failed ({type(exc).__name__}: {brief(exc)})"
+        ) from exc
+    if h is not None and not isinstance(h, str):
+        raise GateConfigError(f"the registry must give an artifact hash or None, got {brief(h)}")
+    return True, h
 
 
 class LedgerReader(Protocol):
@@ -848,8 +875,8 @@ class AdmissionGate:
                     continue
             elif e.rollout_id != ro.identity.rollout_id:
                 raise GateConfigError(
-                    f"the entry given for rollout {ro.identity.rollout_id!r} belongs to "
-                    f"{e.rollout_id!r}; entries must be in the rollouts' order"
+                    f"the entry given for rollout {brief(ro.identity.rollout_id)} belongs to "
+                    f"{brief(e.rollout_id)}; entries must be in the rollouts' order"
                 )
             out.append(e)
         if unknown:
@@ -962,7 +989,8 @@ class AdmissionGate:
         assert ev is not None  # record checks guarantee it
         if len(current_log_probs) != ev.behavior_log_probs.size:
             raise GateConfigError(
-                f"rollout {rollout.rollout_id!r}: {len(current_log_probs)} current log-probs for "
+                f"rollout {brief(rollout.rollout_id)}: "
+                f"{len(current_log_probs)} current log-probs for "
                 f"{ev.behavior_log_probs.size} tokens"
             )
         r = lag_drift_decision(
@@ -1016,7 +1044,7 @@ class AdmissionGate:
         if widest > t:
             i = next(i for i, lp in enumerate(olds) if lp is not None and lp.size > t)
             raise GateConfigError(
-                f"rollout {rollouts[i].rollout_id!r} has {widest} tokens but the batch is "
+                f"rollout {brief(rollouts[i].rollout_id)} has {widest} tokens but the batch is "
                 f"T={t} wide"
             )
         ids = [ro.identity.rollout_id for ro in rollouts]

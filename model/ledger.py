@@ -26,6 +26,7 @@ from rollout_lifecycle.model.errors import (
     LedgerError,
     RevisionConflict,
     UnknownRollout,
+    brief,
 )
 from rollout_lifecycle.model.events import EntryChanged, EventLog
 from rollout_lifecycle.model.machines import LIFECYCLE
@@ -66,13 +67,21 @@ DIRECT_EVENTS = frozenset(
 
 def check_lease_seconds(lease_seconds: object) -> float:
     """A lease length must be a finite number of seconds > 0 (NaN or inf never expire)."""
-    if (
-        isinstance(lease_seconds, bool)
-        or not isinstance(lease_seconds, int | float)
-        or not math.isfinite(lease_seconds)
-        or lease_seconds <= 0
-    ):
-        raise ValueError(f"lease_seconds must be a finite number > 0, got {lease_seconds!r}")
+    try:
+        ok = (
+            not isinstance(lease_seconds, bool)
+            and isinstance(lease_seconds, int | float)
+            and math.isfinite(lease_seconds)
+            and 0 < lease_seconds <= 10**12
+        )
+    except OverflowError:
+        ok = False
+    if not ok:
+        raise InvalidLedgerArgument(
+            f"lease_seconds must be a finite number of seconds in (0, 1e12], got "
+            f"{brief(lease_seconds)}"
+        )
+    assert isinstance(lease_seconds, int | float)
     return float(lease_seconds)
 
 
@@ -208,14 +217,14 @@ class LedgerStatistics:
 def check_revision(value: object, what: str = "expected_revision") -> int:
     """A revision the caller read: a non-negative int (never a bool or a float)."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**63 - 1:
-        raise InvalidLedgerArgument(f"{what} must be a non-negative int, got {value!r}")
+        raise InvalidLedgerArgument(f"{what} must be a non-negative int, got {brief(value)}")
     return value
 
 
 def check_update_id(update_id: object) -> str:
     """An update id: a non-empty string."""
     if not isinstance(update_id, str) or not update_id:
-        raise InvalidLedgerArgument(f"update_id must be a non-empty string, got {update_id!r}")
+        raise InvalidLedgerArgument(f"update_id must be a non-empty string, got {brief(update_id)}")
     return update_id
 
 
@@ -228,15 +237,15 @@ def check_requests(requests: object) -> list[ReserveRequest]:
     out = list(requests)
     for r in out:
         if not isinstance(r, ReserveRequest):
-            raise InvalidLedgerArgument(f"a batch holds ReserveRequest items, got {r!r}")
+            raise InvalidLedgerArgument(f"a batch holds ReserveRequest items, got {brief(r)}")
         if not isinstance(r.rollout_id, str) or not r.rollout_id:
             raise InvalidLedgerArgument(
-                f"rollout_id must be a non-empty string, got {r.rollout_id!r}"
+                f"rollout_id must be a non-empty string, got {brief(r.rollout_id)}"
             )
         check_revision(r.expected_revision)
         if r.admission is not None and not isinstance(r.admission, AdmissionStamp):
             raise InvalidLedgerArgument(
-                f"admission must be an AdmissionStamp or None, got {r.admission!r}"
+                f"admission must be an AdmissionStamp or None, got {brief(r.admission)}"
             )
     seen = Counter(r.rollout_id for r in out)
     dups = [k for k, n in seen.items() if n > 1]
@@ -385,7 +394,7 @@ def direct_changes(
     """Field changes for a directly fired event, with its stage checked."""
     if event not in DIRECT_EVENTS:
         raise LedgerError(
-            f"event {event!r} cannot be fired directly; use reserve/commit/abort/fail_update/"
+            f"event {brief(event)} cannot be fired directly; use reserve/commit/abort/fail_update/"
             f"expire_leases (direct events: {sorted(DIRECT_EVENTS)})"
         )
     if event == "reward_ready":
@@ -405,7 +414,7 @@ def direct_changes(
         stage, cause = defaults[event]
         d = disposition or Disposition(stage, cause)
         if d.stage != stage:
-            raise LedgerError(f"{event} is recorded at stage {stage!r}, not {d.stage!r}")
+            raise LedgerError(f"{event} is recorded at stage {brief(stage)}, not {brief(d.stage)}")
         return {"disposition": d}
     return {}
 
@@ -424,12 +433,12 @@ def plan_add(
     """
     if entry.revision != 0 or entry.state not in ADDABLE_STATES:
         raise WriteRefused(
-            f"rollout {entry.rollout_id!r}: a new entry starts at revision 0 in "
-            f"{'/'.join(ADDABLE_STATES)}, got revision {entry.revision} in {entry.state!r}"
+            f"rollout {brief(entry.rollout_id)}: a new entry starts at revision 0 in "
+            f"{'/'.join(ADDABLE_STATES)}, got revision {entry.revision} in {brief(entry.state)}"
         )
     if entry.reserved_by is not None or entry.admission is not None:
         raise WriteRefused(
-            f"rollout {entry.rollout_id!r}: a new entry carries no reservation or admission"
+            f"rollout {brief(entry.rollout_id)}: a new entry carries no reservation or admission"
         )
     enforce([entry])
     changes: list[tuple[str, LedgerEntry | None, LedgerEntry]] = [("add", None, entry)]
@@ -518,7 +527,14 @@ class Ledger(Protocol):
 
 
 def _check_ids(rollout_ids: Sequence[str]) -> list[str]:
+    if isinstance(rollout_ids, str | bytes) or not isinstance(rollout_ids, Sequence):
+        raise InvalidLedgerArgument(
+            f"rollout ids must be a list of strings, got {type(rollout_ids).__name__}"
+        )
     ids = list(rollout_ids)
+    for rid in ids:
+        if not isinstance(rid, str) or not rid:
+            raise InvalidLedgerArgument(f"rollout id must be a non-empty string, got {brief(rid)}")
     dup = [k for k, n in Counter(ids).items() if n > 1]
     if dup:
         raise CommitMismatch(f"rollout ids listed more than once: {sorted(dup)[:5]}")
@@ -529,15 +545,14 @@ def commit_plan(
     update_id: str, rollout_ids: Sequence[str], owned: Sequence[LedgerEntry]
 ) -> list[LedgerEntry]:
     """New entries for a commit, only if `rollout_ids` is exactly what `update_id` reserved."""
-    if not update_id:
-        raise ValueError("update_id must be a non-empty string")
+    check_update_id(update_id)
     ids = set(_check_ids(rollout_ids))
     held = {e.rollout_id for e in owned}
     if ids != held:
         missing = sorted(held - ids)
         extra = sorted(ids - held)
         raise CommitMismatch(
-            f"update {update_id!r} must commit exactly what it reserved: "
+            f"update {brief(update_id)} must commit exactly what it reserved: "
             f"{len(missing)} reserved but not listed {missing[:5]}, "
             f"{len(extra)} listed but not reserved by it {extra[:5]}; nothing was committed"
         )
@@ -669,7 +684,9 @@ class MemoryLedger:
         with self._lock:
             changes = plan_add(entry, self._bad_versions)
             if entry.rollout_id in self._entries:
-                raise DuplicateRollout(f"rollout {entry.rollout_id!r} is already in the ledger")
+                raise DuplicateRollout(
+                    f"rollout {brief(entry.rollout_id)} is already in the ledger"
+                )
             self._record([(ev, b, a, None) for ev, b, a in changes])
             return changes[-1][2]
 
@@ -682,7 +699,7 @@ class MemoryLedger:
         """The entry; UnknownRollout when absent."""
         e = self.find(rollout_id)
         if e is None:
-            raise UnknownRollout(f"rollout {rollout_id!r} is not in the ledger")
+            raise UnknownRollout(f"rollout {brief(rollout_id)} is not in the ledger")
         return e
 
     def transition(
@@ -761,8 +778,7 @@ class MemoryLedger:
 
     def abort(self, update_id: str) -> list[LedgerEntry]:
         """Return every reservation of `update_id` under the recovery rule."""
-        if not update_id:
-            raise ValueError("update_id must be a non-empty string")
+        check_update_id(update_id)
         with self._lock:
             owned = self._owned(update_id)
             new = [plan_release(e, "abort", self.recovery, self._bad_versions) for e in owned]
@@ -772,8 +788,9 @@ class MemoryLedger:
 
     def fail_update(self, update_id: str, cause: str, detail: str = "") -> list[LedgerEntry]:
         """The update itself failed with this data: its rollouts end in update_failed."""
-        if not update_id or not cause:
-            raise ValueError("update_id and cause must be non-empty strings")
+        check_update_id(update_id)
+        if not isinstance(cause, str) or not cause:
+            raise InvalidLedgerArgument(f"cause must be a non-empty string, got {brief(cause)}")
         with self._lock:
             owned = self._owned(update_id)
             new = [
@@ -817,7 +834,7 @@ class MemoryLedger:
     def quarantine_version(self, version: int, reason: str) -> list[LedgerEntry]:
         """Mark a version bad: quarantine its open rollouts now, reserved ones when returned."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be a non-negative int, got {version!r}")
+            raise ValueError(f"version must be a non-negative int, got {brief(version)}")
         with self._lock:
             self._bad_versions.add(version)
             due = sorted(
@@ -839,7 +856,7 @@ class MemoryLedger:
         Rollouts already quarantined stay quarantined (terminal states absorb).
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be a non-negative int, got {version!r}")
+            raise ValueError(f"version must be a non-negative int, got {brief(version)}")
         with self._lock:
             self._bad_versions.discard(version)
 

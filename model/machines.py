@@ -19,7 +19,7 @@ import attrs
 from transitions import Machine, Transition
 from transitions.extensions.states import Tags, add_state_features
 
-from rollout_lifecycle.model.errors import IllegalTransition
+from rollout_lifecycle.model.errors import IllegalTransition, brief
 
 EDGE_KINDS = ("normal", "failure", "recovery")
 # tags that say how a state is drawn and listed; every other tag is a rule tag
@@ -31,7 +31,7 @@ class KindedTransition(Transition):
 
     def __init__(self, *args: Any, kind: str = "normal", **kwargs: Any) -> None:
         if kind not in EDGE_KINDS:
-            raise ValueError(f"edge kind must be one of {EDGE_KINDS}, got {kind!r}")
+            raise ValueError(f"edge kind must be one of {EDGE_KINDS}, got {brief(kind)}")
         super().__init__(*args, **kwargs)
         self.kind = kind
 
@@ -294,11 +294,11 @@ class MachineSpec:
         blocked by its guard (the machine would refuse the trigger).
         """
         if state not in self.tags:
-            raise IllegalTransition(self.name, state, event, f"unknown state {state!r}")
+            raise IllegalTransition(self.name, state, event, f"unknown state {brief(state)}")
         cands = self._by_key.get((state, event))
         if not cands:
             if event not in self.events:
-                raise IllegalTransition(self.name, state, event, f"unknown event {event!r}")
+                raise IllegalTransition(self.name, state, event, f"unknown event {brief(event)}")
             raise IllegalTransition(self.name, state, event, "no such edge")
         g = guards or {}
         for e in cands:

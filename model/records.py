@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from rollout_lifecycle.model.errors import InvalidRecord
+from rollout_lifecycle.model.errors import InvalidRecord, brief
 from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
 
 T = TypeVar("T")
@@ -30,7 +30,7 @@ INT64_MAX = 2**63 - 1  # every stored integer fits a signed 64-bit column
 
 def _nonneg_int(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidRecord(f"{attribute.name} must be a non-negative int, got {value!r}")
+        raise InvalidRecord(f"{attribute.name} must be a non-negative int, got {brief(value)}")
     if value > INT64_MAX:
         raise InvalidRecord(f"{attribute.name} must fit in 64 bits (<= 2**63 - 1), got {value}")
 
@@ -42,7 +42,7 @@ def _opt_nonneg_int(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> N
 
 def _nonempty_str(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, str) or not value:
-        raise InvalidRecord(f"{attribute.name} must be a non-empty string, got {value!r}")
+        raise InvalidRecord(f"{attribute.name} must be a non-empty string, got {brief(value)}")
 
 
 def _opt_nonempty_str(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -67,7 +67,7 @@ def _opt_finite(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
 def _one_of(*allowed: str) -> Any:
     def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if value not in allowed:
-            raise InvalidRecord(f"{attribute.name} must be one of {allowed}, got {value!r}")
+            raise InvalidRecord(f"{attribute.name} must be one of {allowed}, got {brief(value)}")
 
     return check
 
@@ -133,7 +133,7 @@ def _raw_array(value: Any, field: str, allowed: frozenset[type], ok: Callable[[A
     if not types <= allowed:
         bad = _first_bad(seq, ok)
         if bad is not None:
-            raise InvalidRecord(f"{field}[{bad[0]}] {_WANT[field]}, got {bad[1]!r}")
+            raise InvalidRecord(f"{field}[{bad[0]}] {_WANT[field]}, got {brief(bad[1])}")
     return seq
 
 
@@ -196,7 +196,7 @@ def _token_ids(value: Any) -> npt.NDArray[np.int64]:
         if raw.dtype == object:
             bad = _first_bad(raw.tolist(), _ok_id)
             if bad is not None:
-                raise InvalidRecord(f"{field}[{bad[0]}] must be an int, got {bad[1]!r}")
+                raise InvalidRecord(f"{field}[{bad[0]}] must be an int, got {brief(bad[1])}")
         raise InvalidRecord(f"{field} must hold integers, got dtype {raw.dtype}")
     if raw.dtype == np.uint64:
         big = np.flatnonzero(raw > np.iinfo(np.int64).max)
@@ -220,12 +220,14 @@ def _mask_array(value: Any) -> npt.NDArray[np.bool_]:
         if raw.dtype == object:
             bad = _first_bad(raw.tolist(), _ok_mask)
             if bad is not None:
-                raise InvalidRecord(f"{field}[{bad[0]}] must be a boolean (or 0/1), got {bad[1]!r}")
+                raise InvalidRecord(
+                    f"{field}[{bad[0]}] must be a boolean (or 0/1), got {brief(bad[1])}"
+                )
         raise InvalidRecord(f"{field} must be booleans or 0/1 integers, got dtype {raw.dtype}")
     bad_at = np.flatnonzero((raw != 0) & (raw != 1))
     if bad_at.size:
         i = int(bad_at[0])
-        raise InvalidRecord(f"{field}[{i}] must be a boolean (or 0/1), got {raw[i].item()!r}")
+        raise InvalidRecord(f"{field}[{i}] must be a boolean (or 0/1), got {brief(raw[i].item())}")
     out: npt.NDArray[np.bool_] = np.not_equal(raw, 0)
     out.flags.writeable = False
     return out
@@ -292,22 +294,22 @@ class GenerationConditions:
     @temperature.validator
     def _t(self, _a: attrs.Attribute[Any], v: float) -> None:
         if v < 0:
-            raise InvalidRecord(f"temperature must be >= 0, got {v!r}")
+            raise InvalidRecord(f"temperature must be >= 0, got {brief(v)}")
 
     @top_p.validator
     def _p(self, _a: attrs.Attribute[Any], v: float) -> None:
         if not 0 < v <= 1:
-            raise InvalidRecord(f"top_p must be in (0, 1], got {v!r}")
+            raise InvalidRecord(f"top_p must be in (0, 1], got {brief(v)}")
 
     @top_k.validator
     def _k(self, _a: attrs.Attribute[Any], v: int) -> None:
         if isinstance(v, bool) or not isinstance(v, int) or v < -1:
-            raise InvalidRecord(f"top_k must be an int >= -1 (-1 or 0: disabled), got {v!r}")
+            raise InvalidRecord(f"top_k must be an int >= -1 (-1 or 0: disabled), got {brief(v)}")
 
     @seed.validator
     def _s(self, _a: attrs.Attribute[Any], v: int | None) -> None:
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            raise InvalidRecord(f"seed must be an int or null, got {v!r}")
+            raise InvalidRecord(f"seed must be an int or null, got {brief(v)}")
 
 
 @attrs.frozen(eq=False)
@@ -420,8 +422,8 @@ class LedgerEntry:
     def __attrs_post_init__(self) -> None:
         if (self.reserved_by is not None) != (self.state == "reserved"):
             raise InvalidRecord(
-                f"rollout {self.rollout_id!r}: reserved_by must be set exactly when the state "
-                f"is 'reserved' (state {self.state!r}, reserved_by {self.reserved_by!r})"
+                f"rollout {brief(self.rollout_id)}: reserved_by must be set exactly when the state "
+                f"is 'reserved' (state {brief(self.state)}, reserved_by {brief(self.reserved_by)})"
             )
 
 
@@ -443,8 +445,8 @@ class Rollout:
             or st.artifact_hash != self.behavior.artifact_hash
         ):
             raise InvalidRecord(
-                f"rollout {self.identity.rollout_id!r}: status belongs to "
-                f"{st.rollout_id!r} v{st.behavior_version}; identity and behaviour must agree"
+                f"rollout {brief(self.identity.rollout_id)}: status belongs to "
+                f"{brief(st.rollout_id)} v{st.behavior_version}; identity and behaviour must agree"
             )
 
     @property

@@ -23,7 +23,7 @@ import attrs
 
 from rollout_lifecycle.model import rules
 from rollout_lifecycle.model.api import activate_policy_version
-from rollout_lifecycle.model.errors import ActivationError
+from rollout_lifecycle.model.errors import ActivationError, brief
 from rollout_lifecycle.model.events import (
     ArtifactChanged,
     EntryChanged,
@@ -152,13 +152,13 @@ def check_membership(workers: object) -> tuple[str, ...]:
     """A required worker set: a non-empty list of distinct, non-empty worker ids."""
     if isinstance(workers, str) or not isinstance(workers, Iterable):
         raise ActivationError(
-            f"required workers must be a list of worker ids, got {workers!r} (a string would "
+            f"required workers must be a list of worker ids, got {brief(workers)} (a string would "
             "be split into letters)"
         )
     ws = tuple(workers)
     for w in ws:
         if not isinstance(w, str) or not w:
-            raise ActivationError(f"worker id must be a non-empty string, got {w!r}")
+            raise ActivationError(f"worker id must be a non-empty string, got {brief(w)}")
     if not ws:
         raise ActivationError(
             "at least one required worker is needed: with none, a checkpoint on disk alone "
@@ -594,7 +594,7 @@ _ART_COLS = (
 
 def _int(x: object) -> int:
     if not isinstance(x, int):
-        raise ActivationError(f"registry database holds {x!r} where an integer belongs")
+        raise ActivationError(f"registry database holds {brief(x)} where an integer belongs")
     return x
 
 

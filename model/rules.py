@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from rollout_lifecycle.model.errors import brief
 from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
 from rollout_lifecycle.model.records import AdmissionStamp, ArtifactRecord, LedgerEntry
 
@@ -40,7 +41,7 @@ VERSION_NOT_ACTIVE = "version_not_active"
 def ownership_problems(e: LedgerEntry) -> list[str]:
     """reserved_by is set if and only if the state is reserved."""
     if (e.reserved_by is not None) != (e.state == "reserved"):
-        return [f"{e.rollout_id}: state {e.state!r} with reserved_by {e.reserved_by!r}"]
+        return [f"{e.rollout_id}: state {brief(e.state)} with reserved_by {brief(e.reserved_by)}"]
     return []
 
 
@@ -65,7 +66,7 @@ def stamp_problems(a: AdmissionStamp, behavior_version: int) -> list[str]:
     """
     problems = []
     if not a.accepted or a.reason != "ok":
-        problems.append(f"decision {a.reason!r} (accepted={a.accepted})")
+        problems.append(f"decision {brief(a.reason)} (accepted={a.accepted})")
     if a.behavior_version != behavior_version:
         problems.append(f"admitted for v{a.behavior_version}, stamped v{behavior_version}")
     if not 0 <= a.lag <= a.max_lag:
@@ -93,7 +94,7 @@ def stage_problems(e: LedgerEntry) -> list[str]:
     if e.disposition is None:
         return [f"{e.rollout_id}: {e.state} with no recorded stage/cause"]
     if e.disposition.stage not in want:
-        return [f"{e.rollout_id}: {e.state} recorded at stage {e.disposition.stage!r}"]
+        return [f"{e.rollout_id}: {e.state} recorded at stage {brief(e.disposition.stage)}"]
     return []
 
 
@@ -110,7 +111,7 @@ def artifact_stage_problems(a: ArtifactRecord) -> list[str]:
     if a.failure is None:
         return [f"artifact v{a.version}: {a.state} with no recorded stage/cause"]
     if a.failure.stage not in want:
-        return [f"artifact v{a.version}: {a.state} recorded at stage {a.failure.stage!r}"]
+        return [f"artifact v{a.version}: {a.state} recorded at stage {brief(a.failure.stage)}"]
     return []
 
 

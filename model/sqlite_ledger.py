@@ -30,9 +30,11 @@ import attrs
 
 from rollout_lifecycle.model.errors import (
     DuplicateRollout,
+    InvalidLedgerArgument,
     LedgerError,
     RevisionConflict,
     UnknownRollout,
+    brief,
 )
 from rollout_lifecycle.model.events import EntryChanged
 from rollout_lifecycle.model.ledger import (
@@ -524,8 +526,7 @@ class SQLiteLedger:
         admission: AdmissionStamp | None,
     ) -> ReserveOutcome:
         """Compare-and-set reservation of one rollout: unlocked read, one conditional UPDATE."""
-        if not update_id:
-            raise ValueError("update_id must be a non-empty string")
+        check_update_id(update_id)
         entry = self.find(rollout_id)
         lease = self.clock() + self.lease_seconds
         # plan on the unlocked read (a conflict or a bad stamp costs no write lock) ...
@@ -634,8 +635,9 @@ class SQLiteLedger:
 
     def fail_update(self, update_id: str, cause: str, detail: str = "") -> list[LedgerEntry]:
         """The update itself failed with this data: its rollouts end in update_failed."""
-        if not update_id or not cause:
-            raise ValueError("update_id and cause must be non-empty strings")
+        check_update_id(update_id)
+        if not isinstance(cause, str) or not cause:
+            raise InvalidLedgerArgument(f"cause must be a non-empty string, got {brief(cause)}")
         with self._write() as conn:
             owned = self._owned(conn, update_id)
             new = [
