@@ -138,6 +138,9 @@ _COUNTER_OF = {
     CONFLICT: "cas_conflicts",
 }
 
+# outcomes that write no record are counted in memory, never in the file: a losing
+# compare-and-set, a refused reservation and an idempotent retry write nothing at all
+_LOCAL_COUNTERS = frozenset({"cas_conflicts", "refused", "idempotent_retries"})
 _IN_CHUNK = 500  # ids per IN (...) list, well under SQLite's bound-parameter limit
 _WAS_ACTIVE = tuple(sorted(WAS_ACTIVE_STATES))
 _WAS_ACTIVE_MARKS = ",".join("?" * len(_WAS_ACTIVE))
@@ -209,6 +212,7 @@ class SQLiteLedger:
         self.lease_seconds = float(lease_seconds)
         self.recovery = recovery or RecoveryRule()
         self._registry_seen = False
+        self._outcomes: Counter[str] = Counter()  # outcomes that write nothing (see _bump)
         self._local = threading.local()
         self._handles: weakref.WeakSet[_Handle] = weakref.WeakSet()
         self._inherited: list[_Handle] = []
@@ -322,20 +326,29 @@ class SQLiteLedger:
             raise LedgerError(f"{self.path}: read failed ({exc})") from exc
 
     def _bump(self, conn: sqlite3.Connection, counts: Mapping[str, int]) -> None:
-        """Add to counters; outside a transaction this is one atomic statement."""
-        rows = [(k, v) for k, v in counts.items() if v]
+        """Add to counters: counts of writes go to the file in the caller's transaction;
+        outcomes that write nothing (a lost compare-and-set, a refusal, an idempotent retry)
+        are counted by this ledger object only, so a losing racer writes nothing at all."""
+        local = {k: v for k, v in counts.items() if v and k in _LOCAL_COUNTERS}
+        if local:
+            with self._handles_lock:
+                self._outcomes.update(local)
+        rows = [(k, v) for k, v in counts.items() if v and k not in _LOCAL_COUNTERS]
         if len(rows) == 1:
             conn.execute(_BUMP, rows[0])
         elif rows:
             conn.executemany(_BUMP, rows)
 
     def _bump_now(self, counts: Mapping[str, int]) -> None:
-        if self.read_only:
-            raise LedgerError(f"ledger {self.path} was opened read-only; nothing was written")
-        try:
-            self._bump(self._conn(), counts)
-        except sqlite3.Error as exc:
-            raise LedgerError(f"{self.path}: could not update counters ({exc})") from exc
+        if any(k not in _LOCAL_COUNTERS for k, v in counts.items() if v):
+            if self.read_only:
+                raise LedgerError(f"ledger {self.path} was opened read-only; nothing written")
+            try:
+                self._bump(self._conn(), counts)
+            except sqlite3.Error as exc:
+                raise LedgerError(f"{self.path}: could not update counters ({exc})") from exc
+        else:
+            self._bump(None, counts)  # type: ignore[arg-type]  # local counts touch no file
 
     @staticmethod
     def _row(conn: sqlite3.Connection, rollout_id: str) -> LedgerEntry | None:
@@ -736,8 +749,10 @@ class SQLiteLedger:
             by_state = dict(
                 conn.execute("SELECT state, COUNT(*) FROM rollouts GROUP BY state").fetchall()
             )
-            counters = dict(conn.execute("SELECT name, n FROM ledger_counters").fetchall())
+            counters = Counter(dict(conn.execute("SELECT name, n FROM ledger_counters").fetchall()))
             bad = self._bad_versions(conn)
+        with self._handles_lock:
+            counters.update(self._outcomes)
         # counting states in SQL avoids loading every entry; the rest is the shared builder
         base = statistics_from((), counters, bad)
         states = {s: int(by_state.get(s, 0)) for s in base.by_state}

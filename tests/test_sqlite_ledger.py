@@ -46,7 +46,8 @@ def entries_of(led: SQLiteLedger) -> list[EntryChanged]:
 
 
 def test_everything_survives_close_and_reopen(tmp_path: Path) -> None:
-    """Entries, counters, bad versions and history are the same after close and reopen."""
+    """Entries, durable counters, bad versions and history are the same after reopen; the
+    counts of outcomes that wrote nothing (a lost CAS) belong to the object that saw them."""
     path = tmp_path / "l.db"
     clock = ManualClock(50.0)
     led = SQLiteLedger(path, clock=clock, lease_seconds=5.0, recovery=RecoveryRule(1))
@@ -62,9 +63,22 @@ def test_everything_survives_close_and_reopen(tmp_path: Path) -> None:
     before = (led.snapshot(), led.statistics(), led.history())
     led.close()
     again = SQLiteLedger(path, clock=clock)
-    assert (again.snapshot(), again.statistics(), again.history()) == before
-    assert again.statistics().bad_versions == (3,)
-    assert again.statistics().cas_conflicts == 1 and again.statistics().expirations == 1
+    assert (again.snapshot(), again.history()) == (before[0], before[2])
+    durable = (
+        "entries",
+        "by_state",
+        "writes",
+        "reservations",
+        "commits",
+        "aborts",
+        "expirations",
+        "bad_versions",
+    )
+    assert {k: getattr(again.statistics(), k) for k in durable} == {
+        k: getattr(before[1], k) for k in durable
+    }
+    assert again.statistics().bad_versions == (3,) and again.statistics().expirations == 1
+    assert before[1].cas_conflicts == 1 and again.statistics().cas_conflicts == 0
     again.close()
 
 
@@ -358,10 +372,10 @@ def test_threads_and_processes_race_for_10000_rollouts(tmp_path: Path) -> None:
     attempts = (threads_n + procs_n) * n
     st = led.statistics()
     assert st.reservations == reasons["reserved"] == n
-    assert st.cas_conflicts == reasons["revision_conflict"]
-    assert st.refused == reasons["not_rewarded"]
-    assert st.reservations + st.cas_conflicts + st.refused == attempts
-    assert st.writes == 2 * n
+    assert sum(reasons.values()) == attempts  # every attempt answered, by its own racer
+    # losers wrote nothing at all: the file holds the n wins and their n adds, no counters
+    # of losses (each racer's own object counts what it lost)
+    assert st.writes == 2 * n and st.cas_conflicts == 0
     led.close()
 
 
