@@ -223,3 +223,38 @@ def test_any_evidence_round_trips(rows: list[tuple[int, bool, float]], form: str
     back = from_jsonable(ActionEvidence, json.loads(json.dumps(to_jsonable(ev))))
     assert back == ev
     assert back.behavior_log_probs.dtype == np.float64  # JSON numbers come back as float64
+
+
+def test_entry_fast_jsonable_equals_the_generic_walk() -> None:
+    """The written-out LedgerEntry converter gives exactly what the generic walk gives."""
+    import attrs as _attrs
+
+    from rollout_lifecycle.model.records import (
+        AdmissionStamp,
+        Disposition,
+        LedgerEntry,
+        Reward,
+        _entry_jsonable,
+    )
+
+    def generic(obj: object) -> object:
+        if _attrs.has(type(obj)):
+            return {f.name: generic(getattr(obj, f.name)) for f in _attrs.fields(type(obj))}
+        return obj
+
+    e = LedgerEntry(
+        "r",
+        3,
+        "h",
+        state="reserved",
+        revision=2,
+        reserved_by="u",
+        lease_expires_at=5.0,
+        reward=Reward("rm", "1", 0.5),
+        admission=AdmissionStamp(3, 3, 1, 0.2, 0.01, "fresh", "ok", True),
+        releases=1,
+    )
+    assert _entry_jsonable(e) == generic(e)
+    q = LedgerEntry("q", 0, "h", state="quarantined", disposition=Disposition("admission", "x"))
+    assert _entry_jsonable(q) == generic(q)
+    assert list(_entry_jsonable(e)) == [f.name for f in _attrs.fields(LedgerEntry)]
