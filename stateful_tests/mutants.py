@@ -599,7 +599,9 @@ CATALOGUE: tuple[Mutant, ...] = (
         None,
         _non_monotonic,
         explorer_model="activation-2v",
-        fuzz_machine="activation",
+        # the activation machine's coordinator never tries an older version; the seams
+        # machine's second coordinator does
+        fuzz_machine="seams",
     ),
     Mutant(
         "reservation_ignores_pointer",

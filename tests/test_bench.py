@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from rollout_lifecycle.stateful_tests import runner
+
 
 def bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -79,7 +81,7 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     assert report["ledgers"]["sqlite"]["baseline"]["synchronous"] == "FULL"
 
     fuzz = report["checkers"]["fuzz"]["memory"]
-    assert set(fuzz) == {"ledger", "activation", "e2e"}
+    assert set(fuzz) == set(runner.MACHINES)
     assert all(r["steps"] > 0 and not r["failed"] for r in fuzz.values())
     assert all(m["distinct_states"] > 0 for m in report["checkers"]["explore"].values())
 
