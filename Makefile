@@ -39,7 +39,7 @@ test: setup-dev
 
 lint: setup-dev
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check model spec stateful_tests gpu_check cli
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 demo: setup

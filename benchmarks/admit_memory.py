@@ -18,18 +18,30 @@ import sys
 import tempfile
 from pathlib import Path
 
-CONDITIONS = {"tokenizer_id": "tok", "temperature": 1.0, "top_p": 1.0, "top_k": -1,
-              "max_tokens": 600_000}
+CONDITIONS = {
+    "tokenizer_id": "tok",
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "max_tokens": 600_000,
+}
 SHORT, N_SHORT = 256, 1023
 
 
 def rollout(i: int, n: int, rng: random.Random) -> dict[str, object]:
     old = [round(-rng.random() * 3, 4) for _ in range(n)]
     return {
-        "rollout_id": f"r{i}", "prompt_id": "p", "dataset": "d", "sample_index": 0,
-        "behavior_version": 3, "artifact_hash": "a" * 64, "conditions": CONDITIONS,
-        "response_token_ids": [1] * n, "action_mask": [True] * n,
-        "behavior_log_probs": old, "current_log_probs": [o + 0.01 for o in old],
+        "rollout_id": f"r{i}",
+        "prompt_id": "p",
+        "dataset": "d",
+        "sample_index": 0,
+        "behavior_version": 3,
+        "artifact_hash": "a" * 64,
+        "conditions": CONDITIONS,
+        "response_token_ids": [1] * n,
+        "action_mask": [True] * n,
+        "behavior_log_probs": old,
+        "current_log_probs": [o + 0.01 for o in old],
     }
 
 
@@ -47,9 +59,15 @@ def main() -> None:
     cli = str(Path(sys.executable).parent / "rollout-lifecycle")
     rng = random.Random(0)
     # each measurement in its own process tree, so ru_maxrss of earlier children cannot hide it
-    base, _ = peak_rss_mb([sys.executable, "-c",
-                           "import subprocess,sys; subprocess.run([sys.argv[1], 'admit', '--help'],"
-                           " capture_output=True)", cli])
+    base, _ = peak_rss_mb(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess,sys; subprocess.run([sys.argv[1], 'admit', '--help'],"
+            " capture_output=True)",
+            cli,
+        ]
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for outlier in (0, 100_000, 500_000):
@@ -64,14 +82,36 @@ def main() -> None:
                 "import subprocess,sys; r=subprocess.run(sys.argv[1:], capture_output=True);"
                 "sys.exit(r.returncode)"
             )
-            peak, rc = peak_rss_mb([sys.executable, "-c", probe, cli, "admit", str(inp),
-                                    "--out", str(out), "--current-version", "3", "--max-lag",
-                                    "1", "--max-drift", "0.2", "--quiet"])
+            peak, rc = peak_rss_mb(
+                [
+                    sys.executable,
+                    "-c",
+                    probe,
+                    cli,
+                    "admit",
+                    str(inp),
+                    "--out",
+                    str(out),
+                    "--current-version",
+                    "3",
+                    "--max-lag",
+                    "1",
+                    "--max-drift",
+                    "0.2",
+                    "--quiet",
+                ]
+            )
             size_mb = inp.stat().st_size / 2**20
-            rows.append({"outlier_tokens": outlier, "input_mb": round(size_mb, 1),
-                         "peak_rss_mb": round(peak, 1), "exit": rc,
-                         "rss_over_baseline_mb": round(peak - base, 1),
-                         "extra_rss_per_input_mb": round((peak - base) / size_mb, 2)})
+            rows.append(
+                {
+                    "outlier_tokens": outlier,
+                    "input_mb": round(size_mb, 1),
+                    "peak_rss_mb": round(peak, 1),
+                    "exit": rc,
+                    "rss_over_baseline_mb": round(peak - base, 1),
+                    "extra_rss_per_input_mb": round((peak - base) / size_mb, 2),
+                }
+            )
     print(json.dumps({"baseline_rss_mb": round(base, 1), "runs": rows}, indent=2))
 
 

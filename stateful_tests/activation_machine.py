@@ -457,8 +457,9 @@ class ActivationMachine(RuleBasedStateMachine):
 
     @rule()
     @precondition(
-        lambda self: self._awaiting() is not None
-        and any(a.version == self._awaiting() for a in self.bag)
+        lambda self: (
+            self._awaiting() is not None and any(a.version == self._awaiting() for a in self.bag)
+        )
     )
     @counted
     def timeout_and_retry(self) -> None:
