@@ -17,6 +17,7 @@ explains why a URL users will try is refused.
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Callable
@@ -79,6 +80,11 @@ class OpenOptions:
 
 
 Opener = Callable[[str, str, OpenOptions], Backend]
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ***, for messages and reports."""
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
 
 
 def _bad(url: str, why: str) -> BackendURLError:
@@ -184,7 +190,7 @@ def _open_postgres(url: str, _rest: str, opts: OpenOptions) -> Backend:
     bad URL, wrong credentials or a missing database are BackendURLError.
     """
     try:
-        from rollout_lifecycle.model.postgres_common import PostgresDatabase, redact
+        from rollout_lifecycle.model.postgres_common import PostgresDatabase
         from rollout_lifecycle.model.postgres_ledger import PostgresLedger
         from rollout_lifecycle.model.postgres_registry import PostgresRegistry
     except ImportError as exc:
@@ -198,9 +204,9 @@ def _open_postgres(url: str, _rest: str, opts: OpenOptions) -> Backend:
     except BackendUnavailable:
         raise
     except LedgerError as exc:
-        raise _bad(redact(url), str(exc)) from None
+        raise _bad(redact_url(url), str(exc)) from None
     except BackendURLError as exc:
-        raise _bad(redact(url), str(exc)) from None
+        raise _bad(redact_url(url), str(exc)) from None
     try:
         registry = PostgresRegistry(db)
     except BaseException:

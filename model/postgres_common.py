@@ -43,6 +43,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from rollout_lifecycle.model.backends import redact_url as redact
 from rollout_lifecycle.model.errors import (
     BackendUnavailable,
     BackendURLError,
@@ -118,11 +119,6 @@ def url_params(url: str) -> dict[str, Any]:
             "postgresql://user:password@host:5432/dbname"
         ) from None
     return dict(params)
-
-
-def redact(url: str) -> str:
-    """The URL with any password replaced by ***, for messages and reports."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
 
 
 def describe(params: Mapping[str, Any]) -> str:

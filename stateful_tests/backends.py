@@ -34,6 +34,7 @@ import rollout_lifecycle.model.coordinator as coord_mod
 import rollout_lifecycle.model.ledger as ledger_mod
 import rollout_lifecycle.model.registry as registry_mod
 import rollout_lifecycle.model.sqlite_ledger as sqlite_ledger_mod
+from rollout_lifecycle.model.backends import redact_url
 from rollout_lifecycle.model.events import EventLog, TraceEvent
 from rollout_lifecycle.model.ledger import Clock, Ledger
 from rollout_lifecycle.model.registry import RegistryStore
@@ -193,10 +194,10 @@ def resolve_factory(backend: str | LedgerFactory) -> tuple[str, LedgerFactory]:
         if backend in LEDGER_FACTORIES:
             return backend, LEDGER_FACTORIES[backend]
         if is_postgres(backend):
-            from rollout_lifecycle.model.postgres_common import redact, url_params
+            from rollout_lifecycle.model.postgres_common import url_params
 
             url_params(backend)  # a malformed URL is refused here, not in every example
-            return redact(backend), PostgresLedgerFactory(backend)
+            return redact_url(backend), PostgresLedgerFactory(backend)
         if ":" in backend:
             return backend, load_factory(backend)
         raise ValueError(
@@ -391,7 +392,7 @@ def _postgres_stack(
     led: Ledger = pg_ledger.PostgresLedger(db, clock=clock, **ledger_options)
     reg: RegistryStore = pg_registry.PostgresRegistry(db)
     coord = coord_mod.ActivationCoordinator(reg, workers, ledger=led, clock=clock)
-    label = "postgresql" if backend == "postgresql" else common.redact(backend)
+    label = "postgresql" if backend == "postgresql" else redact_url(backend)
     return Stack(label, led, reg, coord, PostgresEventSource(db), url=backend)
 
 

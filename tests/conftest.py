@@ -12,6 +12,8 @@ say how to install them, unless REQUIRE_POSTGRES=1 (CI), which turns the skip in
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -47,6 +49,12 @@ def _required() -> bool:
 
 def postgres_server_or_skip() -> pg_server.Server:
     """The session's server, started on first call; skip (or fail, if required) without one."""
+    no_driver = importlib.util.find_spec("psycopg") is None
+    if _state["server"] is None and _state["error"] is None and no_driver:
+        _state["error"] = (
+                "psycopg 3 is not installed: pip install -e '.[dev,postgres]' (the [postgres] "
+                "extra)"
+            )
     if _state["server"] is None and _state["error"] is None:
         try:
             server = pg_server.create_server()
@@ -92,7 +100,6 @@ def postgres_url(postgres_server: pg_server.Server) -> Iterator[str]:
     url = pg_server.new_database(postgres_server)
     yield url
     name = url.rsplit("/", 1)[-1]
-    try:
+    # a test that stopped the server for good leaves nothing to drop
+    with contextlib.suppress(Exception):
         postgres_server.psql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    except Exception:  # a test that stopped the server for good leaves nothing to drop
-        pass

@@ -3,8 +3,8 @@
 Adding a backend means adding one entry here; every behaviour test in
 tests/test_ledger_conformance.py then runs on it unchanged. The "postgresql" entry runs on
 the throwaway server tests/conftest.py starts (the test is marked `postgres` by its
-parameter, so it skips, or fails under REQUIRE_POSTGRES=1, without PostgreSQL). Options are the constructor
-keywords every backend shares: lease_seconds, recovery, require_admission.
+parameter, so it skips, or fails under REQUIRE_POSTGRES=1, without PostgreSQL). Options are
+the constructor keywords every backend shares: lease_seconds, recovery, require_admission.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from rollout_lifecycle.model.ledger import MemoryLedger
 from rollout_lifecycle.model.records import ActivePointer, LedgerEntry, WorkerAck
 from rollout_lifecycle.model.registry import MemoryRegistry, RegistryStore, SQLiteRegistry
 from rollout_lifecycle.model.sqlite_common import connect, read_events
-from rollout_lifecycle.model.postgres_registry import PostgresRegistry
 from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
 from rollout_lifecycle.spec.invariants import check_trace
 from rollout_lifecycle.stateful_tests.backends import fresh_schema, postgres_url
@@ -45,6 +44,8 @@ def open_registry(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Op
         elif request.param == "sqlite":
             reg = SQLiteRegistry(tmp_path / "state.db")
         else:
+            from rollout_lifecycle.model.postgres_registry import PostgresRegistry
+
             reg = PostgresRegistry(postgres_url(), schema=schema)
         opened.append(reg)
         return reg
