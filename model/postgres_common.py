@@ -162,13 +162,20 @@ def connect_error(exc: psycopg.Error, where: str, params: Mapping[str, Any]) -> 
     )
 
 
-def _is_lost(exc: BaseException, conn: Conn | None) -> bool:
+def _is_lost(exc: BaseException, conn: Conn) -> bool:
+    """Whether `exc` means the connection itself is gone (not a statement's error)."""
     if not isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
         return False
-    state = getattr(exc, "sqlstate", None)
-    if state in _LOST_STATES:
-        return True
-    return conn is None or conn.closed or conn.broken
+    return _state(exc) in _LOST_STATES or conn.closed or conn.broken
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class _ConnectionBroke(BackendUnavailable):
+    """The connection broke under a step (the server restarted, the network dropped)."""
 
 
 def _state(exc: BaseException) -> str | None:
@@ -246,6 +253,10 @@ class PostgresDatabase:
         self._inherited: list[ConnectionPool[Conn]] = []
         self._users = 0
         self._closed = False
+        # how often this handle lost a connection and ran a step again, and how often it
+        # learned the fate of a COMMIT that got no answer (introspection for tests and ops)
+        self.retries = 0
+        self.in_doubt_resolved = 0
         self.schema = self._first_contact(create=not read_only)
 
     # ---- connections -----------------------------------------------------------------------
@@ -355,7 +366,7 @@ class PostgresDatabase:
     def write(
         self,
         body: Callable[[Conn], T],
-        what: str,
+        what: str = "a write",
         *,
         error: type[RolloutLifecycleError] = LedgerError,
     ) -> T:
@@ -372,27 +383,34 @@ class PostgresDatabase:
             attempt = _Attempt()
             try:
                 return self._write_once(body, attempt)
-            except (psycopg.Error, PoolTimeout, BackendUnavailable) as exc:
-                lost = isinstance(exc, PoolTimeout | BackendUnavailable) or _is_lost(exc, None)
-                if lost and attempt.committing:
+            except _ConnectionBroke as exc:
+                if attempt.committing:
                     status = self._resolve(attempt.xid, deadline, what)
+                    with self._lock:
+                        self.in_doubt_resolved += 1
                     if status == "committed":
                         return attempt.result  # type: ignore[no-any-return]
                     # aborted: the server rolled it back, so running it again is safe
-                elif not lost and _state(exc) not in _RETRY_STATES:
+                self._purge()
+                failure: Exception = BackendUnavailable(
+                    f"lost the connection to {self.where} during {what} and could not get it "
+                    f"back within {self.retry_seconds:.0f}s ({exc}); nothing was written. "
+                    "Check the server, then retry"
+                )
+            except psycopg.Error as exc:
+                if _state(exc) not in _RETRY_STATES:
                     raise self._translate(exc, what, error) from None
-                if lost:
-                    self._purge()
-                if time.monotonic() + delay > deadline:
-                    if isinstance(exc, BackendUnavailable):
-                        raise
-                    raise BackendUnavailable(
-                        f"lost the connection to {self.where} during {what} and could not get "
-                        f"it back within {self.retry_seconds:.0f}s; nothing was written. Check "
-                        "the server, then retry"
-                    ) from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                # a deadlock or serialization failure rolled it all back: run it again
+                failure = error(
+                    f"{self.where}: {what} kept failing ({str(exc).splitlines()[0]}); "
+                    "nothing was written, retry later"
+                )
+            if time.monotonic() + delay > deadline:
+                raise failure from None
+            with self._lock:
+                self.retries += 1
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     def _write_once(self, body: Callable[[Conn], T], attempt: _Attempt) -> T:
         with self._checkout() as conn:
@@ -411,7 +429,7 @@ class PostgresDatabase:
                     with contextlib.suppress(psycopg.Error):
                         conn.execute("ROLLBACK")
                 if isinstance(exc, psycopg.Error) and _is_lost(exc, conn):
-                    raise BackendUnavailable(str(exc)) from exc
+                    raise _ConnectionBroke(_first_line(exc)) from exc
                 raise
 
     def _resolve(self, xid: str | None, deadline: float, what: str) -> str:
@@ -442,37 +460,46 @@ class PostgresDatabase:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def read(self, body: Callable[[Conn], T], what: str, *, snapshot: bool = False) -> T:
-        """Run `body` on one connection (one REPEATABLE READ snapshot with `snapshot`)."""
+    def read(self, body: Callable[[Conn], T], what: str = "a read", *, snapshot: bool = False) -> T:
+        """Run `body` on one connection (one REPEATABLE READ snapshot with `snapshot`);
+        a lost connection is retried (reading twice is harmless)."""
         deadline = time.monotonic() + self.retry_seconds
         delay = 0.05
         while True:
             try:
-                with self._checkout() as conn:
-                    if not snapshot:
-                        return body(conn)
-                    conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                    try:
-                        result = body(conn)
-                    finally:
-                        if not conn.closed and not conn.broken:
-                            conn.execute("COMMIT")
-                    return result
-            except (psycopg.Error, PoolTimeout) as exc:
-                if not isinstance(exc, PoolTimeout) and not _is_lost(exc, None):
-                    if _state(exc) not in _RETRY_STATES:
-                        raise self._translate(exc, what, LedgerError) from None
-                else:
-                    self._purge()
-                if time.monotonic() + delay > deadline:
-                    if isinstance(exc, PoolTimeout):
-                        raise self._unreachable() from None
-                    raise BackendUnavailable(
-                        f"lost the connection to {self.where} during {what} and could not get "
-                        f"it back within {self.retry_seconds:.0f}s; check the server, then retry"
-                    ) from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                return self._read_once(body, snapshot)
+            except _ConnectionBroke as exc:
+                self._purge()
+                failure: Exception = BackendUnavailable(
+                    f"lost the connection to {self.where} during {what} and could not get it "
+                    f"back within {self.retry_seconds:.0f}s ({exc}); check the server, then retry"
+                )
+            except psycopg.Error as exc:
+                if _state(exc) not in _RETRY_STATES:
+                    raise self._translate(exc, what, LedgerError) from None
+                failure = LedgerError(f"{self.where}: {what} kept failing ({_first_line(exc)})")
+            if time.monotonic() + delay > deadline:
+                raise failure from None
+            with self._lock:
+                self.retries += 1
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _read_once(self, body: Callable[[Conn], T], snapshot: bool) -> T:
+        with self._checkout() as conn:
+            try:
+                if not snapshot:
+                    return body(conn)
+                conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                try:
+                    return body(conn)
+                finally:
+                    if not conn.closed and not conn.broken:
+                        conn.execute("COMMIT")
+            except psycopg.Error as exc:
+                if _is_lost(exc, conn):
+                    raise _ConnectionBroke(_first_line(exc)) from exc
+                raise
 
     def _translate(
         self, exc: BaseException, what: str, error: type[RolloutLifecycleError]
@@ -524,9 +551,23 @@ class PostgresDatabase:
         opening one new database at once do not trip over each other's CREATE TABLE.
         """
 
+        # the usual case, an up-to-date schema, runs no DDL at all: CREATE INDEX IF NOT
+        # EXISTS still takes a SHARE lock on its table, which would queue behind (and then
+        # block) every writer of a ledger in use
+        if self.component_version(component) == version:
+            return
+
         def body(conn: Conn) -> None:
             conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", (K_SCHEMA,))
-            conn.execute(_META_DDL + ddl)
+            meta = has_table(conn, "schema_meta") and has_table(conn, "events")
+            found = None
+            if meta:
+                found = conn.execute(
+                    "SELECT version FROM schema_meta WHERE component = %s", (component,)
+                ).fetchone()
+            if found is not None and int(found[0]) == version:
+                return  # another process created it while this one waited for the lock
+            conn.execute(ddl if meta else _META_DDL + ddl)
             row = conn.execute(
                 "SELECT version FROM schema_meta WHERE component = %s", (component,)
             ).fetchone()

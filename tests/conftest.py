@@ -52,9 +52,8 @@ def postgres_server_or_skip() -> pg_server.Server:
     no_driver = importlib.util.find_spec("psycopg") is None
     if _state["server"] is None and _state["error"] is None and no_driver:
         _state["error"] = (
-                "psycopg 3 is not installed: pip install -e '.[dev,postgres]' (the [postgres] "
-                "extra)"
-            )
+            "psycopg 3 is not installed: pip install -e '.[dev,postgres]' (the [postgres] extra)"
+        )
     if _state["server"] is None and _state["error"] is None:
         try:
             server = pg_server.create_server()

@@ -5,6 +5,8 @@ initdb/postgres refuse to run as root, so as root every server command runs as t
 `postgres` user (`runuser -u postgres`), with its data in a fresh directory under /tmp
 owned by that user (a root-only 0700 parent would lock it out). The server listens on
 127.0.0.1 only, on a free port, with fsync off: nothing here needs to survive a power cut.
+synchronous_commit stays on: every acknowledged COMMIT has reached the kernel, so a server
+killed with `pg_ctl stop -m immediate` (the restart tests) loses nothing it acknowledged.
 
 Authentication: the superuser `postgres` is trusted on loopback (tests connect without a
 password); the role `rl_password` must give its password (scram-sha-256), so tests can
@@ -156,7 +158,6 @@ host    all   all             127.0.0.1/32    trust
 _CONF = """
 listen_addresses = '127.0.0.1'
 fsync = off
-synchronous_commit = off
 full_page_writes = off
 max_connections = 200
 shared_buffers = 64MB
