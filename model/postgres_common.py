@@ -369,11 +369,14 @@ class PostgresDatabase:
         what: str = "a write",
         *,
         error: type[RolloutLifecycleError] = LedgerError,
+        prologue: str = "",
     ) -> T:
         """Run `body` in one READ COMMITTED transaction and commit it; see the module doc.
 
-        Exceptions raised by `body` itself roll the transaction back and propagate as they
-        are; database errors become `error` (or BackendUnavailable) with what to do.
+        `prologue` (SQL without parameters, e.g. taking a lock) runs right after BEGIN in the
+        same round trip. Exceptions raised by `body` itself roll the transaction back and
+        propagate as they are; database errors become `error` (or BackendUnavailable) with
+        what to do.
         """
         if self.read_only:
             raise error(f"{self.where} was opened read-only; nothing was written ({what})")
@@ -382,7 +385,7 @@ class PostgresDatabase:
         while True:
             attempt = _Attempt()
             try:
-                return self._write_once(body, attempt)
+                return self._write_once(body, attempt, prologue)
             except _ConnectionBroke as exc:
                 if attempt.committing:
                     status = self._resolve(attempt.xid, deadline, what)
@@ -412,10 +415,13 @@ class PostgresDatabase:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def _write_once(self, body: Callable[[Conn], T], attempt: _Attempt) -> T:
+    def _write_once(self, body: Callable[[Conn], T], attempt: _Attempt, prologue: str = "") -> T:
         with self._checkout() as conn:
             try:
-                cur = conn.execute("BEGIN; SELECT pg_current_xact_id()::text")
+                # one round trip: BEGIN, the transaction id (to resolve a COMMIT whose answer
+                # is lost), and the prologue; each statement gets its own snapshot
+                opening = "BEGIN; SELECT pg_current_xact_id()::text"
+                cur = conn.execute(f"{opening}; {prologue}" if prologue else opening)
                 cur.nextset()
                 row = cur.fetchone()
                 attempt.xid = None if row is None else str(row[0])
@@ -644,45 +650,79 @@ def newer_schema(where: str, component: str, stored: int, version: int) -> str:
 # ---- statements shared by ledger and registry ---------------------------------------------
 
 
+def lock_sql(key: int, *, shared: bool = False) -> str:
+    """The statement taking a transaction-scoped advisory lock of this schema."""
+    fn = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
+    return f"SELECT {fn}({int(key)}, hashtext(current_schema()))"
+
+
 def lock(conn: Conn, key: int, *, shared: bool = False) -> None:
     """Take a transaction-scoped advisory lock of this schema (see the module doc)."""
-    fn = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
-    conn.execute(f"SELECT {fn}(%s, hashtext(current_schema()))", (key,))
+    conn.execute(lock_sql(key, shared=shared))
 
 
-def append_events(conn: Conn, events: Sequence[TraceEvent]) -> list[TraceEvent]:
-    """Append one atomic step's events inside the caller's transaction, under K_EVENTS.
+_APPEND = """
+WITH lk AS (
+    SELECT pg_advisory_xact_lock(%(key)s, hashtext(current_schema())) AS locked
+), t AS (
+    SELECT nextval('events_txn') AS txn,
+           setval('events_seq', nextval('events_seq') + %(n)s - 1) AS last
+    FROM lk
+), ins AS (
+    INSERT INTO events(seq, txn, kind, subject, payload)
+    SELECT t.last - %(n)s + e.ord, t.txn, e.kind, e.subject, e.payload
+    FROM t, json_to_recordset(%(events)s::json)
+        AS e(ord bigint, kind text, subject text, payload text)
+){counting}
+SELECT txn, last FROM t
+"""
 
-    The lock is held to COMMIT, so txn and seq numbers are handed out in commit order.
-    """
+_COUNTING = f"""
+, cnt AS (
+    INSERT INTO ledger_counters(name, shard, n)
+    SELECT c.name, pg_backend_pid() %% {COUNTER_SHARDS}, c.n
+    FROM t, json_to_recordset(%(counters)s::json) AS c(name text, n bigint)
+    ORDER BY c.name
+    ON CONFLICT (name, shard) DO UPDATE SET n = ledger_counters.n + excluded.n
+)"""
+
+_APPEND_PLAIN = _APPEND.format(counting="")
+_APPEND_COUNTED = _APPEND.format(counting=_COUNTING)
+
+
+def append_events(
+    conn: Conn, events: Sequence[TraceEvent], *, counters: Mapping[str, int] | None = None
+) -> list[TraceEvent]:
+    """Append one atomic step's events inside the caller's transaction, in ONE statement
+    that first takes K_EVENTS (held to COMMIT), so txn and seq numbers are handed out in
+    commit order. The ledger's `counters` (name -> increment, table ledger_counters) ride
+    along in the same statement."""
     if not events:
         return []
-    lock(conn, K_EVENTS)
-    row = conn.execute(
-        "SELECT nextval('events_txn'), setval('events_seq', nextval('events_seq') + %s - 1)",
-        (len(events),),
-    ).fetchone()
+    rows = []
+    for i, ev in enumerate(events, start=1):
+        payload = event_to_jsonable(ev)
+        payload.pop("seq", None)
+        payload.pop("txn", None)  # both are columns, stamped by the server under the lock
+        rows.append(
+            {
+                "ord": i,
+                "kind": ev.kind,
+                "subject": event_subject(ev),
+                "payload": json.dumps(payload, separators=(",", ":")),
+            }
+        )
+    params: dict[str, Any] = {"key": K_EVENTS, "n": len(events), "events": json.dumps(rows)}
+    query = _APPEND_PLAIN
+    counts = sorted((k, v) for k, v in (counters or {}).items() if v)
+    if counts:
+        query = _APPEND_COUNTED
+        params["counters"] = json.dumps([{"name": k, "n": v} for k, v in counts])
+    row = conn.execute(query, params).fetchone()
     assert row is not None
     txn, last = int(row[0]), int(row[1])
     first = last - len(events) + 1
-    out: list[TraceEvent] = []
-    seqs, kinds, subjects, payloads = [], [], [], []
-    for i, ev in enumerate(events):
-        payload = event_to_jsonable(ev)
-        payload.pop("seq", None)
-        payload["txn"] = txn
-        seqs.append(first + i)
-        kinds.append(ev.kind)
-        subjects.append(event_subject(ev))
-        payloads.append(json.dumps(payload, separators=(",", ":")))
-        out.append(attrs.evolve(ev, seq=first + i, txn=txn))
-    conn.execute(
-        "INSERT INTO events(seq, txn, kind, subject, payload) "
-        "SELECT s, %s, k, sub, p FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::text[]) "
-        "AS e(s, k, sub, p)",
-        (txn, seqs, kinds, subjects, payloads),
-    )
-    return out
+    return [attrs.evolve(ev, seq=first + i, txn=txn) for i, ev in enumerate(events)]
 
 
 def read_events(
@@ -706,13 +746,13 @@ def read_events(
         where.append("subject = %s")
         args.append(subject)
     rows = conn.execute(
-        "SELECT seq, payload FROM events WHERE " + " AND ".join(where) + " ORDER BY seq",
+        "SELECT seq, txn, payload FROM events WHERE " + " AND ".join(where) + " ORDER BY seq",
         args,
     ).fetchall()
     out = []
-    for seq, payload in rows:
+    for seq, txn, payload in rows:
         data = json.loads(payload)
-        data["seq"] = int(seq)
+        data["seq"], data["txn"] = int(seq), int(txn)
         out.append(event_from_jsonable(data))
     return out
 

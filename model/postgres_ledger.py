@@ -82,6 +82,7 @@ from rollout_lifecycle.model.postgres_common import (
     append_events,
     has_table,
     lock,
+    lock_sql,
     read_events,
 )
 from rollout_lifecycle.model.records import (
@@ -140,9 +141,9 @@ _CAS_ONE = (
 # writes exactly those rows and returns their ids: the winners.
 _CAS_MANY = """
 WITH v AS (
-    SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::bigint[], %s::text[],
-                         %s::float8[], %s::text[])
-        AS v(rollout_id, expected, state, revision, reserved_by, lease, entry)
+    SELECT * FROM json_to_recordset(%s::json)
+        AS v(rollout_id text, expected bigint, state text, revision bigint, reserved_by text,
+             lease float8, entry text)
 ), locked AS (
     SELECT r.rollout_id FROM rollouts r JOIN v ON r.rollout_id = v.rollout_id
     WHERE r.revision = v.expected
@@ -160,9 +161,9 @@ RETURNING r.rollout_id
 _INSERT_MANY = """
 INSERT INTO rollouts(rollout_id, state, revision, reserved_by, lease_expires_at,
                      behavior_version, entry)
-SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::text[], %s::float8[],
-                     %s::bigint[], %s::text[])
-    AS n(rollout_id, state, revision, reserved_by, lease, version, entry)
+SELECT * FROM json_to_recordset(%s::json)
+    AS n(rollout_id text, state text, revision bigint, reserved_by text, lease float8,
+         version bigint, entry text)
 ORDER BY rollout_id
 ON CONFLICT (rollout_id) DO NOTHING
 RETURNING rollout_id
@@ -171,7 +172,7 @@ RETURNING rollout_id
 _BUMP = f"""
 INSERT INTO ledger_counters(name, shard, n)
 SELECT c.name, pg_backend_pid() %% {COUNTER_SHARDS}, c.n
-FROM unnest(%s::text[], %s::bigint[]) AS c(name, n)
+FROM json_to_recordset(%s::json) AS c(name text, n bigint)
 ORDER BY c.name
 ON CONFLICT (name, shard) DO UPDATE SET n = ledger_counters.n + excluded.n
 """
@@ -184,6 +185,7 @@ _COUNTER_OF = {
 }
 
 _WAS_ACTIVE = sorted(WAS_ACTIVE_STATES)
+_PREMISE_LOCK = lock_sql(K_PREMISE, shared=True)
 # read off the machine, so "which states can be quarantined directly" is never retyped
 _QUARANTINABLE = [s for s in LIFECYCLE.states if LIFECYCLE.is_legal(s, "quarantine")]
 
@@ -271,11 +273,14 @@ class PostgresLedger:
         if self._closed:
             raise LedgerError(f"ledger on {self.db.where} is closed; open a new PostgresLedger")
 
-    def _write(self, body: Any, what: str) -> Any:
+    def _write(self, body: Any, what: str, *, premise: bool = False) -> Any:
+        """One write step; with `premise`, the premise lock is taken (shared) right after
+        BEGIN, in the same round trip, before anything the step reads."""
         self._check_open()
         if self.read_only:
             raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
-        return self.db.write(body, what)
+        prologue = _PREMISE_LOCK if premise else ""
+        return self.db.write(body, what, prologue=prologue)
 
     def _read(self, body: Any, what: str, *, snapshot: bool = False) -> Any:
         self._check_open()
@@ -285,7 +290,7 @@ class PostgresLedger:
     def _bump(conn: Conn, counts: Mapping[str, int]) -> None:
         rows = sorted((k, v) for k, v in counts.items() if v)
         if rows:
-            conn.execute(_BUMP, ([k for k, _ in rows], [v for _, v in rows]))
+            conn.execute(_BUMP, (json.dumps([{"name": k, "n": v} for k, v in rows]),))
 
     def _bump_now(self, counts: Mapping[str, int]) -> None:
         """Counters of an outcome that writes no record: one autocommit statement."""
@@ -346,20 +351,19 @@ class PostgresLedger:
         if len(pairs) == 1:
             before, after = pairs[0]
             return {after.rollout_id} if PostgresLedger._cas_one(conn, before, after) else set()
-        cols: list[list[Any]] = [[] for _ in range(7)]
-        for before, after in pairs:
-            values = (
-                after.rollout_id,
-                before.revision,
-                after.state,
-                after.revision,
-                after.reserved_by,
-                after.lease_expires_at,
-                _dump(after),
-            )
-            for col, value in zip(cols, values, strict=True):
-                col.append(value)
-        rows = conn.execute(_CAS_MANY, cols).fetchall()
+        doc = [
+            {
+                "rollout_id": after.rollout_id,
+                "expected": before.revision,
+                "state": after.state,
+                "revision": after.revision,
+                "reserved_by": after.reserved_by,
+                "lease": after.lease_expires_at,
+                "entry": _dump(after),
+            }
+            for before, after in pairs
+        ]
+        rows = conn.execute(_CAS_MANY, (json.dumps(doc),)).fetchall()
         return {str(r[0]) for r in rows}
 
     def _apply(self, conn: Conn, changes: Sequence[Change]) -> None:
@@ -375,6 +379,11 @@ class PostgresLedger:
 
     def _finish(self, conn: Conn, changes: Sequence[Change], counts: Mapping[str, int]) -> None:
         """Events and counters of a step, last, under the events lock (held to COMMIT)."""
+        total = Counter(counts)
+        total["writes"] += len(changes)
+        if not changes:
+            self._bump(conn, total)
+            return
         at = self.clock()
         append_events(
             conn,
@@ -391,17 +400,14 @@ class PostgresLedger:
                 )
                 for ev, b, a, u in changes
             ],
+            counters=total,
         )
-        total = Counter(counts)
-        total["writes"] += len(changes)
-        self._bump(conn, total)
 
     def _premise(self, conn: Conn) -> ActivationPremise:
         """The active pointer and ever-active versions, read inside the caller's transaction
-        after taking the premise lock shared (see the module doc). A database without
-        registry tables (a ledger on its own) gives NO_REGISTRY."""
-        # the lock first: a first activation committing meanwhile waits for this step
-        lock(conn, K_PREMISE, shared=True)
+        after its prologue took the premise lock shared (see the module doc; the lock comes
+        first, so a first activation committing meanwhile waits for this step too). A
+        database without registry tables (a ledger on its own) gives NO_REGISTRY."""
         if not self._registry_seen:
             if not has_table(conn, "registry_pointer"):
                 return NO_REGISTRY
@@ -439,20 +445,19 @@ class PostgresLedger:
             bad = self._bad_versions(conn)
             plans = [plan_add(e, bad) for e in entries]
             final = [p[-1][2] for p in plans]
-            cols: list[list[Any]] = [[] for _ in range(7)]
-            for e in final:
-                values = (
-                    e.rollout_id,
-                    e.state,
-                    e.revision,
-                    e.reserved_by,
-                    e.lease_expires_at,
-                    e.behavior_version,
-                    _dump(e),
-                )
-                for col, value in zip(cols, values, strict=True):
-                    col.append(value)
-            got = {str(r[0]) for r in conn.execute(_INSERT_MANY, cols).fetchall()}
+            doc = [
+                {
+                    "rollout_id": e.rollout_id,
+                    "state": e.state,
+                    "revision": e.revision,
+                    "reserved_by": e.reserved_by,
+                    "lease": e.lease_expires_at,
+                    "version": e.behavior_version,
+                    "entry": _dump(e),
+                }
+                for e in final
+            ]
+            got = {str(r[0]) for r in conn.execute(_INSERT_MANY, (json.dumps(doc),)).fetchall()}
             if len(got) != len(final):
                 dup = sorted({e.rollout_id for e in final} - got) or sorted(
                     k for k, n in Counter(e.rollout_id for e in final).items() if n > 1
@@ -565,7 +570,7 @@ class PostgresLedger:
                 return planned
             return self._lost(conn, rollout_id, expected_revision, update_id, admission, lease)
 
-        result: ReserveOutcome = self._write(body, "reserve")
+        result: ReserveOutcome = self._write(body, "reserve", premise=True)
         return result
 
     def _lost(
@@ -660,7 +665,7 @@ class PostgresLedger:
             self._finish(conn, changes, counts)
             return outcomes
 
-        result: list[ReserveOutcome] = self._write(body, "reserve_batch")
+        result: list[ReserveOutcome] = self._write(body, "reserve_batch", premise=True)
         return result
 
     def commit(self, update_id: str, rollout_ids: Sequence[str]) -> list[LedgerEntry]:

@@ -102,10 +102,10 @@ def crash_child(url: str, update_id: str, n: int, where: str, signal: str) -> No
     if where == "in-batch":
         real = pl.append_events
 
-        def stalling(conn: Any, events: Any) -> Any:
+        def stalling(conn: Any, events: Any, **kwargs: Any) -> Any:
             _signal(signal, "in-batch")
             time.sleep(600)
-            return real(conn, events)
+            return real(conn, events, **kwargs)
 
         vars(pl)["append_events"] = stalling  # looked up in the module at each call
     outs = ledger.reserve_batch(update_id, [ReserveRequest(r, 0, stamp()) for r in ids(n)])

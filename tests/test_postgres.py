@@ -820,16 +820,16 @@ def test_commit_whose_answer_was_lost_is_resolved_not_repeated(
     real = pc.PostgresDatabase._write_once
     mode = {"how": "landed", "calls": 0}
 
-    def flaky(self: Any, body: Any, attempt: Any) -> Any:
+    def flaky(self: Any, body: Any, attempt: Any, prologue: str = "") -> Any:
         mode["calls"] += 1
         if mode["calls"] > 1:
-            return real(self, body, attempt)
+            return real(self, body, attempt, prologue)
         if mode["how"] == "landed":
-            real(self, body, attempt)  # it committed ...
+            real(self, body, attempt, prologue)  # it committed ...
             attempt.committing = True
             raise pc._ConnectionBroke("server closed the connection")  # ... the answer got lost
         with self._checkout() as conn:  # it never committed: the server rolled it back
-            cur = conn.execute("BEGIN; SELECT pg_current_xact_id()::text")
+            cur = conn.execute(f"BEGIN; SELECT pg_current_xact_id()::text; {prologue}")
             cur.nextset()
             row = cur.fetchone()
             attempt.xid = row[0]
