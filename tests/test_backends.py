@@ -178,3 +178,19 @@ def test_lease_seconds_reach_the_ledger() -> None:
     with open_backend("memory://", lease_seconds=7.0) as b:
         assert isinstance(b.ledger, MemoryLedger)
         assert b.ledger.lease_seconds == 7.0
+
+
+def test_postgresql_without_psycopg_says_which_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without psycopg a postgresql:// URL is a technical error naming the [postgres] extra."""
+    import sys
+
+    from rollout_lifecycle.model.errors import BackendUnavailable
+
+    for name in list(sys.modules):
+        if name.startswith(("psycopg", "rollout_lifecycle.model.postgres_")):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # import psycopg -> ImportError
+    with pytest.raises(BackendUnavailable, match=r"rollout-lifecycle\[postgres\]"):
+        open_backend("postgresql://user@localhost/rl")

@@ -100,9 +100,12 @@ def test_unreachable_server_is_a_clear_technical_error() -> None:
     port = pg_server.free_port()
     with pytest.raises(BackendUnavailable, match=rf"cannot reach PostgreSQL at 127.0.0.1:{port}"):
         open_backend(f"postgresql://postgres@127.0.0.1:{port}/rl")
-    res = _cli("ledger", "counts", "--backend", f"postgresql://postgres@127.0.0.1:{port}/rl")
+    down = f"postgresql://postgres@127.0.0.1:{port}/rl"
+    res = _cli("ledger", "counts", "--backend", down)
     assert res.returncode == 3, res.stderr
     assert "cannot reach PostgreSQL" in res.stderr and "Traceback" not in res.stderr
+    res = _cli("race", "--backend", down, "--seconds", "1")
+    assert res.returncode == 3 and "cannot reach PostgreSQL" in res.stderr
 
 
 def test_wrong_password_and_missing_database_say_what_to_fix(
