@@ -7,7 +7,8 @@ BIN    := $(VENV)/bin
 OUT    ?= campaign-out
 # torch is needed by the tests that feed tensors to the gate and by the real-run check;
 # pin the CPU build FIRST (pip takes it from local disk here; an unpinned torch pulls several
-# GB of CUDA), then the [verl] extra, whose torch range it satisfies
+# GB of CUDA), then the [verl] extra, whose torch range it satisfies; [postgres] is psycopg 3
+# for the PostgreSQL backend (its tests start a throwaway server, see docs/postgres.md)
 TORCH  ?= torch==2.13.0
 LABEL  ?= cpu-$(shell date -u +%Y%m%dT%H%M%SZ)
 
@@ -24,7 +25,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,verl]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,verl,postgres]"
 	touch $@
 
 setup: $(VENV)/.installed

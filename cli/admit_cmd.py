@@ -47,7 +47,7 @@ from rollout_lifecycle.cli.output import (
 from rollout_lifecycle.cli.params import VERSION, FiniteFloat, StrictInt
 from rollout_lifecycle.model.atomic import atomic_open
 from rollout_lifecycle.model.backends import open_backend
-from rollout_lifecycle.model.errors import OutputError, RolloutLifecycleError
+from rollout_lifecycle.model.errors import BackendUnavailable, OutputError, RolloutLifecycleError
 from rollout_lifecycle.model.gate import (
     FRESHNESS,
     AdmissionDecision,
@@ -363,6 +363,8 @@ def _backend_registry(url: str, current_version: int) -> Iterator[Registry]:
     """The coordinator's "ever active" lookup over a stored registry, cached per version."""
     try:
         backend = open_backend(url, create=False)
+    except BackendUnavailable as exc:
+        raise TechnicalError(f"--backend: {exc}") from None
     except RolloutLifecycleError as exc:
         raise click.UsageError(f"--backend: {exc}") from None
     try:
@@ -667,7 +669,7 @@ _EPILOG = "\n".join(
     "backend_url",
     default=None,
     help="Read the ever-active versions from this stored registry instead (e.g. "
-    "sqlite:///rollout-lifecycle.db).",
+    "sqlite:///rollout-lifecycle.db or postgresql://user:password@host:5432/dbname).",
 )
 @click.option(
     "--conditions-json",
@@ -739,7 +741,7 @@ def admit(
             raise InputError(
                 f"{input_path}, line {exc.lineno}: {exc}; no decisions were written"
             ) from None
-        except OSError as exc:
+        except (OSError, BackendUnavailable) as exc:
             raise TechnicalError(f"{exc}; no decisions were written") from None
         except RolloutLifecycleError as exc:
             raise InputError(f"{exc}; no decisions were written") from None

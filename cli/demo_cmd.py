@@ -21,13 +21,13 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from rollout_lifecycle.cli.exitcodes import findings
+from rollout_lifecycle.cli.exitcodes import TechnicalError, findings
 from rollout_lifecycle.cli.output import ensure_dir
 from rollout_lifecycle.cli.params import SEED
 from rollout_lifecycle.model.artifacts import ArtifactStore, WorkerLoader
 from rollout_lifecycle.model.backends import Backend, open_backend, sqlite_path
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
-from rollout_lifecycle.model.errors import RolloutLifecycleError
+from rollout_lifecycle.model.errors import BackendUnavailable, RolloutLifecycleError
 from rollout_lifecycle.model.events import EntryChanged
 from rollout_lifecycle.model.gate import AdmissionDecision, AdmissionGate, GatePolicy
 from rollout_lifecycle.model.ledger import Ledger, ReserveRequest
@@ -331,6 +331,8 @@ def demo(url: str | None, workdir: Path | None, seed: int) -> None:
         url = f"sqlite:///{tmp / 'demo.db'}"
     try:
         backend = open_backend(url)
+    except BackendUnavailable as exc:
+        raise TechnicalError(f"--backend: {exc}") from None
     except RolloutLifecycleError as exc:
         raise click.UsageError(f"--backend: {exc}") from None
     try:
@@ -338,6 +340,8 @@ def demo(url: str | None, workdir: Path | None, seed: int) -> None:
             workdir = tmp or Path(tempfile.mkdtemp(prefix="rollout-lifecycle-demo-"))
         artifacts = workdir / "artifacts"
         violations = _story(backend, ArtifactStore(artifacts), seed, url, artifacts)
+    except BackendUnavailable as exc:
+        raise TechnicalError(f"demo failed: {exc}") from None
     except RolloutLifecycleError as exc:
         raise click.ClickException(f"demo failed: {exc}") from None
     finally:

@@ -22,7 +22,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from rollout_lifecycle.cli.exitcodes import InputError, findings
+from rollout_lifecycle.cli.exitcodes import InputError, TechnicalError, findings
 from rollout_lifecycle.cli.output import (
     Progress,
     check_report_path,
@@ -33,7 +33,7 @@ from rollout_lifecycle.cli.output import (
 )
 from rollout_lifecycle.cli.params import COUNT
 from rollout_lifecycle.model.backends import DEFAULT_URL, Backend, open_backend
-from rollout_lifecycle.model.errors import RolloutLifecycleError
+from rollout_lifecycle.model.errors import BackendUnavailable, RolloutLifecycleError
 from rollout_lifecycle.model.events import EntryChanged
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.records import LedgerEntry, to_jsonable
@@ -63,7 +63,10 @@ backend_option = click.option(
     "url",
     default=DEFAULT_URL,
     show_default=True,
-    help="Ledger URL: sqlite:///relative.db or sqlite:////absolute.db (must exist).",
+    help=(
+        "Ledger URL: sqlite:///relative.db, sqlite:////absolute.db or "
+        "postgresql://user:password@host:5432/dbname (must exist)."
+    ),
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 
@@ -73,10 +76,14 @@ def _opened(url: str) -> Iterator[Backend]:
     """Open an existing backend; project errors become one-line click errors."""
     try:
         backend = open_backend(url, create=False)
+    except BackendUnavailable as exc:
+        raise TechnicalError(f"--backend: {exc}") from None
     except RolloutLifecycleError as exc:
         raise click.UsageError(f"--backend: {exc}") from None
     try:
         yield backend
+    except BackendUnavailable as exc:
+        raise TechnicalError(str(exc)) from None
     except RolloutLifecycleError as exc:
         raise InputError(str(exc)) from None
     finally:

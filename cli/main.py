@@ -30,7 +30,7 @@ from rollout_lifecycle.cli.ledger_cmd import ledger
 from rollout_lifecycle.cli.mutants_cmd import mutants
 from rollout_lifecycle.cli.race_cmd import race
 from rollout_lifecycle.model.atomic import cleanup_temporaries, describe_os_error
-from rollout_lifecycle.model.errors import RolloutLifecycleError
+from rollout_lifecycle.model.errors import BackendUnavailable, RolloutLifecycleError
 
 COMMANDS = (
     campaign,
@@ -109,6 +109,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except click.exceptions.Exit as exc:
         return exc.exit_code
+    except BackendUnavailable as exc:  # the database is down or unreachable: not the input
+        click.echo(f"error: {exc}", err=True)
+        return exitcodes.TECHNICAL
     except RolloutLifecycleError as exc:
         click.echo(f"error: {exc}", err=True)
         return exitcodes.USAGE

@@ -18,8 +18,8 @@ from rollout_lifecycle.cli.output import (
     report_options,
 )
 from rollout_lifecycle.cli.params import SEED, FiniteFloat, StrictInt
-from rollout_lifecycle.model.errors import RolloutLifecycleError
-from rollout_lifecycle.stateful_tests.race import RaceConfig, fresh_file, run_race
+from rollout_lifecycle.model.errors import BackendUnavailable, RolloutLifecycleError
+from rollout_lifecycle.stateful_tests.race import RaceConfig, check_fresh, run_race
 
 
 @click.command("race")
@@ -28,7 +28,10 @@ from rollout_lifecycle.stateful_tests.race import RaceConfig, fresh_file, run_ra
     "url",
     default="sqlite:///race.db",
     show_default=True,
-    help="A NEW SQLite file (sqlite:///path); every process opens its own connection.",
+    help=(
+        "A NEW SQLite file (sqlite:///path) or an empty PostgreSQL database "
+        "(postgresql://...); every process opens its own connection."
+    ),
 )
 @click.option("--learners", type=StrictInt(1, 64), default=4, show_default=True)
 @click.option("--activators", type=StrictInt(1, 8), default=1, show_default=True)
@@ -51,7 +54,9 @@ def race(
     """Race activators against learners running the README pattern; judge everything."""
     check_report_path(report_path)
     try:
-        fresh_file(url)
+        check_fresh(url)
+    except BackendUnavailable as exc:
+        raise TechnicalError(str(exc)) from None
     except RolloutLifecycleError as exc:
         raise InputError(str(exc)) from None
     cfg = RaceConfig(

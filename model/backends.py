@@ -3,16 +3,21 @@
     memory://                      MemoryLedger + MemoryRegistry sharing one EventLog
     sqlite:///relative/path.db     SQLiteLedger + SQLiteRegistry on one file (relative to cwd)
     sqlite:////absolute/path.db    the same, with an absolute path
+    postgresql://user:password@host:5432/dbname
+                                   PostgresLedger + PostgresRegistry in one database (also
+                                   postgres://; libpq parameters such as
+                                   ?options=-csearch_path%3Dmyschema or sslmode=require apply)
 
 Ledger and registry always share one event order (one EventLog, or one `events` table), so
 the spec can replay the whole trace: a reservation is judged against the pointer that was
-active at that moment. Adding a backend (PostgreSQL) means adding one opener to `OPENERS`;
-until then `PLANNED` explains why its URL is refused.
+active at that moment. Adding a backend means adding one opener to `OPENERS`; `PLANNED`
+explains why a URL users will try is refused.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Callable
@@ -21,7 +26,12 @@ from pathlib import Path
 import attrs
 
 from rollout_lifecycle.model.atomic import describe_os_error
-from rollout_lifecycle.model.errors import BackendURLError, LedgerError, brief
+from rollout_lifecycle.model.errors import (
+    BackendUnavailable,
+    BackendURLError,
+    LedgerError,
+    brief,
+)
 from rollout_lifecycle.model.events import EventLog, TraceEvent
 from rollout_lifecycle.model.ledger import Clock, Ledger, MemoryLedger, check_lease_seconds
 from rollout_lifecycle.model.registry import MemoryRegistry, RegistryStore, SQLiteRegistry
@@ -34,6 +44,7 @@ EXAMPLES = (
     "memory://",
     "sqlite:///rollout-lifecycle.db (relative to the current directory)",
     "sqlite:////var/lib/rl/ledger.db (absolute path)",
+    "postgresql://user:password@host:5432/dbname",
 )
 
 
@@ -75,6 +86,11 @@ class OpenOptions:
 
 
 Opener = Callable[[str, str, OpenOptions], Backend]
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ***, for messages and reports."""
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
 
 
 def _bad(url: str, why: str) -> BackendURLError:
@@ -172,17 +188,52 @@ def _open_sqlite(url: str, _rest: str, opts: OpenOptions) -> Backend:
     return Backend(url=url, ledger=ledger, registry=registry, path=path)
 
 
-# The one extension point: scheme -> opener. A PostgreSQL backend adds itself here.
+def _open_postgres(url: str, _rest: str, opts: OpenOptions) -> Backend:
+    """Ledger and registry in one PostgreSQL database, sharing one connection pool.
+
+    Reading (`create=False`) opens read-only connections and needs a database that already
+    holds a ledger; an unreachable server is BackendUnavailable (a technical failure), a
+    bad URL, wrong credentials or a missing database are BackendURLError.
+    """
+    try:
+        from rollout_lifecycle.model.postgres_common import PostgresDatabase
+        from rollout_lifecycle.model.postgres_ledger import PostgresLedger
+        from rollout_lifecycle.model.postgres_registry import PostgresRegistry
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"the PostgreSQL backend needs psycopg 3 ({exc}); install it with "
+            "pip install 'rollout-lifecycle[postgres]'"
+        ) from None
+    try:
+        db = PostgresDatabase(url, read_only=not opts.create)
+        ledger = PostgresLedger(db, clock=opts.clock, lease_seconds=opts.lease_seconds)
+    except BackendUnavailable:
+        raise
+    except LedgerError as exc:
+        raise _bad(redact_url(url), str(exc)) from None
+    except BackendURLError as exc:
+        raise _bad(redact_url(url), str(exc)) from None
+    try:
+        registry = PostgresRegistry(db)
+    except BaseException:
+        ledger.close()
+        raise
+    return Backend(url=url, ledger=ledger, registry=registry)
+
+
+# The one extension point: scheme -> opener.
 OPENERS: dict[str, Opener] = {
     "memory": _open_memory,
     "sqlite": _open_sqlite,
+    "postgresql": _open_postgres,
+    "postgres": _open_postgres,
 }
 
 # Schemes users will try that are refused with a specific reason rather than "unknown".
 PLANNED: dict[str, str] = {
-    "postgresql": "the PostgreSQL backend is not supported yet",
-    "postgres": "the PostgreSQL backend is not supported yet",
-    "postgresql+psycopg": "the PostgreSQL backend is not supported yet",
+    "postgresql+psycopg": (
+        "write postgresql://... (the driver is psycopg 3 already; drop the '+psycopg')"
+    ),
 }
 
 
@@ -195,8 +246,9 @@ def open_backend(
 ) -> Backend:
     """Open the ledger and registry `url` names; BackendURLError with examples otherwise.
 
-    With `create=False` (every read-only command) a SQLite file must already exist and hold
-    a ledger: a typo in a path must be an error, not a new empty database.
+    With `create=False` (every read-only command) a SQLite file (or a PostgreSQL database)
+    must already exist and hold a ledger: a typo in a path must be an error, not a new empty
+    database; nothing is ever written through a backend opened that way.
     """
     if not isinstance(url, str):
         raise _bad(brief(url), f"a backend URL is a string, got {type(url).__name__}")

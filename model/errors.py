@@ -50,6 +50,14 @@ class RevisionConflict(LedgerError):
         )
 
 
+class BackendUnavailable(LedgerError):
+    """The database server cannot be reached, or the connection to it was lost.
+
+    A technical failure, not a refusal: the message says whether anything may have been
+    written (the CLI exits 3 on it).
+    """
+
+
 class CommitMismatch(LedgerError, ValueError):
     """A commit named a set of rollouts other than exactly what its update reserved."""
 

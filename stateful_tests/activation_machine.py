@@ -33,7 +33,13 @@ from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule
 from rollout_lifecycle.model.machines import ACTIVATION
 from rollout_lifecycle.model.records import Disposition, WorkerAck
 from rollout_lifecycle.spec.invariants import Violation
-from rollout_lifecycle.stateful_tests.backends import Stack, close_stack, open_stack, reopen_stack
+from rollout_lifecycle.stateful_tests.backends import (
+    Stack,
+    check_stack_backend,
+    close_stack,
+    open_stack,
+    reopen_stack,
+)
 from rollout_lifecycle.stateful_tests.builders import (
     CONDITIONS,
     REWARD,
@@ -642,9 +648,7 @@ class ActivationMachine(RuleBasedStateMachine):
     # ---- time, durability, liveness -------------------------------------------------------
 
     @rule()
-    @precondition(
-        lambda self: self.stack.backend == "sqlite" and self.step_no - self.reopened_at >= 8
-    )
+    @precondition(lambda self: self.stack.durable and self.step_no - self.reopened_at >= 8)
     @counted
     def reopen(self) -> None:
         """Restart the coordinator process on the same file; `resume` must change nothing."""
@@ -724,9 +728,9 @@ def make_activation_machine(
     recorder: Recorder | None = None,
     workdir: Path | None = None,
 ) -> type[RuleBasedStateMachine]:
-    """The activation machine on 'memory' (one EventLog) or 'sqlite' (one file)."""
-    if backend not in ("memory", "sqlite"):
-        raise ValueError(f"the activation machine runs on 'memory' or 'sqlite', not {backend!r}")
+    """The activation machine on 'memory' (one EventLog), 'sqlite' (one file) or PostgreSQL
+    ('postgresql' or a postgresql:// URL: one schema)."""
+    check_stack_backend(backend, "activation")
     attrs_: dict[str, Any] = {
         "backend": backend,
         "recorder": recorder or Recorder("activation"),

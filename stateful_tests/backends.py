@@ -6,13 +6,24 @@ import time. A ledger factory is any callable ``factory(tmp_path, clock, **optio
 options every backend must accept are ``lease_seconds``, ``recovery`` and
 and nothing else. A factory that also has ``reopen(ledger, tmp_path, clock, **options)``
 is durable: the ledger machine then closes and reopens it mid-run.
+
+PostgreSQL: the backend name ``postgresql`` runs on the server named by the environment
+variable ROLLOUT_LIFECYCLE_POSTGRES_URL (the test suite starts a throwaway one and sets it),
+and a ``postgresql://...`` URL runs on that server. Each machine instance gets a fresh schema
+of its own in that database (named after its temporary directory, so a reopen finds it
+again); schemas of instances whose directory is gone are dropped as new ones are made.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import hashlib
 import importlib
+import os
 import sqlite3
+import threading
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,13 +34,15 @@ import rollout_lifecycle.model.coordinator as coord_mod
 import rollout_lifecycle.model.ledger as ledger_mod
 import rollout_lifecycle.model.registry as registry_mod
 import rollout_lifecycle.model.sqlite_ledger as sqlite_ledger_mod
+from rollout_lifecycle.model.backends import redact_url
 from rollout_lifecycle.model.events import EventLog, TraceEvent
 from rollout_lifecycle.model.ledger import Clock, Ledger
 from rollout_lifecycle.model.registry import RegistryStore
 from rollout_lifecycle.model.sqlite_common import connect, read_events
 
-BACKEND_NAMES = ("memory", "sqlite")
+BACKEND_NAMES = ("memory", "sqlite", "postgresql")
 DB_NAME = "state.db"
+POSTGRES_URL_ENV = "ROLLOUT_LIFECYCLE_POSTGRES_URL"
 
 
 class LedgerFactory(Protocol):
@@ -62,19 +75,134 @@ class SQLiteLedgerFactory:
 
 sqlite_ledger = SQLiteLedgerFactory()
 
-LEDGER_FACTORIES: dict[str, LedgerFactory] = {"memory": memory_ledger, "sqlite": sqlite_ledger}
+
+# ---- PostgreSQL: one fresh schema per machine instance ---------------------------------------
+
+
+def is_postgres(backend: object) -> bool:
+    """Whether `backend` names PostgreSQL: the name 'postgresql' or a postgresql:// URL."""
+    if not isinstance(backend, str):
+        return False
+    return backend == "postgresql" or backend.startswith(("postgresql://", "postgres://"))
+
+
+def postgres_url(backend: str = "postgresql") -> str:
+    """The server URL a PostgreSQL backend runs on (the URL itself, or the environment's)."""
+    if backend != "postgresql":
+        return backend
+    url = os.environ.get(POSTGRES_URL_ENV)
+    if not url:
+        raise ValueError(
+            f"the 'postgresql' backend runs on the server named by {POSTGRES_URL_ENV} "
+            "(e.g. postgresql://user:password@localhost:5432/dbname); set it, or pass the "
+            "postgresql:// URL itself as the backend"
+        )
+    return url
+
+
+def schema_for(tmp_path: Path) -> str:
+    """The schema of the machine instance that works in `tmp_path` (stable across reopen)."""
+    digest = hashlib.sha1(str(Path(tmp_path).resolve()).encode()).hexdigest()[:24]
+    return f"rl_{digest}"
+
+
+_made: dict[tuple[str, str], Path] = {}
+_made_lock = threading.Lock()
+
+
+def _drop_schemas(url: str, schemas: list[str]) -> None:
+    if not schemas:
+        return
+    import psycopg
+    from psycopg import sql
+
+    with contextlib.suppress(psycopg.Error), psycopg.connect(url, autocommit=True) as conn:
+        for name in schemas:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+def _sweep(keep: tuple[str, str] | None = None) -> None:
+    """Drop the schemas of instances whose temporary directory was removed (torn down)."""
+    with _made_lock:
+        gone = [k for k, d in _made.items() if k != keep and not d.exists()]
+        for k in gone:
+            del _made[k]
+    by_url: dict[str, list[str]] = {}
+    for url, name in gone:
+        by_url.setdefault(url, []).append(name)
+    for url, names in by_url.items():
+        _drop_schemas(url, names)
+
+
+atexit.register(_sweep)
+
+
+def fresh_schema(url: str, tmp_path: Path) -> str:
+    """An empty schema for the instance in `tmp_path` (dropped first if it held anything)."""
+    name = schema_for(tmp_path)
+    _drop_schemas(url, [name])
+    with _made_lock:
+        _made[(url, name)] = Path(tmp_path)
+    _sweep(keep=(url, name))
+    return name
+
+
+def with_schema(url: str, schema: str) -> str:
+    """`url` with libpq's options=-csearch_path=<schema> added: a URL of that schema."""
+    sep = "&" if "?" in url else "?"
+    return f"{url}{sep}options={urllib.parse.quote('-csearch_path=' + schema)}"
+
+
+class PostgresLedgerFactory:
+    """A fresh schema per machine instance; `reopen` closes the pool and opens it again."""
+
+    def __init__(self, url: str | None = None) -> None:
+        self.url = url
+
+    def _open(self, tmp_path: Path, clock: Clock, schema: str, **options: Any) -> Ledger:
+        module = importlib.import_module("rollout_lifecycle.model.postgres_ledger")
+        led: Ledger = module.PostgresLedger(
+            postgres_url(self.url or "postgresql"), schema=schema, clock=clock, **options
+        )
+        return led
+
+    def __call__(self, tmp_path: Path, clock: Clock, **options: Any) -> Ledger:
+        schema = fresh_schema(postgres_url(self.url or "postgresql"), tmp_path)
+        return self._open(tmp_path, clock, schema, **options)
+
+    def reopen(self, ledger: Ledger, tmp_path: Path, clock: Clock, **options: Any) -> Ledger:
+        """Close the connections and open the same schema again, as a restarted process would."""
+        ledger.close()
+        return self._open(tmp_path, clock, schema_for(tmp_path), **options)
+
+    def __repr__(self) -> str:
+        return "postgres_ledger"
+
+
+postgres_ledger = PostgresLedgerFactory()
+
+LEDGER_FACTORIES: dict[str, LedgerFactory] = {
+    "memory": memory_ledger,
+    "sqlite": sqlite_ledger,
+    "postgresql": postgres_ledger,
+}
 
 
 def resolve_factory(backend: str | LedgerFactory) -> tuple[str, LedgerFactory]:
-    """(label, factory) for a backend name or a user's factory callable."""
+    """(label, factory) for a backend name, a postgresql:// URL or a user's factory callable."""
     if isinstance(backend, str):
         if backend in LEDGER_FACTORIES:
             return backend, LEDGER_FACTORIES[backend]
+        if is_postgres(backend):
+            from rollout_lifecycle.model.postgres_common import url_params
+
+            url_params(backend)  # a malformed URL is refused here, not in every example
+            return redact_url(backend), PostgresLedgerFactory(backend)
         if ":" in backend:
             return backend, load_factory(backend)
         raise ValueError(
-            f"unknown ledger backend {backend!r}: use one of {list(BACKEND_NAMES)} or "
-            "'package.module:factory'"
+            f"unknown ledger backend {backend!r}: use one of {list(BACKEND_NAMES)}, a "
+            "postgresql:// URL or 'package.module:factory'"
         )
     if not callable(backend):
         raise TypeError(f"a ledger backend is a name or a factory callable, got {backend!r}")
@@ -123,6 +251,12 @@ class Stack:
     registry: RegistryStore
     coordinator: coord_mod.ActivationCoordinator
     source: TraceSource
+    url: str | None = None  # the server of a PostgreSQL stack
+
+    @property
+    def durable(self) -> bool:
+        """Whether the state outlives the objects (a restart may reopen it)."""
+        return self.backend != "memory"
 
 
 class TraceSource(Protocol):
@@ -174,6 +308,94 @@ class SQLiteEventSource:
         self._conn.close()
 
 
+class PostgresEventSource:
+    """New rows of the shared `events` table on PostgreSQL, read after the last seq seen.
+
+    Events get their seq under a lock held to COMMIT, so a seq read here is never followed
+    by a smaller one committing later: reading only above the last seq misses nothing.
+    """
+
+    def __init__(self, db: Any) -> None:
+        self._db = db.acquire()
+        self._last = 0
+        self._read_events = importlib.import_module(
+            "rollout_lifecycle.model.postgres_common"
+        ).read_events
+
+    def new_events(self) -> list[TraceEvent]:
+        """Rows with seq above the last one returned."""
+        last = self._last
+        out: list[TraceEvent] = self._db.read(
+            lambda conn: self._read_events(conn, after_seq=last), "reading new events"
+        )
+        if out:
+            self._last = out[-1].seq
+        return out
+
+    def close(self) -> None:
+        """Release the reader's hold on the pool."""
+        self._db.release()
+
+
+def stack_backend(backend: object) -> str:
+    """The backend the registry machines run on for `backend` (memory for a user factory)."""
+    if isinstance(backend, str) and (backend in BACKEND_NAMES or is_postgres(backend)):
+        return backend
+    return "memory"
+
+
+def check_stack_backend(backend: str, machine: str) -> str:
+    """`backend` if a ledger+registry stack can run on it, else ValueError saying which can."""
+    if backend in BACKEND_NAMES or is_postgres(backend):
+        return backend
+    raise ValueError(
+        f"the {machine} machine runs on {', '.join(repr(n) for n in BACKEND_NAMES)} or a "
+        f"postgresql:// URL, not {backend!r}"
+    )
+
+
+def durable_url(backend: str, tmp_path: Path) -> str:
+    """A backend URL of fresh durable state for `backend` ('sqlite' or PostgreSQL)."""
+    if backend == "sqlite":
+        return f"sqlite:///{tmp_path / DB_NAME}"
+    if is_postgres(backend):
+        url = postgres_url(backend)
+        return with_schema(url, fresh_schema(url, tmp_path))
+    raise ValueError(f"{backend!r} keeps no durable state")
+
+
+def event_source(url: str) -> TraceSource:
+    """A reader of new trace events of the state a durable_url names."""
+    if url.startswith("sqlite:"):
+        from rollout_lifecycle.model.backends import sqlite_path
+
+        return SQLiteEventSource(sqlite_path(url))
+    common = importlib.import_module("rollout_lifecycle.model.postgres_common")
+    db = common.PostgresDatabase(url)
+    source = PostgresEventSource(db)
+    return source
+
+
+def _postgres_stack(
+    backend: str,
+    tmp_path: Path,
+    clock: ledger_mod.ManualClock,
+    workers: tuple[str, ...],
+    schema: str,
+    **ledger_options: Any,
+) -> Stack:
+    url = postgres_url(backend)
+    common = importlib.import_module("rollout_lifecycle.model.postgres_common")
+    pg_ledger = importlib.import_module("rollout_lifecycle.model.postgres_ledger")
+    pg_registry = importlib.import_module("rollout_lifecycle.model.postgres_registry")
+    db = common.PostgresDatabase(url, schema=schema)
+    led: Ledger = pg_ledger.PostgresLedger(db, clock=clock, **ledger_options)
+    reg: RegistryStore = pg_registry.PostgresRegistry(db)
+    coord = coord_mod.ActivationCoordinator(reg, workers, ledger=led, clock=clock)
+    label = "postgresql" if backend == "postgresql" else redact_url(backend)
+    return Stack(label, led, reg, coord, PostgresEventSource(db), url=backend)
+
+
 def open_stack(
     backend: str,
     tmp_path: Path,
@@ -181,7 +403,8 @@ def open_stack(
     workers: tuple[str, ...],
     **ledger_options: Any,
 ) -> Stack:
-    """Ledger + registry + coordinator on `backend` ('memory', or 'sqlite' in one file)."""
+    """Ledger + registry + coordinator on `backend`: 'memory', 'sqlite' (one file), or
+    PostgreSQL ('postgresql' or a URL: one fresh schema)."""
     if backend == "memory":
         log = EventLog()
         mem_reg = registry_mod.MemoryRegistry(event_log=log)
@@ -201,7 +424,12 @@ def open_stack(
             sql_registry, workers, ledger=sql_ledger, clock=clock
         )
         return Stack(backend, sql_ledger, sql_registry, coord, SQLiteEventSource(path))
-    raise ValueError(f"activation stacks run on {list(BACKEND_NAMES)}, not {backend!r}")
+    if is_postgres(backend):
+        schema = fresh_schema(postgres_url(backend), tmp_path)
+        return _postgres_stack(backend, tmp_path, clock, workers, schema, **ledger_options)
+    raise ValueError(
+        f"activation stacks run on {list(BACKEND_NAMES)} or a postgresql:// URL, not {backend!r}"
+    )
 
 
 def reopen_stack(
@@ -215,10 +443,16 @@ def reopen_stack(
 
     The trace reader is kept, so no event is judged twice.
     """
-    if stack.backend != "sqlite":
+    if not stack.durable:
         raise ValueError("only a durable stack can be reopened")
     stack.ledger.close()
     stack.registry.close()
+    if stack.url is not None:
+        again = _postgres_stack(
+            stack.url, tmp_path, clock, workers, schema_for(tmp_path), **ledger_options
+        )
+        again.source.close()
+        return attrs.evolve(again, source=stack.source)
     path = tmp_path / DB_NAME
     led: Ledger = sqlite_ledger_mod.SQLiteLedger(path, clock=clock, **ledger_options)
     reg: RegistryStore = registry_mod.SQLiteRegistry(path)

@@ -42,7 +42,13 @@ import rollout_lifecycle.model.gate as gate_mod
 from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule, ReserveRequest
 from rollout_lifecycle.model.records import Disposition, LedgerEntry, Rollout
 from rollout_lifecycle.spec.invariants import Violation
-from rollout_lifecycle.stateful_tests.backends import Stack, close_stack, open_stack, reopen_stack
+from rollout_lifecycle.stateful_tests.backends import (
+    Stack,
+    check_stack_backend,
+    close_stack,
+    open_stack,
+    reopen_stack,
+)
 from rollout_lifecycle.stateful_tests.builders import (
     CONDITIONS,
     REWARD,
@@ -578,9 +584,7 @@ class EndToEndMachine(RuleBasedStateMachine):
         return rb is not None and self.coord.artifact(rb).state == "superseded"
 
     @rule()
-    @precondition(
-        lambda self: self.stack.backend == "sqlite" and self.step_no - self.reopened_at >= 8
-    )
+    @precondition(lambda self: self.stack.durable and self.step_no - self.reopened_at >= 8)
     @counted
     def reopen(self) -> None:
         """Restart the coordinator process on the same file."""
@@ -644,9 +648,9 @@ def make_e2e_machine(
     recorder: Recorder | None = None,
     workdir: Path | None = None,
 ) -> type[RuleBasedStateMachine]:
-    """The end-to-end machine on 'memory' (one EventLog) or 'sqlite' (one file)."""
-    if backend not in ("memory", "sqlite"):
-        raise ValueError(f"the end-to-end machine runs on 'memory' or 'sqlite', not {backend!r}")
+    """The end-to-end machine on 'memory' (one EventLog), 'sqlite' (one file) or PostgreSQL
+    ('postgresql' or a postgresql:// URL: one schema)."""
+    check_stack_backend(backend, "end-to-end")
     attrs_: dict[str, Any] = {
         "backend": backend,
         "recorder": recorder or Recorder("e2e"),

@@ -12,6 +12,7 @@ on one connection but not across several, or a reservation that is judged agains
 stale pointer, shows up as a violation, not only in a unit test.
 
     rollout-lifecycle race --backend sqlite:///race.db --learners 4 --seconds 60
+    rollout-lifecycle race --backend postgresql://user@host/racedb --learners 4 --seconds 60
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from rollout_lifecycle.model.backends import open_backend
+from rollout_lifecycle.model.backends import open_backend, redact_url
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.errors import ActivationError, BackendURLError, RevisionConflict
 from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, TraceEvent
@@ -237,21 +238,61 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
         raise
 
 
-def _reader(url: str) -> Any:
-    """A read-only connection for the learner's own 'what is waiting' query (its buffer)."""
-    from rollout_lifecycle.model.backends import sqlite_path
-    from rollout_lifecycle.model.sqlite_common import connect_read_only
+class _Reader:
+    """The learner's own read-only view for its 'what is waiting' query (its buffer).
 
-    return connect_read_only(sqlite_path(url))
+    On SQLite a read-only connection to the file; on any other backend a read-only open of
+    the same URL (on PostgreSQL, connections with default_transaction_read_only), asked
+    for the first rollouts in state 'rewarded'.
+    """
+
+    def __init__(self, url: str) -> None:
+        self._conn: Any = None
+        self._backend: Any = None
+        if url.startswith("sqlite:"):
+            from rollout_lifecycle.model.backends import sqlite_path
+            from rollout_lifecycle.model.sqlite_common import connect_read_only
+
+            self._conn = connect_read_only(sqlite_path(url))
+        else:
+            self._backend = open_backend(url, create=False)
+
+    def rewarded(self, limit: int) -> list[LedgerEntry]:
+        """Up to `limit` rollouts waiting in 'rewarded', by rollout id."""
+        if self._conn is not None:
+            import json
+
+            rows = self._conn.execute(
+                "SELECT entry FROM rollouts WHERE state = 'rewarded' ORDER BY rollout_id LIMIT ?",
+                (limit,),
+            ).fetchall()
+            return [from_jsonable(LedgerEntry, json.loads(r[0])) for r in rows]
+        ledger = self._backend.ledger
+        in_state = getattr(ledger, "in_state", None)
+        if in_state is not None:
+            found: list[LedgerEntry] = in_state("rewarded", limit)
+            return found
+        waiting = sorted(
+            (e for e in ledger.snapshot().values() if e.state == "rewarded"),
+            key=lambda e: e.rollout_id,
+        )
+        return waiting[:limit]
+
+    def close(self) -> None:
+        """Close the connection or the read-only backend."""
+        if self._conn is not None:
+            self._conn.close()
+        if self._backend is not None:
+            self._backend.close()
 
 
-def _waiting(conn: Any, rng: random.Random) -> list[LedgerEntry]:
-    import json
+def _reader(url: str) -> _Reader:
+    """A read-only view for the learner's own 'what is waiting' query (its buffer)."""
+    return _Reader(url)
 
-    rows = conn.execute(
-        "SELECT entry FROM rollouts WHERE state = 'rewarded' ORDER BY rollout_id LIMIT 64"
-    ).fetchall()
-    entries = [from_jsonable(LedgerEntry, json.loads(r[0])) for r in rows]
+
+def _waiting(reader: _Reader, rng: random.Random) -> list[LedgerEntry]:
+    entries = reader.rewarded(64)
     rng.shuffle(entries)
     return entries[: rng.randint(1, BATCH)]
 
@@ -294,7 +335,7 @@ class RaceReport:
         """The report as JSON (schema rollout-lifecycle/race-report/1)."""
         return {
             "schema": SCHEMA,
-            "config": attrs.asdict(self.config),
+            "config": dict(attrs.asdict(self.config), url=redact_url(self.config.url)),
             "elapsed_s": round(self.elapsed_s, 2),
             "ok": self.ok,
             "events": self.events,
@@ -491,3 +532,27 @@ def fresh_file(url: str) -> Path:
             f"{path} already exists: a race starts from a new file; remove it or give another"
         )
     return path
+
+
+def check_fresh(url: str) -> None:
+    """The race needs fresh state, since its checks judge the whole trace: a new SQLite file,
+    or a PostgreSQL database (schema) that holds no ledger yet; memory:// is one process."""
+    if url.startswith("sqlite:"):
+        fresh_file(url)
+        return
+    if url.startswith("memory:"):
+        raise BackendURLError(
+            "memory:// lives in one process; a race runs several: use sqlite:///race.db or "
+            "a postgresql:// URL"
+        )
+    try:
+        with open_backend(url, create=False):
+            pass
+    except BackendURLError as exc:
+        if "holds no rollout-lifecycle ledger" in str(exc):
+            return  # empty: the race creates its tables
+        raise
+    raise BackendURLError(
+        f"{redact_url(url)} already holds a ledger: a race starts from an empty database "
+        "(or schema); create a new one (createdb) or give another"
+    )

@@ -40,7 +40,7 @@ from rollout_lifecycle.stateful_tests import (
     ledger_machine,
     seams_machine,
 )
-from rollout_lifecycle.stateful_tests.backends import BACKEND_NAMES, LedgerFactory, resolve_factory
+from rollout_lifecycle.stateful_tests.backends import LedgerFactory, resolve_factory, stack_backend
 from rollout_lifecycle.stateful_tests.minimize import minimize
 from rollout_lifecycle.stateful_tests.profiles import register_profiles
 from rollout_lifecycle.stateful_tests.recording import DECLARED, Recorder
@@ -232,7 +232,7 @@ def _machine_class(
         label, factory = resolve_factory(backend)
         cls = ledger_machine.make_ledger_machine(factory, recorder=recorder, workdir=workdir)
         return cls, label
-    stack = backend if isinstance(backend, str) and backend in BACKEND_NAMES else "memory"
+    stack = stack_backend(backend)
     if machine == "activation":
         return (
             activation_machine.make_activation_machine(stack, recorder=recorder, workdir=workdir),

@@ -1,9 +1,9 @@
 """Hypothesis machine of the composition users run (spec/seams_model.py), on live objects.
 
 The same actions as the explorer model (one implementation: `Composition`), but the
-objects live across steps on a real backend: on SQLite the activator and each learner
-open the file through `open_backend` separately, so every party has its own connection,
-as separate processes would. After every step the new trace events are judged by the
+objects live across steps on a real backend: on SQLite (or PostgreSQL) the activator and
+each learner open the state through `open_backend` separately, so every party has its own
+connection, as separate processes would. After every step the new trace events are judged by the
 spec (the same predicates), the ghost check of what workers really serve, and the at-rest
 invariants of the stored state. Budgets are larger than the explorer's.
 """
@@ -35,7 +35,12 @@ from rollout_lifecycle.spec.seams_model import (
     SeamsModel,
     version_hash,
 )
-from rollout_lifecycle.stateful_tests.backends import LogSource, SQLiteEventSource
+from rollout_lifecycle.stateful_tests.backends import (
+    LogSource,
+    check_stack_backend,
+    durable_url,
+    event_source,
+)
 from rollout_lifecycle.stateful_tests.recording import (
     Recorder,
     TraceChecker,
@@ -91,10 +96,10 @@ class SeamsMachine(RuleBasedStateMachine):
             log = b.ledger.log if isinstance(b.ledger, MemoryLedger) else EventLog()
             self.source: Any = LogSource(log)
         else:
-            url = f"sqlite:///{self.tmp / 'seams.db'}"
+            url = durable_url(self.backend, self.tmp)
             parties = [open_backend(url) for _ in range(3)]  # one connection per party
             self.backends = parties
-            self.source = SQLiteEventSource(self.tmp / "seams.db")
+            self.source = event_source(url)
         self._bootstrap(parties[0])
         self.model = SeamsModel(
             learners=2,
@@ -273,9 +278,8 @@ def make_seams_machine(
     recorder: Recorder | None = None,
     workdir: Path | None = None,
 ) -> type[RuleBasedStateMachine]:
-    """The composition machine on 'memory' or 'sqlite' (a connection per party)."""
-    if backend not in ("memory", "sqlite"):
-        raise ValueError(f"the seams machine runs on 'memory' or 'sqlite', not {backend!r}")
+    """The composition machine on 'memory', 'sqlite' or PostgreSQL (a connection per party)."""
+    check_stack_backend(backend, "seams")
     attrs_: dict[str, Any] = {
         "backend": backend,
         "recorder": recorder or Recorder("seams"),

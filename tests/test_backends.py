@@ -72,8 +72,9 @@ def test_sqlite_absolute_path_uses_four_slashes(tmp_path: Path) -> None:
         ("sqlite:///", "path to the database file is missing"),
         ("sqlite:///:memory:", "use memory://"),
         ("sqlite:///x.db?mode=ro", "query parameters"),
-        ("postgresql://user@localhost/rl", "not supported yet"),
-        ("postgres://localhost/rl", "not supported yet"),
+        ("postgresql+psycopg://user@localhost/rl", "drop the '+psycopg'"),
+        ("postgresql://[::1/rl", "not a valid PostgreSQL URL"),
+        ("postgres://localhost/rl?bogus=1", "invalid URI query parameter"),
         ("redis://localhost", "unknown scheme 'redis'"),
         ("ledger.db", "did you mean sqlite:///ledger.db"),
     ],
@@ -177,3 +178,19 @@ def test_lease_seconds_reach_the_ledger() -> None:
     with open_backend("memory://", lease_seconds=7.0) as b:
         assert isinstance(b.ledger, MemoryLedger)
         assert b.ledger.lease_seconds == 7.0
+
+
+def test_postgresql_without_psycopg_says_which_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without psycopg a postgresql:// URL is a technical error naming the [postgres] extra."""
+    import sys
+
+    from rollout_lifecycle.model.errors import BackendUnavailable
+
+    for name in list(sys.modules):
+        if name.startswith(("psycopg", "rollout_lifecycle.model.postgres_")):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # import psycopg -> ImportError
+    with pytest.raises(BackendUnavailable, match=r"rollout-lifecycle\[postgres\]"):
+        open_backend("postgresql://user@localhost/rl")

@@ -388,7 +388,7 @@ def test_interrupt_midway_leaves_no_output(tmp_path: Path, monkeypatch: pytest.M
         (["--registry-json", "BADKEY"], "is not a version"),
         (["--conditions-json", "BADCOND"], "temperature must be"),
         (["--backend", "sqlite:///MISSINGDB"], "no such file"),
-        (["--backend", "postgresql://localhost/x"], "not supported yet"),
+        (["--backend", "postgresql+psycopg://localhost/x"], "drop the '+psycopg'"),
     ],
 )
 def test_bad_options_are_usage_errors(tmp_path: Path, extra: list[str], needle: str) -> None:

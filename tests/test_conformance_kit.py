@@ -19,10 +19,12 @@ from rollout_lifecycle.stateful_tests.conformance import (
 )
 
 
-@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+@pytest.mark.parametrize("backend", ["memory", "sqlite", "postgresql"])
 def test_builtin_backend_conforms(backend: str, tmp_path: Path) -> None:
     """Protocol checks and the race machine pass on the shipped backends."""
-    report = run_conformance(backend, examples=50, workdir=tmp_path)
+    report = run_conformance(
+        backend, examples=30 if backend == "postgresql" else 50, workdir=tmp_path
+    )
     assert report.ok, report.summary()
     assert set(report.problems) == set(CHECKS)
 

@@ -18,6 +18,7 @@ from rollout_lifecycle.model.registry import MemoryRegistry, RegistryStore, SQLi
 from rollout_lifecycle.model.sqlite_common import connect, read_events
 from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
 from rollout_lifecycle.spec.invariants import check_trace
+from rollout_lifecycle.stateful_tests.backends import fresh_schema, postgres_url
 
 WORKERS = ("w0", "w1")
 H = {v: f"{v:x}".rjust(64, "a") for v in range(10)}
@@ -26,16 +27,26 @@ BAD = "f" * 64
 Opener = Callable[[], RegistryStore]
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "postgresql"])
 def open_registry(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
-    """Open the backend's registry: memory gives the same object, SQLite a new connection."""
+    """Open the backend's registry: memory gives the same object, SQLite and PostgreSQL a
+    new connection to the same state (one file; one schema of the test server)."""
     opened: list[RegistryStore] = []
     mem = MemoryRegistry()
+    schema = None
+    if request.param == "postgresql":
+        schema = fresh_schema(postgres_url(), tmp_path)
 
     def opener() -> RegistryStore:
-        reg: RegistryStore = (
-            mem if request.param == "memory" else SQLiteRegistry(tmp_path / "state.db")
-        )
+        reg: RegistryStore
+        if request.param == "memory":
+            reg = mem
+        elif request.param == "sqlite":
+            reg = SQLiteRegistry(tmp_path / "state.db")
+        else:
+            from rollout_lifecycle.model.postgres_registry import PostgresRegistry
+
+            reg = PostgresRegistry(postgres_url(), schema=schema)
         opened.append(reg)
         return reg
 

@@ -44,6 +44,7 @@ from rollout_lifecycle.model.records import (
     to_jsonable,
 )
 from rollout_lifecycle.model.sqlite_common import FileReplaced, connect
+from rollout_lifecycle.stateful_tests.backends import durable_url
 
 H = {v: f"{v:x}".rjust(64, "c") for v in range(10)}
 WORKERS = ["gen-0", "gen-1"]
@@ -71,8 +72,9 @@ def _activate(c: ActivationCoordinator, version: int) -> None:
 
 @contextlib.contextmanager
 def two_processes(kind: str, tmp_path: Path) -> Iterator[tuple[Backend, Backend]]:
-    """A learner's and an activator's backend on one state: SQLite opens the file twice
-    (two connections, as two processes would); memory shares the objects."""
+    """A learner's and an activator's backend on one state: SQLite opens the file twice and
+    PostgreSQL one schema twice (two pools, as two processes would); memory shares the
+    objects."""
     if kind == "memory":
         b = open_backend("memory://")
         try:
@@ -80,12 +82,12 @@ def two_processes(kind: str, tmp_path: Path) -> Iterator[tuple[Backend, Backend]
         finally:
             b.close()
         return
-    url = f"sqlite:///{tmp_path / 'state.db'}"
+    url = durable_url(kind, tmp_path)
     with open_backend(url) as learner, open_backend(url) as activator:
         yield learner, activator
 
 
-@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+@pytest.mark.parametrize("kind", ["memory", "sqlite", "postgresql"])
 def test_pointer_moved_between_admission_and_reservation_is_refused(
     kind: str, tmp_path: Path
 ) -> None:
@@ -120,7 +122,7 @@ def test_pointer_moved_between_admission_and_reservation_is_refused(
         assert again.reason == "stale_policy"
 
 
-@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+@pytest.mark.parametrize("kind", ["memory", "sqlite", "postgresql"])
 def test_version_that_never_activated_is_not_reserved(kind: str, tmp_path: Path) -> None:
     """A rollout of a version that never became active is refused at the write."""
     with two_processes(kind, tmp_path) as (learner, activator):
@@ -182,11 +184,11 @@ def test_small_api_refuses_an_empty_worker_set() -> None:
         )
 
 
-@pytest.mark.parametrize("url_kind", ["memory", "sqlite"])
+@pytest.mark.parametrize("url_kind", ["memory", "sqlite", "postgresql"])
 def test_ledger_refuses_what_its_spec_rejects(url_kind: str, tmp_path: Path) -> None:
     """Problem 3: a rewarded entry with no reward, and a stamp contradicting itself, never
     land (refused before anything is written)."""
-    url = "memory://" if url_kind == "memory" else f"sqlite:///{tmp_path / 's.db'}"
+    url = "memory://" if url_kind == "memory" else durable_url(url_kind, tmp_path)
     with open_backend(url) as b:
         with pytest.raises(WriteRefused, match="without a reward value"):
             b.ledger.add(

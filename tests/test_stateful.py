@@ -60,11 +60,20 @@ def test_ledger_machine_memory(tmp_path: Path) -> None:
     )
 
 
-def test_ledger_machine_sqlite(tmp_path: Path) -> None:
-    """The same race machine on a SQLite file, closed and reopened mid-run."""
+# examples per durable backend: each step is real I/O (a PostgreSQL step is a few round
+# trips to the server), so the durable runs are smaller than the memory ones
+DURABLE_EXAMPLES = {"sqlite": 50, "postgresql": 30}
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_ledger_machine_durable(backend: str, tmp_path: Path) -> None:
+    """The same race machine on a SQLite file / a PostgreSQL schema, closed and reopened
+    mid-run."""
     run_state_machine_as_test(
-        make_ledger_machine("sqlite", workdir=tmp_path),
-        settings=profile_settings(max_examples=min(_active().max_examples, 50)),
+        make_ledger_machine(backend, workdir=tmp_path),
+        settings=profile_settings(
+            max_examples=min(_active().max_examples, DURABLE_EXAMPLES[backend])
+        ),
     )
 
 
@@ -101,12 +110,24 @@ def test_artifact_machine(backend: str, tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 @pytest.mark.parametrize("maker", [make_activation_machine, make_e2e_machine])
-def test_registry_machines_on_sqlite(maker: Any, tmp_path: Path) -> None:
-    """Ledger and registry share one SQLite file (one trace); the coordinator restarts."""
+def test_registry_machines_durable(maker: Any, backend: str, tmp_path: Path) -> None:
+    """Ledger and registry share one SQLite file / PostgreSQL schema (one trace); the
+    coordinator restarts."""
+    n = 25 if backend == "sqlite" else 15
     run_state_machine_as_test(
-        maker("sqlite", workdir=tmp_path),
-        settings=profile_settings(max_examples=min(_active().max_examples, 25)),
+        maker(backend, workdir=tmp_path),
+        settings=profile_settings(max_examples=min(_active().max_examples, n)),
+    )
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])
+def test_seams_machine_durable(backend: str, tmp_path: Path) -> None:
+    """The composition machine with a connection per party on PostgreSQL (SQLite above)."""
+    run_state_machine_as_test(
+        make_seams_machine(backend, workdir=tmp_path),
+        settings=profile_settings(max_examples=min(_active().max_examples, 10)),
     )
 
 

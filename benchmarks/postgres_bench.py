@@ -1,0 +1,267 @@
+"""Reservations per second on PostgreSQL: single and batch compare-and-set with 1 / 4 / 8
+workers, each next to a plain UPDATE of the same rows by the same workers in the same run.
+
+    python benchmarks/postgres_bench.py                       # starts a throwaway server
+    python benchmarks/postgres_bench.py --url postgresql://user@host/db --json out.json
+
+Each worker is an OS process with its own PostgresLedger (its own connection pool) and its
+own disjoint share of freshly added rollouts, so every reservation wins: the figure is the
+cost of a winning reservation through the real code path (read, plan, enforce, the premise
+under its lock, the CAS statement, events and counters under the events lock, COMMIT). The
+baseline is the bare write those rows need: one autocommit ``UPDATE ... WHERE rollout_id =``
+per row for the single mode, one ``UPDATE ... WHERE rollout_id = ANY(...)`` per chunk for the
+batch mode. Wall time runs from a barrier every worker has reached to the last one done.
+No figure is asserted anywhere; the ratio inside one run is what to read.
+
+Standalone and importable: `run_bench(url, ...)` returns the rows as dicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+HASH = "b" * 64
+
+
+def _stamp() -> Any:
+    from rollout_lifecycle.model.records import AdmissionStamp
+
+    return AdmissionStamp(
+        current_version=1,
+        behavior_version=1,
+        max_lag=1,
+        max_drift=0.2,
+        drift=0.0,
+        freshness="fresh",
+        reason="ok",
+        accepted=True,
+    )
+
+
+def _ids(worker: int, n: int, tag: str) -> list[str]:
+    return [f"{tag}-w{worker}-{i:06d}" for i in range(n)]
+
+
+def _worker(
+    url: str, schema: str, mode: str, worker: int, n: int, chunk: int, barrier: Any, out: Any
+) -> None:
+    """One process: reserve its n rollouts (mode cas-*) or plain-UPDATE them (plain-*)."""
+    try:
+        import psycopg
+
+        from rollout_lifecycle.model.ledger import ReserveRequest
+        from rollout_lifecycle.model.postgres_ledger import PostgresLedger
+
+        rids = _ids(worker, n, "r")
+        stamp = _stamp()
+        led = PostgresLedger(url, schema=schema, pool_size=1)
+        conn = psycopg.connect(url, autocommit=True, options=f"-c search_path={schema}")
+        barrier.wait(timeout=300)
+        t0 = time.perf_counter()
+        won = 0
+        if mode == "cas-single":
+            for rid in rids:
+                won += led.reserve(rid, 0, f"u{worker}", stamp).reserved
+        elif mode == "cas-batch":
+            for i in range(0, n, chunk):
+                reqs = [ReserveRequest(r, 0, stamp) for r in rids[i : i + chunk]]
+                won += sum(o.reserved for o in led.reserve_batch(f"u{worker}.{i}", reqs))
+        elif mode == "plain-single":
+            for rid in rids:
+                conn.execute(
+                    "UPDATE rollouts SET lease_expires_at = %s WHERE rollout_id = %s",
+                    (time.time(), rid),
+                )
+                won += 1
+        elif mode == "plain-batch":
+            for i in range(0, n, chunk):
+                part = rids[i : i + chunk]
+                with conn.transaction():
+                    cur = conn.execute(
+                        "UPDATE rollouts SET lease_expires_at = %s WHERE rollout_id = ANY(%s)",
+                        (time.time(), part),
+                    )
+                won += cur.rowcount
+        else:
+            raise ValueError(mode)
+        elapsed = time.perf_counter() - t0
+        conn.close()
+        led.close()
+        out.put({"worker": worker, "done": won, "t0": t0, "t1": t0 + elapsed})
+    except BaseException as exc:
+        out.put({"worker": worker, "error": repr(exc)})
+        raise
+
+
+def _prepare(url: str, schema: str, workers: int, n: int) -> None:
+    """A fresh schema with v1 active and every worker's n rollouts waiting (rewarded)."""
+    import psycopg
+    from psycopg import sql
+
+    from rollout_lifecycle.model.coordinator import ActivationCoordinator
+    from rollout_lifecycle.model.postgres_common import PostgresDatabase
+    from rollout_lifecycle.model.postgres_ledger import PostgresLedger
+    from rollout_lifecycle.model.postgres_registry import PostgresRegistry
+    from rollout_lifecycle.model.records import LedgerEntry, Reward, WorkerAck
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+    db = PostgresDatabase(url, schema=schema)
+    led = PostgresLedger(db)
+    reg = PostgresRegistry(db)
+    try:
+        c = ActivationCoordinator(reg, ["w0"], ledger=led)
+        c.prepare(1)
+        c.commit_artifact(1, HASH)
+        c.distribute(1)
+        c.record_ack(WorkerAck("w0", 1, HASH))
+        assert c.try_activate(1).activated
+        reward = Reward("bench", "1", 1.0)
+        for w in range(workers):
+            rids = _ids(w, n, "r")
+            for i in range(0, n, 5000):
+                led.add_many(
+                    [
+                        LedgerEntry(
+                            rollout_id=r,
+                            behavior_version=1,
+                            artifact_hash=HASH,
+                            state="rewarded",
+                            reward=reward,
+                        )
+                        for r in rids[i : i + 5000]
+                    ]
+                )
+    finally:
+        led.close()
+        reg.close()
+
+
+def _run(url: str, schema: str, mode: str, workers: int, n: int, chunk: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(workers)
+    out: Any = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(url, schema, mode, w, n, chunk, barrier, out))
+        for w in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=900) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    errors = [g["error"] for g in got if "error" in g]
+    if errors:
+        raise RuntimeError(f"{mode} x{workers}: {errors}")
+    done = sum(g["done"] for g in got)
+    wall = max(g["t1"] for g in got) - min(g["t0"] for g in got)
+    return {"done": done, "wall_s": wall, "per_s": done / wall}
+
+
+def run_bench(
+    url: str,
+    *,
+    workers: tuple[int, ...] = (1, 4, 8),
+    single_n: int = 1500,
+    batch_n: int = 10_000,
+    chunk: int = 250,
+    progress: Any = None,
+) -> list[dict[str, Any]]:
+    """Every (mode, workers) row: CAS reservations/s and plain-UPDATE rows/s on the same rows.
+
+    `single_n` / `batch_n` are rollouts per worker. The plain UPDATE runs right after the CAS
+    on the very rows the CAS reserved (the same rows, the same row size, a warm cache).
+    """
+    say = progress or (lambda _t: None)
+    rows = []
+    for mode, n in (("single", single_n), ("batch", batch_n)):
+        for k in workers:
+            schema = f"bench_{mode}_{k}"
+            say(f"preparing {mode} x{k}: {k * n} rollouts")
+            _prepare(url, schema, k, n)
+            cas = _run(url, schema, f"cas-{mode}", k, n, chunk)
+            plain = _run(url, schema, f"plain-{mode}", k, n, chunk)
+            assert cas["done"] == plain["done"] == k * n, (cas, plain)
+            row = {
+                "mode": mode,
+                "chunk": chunk if mode == "batch" else 1,
+                "workers": k,
+                "rows": k * n,
+                "cas_per_s": round(cas["per_s"]),
+                "plain_update_per_s": round(plain["per_s"]),
+                "cas_vs_plain": round(cas["per_s"] / plain["per_s"], 3),
+                "cas_wall_s": round(cas["wall_s"], 3),
+                "plain_wall_s": round(plain["wall_s"], 3),
+            }
+            say(
+                f"{mode:6} x{k}: CAS {row['cas_per_s']:>7,}/s  plain UPDATE "
+                f"{row['plain_update_per_s']:>7,}/s  ratio {row['cas_vs_plain']}"
+            )
+            rows.append(row)
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = "| mode | workers | rows | CAS reservations/s | plain UPDATE rows/s | CAS / plain |"
+    lines = [head, "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        mode = f"batch ({r['chunk']}/stmt)" if r["mode"] == "batch" else "single"
+        lines.append(
+            f"| {mode} | {r['workers']} | {r['rows']:,} | {r['cas_per_s']:,} | "
+            f"{r['plain_update_per_s']:,} | {r['cas_vs_plain']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: print the table (and write JSON with --json)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", help="postgresql:// URL (default: start a throwaway server)")
+    ap.add_argument("--workers", default="1,4,8", help="comma-separated worker counts")
+    ap.add_argument("--single-n", type=int, default=1500, help="rollouts per worker, single")
+    ap.add_argument("--batch-n", type=int, default=10_000, help="rollouts per worker, batch")
+    ap.add_argument("--chunk", type=int, default=250, help="rollouts per batch statement")
+    ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    workers = tuple(int(x) for x in args.workers.split(","))
+    server = None
+    url = args.url
+    if url is None:
+        from tests.pg_server import create_server, new_database
+
+        server = create_server()
+        url = new_database(server, "bench")
+        print(f"throwaway server on port {server.port} (fsync off, synchronous_commit on)")
+    try:
+        rows = run_bench(
+            url,
+            workers=workers,
+            single_n=args.single_n,
+            batch_n=args.batch_n,
+            chunk=args.chunk,
+            progress=print,
+        )
+    finally:
+        if server is not None:
+            server.remove()
+    print()
+    print(_table(rows))
+    if args.json is not None:
+        from rollout_lifecycle.model.atomic import atomic_write
+
+        atomic_write(args.json, json.dumps({"rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,763 @@
+"""What the PostgreSQL ledger and registry share: connections, locks, schema versions, events.
+
+Ledger and registry live in one database (one schema of it) so that their events share one
+global order, as on SQLite. A `PostgresDatabase` owns a psycopg 3 connection pool (one per
+process: a forked child never touches its parent's sockets) and runs every step as a
+function of one connection, inside one transaction, under READ COMMITTED.
+
+Locks (transaction-scoped advisory locks, keyed per schema, always taken in this order, so no
+two steps can wait on each other in a cycle):
+
+    K_SCHEMA    DDL on first use (creating tables while another process does the same)
+    K_BAD       shared: add / abort / expire_leases read the bad versions they act on;
+                exclusive: quarantine_version / clear_bad_version change them
+    K_REGISTRY  exclusive: every registry step (its plan reads a registry nobody else changes)
+    K_PREMISE   shared: a reservation reads the active pointer and ever-active versions;
+                exclusive: a registry step that changes an artifact or the pointer
+    (rows)      rollout rows, always locked in rollout_id order
+    K_EVENTS    exclusive, the LAST lock of every writing step: events get their txn and seq
+                numbers under it and it is held to COMMIT, so seq order is commit order. A
+                reader that has seen seq n has seen every step that committed before it,
+                and the trace replays in the order the steps really happened.
+
+A lost connection is retried while nothing can have been committed (the server rolled the
+open transaction back); one lost during COMMIT is resolved with `pg_xact_status` on a new
+connection once the server answers again, so a restarted server never makes a client repeat
+a step that landed, nor drop one that did not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import attrs
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from rollout_lifecycle.model.backends import redact_url as redact
+from rollout_lifecycle.model.errors import (
+    BackendUnavailable,
+    BackendURLError,
+    LedgerError,
+    RolloutLifecycleError,
+)
+from rollout_lifecycle.model.events import TraceEvent, event_from_jsonable, event_to_jsonable
+from rollout_lifecycle.model.sqlite_common import event_subject
+
+T = TypeVar("T")
+Conn = psycopg.Connection[Any]
+
+SCHEMES = ("postgresql", "postgres")
+MIN_SERVER = 130000  # pg_current_xact_id / pg_xact_status (xid8) arrived in PostgreSQL 13
+
+# advisory lock class ids ("RL" + purpose); the second key is hashtext(current_schema())
+_BASE = 0x524C0000
+K_SCHEMA = _BASE + 1
+K_BAD = _BASE + 2
+K_REGISTRY = _BASE + 3
+K_PREMISE = _BASE + 4
+K_EVENTS = _BASE + 5
+
+COUNTER_SHARDS = 16  # counter rows per name, so racing connections rarely share one row
+
+_META_DDL = """
+CREATE TABLE IF NOT EXISTS schema_meta (
+    component text PRIMARY KEY,
+    version   integer NOT NULL
+);
+CREATE SEQUENCE IF NOT EXISTS events_seq;
+CREATE SEQUENCE IF NOT EXISTS events_txn;
+CREATE TABLE IF NOT EXISTS events (
+    seq     bigint PRIMARY KEY,
+    txn     bigint NOT NULL,
+    kind    text NOT NULL,
+    subject text NOT NULL,
+    payload text NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_subject ON events(kind, subject);
+CREATE INDEX IF NOT EXISTS events_txn_idx ON events(txn);
+"""
+
+# connection failures that leave nothing committed (or in doubt only during COMMIT)
+_LOST_STATES = {"57P01", "57P02", "57P03", "08000", "08003", "08006", "08001", "08004"}
+_RETRY_STATES = {"40001", "40P01"}  # serialization failure, deadlock: rolled back, run again
+_SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+# ---- URLs and errors ----------------------------------------------------------------------
+
+
+def is_postgres_url(url: str) -> bool:
+    """Whether `url` names a PostgreSQL server (postgresql:// or postgres://)."""
+    scheme, sep, _ = url.partition("://")
+    return bool(sep) and scheme in SCHEMES
+
+
+def url_params(url: str) -> dict[str, Any]:
+    """libpq's parameters of a postgresql:// URL; BackendURLError when it is not one."""
+    if not is_postgres_url(url):
+        raise BackendURLError(
+            "a PostgreSQL URL starts with postgresql:// (or postgres://), e.g. "
+            "postgresql://user:password@host:5432/dbname"
+        )
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url[len("postgres://") :]
+    try:
+        params = conninfo_to_dict(url)
+    except psycopg.Error as exc:
+        raise BackendURLError(
+            f"not a valid PostgreSQL URL ({str(exc).strip()}); use "
+            "postgresql://user:password@host:5432/dbname"
+        ) from None
+    return dict(params)
+
+
+def describe(params: Mapping[str, Any]) -> str:
+    """host:port/dbname of a connection, for messages (never the password)."""
+    host = params.get("host") or os.environ.get("PGHOST") or "localhost"
+    port = params.get("port") or os.environ.get("PGPORT") or "5432"
+    db = params.get("dbname") or os.environ.get("PGDATABASE") or params.get("user") or "?"
+    return f"PostgreSQL at {host}:{port}/{db}"
+
+
+def connect_error(exc: psycopg.Error, where: str, params: Mapping[str, Any]) -> Exception:
+    """A typed error with what to do, for a failed connection attempt."""
+    text = str(exc).replace("connection failed: ", "").strip()
+    low = text.lower()
+    user = params.get("user") or os.environ.get("PGUSER") or "(default user)"
+    if "password authentication failed" in low or "no password supplied" in low:
+        return BackendURLError(
+            f"{where} refused the credentials of role {user!r} (wrong or missing password): "
+            "check user and password in the URL, PGPASSWORD or ~/.pgpass"
+        )
+    if re.search(r'role ".*" does not exist', low):
+        return BackendURLError(
+            f"{where} has no role {user!r}: check the user name in the URL, or create the "
+            "role (createuser)"
+        )
+    if re.search(r'database ".*" does not exist', low):
+        db = params.get("dbname", "?")
+        return BackendURLError(
+            f"{where}: database {db!r} does not exist; create it (createdb {db}) or name an "
+            "existing one in the URL"
+        )
+    if "pg_hba.conf" in low:
+        return BackendURLError(
+            f"{where} does not accept this client ({text.splitlines()[-1]}): allow it in "
+            "pg_hba.conf or connect as a role that is allowed"
+        )
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return BackendUnavailable(
+        f"cannot reach {where} ({first}): is the server running, and are host and port in "
+        "the URL right?"
+    )
+
+
+def _is_lost(exc: BaseException, conn: Conn) -> bool:
+    """Whether `exc` means the connection itself is gone (not a statement's error)."""
+    if not isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        return False
+    return _state(exc) in _LOST_STATES or conn.closed or conn.broken
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class _ConnectionBroke(BackendUnavailable):
+    """The connection broke under a step (the server restarted, the network dropped)."""
+
+
+def _state(exc: BaseException) -> str | None:
+    state = getattr(exc, "sqlstate", None)
+    return state if isinstance(state, str) else None
+
+
+def quote_ident(name: str) -> sql.Identifier:
+    """A schema name as an SQL identifier; only plain names are accepted."""
+    if not _SCHEMA_NAME.match(name):
+        raise BackendURLError(
+            f"schema name {name!r} must be letters, digits and underscores (at most 63), "
+            "starting with a letter or underscore"
+        )
+    return sql.Identifier(name)
+
+
+# ---- the database --------------------------------------------------------------------------
+
+
+@attrs.define
+class _Attempt:
+    """What a write attempt knew when its connection broke."""
+
+    xid: str | None = None
+    committing: bool = False
+    result: Any = None
+
+
+class PostgresDatabase:
+    """One database (one schema in it) shared by a ledger and a registry.
+
+    `acquire`/`release` count its users; the last release closes the pool. Every step is
+    `write(body)` or `read(body)`: `body(conn)` runs inside one transaction.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        schema: str | None = None,
+        read_only: bool = False,
+        pool_size: int = 10,
+        retry_seconds: float = 30.0,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+            raise ValueError(f"pool_size must be an int >= 1, got {pool_size!r}")
+        if retry_seconds < 0:
+            raise ValueError("retry_seconds must be >= 0")
+        self.url = redact(url)
+        self.params = url_params(url)
+        self.where = describe(self.params)
+        self.read_only = read_only
+        self.pool_size = pool_size
+        self.retry_seconds = float(retry_seconds)
+        options = str(self.params.get("options", "") or "")
+        extra = []
+        if schema is not None:
+            quote_ident(schema)
+            extra.append(f"-c search_path={schema}")
+        if read_only:
+            extra.append("-c default_transaction_read_only=on")
+        merged = " ".join([options, *extra]).strip()
+        kwargs: dict[str, Any] = {"application_name": "rollout-lifecycle"}
+        if merged:
+            kwargs["options"] = merged
+        if "connect_timeout" not in self.params:
+            kwargs["connect_timeout"] = max(1, int(connect_timeout))
+        url_clean = url if not url.startswith("postgres://") else "postgresql" + url[8:]
+        self.conninfo = make_conninfo(url_clean, **kwargs)
+        self._lock = threading.Lock()
+        self._pool: ConnectionPool[Conn] | None = None
+        self._pool_pid = -1
+        self._inherited: list[ConnectionPool[Conn]] = []
+        self._users = 0
+        self._closed = False
+        # how often this handle lost a connection and ran a step again, and how often it
+        # learned the fate of a COMMIT that got no answer (introspection for tests and ops)
+        self.retries = 0
+        self.in_doubt_resolved = 0
+        self.schema = self._first_contact(create=not read_only)
+
+    # ---- connections -----------------------------------------------------------------------
+
+    def _connect(self) -> Conn:
+        try:
+            return psycopg.connect(self.conninfo, autocommit=True)
+        except psycopg.Error as exc:
+            raise connect_error(exc, self.where, self.params) from None
+
+    def _first_contact(self, *, create: bool) -> str | None:
+        """Connect once directly (clear errors), check the server, create the schema."""
+        conn = self._connect()
+        try:
+            if conn.info.server_version < MIN_SERVER:
+                raise LedgerError(
+                    f"{self.where} runs PostgreSQL {conn.info.server_version // 10000}; "
+                    "PostgreSQL 13 or newer is needed"
+                )
+            row = conn.execute("SELECT current_schema()").fetchone()
+            current = None if row is None else row[0]
+            if current is not None or not create:
+                return None if current is None else str(current)
+            target = self._wanted_schema(conn)
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", (K_SCHEMA,))
+                conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(quote_ident(target)))
+            return target
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise LedgerError(
+                f"{self.where}: permission denied ({exc}); grant the role CREATE on the "
+                "database, or name a schema it owns (options=-csearch_path=...)"
+            ) from None
+        except psycopg.Error as exc:
+            raise connect_error(exc, self.where, self.params) from None
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _wanted_schema(conn: Conn) -> str:
+        row = conn.execute("SHOW search_path").fetchone()
+        path = "" if row is None else str(row[0])
+        first = path.split(",")[0].strip().strip('"') if path else "public"
+        if first == "$user":
+            user = conn.execute("SELECT current_user").fetchone()
+            first = "public" if user is None else str(user[0])
+        return first or "public"
+
+    def _get_pool(self) -> ConnectionPool[Conn]:
+        with self._lock:
+            if self._closed:
+                raise LedgerError(f"{self.where}: this ledger/registry was closed; open it again")
+            pid = os.getpid()
+            if self._pool is None or self._pool_pid != pid:
+                if self._pool is not None:
+                    # a forked child: its parent's sockets must never be used or closed here
+                    self._inherited.append(self._pool)
+                pool: ConnectionPool[Conn] = ConnectionPool(
+                    self.conninfo,
+                    min_size=1,
+                    max_size=self.pool_size,
+                    kwargs={"autocommit": True},
+                    open=False,
+                    timeout=max(self.retry_seconds, 1.0),
+                    name=f"rollout-lifecycle-{pid}",
+                )
+                pool.open(wait=False)
+                self._pool, self._pool_pid = pool, pid
+            return self._pool
+
+    @contextlib.contextmanager
+    def _checkout(self) -> Iterator[Conn]:
+        pool = self._get_pool()
+        try:
+            cm = pool.connection()
+            conn = cm.__enter__()
+        except PoolTimeout:
+            raise self._unreachable() from None
+        try:
+            yield conn
+        except BaseException as exc:
+            cm.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        else:
+            cm.__exit__(None, None, None)
+
+    def _unreachable(self) -> Exception:
+        """Why no connection came: probe directly so the message names the real cause."""
+        try:
+            self._connect().close()
+        except RolloutLifecycleError as exc:
+            return exc
+        return BackendUnavailable(
+            f"no connection to {self.where} within {self.retry_seconds:.0f}s: every pooled "
+            f"connection ({self.pool_size}) stayed busy; raise pool_size or use fewer threads"
+        )
+
+    def _purge(self) -> None:
+        """After a lost connection, test the idle ones at once (a restart breaks them all)."""
+        pool = self._pool
+        if pool is not None and self._pool_pid == os.getpid():
+            with contextlib.suppress(Exception):
+                pool.check()
+
+    # ---- running steps -------------------------------------------------------------------
+
+    def write(
+        self,
+        body: Callable[[Conn], T],
+        what: str = "a write",
+        *,
+        error: type[RolloutLifecycleError] = LedgerError,
+        prologue: str = "",
+    ) -> T:
+        """Run `body` in one READ COMMITTED transaction and commit it; see the module doc.
+
+        `prologue` (SQL without parameters, e.g. taking a lock) runs right after BEGIN in the
+        same round trip. Exceptions raised by `body` itself roll the transaction back and
+        propagate as they are; database errors become `error` (or BackendUnavailable) with
+        what to do.
+        """
+        if self.read_only:
+            raise error(f"{self.where} was opened read-only; nothing was written ({what})")
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.05
+        while True:
+            attempt = _Attempt()
+            try:
+                return self._write_once(body, attempt, prologue)
+            except _ConnectionBroke as exc:
+                if attempt.committing:
+                    status = self._resolve(attempt.xid, deadline, what)
+                    with self._lock:
+                        self.in_doubt_resolved += 1
+                    if status == "committed":
+                        return attempt.result  # type: ignore[no-any-return]
+                    # aborted: the server rolled it back, so running it again is safe
+                self._purge()
+                failure: Exception = BackendUnavailable(
+                    f"lost the connection to {self.where} during {what} and could not get it "
+                    f"back within {self.retry_seconds:.0f}s ({exc}); nothing was written. "
+                    "Check the server, then retry"
+                )
+            except psycopg.Error as exc:
+                if _state(exc) not in _RETRY_STATES:
+                    raise self._translate(exc, what, error) from None
+                # a deadlock or serialization failure rolled it all back: run it again
+                failure = error(
+                    f"{self.where}: {what} kept failing ({str(exc).splitlines()[0]}); "
+                    "nothing was written, retry later"
+                )
+            if time.monotonic() + delay > deadline:
+                raise failure from None
+            with self._lock:
+                self.retries += 1
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _write_once(self, body: Callable[[Conn], T], attempt: _Attempt, prologue: str = "") -> T:
+        with self._checkout() as conn:
+            try:
+                # one round trip: BEGIN, the transaction id (to resolve a COMMIT whose answer
+                # is lost), and the prologue; each statement gets its own snapshot
+                opening = "BEGIN; SELECT pg_current_xact_id()::text"
+                cur = conn.execute(f"{opening}; {prologue}" if prologue else opening)
+                cur.nextset()
+                row = cur.fetchone()
+                attempt.xid = None if row is None else str(row[0])
+                result = body(conn)
+                attempt.result = result
+                attempt.committing = True
+                conn.execute("COMMIT")
+                return result
+            except BaseException as exc:
+                if not conn.closed and not conn.broken:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.execute("ROLLBACK")
+                if isinstance(exc, psycopg.Error) and _is_lost(exc, conn):
+                    raise _ConnectionBroke(_first_line(exc)) from exc
+                raise
+
+    def _resolve(self, xid: str | None, deadline: float, what: str) -> str:
+        """The fate of a transaction whose COMMIT got no answer: committed or aborted."""
+        if xid is None:
+            return "aborted"
+        delay = 0.05
+        last = ""
+        while True:
+            try:
+                conn = psycopg.connect(self.conninfo, autocommit=True)
+                try:
+                    row = conn.execute("SELECT pg_xact_status(%s::xid8)", (xid,)).fetchone()
+                finally:
+                    conn.close()
+                status = None if row is None else row[0]
+                if status in ("committed", "aborted"):
+                    return str(status)
+                last = f"transaction {xid} is {status}"
+            except psycopg.Error as exc:
+                last = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if time.monotonic() + delay > deadline:
+                raise BackendUnavailable(
+                    f"lost the connection to {self.where} while committing {what}, and could "
+                    f"not learn whether it landed ({last}); re-read before retrying (a repeated "
+                    "reserve by the same update is an idempotent retry)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def read(self, body: Callable[[Conn], T], what: str = "a read", *, snapshot: bool = False) -> T:
+        """Run `body` on one connection (one REPEATABLE READ snapshot with `snapshot`);
+        a lost connection is retried (reading twice is harmless)."""
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.05
+        while True:
+            try:
+                return self._read_once(body, snapshot)
+            except _ConnectionBroke as exc:
+                self._purge()
+                failure: Exception = BackendUnavailable(
+                    f"lost the connection to {self.where} during {what} and could not get it "
+                    f"back within {self.retry_seconds:.0f}s ({exc}); check the server, then retry"
+                )
+            except psycopg.Error as exc:
+                if _state(exc) not in _RETRY_STATES:
+                    raise self._translate(exc, what, LedgerError) from None
+                failure = LedgerError(f"{self.where}: {what} kept failing ({_first_line(exc)})")
+            if time.monotonic() + delay > deadline:
+                raise failure from None
+            with self._lock:
+                self.retries += 1
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _read_once(self, body: Callable[[Conn], T], snapshot: bool) -> T:
+        with self._checkout() as conn:
+            try:
+                if not snapshot:
+                    return body(conn)
+                conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                try:
+                    return body(conn)
+                finally:
+                    if not conn.closed and not conn.broken:
+                        conn.execute("COMMIT")
+            except psycopg.Error as exc:
+                if _is_lost(exc, conn):
+                    raise _ConnectionBroke(_first_line(exc)) from exc
+                raise
+
+    def _translate(
+        self, exc: BaseException, what: str, error: type[RolloutLifecycleError]
+    ) -> RolloutLifecycleError:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+            return error(f"{self.where} was opened read-only; nothing was written ({what})")
+        if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+            return error(
+                f"{self.where}: permission denied during {what} ({first}); grant the role "
+                "the rights it needs on this schema"
+            )
+        if isinstance(exc, psycopg.errors.UndefinedTable):
+            return error(
+                f"{self.where}: tables are missing during {what} ({first}); open it with "
+                "create=True once, or check the URL's database and search_path"
+            )
+        return error(f"{self.where}: {what} failed, nothing was written ({first})")
+
+    # ---- schema ----------------------------------------------------------------------------
+
+    def component_version(self, component: str) -> int | None:
+        """The schema version of `component` here, or None when it has none."""
+
+        def body(conn: Conn) -> int | None:
+            row = conn.execute("SELECT to_regclass('schema_meta') IS NOT NULL").fetchone()
+            if row is None or not row[0]:
+                return None
+            found = conn.execute(
+                "SELECT version FROM schema_meta WHERE component = %s", (component,)
+            ).fetchone()
+            return None if found is None else int(found[0])
+
+        return self.read(body, f"reading the {component} schema version")
+
+    def ensure_schema(
+        self,
+        component: str,
+        version: int,
+        ddl: str,
+        *,
+        migrations: Mapping[int, str] | None = None,
+    ) -> None:
+        """Create `component`'s tables on first use, migrate an older schema, refuse a newer one.
+
+        `migrations[v]` takes the component from schema v to v + 1 (run after the DDL, whose
+        CREATE ... IF NOT EXISTS adds new tables); a schema written by a NEWER program is
+        refused with a message that says to upgrade. DDL runs under K_SCHEMA, so processes
+        opening one new database at once do not trip over each other's CREATE TABLE.
+        """
+
+        # the usual case, an up-to-date schema, runs no DDL at all: CREATE INDEX IF NOT
+        # EXISTS still takes a SHARE lock on its table, which would queue behind (and then
+        # block) every writer of a ledger in use
+        if self.component_version(component) == version:
+            return
+
+        def body(conn: Conn) -> None:
+            conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", (K_SCHEMA,))
+            meta = has_table(conn, "schema_meta") and has_table(conn, "events")
+            found = None
+            if meta:
+                found = conn.execute(
+                    "SELECT version FROM schema_meta WHERE component = %s", (component,)
+                ).fetchone()
+            if found is not None and int(found[0]) == version:
+                return  # another process created it while this one waited for the lock
+            conn.execute(ddl if meta else _META_DDL + ddl)
+            row = conn.execute(
+                "SELECT version FROM schema_meta WHERE component = %s", (component,)
+            ).fetchone()
+            if row is None:
+                conn.execute(
+                    "INSERT INTO schema_meta(component, version) VALUES (%s, %s)",
+                    (component, version),
+                )
+                return
+            stored = int(row[0])
+            if stored > version:
+                raise LedgerError(newer_schema(self.where, component, stored, version))
+            if stored < version:
+                steps = migrations or {}
+                if any(v not in steps for v in range(stored, version)):
+                    raise LedgerError(
+                        f"{self.where} has {component} schema version {stored}, this program "
+                        f"expects {version} and cannot migrate it; use a new database or schema"
+                    )
+                for v in range(stored, version):
+                    if steps[v].strip():
+                        conn.execute(steps[v])
+                conn.execute(
+                    "UPDATE schema_meta SET version = %s WHERE component = %s",
+                    (version, component),
+                )
+
+        self.write(body, f"creating the {component} schema")
+
+    def check_readable(self, component: str, version: int) -> int | None:
+        """The stored version of `component` (None: absent); LedgerError when it is newer."""
+        stored = self.component_version(component)
+        if stored is not None and stored > version:
+            raise LedgerError(newer_schema(self.where, component, stored, version))
+        return stored
+
+    # ---- lifetime ----------------------------------------------------------------------------
+
+    def acquire(self) -> PostgresDatabase:
+        """One more user (ledger or registry) of this database."""
+        with self._lock:
+            if self._closed:
+                raise LedgerError(f"{self.where}: this database handle was closed")
+            self._users += 1
+        return self
+
+    def release(self) -> None:
+        """One user fewer; the last one closes the pool. Idempotent past zero."""
+        with self._lock:
+            self._users = max(0, self._users - 1)
+            if self._users:
+                return
+            self._closed = True
+            pool, pid = self._pool, self._pool_pid
+            self._pool = None
+        if pool is not None and pid == os.getpid():
+            with contextlib.suppress(Exception):
+                pool.close(timeout=5.0)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the last user released it."""
+        return self._closed
+
+
+def newer_schema(where: str, component: str, stored: int, version: int) -> str:
+    """The message for a schema written by a newer rollout-lifecycle."""
+    return (
+        f"{where} has {component} schema version {stored}, this program expects {version}: "
+        "it was written by a newer rollout-lifecycle; upgrade this one to use it"
+    )
+
+
+# ---- statements shared by ledger and registry ---------------------------------------------
+
+
+def lock_sql(key: int, *, shared: bool = False) -> str:
+    """The statement taking a transaction-scoped advisory lock of this schema."""
+    fn = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
+    return f"SELECT {fn}({int(key)}, hashtext(current_schema()))"
+
+
+def lock(conn: Conn, key: int, *, shared: bool = False) -> None:
+    """Take a transaction-scoped advisory lock of this schema (see the module doc)."""
+    conn.execute(lock_sql(key, shared=shared))
+
+
+_APPEND = """
+WITH lk AS (
+    SELECT pg_advisory_xact_lock(%(key)s, hashtext(current_schema())) AS locked
+), t AS (
+    SELECT nextval('events_txn') AS txn,
+           setval('events_seq', nextval('events_seq') + %(n)s - 1) AS last
+    FROM lk
+), ins AS (
+    INSERT INTO events(seq, txn, kind, subject, payload)
+    SELECT t.last - %(n)s + e.ord, t.txn, e.kind, e.subject, e.payload
+    FROM t, json_to_recordset(%(events)s::json)
+        AS e(ord bigint, kind text, subject text, payload text)
+){counting}
+SELECT txn, last FROM t
+"""
+
+_COUNTING = f"""
+, cnt AS (
+    INSERT INTO ledger_counters(name, shard, n)
+    SELECT c.name, pg_backend_pid() %% {COUNTER_SHARDS}, c.n
+    FROM t, json_to_recordset(%(counters)s::json) AS c(name text, n bigint)
+    ORDER BY c.name
+    ON CONFLICT (name, shard) DO UPDATE SET n = ledger_counters.n + excluded.n
+)"""
+
+_APPEND_PLAIN = _APPEND.format(counting="")
+_APPEND_COUNTED = _APPEND.format(counting=_COUNTING)
+
+
+def append_events(
+    conn: Conn, events: Sequence[TraceEvent], *, counters: Mapping[str, int] | None = None
+) -> list[TraceEvent]:
+    """Append one atomic step's events inside the caller's transaction, in ONE statement
+    that first takes K_EVENTS (held to COMMIT), so txn and seq numbers are handed out in
+    commit order. The ledger's `counters` (name -> increment, table ledger_counters) ride
+    along in the same statement."""
+    if not events:
+        return []
+    rows = []
+    for i, ev in enumerate(events, start=1):
+        payload = event_to_jsonable(ev)
+        payload.pop("seq", None)
+        payload.pop("txn", None)  # both are columns, stamped by the server under the lock
+        rows.append(
+            {
+                "ord": i,
+                "kind": ev.kind,
+                "subject": event_subject(ev),
+                "payload": json.dumps(payload, separators=(",", ":")),
+            }
+        )
+    params: dict[str, Any] = {"key": K_EVENTS, "n": len(events), "events": json.dumps(rows)}
+    query = _APPEND_PLAIN
+    counts = sorted((k, v) for k, v in (counters or {}).items() if v)
+    if counts:
+        query = _APPEND_COUNTED
+        params["counters"] = json.dumps([{"name": k, "n": v} for k, v in counts])
+    row = conn.execute(query, params).fetchone()
+    assert row is not None
+    txn, last = int(row[0]), int(row[1])
+    first = last - len(events) + 1
+    return [attrs.evolve(ev, seq=first + i, txn=txn) for i, ev in enumerate(events)]
+
+
+def read_events(
+    conn: Conn,
+    kind: str | None = None,
+    subject: str | None = None,
+    *,
+    after_seq: int = 0,
+    exclude_kind: str | None = None,
+) -> list[TraceEvent]:
+    """Events in global order, optionally of one kind and subject, and only after `after_seq`."""
+    where = ["seq > %s"]
+    args: list[str | int] = [after_seq]
+    if kind is not None:
+        where.append("kind = %s")
+        args.append(kind)
+    if exclude_kind is not None:
+        where.append("kind <> %s")
+        args.append(exclude_kind)
+    if subject is not None:
+        where.append("subject = %s")
+        args.append(subject)
+    rows = conn.execute(
+        "SELECT seq, txn, payload FROM events WHERE " + " AND ".join(where) + " ORDER BY seq",
+        args,
+    ).fetchall()
+    out = []
+    for seq, txn, payload in rows:
+        data = json.loads(payload)
+        data["seq"], data["txn"] = int(seq), int(txn)
+        out.append(event_from_jsonable(data))
+    return out
+
+
+def has_table(conn: Conn, name: str) -> bool:
+    """Whether `name` exists in the connection's schema."""
+    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()
+    return bool(row and row[0])

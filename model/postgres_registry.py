@@ -1,0 +1,325 @@
+"""The activation registry on a PostgreSQL server: artifacts, worker acks, pointer, membership.
+
+A coordinator step is planned and written inside ONE transaction: it takes the registry lock
+(exclusive), so its plan and `check_step` read a registry no other coordinator changes
+meanwhile (two coordinators racing on one database act one after the other, each on what
+the other committed, as with SQLite's BEGIN IMMEDIATE). `check_step` re-judges a pointer
+switch with `activation_decision` on the STORED acks of the current attempt and the DURABLE
+required worker set read in that same transaction, so the switch succeeds only when every
+required worker's ack matches version and hash, whatever the coordinator believed.
+
+A step that changes an artifact or the pointer also takes the premise lock exclusive
+before writing, so no reservation reads the pointer while it moves (see
+`postgres_ledger`); a step that only stores a worker's ack does not, and never blocks
+reservations. Events go to the `events` table shared with the ledger, under the events
+lock: one global order, commit order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import TypeVar
+
+from rollout_lifecycle.model.errors import ActivationError
+from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, TraceEvent
+from rollout_lifecycle.model.postgres_common import (
+    K_PREMISE,
+    K_REGISTRY,
+    Conn,
+    PostgresDatabase,
+    append_events,
+    lock,
+    read_events,
+)
+from rollout_lifecycle.model.records import ActivePointer, ArtifactRecord, to_jsonable
+from rollout_lifecycle.model.registry import (
+    _ART_COLS,
+    RegistryStep,
+    RegistryView,
+    WorkerReport,
+    _artifact_events,
+    _EmptyView,
+    _record_to_row,
+    _row_to_record,
+    _row_to_worker,
+    _Unchanged,
+    check_step,
+    make_events,
+)
+
+R = TypeVar("R")
+
+COMPONENT = "registry"
+SCHEMA_VERSION = 1
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS registry_artifacts (
+    version          bigint PRIMARY KEY CHECK (version >= 0),
+    artifact_hash    text,
+    parent_version   bigint,
+    rollback_version bigint,
+    state            text NOT NULL,
+    path             text,
+    failure          text,
+    attempts         bigint NOT NULL CHECK (attempts >= 0)
+);
+CREATE TABLE IF NOT EXISTS registry_pointer (
+    id            integer PRIMARY KEY CHECK (id = 1),
+    version       bigint NOT NULL,
+    artifact_hash text NOT NULL
+);
+CREATE TABLE IF NOT EXISTS registry_workers (
+    worker_id text PRIMARY KEY,
+    floor     bigint NOT NULL,
+    ack       text
+);
+CREATE TABLE IF NOT EXISTS registry_membership (
+    id      integer PRIMARY KEY CHECK (id = 1),
+    workers text NOT NULL
+);
+-- the two write-once rules, held even against a writer that bypasses this module
+CREATE OR REPLACE FUNCTION registry_artifacts_guard() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'UPDATE' AND OLD.artifact_hash IS NOT NULL
+       AND NEW.artifact_hash IS DISTINCT FROM OLD.artifact_hash THEN
+        RAISE EXCEPTION 'a committed artifact hash never changes'
+            USING ERRCODE = 'integrity_constraint_violation';
+    END IF;
+    IF TG_OP = 'INSERT' AND NEW.version <= (SELECT MAX(version) FROM registry_artifacts) THEN
+        RAISE EXCEPTION 'artifact versions are never reused'
+            USING ERRCODE = 'integrity_constraint_violation';
+    END IF;
+    RETURN NEW;
+END
+$$;
+CREATE OR REPLACE TRIGGER registry_artifacts_guard
+    BEFORE INSERT OR UPDATE ON registry_artifacts
+    FOR EACH ROW EXECUTE FUNCTION registry_artifacts_guard();
+"""
+
+
+class _PgView:
+    """What a plan may read, on the step's own connection (inside its transaction)."""
+
+    def __init__(self, conn: Conn) -> None:
+        self._conn = conn
+
+    def artifact(self, version: int) -> ArtifactRecord | None:
+        row = self._conn.execute(
+            f"SELECT {_ART_COLS} FROM registry_artifacts WHERE version = %s", (version,)
+        ).fetchone()
+        return None if row is None else _row_to_record(row)
+
+    def artifacts(self) -> list[ArtifactRecord]:
+        rows = self._conn.execute(
+            f"SELECT {_ART_COLS} FROM registry_artifacts ORDER BY version"
+        ).fetchall()
+        return [_row_to_record(r) for r in rows]
+
+    def pointer(self) -> ActivePointer | None:
+        row = self._conn.execute(
+            "SELECT version, artifact_hash FROM registry_pointer WHERE id = 1"
+        ).fetchone()
+        return None if row is None else ActivePointer(int(row[0]), str(row[1]))
+
+    def worker(self, worker_id: str) -> WorkerReport | None:
+        row = self._conn.execute(
+            "SELECT worker_id, floor, ack FROM registry_workers WHERE worker_id = %s",
+            (worker_id,),
+        ).fetchone()
+        return None if row is None else _row_to_worker(row)
+
+    def workers(self) -> dict[str, WorkerReport]:
+        rows = self._conn.execute(
+            "SELECT worker_id, floor, ack FROM registry_workers ORDER BY worker_id"
+        ).fetchall()
+        return {str(r[0]): _row_to_worker(r) for r in rows}
+
+    def max_version(self) -> int | None:
+        row = self._conn.execute("SELECT MAX(version) FROM registry_artifacts").fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    def required_workers(self) -> tuple[str, ...] | None:
+        row = self._conn.execute("SELECT workers FROM registry_membership WHERE id = 1").fetchone()
+        return None if row is None else tuple(str(w) for w in json.loads(str(row[0])))
+
+
+def _write_step(conn: Conn, step: RegistryStep) -> None:
+    """The rows of a checked step (the caller holds the registry and, if needed, premise lock)."""
+    for ch in step.artifacts:
+        row = _record_to_row(ch.after)
+        if ch.before is None:
+            conn.execute(
+                f"INSERT INTO registry_artifacts({_ART_COLS}) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                row,
+            )
+        else:
+            cur = conn.execute(
+                "UPDATE registry_artifacts SET artifact_hash = %s, parent_version = %s, "
+                "rollback_version = %s, state = %s, path = %s, failure = %s, attempts = %s "
+                "WHERE version = %s",
+                (*row[1:], row[0]),
+            )
+            if cur.rowcount != 1:
+                raise ActivationError(f"artifact v{ch.after.version} vanished during the step")
+    if not isinstance(step.pointer, _Unchanged):
+        if step.pointer is None:
+            conn.execute("DELETE FROM registry_pointer")
+        else:
+            conn.execute(
+                "INSERT INTO registry_pointer(id, version, artifact_hash) VALUES (1, %s, %s) "
+                "ON CONFLICT (id) DO UPDATE SET version = excluded.version, "
+                "artifact_hash = excluded.artifact_hash",
+                (step.pointer.version, step.pointer.artifact_hash),
+            )
+    for w in step.workers:
+        ack = None if w.ack is None else json.dumps(to_jsonable(w.ack))
+        conn.execute(
+            "INSERT INTO registry_workers(worker_id, floor, ack) VALUES (%s, %s, %s) "
+            "ON CONFLICT (worker_id) DO UPDATE SET floor = excluded.floor, ack = excluded.ack",
+            (w.worker_id, w.floor, ack),
+        )
+    if not isinstance(step.membership, _Unchanged):
+        conn.execute(
+            "INSERT INTO registry_membership(id, workers) VALUES (1, %s) "
+            "ON CONFLICT (id) DO UPDATE SET workers = excluded.workers",
+            (json.dumps(list(step.membership)),),
+        )
+
+
+class PostgresRegistry:
+    """The registry in a PostgreSQL database, beside the ledger's tables (component "registry").
+
+    `url` is a postgresql:// URL or a `PostgresDatabase` shared with a ledger. With
+    `read_only`, a database that holds no registry reads as an empty one and nothing is
+    ever created.
+    """
+
+    def __init__(
+        self,
+        url: str | PostgresDatabase,
+        *,
+        read_only: bool = False,
+        schema: str | None = None,
+        pool_size: int = 10,
+        retry_seconds: float = 30.0,
+    ) -> None:
+        if isinstance(url, PostgresDatabase):
+            self.db = url.acquire()
+        else:
+            self.db = PostgresDatabase(
+                url,
+                schema=schema,
+                read_only=read_only,
+                pool_size=pool_size,
+                retry_seconds=retry_seconds,
+            ).acquire()
+        self.read_only = self.db.read_only
+        self._closed = False
+        self._empty = False
+        try:
+            if self.read_only:
+                self._empty = self.db.check_readable(COMPONENT, SCHEMA_VERSION) is None
+            else:
+                self.db.ensure_schema(COMPONENT, SCHEMA_VERSION, _DDL)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def where(self) -> str:
+        """host:port/dbname of the server, for messages."""
+        return self.db.where
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ActivationError(f"registry on {self.db.where} is closed; open it again")
+
+    def _view_read(self, fn: Callable[[RegistryView], R], what: str) -> R:
+        self._check_open()
+        if self._empty:
+            return fn(_EmptyView())
+        return self.db.read(lambda conn: fn(_PgView(conn)), what)
+
+    # ---- the store protocol ----------------------------------------------------------------
+
+    def transact(
+        self, plan: Callable[[RegistryView], tuple[RegistryStep, R]]
+    ) -> tuple[R, list[ArtifactChanged]]:
+        """Plan, check and write one step in one transaction; any exception writes nothing."""
+        self._check_open()
+        if self.read_only:
+            raise ActivationError(
+                f"registry on {self.db.where} was opened read-only; nothing was written"
+            )
+
+        def body(conn: Conn) -> tuple[R, list[TraceEvent]]:
+            lock(conn, K_REGISTRY)
+            view = _PgView(conn)
+            step, result = plan(view)
+            check_step(view, step)
+            events = make_events(step, view.pointer(), view.required_workers())
+            if step.artifacts or not isinstance(step.pointer, _Unchanged):
+                # no reservation reads the pointer or the artifact states while they change
+                lock(conn, K_PREMISE)
+            _write_step(conn, step)
+            return result, append_events(conn, events)
+
+        result, stamped = self.db.write(body, "registry step", error=ActivationError)
+        return result, _artifact_events(stamped)
+
+    def artifact(self, version: int) -> ArtifactRecord | None:
+        """The record of `version`, or None."""
+        return self._view_read(lambda v: v.artifact(version), "artifact")
+
+    def artifacts(self) -> list[ArtifactRecord]:
+        """Every record, by version."""
+        return self._view_read(lambda v: v.artifacts(), "artifacts")
+
+    def pointer(self) -> ActivePointer | None:
+        """The active pointer (None before the first activation)."""
+        return self._view_read(lambda v: v.pointer(), "pointer")
+
+    def workers(self) -> dict[str, WorkerReport]:
+        """Latest report per worker."""
+        return self._view_read(lambda v: v.workers(), "workers")
+
+    def max_version(self) -> int | None:
+        """Highest version ever registered."""
+        return self._view_read(lambda v: v.max_version(), "max_version")
+
+    def required_workers(self) -> tuple[str, ...] | None:
+        """The deployment's durable required worker set (None until first set)."""
+        return self._view_read(lambda v: v.required_workers(), "required_workers")
+
+    def history(self, version: int | None = None) -> list[ArtifactChanged]:
+        """Artifact events in global order (shared with the ledger's), optionally of one version."""
+        self._check_open()
+        if self._empty:
+            return []  # no registry here, so no registry events either
+        subject = None if version is None else str(version)
+        evs = self.db.read(lambda c: read_events(c, "artifact", subject), "history")
+        return [e for e in evs if isinstance(e, ArtifactChanged)]
+
+    def trace(self) -> list[TraceEvent]:
+        """Every registry event (artifacts, membership, worker reports) in global order."""
+        self._check_open()
+        if self._empty:
+            return []
+        evs = self.db.read(lambda c: read_events(c, exclude_kind="entry"), "trace")
+        return [e for e in evs if not isinstance(e, EntryChanged)]
+
+    def close(self) -> None:
+        """Release this registry's hold on the pool; the data stays. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.db.release()
+
+    def __enter__(self) -> PostgresRegistry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

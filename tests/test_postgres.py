@@ -1,0 +1,975 @@
+"""PostgreSQL-only behaviour: URLs and errors, read-only opens, schema versions, the set-based
+batch, real races across processes, crashes, a restarted server, lease expiry of a dead
+learner, and coordinators racing to move the pointer while acks arrive.
+
+The behaviour shared with every backend runs in test_ledger_conformance.py, test_coordinator,
+test_seams and the stateful machines (all parametrised with "postgresql"); this module holds
+what only a server can show. Every test here starts from a new database on the session's
+throwaway server (tests/conftest.py) or, for a server restart, on a server of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from rollout_lifecycle.model.backends import open_backend
+from rollout_lifecycle.model.coordinator import ActivationCoordinator
+from rollout_lifecycle.model.errors import (
+    ActivationError,
+    BackendUnavailable,
+    BackendURLError,
+    LedgerError,
+    RevisionConflict,
+)
+from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, WorkerReported
+from rollout_lifecycle.model.ledger import RecoveryRule, ReserveRequest
+from rollout_lifecycle.model.records import WorkerAck
+from rollout_lifecycle.spec.invariants import check_trace, compare_with_store, stored_world
+from tests import pg_server
+from tests.helpers_ledger import add_rewarded, ids, rewarded, stamp
+
+pytestmark = pytest.mark.postgres
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "rollout_lifecycle.cli.main"]
+H = {v: f"{v:x}".rjust(64, "e") for v in range(200)}
+
+
+def _ledger(url: str, **kw: Any) -> Any:
+    from rollout_lifecycle.model.postgres_ledger import PostgresLedger
+
+    return PostgresLedger(url, **kw)
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args], cwd=REPO, capture_output=True, text=True, timeout=600, env=env
+    )
+
+
+def _tables(server: pg_server.Server, url: str) -> list[str]:
+    out = server.psql(
+        "SELECT tablename FROM pg_tables "
+        "WHERE schemaname NOT IN ('pg_catalog', 'information_schema') ORDER BY tablename",
+        url.rsplit("/", 1)[-1],
+    )
+    return out.split("\n") if out else []
+
+
+def _activate(c: ActivationCoordinator, version: int) -> None:
+    c.prepare(version)
+    c.commit_artifact(version, H[version])
+    c.distribute(version)
+    for w in c.required_workers:
+        assert c.record_ack(WorkerAck(w, version, H[version])).counted
+    assert c.try_activate(version).activated
+
+
+# ---- URLs, errors, read-only, schema versions ------------------------------------------------
+
+
+def test_both_url_schemes_open_one_database(postgres_url: str) -> None:
+    """postgresql:// and postgres:// name the same database; ledger and registry share it."""
+    with open_backend(postgres_url) as b:
+        b.ledger.add(rewarded("a"))
+        ActivationCoordinator(b.registry, ["w0"])
+    other = "postgres://" + postgres_url.removeprefix("postgresql://")
+    with open_backend(other, create=False) as b:
+        assert b.ledger.get("a").state == "rewarded"
+        assert b.registry.required_workers() == ("w0",)
+        assert [e.kind for e in b.trace()] == ["entry", "membership"]
+
+
+def test_unreachable_server_is_a_clear_technical_error() -> None:
+    """Nothing listens on the port: BackendUnavailable naming host and port, quickly."""
+    port = pg_server.free_port()
+    with pytest.raises(BackendUnavailable, match=rf"cannot reach PostgreSQL at 127.0.0.1:{port}"):
+        open_backend(f"postgresql://postgres@127.0.0.1:{port}/rl")
+    down = f"postgresql://postgres@127.0.0.1:{port}/rl"
+    res = _cli("ledger", "counts", "--backend", down)
+    assert res.returncode == 3, res.stderr
+    assert "cannot reach PostgreSQL" in res.stderr and "Traceback" not in res.stderr
+    res = _cli("race", "--backend", down, "--seconds", "1")
+    assert res.returncode == 3 and "cannot reach PostgreSQL" in res.stderr
+
+
+def test_wrong_password_and_missing_database_say_what_to_fix(
+    postgres_server: pg_server.Server,
+) -> None:
+    """Wrong credentials and a missing database are input errors (exit 2), never a hang;
+    the password is never repeated back."""
+    bad = postgres_server.url("rl", user=pg_server.PASSWORD_ROLE, password="wrong-secret")
+    with pytest.raises(BackendURLError, match="refused the credentials") as info:
+        open_backend(bad)
+    assert "wrong-secret" not in str(info.value)
+    good = postgres_server.url("rl", user=pg_server.PASSWORD_ROLE, password=pg_server.PASSWORD)
+    with open_backend(good) as b:
+        assert b.ledger.statistics().entries == 0
+    with pytest.raises(BackendURLError, match="does not exist; create it"):
+        open_backend(postgres_server.url("no_such_db"))
+    res = _cli("ledger", "counts", "--backend", bad)
+    assert res.returncode == 2 and "refused the credentials" in res.stderr
+    assert "wrong-secret" not in res.stderr
+    with pytest.raises(BackendURLError, match=r"drop the '\+psycopg'"):
+        open_backend("postgresql+psycopg://localhost/rl")
+
+
+def test_reading_an_empty_database_creates_nothing(
+    postgres_server: pg_server.Server, postgres_url: str
+) -> None:
+    """create=False on a database without a ledger is refused, and no table appears."""
+    with pytest.raises(BackendURLError, match="holds no rollout-lifecycle ledger"):
+        open_backend(postgres_url, create=False)
+    assert _tables(postgres_server, postgres_url) == []
+    res = _cli("ledger", "check", "--backend", postgres_url)
+    assert res.returncode == 2 and "holds no rollout-lifecycle ledger" in res.stderr
+    assert _tables(postgres_server, postgres_url) == []
+
+
+def test_read_only_open_cannot_write(postgres_url: str) -> None:
+    """Readers run with default_transaction_read_only: the API refuses, and so does the server."""
+    with open_backend(postgres_url) as b:
+        add_rewarded(b.ledger, ["a"])
+    with open_backend(postgres_url, create=False) as b:
+        led: Any = b.ledger
+        show = led.db.read(lambda c: c.execute("SHOW default_transaction_read_only").fetchone())
+        assert show == ("on",)
+        with pytest.raises(LedgerError, match="read-only"):
+            b.ledger.add(rewarded("b"))
+        with pytest.raises(LedgerError, match="read-only"):
+            b.ledger.reserve("a", 0, "u", stamp())
+        with pytest.raises(ActivationError, match="read-only"):
+            ActivationCoordinator(b.registry, ["w0"])
+
+        def raw_write(conn: Any) -> None:
+            conn.execute("UPDATE rollouts SET revision = 9")
+
+        with pytest.raises(LedgerError, match="read-only"):
+            led.db.read(raw_write, "a raw write")
+    with open_backend(postgres_url, create=False) as b:
+        assert b.ledger.get("a").revision == 0 and len(b.trace()) == 1
+
+
+def test_schema_newer_than_the_code_is_refused(
+    postgres_server: pg_server.Server, postgres_url: str
+) -> None:
+    """A database written by a newer rollout-lifecycle: open refuses, saying to upgrade."""
+    _ledger(postgres_url).close()
+    postgres_server.psql(
+        "UPDATE schema_meta SET version = 99 WHERE component = 'ledger'",
+        postgres_url.rsplit("/", 1)[-1],
+    )
+    for create in (True, False):
+        with pytest.raises(BackendURLError, match="newer rollout-lifecycle; upgrade"):
+            open_backend(postgres_url, create=create)
+    with pytest.raises(LedgerError, match="schema version 99, this program expects 1"):
+        _ledger(postgres_url)
+
+
+def test_schema_is_migrated_forward_once(postgres_url: str) -> None:
+    """An older component schema is migrated step by step on first use, and only once."""
+    from rollout_lifecycle.model.postgres_common import PostgresDatabase
+
+    db = PostgresDatabase(postgres_url).acquire()
+    try:
+        db.ensure_schema("probe", 1, "CREATE TABLE IF NOT EXISTS probe (a int);")
+        steps = {1: "ALTER TABLE probe ADD COLUMN b int", 2: "ALTER TABLE probe ADD COLUMN c int"}
+        db.ensure_schema("probe", 3, "CREATE TABLE IF NOT EXISTS probe (a int);", migrations=steps)
+        db.ensure_schema("probe", 3, "CREATE TABLE IF NOT EXISTS probe (a int);", migrations=steps)
+        assert db.component_version("probe") == 3
+        cols = db.read(
+            lambda c: [
+                r[0]
+                for r in c.execute(
+                    "SELECT column_name FROM information_schema.columns "
+                    "WHERE table_name = 'probe' ORDER BY ordinal_position"
+                )
+            ]
+        )
+        assert cols == ["a", "b", "c"]
+        with pytest.raises(LedgerError, match="cannot migrate"):
+            db.ensure_schema("probe", 5, "", migrations=steps)
+    finally:
+        db.release()
+
+
+def test_schema_option_isolates_two_ledgers_in_one_database(postgres_url: str) -> None:
+    """`schema=` (or options=-csearch_path in the URL) keeps two deployments apart."""
+    from rollout_lifecycle.stateful_tests.backends import with_schema
+
+    a = _ledger(postgres_url, schema="team_a")
+    b = _ledger(postgres_url, schema="team_b")
+    try:
+        a.add(rewarded("x"))
+        assert b.find("x") is None and b.statistics().entries == 0
+    finally:
+        a.close()
+        b.close()
+    with open_backend(with_schema(postgres_url, "team_a"), create=False) as via_url:
+        assert via_url.ledger.get("x").state == "rewarded"
+
+
+# ---- the batch is set-based -----------------------------------------------------------------
+
+
+def test_batch_reservation_is_one_compare_and_set_statement(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However many rollouts a batch names, ONE UPDATE writes them, in one transaction."""
+    import psycopg
+
+    led = _ledger(postgres_url)
+    add_rewarded(led, ids(600))
+    seen: list[str] = []
+    real = psycopg.Connection.execute
+
+    def recording(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(str(query))
+        return real(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Connection, "execute", recording)
+    counts = []
+    for size, start in ((10, 0), (500, 10)):
+        seen.clear()
+        reqs = [ReserveRequest(r, 0, stamp()) for r in ids(600)[start : start + size]]
+        outs = led.reserve_batch(f"u{size}", reqs)
+        assert all(o.reserved for o in outs)
+        updates = [q for q in seen if "UPDATE rollouts" in q]
+        assert len(updates) == 1, updates
+        counts.append(len(seen))
+    assert counts[0] == counts[1]  # statements per batch do not grow with its size
+    monkeypatch.undo()
+    reserves = [e for e in led.history() if e.event == "reserve"]
+    assert len({e.txn for e in reserves if e.update_id == "u500"}) == 1
+    led.close()
+
+
+# ---- real concurrency -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_four_processes_of_eight_threads_race_for_10000_rollouts(postgres_url: str) -> None:
+    """4 OS processes x 8 threads each try every one of 10,000 rollouts (single CAS and
+    set-based batches), committing what they win: exactly one winner per rollout, each
+    consumed once by the update that reserved it, counters add up, `ledger check` is clean."""
+    n, procs_n, threads_n = 10_000, 4, 8
+    with open_backend(postgres_url) as b:  # v1 active: every reservation is judged by it
+        _activate(ActivationCoordinator(b.registry, ["w0", "w1"], ledger=b.ledger), 1)
+    led = _ledger(postgres_url)
+    add_rewarded(led, ids(n))
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(procs_n)
+    results: Any = ctx.Queue()
+    from tests.helpers_postgres import race_process
+
+    started = time.perf_counter()
+    procs = [
+        ctx.Process(target=race_process, args=(postgres_url, k, n, threads_n, barrier, results))
+        for k in range(procs_n)
+    ]
+    for p in procs:
+        p.start()
+    got = []
+    for _ in procs:
+        try:
+            got.append(results.get(timeout=540))
+        except queue.Empty:
+            break
+    for p in procs:
+        p.join(timeout=60)
+    elapsed = time.perf_counter() - started
+    assert [r["errors"] for r in got] == [[]] * procs_n
+    assert all(p.exitcode == 0 for p in procs)
+
+    winner: dict[str, list[str]] = defaultdict(list)
+    reasons: Counter[str] = Counter()
+    commit_calls = 0
+    for r in got:
+        assert len(r["threads"]) == threads_n
+        for t in r["threads"]:
+            reasons.update(t["reasons"])
+            commit_calls += t["commits"]
+            for update, rids in t["won"].items():
+                for rid in rids:
+                    winner[rid].append(update)
+    assert sorted(winner) == ids(n) and all(len(w) == 1 for w in winner.values())
+    snap = led.snapshot()
+    assert all(e.state == "consumed" and e.revision == 2 for e in snap.values())
+    hist = led.history()
+    per: dict[str, list[EntryChanged]] = defaultdict(list)
+    for ev in hist:
+        per[ev.rollout_id].append(ev)
+    for rid, evs in per.items():
+        (update,) = winner[rid]
+        assert [(e.event, e.update_id) for e in evs] == [
+            ("add", None),
+            ("reserve", update),
+            ("commit", update),
+        ]
+    attempts = procs_n * threads_n * n
+    st = led.statistics()
+    assert reasons["reserved"] == st.reservations == n
+    assert st.reservations + st.cas_conflicts + st.refused == attempts == sum(reasons.values())
+    assert st.cas_conflicts == reasons["revision_conflict"]
+    assert st.commits == commit_calls and st.by_state["consumed"] == n
+    assert st.writes == len(hist) == 3 * n
+    led.close()
+    check = _cli("ledger", "check", "--backend", postgres_url, "--json")
+    assert check.returncode == 0, check.stderr
+    report = json.loads(check.stdout)
+    assert report["ok"] and report["violation_count"] == 0 and report["rows"] == n, report
+    print(f"\n4x8 race over {n} rollouts: {attempts} attempts in {elapsed:.1f}s")
+
+
+def test_incremental_event_reader_never_misses_a_commit(postgres_url: str) -> None:
+    """Events are numbered in commit order: a reader that only asks for seq > last, while 8
+    threads write, ends up with exactly the whole trace, in order, without a gap skipped."""
+    from rollout_lifecycle.model.postgres_common import PostgresDatabase
+    from rollout_lifecycle.stateful_tests.backends import PostgresEventSource
+
+    led = _ledger(postgres_url, pool_size=9)
+    add_rewarded(led, ids(800))
+    source = PostgresEventSource(PostgresDatabase(postgres_url))
+    collected: list[int] = [e.seq for e in source.new_events()]
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer(k: int) -> None:
+        try:
+            order = ids(800)
+            random.Random(k).shuffle(order)
+            for i in range(0, 800, 20):
+                part = order[i : i + 20]
+                outs = led.reserve_batch(f"w{k}.{i}", [ReserveRequest(r, 0, stamp()) for r in part])
+                won = [o.rollout_id for o in outs if o.reserved]
+                if won:
+                    led.commit(f"w{k}.{i}", won)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    reads = 0
+    while any(t.is_alive() for t in threads) or not done.is_set():
+        collected.extend(e.seq for e in source.new_events())
+        reads += 1
+        if not any(t.is_alive() for t in threads):
+            done.set()
+    collected.extend(e.seq for e in source.new_events())
+    source.close()
+    assert errors == []
+    full = [e.seq for e in led.history()]
+    assert collected == full and reads > 1
+    assert led.statistics().by_state["consumed"] == 800
+    led.close()
+
+
+def test_reservations_never_land_past_a_concurrent_pointer_switch(postgres_url: str) -> None:
+    """Learners reserve v0 rollouts admitted with max_lag 0 while an activator switches to
+    v1: in the one global order, no v0 reservation comes after the switch (each read the
+    pointer inside its own atomic step), and the ones refused say pointer_moved."""
+    n = 1200
+    with open_backend(postgres_url) as b:
+        coord = ActivationCoordinator(b.registry, ["w0", "w1"], ledger=b.ledger)
+        _activate(coord, 0)
+        add_rewarded(b.ledger, ids(n), version=0)
+    lag0 = attrs.evolve(stamp(0), max_lag=0)
+    flipped = threading.Event()
+    reasons: Counter[str] = Counter()
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def learner(k: int) -> None:
+        # the first half races the switch; the second half is tried only after it, so
+        # both outcomes are always reached (the race itself decides the first half)
+        try:
+            with open_backend(postgres_url) as mine:
+                for half in (ids(n)[: n // 2], ids(n)[n // 2 :]):
+                    order = list(half)
+                    random.Random(k).shuffle(order)
+                    if half[0] != ids(n)[0]:
+                        flipped.wait(timeout=120)
+                    for i in range(0, len(order), 10):
+                        outs = mine.ledger.reserve_batch(
+                            f"L{k}.{half[0]}.{i}",
+                            [ReserveRequest(r, 0, lag0) for r in order[i : i + 10]],
+                        )
+                        with lock:
+                            reasons.update(o.reason for o in outs)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def activator() -> None:
+        try:
+            with open_backend(postgres_url) as mine:
+                c = ActivationCoordinator(mine.registry, ledger=mine.ledger)
+                c.prepare(1)
+                c.commit_artifact(1, H[1])
+                c.distribute(1)
+                for w in ("w0", "w1"):
+                    c.record_ack(WorkerAck(w, 1, H[1]))
+                while reasons["reserved"] < n // 12:
+                    time.sleep(0.001)
+                assert c.try_activate(1).activated
+                flipped.set()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=learner, args=(k,)) for k in range(4)]
+    threads.append(threading.Thread(target=activator))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and flipped.is_set()
+    assert reasons["reserved"] > 0 and reasons["pointer_moved"] > 0, reasons
+    with open_backend(postgres_url, create=False) as b:
+        trace = b.trace()
+        switch = next(
+            e.seq
+            for e in trace
+            if isinstance(e, ArtifactChanged) and e.event == "activate" and e.version == 1
+        )
+        late = [
+            e
+            for e in trace
+            if isinstance(e, EntryChanged) and e.event == "reserve" and e.seq > switch
+        ]
+        assert late == []
+        report = check_trace(trace, with_registry=True)
+        assert report.ok, [str(v) for v in report.violations[:5]]
+
+
+def test_two_coordinators_race_while_acks_arrive(postgres_url: str) -> None:
+    """Two coordinators race to publish and activate versions while three workers ack
+    concurrently (one sometimes acks a corrupt hash first): the pointer only ever moves to a
+    committed, newer version whose every required worker's STORED ack of the current
+    attempt matches its version and hash."""
+    workers = ("w0", "w1", "w2")
+    with open_backend(postgres_url) as b:
+        _activate(ActivationCoordinator(b.registry, workers, ledger=b.ledger), 0)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    results: Counter[str] = Counter()
+    pointers: list[int] = []
+    lock = threading.Lock()
+
+    def coordinator(k: int) -> None:
+        try:
+            with open_backend(postgres_url) as mine:
+                c = ActivationCoordinator(mine.registry, ledger=mine.ledger)
+                for _ in range(12):
+                    v = (c.registry.max_version() or 0) + 1
+                    try:
+                        c.prepare(v)
+                        c.commit_artifact(v, H[v])
+                        c.distribute(v)
+                    except ActivationError as exc:
+                        with lock:
+                            results[f"refused:{str(exc)[:30]}"] += 1
+                        continue
+                    for _attempt in range(200):
+                        res = c.try_activate(v)
+                        with lock:
+                            results[f"c{k}:{res.reason}"] += 1
+                        if res.activated or res.reason == "not_awaiting_acks":
+                            break
+                        time.sleep(0.005)
+                    else:
+                        c.fail_distribution(v, "timeout")
+        except BaseException as exc:
+            errors.append(exc)
+
+    def worker(w: str, k: int) -> None:
+        rng = random.Random(k)
+        try:
+            with open_backend(postgres_url) as mine:
+                c = ActivationCoordinator(mine.registry)
+                while not stop.is_set():
+                    awaiting = [a for a in c.artifacts() if a.state == "awaiting_acks"]
+                    for a in awaiting:
+                        if w == "w2" and rng.random() < 0.3:
+                            c.record_ack(WorkerAck(w, a.version, "0" * 64, attempt=a.attempts))
+                            with lock:
+                                results["corrupt_ack"] += 1
+                        c.record_ack(WorkerAck(w, a.version, H[a.version], attempt=a.attempts))
+                    time.sleep(rng.uniform(0.001, 0.01))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def observer() -> None:
+        try:
+            with open_backend(postgres_url, create=False) as mine:
+                while not stop.is_set():
+                    p = mine.registry.pointer()
+                    if p is not None:
+                        pointers.append(p.version)
+        except BaseException as exc:
+            errors.append(exc)
+
+    coords = [threading.Thread(target=coordinator, args=(k,)) for k in range(2)]
+    others = [threading.Thread(target=worker, args=(w, i)) for i, w in enumerate(workers)]
+    others.append(threading.Thread(target=observer))
+    for t in [*coords, *others]:
+        t.start()
+    for t in coords:
+        t.join()
+    stop.set()
+    for t in others:
+        t.join()
+    assert errors == []
+    activated = {k for k, n in results.items() if k.endswith(":activated") and n}
+    assert activated == {"c0:activated", "c1:activated"}, results
+    assert any(k.endswith(("missing_worker_ack", "worker_mismatch")) for k in results), results
+    assert pointers == sorted(pointers) and pointers[-1] > 0
+
+    with open_backend(postgres_url, create=False) as b:
+        trace = b.trace()
+        report = check_trace(trace, with_registry=True)
+        assert report.ok, [str(v) for v in report.violations[:5]]
+        assert compare_with_store(report.final, stored_world(b.ledger, b.registry)) == []
+        required = b.registry.required_workers()
+    assert required == workers
+    # an independent replay: the stored reports at the moment of each pointer move
+    stored: dict[str, WorkerAck | None] = {}
+    arts: dict[int, Any] = {}
+    moves = 0
+    last = -1
+    for ev in trace:
+        if isinstance(ev, WorkerReported):
+            stored[ev.worker_id] = ev.ack
+        elif isinstance(ev, ArtifactChanged):
+            if ev.pointer_after != ev.pointer_before and ev.event == "activate":
+                moves += 1
+                rec = arts[ev.version]
+                assert rec.state == "awaiting_acks" and rec.artifact_hash == H[ev.version]
+                assert ev.pointer_after is not None and ev.pointer_after.version > last
+                for w in workers:
+                    a = stored[w]
+                    assert a is not None, (ev.version, w)
+                    assert (a.version, a.artifact_hash, a.attempt) == (
+                        ev.version,
+                        rec.artifact_hash,
+                        rec.attempts,
+                    ), (ev.version, w, a)
+                last = ev.pointer_after.version
+            elif ev.pointer_after != ev.pointer_before and ev.event != "supersede":
+                pytest.fail(f"the pointer moved by {ev.event}")
+            arts[ev.version] = ev.after
+    # every activation a coordinator reported, plus v0 activated before the race
+    assert moves == 1 + sum(n for k, n in results.items() if k.endswith(":activated"))
+
+
+# ---- faults ---------------------------------------------------------------------------------
+
+
+def _child_until(code: str, sig: Path, db_url: str, check_locked: bool) -> str:
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not sig.exists():
+            if child.poll() is not None:
+                err = child.stderr.read() if child.stderr else ""
+                pytest.fail(f"child exited early ({child.returncode}): {err}")
+            if time.monotonic() > deadline:
+                pytest.fail("child never reached the kill point")
+            time.sleep(0.01)
+        said = sig.read_text()
+        if check_locked:
+            # proof that the kill lands mid-transaction: the batch's rows are written and
+            # locked by the child's open transaction
+            import psycopg
+
+            with psycopg.connect(db_url, autocommit=True) as conn:
+                with pytest.raises(psycopg.errors.LockNotAvailable):
+                    conn.execute("SELECT 1 FROM rollouts FOR UPDATE NOWAIT")
+                row = conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
+                    "AND application_name = 'rollout-lifecycle'"
+                ).fetchone()
+                assert row is not None and row[0] >= 1
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if child.stderr:
+            child.stderr.close()
+    assert child.returncode == -signal.SIGKILL
+    return said
+
+
+@pytest.mark.parametrize("kill_at", ["in-batch", "after-commit"])
+def test_sigkill_mid_batch_leaves_no_partial_reservation(
+    postgres_url: str, tmp_path: Path, kill_at: str
+) -> None:
+    """A learner SIGKILLed after its batch's UPDATE ran but before COMMIT leaves every rollout
+    untouched (the server rolls the dead client back); killed after COMMIT, all are its own."""
+    n = 1500
+    led = _ledger(postgres_url)
+    add_rewarded(led, ids(n))
+    untouched = led.snapshot()
+    sig = tmp_path / "signal"
+    code = (
+        "from tests.helpers_postgres import crash_child; "
+        f"crash_child({postgres_url!r}, 'crashy', {n}, {kill_at!r}, {str(sig)!r})"
+    )
+    said = _child_until(code, sig, postgres_url, check_locked=kill_at == "in-batch")
+    assert said == ("in-batch" if kill_at == "in-batch" else "committed")
+    # the next batch waits for the server to roll the dead client back, then decides
+    outs = led.reserve_batch("next", [ReserveRequest(r, 0, stamp()) for r in ids(n)])
+    snap = led.snapshot()
+    hist = led.history()
+    st = led.statistics()
+    if kill_at == "in-batch":
+        assert {o.reason for o in outs} == {"reserved"}
+        assert all(e.reserved_by == "next" for e in snap.values())
+        assert [e.event for e in hist] == ["add"] * n + ["reserve"] * n
+        assert all(e.update_id == "next" for e in hist[n:])
+        assert st.reservations == n and st.writes == 2 * n
+    else:
+        assert snap == {
+            r: e for r, e in snap.items() if e.reserved_by == "crashy" and e.revision == 1
+        }
+        assert {o.reason for o in outs} == {"revision_conflict"}
+        assert st.reservations == n and st.writes == 2 * n
+    assert untouched.keys() == snap.keys()
+    assert check_trace(hist).ok
+    led.close()
+
+
+def test_lease_expiry_returns_a_dead_learners_rollouts(postgres_url: str, tmp_path: Path) -> None:
+    """A learner process that reserved and was SIGKILLed blocks nothing for good: once its
+    lease ran out, expire_leases returns its rollouts by the recovery rule (released, or
+    quarantined when their version was marked bad meanwhile), and another learner takes them."""
+    led = _ledger(postgres_url, recovery=RecoveryRule(max_releases=3))
+    add_rewarded(led, ids(20), version=1)
+    add_rewarded(led, ids(20, "s"), version=2)
+    sig = tmp_path / "signal"
+    code = (
+        "from tests.helpers_postgres import lease_child; "
+        f"lease_child({postgres_url!r}, 'dead', {str(sig)!r})"
+    )
+    _child_until(code, sig, postgres_url, check_locked=False)
+    assert len(led.reserved_by("dead")) == 40
+    assert led.expire_leases() == []  # the dead learner's hour is not over
+    led.quarantine_version(1, "activation of v1 failed after the fact")
+    later = _ledger(postgres_url, clock=lambda: time.time() + 7200.0)
+    back = later.expire_leases()
+    assert sorted(e.rollout_id for e in back) == sorted([*ids(20), *ids(20, "s")])
+    for e in back:
+        if e.behavior_version == 1:
+            assert e.state == "quarantined" and e.disposition is not None
+            assert (e.disposition.stage, e.disposition.cause) == ("recovery", "failed_version")
+        else:
+            assert (e.state, e.releases, e.reserved_by) == ("rewarded", 1, None)
+    assert later.reserved_by("dead") == [] and later.statistics().expirations == 40
+    outs = later.reserve_batch("heir", [ReserveRequest(r, 2, stamp(2)) for r in ids(20, "s")])
+    assert all(o.reserved for o in outs)
+    expired = [e for e in later.history() if e.event == "expire_lease"]
+    assert len(expired) == 40 and {e.update_id for e in expired} == {"dead"}
+    assert check_trace(later.history()).ok
+    later.close()
+    led.close()
+
+
+def test_server_restart_mid_campaign_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    """Learner threads run reserve -> commit while the server is killed (immediate stop,
+    crash recovery on start) and restarted twice: the clients retry on their own or get
+    BackendUnavailable; afterwards every commit that returned is consumed exactly once, the
+    trace replays clean and matches the stored rows, and the counters agree with the trace."""
+    try:
+        server = pg_server.create_server()
+    except pg_server.ServerUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        url = pg_server.new_database(server)
+        n = 1500
+        led = _ledger(url, pool_size=6)
+        add_rewarded(led, ids(n))
+        committed: dict[str, str] = {}
+        in_doubt: set[str] = set()  # updates whose reserve or commit raised
+        errors: Counter[str] = Counter()
+        unexpected: list[BaseException] = []
+        lock = threading.Lock()
+        stop = threading.Event()
+
+        def learner(k: int) -> None:
+            rng = random.Random(k)
+            update = 0
+            while not stop.is_set():
+                uid = f"L{k}.u{update}"
+                try:
+                    waiting = led.in_state("rewarded", 64)
+                    if not waiting:
+                        return
+                    rng.shuffle(waiting)
+                    update += 1
+                    part = waiting[: rng.randint(1, 16)]
+                    outs = led.reserve_batch(
+                        uid, [ReserveRequest(e.rollout_id, e.revision, stamp()) for e in part]
+                    )
+                    won = [o.rollout_id for o in outs if o.reserved]
+                    if won:
+                        led.commit(uid, won)
+                        with lock:
+                            for rid in won:
+                                assert rid not in committed, rid
+                                committed[rid] = uid
+                except BackendUnavailable:
+                    with lock:
+                        errors["BackendUnavailable"] += 1
+                        in_doubt.add(uid)
+                    time.sleep(0.05)
+                except BaseException as exc:
+                    unexpected.append(exc)
+                    return
+
+        threads = [threading.Thread(target=learner, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for target in (n // 4, n // 2):
+            while len(committed) < target and any(t.is_alive() for t in threads):
+                time.sleep(0.01)
+            server.restart(mode="immediate")
+        for t in threads:
+            t.join(timeout=300)
+        stop.set()
+        assert unexpected == []
+        # the clients noticed the restarts: connections were lost and steps run again
+        assert led.db.retries > 0
+        snap = led.snapshot()
+        hist = led.history()
+        for rid, uid in committed.items():
+            assert snap[rid].state == "consumed", rid
+            commits = [e for e in hist if e.rollout_id == rid and e.event == "commit"]
+            assert [e.update_id for e in commits] == [uid]  # once, by its own update
+        consumed = {r for r, e in snap.items() if e.state == "consumed"}
+        unknown = {
+            e.rollout_id for e in hist if e.event == "commit" and e.rollout_id not in committed
+        }
+        assert consumed - set(committed) == unknown
+        # a commit the client did not hear of can only be one that raised
+        assert {e.update_id for e in hist if e.rollout_id in unknown} <= in_doubt | {None}
+        held = {r: e.reserved_by for r, e in snap.items() if e.state == "reserved"}
+        assert set(held.values()) <= in_doubt  # only updates that saw an error hold any
+        assert len(snap) == n and len(consumed) + len(held) == n
+        print(f"\nrestart: {len(committed)} committed, {dict(errors)}, retries {led.db.retries}")
+        report = check_trace(hist)
+        assert report.ok, [str(v) for v in report.violations[:5]]
+        st = led.statistics()
+        assert st.commits == len({e.txn for e in hist if e.event == "commit"})
+        assert st.writes == len(hist)
+        led.close()
+    finally:
+        server.remove()
+
+
+def test_server_down_longer_than_the_retry_budget_is_a_clear_error(tmp_path: Path) -> None:
+    """With the server stopped, a call fails after its retry budget with BackendUnavailable
+    saying nothing was written; once the server is back, the same ledger object works."""
+    try:
+        server = pg_server.create_server()
+    except pg_server.ServerUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        url = pg_server.new_database(server)
+        led = _ledger(url, retry_seconds=1.0)
+        add_rewarded(led, ["a", "b"])
+        server.stop()
+        with pytest.raises(BackendUnavailable, match=r"PostgreSQL at 127\.0\.0\.1"):
+            led.reserve("a", 0, "u", stamp())
+        with pytest.raises(BackendUnavailable):
+            led.transition("b", "retire_stale", 0)
+        server.start()
+        assert led.reserve("a", 0, "u", stamp()).reserved
+        with pytest.raises(RevisionConflict):
+            led.transition("b", "retire_stale", 5)
+        assert [e.event for e in led.history("a")] == ["add", "reserve"]
+        led.close()
+    finally:
+        server.remove()
+
+
+def test_commit_whose_answer_was_lost_is_resolved_not_repeated(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A COMMIT whose reply never came is looked up (pg_xact_status) on a new connection:
+    landed, the step returns its result and is not run again; rolled back, it runs again."""
+    from rollout_lifecycle.model import postgres_common as pc
+
+    led = _ledger(postgres_url)
+    add_rewarded(led, ["a", "b"])
+    db = led.db
+    real = pc.PostgresDatabase._write_once
+    mode = {"how": "landed", "calls": 0}
+
+    def flaky(self: Any, body: Any, attempt: Any, prologue: str = "") -> Any:
+        mode["calls"] += 1
+        if mode["calls"] > 1:
+            return real(self, body, attempt, prologue)
+        if mode["how"] == "landed":
+            real(self, body, attempt, prologue)  # it committed ...
+            attempt.committing = True
+            raise pc._ConnectionBroke("server closed the connection")  # ... the answer got lost
+        with self._checkout() as conn:  # it never committed: the server rolled it back
+            cur = conn.execute(f"BEGIN; SELECT pg_current_xact_id()::text; {prologue}")
+            cur.nextset()
+            row = cur.fetchone()
+            attempt.xid = row[0]
+            body(conn)
+            conn.execute("ROLLBACK")
+        attempt.committing = True
+        raise pc._ConnectionBroke("server closed the connection")
+
+    monkeypatch.setattr(pc.PostgresDatabase, "_write_once", flaky)
+    out = led.reserve("a", 0, "u1", stamp())
+    assert out.reserved and mode["calls"] == 1 and db.in_doubt_resolved == 1
+    mode.update(how="rolled-back", calls=0)
+    out = led.reserve("b", 0, "u2", stamp())
+    assert out.reserved and mode["calls"] == 2 and db.in_doubt_resolved == 2
+    monkeypatch.undo()
+    assert [e.event for e in led.history()] == ["add", "add", "reserve", "reserve"]
+    assert led.statistics().reservations == 2
+    led.close()
+
+
+def test_forked_child_opens_its_own_pool(postgres_url: str) -> None:
+    """A forked child never uses its parent's connections; both keep working."""
+    led = _ledger(postgres_url)
+    add_rewarded(led, ["a", "b"])
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            code = 0 if led.reserve("a", 0, "child", stamp()).reserved else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert led.reserve("b", 0, "parent", stamp()).reserved
+    assert led.get("a").reserved_by == "child"
+    led.close()
+
+
+# ---- registry guards and the CLI ------------------------------------------------------------
+
+
+def test_triggers_guard_write_once_rules(
+    postgres_server: pg_server.Server, postgres_url: str
+) -> None:
+    """Even raw SQL cannot change a committed hash or insert a reused version."""
+    with open_backend(postgres_url) as b:
+        c = ActivationCoordinator(b.registry, ["w0"])
+        c.prepare(1)
+        c.commit_artifact(1, H[1])
+    import psycopg
+
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.IntegrityConstraintViolation, match="never changes"):
+            conn.execute("UPDATE registry_artifacts SET artifact_hash = 'x' WHERE version = 1")
+        with pytest.raises(psycopg.errors.IntegrityConstraintViolation, match="never reused"):
+            conn.execute(
+                "INSERT INTO registry_artifacts(version, state, attempts) VALUES (0, 'prepared', 0)"
+            )
+
+
+def test_cli_demo_ledger_and_admit_on_postgresql(postgres_url: str, tmp_path: Path) -> None:
+    """demo writes to PostgreSQL; ledger counts/show/history/check and admit --backend read it."""
+    res = _cli("demo", "--backend", postgres_url, "--workdir", str(tmp_path))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    counts = _cli("ledger", "counts", "--backend", postgres_url, "--json")
+    assert counts.returncode == 0, counts.stderr
+    data = json.loads(counts.stdout)
+    assert data["entries"] > 0
+    with open_backend(postgres_url, create=False) as b:
+        rid = sorted(b.ledger.snapshot())[0]
+        pointer = b.registry.pointer()
+    assert pointer is not None
+    show = _cli("ledger", "show", rid, "--backend", postgres_url)
+    hist = _cli("ledger", "history", rid, "--backend", postgres_url)
+    check = _cli("ledger", "check", "--backend", postgres_url)
+    assert show.returncode == hist.returncode == check.returncode == 0, check.stderr
+    assert rid in show.stdout and "0 violations" in check.stdout
+    from tests.test_cli_admit import row
+
+    good = row("x1", pointer.version, artifact_hash=pointer.artifact_hash)
+    forged = row("x2", pointer.version, artifact_hash="9" * 64)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps(good) + "\n" + json.dumps(forged) + "\n")
+    out = tmp_path / "out.jsonl"
+    admit = _cli(
+        "admit",
+        str(inp),
+        "--current-version",
+        str(pointer.version),
+        "--max-lag",
+        "1",
+        "--max-drift",
+        "0.2",
+        "--backend",
+        postgres_url,
+        "--out",
+        str(out),
+    )
+    assert admit.returncode == 0, admit.stderr
+    decisions = {d["rollout_id"]: d for d in map(json.loads, out.read_text().splitlines())}
+    assert decisions["x1"]["accepted"] is True
+    assert decisions["x2"]["accepted"] is False  # its hash is not the registered one
+
+
+def test_campaign_runs_on_postgresql(postgres_url: str, tmp_path: Path) -> None:
+    """`campaign --backend postgresql://...` runs every machine on the server, clean, and the
+    durable machines really closed and reopened their state there."""
+    out = tmp_path / "camp"
+    res = _cli(
+        "campaign",
+        "--backend",
+        postgres_url,
+        "--no-explore",
+        "--examples",
+        "6",
+        "--seed",
+        "3",
+        "--out",
+        str(out),
+        "--quiet",
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    fuzz = json.loads((out / "fuzz-report.json").read_text())
+    assert fuzz["violations"] == 0
+    assert set(fuzz["runs"]) == {"ledger", "activation", "e2e", "seams"}
+    assert "postgresql://" in fuzz["backend"]
+    for machine in ("ledger", "activation", "e2e"):
+        assert fuzz["runs"][machine]["rules"].get("reopen", 0) > 0, (machine, fuzz["runs"][machine])
+
+
+def test_race_command_on_postgresql(postgres_url: str) -> None:
+    """`race --backend postgresql://...`: activators and learners in real processes, judged
+    clean; a second race on the same database is refused (its checks need fresh state)."""
+    res = _cli("race", "--backend", postgres_url, "--seconds", "3", "--learners", "2", "--json")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    report = json.loads(res.stdout[res.stdout.index("{") :])
+    assert report["ok"] and report["violation_count"] == 0
+    assert report["totals"].get("reserve:reserved", 0) > 0
+    again = _cli("race", "--backend", postgres_url, "--seconds", "1")
+    assert again.returncode == 2 and "already holds a ledger" in again.stderr
