@@ -11,6 +11,10 @@ OUT    ?= campaign-out
 # for the PostgreSQL backend (its tests start a throwaway server, see docs/postgres.md)
 TORCH  ?= torch==2.13.0
 LABEL  ?= cpu-$(shell date -u +%Y%m%dT%H%M%SZ)
+# the versions the suite last passed with (pyproject.toml keeps ranges); CONSTRAINTS= to
+# resolve freely, e.g. with a CUDA torch
+CONSTRAINTS ?= constraints.txt
+PIP_C  := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
 .PHONY: campaign test setup setup-dev lint demo docs bench gpu-check clean
 
@@ -19,13 +23,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e .
+$(VENV)/.installed: $(BIN)/python pyproject.toml $(CONSTRAINTS)
+	$(BIN)/python -m pip install --quiet $(PIP_C) -e .
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,verl,postgres]"
+	$(BIN)/python -m pip install --quiet $(PIP_C) "$(TORCH)"
+	$(BIN)/python -m pip install --quiet $(PIP_C) -e ".[dev,verl,postgres]"
 	touch $@
 
 setup: $(VENV)/.installed

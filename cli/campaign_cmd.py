@@ -51,7 +51,8 @@ from rollout_lifecycle.stateful_tests.runner import (
     "--backend",
     default="sqlite",
     show_default=True,
-    help="Ledger backend for the fuzz machines: sqlite (default) or memory.",
+    help="Backend for the fuzz machines: sqlite (default), memory, or a postgresql:// URL "
+    "(each machine instance gets a fresh schema on that server).",
 )
 @click.option(
     "--out",
@@ -142,6 +143,11 @@ def campaign(
         docs.append(ex)
         violations += ex["violations"]
     race_json = None
+    if race_seconds > 0 and backend != "sqlite":
+        console.print(
+            f"race skipped: the campaign races on its own SQLite file, not on {backend!r}; "
+            "race a server with `rollout-lifecycle race --backend URL` on an empty database"
+        )
     if race_seconds > 0 and backend == "sqlite":
         console.rule("race")
         db = out_dir / "race.db"

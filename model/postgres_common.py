@@ -21,9 +21,14 @@ two steps can wait on each other in a cycle):
                 and the trace replays in the order the steps really happened.
 
 A lost connection is retried while nothing can have been committed (the server rolled the
-open transaction back); one lost during COMMIT is resolved with `pg_xact_status` on a new
-connection once the server answers again, so a restarted server never makes a client repeat
-a step that landed, nor drop one that did not.
+open transaction back). One lost during COMMIT is resolved on a new connection once the
+server answers again, by a mark: every write transaction inserts a random token into
+`commit_marks` in its COMMIT round trip, so the token is there exactly when the step landed.
+The transaction id alone cannot decide it: a server that restarts before the transaction's
+WAL reached the kernel hands the same id to a later transaction, and `pg_xact_status` then
+reports that one's fate. `pg_xact_status` is used only to wait while the transaction may
+still be running on a server that did not restart. So a restarted server never makes a
+client repeat a step that landed, nor report as landed one that did not.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import os
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -85,7 +91,15 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_subject ON events(kind, subject);
 CREATE INDEX IF NOT EXISTS events_txn_idx ON events(txn);
+CREATE TABLE IF NOT EXISTS commit_marks (
+    token text PRIMARY KEY,
+    at    timestamptz NOT NULL DEFAULT now()
+);
 """
+
+MARKS_KEPT = "1 day"  # a mark only matters while its writer may still be resolving it
+_PRUNE_EVERY = 1000  # each object prunes old marks once per this many commits
+_PRUNE_MARKS = f"DELETE FROM commit_marks WHERE at < now() - interval '{MARKS_KEPT}'; "
 
 # connection failures that leave nothing committed (or in doubt only during COMMIT)
 _LOST_STATES = {"57P01", "57P02", "57P03", "08000", "08003", "08006", "08001", "08004"}
@@ -201,6 +215,8 @@ class _Attempt:
     """What a write attempt knew when its connection broke."""
 
     xid: str | None = None
+    server_started: str | None = None  # pg_postmaster_start_time at BEGIN
+    token: str = attrs.field(factory=lambda: uuid.uuid4().hex)
     committing: bool = False
     result: Any = None
 
@@ -232,6 +248,7 @@ class PostgresDatabase:
         self.read_only = read_only
         self.pool_size = pool_size
         self.retry_seconds = float(retry_seconds)
+        self._commits = 0  # write transactions sent to COMMIT by this object (for pruning)
         options = str(self.params.get("options", "") or "")
         extra = []
         if schema is not None:
@@ -388,7 +405,7 @@ class PostgresDatabase:
                 return self._write_once(body, attempt, prologue)
             except _ConnectionBroke as exc:
                 if attempt.committing:
-                    status = self._resolve(attempt.xid, deadline, what)
+                    status = self._resolve(attempt, deadline, what)
                     with self._lock:
                         self.in_doubt_resolved += 1
                     if status == "committed":
@@ -420,15 +437,25 @@ class PostgresDatabase:
             try:
                 # one round trip: BEGIN, the transaction id (to resolve a COMMIT whose answer
                 # is lost), and the prologue; each statement gets its own snapshot
-                opening = "BEGIN; SELECT pg_current_xact_id()::text"
+                opening = (
+                    "BEGIN; SELECT pg_current_xact_id()::text, pg_postmaster_start_time()::text"
+                )
                 cur = conn.execute(f"{opening}; {prologue}" if prologue else opening)
                 cur.nextset()
                 row = cur.fetchone()
-                attempt.xid = None if row is None else str(row[0])
+                if row is not None:
+                    attempt.xid, attempt.server_started = str(row[0]), str(row[1])
                 result = body(conn)
                 attempt.result = result
+                with self._lock:
+                    self._commits += 1
+                    prune = self._commits % _PRUNE_EVERY == 0
+                # the mark rides in the COMMIT round trip (a hex token: safe as a literal)
+                ending = f"INSERT INTO commit_marks(token) VALUES ('{attempt.token}'); "
+                if prune:
+                    ending += _PRUNE_MARKS
                 attempt.committing = True
-                conn.execute("COMMIT")
+                conn.execute(ending + "COMMIT")
                 return result
             except BaseException as exc:
                 if not conn.closed and not conn.broken:
@@ -438,23 +465,41 @@ class PostgresDatabase:
                     raise _ConnectionBroke(_first_line(exc)) from exc
                 raise
 
-    def _resolve(self, xid: str | None, deadline: float, what: str) -> str:
+    def _fate(self, attempt: _Attempt) -> str:
+        """'committed' or 'aborted' when known now, else the transaction's live status."""
+        conn = psycopg.connect(self.conninfo, autocommit=True)
+        try:
+            marked = "EXISTS (SELECT 1 FROM commit_marks WHERE token = %s)"
+            row = conn.execute(
+                f"SELECT {marked}, pg_postmaster_start_time()::text", (attempt.token,)
+            ).fetchone()
+            if row is None:
+                return "unknown"
+            if row[0]:
+                return "committed"
+            if row[1] != attempt.server_started:
+                return "aborted"  # the server restarted: the transaction is gone, unmarked
+            status = conn.execute("SELECT pg_xact_status(%s::xid8)", (attempt.xid,)).fetchone()
+            if status is None or status[0] == "in progress":
+                return "in progress"
+            # finished on the same server: its mark (checked again, after the end) decides
+            again = conn.execute(f"SELECT {marked}", (attempt.token,)).fetchone()
+            return "committed" if again is not None and again[0] else "aborted"
+        finally:
+            conn.close()
+
+    def _resolve(self, attempt: _Attempt, deadline: float, what: str) -> str:
         """The fate of a transaction whose COMMIT got no answer: committed or aborted."""
-        if xid is None:
+        if attempt.xid is None:
             return "aborted"
         delay = 0.05
         last = ""
         while True:
             try:
-                conn = psycopg.connect(self.conninfo, autocommit=True)
-                try:
-                    row = conn.execute("SELECT pg_xact_status(%s::xid8)", (xid,)).fetchone()
-                finally:
-                    conn.close()
-                status = None if row is None else row[0]
+                status = self._fate(attempt)
                 if status in ("committed", "aborted"):
-                    return str(status)
-                last = f"transaction {xid} is {status}"
+                    return status
+                last = f"transaction {attempt.xid} is {status}"
             except psycopg.Error as exc:
                 last = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if time.monotonic() + delay > deadline:

@@ -25,6 +25,7 @@ import weakref
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import attrs
 
@@ -190,6 +191,10 @@ class SQLiteLedger:
     Each thread uses its own connection, so no Python lock serialises readers; SQLite's
     write lock plus the revision compare-and-set are what make writes exclusive.
     """
+
+    #: counters of outcomes that write nothing; each ledger object counts its own, so
+    #: statistics() from a later process shows 0 for them (``ledger counts`` says so)
+    process_local_counters: ClassVar[frozenset[str]] = _LOCAL_COUNTERS
 
     def __init__(
         self,

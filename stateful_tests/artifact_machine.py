@@ -26,7 +26,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from rollout_lifecycle.model import artifacts as artifacts_mod
 from rollout_lifecycle.model.errors import ActivationError, ArtifactError
 from rollout_lifecycle.model.ledger import ManualClock
-from rollout_lifecycle.stateful_tests.backends import Stack, close_stack, open_stack
+from rollout_lifecycle.stateful_tests.backends import (
+    Stack,
+    check_stack_backend,
+    close_stack,
+    open_stack,
+)
 from rollout_lifecycle.stateful_tests.recording import (
     Recorder,
     TraceChecker,
@@ -225,9 +230,9 @@ def make_artifact_machine(
     recorder: Recorder | None = None,
     workdir: Path | None = None,
 ) -> type[RuleBasedStateMachine]:
-    """Real-artifact activation on 'memory' or 'sqlite'."""
-    if backend not in ("memory", "sqlite"):
-        raise ValueError(f"the artifact machine runs on 'memory' or 'sqlite', not {backend!r}")
+    """Real-artifact activation on 'memory', 'sqlite' or PostgreSQL (the records live in the
+    backend; the artifact files in a temporary folder)."""
+    check_stack_backend(backend, "artifacts")
     attrs_: dict[str, Any] = {
         "backend": backend,
         "recorder": recorder or Recorder("artifacts"),

@@ -43,12 +43,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.postgres)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the server up front when the run holds PostgreSQL tests, so that a test which
+    walks every backend name inside its body (not by parameter) finds the server too."""
+    if any(item.get_closest_marker("postgres") for item in session.items):
+        _start()
+
+
 def _required() -> bool:
     return os.environ.get("REQUIRE_POSTGRES", "").strip() not in ("", "0", "false", "no")
 
 
-def postgres_server_or_skip() -> pg_server.Server:
-    """The session's server, started on first call; skip (or fail, if required) without one."""
+def _start() -> None:
+    """Start the session's server once; remember why not when it cannot start."""
     no_driver = importlib.util.find_spec("psycopg") is None
     if _state["server"] is None and _state["error"] is None and no_driver:
         _state["error"] = (
@@ -58,11 +65,16 @@ def postgres_server_or_skip() -> pg_server.Server:
         try:
             server = pg_server.create_server()
             server.psql("CREATE DATABASE rl TEMPLATE template0")
-        except (pg_server.ServerUnavailable, OSError) as exc:
-            _state["error"] = str(exc)
+        except Exception as exc:  # any reason the server would not come up is the skip's reason
+            _state["error"] = str(exc) or type(exc).__name__
         else:
             _state["server"] = server
             os.environ[POSTGRES_URL_ENV] = server.url("rl")
+
+
+def postgres_server_or_skip() -> pg_server.Server:
+    """The session's server, started on first call; skip (or fail, if required) without one."""
+    _start()
     if _state["server"] is None:
         message = f"PostgreSQL tests need a server: {_state['error']}"
         if _required():

@@ -33,7 +33,7 @@ import attrs
 INSTALL_HINT = (
     "PostgreSQL server binaries not found (initdb, pg_ctl); install them with "
     "`apt-get install postgresql` (Debian/Ubuntu), or put a directory holding initdb on "
-    "PATH, or set ROLLOUT_LIFECYCLE_PG_BIN to it"
+    "PATH, or set ROLLOUT_LIFECYCLE_PG_BIN to it (then only that directory is used)"
 )
 PASSWORD_ROLE = "rl_password"
 PASSWORD = "right-password"
@@ -46,7 +46,10 @@ class ServerUnavailable(RuntimeError):
 def find_bin_dir() -> Path | None:
     """The directory holding initdb and pg_ctl, or None when PostgreSQL is not installed."""
     explicit = os.environ.get("ROLLOUT_LIFECYCLE_PG_BIN")
-    candidates = [explicit] if explicit else []
+    if explicit:  # named explicitly: that directory or nothing
+        d = Path(explicit)
+        return d if (d / "initdb").is_file() and (d / "pg_ctl").is_file() else None
+    candidates = []
     on_path = shutil.which("initdb")
     if on_path:
         candidates.append(str(Path(on_path).parent))

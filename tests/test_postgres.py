@@ -325,7 +325,7 @@ def test_four_processes_of_eight_threads_race_for_10000_rollouts(postgres_url: s
     st = led.statistics()
     assert reasons["reserved"] == st.reservations == n
     assert st.reservations + st.cas_conflicts + st.refused == attempts == sum(reasons.values())
-    assert st.cas_conflicts == reasons["revision_conflict"]
+    assert st.cas_conflicts == reasons["revision_conflict"] == attempts - n and st.refused == 0
     assert st.commits == commit_calls and st.by_state["consumed"] == n
     assert st.writes == len(hist) == 3 * n
     led.close()
@@ -813,8 +813,11 @@ def test_server_down_longer_than_the_retry_budget_is_a_clear_error(tmp_path: Pat
 def test_commit_whose_answer_was_lost_is_resolved_not_repeated(
     postgres_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A COMMIT whose reply never came is looked up (pg_xact_status) on a new connection:
-    landed, the step returns its result and is not run again; rolled back, it runs again."""
+    """A COMMIT whose reply never came is looked up on a new connection by its mark: landed,
+    the step returns its result and is not run again; rolled back, it runs again, even when
+    its transaction id now belongs to a committed transaction (a server that restarted
+    before the WAL reached the kernel reuses ids, so pg_xact_status alone would say
+    'committed')."""
     from rollout_lifecycle.model import postgres_common as pc
 
     led = _ledger(postgres_url)
@@ -832,12 +835,20 @@ def test_commit_whose_answer_was_lost_is_resolved_not_repeated(
             attempt.committing = True
             raise pc._ConnectionBroke("server closed the connection")  # ... the answer got lost
         with self._checkout() as conn:  # it never committed: the server rolled it back
-            cur = conn.execute(f"BEGIN; SELECT pg_current_xact_id()::text; {prologue}")
+            cur = conn.execute(
+                "BEGIN; SELECT pg_current_xact_id()::text, pg_postmaster_start_time()::text; "
+                + prologue
+            )
             cur.nextset()
             row = cur.fetchone()
-            attempt.xid = row[0]
+            attempt.xid, attempt.server_started = row[0], row[1]
             body(conn)
             conn.execute("ROLLBACK")
+            if mode["how"] == "reused":  # the same id now names a transaction that committed
+                other = conn.execute("SELECT pg_current_xact_id()::text").fetchone()
+                attempt.xid = other[0]
+                status = conn.execute("SELECT pg_xact_status(%s::xid8)", (attempt.xid,))
+                assert status.fetchone()[0] == "committed"
         attempt.committing = True
         raise pc._ConnectionBroke("server closed the connection")
 
@@ -847,9 +858,20 @@ def test_commit_whose_answer_was_lost_is_resolved_not_repeated(
     mode.update(how="rolled-back", calls=0)
     out = led.reserve("b", 0, "u2", stamp())
     assert out.reserved and mode["calls"] == 2 and db.in_doubt_resolved == 2
+    add_rewarded(led, ["c"])
+    mode.update(how="reused", calls=0)
+    out = led.reserve("c", 0, "u3", stamp())
+    assert out.reserved and mode["calls"] == 2 and db.in_doubt_resolved == 3
     monkeypatch.undo()
-    assert [e.event for e in led.history()] == ["add", "add", "reserve", "reserve"]
-    assert led.statistics().reservations == 2
+    assert [e.event for e in led.history()] == [
+        "add",
+        "add",
+        "reserve",
+        "reserve",
+        "add",
+        "reserve",
+    ]
+    assert led.statistics().reservations == 3
     led.close()
 
 
@@ -901,6 +923,8 @@ def test_cli_demo_ledger_and_admit_on_postgresql(postgres_url: str, tmp_path: Pa
     assert counts.returncode == 0, counts.stderr
     data = json.loads(counts.stdout)
     assert data["entries"] > 0
+    # PostgreSQL stores every counter: the demo's lost CAS is visible from this process
+    assert data["not_stored"] == [] and data["counters"]["cas_conflicts"] == 1
     with open_backend(postgres_url, create=False) as b:
         rid = sorted(b.ledger.snapshot())[0]
         pointer = b.registry.pointer()
@@ -954,10 +978,15 @@ def test_campaign_runs_on_postgresql(postgres_url: str, tmp_path: Path) -> None:
         str(out),
         "--quiet",
     )
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    # six examples are too few to reach the coverage goals: exit 1 for missed goals only
+    assert res.returncode in (0, 1), res.stdout[-2000:] + res.stderr[-2000:]
+    if res.returncode == 1:
+        findings = [ln for ln in res.stdout.splitlines() if "violation" in ln.lower()]
+        assert "goal missed" in res.stdout and all(" 0 violation" in f for f in findings), findings
+    assert "race skipped" in res.stdout
     fuzz = json.loads((out / "fuzz-report.json").read_text())
     assert fuzz["violations"] == 0
-    assert set(fuzz["runs"]) == {"ledger", "activation", "e2e", "seams"}
+    assert set(fuzz["runs"]) == {"ledger", "activation", "e2e", "seams", "artifacts"}
     assert "postgresql://" in fuzz["backend"]
     for machine in ("ledger", "activation", "e2e"):
         assert fuzz["runs"][machine]["rules"].get("reopen", 0) > 0, (machine, fuzz["runs"][machine])
