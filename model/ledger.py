@@ -194,6 +194,12 @@ def enforce(afters: Iterable[LedgerEntry]) -> None:
         raise WriteRefused("refused, nothing written: " + "; ".join(problems[:5]) + more)
 
 
+# Counters of outcomes that write nothing (a lost compare-and-set, a refusal, an idempotent
+# retry). A losing racer must write nothing at all, so the durable ledgers keep these per
+# ledger object: statistics() of a later process reads 0 for them (`ledger counts` says so).
+PROCESS_LOCAL_COUNTERS = frozenset({"cas_conflicts", "refused", "idempotent_retries"})
+
+
 @attrs.frozen
 class LedgerStatistics:
     """Counters for introspection and the fuzz report."""

@@ -37,10 +37,11 @@ same transaction as the rows they describe.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -55,6 +56,7 @@ from rollout_lifecycle.model.ledger import (
     CONFLICT,
     IDEMPOTENT,
     NO_REGISTRY,
+    PROCESS_LOCAL_COUNTERS,
     RESERVED,
     ActivationPremise,
     Clock,
@@ -220,6 +222,9 @@ class PostgresLedger:
     connection's current one.
     """
 
+    #: counters of outcomes that write nothing, kept per ledger object (see _bump)
+    process_local_counters: ClassVar[frozenset[str]] = PROCESS_LOCAL_COUNTERS
+
     def __init__(
         self,
         url: str | PostgresDatabase,
@@ -247,6 +252,9 @@ class PostgresLedger:
                 retry_seconds=retry_seconds,
             ).acquire()
         self.read_only = self.db.read_only
+        self._outcomes: Counter[str] = Counter()  # outcomes that write nothing (see _bump)
+        self._outcomes_lock = threading.Lock()
+        self._local = threading.local()
         self._registry_seen = False
         self._closed = False
         try:
@@ -280,24 +288,56 @@ class PostgresLedger:
         if self.read_only:
             raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
         prologue = _PREMISE_LOCK if premise else ""
-        return self.db.write(body, what, prologue=prologue)
+        pending: Counter[str] = Counter()
+
+        def attempt(conn: Conn) -> Any:
+            # outcomes that write nothing are counted only once the step's transaction is
+            # done, and afresh on each attempt (a step run again must not count twice)
+            pending.clear()
+            self._local.pending = pending
+            try:
+                return body(conn)
+            finally:
+                self._local.pending = None
+
+        result = self.db.write(attempt, what, prologue=prologue)
+        if pending:
+            with self._outcomes_lock:
+                self._outcomes.update(pending)
+        return result
 
     def _read(self, body: Any, what: str, *, snapshot: bool = False) -> Any:
         self._check_open()
         return self.db.read(body, what, snapshot=snapshot)
 
-    @staticmethod
-    def _bump(conn: Conn, counts: Mapping[str, int]) -> None:
-        rows = sorted((k, v) for k, v in counts.items() if v)
+    def _bump(self, conn: Conn, counts: Mapping[str, int]) -> None:
+        """Add to counters: counts of writes go to the server in the step's transaction;
+        outcomes that write nothing (a lost compare-and-set, a refusal, an idempotent retry)
+        are counted by this ledger object only, so a losing racer writes nothing at all."""
+        local = {k: v for k, v in counts.items() if v and k in PROCESS_LOCAL_COUNTERS}
+        if local:
+            pending = getattr(self._local, "pending", None)
+            if pending is None:
+                with self._outcomes_lock:
+                    self._outcomes.update(local)
+            else:
+                pending.update(local)
+        rows = sorted((k, v) for k, v in counts.items() if v and k not in local)
         if rows:
             conn.execute(_BUMP, (json.dumps([{"name": k, "n": v} for k, v in rows]),))
 
     def _bump_now(self, counts: Mapping[str, int]) -> None:
-        """Counters of an outcome that writes no record: one autocommit statement."""
-        if self.read_only:
-            raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
+        """Counters of an outcome decided before any transaction (a stale read, a bad stamp)."""
         self._check_open()
-        self.db.write(lambda conn: self._bump(conn, counts), "updating counters")
+        if any(k not in PROCESS_LOCAL_COUNTERS for k, v in counts.items() if v):
+            if self.read_only:
+                raise LedgerError(
+                    f"ledger on {self.db.where} was opened read-only; nothing written"
+                )
+            self.db.write(lambda conn: self._bump(conn, counts), "updating counters")
+        else:
+            with self._outcomes_lock:
+                self._outcomes.update({k: v for k, v in counts.items() if v})
 
     @staticmethod
     def _row(conn: Conn, rollout_id: str) -> LedgerEntry | None:
@@ -381,6 +421,8 @@ class PostgresLedger:
         """Events and counters of a step, last, under the events lock (held to COMMIT)."""
         total = Counter(counts)
         total["writes"] += len(changes)
+        local = {k: total.pop(k) for k in PROCESS_LOCAL_COUNTERS if k in total}
+        self._bump(conn, local)  # counted by this object once the step is over
         if not changes:
             self._bump(conn, total)
             return
@@ -853,6 +895,9 @@ class PostgresLedger:
             return by_state, counters, self._bad_versions(conn)
 
         by_state, counters, bad = self._read(body, "statistics", snapshot=True)
+        with self._outcomes_lock:
+            for k, v in self._outcomes.items():
+                counters[k] = counters.get(k, 0) + v
         base = statistics_from((), counters, bad)
         states = {s: int(by_state.get(s, 0)) for s in base.by_state}
         return attrs.evolve(base, entries=sum(states.values()), by_state=states)

@@ -42,6 +42,7 @@ from rollout_lifecycle.model.ledger import (
     CONFLICT,
     IDEMPOTENT,
     NO_REGISTRY,
+    PROCESS_LOCAL_COUNTERS,
     RESERVED,
     ActivationPremise,
     Clock,
@@ -141,7 +142,6 @@ _COUNTER_OF = {
 
 # outcomes that write no record are counted in memory, never in the file: a losing
 # compare-and-set, a refused reservation and an idempotent retry write nothing at all
-_LOCAL_COUNTERS = frozenset({"cas_conflicts", "refused", "idempotent_retries"})
 _IN_CHUNK = 500  # ids per IN (...) list, well under SQLite's bound-parameter limit
 _WAS_ACTIVE = tuple(sorted(WAS_ACTIVE_STATES))
 _WAS_ACTIVE_MARKS = ",".join("?" * len(_WAS_ACTIVE))
@@ -194,7 +194,7 @@ class SQLiteLedger:
 
     #: counters of outcomes that write nothing; each ledger object counts its own, so
     #: statistics() from a later process shows 0 for them (``ledger counts`` says so)
-    process_local_counters: ClassVar[frozenset[str]] = _LOCAL_COUNTERS
+    process_local_counters: ClassVar[frozenset[str]] = PROCESS_LOCAL_COUNTERS
 
     def __init__(
         self,
@@ -334,18 +334,18 @@ class SQLiteLedger:
         """Add to counters: counts of writes go to the file in the caller's transaction;
         outcomes that write nothing (a lost compare-and-set, a refusal, an idempotent retry)
         are counted by this ledger object only, so a losing racer writes nothing at all."""
-        local = {k: v for k, v in counts.items() if v and k in _LOCAL_COUNTERS}
+        local = {k: v for k, v in counts.items() if v and k in PROCESS_LOCAL_COUNTERS}
         if local:
             with self._handles_lock:
                 self._outcomes.update(local)
-        rows = [(k, v) for k, v in counts.items() if v and k not in _LOCAL_COUNTERS]
+        rows = [(k, v) for k, v in counts.items() if v and k not in PROCESS_LOCAL_COUNTERS]
         if len(rows) == 1:
             conn.execute(_BUMP, rows[0])
         elif rows:
             conn.executemany(_BUMP, rows)
 
     def _bump_now(self, counts: Mapping[str, int]) -> None:
-        if any(k not in _LOCAL_COUNTERS for k, v in counts.items() if v):
+        if any(k not in PROCESS_LOCAL_COUNTERS for k, v in counts.items() if v):
             if self.read_only:
                 raise LedgerError(f"ledger {self.path} was opened read-only; nothing written")
             try:

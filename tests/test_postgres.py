@@ -324,8 +324,11 @@ def test_four_processes_of_eight_threads_race_for_10000_rollouts(postgres_url: s
     attempts = procs_n * threads_n * n
     st = led.statistics()
     assert reasons["reserved"] == st.reservations == n
-    assert st.reservations + st.cas_conflicts + st.refused == attempts == sum(reasons.values())
-    assert st.cas_conflicts == reasons["revision_conflict"] == attempts - n and st.refused == 0
+    assert sum(reasons.values()) == attempts  # every attempt answered, by its own racer
+    assert reasons["revision_conflict"] == attempts - n
+    # losers wrote nothing at all: the server holds the n wins, no counters of losses (each
+    # racer's own ledger object counted what it lost)
+    assert st.cas_conflicts == 0 and st.refused == 0
     assert st.commits == commit_calls and st.by_state["consumed"] == n
     assert st.writes == len(hist) == 3 * n
     led.close()
@@ -923,8 +926,8 @@ def test_cli_demo_ledger_and_admit_on_postgresql(postgres_url: str, tmp_path: Pa
     assert counts.returncode == 0, counts.stderr
     data = json.loads(counts.stdout)
     assert data["entries"] > 0
-    # PostgreSQL stores every counter: the demo's lost CAS is visible from this process
-    assert data["not_stored"] == [] and data["counters"]["cas_conflicts"] == 1
+    # a lost CAS writes nothing on PostgreSQL either: its counter is the demo process's own
+    assert data["not_stored"] == ["idempotent_retries", "cas_conflicts", "refused"]
     with open_backend(postgres_url, create=False) as b:
         rid = sorted(b.ledger.snapshot())[0]
         pointer = b.registry.pointer()
