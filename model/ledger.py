@@ -370,6 +370,31 @@ def plan_reserve(
     return ReserveOutcome(rollout_id, True, RESERVED, new), new
 
 
+def replan_lost(
+    now: LedgerEntry | None,
+    rollout_id: str,
+    expected_revision: int,
+    update_id: str,
+    admission: AdmissionStamp | None,
+    lease_expires_at: float | None,
+) -> ReserveOutcome:
+    """The outcome of a compare-and-set that lost, re-planned on the row as it is now.
+    Revisions only grow, so it is a conflict, or an idempotent retry when this same update
+    reserved the rollout meanwhile (e.g. through a concurrent batch)."""
+    again, _ = plan_reserve(
+        now,
+        rollout_id,
+        expected_revision,
+        update_id,
+        admission,
+        premise=NO_REGISTRY,
+        lease_expires_at=lease_expires_at,
+    )
+    if again.reason != IDEMPOTENT:
+        return ReserveOutcome(rollout_id, False, CONFLICT, now)
+    return again
+
+
 def plan_release(
     entry: LedgerEntry, event: str, rule: RecoveryRule, bad_versions: Iterable[int]
 ) -> LedgerEntry:

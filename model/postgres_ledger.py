@@ -72,6 +72,7 @@ from rollout_lifecycle.model.ledger import (
     plan_release,
     plan_reserve,
     plan_transition,
+    replan_lost,
     statistics_from,
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
@@ -628,17 +629,7 @@ class PostgresLedger:
         planner can only say conflict, or idempotent if this same update reserved it
         meanwhile (e.g. through a concurrent batch)."""
         now = self._row(conn, rollout_id)
-        again, _ = plan_reserve(
-            now,
-            rollout_id,
-            expected_revision,
-            update_id,
-            admission,
-            premise=NO_REGISTRY,
-            lease_expires_at=lease,
-        )
-        if again.reason != IDEMPOTENT:
-            again = ReserveOutcome(rollout_id, False, CONFLICT, now)
+        again = replan_lost(now, rollout_id, expected_revision, update_id, admission, lease)
         self._bump(conn, {_counter_of(again.reason): 1})
         return again
 
