@@ -155,9 +155,8 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                     stats[f"refused:{type(exc).__name__}"] += 1
                 time.sleep(rng.uniform(0.02, 0.2))
         out.put({"role": f"activator-{index}", "stats": dict(stats)})
-    except BaseException as exc:  # the parent must see why a child failed
-        out.put({"role": f"activator-{index}", "error": repr(exc)})
-        raise
+    except Exception as exc:  # the parent reports why a child failed (no child traceback)
+        out.put({"role": f"activator-{index}", "stats": dict(stats), "error": repr(exc)})
 
 
 def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
@@ -233,9 +232,10 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
                     stats["committed"] += len(won)
             reader.close()
         out.put({"role": f"learner-{index}", "stats": dict(stats), "calls": calls})
-    except BaseException as exc:
-        out.put({"role": f"learner-{index}", "error": repr(exc)})
-        raise
+    except Exception as exc:  # reported with the calls made so far, which are judged too
+        out.put(
+            {"role": f"learner-{index}", "stats": dict(stats), "calls": calls, "error": repr(exc)}
+        )
 
 
 class _Reader:

@@ -31,10 +31,15 @@ def test_clean_race_has_no_violation_and_counts_refusals(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("mutant", ["reservation_ignores_pointer", "cas_atomic_on_one_connection"])
-def test_race_catches_what_one_connection_cannot(tmp_path: Path, mutant: str) -> None:
-    """With a fix reverted in every child process, the race finds violations."""
+def test_race_catches_what_one_connection_cannot(
+    tmp_path: Path, mutant: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """With a fix reverted in every child process, the race finds violations; a child that
+    fails on the broken state is reported in the race's errors, not as a child traceback."""
     report = _race(tmp_path, mutant=mutant, seconds=10.0)
     assert report.violations, f"{mutant} survived the race"
+    assert "Traceback" not in capfd.readouterr().err
+    assert all("exited" not in e for e in report.errors), report.errors
 
 
 def test_history_check_flags_an_impossible_refusal() -> None:
