@@ -31,8 +31,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         default=[],
         metavar="MODULE:FACTORY",
-        help="run the ledger conformance kit on this factory (repeatable); also 'memory' "
-        "or 'sqlite' for the built-in backends",
+        help="run the ledger conformance kit on this factory (repeatable); also 'memory', "
+        "'sqlite', or a postgresql:// URL (each check in a fresh schema of that database) "
+        "for the built-in backends",
     )
     group.addoption(
         "--rl-ledger-examples",
