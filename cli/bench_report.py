@@ -18,6 +18,12 @@ from rollout_lifecycle.cli import benchmarks as B
 from rollout_lifecycle.model.atomic import atomic_write
 
 FILES = ("bench.json", "README.md", "admission.png")
+POSTGRES_NOTE = (
+    "PostgreSQL needs a server, so it is measured apart, the same way (single and batch CAS "
+    "with 1 / 4 / 8 worker processes next to a plain UPDATE of the same rows in the same "
+    "run): `python benchmarks/postgres_bench.py` starts a throwaway server; the figures are "
+    "in [docs/postgres.md](../postgres.md)."
+)
 
 
 def _fmt(v: Any, digits: int = 2) -> str:
@@ -118,6 +124,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
                     f"| {name} | {r['workers']} | {r['rollouts']} | {r['wins']} | "
                     f"{r['lost_cas']} | {_fmt(r['wins_per_s'])} |"
                 )
+        lines += ["", POSTGRES_NOTE]
     chk = report.get("checkers")
     if chk:
         lines += ["", "## Checkers", "", "| fuzz backend | machine | examples | steps | steps/s |"]
