@@ -22,12 +22,14 @@ two steps can wait on each other in a cycle):
 
 A lost connection is retried while nothing can have been committed (the server rolled the
 open transaction back). One lost during COMMIT is resolved on a new connection once the
-server answers again, by a mark: every write transaction inserts a random token into
-`commit_marks` in its COMMIT round trip, so the token is there exactly when the step landed.
-The transaction id alone cannot decide it: a server that restarts before the transaction's
-WAL reached the kernel hands the same id to a later transaction, and `pg_xact_status` then
-reports that one's fate. `pg_xact_status` is used only to wait while the transaction may
-still be running on a server that did not restart. So a restarted server never makes a
+server answers again, by a mark: every transaction that wrote something inserts a random
+token into `commit_marks` in its COMMIT round trip, so the token is there exactly when its
+writes landed (one that wrote nothing leaves no mark, and running it again is harmless).
+The transaction id cannot decide it: a server that restarts before the transaction's WAL
+reached the kernel hands the same id to a later transaction, and `pg_xact_status` then
+reports that one's fate. The mark is read once the transaction cannot be running any more:
+the server restarted, or the session that ran it (pid and start time, from
+`pg_stat_activity`) has ended or sits idle. So a restarted server never makes a
 client repeat a step that landed, nor report as landed one that did not.
 """
 
@@ -40,6 +42,7 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -63,7 +66,7 @@ T = TypeVar("T")
 Conn = psycopg.Connection[Any]
 
 SCHEMES = ("postgresql", "postgres")
-MIN_SERVER = 130000  # pg_current_xact_id / pg_xact_status (xid8) arrived in PostgreSQL 13
+MIN_SERVER = 130000  # pg_current_xact_id_if_assigned (commit marks) arrived in PostgreSQL 13
 
 # advisory lock class ids ("RL" + purpose); the second key is hashtext(current_schema())
 _BASE = 0x524C0000
@@ -210,12 +213,21 @@ def quote_ident(name: str) -> sql.Identifier:
 # ---- the database --------------------------------------------------------------------------
 
 
+@attrs.frozen
+class Backend:
+    """One server session: its pid, when it started, and when the server itself started
+    (a restart ends every session, and pids are reused)."""
+
+    pid: int
+    started: str
+    server_started: str
+
+
 @attrs.define
 class _Attempt:
     """What a write attempt knew when its connection broke."""
 
-    xid: str | None = None
-    server_started: str | None = None  # pg_postmaster_start_time at BEGIN
+    backend: Backend | None = None  # the server session that ran it
     token: str = attrs.field(factory=lambda: uuid.uuid4().hex)
     committing: bool = False
     result: Any = None
@@ -249,6 +261,7 @@ class PostgresDatabase:
         self.pool_size = pool_size
         self.retry_seconds = float(retry_seconds)
         self._commits = 0  # write transactions sent to COMMIT by this object (for pruning)
+        self._sessions: weakref.WeakKeyDictionary[Conn, Backend] = weakref.WeakKeyDictionary()
         options = str(self.params.get("options", "") or "")
         extra = []
         if schema is not None:
@@ -435,23 +448,21 @@ class PostgresDatabase:
     def _write_once(self, body: Callable[[Conn], T], attempt: _Attempt, prologue: str = "") -> T:
         with self._checkout() as conn:
             try:
-                # one round trip: BEGIN, the transaction id (to resolve a COMMIT whose answer
-                # is lost), and the prologue; each statement gets its own snapshot
-                opening = (
-                    "BEGIN; SELECT pg_current_xact_id()::text, pg_postmaster_start_time()::text"
-                )
-                cur = conn.execute(f"{opening}; {prologue}" if prologue else opening)
-                cur.nextset()
-                row = cur.fetchone()
-                if row is not None:
-                    attempt.xid, attempt.server_started = str(row[0]), str(row[1])
+                attempt.backend = self._session(conn)
+                # one round trip: BEGIN and the prologue; each statement its own snapshot
+                conn.execute(f"BEGIN; {prologue}" if prologue else "BEGIN")
                 result = body(conn)
                 attempt.result = result
                 with self._lock:
                     self._commits += 1
                     prune = self._commits % _PRUNE_EVERY == 0
-                # the mark rides in the COMMIT round trip (a hex token: safe as a literal)
-                ending = f"INSERT INTO commit_marks(token) VALUES ('{attempt.token}'); "
+                # the mark rides in the COMMIT round trip (a hex token: safe as a literal),
+                # and only a transaction that wrote something has an id and gets one: a step
+                # that wrote nothing (a lost compare-and-set) leaves nothing behind at all
+                ending = (
+                    f"INSERT INTO commit_marks(token) SELECT '{attempt.token}' "
+                    "WHERE pg_current_xact_id_if_assigned() IS NOT NULL; "
+                )
                 if prune:
                     ending += _PRUNE_MARKS
                 attempt.committing = True
@@ -465,8 +476,28 @@ class PostgresDatabase:
                     raise _ConnectionBroke(_first_line(exc)) from exc
                 raise
 
+    def _session(self, conn: Conn) -> Backend:
+        """Who this connection is on the server; asked once per connection, then cached."""
+        known = self._sessions.get(conn)
+        if known is None:
+            row = conn.execute(
+                "SELECT pg_backend_pid(), backend_start::text, pg_postmaster_start_time()::text "
+                "FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+            ).fetchone()
+            if row is None:  # pragma: no cover - a session always sees itself
+                raise LedgerError(f"{self.where}: the server does not list this session")
+            known = Backend(int(row[0]), str(row[1]), str(row[2]))
+            with self._lock:
+                self._sessions[conn] = known
+        return known
+
     def _fate(self, attempt: _Attempt) -> str:
-        """'committed' or 'aborted' when known now, else the transaction's live status."""
+        """'committed' or 'aborted' when known now, else 'in progress'.
+
+        The mark decides once the transaction can no longer be running: the server
+        restarted since (every session ended), or its session is gone. A transaction that
+        committed without a mark wrote nothing, so running its step again is harmless."""
+        ran = attempt.backend
         conn = psycopg.connect(self.conninfo, autocommit=True)
         try:
             marked = "EXISTS (SELECT 1 FROM commit_marks WHERE token = %s)"
@@ -474,15 +505,19 @@ class PostgresDatabase:
                 f"SELECT {marked}, pg_postmaster_start_time()::text", (attempt.token,)
             ).fetchone()
             if row is None:
-                return "unknown"
+                return "in progress"
             if row[0]:
                 return "committed"
-            if row[1] != attempt.server_started:
+            if ran is None or row[1] != ran.server_started:
                 return "aborted"  # the server restarted: the transaction is gone, unmarked
-            status = conn.execute("SELECT pg_xact_status(%s::xid8)", (attempt.xid,)).fetchone()
-            if status is None or status[0] == "in progress":
-                return "in progress"
-            # finished on the same server: its mark (checked again, after the end) decides
+            alive = conn.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND backend_start::text = %s "
+                "AND state IS DISTINCT FROM 'idle'",
+                (ran.pid, ran.started),
+            ).fetchone()
+            if alive is not None:
+                return "in progress"  # its session may still commit or roll back
+            # its session ended, or sits idle outside any transaction: the mark decides
             again = conn.execute(f"SELECT {marked}", (attempt.token,)).fetchone()
             return "committed" if again is not None and again[0] else "aborted"
         finally:
@@ -490,7 +525,7 @@ class PostgresDatabase:
 
     def _resolve(self, attempt: _Attempt, deadline: float, what: str) -> str:
         """The fate of a transaction whose COMMIT got no answer: committed or aborted."""
-        if attempt.xid is None:
+        if attempt.backend is None:
             return "aborted"
         delay = 0.05
         last = ""
@@ -499,7 +534,8 @@ class PostgresDatabase:
                 status = self._fate(attempt)
                 if status in ("committed", "aborted"):
                     return status
-                last = f"transaction {attempt.xid} is {status}"
+                pid = attempt.backend.pid
+                last = f"its server session (pid {pid}) is still inside the transaction"
             except psycopg.Error as exc:
                 last = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if time.monotonic() + delay > deadline:

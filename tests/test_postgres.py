@@ -816,18 +816,21 @@ def test_server_down_longer_than_the_retry_budget_is_a_clear_error(tmp_path: Pat
 def test_commit_whose_answer_was_lost_is_resolved_not_repeated(
     postgres_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A COMMIT whose reply never came is looked up on a new connection by its mark: landed,
-    the step returns its result and is not run again; rolled back, it runs again, even when
-    its transaction id now belongs to a committed transaction (a server that restarted
-    before the WAL reached the kernel reuses ids, so pg_xact_status alone would say
-    'committed')."""
+    """A COMMIT whose reply never came is looked up on a new connection by its commit mark:
+    landed, the step returns its result and is not run again; rolled back, it runs again;
+    still open in its server session, the client waits for that session to end first.
+    (Transaction ids decide nothing: a server restarted before the WAL reached the kernel
+    reuses them, and the restart test once saw pg_xact_status call a lost commit landed.)"""
     from rollout_lifecycle.model import postgres_common as pc
 
     led = _ledger(postgres_url)
-    add_rewarded(led, ["a", "b"])
+    add_rewarded(led, ["a", "b", "c"])
     db = led.db
     real = pc.PostgresDatabase._write_once
+    real_fate = pc.PostgresDatabase._fate
     mode = {"how": "landed", "calls": 0}
+    fates: list[str] = []
+    import psycopg
 
     def flaky(self: Any, body: Any, attempt: Any, prologue: str = "") -> Any:
         mode["calls"] += 1
@@ -837,44 +840,74 @@ def test_commit_whose_answer_was_lost_is_resolved_not_repeated(
             real(self, body, attempt, prologue)  # it committed ...
             attempt.committing = True
             raise pc._ConnectionBroke("server closed the connection")  # ... the answer got lost
-        with self._checkout() as conn:  # it never committed: the server rolled it back
-            cur = conn.execute(
-                "BEGIN; SELECT pg_current_xact_id()::text, pg_postmaster_start_time()::text; "
-                + prologue
-            )
-            cur.nextset()
-            row = cur.fetchone()
-            attempt.xid, attempt.server_started = row[0], row[1]
-            body(conn)
-            conn.execute("ROLLBACK")
-            if mode["how"] == "reused":  # the same id now names a transaction that committed
-                other = conn.execute("SELECT pg_current_xact_id()::text").fetchone()
-                attempt.xid = other[0]
-                status = conn.execute("SELECT pg_xact_status(%s::xid8)", (attempt.xid,))
-                assert status.fetchone()[0] == "committed"
+        if mode["how"] == "rolled-back":
+            with self._checkout() as conn:  # it never committed: the server rolled it back
+                attempt.backend = self._session(conn)
+                conn.execute(f"BEGIN; {prologue}")
+                body(conn)
+                conn.execute("ROLLBACK")
+        else:  # still inside its transaction on the server; that session ends 0.5 s later
+            side = psycopg.connect(self.conninfo, autocommit=True)
+            attempt.backend = self._session(side)
+            side.execute(f"BEGIN; {prologue}")
+            body(side)
+            threading.Timer(0.5, side.close).start()
         attempt.committing = True
         raise pc._ConnectionBroke("server closed the connection")
 
+    def spy(self: Any, attempt: Any) -> str:
+        fates.append(real_fate(self, attempt))
+        return fates[-1]
+
     monkeypatch.setattr(pc.PostgresDatabase, "_write_once", flaky)
+    monkeypatch.setattr(pc.PostgresDatabase, "_fate", spy)
     out = led.reserve("a", 0, "u1", stamp())
     assert out.reserved and mode["calls"] == 1 and db.in_doubt_resolved == 1
+    assert fates == ["committed"]
     mode.update(how="rolled-back", calls=0)
     out = led.reserve("b", 0, "u2", stamp())
     assert out.reserved and mode["calls"] == 2 and db.in_doubt_resolved == 2
-    add_rewarded(led, ["c"])
-    mode.update(how="reused", calls=0)
+    assert fates[1:] == ["aborted"]
+    mode.update(how="open", calls=0)
     out = led.reserve("c", 0, "u3", stamp())
     assert out.reserved and mode["calls"] == 2 and db.in_doubt_resolved == 3
+    assert fates[2] == "in progress" and fates[-1] == "aborted", fates
     monkeypatch.undo()
-    assert [e.event for e in led.history()] == [
-        "add",
-        "add",
-        "reserve",
-        "reserve",
-        "add",
-        "reserve",
-    ]
+    assert [e.event for e in led.history()] == ["add"] * 3 + ["reserve"] * 3
     assert led.statistics().reservations == 3
+    led.close()
+
+
+def test_a_lost_compare_and_set_leaves_nothing_on_the_server(postgres_url: str) -> None:
+    """A reservation that loses its compare-and-set changes no row, event, counter or commit
+    mark; a winning one leaves exactly one mark (what in-doubt commits are resolved by)."""
+    import psycopg
+
+    led = _ledger(postgres_url)
+    add_rewarded(led, ["a"])
+
+    def server_state() -> tuple[Any, ...]:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            return tuple(
+                conn.execute(q).fetchall()
+                for q in (
+                    "SELECT rollout_id, entry FROM rollouts ORDER BY rollout_id",
+                    "SELECT count(*) FROM events",
+                    "SELECT name, sum(n) FROM ledger_counters GROUP BY name ORDER BY name",
+                    "SELECT count(*) FROM commit_marks",
+                )
+            )
+
+    before = server_state()
+    out = led.reserve("a", 7, "u1", stamp())  # stale revision: refused before any write
+    assert out.reason == "revision_conflict"
+    lost = led.reserve_batch("u1", [ReserveRequest("a", 3, stamp())])  # loses in SQL
+    assert [o.reason for o in lost] == ["revision_conflict"]
+    assert server_state() == before
+    assert led.reserve("a", 0, "u1", stamp()).reserved
+    after = server_state()
+    assert after[3][0][0] == before[3][0][0] + 1 and after[1][0][0] == before[1][0][0] + 1
+    assert led.statistics().cas_conflicts == 2  # counted by this ledger object
     led.close()
 
 
