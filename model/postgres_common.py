@@ -94,6 +94,10 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_subject ON events(kind, subject);
 CREATE INDEX IF NOT EXISTS events_txn_idx ON events(txn);
+"""
+# every writing step's COMMIT inserts here (see the module doc); created with the schema,
+# and added to a database whose schema predates it
+_MARKS_DDL = """
 CREATE TABLE IF NOT EXISTS commit_marks (
     token text PRIMARY KEY,
     at    timestamptz NOT NULL DEFAULT now()
@@ -641,7 +645,9 @@ class PostgresDatabase:
         # the usual case, an up-to-date schema, runs no DDL at all: CREATE INDEX IF NOT
         # EXISTS still takes a SHARE lock on its table, which would queue behind (and then
         # block) every writer of a ledger in use
-        if self.component_version(component) == version:
+        if self.component_version(component) == version and self.read(
+            lambda conn: has_table(conn, "commit_marks"), "looking for commit_marks"
+        ):
             return
 
         def body(conn: Conn) -> None:
@@ -652,6 +658,7 @@ class PostgresDatabase:
                 found = conn.execute(
                     "SELECT version FROM schema_meta WHERE component = %s", (component,)
                 ).fetchone()
+            conn.execute(_MARKS_DDL)
             if found is not None and int(found[0]) == version:
                 return  # another process created it while this one waited for the lock
             conn.execute(ddl if meta else _META_DDL + ddl)

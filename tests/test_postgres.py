@@ -1038,3 +1038,20 @@ def test_race_command_on_postgresql(postgres_url: str) -> None:
     assert report["totals"].get("reserve:reserved", 0) > 0
     again = _cli("race", "--backend", postgres_url, "--seconds", "1")
     assert again.returncode == 2 and "already holds a ledger" in again.stderr
+
+
+def test_a_schema_without_commit_marks_gets_the_table_on_open(postgres_url: str) -> None:
+    """A database whose schema predates commit marks (the table dropped here) gets it back
+    when a ledger opens it for writing, and writes work again."""
+    import psycopg
+
+    led = _ledger(postgres_url)
+    add_rewarded(led, ["a"])
+    led.close()
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute("DROP TABLE commit_marks")
+    again = _ledger(postgres_url)
+    assert again.reserve("a", 0, "u1", stamp()).reserved
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM commit_marks").fetchone()[0] >= 1
+    again.close()
