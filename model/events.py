@@ -23,6 +23,9 @@ from rollout_lifecycle.model.records import (
     to_jsonable,
 )
 
+# One rollout's change in a ledger step: (event, before, after, update_id).
+Change = tuple[str, LedgerEntry | None, LedgerEntry, str | None]
+
 
 @attrs.frozen
 class EntryChanged:
@@ -37,6 +40,12 @@ class EntryChanged:
     after: LedgerEntry
     update_id: str | None = None
     kind: str = "entry"
+
+
+def entry_events(changes: Sequence[Change], at: float) -> list[EntryChanged]:
+    """A ledger step's events before a store numbers them (seq and txn 0: the durable
+    stores stamp both as they append, under their events lock)."""
+    return [EntryChanged(0, 0, at, a.rollout_id, ev, b, a, u) for ev, b, a, u in changes]
 
 
 @attrs.frozen
@@ -178,11 +187,7 @@ class EventLog:
             self._events.extend(stamped)
             return stamped
 
-    def record_entries(
-        self,
-        at: float,
-        changes: Sequence[tuple[str, LedgerEntry | None, LedgerEntry, str | None]],
-    ) -> None:
+    def record_entries(self, at: float, changes: Sequence[Change]) -> None:
         """`record` for a ledger step of (event, before, after, update_id) changes: each
         EntryChanged is built once, already stamped, instead of built then copied."""
         with self._lock:

@@ -28,7 +28,7 @@ from rollout_lifecycle.model.errors import (
     UnknownRollout,
     brief,
 )
-from rollout_lifecycle.model.events import EntryChanged, EventLog
+from rollout_lifecycle.model.events import Change, EntryChanged, EventLog
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.records import (
     AdmissionStamp,
@@ -652,9 +652,7 @@ class MemoryLedger:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _record(
-        self, changes: list[tuple[str, LedgerEntry | None, LedgerEntry, str | None]]
-    ) -> None:
+    def _record(self, changes: list[Change]) -> None:
         if not changes:
             return
         enforce(after for _, _, after, _ in changes)
@@ -776,7 +774,7 @@ class MemoryLedger:
             lease = self.clock() + self.lease_seconds
             premise = NO_REGISTRY if self.activation is None else self.activation.premise()
             outcomes: list[ReserveOutcome] = []
-            changes: list[tuple[str, LedgerEntry | None, LedgerEntry, str | None]] = []
+            changes: list[Change] = []
             for r in requests:
                 entry = self._entries.get(r.rollout_id)
                 out, new = plan_reserve(

@@ -51,7 +51,7 @@ from rollout_lifecycle.model.errors import (
     RevisionConflict,
     UnknownRollout,
 )
-from rollout_lifecycle.model.events import EntryChanged
+from rollout_lifecycle.model.events import Change, EntryChanged, entry_events
 from rollout_lifecycle.model.ledger import (
     CONFLICT,
     IDEMPOTENT,
@@ -191,8 +191,6 @@ _WAS_ACTIVE = sorted(WAS_ACTIVE_STATES)
 _PREMISE_LOCK = lock_sql(K_PREMISE, shared=True)
 # read off the machine, so "which states can be quarantined directly" is never retyped
 _QUARANTINABLE = [s for s in LIFECYCLE.states if LIFECYCLE.is_legal(s, "quarantine")]
-
-Change = tuple[str, LedgerEntry | None, LedgerEntry, str | None]
 
 
 def _dump(entry: LedgerEntry) -> str:
@@ -427,24 +425,7 @@ class PostgresLedger:
         if not changes:
             self._bump(conn, total)
             return
-        at = self.clock()
-        append_events(
-            conn,
-            [
-                EntryChanged(
-                    seq=0,
-                    txn=0,
-                    at=at,
-                    rollout_id=a.rollout_id,
-                    event=ev,
-                    before=b,
-                    after=a,
-                    update_id=u,
-                )
-                for ev, b, a, u in changes
-            ],
-            counters=total,
-        )
+        append_events(conn, entry_events(changes, self.clock()), counters=total)
 
     def _premise(self, conn: Conn) -> ActivationPremise:
         """The active pointer and ever-active versions, read inside the caller's transaction

@@ -37,12 +37,11 @@ from rollout_lifecycle.model.registry import (
     _ART_COLS,
     RegistryStep,
     RegistryView,
+    SqlView,
     WorkerReport,
     _artifact_events,
     _EmptyView,
     _record_to_row,
-    _row_to_record,
-    _row_to_worker,
     _Unchanged,
     check_step,
     make_events,
@@ -100,50 +99,10 @@ CREATE OR REPLACE TRIGGER registry_artifacts_guard
 """
 
 
-class _PgView:
-    """What a plan may read, on the step's own connection (inside its transaction)."""
+class _PgView(SqlView):
+    """The registry's reads, with psycopg's parameter marker."""
 
-    def __init__(self, conn: Conn) -> None:
-        self._conn = conn
-
-    def artifact(self, version: int) -> ArtifactRecord | None:
-        row = self._conn.execute(
-            f"SELECT {_ART_COLS} FROM registry_artifacts WHERE version = %s", (version,)
-        ).fetchone()
-        return None if row is None else _row_to_record(row)
-
-    def artifacts(self) -> list[ArtifactRecord]:
-        rows = self._conn.execute(
-            f"SELECT {_ART_COLS} FROM registry_artifacts ORDER BY version"
-        ).fetchall()
-        return [_row_to_record(r) for r in rows]
-
-    def pointer(self) -> ActivePointer | None:
-        row = self._conn.execute(
-            "SELECT version, artifact_hash FROM registry_pointer WHERE id = 1"
-        ).fetchone()
-        return None if row is None else ActivePointer(int(row[0]), str(row[1]))
-
-    def worker(self, worker_id: str) -> WorkerReport | None:
-        row = self._conn.execute(
-            "SELECT worker_id, floor, ack FROM registry_workers WHERE worker_id = %s",
-            (worker_id,),
-        ).fetchone()
-        return None if row is None else _row_to_worker(row)
-
-    def workers(self) -> dict[str, WorkerReport]:
-        rows = self._conn.execute(
-            "SELECT worker_id, floor, ack FROM registry_workers ORDER BY worker_id"
-        ).fetchall()
-        return {str(r[0]): _row_to_worker(r) for r in rows}
-
-    def max_version(self) -> int | None:
-        row = self._conn.execute("SELECT MAX(version) FROM registry_artifacts").fetchone()
-        return None if row is None or row[0] is None else int(row[0])
-
-    def required_workers(self) -> tuple[str, ...] | None:
-        row = self._conn.execute("SELECT workers FROM registry_membership WHERE id = 1").fetchone()
-        return None if row is None else tuple(str(w) for w in json.loads(str(row[0])))
+    PARAM = "%s"
 
 
 def _write_step(conn: Conn, step: RegistryStep) -> None:

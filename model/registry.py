@@ -643,13 +643,22 @@ def _row_to_worker(row: Sequence[object]) -> WorkerReport:
     )
 
 
-class _SQLiteView:
-    def __init__(self, conn: sqlite3.Connection) -> None:
+class SqlView:
+    """What a registry plan may read, on the step's own connection (inside its transaction).
+
+    One class for every SQL store: the queries are the same, only the DB-API parameter
+    marker differs (`PARAM`: '?' for sqlite3, '%s' for psycopg).
+    """
+
+    PARAM = "?"
+
+    def __init__(self, conn: Any) -> None:
         self._conn = conn
 
     def artifact(self, version: int) -> ArtifactRecord | None:
         row = self._conn.execute(
-            f"SELECT {_ART_COLS} FROM registry_artifacts WHERE version = ?", (version,)
+            f"SELECT {_ART_COLS} FROM registry_artifacts WHERE version = {self.PARAM}",
+            (version,),
         ).fetchone()
         return None if row is None else _row_to_record(row)
 
@@ -667,7 +676,8 @@ class _SQLiteView:
 
     def worker(self, worker_id: str) -> WorkerReport | None:
         row = self._conn.execute(
-            "SELECT worker_id, floor, ack FROM registry_workers WHERE worker_id = ?", (worker_id,)
+            f"SELECT worker_id, floor, ack FROM registry_workers WHERE worker_id = {self.PARAM}",
+            (worker_id,),
         ).fetchone()
         return None if row is None else _row_to_worker(row)
 
@@ -744,7 +754,7 @@ class SQLiteRegistry(_ViewReads):
             self._conn = connect(self.path, read_only=read_only)
         except sqlite3.Error as exc:
             raise _unusable(self.path, exc) from None
-        view: RegistryView = _SQLiteView(self._conn)
+        view: RegistryView = SqlView(self._conn)
         try:
             if read_only:
                 version = has_component(self._conn, COMPONENT)

@@ -37,7 +37,7 @@ from rollout_lifecycle.model.errors import (
     UnknownRollout,
     brief,
 )
-from rollout_lifecycle.model.events import EntryChanged
+from rollout_lifecycle.model.events import Change, EntryChanged, entry_events
 from rollout_lifecycle.model.ledger import (
     CONFLICT,
     IDEMPOTENT,
@@ -149,8 +149,6 @@ _WAS_ACTIVE_MARKS = ",".join("?" * len(_WAS_ACTIVE))
 
 # Read off the machine, so "which states can be quarantined directly" is never retyped.
 _QUARANTINABLE = tuple(s for s in LIFECYCLE.states if LIFECYCLE.is_legal(s, "quarantine"))
-
-Change = tuple[str, LedgerEntry | None, LedgerEntry, str | None]
 
 
 def _dump(entry: LedgerEntry) -> str:
@@ -439,23 +437,7 @@ class SQLiteLedger:
         if not changes:
             return
         enforce(a for _, _, a, _ in changes)
-        at = self.clock()
-        append_events(
-            conn,
-            [
-                EntryChanged(
-                    seq=0,
-                    txn=0,
-                    at=at,
-                    rollout_id=a.rollout_id,
-                    event=ev,
-                    before=b,
-                    after=a,
-                    update_id=u,
-                )
-                for ev, b, a, u in changes
-            ],
-        )
+        append_events(conn, entry_events(changes, self.clock()))
         self._bump(conn, {"writes": len(changes)})
 
     # ---- protocol ---------------------------------------------------------------------------
