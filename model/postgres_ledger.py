@@ -65,6 +65,7 @@ from rollout_lifecycle.model.ledger import (
     ReserveOutcome,
     ReserveRequest,
     check_lease_seconds,
+    check_revision,
     commit_plan,
     direct_changes,
     enforce,
@@ -534,6 +535,7 @@ class PostgresLedger:
     ) -> LedgerEntry:
         """Fire a direct lifecycle event under compare-and-set; nothing changes on failure."""
         changes = direct_changes(event, reward, disposition)
+        check_revision(expected_revision)
         entry = self.get(rollout_id)
         if entry.revision != expected_revision:
             self._bump_now({"cas_conflicts": 1})

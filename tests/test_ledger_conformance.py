@@ -20,6 +20,7 @@ from rollout_lifecycle.model.errors import (
     CommitMismatch,
     DuplicateRollout,
     IllegalTransition,
+    InvalidLedgerArgument,
     LedgerError,
     RevisionConflict,
     UnknownRollout,
@@ -742,3 +743,14 @@ def test_clear_bad_version_lets_new_rollouts_in(ledger: Ledger) -> None:
     assert ledger.get("early").state == "quarantined"
     late = ledger.add(LedgerEntry(rollout_id="late", behavior_version=3, artifact_hash="h3"))
     assert late.state == "dispatched"
+
+
+@pytest.mark.parametrize("bad", [False, 0.0, -1, "0"])
+def test_transition_refuses_a_revision_that_is_not_an_int(ledger: Ledger, bad: Any) -> None:
+    """False == 0 in Python, but a bool (or float, negative, text) is no revision: every
+    backend refuses it with the typed error, and the entry is unchanged."""
+    add_rewarded(ledger, ["a"])
+    before = ledger.get("a")
+    with pytest.raises(InvalidLedgerArgument, match="expected_revision"):
+        ledger.transition("a", "retire_stale", bad)
+    assert ledger.get("a") == before
