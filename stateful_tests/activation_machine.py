@@ -299,6 +299,10 @@ class ActivationMachine(RuleBasedStateMachine):
             if self.pointer is not None:
                 self.arts[self.pointer[0]].state = "superseded"
             a.state = "active"
+            # a version that failed once and activated on a retry is good from now on: its
+            # late rollouts are no longer quarantined on arrival (the coordinator lifts the
+            # ledger's mark in the same call)
+            self.failed.discard(v)
             assert a.hash is not None
             self.pointer = (v, a.hash)
             for t in self.truth.values():
