@@ -15,9 +15,6 @@ truly holds it. Liveness is checked on a rebuilt copy (`quiescence.quiesce_copy`
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
@@ -35,8 +32,9 @@ from rollout_lifecycle.model.records import Disposition, WorkerAck
 from rollout_lifecycle.spec.invariants import Violation
 from rollout_lifecycle.stateful_tests.backends import (
     Stack,
-    check_stack_backend,
+    bind_machine,
     close_stack,
+    end_example,
     open_stack,
     reopen_stack,
 )
@@ -715,11 +713,7 @@ class ActivationMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Close the stores and delete the files; never raise over the real failure."""
-        if sys.exc_info()[1] is not None:
-            self.recorder.example_failed()
-        with contextlib.suppress(Exception):
-            close_stack(self.stack)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        end_example(self.recorder, self.tmp, [lambda: close_stack(self.stack)])
 
 
 def _as_violations(texts: list[str]) -> list[Violation]:
@@ -734,11 +728,11 @@ def make_activation_machine(
 ) -> type[RuleBasedStateMachine]:
     """The activation machine on 'memory' (one EventLog), 'sqlite' (one file) or PostgreSQL
     ('postgresql' or a postgresql:// URL: one schema)."""
-    check_stack_backend(backend, "activation")
-    attrs_: dict[str, Any] = {
-        "backend": backend,
-        "recorder": recorder or Recorder("activation"),
-        "workdir": workdir,
-        "__module__": __name__,
-    }
-    return type("ActivationMachine", (ActivationMachine,), attrs_)
+    return bind_machine(
+        ActivationMachine,
+        backend,
+        machine="activation",
+        recorder=recorder,
+        recorder_name="activation",
+        workdir=workdir,
+    )

@@ -11,10 +11,8 @@ read activates damaged weights, and the ghost check says so; an honest one refus
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
@@ -28,8 +26,9 @@ from rollout_lifecycle.model.errors import ActivationError, ArtifactError
 from rollout_lifecycle.model.ledger import ManualClock
 from rollout_lifecycle.stateful_tests.backends import (
     Stack,
-    check_stack_backend,
+    bind_machine,
     close_stack,
+    end_example,
     open_stack,
 )
 from rollout_lifecycle.stateful_tests.recording import (
@@ -217,11 +216,7 @@ class ArtifactMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Close and delete; never raise over the real failure."""
-        if sys.exc_info()[1] is not None:
-            self.recorder.example_failed()
-        with contextlib.suppress(Exception):
-            close_stack(self.stack)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        end_example(self.recorder, self.tmp, [lambda: close_stack(self.stack)])
 
 
 def make_artifact_machine(
@@ -232,11 +227,11 @@ def make_artifact_machine(
 ) -> type[RuleBasedStateMachine]:
     """Real-artifact activation on 'memory', 'sqlite' or PostgreSQL (the records live in the
     backend; the artifact files in a temporary folder)."""
-    check_stack_backend(backend, "artifacts")
-    attrs_: dict[str, Any] = {
-        "backend": backend,
-        "recorder": recorder or Recorder("artifacts"),
-        "workdir": workdir,
-        "__module__": __name__,
-    }
-    return type("ArtifactMachine", (ArtifactMachine,), attrs_)
+    return bind_machine(
+        ArtifactMachine,
+        backend,
+        machine="artifacts",
+        recorder=recorder,
+        recorder_name="artifacts",
+        workdir=workdir,
+    )

@@ -21,12 +21,14 @@ import contextlib
 import hashlib
 import importlib
 import os
+import shutil
 import sqlite3
+import sys
 import threading
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import attrs
 
@@ -39,6 +41,7 @@ from rollout_lifecycle.model.events import EventLog, TraceEvent
 from rollout_lifecycle.model.ledger import Clock, Ledger
 from rollout_lifecycle.model.registry import RegistryStore
 from rollout_lifecycle.model.sqlite_common import connect, read_events
+from rollout_lifecycle.stateful_tests.recording import Recorder
 
 BACKEND_NAMES = ("memory", "sqlite", "postgresql")
 DB_NAME = "state.db"
@@ -465,3 +468,38 @@ def close_stack(stack: Stack) -> None:
     for closer in (stack.source.close, stack.ledger.close, stack.registry.close):
         with contextlib.suppress(Exception):
             closer()
+
+
+def end_example(recorder: Recorder, tmp: Path, closers: Iterable[Callable[[], object]]) -> None:
+    """A stack machine's teardown: count a failing example, close everything, delete the
+    files; never raises over the real failure."""
+    if sys.exc_info()[1] is not None:
+        recorder.example_failed()
+    for close in closers:
+        with contextlib.suppress(Exception):
+            close()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+M = TypeVar("M", bound=type)
+
+
+def bind_machine(
+    base: M,
+    backend: str,
+    *,
+    machine: str,
+    recorder: Recorder | None,
+    recorder_name: str,
+    workdir: Path | None,
+) -> M:
+    """`base` bound to a checked stack backend, a recorder and a work folder (a subclass of
+    the same name, so Hypothesis reports and saved programs name the machine)."""
+    check_stack_backend(backend, machine)
+    attrs_: dict[str, Any] = {
+        "backend": backend,
+        "recorder": recorder or Recorder(recorder_name),
+        "workdir": workdir,
+        "__module__": base.__module__,
+    }
+    return cast(M, type(base.__name__, (base,), attrs_))

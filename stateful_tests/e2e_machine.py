@@ -16,12 +16,9 @@ versions really became active, what was consumed, what each worker really staged
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import math
-import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
@@ -44,8 +41,9 @@ from rollout_lifecycle.model.records import Disposition, LedgerEntry, Rollout
 from rollout_lifecycle.spec.invariants import Violation
 from rollout_lifecycle.stateful_tests.backends import (
     Stack,
-    check_stack_backend,
+    bind_machine,
     close_stack,
+    end_example,
     open_stack,
     reopen_stack,
 )
@@ -635,11 +633,7 @@ class EndToEndMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Close the stores and delete the files; never raise over the real failure."""
-        if sys.exc_info()[1] is not None:
-            self.recorder.example_failed()
-        with contextlib.suppress(Exception):
-            close_stack(self.stack)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        end_example(self.recorder, self.tmp, [lambda: close_stack(self.stack)])
 
 
 def make_e2e_machine(
@@ -650,11 +644,11 @@ def make_e2e_machine(
 ) -> type[RuleBasedStateMachine]:
     """The end-to-end machine on 'memory' (one EventLog), 'sqlite' (one file) or PostgreSQL
     ('postgresql' or a postgresql:// URL: one schema)."""
-    check_stack_backend(backend, "end-to-end")
-    attrs_: dict[str, Any] = {
-        "backend": backend,
-        "recorder": recorder or Recorder("e2e"),
-        "workdir": workdir,
-        "__module__": __name__,
-    }
-    return type("EndToEndMachine", (EndToEndMachine,), attrs_)
+    return bind_machine(
+        EndToEndMachine,
+        backend,
+        machine="end-to-end",
+        recorder=recorder,
+        recorder_name="e2e",
+        workdir=workdir,
+    )

@@ -10,9 +10,6 @@ invariants of the stored state. Budgets are larger than the explorer's.
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
@@ -37,8 +34,9 @@ from rollout_lifecycle.spec.seams_model import (
 )
 from rollout_lifecycle.stateful_tests.backends import (
     LogSource,
-    check_stack_backend,
+    bind_machine,
     durable_url,
+    end_example,
     event_source,
 )
 from rollout_lifecycle.stateful_tests.recording import (
@@ -262,14 +260,7 @@ class SeamsMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Close every connection and delete the files; never raise over the real failure."""
-        if sys.exc_info()[1] is not None:
-            self.recorder.example_failed()
-        with contextlib.suppress(Exception):
-            self.source.close()
-        for b in self.backends:
-            with contextlib.suppress(Exception):
-                b.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        end_example(self.recorder, self.tmp, [self.source.close, *(b.close for b in self.backends)])
 
 
 def make_seams_machine(
@@ -279,11 +270,11 @@ def make_seams_machine(
     workdir: Path | None = None,
 ) -> type[RuleBasedStateMachine]:
     """The composition machine on 'memory', 'sqlite' or PostgreSQL (a connection per party)."""
-    check_stack_backend(backend, "seams")
-    attrs_: dict[str, Any] = {
-        "backend": backend,
-        "recorder": recorder or Recorder("seams"),
-        "workdir": workdir,
-        "__module__": __name__,
-    }
-    return type("SeamsMachine", (SeamsMachine,), attrs_)
+    return bind_machine(
+        SeamsMachine,
+        backend,
+        machine="seams",
+        recorder=recorder,
+        recorder_name="seams",
+        workdir=workdir,
+    )
