@@ -19,7 +19,13 @@ from pathlib import Path
 from rollout_lifecycle.model.backends import open_backend
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.ledger import ReserveRequest
-from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, Reward, WorkerAck
+from rollout_lifecycle.model.records import (
+    AdmissionPolicy,
+    AdmissionStamp,
+    LedgerEntry,
+    Reward,
+    WorkerAck,
+)
 
 H0 = "a" * 64
 REWARD = Reward("rm", "1", 1.0)
@@ -40,10 +46,11 @@ def build(path: Path, n: int) -> None:
     """A ledger of `n` consumed rollouts, written through the real SQLite backend."""
     with open_backend(f"sqlite:///{path}") as b:
         c = ActivationCoordinator(b.registry, ["g0"], ledger=b.ledger)
+        c.set_policy(AdmissionPolicy(1, 0.2), "benchmark")
         c.prepare(0)
         c.commit_artifact(0, H0)
         c.distribute(0)
-        c.record_ack(WorkerAck("g0", 0, H0))
+        c.record_ack(WorkerAck("g0", 0, H0, token=c.attempt_token("g0", 0)))
         assert c.try_activate(0).activated
         led = b.ledger
         for start in range(0, n, BATCH):

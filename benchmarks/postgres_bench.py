@@ -124,7 +124,7 @@ def _prepare(url: str, schema: str, workers: int, n: int) -> None:
         c.prepare(1)
         c.commit_artifact(1, HASH)
         c.distribute(1)
-        c.record_ack(WorkerAck("w0", 1, HASH))
+        c.record_ack(WorkerAck("w0", 1, HASH, token=c.attempt_token("w0", 1)))
         assert c.try_activate(1).activated
         reward = Reward("bench", "1", 1.0)
         for w in range(workers):

@@ -33,6 +33,7 @@ from rollout_lifecycle.model.gate import AdmissionDecision, AdmissionGate, GateP
 from rollout_lifecycle.model.ledger import Ledger, ReserveRequest
 from rollout_lifecycle.model.records import (
     ActionEvidence,
+    AdmissionPolicy,
     BehaviorPolicy,
     Disposition,
     GenerationConditions,
@@ -63,7 +64,12 @@ class _Demo:
         self.ledger: Ledger = backend.ledger
         self.store = store
         self.rng = np.random.default_rng(seed)
-        self.coordinator = ActivationCoordinator(backend.registry, WORKERS, ledger=backend.ledger)
+        self.coordinator = ActivationCoordinator(
+            backend.registry,
+            WORKERS,
+            ledger=backend.ledger,
+            policy=AdmissionPolicy(MAX_LAG, MAX_DRIFT),
+        )
         self.loaders = {w: WorkerLoader(store, w) for w in WORKERS}
         self.gate = AdmissionGate(
             GatePolicy(MAX_LAG, MAX_DRIFT, CONDITIONS), self.coordinator.activated_hash
@@ -120,7 +126,10 @@ class _Demo:
 
     def _load_and_ack(self, version: int, h: str, workers: Sequence[str]) -> None:
         for w in workers:
-            loaded, ack = self.loaders[w].load(version, h)
+            # the token of this distribution attempt travels with the weights; the loader
+            # echoes it in the ack it builds from the bytes it read
+            token = self.coordinator.attempt_token(w, version)
+            loaded, ack = self.loaders[w].load(version, h, token=token)
             same = all(np.array_equal(loaded.tensors[k], v) for k, v in self.weights.items())
             if not same:
                 raise click.ClickException(f"demo: {w} loaded different tensors for v{version}")

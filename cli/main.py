@@ -22,6 +22,7 @@ from rollout_lifecycle.cli.admit_cmd import admit
 from rollout_lifecycle.cli.bench_cmd import bench
 from rollout_lifecycle.cli.campaign_cmd import campaign
 from rollout_lifecycle.cli.demo_cmd import demo
+from rollout_lifecycle.cli.deployment_cmd import deployment
 from rollout_lifecycle.cli.diagram_cmd import diagram
 from rollout_lifecycle.cli.explore_cmd import explore
 from rollout_lifecycle.cli.fuzz_cmd import fuzz
@@ -40,6 +41,7 @@ COMMANDS = (
     race,
     admit,
     ledger,
+    deployment,
     demo,
     diagram,
     gpu_check,

@@ -38,6 +38,14 @@ from rollout_lifecycle.stateful_tests.race import RaceConfig, check_fresh, run_r
 @click.option("--seconds", type=FiniteFloat(1.0, 86_400.0), default=60.0, show_default=True)
 @click.option("--max-lag", type=StrictInt(0, 1000), default=1, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option(
+    "--hostile",
+    type=StrictInt(0, 64),
+    default=0,
+    show_default=True,
+    help="How many of the learners are misconfigured (their gate admits any lag and "
+    "drift): the deployment's recorded policy must refuse what they let through.",
+)
 @report_options
 @quiet_option
 def race(
@@ -47,12 +55,17 @@ def race(
     seconds: float,
     max_lag: int,
     seed: int,
+    hostile: int,
     as_json: bool,
     report_path: Path | None,
     quiet: bool,
 ) -> None:
     """Race activators against learners running the README pattern; judge everything."""
     check_report_path(report_path)
+    if hostile > learners:
+        raise click.BadParameter(
+            f"{hostile} hostile learners out of {learners}", param_hint="--hostile"
+        )
     try:
         check_fresh(url)
     except BackendUnavailable as exc:
@@ -66,6 +79,7 @@ def race(
         seconds=seconds,
         max_lag=max_lag,
         seed=seed,
+        hostile=hostile,
     )
     tick = Progress("race", quiet=quiet)
     try:

@@ -36,6 +36,7 @@ from rollout_lifecycle.model.ledger import ReserveRequest
 from rollout_lifecycle.model.records import (
     ActionEvidence,
     ActivePointer,
+    AdmissionPolicy,
     BehaviorPolicy,
     Disposition,
     GenerationConditions,
@@ -106,7 +107,11 @@ class RunProtocol:
         self.backend = open_backend(self.url, clock=clock)
         self.store = ArtifactStore(artifact_root)
         self.coordinator = ActivationCoordinator(
-            self.backend.registry, [WORKER_ID], ledger=self.backend.ledger, clock=clock
+            self.backend.registry,
+            [WORKER_ID],
+            ledger=self.backend.ledger,
+            clock=clock,
+            policy=AdmissionPolicy(policy.max_lag, policy.max_drift),
         )
         self.policy = policy
         self.gate = AdmissionGate(policy, registry=self.coordinator.activated_hash)
@@ -154,9 +159,15 @@ class RunProtocol:
     def ack(self, version: int, artifact_hash: str) -> AckResult:
         """Record the generation side's report of what it loaded for the current attempt."""
         rec = self.coordinator.artifact(version)
-        # the worker says what it loaded and which distribution it answered; the
-        # coordinator numbers the report
-        ack = WorkerAck(WORKER_ID, version, artifact_hash, attempt=rec.attempts)
+        # the worker says what it loaded and echoes the token of the distribution attempt it
+        # answered (sent with the weights); the coordinator numbers the report. Outside an
+        # attempt it is a plain report of what the worker holds, with no token to echo.
+        token = (
+            self.coordinator.attempt_token(WORKER_ID, version)
+            if rec.state == "awaiting_acks"
+            else None
+        )
+        ack = WorkerAck(WORKER_ID, version, artifact_hash, attempt=rec.attempts, token=token)
         return self.coordinator.record_ack(ack)
 
     def activate(self, version: int) -> ActivationResult:

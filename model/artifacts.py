@@ -472,13 +472,24 @@ class WorkerLoader:
         return WorkerLoader(self.store, self.worker_id, self.incarnation + 1)
 
     def load(
-        self, version: int, expected_hash: str, *, attempt: int = 1
+        self,
+        version: int,
+        expected_hash: str,
+        *,
+        token: str | None = None,
+        attempt: int | None = None,
     ) -> tuple[LoadedWeights, WorkerAck]:
         """Read, hash, then parse; ArtifactError (and no ack) on any mismatch or bad file.
 
-        `attempt` is the distribution attempt being answered (see WorkerAck).
+        `token` is the one the coordinator issued this worker for the distribution attempt
+        being answered (`ActivationCoordinator.attempt_token`): the ack echoes it, so it
+        counts for that attempt and no other. Without one the ack is a report of what the
+        worker holds (a restored version), which can never help an activation. `attempt`
+        is an optional note for logs (see WorkerAck).
         """
         _check_sha(expected_hash, "expected_hash")
+        if token is not None and (not isinstance(token, str) or not token):
+            raise ArtifactError(f"token must be a non-empty string or None, got {brief(token)}")
         manifest = self.store.read_manifest(version)
         blobs = {f.name: self.store.read_bytes(version, f.name) for f in manifest.files}
         loaded_hash = content_hash(
@@ -518,5 +529,6 @@ class WorkerLoader:
             incarnation=self.incarnation,
             seq=seq,
             attempt=attempt,
+            token=token,
         )
         return LoadedWeights(version, loaded_hash, tensors, raw), ack

@@ -16,12 +16,14 @@ explains why a URL users will try is refused.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -32,10 +34,17 @@ from rollout_lifecycle.model.errors import (
     LedgerError,
     brief,
 )
-from rollout_lifecycle.model.events import EventLog, TraceEvent
+from rollout_lifecycle.model.events import EventLog, StoredRows, TraceEvent
 from rollout_lifecycle.model.ledger import Clock, Ledger, MemoryLedger, check_lease_seconds
-from rollout_lifecycle.model.registry import MemoryRegistry, RegistryStore, SQLiteRegistry
-from rollout_lifecycle.model.sqlite_common import connect_read_only, has_component
+from rollout_lifecycle.model.records import to_jsonable
+from rollout_lifecycle.model.registry import (
+    _ART_COLS,
+    MemoryRegistry,
+    RegistryStore,
+    SQLiteRegistry,
+    _record_to_row,
+)
+from rollout_lifecycle.model.sqlite_common import FileReplaced, connect_read_only, has_component
 from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
 
 DEFAULT_URL = "sqlite:///rollout-lifecycle.db"
@@ -62,6 +71,18 @@ class Backend:
         events: list[TraceEvent] = [*self.ledger.history(), *self.registry.trace()]
         return sorted(events, key=lambda e: e.seq)
 
+    def stored_rows(self) -> StoredRows:
+        """Every stored row and event, with the hash chain and its head, from one consistent
+        snapshot (what `ledger check` audits against the replayed trace)."""
+        read = getattr(self.ledger, "stored_rows", None)
+        if callable(read):
+            rows = read()
+            if isinstance(rows, StoredRows):
+                return rows
+        if isinstance(self.ledger, MemoryLedger) and isinstance(self.registry, MemoryRegistry):
+            return memory_rows(self.ledger, self.registry)
+        raise LedgerError(f"{type(self.ledger).__name__} cannot list what it stores")
+
     def close(self) -> None:
         """Release connections; safe to call twice."""
         try:
@@ -76,11 +97,75 @@ class Backend:
         self.close()
 
 
+def _dumps(value: object) -> str:
+    return json.dumps(to_jsonable(value), separators=(",", ":"))
+
+
+def memory_rows(ledger: MemoryLedger, registry: MemoryRegistry) -> StoredRows:
+    """A memory backend's records laid out as the SQL stores' tables (same names and
+    columns), with the shared log's chain, under the registry's lock (which an attached
+    ledger shares): so one audit judges all three backends alike."""
+    with registry.lock:
+        events, head = registry.log.stored_events()
+        stats = ledger.statistics()
+        tables: dict[str, list[dict[str, Any]]] = {
+            "rollouts": [
+                {
+                    "rollout_id": e.rollout_id,
+                    "state": e.state,
+                    "revision": e.revision,
+                    "reserved_by": e.reserved_by,
+                    "lease_expires_at": e.lease_expires_at,
+                    "behavior_version": e.behavior_version,
+                    "entry": _dumps(e),
+                }
+                for e in ledger.snapshot().values()
+            ],
+            "ledger_bad_versions": [{"version": v} for v in sorted(ledger.bad_versions)],
+            "ledger_counters": [
+                {"name": k, "n": getattr(stats, k)}
+                for k in ("writes", "reservations", "expirations", "commits", "aborts")
+            ],
+            "registry_artifacts": [
+                dict(zip(_ART_COLS.replace(" ", "").split(","), _record_to_row(a), strict=True))
+                for a in registry.artifacts()
+            ],
+            "registry_workers": [
+                {
+                    "worker_id": w.worker_id,
+                    "floor": w.floor,
+                    "ack": None if w.ack is None else _dumps(w.ack),
+                }
+                for w in registry.workers().values()
+            ],
+            "registry_attempt_tokens": [attrs.asdict(t) for t in registry.attempt_tokens()],
+        }
+        pointer, members, policy = (
+            registry.pointer(),
+            registry.required_workers(),
+            registry.policy(),
+        )
+    tables["registry_pointer"] = (
+        []
+        if pointer is None
+        else [{"id": 1, "version": pointer.version, "artifact_hash": pointer.artifact_hash}]
+    )
+    tables["registry_membership"] = (
+        [] if members is None else [{"id": 1, "workers": json.dumps(list(members))}]
+    )
+    tables["registry_policy"] = (
+        []
+        if policy is None
+        else [{"id": 1, "max_lag": policy.max_lag, "max_drift": policy.max_drift}]
+    )
+    return StoredRows(events=events, head=head, tables=tables)
+
+
 @attrs.frozen
 class OpenOptions:
     """What every opener receives besides the URL's own part."""
 
-    clock: Clock
+    clock: Clock | None  # None: the deployment's clock (see model.clocks); tests inject one
     lease_seconds: float
     create: bool
 
@@ -111,7 +196,10 @@ def _open_memory(url: str, rest: str, opts: OpenOptions) -> Backend:
     registry = MemoryRegistry(event_log=log)
     # the ledger shares the registry's lock: a reservation reads the pointer in its own step
     ledger = MemoryLedger(
-        clock=opts.clock, lease_seconds=opts.lease_seconds, event_log=log, activation=registry
+        clock=opts.clock or time.time,
+        lease_seconds=opts.lease_seconds,
+        event_log=log,
+        activation=registry,
     )
     return Backend(url=url, ledger=ledger, registry=registry)
 
@@ -178,6 +266,8 @@ def _open_sqlite(url: str, _rest: str, opts: OpenOptions) -> Backend:
         ledger = SQLiteLedger(
             path, clock=opts.clock, lease_seconds=opts.lease_seconds, read_only=read_only
         )
+    except FileReplaced:
+        raise  # the URL is fine; the -wal beside the file is another file's (it says why)
     except LedgerError as exc:
         raise _bad(url, _storage_hint(path, str(exc))) from None
     try:
@@ -240,7 +330,7 @@ PLANNED: dict[str, str] = {
 def open_backend(
     url: str,
     *,
-    clock: Clock = time.time,
+    clock: Clock | None = None,
     lease_seconds: float = 600.0,
     create: bool = True,
 ) -> Backend:

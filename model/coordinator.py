@@ -8,13 +8,23 @@ API and the coordinator cannot disagree on when a pointer may flip.
 
 Worker reports are ordered by (incarnation, seq): a late or duplicated ack never replaces a
 newer one, and a restart voids everything the previous incarnation said (bugs 11 and 12 of
-the field notes). A failed activation quarantines that version's rollouts in the ledger
-after the registry step commits; `resume` re-applies it, so a crash in between is healed.
+the field notes). Each distribution attempt issues every required worker a random token
+(`attempt_token`); an ack of the version awaiting acks counts only if it echoes its
+worker's token of the CURRENT attempt, so a delayed ack of a failed attempt, or one sent
+before the worker left and re-joined the worker set, is refused with a typed reason instead
+of counted by arrival. Leaving the worker set voids a worker's ack and tokens; a worker that
+joins while a version awaits acks is issued a token of its own and must ack afresh. Reports
+of a version not awaiting acks ("I restored v0"), and every report of a non-member, are
+stored as what the worker holds: they can block an activation, never help one.
+
+A failed activation quarantines that version's rollouts in the ledger after the registry
+step commits; `resume` re-applies it, so a crash in between is healed.
 """
 
 from __future__ import annotations
 
 import enum
+import secrets
 import threading
 import time
 from collections import Counter
@@ -23,12 +33,20 @@ from typing import Any, Literal, TypeVar
 
 import attrs
 
-from rollout_lifecycle.model.errors import ActivationError, brief
+from rollout_lifecycle.model.errors import ActivationError, InvalidRecord, brief
 from rollout_lifecycle.model.events import ArtifactChanged, TraceEvent
 from rollout_lifecycle.model.ledger import Ledger
 from rollout_lifecycle.model.machines import ACTIVATION
-from rollout_lifecycle.model.records import ActivePointer, ArtifactRecord, Disposition, WorkerAck
+from rollout_lifecycle.model.records import (
+    ActivePointer,
+    AdmissionPolicy,
+    ArtifactRecord,
+    AttemptToken,
+    Disposition,
+    WorkerAck,
+)
 from rollout_lifecycle.model.registry import (
+    ATTEMPT_EVENTS,
     ArtifactChange,
     RegistryStep,
     RegistryStore,
@@ -37,21 +55,29 @@ from rollout_lifecycle.model.registry import (
     activated_hash,
     activation_decision,
     check_membership,
+    check_policy,
     counted_acks,
+    current_tokens,
     distribution_refusal,
     reconcile_membership,
     required_set,
+    set_admission_policy,
 )
+from rollout_lifecycle.model.rules import ROLLBACK_KEPT, ROLLBACK_RETIRED, retired_versions
 
 R = TypeVar("R")
 
 # AckResult reasons
-COUNTED = "counted"
+COUNTED = "counted"  # an ack of the current attempt, echoing its token: stored, counts
+REPORTED = "reported"  # a member's report of a version not awaiting acks: stored, blocks only
+NOT_REQUIRED = "not_required"  # a non-member's report: stored, never counts
 DUPLICATE = "duplicate"
 OUT_OF_ORDER = "out_of_order"
 CONFLICTING = "conflicting_report"
 STALE_INCARNATION = "stale_incarnation"
-NOT_REQUIRED = "not_required"
+MISSING_ATTEMPT_TOKEN = "missing_attempt_token"  # acks a version awaiting acks, no token
+STALE_ATTEMPT_TOKEN = "stale_attempt_token"  # a token of an earlier attempt (or membership)
+FOREIGN_ATTEMPT_TOKEN = "foreign_attempt_token"  # another worker's token of this attempt
 
 # ActivationResult reasons beyond those of activate_policy_version
 NOT_COMMITTED = "artifact_not_committed"
@@ -70,10 +96,22 @@ CURRENT_POINTER = _Default.CURRENT_POINTER
 
 @attrs.frozen
 class AckResult:
-    """Whether a worker report became that worker's latest, and why not otherwise."""
+    """How a worker's report was taken: `counted` (an ack of the current attempt that counts
+    toward activation), `recorded` (stored as the worker's latest report, counted or not),
+    and the reason (COUNTED, REPORTED, NOT_REQUIRED, or why it was refused)."""
 
     counted: bool
     reason: str
+    recorded: bool = False
+
+
+def random_token(version: int, attempt: int, worker_id: str) -> str:
+    """A fresh attempt token: 128 random bits, unrelated to anything a worker could replay."""
+    del version, attempt, worker_id  # the arguments serve deterministic sources (explorer)
+    return secrets.token_hex(16)
+
+
+TokenSource = Callable[[int, int, str], str]
 
 
 @attrs.frozen
@@ -115,7 +153,12 @@ class CoordinatorStatistics:
 
 
 def judge_ack(report: WorkerReport, ack: WorkerAck) -> str:
-    """Where `ack` stands against the worker's stored report: COUNTED or why it is ignored."""
+    """Where `ack` stands against the worker's stored report: COUNTED or why it is ignored.
+
+    The same report delivered twice is a DUPLICATE even if one copy was stored without its
+    token (it arrived when its version no longer awaited acks): tokens bind an ack to an
+    attempt, they do not make it a different report.
+    """
     if ack.incarnation < report.floor:
         return STALE_INCARNATION
     latest = report.ack
@@ -123,25 +166,68 @@ def judge_ack(report: WorkerReport, ack: WorkerAck) -> str:
         return COUNTED
     key, latest_key = (ack.incarnation, ack.seq), (latest.incarnation, latest.seq)
     if key == latest_key:
-        return DUPLICATE if ack == latest else CONFLICTING
+        same = attrs.evolve(ack, token=None) == attrs.evolve(latest, token=None)
+        return DUPLICATE if same else CONFLICTING
     return COUNTED if key > latest_key else OUT_OF_ORDER
 
 
-def number_ack(view: RegistryView, report: WorkerReport, ack: WorkerAck) -> WorkerAck:
-    """The ack with the numbers the worker left out filled in by the coordinator.
+def number_ack(report: WorkerReport, ack: WorkerAck) -> WorkerAck:
+    """The ack with `seq` filled in if the worker left it out: one past the worker's latest
+    report of the same incarnation (arrival order). A seq the worker gave stands.
 
-    seq: one past the worker's latest report of the same incarnation (arrival order);
-    attempt: the version's current distribution attempt. Numbers the worker gave stand.
+    Only the ordering of one worker's reports is numbered here: which attempt an ack answers
+    is never inferred from its arrival (that is what let a late ack count); it is the token
+    the worker echoes (`judge_token`).
     """
-    seq, attempt = ack.seq, ack.attempt
-    if seq is None:
-        latest = report.ack
-        same = latest is not None and latest.incarnation == ack.incarnation
-        seq = (latest.seq or 0) + 1 if same and latest is not None else 0
-    if attempt is None:
-        rec = view.artifact(ack.version)
-        attempt = 0 if rec is None else rec.attempts
-    return attrs.evolve(ack, seq=seq, attempt=attempt)
+    if ack.seq is not None:
+        return ack
+    latest = report.ack
+    same = latest is not None and latest.incarnation == ack.incarnation
+    seq = (latest.seq or 0) + 1 if same and latest is not None else 0
+    return attrs.evolve(ack, seq=seq)
+
+
+def judge_token(view: RegistryView, rec: ArtifactRecord, ack: WorkerAck) -> str | None:
+    """Why an ack of `rec` (awaiting acks) does not answer its current attempt; None if it does."""
+    if ack.token is None:
+        return MISSING_ATTEMPT_TOKEN
+    tokens = current_tokens(view, rec)
+    mine = tokens.get(ack.worker_id)
+    if mine is not None and mine.token == ack.token:
+        return None
+    if any(t.token == ack.token for w, t in tokens.items() if w != ack.worker_id):
+        return FOREIGN_ATTEMPT_TOKEN
+    return STALE_ATTEMPT_TOKEN
+
+
+def membership_step(
+    view: RegistryView, new: tuple[str, ...], reason: str, at: float, new_token: TokenSource
+) -> RegistryStep:
+    """Record `new` as the worker set: leavers lose their ack and tokens in the same step (an
+    ack said what a member held; a worker that left may load anything before it re-joins),
+    and a joiner is issued a fresh token for the version awaiting acks, if any."""
+    old = view.required_workers() or ()
+    leavers = tuple(w for w in old if w not in new)
+    joiners = [w for w in new if w not in old]
+    voided = tuple(
+        WorkerReport(w, r.floor, None)
+        for w in leavers
+        if (r := view.worker(w)) is not None and r.ack is not None
+    )
+    tokens = tuple(
+        AttemptToken(a.version, w, a.attempts, new_token(a.version, a.attempts, w))
+        for a in view.artifacts()
+        if a.state == "awaiting_acks"
+        for w in joiners
+    )
+    return RegistryStep(
+        at,
+        membership=new,
+        membership_reason=reason,
+        workers=voided,
+        tokens=tokens,
+        revoked=leavers,
+    )
 
 
 def _change(
@@ -187,7 +273,9 @@ class ActivationCoordinator:
         required_workers: Iterable[str] | None = None,
         *,
         ledger: Ledger | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
+        policy: AdmissionPolicy | None = None,
+        new_token: TokenSource = random_token,
     ) -> None:
         """Attach to `registry`, whose durable required worker set every coordinator shares.
 
@@ -195,23 +283,51 @@ class ActivationCoordinator:
         change). On a registry that has one, `required_workers` may be omitted, and if
         given must equal it: a second coordinator with another set is refused, so it can
         never move the pointer on a partial worker set. Change the set explicitly with
-        `change_membership`.
+        `change_membership`. `policy` works the same way for the deployment's admission
+        policy (recorded if none is; refused if another one is; `set_policy` changes it).
+        `new_token(version, attempt, worker_id)` makes attempt tokens: random by default; a
+        deterministic source is for exhaustive exploration only.
         """
         self.registry = registry
         self.ledger = ledger
-        self.clock = clock
+        # steps are dated by the registry's clock where it has one (the SQLite file's host
+        # clock), so ledger and registry events of one trace share one time line
+        self.clock: Callable[[], float] = (
+            clock if clock is not None else getattr(registry, "clock", time.time)
+        )
+        self.new_token = new_token
         wanted = None if required_workers is None else check_membership(required_workers)
 
         def plan(view: RegistryView) -> tuple[RegistryStep, None]:
             initial = reconcile_membership(view.required_workers(), wanted)
             if initial is None:
                 return RegistryStep(self.clock()), None
-            step = RegistryStep(
-                self.clock(), membership=initial, membership_reason="initial membership"
+            step = membership_step(
+                view, initial, "initial membership", self.clock(), self.new_token
             )
             return step, None
 
         self._step(plan)
+        if policy is not None:
+            wanted_policy = check_policy(policy)
+
+            def plan_policy(view: RegistryView) -> tuple[RegistryStep, None]:
+                stored = view.policy()
+                if stored is None:
+                    step = RegistryStep(
+                        self.clock(), policy=wanted_policy, policy_reason="initial policy"
+                    )
+                    return step, None
+                if stored != wanted_policy:
+                    raise ActivationError(
+                        f"the registry records admission policy max_lag {stored.max_lag}, "
+                        f"max_drift {stored.max_drift}; this coordinator was given max_lag "
+                        f"{wanted_policy.max_lag}, max_drift {wanted_policy.max_drift}: omit "
+                        "policy, or change it explicitly with set_policy()"
+                    )
+                return RegistryStep(self.clock()), None
+
+            self._step(plan_policy)
         self._acks: Counter[str] = Counter()
         self._attempts: Counter[str] = Counter()
         self._counter_lock = threading.Lock()
@@ -228,7 +344,11 @@ class ActivationCoordinator:
         """Replace the required worker set: an explicit, recorded step of its own.
 
         Activations after it wait for every worker of the new set. The reason is kept in
-        the trace (who decided, why), so a membership change is never silent.
+        the trace (who decided, why), so a membership change is never silent. A worker that
+        leaves loses its stored ack and its attempt tokens in this step: whatever it acks
+        before re-joining never counts. A worker that joins while a version awaits acks is
+        issued a fresh token for that version's current attempt (read it with
+        `attempt_token`); its stored report, if any, stands until it acks with that token.
         """
         new = check_membership(workers)
         why = _text(reason, "reason")
@@ -236,7 +356,7 @@ class ActivationCoordinator:
         def plan(view: RegistryView) -> tuple[RegistryStep, tuple[str, ...]]:
             if view.required_workers() == new:
                 return RegistryStep(self.clock()), new
-            return RegistryStep(self.clock(), membership=new, membership_reason=why), new
+            return membership_step(view, new, why, self.clock(), self.new_token), new
 
         return self._step(plan)[0]
 
@@ -262,7 +382,8 @@ class ActivationCoordinator:
         one version and then load the other, and the first could activate on an ack that no
         longer holds (the explorer found this with two workers and two versions). It also
         refuses a version no newer than the active one: it could never activate, and it
-        would hold the single distribution slot.
+        would hold the single distribution slot. A distribution attempt (distribute, retry)
+        issues every required worker a fresh token in the same step.
         """
         _version(version)
 
@@ -283,7 +404,14 @@ class ActivationCoordinator:
             why = distribution_refusal(view, version) if exclusive else None
             if why is not None:
                 raise ActivationError(why)
-            return RegistryStep(self.clock(), (ch,)), ch.after
+            tokens: tuple[AttemptToken, ...] = ()
+            if event in ATTEMPT_EVENTS:
+                n = ch.after.attempts
+                tokens = tuple(
+                    AttemptToken(version, w, n, self.new_token(version, n, w))
+                    for w in required_set(view)
+                )
+            return RegistryStep(self.clock(), (ch,), tokens=tokens), ch.after
 
         return self._step(plan)[0]
 
@@ -302,12 +430,25 @@ class ActivationCoordinator:
         version: int,
         parent_version: int | None = None,
         rollback_version: int | Literal[_Default.CURRENT_POINTER] | None = CURRENT_POINTER,
+        *,
+        trained_by: Iterable[str] = (),
     ) -> ArtifactRecord:
         """Register a new version in 'prepared'; it must exceed every version ever registered.
 
         The rollback pointer defaults to the version active now, so an explicit rollback
-        later returns exactly there; pass None to record that there is none.
+        later returns exactly there; pass None to record that there is none. `trained_by`
+        records the version's lineage, the updates whose gradients it contains: an update
+        whose commit did not land in the ledger (its lease was lost, its commit refused)
+        fences the version, which is then refused here, at commit and at activation.
         """
+        if isinstance(trained_by, str) or not isinstance(trained_by, Iterable):
+            raise ActivationError(
+                f"trained_by must be a list of update ids, got {brief(trained_by)}"
+            )
+        try:
+            lineage = ArtifactRecord(0, None, trained_by=tuple(trained_by)).trained_by
+        except InvalidRecord as exc:
+            raise ActivationError(str(exc)) from None
         _version(version)
         if parent_version is not None:
             _version(parent_version, "parent_version")
@@ -343,6 +484,7 @@ class ActivationCoordinator:
                 artifact_hash=None,
                 parent_version=parent_version,
                 rollback_version=rb,
+                trained_by=lineage,
             )
             ch = ArtifactChange("register", None, rec)
             return RegistryStep(self.clock(), (ch,)), rec
@@ -366,13 +508,21 @@ class ActivationCoordinator:
         return rec
 
     def distribute(self, version: int) -> ArtifactRecord:
-        """Weights are being sent: acks are awaited from now on (one more attempt)."""
+        """Weights are being sent: acks are awaited from now on (one more attempt).
+
+        The attempt issues each required worker a fresh token: send it with the weights
+        (`attempt_token` / `attempt_tokens`); only an ack echoing it counts.
+        """
         return self._move(
             version, "distribute", lambda r: {"attempts": r.attempts + 1}, exclusive=True
         )
 
     def retry(self, version: int) -> ArtifactRecord:
-        """Distribute again after a failure; the last failure stays recorded on the record."""
+        """Distribute again after a failure; the last failure stays recorded on the record.
+
+        New tokens replace the failed attempt's: an ack of that attempt, however late it
+        arrives, is refused ('stale_attempt_token') and never counts for this one.
+        """
         return self._move(version, "retry", lambda r: {"attempts": r.attempts + 1}, exclusive=True)
 
     def fail_distribution(self, version: int, cause: str, detail: str = "") -> ArtifactRecord:
@@ -390,29 +540,46 @@ class ActivationCoordinator:
         return rec
 
     def record_ack(self, ack: WorkerAck) -> AckResult:
-        """Store `ack` as the worker's latest report if it is newer by (incarnation, seq).
+        """Judge a worker's report and, unless refused, store it as the worker's latest.
 
-        A worker acks what it loaded and nothing else: `seq` and `attempt` may be left
-        unset, and the coordinator numbers the report (next seq of that worker's
-        incarnation; the version's current distribution attempt). A worker that echoes the
-        attempt of the distribution it answered (`distribute(...).attempts`) is protected
-        against its ack arriving late, after a retry.
+        An ack of the version awaiting acks, from a required worker, must echo the token
+        that worker was issued for the CURRENT attempt: without one it is refused
+        ('missing_attempt_token'), with an earlier attempt's (or a pre-membership-change)
+        token 'stale_attempt_token', with another worker's 'foreign_attempt_token'; refused
+        acks are not stored and never count. Any other report (a version not awaiting acks,
+        or a worker outside the required set) is stored without its token as what the
+        worker holds ('reported', 'not_required'): it can block an activation, never help.
+        Reports are ordered by (incarnation, seq); `seq` may be left unset (numbered by
+        arrival), and a report older than the stored one is refused.
         """
 
         if not isinstance(ack, WorkerAck):
             raise ActivationError(f"record_ack takes a WorkerAck, got {type(ack).__name__}")
 
         def plan(view: RegistryView) -> tuple[RegistryStep, AckResult]:
-            required = view.required_workers() or ()
-            if ack.worker_id not in required:
-                return RegistryStep(self.clock()), AckResult(False, NOT_REQUIRED)
+            now = self.clock()
+            member = ack.worker_id in (view.required_workers() or ())
+            rec = view.artifact(ack.version)
+            answers = member and rec is not None and rec.state == "awaiting_acks"
+            if answers:
+                assert rec is not None
+                refused = judge_token(view, rec, ack)
+                if refused is not None:
+                    return RegistryStep(now), AckResult(False, refused)
+                stored = ack
+            else:
+                stored = attrs.evolve(ack, token=None)  # what it holds, never an answer
             report = view.worker(ack.worker_id) or WorkerReport(ack.worker_id)
-            numbered = number_ack(view, report, ack)
+            numbered = number_ack(report, stored)
             reason = judge_ack(report, numbered)
             if reason != COUNTED:
-                return RegistryStep(self.clock()), AckResult(False, reason)
+                return RegistryStep(now), AckResult(False, reason)
             new = attrs.evolve(report, ack=numbered)
-            return RegistryStep(self.clock(), workers=(new,)), AckResult(True, COUNTED)
+            if answers:
+                result = AckResult(True, COUNTED, recorded=True)
+            else:
+                result = AckResult(False, REPORTED if member else NOT_REQUIRED, recorded=True)
+            return RegistryStep(now, workers=(new,)), result
 
         result = self._step(plan)[0]
         self._count(self._acks, result.reason)
@@ -484,8 +651,24 @@ class ActivationCoordinator:
             self.ledger.clear_bad_version(version)
         return result
 
-    def rollback(self) -> ActivePointer:
+    def set_policy(self, policy: AdmissionPolicy, reason: str) -> AdmissionPolicy:
+        """Record the deployment's admission policy (see registry.set_admission_policy)."""
+        return set_admission_policy(self.registry, policy, reason, at=self.clock())
+
+    def policy(self) -> AdmissionPolicy | None:
+        """The deployment's recorded admission policy (None until one is set)."""
+        return self.registry.policy()
+
+    def rollback(
+        self, *, keep_rollouts: bool = False, reason: str = "operator rollback"
+    ) -> ActivePointer:
         """Return to the active artifact's recorded rollback pointer, in one atomic step.
+
+        The rolled-back version is retired: the step records it on the artifact (cause
+        'rolled_back'), every later reservation of its rollouts is refused inside the
+        reservation's own step, and the attached ledger quarantines its open rollouts and
+        every late arrival. `keep_rollouts=True` is the operator's explicit choice to keep
+        them trainable; it is recorded too (cause 'rolled_back_kept', with `reason`).
 
         Refused with ActivationError (nothing changed) when nothing is active, no rollback
         pointer was recorded, that version is not 'superseded', or a distribution awaits
@@ -495,7 +678,7 @@ class ActivationCoordinator:
         `statistics().workers_out_of_sync`.
         """
 
-        def plan(view: RegistryView) -> tuple[RegistryStep, ActivePointer]:
+        def plan(view: RegistryView) -> tuple[RegistryStep, tuple[ActivePointer, int]]:
             busy = [a.version for a in view.artifacts() if a.state == "awaiting_acks"]
             if busy:
                 raise ActivationError(
@@ -515,10 +698,19 @@ class ActivationCoordinator:
                     f"rollback target v{target_v} is {state}, not 'superseded'; refusing"
                 )
             new = ActivePointer(target.version, target.artifact_hash)
-            changes = (_change(current, "roll_back"), _change(target, "reinstate"))
-            return RegistryStep(self.clock(), changes, pointer=new), new
+            d = Disposition("activation", ROLLBACK_KEPT if keep else ROLLBACK_RETIRED, why)
+            changes = (_change(current, "roll_back", failure=d), _change(target, "reinstate"))
+            return RegistryStep(self.clock(), changes, pointer=new), (new, current.version)
 
-        return self._step(plan)[0]
+        if not isinstance(keep_rollouts, bool):
+            raise ActivationError(
+                f"keep_rollouts must be True or False, got {brief(keep_rollouts)}"
+            )
+        keep, why = keep_rollouts, _text(reason, "reason")
+        pointer, rolled = self._step(plan)[0]
+        if not keep:
+            self._quarantine(rolled, f"v{rolled} rolled back: {why}")
+        return pointer
 
     # ---- reading -----------------------------------------------------------------------
 
@@ -538,8 +730,54 @@ class ActivationCoordinator:
         return self.registry.artifacts()
 
     def reports(self) -> dict[str, WorkerAck]:
-        """The latest counted report of each worker that has one (durable)."""
+        """The latest stored report of each worker that has one (durable), members or not:
+        what each worker last said it holds. Only acks echoing a current token count."""
         return {w: r.ack for w, r in self.registry.workers().items() if r.ack is not None}
+
+    def attempt_tokens(self, version: int) -> dict[str, str]:
+        """The token of each required worker for `version`'s current distribution attempt.
+
+        Send each worker its own with the weights; its ack must echo it (`WorkerAck.token`,
+        or `WorkerLoader.load(..., token=...)`). ActivationError when `version` is not
+        registered or not awaiting acks (a report of it needs no token).
+        """
+        rec = self.artifact(version)
+        if rec.state != "awaiting_acks":
+            raise ActivationError(
+                f"v{version} is {rec.state}, not awaiting acks: no distribution attempt of it "
+                "is open, so there is no token to echo (a worker reports what it holds "
+                "without one; distribute or retry the version to open an attempt)"
+            )
+        tokens = {t.worker_id: t for t in self.registry.attempt_tokens(version)}
+        required = self.required_workers
+        out = {
+            w: t.token
+            for w in required
+            if (t := tokens.get(w)) is not None and t.attempt == rec.attempts
+        }
+        missing = [w for w in required if w not in out]
+        if missing:
+            raise ActivationError(
+                f"no token is stored for {missing} on v{version} attempt {rec.attempts} (the "
+                "registry changed meanwhile?); read again, or retry the distribution"
+            )
+        return out
+
+    def attempt_token(self, worker_id: str, version: int) -> str:
+        """The token `worker_id` must echo to ack `version`'s current distribution attempt.
+
+        ActivationError when `version` is not awaiting acks, or `worker_id` is not in the
+        required worker set (add it with change_membership: it is issued a token then).
+        """
+        _text(worker_id, "worker_id")
+        tokens = self.attempt_tokens(version)
+        if worker_id not in tokens:
+            raise ActivationError(
+                f"{worker_id!r} is not a required worker ({sorted(tokens)}), so it has no "
+                f"token for v{version}: its reports are recorded but never count; add it "
+                "with change_membership() to issue it one"
+            )
+        return tokens[worker_id]
 
     def activated_hash(self, version: int) -> str | None:
         """The hash of `version` if it ever became active, else None (an admission registry)."""
@@ -584,10 +822,12 @@ class ActivationCoordinator:
             return dict(counter)
 
     def resume(self) -> PendingWork:
-        """After a restart: re-apply ledger quarantine for failed versions (idempotent) and
+        """After a restart: re-apply ledger quarantine for failed and retired (rolled-back)
+        versions (idempotent) and
         return what is still pending, so the caller can re-distribute, retry or fail it."""
         arts = self.registry.artifacts()
-        failed = [a for a in arts if a.state in QUARANTINE_STATES]
+        retired = retired_versions(arts)
+        failed = [a for a in arts if a.state in QUARANTINE_STATES or a.version in retired]
         for a in failed:
             cause = a.failure.cause if a.failure is not None else a.state
             self._quarantine(a.version, f"v{a.version} {a.state} (resumed): {cause}")

@@ -8,15 +8,20 @@ between atomic steps, never inside one.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from rollout_lifecycle.model.records import (
     ActivePointer,
+    AdmissionPolicy,
     ArtifactRecord,
+    AttemptToken,
     LedgerEntry,
     WorkerAck,
     from_jsonable,
@@ -50,7 +55,13 @@ def entry_events(changes: Sequence[Change], at: float) -> list[EntryChanged]:
 
 @attrs.frozen
 class ArtifactChanged:
-    """An artifact's activation state changed; the pointer before/after is carried along."""
+    """An artifact's activation state changed; the pointer before/after is carried along.
+
+    A distribution attempt (`distribute`, `retry`) carries the tokens it issued, one per
+    required worker: the spec replays them to judge which acks an activation may use.
+    `tokens` is None only on an event recorded before attempt tokens existed (its stored
+    payload has no such field): the spec judges that attempt by its attempt number.
+    """
 
     seq: int
     txn: int
@@ -64,6 +75,7 @@ class ArtifactChanged:
     acks: tuple[WorkerAck, ...] = ()
     required_workers: tuple[str, ...] = ()
     kind: str = "artifact"
+    tokens: tuple[AttemptToken, ...] | None = ()
 
 
 @attrs.frozen
@@ -71,7 +83,10 @@ class MembershipChanged:
     """The deployment's required worker set was set or changed: an explicit, recorded step.
 
     Every coordinator on the registry activates against this durable set (never its own
-    copy), and the spec reads the premise of "every required worker acked" from it.
+    copy), and the spec reads the premise of "every required worker acked" from it. A worker
+    that leaves loses its acks and tokens in the same step; one that joins while a version
+    awaits acks is issued a token of its own (`tokens`), so it must ack afresh. `tokens` is
+    None only on a change recorded before attempt tokens existed (it voided nothing).
     """
 
     seq: int
@@ -81,6 +96,7 @@ class MembershipChanged:
     after: tuple[str, ...]
     reason: str
     kind: str = "membership"
+    tokens: tuple[AttemptToken, ...] | None = ()
 
 
 @attrs.frozen
@@ -100,7 +116,24 @@ class WorkerReported:
     kind: str = "worker"
 
 
-TraceEvent = EntryChanged | ArtifactChanged | MembershipChanged | WorkerReported
+@attrs.frozen
+class PolicyChanged:
+    """The deployment's admission policy was set or changed: an explicit, recorded step.
+
+    Every reservation is judged against the policy of its own moment; the spec reads the
+    policy history from these events, never from a stamp a learner wrote.
+    """
+
+    seq: int
+    txn: int
+    at: float
+    before: AdmissionPolicy | None
+    after: AdmissionPolicy
+    reason: str
+    kind: str = "policy"
+
+
+TraceEvent = EntryChanged | ArtifactChanged | MembershipChanged | WorkerReported | PolicyChanged
 
 
 def event_to_jsonable(ev: TraceEvent) -> dict[str, Any]:
@@ -108,6 +141,13 @@ def event_to_jsonable(ev: TraceEvent) -> dict[str, Any]:
     out = to_jsonable(ev)
     assert isinstance(out, dict)
     return out
+
+
+def _tokens_from(data: dict[str, Any]) -> tuple[AttemptToken, ...] | None:
+    """An event's attempt tokens; None when it was recorded before tokens existed."""
+    if "tokens" not in data:
+        return None
+    return tuple(from_jsonable(AttemptToken, t) for t in data["tokens"])
 
 
 def event_from_jsonable(data: dict[str, Any]) -> TraceEvent:
@@ -143,6 +183,7 @@ def event_from_jsonable(data: dict[str, Any]) -> TraceEvent:
             else from_jsonable(ActivePointer, data["pointer_after"]),
             acks=tuple(from_jsonable(WorkerAck, a) for a in data.get("acks", ())),
             required_workers=tuple(data.get("required_workers", ())),
+            tokens=_tokens_from(data),
         )
     if kind == "worker":
         ack = data.get("ack")
@@ -163,17 +204,131 @@ def event_from_jsonable(data: dict[str, Any]) -> TraceEvent:
             before=None if before is None else tuple(str(w) for w in before),
             after=tuple(str(w) for w in data["after"]),
             reason=str(data.get("reason", "")),
+            tokens=_tokens_from(data),
+        )
+    if kind == "policy":
+        before = data.get("before")
+        return PolicyChanged(
+            seq=int(data["seq"]),
+            txn=int(data["txn"]),
+            at=float(data["at"]),
+            before=None if before is None else from_jsonable(AdmissionPolicy, before),
+            after=from_jsonable(AdmissionPolicy, data["after"]),
+            reason=str(data.get("reason", "")),
         )
     raise ValueError(f"unknown trace event kind {kind!r}")
 
 
+def event_subject(ev: TraceEvent) -> str:
+    """The indexed subject of an event: rollout id, artifact version, worker id, 'policy' or
+    'membership'."""
+    if isinstance(ev, EntryChanged):
+        return ev.rollout_id
+    if isinstance(ev, ArtifactChanged):
+        return str(ev.version)
+    if isinstance(ev, WorkerReported):
+        return ev.worker_id
+    if isinstance(ev, PolicyChanged):
+        return "policy"
+    return "membership"
+
+
+# ---- the hash chain ------------------------------------------------------------------------
+# Every stored event carries the hash of its predecessor and its own:
+#     hash_n = sha256(hash_{n-1} || seq || txn || kind || subject || payload)
+# over the row exactly as stored (seq and txn as 8-byte big-endian integers, each text
+# length-prefixed so no two rows encode alike), starting from GENESIS. The chain covers
+# every event kind alike, because it hashes the stored row, not fields of one kind. A
+# store keeps its head (last seq, last hash) beside it, so a cut-off tail is seen too.
+
+GENESIS = bytes(32)
+
+
+def _text(value: str) -> bytes:
+    raw = value.encode("utf-8", "surrogatepass")
+    return struct.pack(">q", len(raw)) + raw
+
+
+def chain_hash(prev: bytes, seq: int, txn: int, kind: str, subject: str, payload: str) -> bytes:
+    """The hash of one stored event row, chained to its predecessor's hash `prev`."""
+    message = struct.pack(">qq", seq, txn) + _text(kind) + _text(subject) + _text(payload)
+    return hashlib.sha256(prev + message).digest()
+
+
+def stored_payload(ev: TraceEvent, txn: int | None) -> str:
+    """An event's payload column: its JSON without `seq`, compact, in field order, with
+    `txn` set to the step's number (None: left out, where the store keeps txn only in a
+    column of its own)."""
+    data = event_to_jsonable(ev)
+    data.pop("seq", None)
+    if txn is None:
+        data.pop("txn", None)
+    else:
+        data["txn"] = txn
+    return json.dumps(data, separators=(",", ":"))
+
+
+@attrs.frozen
+class StoredEvent:
+    """One row of a store's events table as stored; `hash` None: written before the chain."""
+
+    seq: int
+    txn: int
+    kind: str
+    subject: str
+    payload: str
+    prev_hash: bytes | None = None
+    hash: bytes | None = None
+
+
+@attrs.frozen
+class ChainHead:
+    """The chain's head, stored beside the events and updated in the same transaction.
+
+    `base_seq`/`base_count`: the events already stored when the chain began (an unchained
+    prefix, written by a program that predates it). `last_seq`/`last_hash`: the newest
+    chained event, so a history cut off at the end no longer matches its head.
+    """
+
+    base_seq: int
+    base_count: int
+    last_seq: int
+    last_hash: bytes
+
+
+@attrs.frozen
+class StoredRows:
+    """Everything a store holds, read in one consistent snapshot: what `ledger check` audits.
+
+    `tables` maps each table name to its rows (column -> value, as the driver returns
+    them); `chained` is False where the events table predates the chain (a database no
+    writer of this version has opened yet), and `head` is None there.
+    """
+
+    events: Sequence[StoredEvent]
+    head: ChainHead | None
+    tables: Mapping[str, Sequence[Mapping[str, Any]]]
+    chained: bool = True
+
+
 class EventLog:
     """An in-memory, thread-safe, append-only trace; share one between ledger and coordinator
-    so their events land in one global order."""
+    so their events land in one global order.
+
+    Like the durable stores, it chains its events by hash (over the payload a SQLite store
+    would write), so the same audit runs on memory, SQLite and PostgreSQL. It chains them
+    when they are first read by `stored_events` (an audit), not as they are appended:
+    nothing outside the process can edit them, and hashing every append would cost the
+    memory ledger three times its write. An audit therefore notices any later edit,
+    deletion, reordering or truncation of what an earlier read sealed.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._events: list[TraceEvent] = []
+        # (prev_hash, hash) of each event, and the head (last seq, last hash) kept apart
+        self._links: list[tuple[bytes, bytes]] = []
+        self._head: tuple[int, bytes] = (0, GENESIS)
         self._txn = 0
 
     def record(self, events: Sequence[TraceEvent]) -> list[TraceEvent]:
@@ -202,6 +357,30 @@ class EventLog:
         """A copy of the whole trace, in order."""
         with self._lock:
             return list(self._events)
+
+    def stored_events(self) -> tuple[list[StoredEvent], ChainHead]:
+        """The trace as rows with their chain links, and the head: what an audit reads.
+
+        Events not read before are chained now (sealed); every row's payload is rebuilt
+        from the event held now, so an event replaced after it was sealed no longer
+        matches its hash.
+        """
+        with self._lock:
+            seq, prev = self._head
+            for ev in self._events[len(self._links) :]:
+                payload = stored_payload(ev, ev.txn)
+                h = chain_hash(prev, ev.seq, ev.txn, ev.kind, event_subject(ev), payload)
+                self._links.append((prev, h))
+                seq, prev = ev.seq, h
+            self._head = (seq, prev)
+            events, links = list(self._events), list(self._links)
+        rows = [
+            StoredEvent(
+                ev.seq, ev.txn, ev.kind, event_subject(ev), stored_payload(ev, ev.txn), p, h
+            )
+            for ev, (p, h) in zip(events, links, strict=False)
+        ]
+        return rows, ChainHead(0, 0, seq, prev)
 
     def __len__(self) -> int:
         with self._lock:

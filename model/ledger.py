@@ -31,6 +31,7 @@ from rollout_lifecycle.model.errors import (
 from rollout_lifecycle.model.events import Change, EntryChanged, EventLog
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.records import (
+    AdmissionPolicy,
     AdmissionStamp,
     Disposition,
     LedgerEntry,
@@ -50,6 +51,10 @@ MISSING = "missing_rollout"
 NOT_ADMITTED = rules.NOT_ADMITTED
 POINTER_MOVED = rules.POINTER_MOVED
 VERSION_NOT_ACTIVE = rules.VERSION_NOT_ACTIVE
+STAMP_CONTRADICTS = rules.STAMP_CONTRADICTS
+NO_POLICY = rules.NO_POLICY
+LOOSER_THAN_POLICY = rules.LOOSER_THAN_POLICY
+VERSION_RETIRED = rules.VERSION_RETIRED
 
 # events that `transition` may fire directly (reserve/commit/abort/expiry have their own calls)
 DIRECT_EVENTS = frozenset(
@@ -148,22 +153,32 @@ class ReserveOutcome:
 
 @attrs.frozen
 class ActivationPremise:
-    """What a reservation step read of the activation registry, inside that same step.
+    """What a reservation step read of the deployment's registry, inside that same step.
 
     `pointer_version` is the active version at that moment (None: none is active);
-    `was_active` the versions that were ever the active pointer. Both None means no
-    registry is attached to the ledger, and only the admission stamp itself is judged.
+    `was_active` the versions that were ever the active pointer; `policy` the recorded
+    admission policy (None: none recorded); `retired` the rolled-back versions whose
+    rollouts are retired. `was_active` None means no registry is attached to the ledger,
+    and only the admission stamp itself is judged.
     """
 
     pointer_version: int | None
     was_active: frozenset[int] | None
+    policy: AdmissionPolicy | None = None
+    retired: frozenset[int] = frozenset()
 
     def refusal(
         self, admission: AdmissionStamp | None, behavior_version: int
     ) -> tuple[str, str] | None:
         """(reason, detail) when the reservation may not land now; None when it may."""
-        known = None if self.was_active is None else behavior_version in self.was_active
-        return rules.reservation_refusal(admission, behavior_version, self.pointer_version, known)
+        return rules.reservation_refusal(
+            admission,
+            behavior_version,
+            self.pointer_version,
+            self.was_active,
+            self.policy,
+            self.retired,
+        )
 
 
 NO_REGISTRY = ActivationPremise(None, None)
@@ -479,6 +494,12 @@ def plan_add(
     return changes
 
 
+def renew_plan(owned: Sequence[LedgerEntry], now: float, lease_seconds: float) -> list[LedgerEntry]:
+    """A heartbeat: each held reservation's lease runs `lease_seconds` from the deployment's
+    `now` (one write per rollout, through the declared `renew_lease` edge)."""
+    return [plan_transition(e, "renew_lease", lease_expires_at=now + lease_seconds) for e in owned]
+
+
 def statistics_from(
     entries: Iterable[LedgerEntry], counters: Mapping[str, int], bad_versions: Iterable[int]
 ) -> LedgerStatistics:
@@ -538,6 +559,8 @@ class Ledger(Protocol):
     def fail_update(self, update_id: str, cause: str, detail: str = "") -> list[LedgerEntry]: ...
 
     def expire_leases(self) -> list[LedgerEntry]: ...
+
+    def renew_leases(self, update_id: str) -> list[LedgerEntry]: ...
 
     def quarantine_version(self, version: int, reason: str) -> list[LedgerEntry]: ...
 
@@ -858,6 +881,20 @@ class MemoryLedger:
                 [("expire_lease", b, a, b.reserved_by) for b, a in zip(due, new, strict=True)]
             )
             self._counters["expirations"] += len(new)
+            return new
+
+    def renew_leases(self, update_id: str) -> list[LedgerEntry]:
+        """Heartbeat of a long update: every rollout it holds gets a full lease from now.
+
+        Only the owner renews, and only what it still holds: a reservation that expired
+        and went to another update is not among them (check the returned ids)."""
+        check_update_id(update_id)
+        with self._lock:
+            owned = self._owned(update_id)
+            new = renew_plan(owned, self.clock(), self.lease_seconds)
+            self._record(
+                [("renew_lease", b, a, update_id) for b, a in zip(owned, new, strict=True)]
+            )
             return new
 
     def quarantine_version(self, version: int, reason: str) -> list[LedgerEntry]:

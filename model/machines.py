@@ -78,6 +78,8 @@ LIFECYCLE_TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": "reward_ready", "source": "generated", "dest": "rewarded"},
     {"trigger": "reserve", "source": "rewarded", "dest": "reserved"},
     {"trigger": "commit", "source": "reserved", "dest": "consumed"},
+    # a long update's heartbeat: the owner's lease runs from now again (the owner never changes)
+    {"trigger": "renew_lease", "source": "reserved", "dest": "reserved"},
     # distinct failures, each with its own stage
     {
         "trigger": "generation_failed",

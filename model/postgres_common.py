@@ -59,8 +59,15 @@ from rollout_lifecycle.model.errors import (
     LedgerError,
     RolloutLifecycleError,
 )
-from rollout_lifecycle.model.events import TraceEvent, event_from_jsonable, event_to_jsonable
-from rollout_lifecycle.model.sqlite_common import event_subject
+from rollout_lifecycle.model.events import (
+    ChainHead,
+    StoredEvent,
+    StoredRows,
+    TraceEvent,
+    event_from_jsonable,
+    event_subject,
+    stored_payload,
+)
 
 T = TypeVar("T")
 Conn = psycopg.Connection[Any]
@@ -102,6 +109,43 @@ CREATE TABLE IF NOT EXISTS commit_marks (
     token text PRIMARY KEY,
     at    timestamptz NOT NULL DEFAULT now()
 );
+"""
+
+# The hash chain (see model.events): two columns on events, the head, and the function that
+# links one step's events in one pass (plpgsql, so the append stays ONE statement). Added to
+# a database whose events predate it; those stay an unchained prefix, counted in the head.
+_CHAIN_DDL = """
+ALTER TABLE events ADD COLUMN IF NOT EXISTS prev_hash bytea,
+    ADD COLUMN IF NOT EXISTS hash bytea;
+CREATE TABLE IF NOT EXISTS events_chain (
+    id         integer PRIMARY KEY CHECK (id = 1),
+    base_seq   bigint NOT NULL,
+    base_count bigint NOT NULL,
+    last_seq   bigint NOT NULL,
+    last_hash  bytea NOT NULL
+);
+INSERT INTO events_chain(id, base_seq, base_count, last_seq, last_hash)
+SELECT 1, COALESCE(MAX(seq), 0), COUNT(*), COALESCE(MAX(seq), 0), decode(repeat('00', 32), 'hex')
+FROM events
+ON CONFLICT (id) DO NOTHING;
+CREATE OR REPLACE FUNCTION events_chain_link(head bytea, msgs bytea[])
+RETURNS TABLE (ord bigint, prev_hash bytea, hash bytea)
+LANGUAGE plpgsql IMMUTABLE STRICT AS $$
+DECLARE
+    m bytea;
+    h bytea := head;
+    i bigint := 0;
+BEGIN
+    FOREACH m IN ARRAY msgs LOOP
+        i := i + 1;
+        ord := i;
+        prev_hash := h;
+        h := sha256(h || m);
+        hash := h;
+        RETURN NEXT;
+    END LOOP;
+END
+$$;
 """
 
 MARKS_KEPT = "1 day"  # a mark only matters while its writer may still be resolving it
@@ -646,7 +690,8 @@ class PostgresDatabase:
         # EXISTS still takes a SHARE lock on its table, which would queue behind (and then
         # block) every writer of a ledger in use
         if self.component_version(component) == version and self.read(
-            lambda conn: has_table(conn, "commit_marks"), "looking for commit_marks"
+            lambda conn: has_table(conn, "commit_marks") and has_chain(conn),
+            "looking for commit_marks and the event chain",
         ):
             return
 
@@ -660,8 +705,12 @@ class PostgresDatabase:
                 ).fetchone()
             conn.execute(_MARKS_DDL)
             if found is not None and int(found[0]) == version:
+                if not has_chain(conn):
+                    conn.execute(_CHAIN_DDL)  # a database whose events predate the chain
                 return  # another process created it while this one waited for the lock
             conn.execute(ddl if meta else _META_DDL + ddl)
+            if not has_chain(conn):
+                conn.execute(_CHAIN_DDL)
             row = conn.execute(
                 "SELECT version FROM schema_meta WHERE component = %s", (component,)
             ).fetchone()
@@ -749,21 +798,50 @@ def lock(conn: Conn, key: int, *, shared: bool = False) -> None:
     conn.execute(lock_sql(key, shared=shared))
 
 
-_APPEND = """
+def _prefixed(text: str) -> str:
+    """SQL for a text's UTF-8 bytes after their length (8 bytes), as model.events hashes it."""
+    raw = f"convert_to({text}, 'UTF8')"
+    return f"int8send(octet_length({raw})::bigint) || {raw}"
+
+
+# K_EVENTS first, then the head's row lock: under READ COMMITTED, FOR UPDATE returns the
+# head as the last appender committed it (not as this statement's snapshot saw it), so each
+# step chains onto the step committed right before it. `ch` links the step's events in
+# seq order in one pass; the rows and the new head are written by the same statement.
+_APPEND = (
+    """
 WITH lk AS (
     SELECT pg_advisory_xact_lock(%(key)s, hashtext(current_schema())) AS locked
 ), t AS (
     SELECT nextval('events_txn') AS txn,
            setval('events_seq', nextval('events_seq') + %(n)s - 1) AS last
     FROM lk
-), ins AS (
-    INSERT INTO events(seq, txn, kind, subject, payload)
-    SELECT t.last - %(n)s + e.ord, t.txn, e.kind, e.subject, e.payload
-    FROM t, json_to_recordset(%(events)s::json)
+), e AS (
+    SELECT * FROM json_to_recordset(%(events)s::json)
         AS e(ord bigint, kind text, subject text, payload text)
+), hd AS (
+    SELECT c.last_hash FROM lk, events_chain c WHERE c.id = 1 FOR UPDATE OF c
+), msg AS (
+    SELECT array_agg(int8send(t.last - %(n)s + e.ord) || int8send(t.txn) || """
+    + " || ".join(_prefixed(f"e.{c}") for c in ("kind", "subject", "payload"))
+    + """ ORDER BY e.ord) AS m
+    FROM t, e
+), ch AS (
+    SELECT l.ord, l.prev_hash, l.hash
+    FROM msg, events_chain_link(
+        COALESCE((SELECT last_hash FROM hd), decode(repeat('00', 32), 'hex')), msg.m) AS l
+), ins AS (
+    INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
+    SELECT t.last - %(n)s + e.ord, t.txn, e.kind, e.subject, e.payload, ch.prev_hash, ch.hash
+    FROM t, e JOIN ch ON ch.ord = e.ord
+), head AS (
+    INSERT INTO events_chain(id, base_seq, base_count, last_seq, last_hash)
+    SELECT 1, 0, 0, t.last, ch.hash FROM t, ch WHERE ch.ord = %(n)s
+    ON CONFLICT (id) DO UPDATE SET last_seq = excluded.last_seq, last_hash = excluded.last_hash
 ){counting}
 SELECT txn, last FROM t
 """
+)
 
 _COUNTING = f"""
 , cnt AS (
@@ -783,23 +861,21 @@ def append_events(
 ) -> list[TraceEvent]:
     """Append one atomic step's events inside the caller's transaction, in ONE statement
     that first takes K_EVENTS (held to COMMIT), so txn and seq numbers are handed out in
-    commit order. The ledger's `counters` (name -> increment, table ledger_counters) ride
-    along in the same statement."""
+    commit order, and chains them by hash onto the head (see model.events), moving the
+    head in the same statement. The ledger's `counters` (name -> increment, table
+    ledger_counters) ride along in the same statement."""
     if not events:
         return []
-    rows = []
-    for i, ev in enumerate(events, start=1):
-        payload = event_to_jsonable(ev)
-        payload.pop("seq", None)
-        payload.pop("txn", None)  # both are columns, stamped by the server under the lock
-        rows.append(
-            {
-                "ord": i,
-                "kind": ev.kind,
-                "subject": event_subject(ev),
-                "payload": json.dumps(payload, separators=(",", ":")),
-            }
-        )
+    rows = [
+        # seq and txn are columns, stamped by the server under the lock
+        {
+            "ord": i,
+            "kind": ev.kind,
+            "subject": event_subject(ev),
+            "payload": stored_payload(ev, None),
+        }
+        for i, ev in enumerate(events, start=1)
+    ]
     params: dict[str, Any] = {"key": K_EVENTS, "n": len(events), "events": json.dumps(rows)}
     query = _APPEND_PLAIN
     counts = sorted((k, v) for k, v in (counters or {}).items() if v)
@@ -843,6 +919,58 @@ def read_events(
         data["seq"], data["txn"] = int(seq), int(txn)
         out.append(event_from_jsonable(data))
     return out
+
+
+def has_chain(conn: Conn) -> bool:
+    """Whether the events table has its hash chain (columns, head, linking function)."""
+    row = conn.execute(
+        "SELECT to_regclass('events_chain') IS NOT NULL "
+        "AND to_regprocedure('events_chain_link(bytea, bytea[])') IS NOT NULL "
+        "AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('events') "
+        "AND attname = 'hash' AND NOT attisdropped)"
+    ).fetchone()
+    return bool(row and row[0])
+
+
+# bookkeeping, not deployment state: the audit reads events and head on their own
+_NOT_STATE = ("events", "events_chain", "schema_meta", "commit_marks")
+
+
+def read_stored(conn: Conn) -> StoredRows:
+    """Every table of the schema, the events with their chain columns, and the chain's head;
+    call it inside one REPEATABLE READ snapshot. A database that predates the chain reads
+    as `chained=False`."""
+    names = [
+        str(r[0])
+        for r in conn.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY tablename"
+        ).fetchall()
+    ]
+    chained = "events" in names and has_chain(conn)
+    events: list[StoredEvent] = []
+    if "events" in names:
+        links = "prev_hash, hash" if chained else "NULL::bytea, NULL::bytea"
+        events = [
+            StoredEvent(int(r[0]), int(r[1]), r[2], r[3], r[4], r[5], r[6])
+            for r in conn.execute(
+                f"SELECT seq, txn, kind, subject, payload, {links} FROM events ORDER BY seq"
+            ).fetchall()
+        ]
+    head = None
+    if chained:
+        found = conn.execute(
+            "SELECT base_seq, base_count, last_seq, last_hash FROM events_chain WHERE id = 1"
+        ).fetchone()
+        if found is not None:
+            head = ChainHead(int(found[0]), int(found[1]), int(found[2]), bytes(found[3]))
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for name in names:
+        if name in _NOT_STATE:
+            continue
+        cur = conn.execute(sql.SQL("SELECT * FROM {}").format(sql.Identifier(name)))
+        columns = [str(d.name) for d in cur.description or ()]
+        tables[name] = [dict(zip(columns, r, strict=True)) for r in cur.fetchall()]
+    return StoredRows(events=events, head=head, tables=tables, chained=chained)
 
 
 def has_table(conn: Conn, name: str) -> bool:

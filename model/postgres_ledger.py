@@ -51,7 +51,7 @@ from rollout_lifecycle.model.errors import (
     RevisionConflict,
     UnknownRollout,
 )
-from rollout_lifecycle.model.events import Change, EntryChanged, entry_events
+from rollout_lifecycle.model.events import Change, EntryChanged, StoredRows, entry_events
 from rollout_lifecycle.model.ledger import (
     CONFLICT,
     IDEMPOTENT,
@@ -66,6 +66,7 @@ from rollout_lifecycle.model.ledger import (
     ReserveRequest,
     check_lease_seconds,
     check_revision,
+    check_update_id,
     commit_plan,
     direct_changes,
     enforce,
@@ -73,6 +74,7 @@ from rollout_lifecycle.model.ledger import (
     plan_release,
     plan_reserve,
     plan_transition,
+    renew_plan,
     replan_lost,
     statistics_from,
 )
@@ -88,8 +90,10 @@ from rollout_lifecycle.model.postgres_common import (
     lock,
     lock_sql,
     read_events,
+    read_stored,
 )
 from rollout_lifecycle.model.records import (
+    AdmissionPolicy,
     AdmissionStamp,
     Disposition,
     LedgerEntry,
@@ -98,7 +102,7 @@ from rollout_lifecycle.model.records import (
     from_jsonable,
     to_jsonable,
 )
-from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES
+from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES, retired_from_rows
 
 COMPONENT = "ledger"
 SCHEMA_VERSION = 1
@@ -229,7 +233,7 @@ class PostgresLedger:
         self,
         url: str | PostgresDatabase,
         *,
-        clock: Clock = time.time,
+        clock: Clock | None = None,
         lease_seconds: float = 600.0,
         recovery: RecoveryRule | None = None,
         read_only: bool = False,
@@ -238,7 +242,10 @@ class PostgresLedger:
         retry_seconds: float = 30.0,
     ) -> None:
         lease_seconds = check_lease_seconds(lease_seconds)
-        self.clock = clock
+        # lease deadlines and expiry use the SERVER's clock, read inside the writing
+        # transaction, unless a test injects a clock; `self.clock` then only dates events
+        self._server_clock = clock is None
+        self.clock: Clock = clock if clock is not None else time.time
         self.lease_seconds = float(lease_seconds)
         self.recovery = recovery or RecoveryRule()
         if isinstance(url, PostgresDatabase):
@@ -428,6 +435,14 @@ class PostgresLedger:
             return
         append_events(conn, entry_events(changes, self.clock()), counters=total)
 
+    def _now(self, conn: Conn) -> float:
+        """The deployment's clock: the server's, inside this transaction (see model.clocks)."""
+        if not self._server_clock:
+            return self.clock()
+        row = conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
+        assert row is not None
+        return float(row[0])
+
     def _premise(self, conn: Conn) -> ActivationPremise:
         """The active pointer and ever-active versions, read inside the caller's transaction
         after its prologue took the premise lock shared (see the module doc; the lock comes
@@ -439,13 +454,19 @@ class PostgresLedger:
             self._registry_seen = True  # a registry, once created, never goes away
         row = conn.execute(
             "SELECT (SELECT version FROM registry_pointer WHERE id = 1), "
-            "ARRAY(SELECT version FROM registry_artifacts WHERE state = ANY(%s::text[]))",
+            "ARRAY(SELECT version FROM registry_artifacts WHERE state = ANY(%s::text[])), "
+            "(SELECT json_build_array(max_lag, max_drift) FROM registry_policy WHERE id = 1), "
+            "(SELECT json_agg(json_build_array(version, failure)) FROM registry_artifacts "
+            "WHERE state = 'rolled_back')",
             (_WAS_ACTIVE,),
         ).fetchone()
         assert row is not None
-        pointer, was = row
+        pointer, was, pol, rolled = row
         return ActivationPremise(
-            None if pointer is None else int(pointer), frozenset(int(v) for v in was)
+            None if pointer is None else int(pointer),
+            frozenset(int(v) for v in was),
+            None if pol is None else AdmissionPolicy(int(pol[0]), float(pol[1])),
+            retired_from_rows(rolled or ()),
         )
 
     # ---- protocol --------------------------------------------------------------------------
@@ -591,6 +612,10 @@ class PostgresLedger:
             if refusal is not None:
                 self._bump(conn, {"refused": 1})
                 return ReserveOutcome(rollout_id, False, refusal[0], entry, refusal[1])
+            nonlocal planned, fresh
+            if self._server_clock:  # the deadline is the server's, not this client's
+                fresh = attrs.evolve(fresh, lease_expires_at=self._now(conn) + self.lease_seconds)
+                planned = attrs.evolve(planned, entry=fresh)
             if self._cas_one(conn, entry, fresh):
                 self._finish(conn, [("reserve", entry, fresh, update_id)], {"reservations": 1})
                 return planned
@@ -634,7 +659,7 @@ class PostgresLedger:
             return []
 
         def body(conn: Conn) -> list[ReserveOutcome]:
-            lease = self.clock() + self.lease_seconds
+            lease = self._now(conn) + self.lease_seconds
             premise = self._premise(conn)
             entries = self._rows(conn, [r.rollout_id for r in requests])
             outcomes: list[ReserveOutcome] = []
@@ -754,7 +779,7 @@ class PostgresLedger:
 
         def body(conn: Conn) -> list[LedgerEntry]:
             lock(conn, K_BAD, shared=True)
-            now = self.clock()
+            now = self._now(conn)
             due = self._locked(
                 conn,
                 "reserved_by IS NOT NULL AND lease_expires_at IS NOT NULL "
@@ -771,6 +796,24 @@ class PostgresLedger:
             return new
 
         result: list[LedgerEntry] = self._write(body, "expire_leases")
+        return result
+
+    def renew_leases(self, update_id: str) -> list[LedgerEntry]:
+        """Heartbeat of a long update: every rollout it holds gets a full lease from now
+        (the server's clock), in one transaction."""
+        check_update_id(update_id)
+
+        def body(conn: Conn) -> list[LedgerEntry]:
+            owned = self._locked(conn, "reserved_by = %s", (update_id,))
+            new = renew_plan(owned, self._now(conn), self.lease_seconds)
+            changes: list[Change] = [
+                ("renew_lease", b, a, update_id) for b, a in zip(owned, new, strict=True)
+            ]
+            self._apply(conn, changes)
+            self._finish(conn, changes, {})
+            return new
+
+        result: list[LedgerEntry] = self._write(body, "renew_leases")
         return result
 
     def quarantine_version(self, version: int, reason: str) -> list[LedgerEntry]:
@@ -849,6 +892,12 @@ class PostgresLedger:
         """This database's ledger trace (shared `events` table), optionally for one rollout."""
         evs = self._read(lambda c: read_events(c, "entry", rollout_id), "history")
         return [e for e in evs if isinstance(e, EntryChanged)]
+
+    def stored_rows(self) -> StoredRows:
+        """Every table of the schema (ledger and registry), the events with their hash chain
+        and its head, from one REPEATABLE READ snapshot: what `ledger check` audits."""
+        found: StoredRows = self._read(read_stored, "reading every stored row", snapshot=True)
+        return found
 
     def statistics(self) -> LedgerStatistics:
         """Counts by state and counters, from one REPEATABLE READ snapshot."""

@@ -4,9 +4,10 @@ A coordinator step is planned and written inside ONE transaction: it takes the r
 (exclusive), so its plan and `check_step` read a registry no other coordinator changes
 meanwhile (two coordinators racing on one database act one after the other, each on what
 the other committed, as with SQLite's BEGIN IMMEDIATE). `check_step` re-judges a pointer
-switch with `activation_decision` on the STORED acks of the current attempt and the DURABLE
-required worker set read in that same transaction, so the switch succeeds only when every
-required worker's ack matches version and hash, whatever the coordinator believed.
+switch with `activation_decision` on the STORED acks echoing the current attempt's STORED
+tokens (`registry_attempt_tokens`) and the DURABLE required worker set read in that same
+transaction, so the switch succeeds only when every required worker's ack of this attempt
+matches version and hash, whatever the coordinator believed.
 
 A step that changes an artifact or the pointer also takes the premise lock exclusive
 before writing, so no reservation reads the pointer while it moves (see
@@ -32,7 +33,13 @@ from rollout_lifecycle.model.postgres_common import (
     lock,
     read_events,
 )
-from rollout_lifecycle.model.records import ActivePointer, ArtifactRecord, to_jsonable
+from rollout_lifecycle.model.records import (
+    ActivePointer,
+    AdmissionPolicy,
+    ArtifactRecord,
+    AttemptToken,
+    to_jsonable,
+)
 from rollout_lifecycle.model.registry import (
     _ART_COLS,
     RegistryStep,
@@ -45,12 +52,16 @@ from rollout_lifecycle.model.registry import (
     _Unchanged,
     check_step,
     make_events,
+    token_statements,
 )
 
 R = TypeVar("R")
 
 COMPONENT = "registry"
-SCHEMA_VERSION = 1
+# 2: the durable admission policy (registry_policy)
+SCHEMA_VERSION = 2
+# 1 -> 2 adds tables (created by the DDL) and the artifacts' lineage column
+MIGRATIONS = {1: "ALTER TABLE registry_artifacts ADD COLUMN IF NOT EXISTS trained_by text"}
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS registry_artifacts (
@@ -61,7 +72,8 @@ CREATE TABLE IF NOT EXISTS registry_artifacts (
     state            text NOT NULL,
     path             text,
     failure          text,
-    attempts         bigint NOT NULL CHECK (attempts >= 0)
+    attempts         bigint NOT NULL CHECK (attempts >= 0),
+    trained_by       text
 );
 CREATE TABLE IF NOT EXISTS registry_pointer (
     id            integer PRIMARY KEY CHECK (id = 1),
@@ -76,6 +88,18 @@ CREATE TABLE IF NOT EXISTS registry_workers (
 CREATE TABLE IF NOT EXISTS registry_membership (
     id      integer PRIMARY KEY CHECK (id = 1),
     workers text NOT NULL
+);
+CREATE TABLE IF NOT EXISTS registry_policy (
+    id        integer PRIMARY KEY CHECK (id = 1),
+    max_lag   bigint NOT NULL CHECK (max_lag >= 0),
+    max_drift double precision NOT NULL CHECK (max_drift >= 0)
+);
+CREATE TABLE IF NOT EXISTS registry_attempt_tokens (
+    version   bigint NOT NULL CHECK (version >= 0),
+    worker_id text NOT NULL,
+    attempt   bigint NOT NULL CHECK (attempt >= 0),
+    token     text NOT NULL CHECK (token <> ''),
+    PRIMARY KEY (version, worker_id)
 );
 -- the two write-once rules, held even against a writer that bypasses this module
 CREATE OR REPLACE FUNCTION registry_artifacts_guard() RETURNS trigger
@@ -103,6 +127,8 @@ class _PgView(SqlView):
     """The registry's reads, with psycopg's parameter marker."""
 
     PARAM = "%s"
+    TOKENS_TABLE_SQL = "SELECT 1 WHERE to_regclass(%s) IS NOT NULL"
+    EVENT_FIELD = "(payload::jsonb ->> '{}')"
 
 
 def _write_step(conn: Conn, step: RegistryStep) -> None:
@@ -112,14 +138,14 @@ def _write_step(conn: Conn, step: RegistryStep) -> None:
         if ch.before is None:
             conn.execute(
                 f"INSERT INTO registry_artifacts({_ART_COLS}) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 row,
             )
         else:
             cur = conn.execute(
                 "UPDATE registry_artifacts SET artifact_hash = %s, parent_version = %s, "
-                "rollback_version = %s, state = %s, path = %s, failure = %s, attempts = %s "
-                "WHERE version = %s",
+                "rollback_version = %s, state = %s, path = %s, failure = %s, attempts = %s, "
+                "trained_by = %s WHERE version = %s",
                 (*row[1:], row[0]),
             )
             if cur.rowcount != 1:
@@ -141,11 +167,20 @@ def _write_step(conn: Conn, step: RegistryStep) -> None:
             "ON CONFLICT (worker_id) DO UPDATE SET floor = excluded.floor, ack = excluded.ack",
             (w.worker_id, w.floor, ack),
         )
+    for sql, args in token_statements(step, "%s"):
+        conn.execute(sql, args)
     if not isinstance(step.membership, _Unchanged):
         conn.execute(
             "INSERT INTO registry_membership(id, workers) VALUES (1, %s) "
             "ON CONFLICT (id) DO UPDATE SET workers = excluded.workers",
             (json.dumps(list(step.membership)),),
+        )
+    if not isinstance(step.policy, _Unchanged):
+        conn.execute(
+            "INSERT INTO registry_policy(id, max_lag, max_drift) VALUES (1, %s, %s) "
+            "ON CONFLICT (id) DO UPDATE SET max_lag = excluded.max_lag, "
+            "max_drift = excluded.max_drift",
+            (step.policy.max_lag, step.policy.max_drift),
         )
 
 
@@ -183,7 +218,7 @@ class PostgresRegistry:
             if self.read_only:
                 self._empty = self.db.check_readable(COMPONENT, SCHEMA_VERSION) is None
             else:
-                self.db.ensure_schema(COMPONENT, SCHEMA_VERSION, _DDL)
+                self.db.ensure_schema(COMPONENT, SCHEMA_VERSION, _DDL, migrations=MIGRATIONS)
         except BaseException:
             self.close()
             raise
@@ -220,9 +255,13 @@ class PostgresRegistry:
             view = _PgView(conn)
             step, result = plan(view)
             check_step(view, step)
-            events = make_events(step, view.pointer(), view.required_workers())
-            if step.artifacts or not isinstance(step.pointer, _Unchanged):
-                # no reservation reads the pointer or the artifact states while they change
+            events = make_events(step, view.pointer(), view.required_workers(), view.policy())
+            if (
+                step.artifacts
+                or not isinstance(step.pointer, _Unchanged)
+                or not isinstance(step.policy, _Unchanged)
+            ):
+                # no reservation reads the pointer, artifact states or policy while they change
                 lock(conn, K_PREMISE)
             _write_step(conn, step)
             return result, append_events(conn, events)
@@ -253,6 +292,14 @@ class PostgresRegistry:
     def required_workers(self) -> tuple[str, ...] | None:
         """The deployment's durable required worker set (None until first set)."""
         return self._view_read(lambda v: v.required_workers(), "required_workers")
+
+    def policy(self) -> AdmissionPolicy | None:
+        """The deployment's recorded admission policy (None until first set)."""
+        return self._view_read(lambda v: v.policy(), "policy")
+
+    def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
+        """The stored attempt tokens (of one version), by version and worker."""
+        return self._view_read(lambda v: v.attempt_tokens(version), "attempt_tokens")
 
     def history(self, version: int | None = None) -> list[ArtifactChanged]:
         """Artifact events in global order (shared with the ledger's), optionally of one version."""

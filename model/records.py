@@ -380,18 +380,63 @@ class Disposition:
     detail: str = ""
 
 
+def _nonneg_finite(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    _finite(inst, attribute, value)
+    if value < 0:
+        raise InvalidRecord(f"{attribute.name} must be >= 0, got {brief(value)}")
+
+
+def _opt_nonneg_finite(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        _nonneg_finite(inst, attribute, value)
+
+
+def _strict_bool(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise InvalidRecord(f"{attribute.name} must be True or False, got {brief(value)}")
+
+
+# the freshness classes of CONTRACT section 3; None: no action position, nothing classified
+FRESHNESS_CLASSES = ("future", "fresh", "tolerated", "stale")
+
+
+def _opt_freshness(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and value not in FRESHNESS_CLASSES:
+        raise InvalidRecord(
+            f"{attribute.name} must be one of {FRESHNESS_CLASSES} or None, got {brief(value)}"
+        )
+
+
+@attrs.frozen
+class AdmissionPolicy:
+    """The deployment's admission bounds (L_max, D_max), recorded durably in the registry.
+
+    Every reservation is judged against the policy recorded at the moment of its write; a
+    learner's own configuration may be stricter, never looser.
+    """
+
+    max_lag: int = attrs.field(validator=_nonneg_int)
+    max_drift: float = attrs.field(validator=_nonneg_finite)
+
+
 @attrs.frozen
 class AdmissionStamp:
-    """The admission decision a reservation was made on, kept so the spec can re-check it."""
+    """The admission decision a reservation was made on, kept so the spec can re-check it.
+
+    Typed strictly at construction (a bool `accepted`, a known freshness, a drift that is
+    None or a finite number >= 0): a stamp that is malformed is refused before it is
+    offered. Whether its figures agree with each other and with the deployment is judged
+    by the reservation's atomic step (model.rules.reservation_refusal).
+    """
 
     current_version: int = attrs.field(validator=_nonneg_int)
     behavior_version: int = attrs.field(validator=_nonneg_int)
     max_lag: int = attrs.field(validator=_nonneg_int)
-    max_drift: float = attrs.field(validator=_finite)
-    drift: float | None = attrs.field(validator=_opt_finite)
-    freshness: str | None
+    max_drift: float = attrs.field(validator=_nonneg_finite)
+    drift: float | None = attrs.field(validator=_opt_nonneg_finite)
+    freshness: str | None = attrs.field(validator=_opt_freshness)
     reason: str = attrs.field(validator=_nonempty_str)
-    accepted: bool
+    accepted: bool = attrs.field(validator=_strict_bool)
 
     @property
     def lag(self) -> int:
@@ -476,6 +521,19 @@ class ActivePointer:
     artifact_hash: str = attrs.field(validator=_nonempty_str)
 
 
+def _update_ids(value: Any) -> tuple[str, ...]:
+    """A version's lineage: distinct, non-empty update ids (a list or tuple of them)."""
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise InvalidRecord(f"trained_by must be a list of update ids, got {brief(value)}")
+    out = tuple(value)
+    for u in out:
+        if not isinstance(u, str) or not u:
+            raise InvalidRecord(f"trained_by holds update ids (non-empty strings), got {brief(u)}")
+    if len(set(out)) != len(out):
+        raise InvalidRecord(f"trained_by names an update more than once: {brief(out)}")
+    return out
+
+
 @attrs.frozen
 class ArtifactRecord:
     """A policy artifact in the registry; `state` is its activation machine state."""
@@ -488,6 +546,9 @@ class ArtifactRecord:
     path: str | None = None
     failure: Disposition | None = None
     attempts: int = attrs.field(default=0, validator=_nonneg_int)
+    # lineage: the updates whose gradients this version contains; each must have a landed
+    # commit in the ledger before the version is prepared, committed or activated
+    trained_by: tuple[str, ...] = attrs.field(default=(), converter=_update_ids)
 
     @property
     def committed(self) -> bool:
@@ -497,14 +558,19 @@ class ArtifactRecord:
 
 @attrs.frozen
 class WorkerAck:
-    """What a worker reports it actually loaded, for which distribution attempt.
+    """What a worker reports it actually loaded, and which distribution attempt it answers.
 
     (incarnation, seq) orders a worker's reports, so a delayed ack from before a restart can
-    never count. `attempt` echoes the distribution attempt the worker answered (1 for the
-    first): after a failed attempt, a delayed ack of the earlier attempt no longer proves
-    what the worker holds now (it may have loaded another version since), so only acks of
-    the current attempt count toward activation. A worker may leave `seq` and `attempt`
-    unset: the coordinator numbers them on receipt (arrival order, current attempt).
+    never count. `token` echoes the opaque token the coordinator issued to this worker for
+    the distribution attempt it answers (`ActivationCoordinator.attempt_token`): after a
+    failed attempt, a membership change or a retry, a delayed ack no longer proves what the
+    worker holds now, and only an ack echoing the CURRENT attempt's token counts toward
+    activation. A report of a version that is not awaiting acks ("I restored v0") needs no
+    token: it is stored as what the worker holds and can only block an activation.
+
+    `seq` may be left unset (the coordinator numbers it by arrival). `attempt` is the
+    worker's own note of the attempt number, kept for logs: the coordinator never fills it
+    in and never counts on it (an arrival-numbered attempt is what let late acks win).
     """
 
     worker_id: str = attrs.field(validator=_nonempty_str)
@@ -514,6 +580,22 @@ class WorkerAck:
     # left None by a worker, numbered by the coordinator when it records the ack
     seq: int | None = attrs.field(default=None, validator=_opt_nonneg_int)
     attempt: int | None = attrs.field(default=None, validator=_opt_nonneg_int)
+    token: str | None = attrs.field(default=None, validator=_opt_nonempty_str)
+
+
+@attrs.frozen
+class AttemptToken:
+    """The token one distribution attempt issued to one required worker, stored durably.
+
+    Random (never derived from anything a worker could guess or replay); a new attempt, or
+    a worker joining while a version awaits acks, issues a new one. An ack counts only if it
+    echoes the token stored for its worker and version at the moment of the decision.
+    """
+
+    version: int = attrs.field(validator=_nonneg_int)
+    worker_id: str = attrs.field(validator=_nonempty_str)
+    attempt: int = attrs.field(validator=_nonneg_int)
+    token: str = attrs.field(validator=_nonempty_str)
 
 
 # ---- (de)serialisation ---------------------------------------------------------------------

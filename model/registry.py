@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -23,41 +25,47 @@ import attrs
 
 from rollout_lifecycle.model import rules
 from rollout_lifecycle.model.api import activate_policy_version
+from rollout_lifecycle.model.clocks import sqlite_host_clock
 from rollout_lifecycle.model.errors import ActivationError, brief
 from rollout_lifecycle.model.events import (
     ArtifactChanged,
     EntryChanged,
     EventLog,
     MembershipChanged,
+    PolicyChanged,
     TraceEvent,
     WorkerReported,
 )
 from rollout_lifecycle.model.ledger import ActivationPremise
 from rollout_lifecycle.model.records import (
     ActivePointer,
+    AdmissionPolicy,
     ArtifactRecord,
+    AttemptToken,
     Disposition,
     WorkerAck,
     from_jsonable,
     to_jsonable,
 )
-from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES
+from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES, retired_versions
 from rollout_lifecycle.model.sqlite_common import (
     append_events,
-    check_identity,
     connect,
     ensure_schema,
-    file_identity,
     has_component,
     read_events,
 )
+from rollout_lifecycle.model.sqlite_files import FileGuard, hand_back, read_file_id
 
 R = TypeVar("R")
 
 COMPONENT = "registry"
 # 2: the durable required worker set (registry_membership); worker reports in the trace
-SCHEMA_VERSION = 2
-MIGRATIONS = {1: ""}  # 1 -> 2 only adds a table, which the DDL creates if missing
+# 3: the durable admission policy (registry_policy)
+SCHEMA_VERSION = 3
+# 1 -> 2 only adds a table, which the DDL creates if missing; 2 -> 3 adds tables and the
+# artifacts' lineage column
+MIGRATIONS = {1: "", 2: "ALTER TABLE registry_artifacts ADD COLUMN trained_by TEXT"}
 
 
 @attrs.frozen
@@ -101,6 +109,12 @@ class RegistryStep:
     workers: tuple[WorkerReport, ...] = ()
     membership: tuple[str, ...] | _Unchanged = UNCHANGED
     membership_reason: str = ""
+    policy: AdmissionPolicy | _Unchanged = UNCHANGED
+    policy_reason: str = ""
+    # attempt tokens issued (each replaces the stored token of its version and worker), and
+    # the workers whose every token is withdrawn (they left the worker set)
+    tokens: tuple[AttemptToken, ...] = ()
+    revoked: tuple[str, ...] = ()
 
 
 class RegistryView(Protocol):
@@ -119,6 +133,12 @@ class RegistryView(Protocol):
     def max_version(self) -> int | None: ...
 
     def required_workers(self) -> tuple[str, ...] | None: ...
+
+    def policy(self) -> AdmissionPolicy | None: ...
+
+    def landed(self, update_ids: Iterable[str]) -> frozenset[str]: ...
+
+    def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]: ...
 
 
 @runtime_checkable
@@ -141,11 +161,47 @@ class RegistryStore(Protocol):
 
     def required_workers(self) -> tuple[str, ...] | None: ...
 
+    def policy(self) -> AdmissionPolicy | None: ...
+
+    def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]: ...
+
     def history(self, version: int | None = None) -> list[ArtifactChanged]: ...
 
     def trace(self) -> list[TraceEvent]: ...
 
     def close(self) -> None: ...
+
+
+def check_policy(policy: object) -> AdmissionPolicy:
+    """An admission policy to record: an AdmissionPolicy (its fields are validated there)."""
+    if not isinstance(policy, AdmissionPolicy):
+        raise ActivationError(
+            f"an admission policy is an AdmissionPolicy(max_lag, max_drift), got {brief(policy)}"
+        )
+    return policy
+
+
+def set_admission_policy(
+    registry: RegistryStore, policy: AdmissionPolicy, reason: str, *, at: float | None = None
+) -> AdmissionPolicy:
+    """Record the deployment's admission policy: an explicit, recorded step of its own.
+
+    Every reservation on a ledger that shares this registry is judged, inside its own
+    atomic step, against the policy recorded at that moment; a learner's stamp may be
+    stricter, never looser. Setting the same policy again writes nothing.
+    """
+    new = check_policy(policy)
+    if not isinstance(reason, str) or not reason:
+        raise ActivationError(f"reason must be a non-empty string, got {brief(reason)}")
+    clock = getattr(registry, "clock", time.time)
+    now = clock() if at is None else at
+
+    def plan(view: RegistryView) -> tuple[RegistryStep, AdmissionPolicy]:
+        if view.policy() == new:
+            return RegistryStep(now), new
+        return RegistryStep(now, policy=new, policy_reason=reason), new
+
+    return registry.transact(plan)[0]
 
 
 def check_membership(workers: object) -> tuple[str, ...]:
@@ -170,17 +226,29 @@ def check_membership(workers: object) -> tuple[str, ...]:
     return ws
 
 
-def counted_acks(view: RegistryView, rec: ArtifactRecord) -> dict[str, WorkerAck]:
-    """Each worker's latest stored ack that can still speak for `rec`.
+def current_tokens(view: RegistryView, rec: ArtifactRecord) -> dict[str, AttemptToken]:
+    """The token each worker was issued for `rec`'s current distribution attempt."""
+    return {t.worker_id: t for t in view.attempt_tokens(rec.version) if t.attempt == rec.attempts}
 
-    An ack of `rec`'s version from an earlier distribution attempt is void: the worker may
-    have loaded another version since (see WorkerAck.attempt), so it counts as missing.
+
+def counted_acks(view: RegistryView, rec: ArtifactRecord) -> dict[str, WorkerAck]:
+    """Each worker's latest stored report that can still speak for `rec`.
+
+    A report of another version counts: it says the worker holds something else, so it can
+    only block. A report of `rec`'s own version counts only if it echoes the token stored
+    for that worker and `rec`'s current attempt: an ack of an earlier attempt, one without
+    a token, or one from before the worker left and re-joined is missing, never a yes.
     """
-    return {
-        w: r.ack
-        for w, r in view.workers().items()
-        if r.ack is not None and (r.ack.version != rec.version or r.ack.attempt == rec.attempts)
-    }
+    tokens = current_tokens(view, rec)
+    out: dict[str, WorkerAck] = {}
+    for w, r in view.workers().items():
+        a = r.ack
+        if a is None:
+            continue
+        t = tokens.get(w)
+        if a.version != rec.version or (t is not None and a.token == t.token):
+            out[w] = a
+    return out
 
 
 def required_set(view: RegistryView) -> tuple[str, ...]:
@@ -260,6 +328,10 @@ def activated_hash(store: RegistryStore, version: int) -> str | None:
     return rec.artifact_hash
 
 
+# a version's lineage is fenced when it is registered, committed and activated
+LINEAGE_FENCED_EVENTS = frozenset({"register", "commit_artifact", "activate"})
+
+
 def check_step(view: RegistryView, step: RegistryStep) -> None:
     """Refuse a step that would break a registry invariant, before anything is written.
 
@@ -277,6 +349,17 @@ def check_step(view: RegistryView, step: RegistryStep) -> None:
         check_membership(step.membership)
         if step.artifacts or not isinstance(step.pointer, _Unchanged):
             raise ActivationError("a membership change is a step of its own")
+    if not isinstance(step.policy, _Unchanged):
+        check_policy(step.policy)
+        if (
+            step.artifacts
+            or step.workers
+            or not isinstance(step.pointer, _Unchanged)
+            or not isinstance(step.membership, _Unchanged)
+        ):
+            raise ActivationError("an admission policy change is a step of its own")
+        if not step.policy_reason:
+            raise ActivationError("an admission policy change records its reason")
     for ch in step.artifacts:
         v = ch.after.version
         if v in seen:
@@ -306,6 +389,16 @@ def check_step(view: RegistryView, step: RegistryStep) -> None:
         problems = rules.artifact_stage_problems(ch.after)
         if problems:
             raise ActivationError("; ".join(problems))
+        if current is not None and ch.after.trained_by != current.trained_by:
+            raise ActivationError(f"artifact v{v}: its recorded lineage never changes")
+        if ch.after.trained_by and ch.event in LINEAGE_FENCED_EVENTS:
+            unlanded = sorted(set(ch.after.trained_by) - view.landed(ch.after.trained_by))
+            if unlanded:
+                raise ActivationError(
+                    f"refusing to {ch.event} v{v}: it is trained by update(s) {unlanded} whose "
+                    "commit did not land in the ledger (a lost lease or a CommitMismatch): "
+                    "their rollouts may have been consumed by another update"
+                )
         if ch.event in ("distribute", "retry"):
             why = distribution_refusal(view, v)
             if why is not None:
@@ -322,6 +415,116 @@ def check_step(view: RegistryView, step: RegistryStep) -> None:
                 raise ActivationError(f"activating v{v} must point at it, not at {step.pointer}")
     if not isinstance(step.pointer, _Unchanged) and step.pointer != pointer_before:
         _check_pointer_move(view, step, pointer_before)
+    _check_tokens(view, step)
+
+
+ATTEMPT_EVENTS = ("distribute", "retry")
+
+
+def _check_tokens(view: RegistryView, step: RegistryStep) -> None:
+    """Acks stay bound to their attempt and to membership, whatever the plan says.
+
+    Tokens are issued only by a distribution attempt (a fresh one to every required worker)
+    or by a membership change (to a worker joining while a version awaits acks); a worker
+    that leaves loses its tokens and its stored ack in that same step; a stored ack carries
+    a token only if it is the current one of its worker, version and attempt.
+    """
+    required = view.required_workers() or ()
+    issued: dict[tuple[int, str], AttemptToken] = {}
+    stored: dict[int, dict[str, AttemptToken]] = {}
+    for t in step.tokens:
+        key = (t.version, t.worker_id)
+        if key in issued:
+            raise ActivationError(f"one step issues v{t.version} two tokens for {t.worker_id!r}")
+        issued[key] = t
+        if t.version not in stored:
+            stored[t.version] = {o.worker_id: o for o in view.attempt_tokens(t.version)}
+        old = stored[t.version].get(t.worker_id)
+        if old is not None and old.token == t.token:
+            raise ActivationError(
+                f"v{t.version}: the token of {t.worker_id!r} is reissued unchanged; every "
+                "attempt issues a fresh one"
+            )
+    if len({t.token for t in step.tokens}) != len(step.tokens):
+        raise ActivationError("one step issues the same token to two workers")
+    if isinstance(step.membership, _Unchanged):
+        if step.revoked:
+            raise ActivationError("tokens are withdrawn only by a membership change")
+        attempts = {
+            ch.after.version: ch.after for ch in step.artifacts if ch.event in ATTEMPT_EVENTS
+        }
+        for t in step.tokens:
+            rec = attempts.get(t.version)
+            if rec is None or t.attempt != rec.attempts or t.worker_id not in required:
+                raise ActivationError(
+                    f"token for {t.worker_id!r} of v{t.version} attempt {t.attempt}: tokens are "
+                    "issued to required workers by a distribution attempt of that version"
+                )
+        for v in attempts:
+            missing = [w for w in required if (v, w) not in issued]
+            if missing:
+                raise ActivationError(
+                    f"distribution attempt of v{v} issues no token to {missing}; every "
+                    "required worker must get one"
+                )
+    else:
+        _check_membership_tokens(view, step, required, issued)
+    for w in step.workers:
+        a = w.ack
+        if a is None or a.token is None:
+            continue
+        before = view.worker(w.worker_id)
+        if before is not None and before.ack == a:
+            continue  # kept as it was (a restart that leaves the ack standing)
+        rec = view.artifact(a.version)
+        cur = None if rec is None else current_tokens(view, rec).get(w.worker_id)
+        if (
+            w.worker_id not in required
+            or rec is None
+            or rec.state != "awaiting_acks"
+            or cur is None
+            or cur.token != a.token
+        ):
+            raise ActivationError(
+                f"{w.worker_id!r}'s ack of v{a.version} is stored with a token that is not the "
+                "current attempt's; only an ack echoing it may be stored with one"
+            )
+
+
+def _check_membership_tokens(
+    view: RegistryView,
+    step: RegistryStep,
+    required: tuple[str, ...],
+    issued: dict[tuple[int, str], AttemptToken],
+) -> None:
+    """A leaver's tokens and ack are voided; a joiner gets a token for the version awaiting."""
+    assert not isinstance(step.membership, _Unchanged)
+    new = set(step.membership)
+    leavers, joiners = set(required) - new, new - set(required)
+    awaiting = {a.version: a for a in view.artifacts() if a.state == "awaiting_acks"}
+    for t in step.tokens:
+        rec = awaiting.get(t.version)
+        if t.worker_id not in joiners or rec is None or t.attempt != rec.attempts:
+            raise ActivationError(
+                f"a membership change issues tokens only to joining workers, for the current "
+                f"attempt of the version awaiting acks (not {t.worker_id!r} v{t.version})"
+            )
+    for v in awaiting:
+        missing = sorted(w for w in joiners if (v, w) not in issued)
+        if missing:
+            raise ActivationError(f"workers {missing} join while v{v} awaits acks without a token")
+    if set(step.revoked) != leavers:
+        raise ActivationError(
+            f"a membership change withdraws the tokens of exactly the leaving workers "
+            f"{sorted(leavers)}, not {sorted(step.revoked)}"
+        )
+    written = {w.worker_id: w for w in step.workers}
+    for w in sorted(leavers):
+        r = view.worker(w)
+        if r is not None and r.ack is not None:
+            out = written.get(w)
+            if out is None or out.ack is not None:
+                raise ActivationError(f"{w!r} leaves the worker set but its ack stays standing")
 
 
 def _check_pointer_move(
@@ -357,10 +560,22 @@ def make_events(
     step: RegistryStep,
     pointer_before: ActivePointer | None,
     membership_before: tuple[str, ...] | None = None,
+    policy_before: AdmissionPolicy | None = None,
 ) -> list[TraceEvent]:
     """The step's events, unstamped (seq/txn 0): the backend's log stamps them."""
     after = pointer_before if isinstance(step.pointer, _Unchanged) else step.pointer
     out: list[TraceEvent] = []
+    if not isinstance(step.policy, _Unchanged):
+        out.append(
+            PolicyChanged(
+                seq=0,
+                txn=0,
+                at=step.at,
+                before=policy_before,
+                after=step.policy,
+                reason=step.policy_reason,
+            )
+        )
     if not isinstance(step.membership, _Unchanged):
         out.append(
             MembershipChanged(
@@ -370,6 +585,7 @@ def make_events(
                 before=membership_before,
                 after=step.membership,
                 reason=step.membership_reason,
+                tokens=step.tokens,
             )
         )
     out.extend(
@@ -385,6 +601,7 @@ def make_events(
             pointer_after=after,
             acks=ch.acks,
             required_workers=ch.required_workers,
+            tokens=tuple(t for t in step.tokens if t.version == ch.after.version),
         )
         for ch in step.artifacts
     )
@@ -405,7 +622,7 @@ def _artifact_events(events: Sequence[TraceEvent]) -> list[ArtifactChanged]:
 class _ViewReads:
     """Read methods both registries share: each reads its view under its own lock."""
 
-    _lock: threading.RLock
+    _lock: contextlib.AbstractContextManager[Any]
     _view: RegistryView
 
     def artifact(self, version: int) -> ArtifactRecord | None:
@@ -438,6 +655,16 @@ class _ViewReads:
         with self._lock:
             return self._view.required_workers()
 
+    def policy(self) -> AdmissionPolicy | None:
+        """The deployment's recorded admission policy (None until first set)."""
+        with self._lock:
+            return self._view.policy()
+
+    def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
+        """The stored attempt tokens (of one version), by version and worker."""
+        with self._lock:
+            return self._view.attempt_tokens(version)
+
 
 class _MemoryView:
     def __init__(self, reg: MemoryRegistry) -> None:
@@ -464,9 +691,33 @@ class _MemoryView:
     def required_workers(self) -> tuple[str, ...] | None:
         return self._reg._membership
 
+    def policy(self) -> AdmissionPolicy | None:
+        return self._reg._policy
+
+    def landed(self, update_ids: Iterable[str]) -> frozenset[str]:
+        # the ledger attached to this registry shares its event log (open_backend does)
+        want = set(update_ids)
+        return frozenset(
+            e.update_id
+            for e in self._reg.log.events()
+            if isinstance(e, EntryChanged)
+            and e.event == "commit"
+            and e.update_id is not None
+            and e.update_id in want
+        )
+
+    def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
+        return [
+            t
+            for _, t in sorted(self._reg._tokens.items())
+            if version is None or t.version == version
+        ]
+
 
 class MemoryRegistry(_ViewReads):
     """In-process registry; share `event_log` with a MemoryLedger for one global trace."""
+
+    _lock: threading.RLock
 
     def __init__(self, event_log: EventLog | None = None) -> None:
         self._lock = threading.RLock()
@@ -474,6 +725,8 @@ class MemoryRegistry(_ViewReads):
         self._pointer: ActivePointer | None = None
         self._workers: dict[str, WorkerReport] = {}
         self._membership: tuple[str, ...] | None = None
+        self._policy: AdmissionPolicy | None = None
+        self._tokens: dict[tuple[int, str], AttemptToken] = {}
         self.log = event_log if event_log is not None else EventLog()
         self._view = _MemoryView(self)
 
@@ -483,10 +736,13 @@ class MemoryRegistry(_ViewReads):
         return self._lock
 
     def premise(self) -> ActivationPremise:
-        """The active version and every ever-active version (caller holds `lock`)."""
+        """The pointer, the ever-active and retired versions, the recorded policy (caller
+        holds `lock`)."""
         return ActivationPremise(
             None if self._pointer is None else self._pointer.version,
             frozenset(v for v, a in self._artifacts.items() if a.state in WAS_ACTIVE_STATES),
+            self._policy,
+            retired_versions(self._artifacts.values()),
         )
 
     @classmethod
@@ -497,6 +753,8 @@ class MemoryRegistry(_ViewReads):
         workers: Iterable[WorkerReport],
         event_log: EventLog | None = None,
         membership: Iterable[str] | None = None,
+        policy: AdmissionPolicy | None = None,
+        tokens: Iterable[AttemptToken] = (),
     ) -> MemoryRegistry:
         """A registry holding exactly these records, without their history.
 
@@ -508,6 +766,8 @@ class MemoryRegistry(_ViewReads):
         reg._pointer = pointer
         reg._workers = {w.worker_id: w for w in workers}
         reg._membership = None if membership is None else check_membership(membership)
+        reg._policy = policy
+        reg._tokens = {(t.version, t.worker_id): t for t in tokens}
         return reg
 
     def transact(
@@ -517,7 +777,7 @@ class MemoryRegistry(_ViewReads):
         with self._lock:
             step, result = plan(self._view)
             check_step(self._view, step)
-            events = make_events(step, self._pointer, self._membership)
+            events = make_events(step, self._pointer, self._membership, self._policy)
             for ch in step.artifacts:
                 self._artifacts[ch.after.version] = ch.after
             if not isinstance(step.pointer, _Unchanged):
@@ -526,6 +786,12 @@ class MemoryRegistry(_ViewReads):
                 self._workers[w.worker_id] = w
             if not isinstance(step.membership, _Unchanged):
                 self._membership = step.membership
+            if not isinstance(step.policy, _Unchanged):
+                self._policy = step.policy
+            for key in [k for k in self._tokens if k[1] in step.revoked]:
+                del self._tokens[key]
+            for t in step.tokens:
+                self._tokens[(t.version, t.worker_id)] = t
             stamped = self.log.record(events) if events else []
             return result, _artifact_events(stamped)
 
@@ -556,7 +822,8 @@ CREATE TABLE IF NOT EXISTS registry_artifacts (
     state            TEXT NOT NULL,
     path             TEXT,
     failure          TEXT,
-    attempts         INTEGER NOT NULL CHECK (attempts >= 0)
+    attempts         INTEGER NOT NULL CHECK (attempts >= 0),
+    trained_by       TEXT
 );
 CREATE TABLE IF NOT EXISTS registry_pointer (
     id            INTEGER PRIMARY KEY CHECK (id = 1),
@@ -571,6 +838,18 @@ CREATE TABLE IF NOT EXISTS registry_workers (
 CREATE TABLE IF NOT EXISTS registry_membership (
     id      INTEGER PRIMARY KEY CHECK (id = 1),
     workers TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS registry_policy (
+    id        INTEGER PRIMARY KEY CHECK (id = 1),
+    max_lag   INTEGER NOT NULL CHECK (max_lag >= 0),
+    max_drift REAL NOT NULL CHECK (max_drift >= 0)
+);
+CREATE TABLE IF NOT EXISTS registry_attempt_tokens (
+    version   INTEGER NOT NULL CHECK (version >= 0),
+    worker_id TEXT NOT NULL,
+    attempt   INTEGER NOT NULL CHECK (attempt >= 0),
+    token     TEXT NOT NULL CHECK (token != ''),
+    PRIMARY KEY (version, worker_id)
 )
 """
 
@@ -588,7 +867,8 @@ _TRIGGERS = (
 )
 
 _ART_COLS = (
-    "version, artifact_hash, parent_version, rollback_version, state, path, failure, attempts"
+    "version, artifact_hash, parent_version, rollback_version, state, path, failure, attempts, "
+    "trained_by"
 )
 
 
@@ -607,7 +887,7 @@ def _opt_str(x: object) -> str | None:
 
 
 def _row_to_record(row: Sequence[object]) -> ArtifactRecord:
-    version, h, parent, rollback, state, path, failure, attempts = row
+    version, h, parent, rollback, state, path, failure, attempts, trained_by = row
     return ArtifactRecord(
         version=_int(version),
         artifact_hash=_opt_str(h),
@@ -617,6 +897,7 @@ def _row_to_record(row: Sequence[object]) -> ArtifactRecord:
         path=_opt_str(path),
         failure=None if failure is None else from_jsonable(Disposition, json.loads(str(failure))),
         attempts=_int(attempts),
+        trained_by=() if trained_by is None else tuple(json.loads(str(trained_by))),
     )
 
 
@@ -631,6 +912,7 @@ def _record_to_row(r: ArtifactRecord) -> tuple[object, ...]:
         r.path,
         failure,
         r.attempts,
+        json.dumps(list(r.trained_by)) if r.trained_by else None,
     )
 
 
@@ -695,6 +977,68 @@ class SqlView:
         row = self._conn.execute("SELECT workers FROM registry_membership WHERE id = 1").fetchone()
         return None if row is None else tuple(str(w) for w in json.loads(str(row[0])))
 
+    def policy(self) -> AdmissionPolicy | None:
+        row = self._conn.execute(
+            "SELECT max_lag, max_drift FROM registry_policy WHERE id = 1"
+        ).fetchone()
+        return None if row is None else AdmissionPolicy(_int(row[0]), float(row[1]))
+
+    # a JSON field of a stored event's payload, in this dialect
+    EVENT_FIELD = "json_extract(payload, '$.{}')"
+
+    def landed(self, update_ids: Iterable[str]) -> frozenset[str]:
+        """Which of these updates have a landed commit: commit events of the ledger that
+        shares this database (a commit never un-lands, so what is seen stays true)."""
+        want = sorted(set(update_ids))
+        if not want:
+            return frozenset()
+        upd, ev = self.EVENT_FIELD.format("update_id"), self.EVENT_FIELD.format("event")
+        marks = ", ".join([self.PARAM] * len(want))
+        rows = self._conn.execute(
+            f"SELECT DISTINCT {upd} FROM events WHERE kind = 'entry' AND {ev} = 'commit' "
+            f"AND {upd} IN ({marks})",
+            want,
+        ).fetchall()
+        return frozenset(str(r[0]) for r in rows)
+
+    # a database written before attempt tokens existed, opened read-only, has no such table
+    TOKENS_TABLE_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+    _has_tokens = False
+
+    def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
+        if not self._has_tokens:
+            found = self._conn.execute(self.TOKENS_TABLE_SQL, ("registry_attempt_tokens",))
+            self._has_tokens = found.fetchone() is not None
+            if not self._has_tokens:
+                return []
+        sql = "SELECT version, worker_id, attempt, token FROM registry_attempt_tokens"
+        args: tuple[object, ...] = ()
+        if version is not None:
+            sql += f" WHERE version = {self.PARAM}"
+            args = (version,)
+        rows = self._conn.execute(sql + " ORDER BY version, worker_id", args).fetchall()
+        return [AttemptToken(_int(r[0]), str(r[1]), _int(r[2]), str(r[3])) for r in rows]
+
+
+def token_statements(step: RegistryStep, param: str) -> list[tuple[str, tuple[object, ...]]]:
+    """The SQL that writes a checked step's attempt tokens (the same on SQLite and PostgreSQL,
+    up to the parameter marker): withdraw the leavers' tokens, then store the issued ones."""
+    out: list[tuple[str, tuple[object, ...]]] = [
+        (f"DELETE FROM registry_attempt_tokens WHERE worker_id = {param}", (w,))
+        for w in step.revoked
+    ]
+    marks = ", ".join([param] * 4)
+    out.extend(
+        (
+            "INSERT INTO registry_attempt_tokens(version, worker_id, attempt, token) "
+            f"VALUES ({marks}) ON CONFLICT (version, worker_id) DO UPDATE SET "
+            "attempt = excluded.attempt, token = excluded.token",
+            (t.version, t.worker_id, t.attempt, t.token),
+        )
+        for t in step.tokens
+    )
+    return out
+
 
 class _EmptyView:
     """A file with no registry tables, read without creating them: nothing registered."""
@@ -720,6 +1064,15 @@ class _EmptyView:
     def required_workers(self) -> tuple[str, ...] | None:
         return None
 
+    def policy(self) -> AdmissionPolicy | None:
+        return None
+
+    def landed(self, update_ids: Iterable[str]) -> frozenset[str]:
+        return frozenset()
+
+    def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
+        return []
+
 
 def _sqlite_cause(exc: sqlite3.Error) -> str:
     text = str(exc)
@@ -737,6 +1090,30 @@ def _unusable(path: Path, exc: Exception) -> ActivationError:
     )
 
 
+class _FileCheckedLock:
+    """The SQLite registry's lock. Every read and every step of the registry takes it
+    first, so checking the file here makes each of them fail closed (FileReplaced) once the
+    path stops naming the opened file, read methods added later included."""
+
+    def __init__(self, guard: FileGuard) -> None:
+        self.rlock = threading.RLock()
+        self._guard = guard
+
+    def __enter__(self) -> None:
+        self.rlock.acquire()
+        try:
+            self._guard.check()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                # a step held the lock when the file was found gone: fold back, close now
+                self._guard.on_lost(True)
+            self.rlock.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.rlock.release()
+
+
 class SQLiteRegistry(_ViewReads):
     """The registry in a SQLite file, beside the ledger's tables (component "registry").
 
@@ -744,6 +1121,8 @@ class SQLiteRegistry(_ViewReads):
     and the events (appended to the shared `events` table), so a crash leaves either all
     of a step or none of it, and ledger and registry events share one global order.
     """
+
+    _lock: _FileCheckedLock
 
     def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
         """Open (creating the tables on first use) or, with `read_only`, only read: a file
@@ -769,15 +1148,35 @@ class SQLiteRegistry(_ViewReads):
                 ensure_schema(self._conn, COMPONENT, SCHEMA_VERSION, _DDL, migrations=MIGRATIONS)
                 for trig in _TRIGGERS:
                     self._conn.execute(trig)
+            guard = FileGuard(
+                self.path, "registry", read_file_id(self._conn), self._lost, writer=not read_only
+            )
         except sqlite3.Error as exc:
             self._conn.close()
             raise _unusable(self.path, exc) from None
         except BaseException:
             self._conn.close()
             raise
-        self._lock = threading.RLock()
+        self._guard = guard
+        self._lock = _FileCheckedLock(guard)
         self._view = view
-        self._identity = file_identity(self.path)
+        self._pid = os.getpid()
+        # steps are dated by the ledger file's clock, like the ledger's events (model.clocks)
+        self.clock = sqlite_host_clock(self._conn, read_only=read_only)
+
+    def _lost(self, give_back: bool) -> bool:
+        """The file is gone (see sqlite_files.lose_file): if asked, fold its -wal back into
+        it, then close the connection; True if folded. Unless another thread's step holds
+        the connection: that step fails at its own check and closes it then."""
+        if self._pid != os.getpid() or not self._lock.rlock.acquire(blocking=False):
+            return False  # a forked child never touches the parent's connection
+        try:
+            # holding the lock, any transaction open on the connection is this thread's own
+            folded = give_back and hand_back(self._conn, own=True)
+            self._conn.close()
+        finally:
+            self._lock.rlock.release()
+        return folded
 
     def transact(
         self, plan: Callable[[RegistryView], tuple[RegistryStep, R]]
@@ -789,22 +1188,28 @@ class SQLiteRegistry(_ViewReads):
             conn = self._conn
             conn.execute("BEGIN IMMEDIATE")
             try:
-                check_identity(self.path, self._identity, "registry")
+                self._guard.check()  # again under the write lock: the file may have just gone
                 step, result = plan(self._view)
                 check_step(self._view, step)
-                events = make_events(step, self._view.pointer(), self._view.required_workers())
+                events = make_events(
+                    step,
+                    self._view.pointer(),
+                    self._view.required_workers(),
+                    self._view.policy(),
+                )
                 for ch in step.artifacts:
                     row = _record_to_row(ch.after)
                     if ch.before is None:
                         conn.execute(
-                            f"INSERT INTO registry_artifacts({_ART_COLS}) VALUES (?,?,?,?,?,?,?,?)",
+                            f"INSERT INTO registry_artifacts({_ART_COLS}) "
+                            "VALUES (?,?,?,?,?,?,?,?,?)",
                             row,
                         )
                     else:
                         conn.execute(
                             "UPDATE registry_artifacts SET artifact_hash=?, parent_version=?, "
-                            "rollback_version=?, state=?, path=?, failure=?, attempts=? "
-                            "WHERE version=?",
+                            "rollback_version=?, state=?, path=?, failure=?, attempts=?, "
+                            "trained_by=? WHERE version=?",
                             (*row[1:], row[0]),
                         )
                 if not isinstance(step.pointer, _Unchanged):
@@ -825,11 +1230,20 @@ class SQLiteRegistry(_ViewReads):
                         "ack=excluded.ack",
                         (w.worker_id, w.floor, ack),
                     )
+                for sql, args in token_statements(step, "?"):
+                    conn.execute(sql, args)
                 if not isinstance(step.membership, _Unchanged):
                     conn.execute(
                         "INSERT INTO registry_membership(id, workers) VALUES (1, ?) "
                         "ON CONFLICT(id) DO UPDATE SET workers=excluded.workers",
                         (json.dumps(list(step.membership)),),
+                    )
+                if not isinstance(step.policy, _Unchanged):
+                    conn.execute(
+                        "INSERT INTO registry_policy(id, max_lag, max_drift) VALUES (1, ?, ?) "
+                        "ON CONFLICT(id) DO UPDATE SET max_lag=excluded.max_lag, "
+                        "max_drift=excluded.max_drift",
+                        (step.policy.max_lag, step.policy.max_drift),
                     )
                 stamped = append_events(conn, events)
                 conn.execute("COMMIT")
@@ -862,5 +1276,6 @@ class SQLiteRegistry(_ViewReads):
 
     def close(self) -> None:
         """Close the connection; the file stays for the next coordinator."""
-        with self._lock:
+        with self._lock.rlock:
             self._conn.close()
+        self._guard.release()  # after the connection: see sqlite_files._OpenFile

@@ -12,11 +12,19 @@ machines' rule tags (model/machines.py), never listed here.
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Iterable, Sequence
 
 from rollout_lifecycle.model.errors import brief
 from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
-from rollout_lifecycle.model.records import AdmissionStamp, ArtifactRecord, LedgerEntry
+from rollout_lifecycle.model.records import (
+    FRESHNESS_CLASSES,
+    AdmissionPolicy,
+    AdmissionStamp,
+    ArtifactRecord,
+    LedgerEntry,
+)
 
 # ---- state classes, read off the machines' tags -------------------------------------------
 
@@ -33,6 +41,16 @@ FAILED_ACTIVATION_STATES = frozenset(ACTIVATION.states_tagged("failure"))
 NOT_ADMITTED = "not_admitted"
 POINTER_MOVED = "pointer_moved"
 VERSION_NOT_ACTIVE = "version_not_active"
+# the trust boundary: what the deployment's durable state says, not the learner's stamp
+STAMP_CONTRADICTS = "stamp_contradicts_itself"
+NO_POLICY = "no_admission_policy"
+LOOSER_THAN_POLICY = "looser_than_policy"
+VERSION_RETIRED = "version_retired"
+
+# the cause a rollback records on the rolled-back artifact: its rollouts are retired, or,
+# by the operator's explicit choice, kept (see ActivationCoordinator.rollback)
+ROLLBACK_RETIRED = "rolled_back"
+ROLLBACK_KEPT = "rolled_back_kept"
 
 
 # ---- one ledger entry --------------------------------------------------------------------
@@ -55,6 +73,78 @@ def reward_problems(e: LedgerEntry) -> list[str]:
     if e.state in ADMITTED_STATES and e.disposition is not None:
         out.append(f"{e.rollout_id}: {e.state} yet marked failed ({e.disposition.cause})")
     return out
+
+
+def stamp_contradictions(a: AdmissionStamp) -> list[str]:
+    """Where a stamp contradicts itself, whatever it claims: malformed types (a record
+    bypassed), a decision that does not follow from its own figures.
+
+    CONTRACT section 3: freshness follows from the lag and L_max, accepted iff reason 'ok',
+    and an accepted decision has a drift figure. Checked before anything the stamp claims
+    is believed.
+    """
+    out = []
+    if not isinstance(a.accepted, bool):
+        out.append(f"accepted is {brief(a.accepted)}, not a bool")
+    if not isinstance(a.reason, str) or not a.reason:
+        out.append(f"reason {brief(a.reason)} is not a non-empty string")
+    if a.freshness is not None and a.freshness not in FRESHNESS_CLASSES:
+        out.append(f"unknown freshness {brief(a.freshness)}")
+    for name in ("current_version", "behavior_version", "max_lag"):
+        v = getattr(a, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            out.append(f"{name} {brief(v)} is not a non-negative int")
+    for name, v, optional in (("max_drift", a.max_drift, False), ("drift", a.drift, True)):
+        if v is None and optional:
+            continue
+        try:
+            ok = (
+                not isinstance(v, bool)
+                and isinstance(v, int | float)
+                and math.isfinite(v)
+                and v >= 0
+            )
+        except OverflowError:
+            ok = False
+        if not ok:
+            out.append(f"{name} {brief(v)} is not a finite number >= 0")
+    if out:
+        return out  # the figures below cannot be read
+    if a.accepted != (a.reason == "ok"):
+        out.append(f"accepted={a.accepted} with reason {brief(a.reason)}")
+    lag = a.current_version - a.behavior_version
+    if a.freshness is not None:
+        want = (
+            "future"
+            if lag < 0
+            else "fresh"
+            if lag == 0
+            else "tolerated"
+            if lag <= a.max_lag
+            else "stale"
+        )
+        if a.freshness != want:
+            out.append(f"freshness {a.freshness} but lag {lag} with max_lag {a.max_lag} is {want}")
+    elif a.accepted:
+        out.append("accepted without a freshness class")
+    if a.accepted and a.drift is None:
+        out.append("accepted without a drift figure")
+    if a.accepted and a.freshness in ("future", "stale"):
+        out.append(f"accepted although {a.freshness} by its own lag {lag}")
+    if a.accepted and a.drift is not None and a.drift > a.max_drift:
+        out.append(f"accepted although its drift {a.drift} is over its own {a.max_drift}")
+    return out
+
+
+def _malformed(a: AdmissionStamp) -> bool:
+    """Whether a stamp's fields are not even of their types (its figures cannot be read)."""
+    ints = (a.current_version, a.behavior_version, a.max_lag)
+    nums = (a.max_drift,) + (() if a.drift is None else (a.drift,))
+    return (
+        not isinstance(a.accepted, bool)
+        or any(isinstance(v, bool) or not isinstance(v, int) for v in ints)
+        or any(isinstance(v, bool) or not isinstance(v, int | float) for v in nums)
+    )
 
 
 def stamp_problems(a: AdmissionStamp, behavior_version: int) -> list[str]:
@@ -115,6 +205,25 @@ def artifact_stage_problems(a: ArtifactRecord) -> list[str]:
     return []
 
 
+def retired_versions(artifacts: Iterable[ArtifactRecord]) -> frozenset[int]:
+    """Rolled-back versions whose rollouts are retired (all but those kept explicitly)."""
+    return frozenset(
+        a.version
+        for a in artifacts
+        if a.state == "rolled_back" and (a.failure is None or a.failure.cause != ROLLBACK_KEPT)
+    )
+
+
+def retired_from_rows(rows: Iterable[Sequence[object]]) -> frozenset[int]:
+    """`retired_versions` over stored (version, failure JSON) rows of rolled-back artifacts."""
+    out = set()
+    for version, failure in rows:
+        cause = None if failure is None else json.loads(str(failure)).get("cause")
+        if cause != ROLLBACK_KEPT:
+            out.add(int(str(version)))
+    return frozenset(out)
+
+
 # ---- one reservation step ------------------------------------------------------------------
 
 
@@ -122,31 +231,60 @@ def reservation_refusal(
     stamp: AdmissionStamp | None,
     behavior_version: int,
     pointer_version: int | None,
-    was_active: bool | None,
+    was_active: frozenset[int] | None,
+    policy: AdmissionPolicy | None = None,
+    retired: frozenset[int] = frozenset(),
 ) -> tuple[str, str] | None:
     """Why a reservation may not land NOW, or None: (reason, detail).
 
-    Judged inside the reservation's own atomic step, with the active pointer and the
-    behaviour version's activation history read in that same step (`pointer_version` None
-    and `was_active` None mean "no registry attached": only the stamp itself is judged).
-    The lag bound is re-evaluated against the pointer of that moment, so a pointer that
-    moved after admission cannot carry a rollout past its bound; the caller re-admits.
+    Judged inside the reservation's own atomic step, with what that step read of the
+    registry: the active pointer, the versions that were ever active, the deployment's
+    recorded admission policy and the retired (rolled-back) versions. `was_active` None
+    means "no registry attached": only the stamp itself is judged. With a registry, the
+    stamp is a request, never the premise: it may be stricter than the recorded policy,
+    never looser; the lag is recomputed from the pointer of this moment and bounded by
+    the policy; a version rolled back (retired) is never reserved.
     """
     if stamp is None:
         return NOT_ADMITTED, "no admission stamp"
+    contradictions = stamp_contradictions(stamp)
+    if contradictions:
+        problems = [] if _malformed(stamp) else stamp_problems(stamp, behavior_version)
+        return STAMP_CONTRADICTS, "; ".join(contradictions + problems)
     problems = stamp_problems(stamp, behavior_version)
     if problems:
         return NOT_ADMITTED, "; ".join(problems)
-    if was_active is False:
+    if was_active is None:
+        return None
+    if policy is None:
+        return (
+            NO_POLICY,
+            "the deployment records no admission policy; set one with `rollout-lifecycle "
+            "deployment set-policy --max-lag N --max-drift X` (or set_admission_policy)",
+        )
+    if stamp.max_lag > policy.max_lag or stamp.max_drift > policy.max_drift:
+        return (
+            LOOSER_THAN_POLICY,
+            f"judged with max_lag {stamp.max_lag}, max_drift {stamp.max_drift}; the "
+            f"deployment's policy is max_lag {policy.max_lag}, max_drift {policy.max_drift}",
+        )
+    if behavior_version not in was_active:
         return VERSION_NOT_ACTIVE, f"v{behavior_version} never became the active version"
-    if was_active is not None and pointer_version is None:
+    if behavior_version in retired:
+        return VERSION_RETIRED, f"v{behavior_version} was rolled back; its rollouts are retired"
+    if stamp.current_version not in was_active:
+        return (
+            STAMP_CONTRADICTS,
+            f"admitted against v{stamp.current_version}, which never was the active version",
+        )
+    if pointer_version is None:
         return VERSION_NOT_ACTIVE, "no version is active"
-    if pointer_version is not None:
-        lag = pointer_version - behavior_version
-        if not 0 <= lag <= stamp.max_lag:
-            return (
-                POINTER_MOVED,
-                f"admitted against v{stamp.current_version}, the active version is now "
-                f"v{pointer_version}: lag {lag} outside [0, {stamp.max_lag}]; re-admit",
-            )
+    lag = pointer_version - behavior_version
+    if not 0 <= lag <= min(stamp.max_lag, policy.max_lag):
+        return (
+            POINTER_MOVED,
+            f"admitted against v{stamp.current_version}, the active version is now "
+            f"v{pointer_version}: lag {lag} outside [0, {min(stamp.max_lag, policy.max_lag)}]; "
+            "re-admit",
+        )
     return None

@@ -12,18 +12,24 @@ import os
 import sqlite3
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 
 from rollout_lifecycle.model.errors import LedgerError
 from rollout_lifecycle.model.events import (
-    ArtifactChanged,
-    EntryChanged,
+    GENESIS,
+    ChainHead,
+    StoredEvent,
+    StoredRows,
     TraceEvent,
-    WorkerReported,
+    chain_hash,
     event_from_jsonable,
-    event_to_jsonable,
+    event_subject,
+    stored_payload,
 )
+from rollout_lifecycle.model.sqlite_files import FileReplaced as FileReplaced
+from rollout_lifecycle.model.sqlite_files import connecting, guard_open, stamp_file_id
 
 BUSY_TIMEOUT_MS = 30_000  # well above the 5 s default: 8 threads and 4 processes contend
 
@@ -33,11 +39,48 @@ CREATE TABLE IF NOT EXISTS events (
     txn     INTEGER NOT NULL,
     kind    TEXT NOT NULL,
     subject TEXT NOT NULL,
-    payload TEXT NOT NULL
+    payload TEXT NOT NULL,
+    prev_hash BLOB,
+    hash      BLOB
 );
 CREATE INDEX IF NOT EXISTS events_subject ON events(kind, subject);
 CREATE INDEX IF NOT EXISTS events_txn ON events(txn);
 """
+
+# The hash chain's head (see model.events): one row, updated in every appending transaction.
+_CHAIN_DDL = """
+CREATE TABLE IF NOT EXISTS events_chain (
+    id         INTEGER PRIMARY KEY CHECK (id = 1),
+    base_seq   INTEGER NOT NULL,
+    base_count INTEGER NOT NULL,
+    last_seq   INTEGER NOT NULL,
+    last_hash  BLOB NOT NULL
+)
+"""
+# a file whose events predate the chain: they stay as an unchained prefix, counted here
+_CHAIN_START = (
+    "INSERT INTO events_chain(id, base_seq, base_count, last_seq, last_hash) "
+    "SELECT 1, COALESCE(MAX(seq), 0), COUNT(*), COALESCE(MAX(seq), 0), ? FROM events"
+)
+# the next txn, the last seq ever handed out (AUTOINCREMENT's own counter, so a seq is never
+# reused), and the chain's head hash: read under the caller's write lock
+_NEXT = (
+    "SELECT (SELECT COALESCE(MAX(txn), 0) + 1 FROM events), "
+    "MAX(COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0), "
+    "COALESCE((SELECT MAX(seq) FROM events), 0)), "
+    "(SELECT last_hash FROM events_chain WHERE id = 1)"
+)
+_APPEND = (
+    "INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+_HEAD = (
+    "INSERT INTO events_chain(id, base_seq, base_count, last_seq, last_hash) "
+    "VALUES (1, 0, 0, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+    "last_seq = excluded.last_seq, last_hash = excluded.last_hash"
+)
+# bookkeeping, not deployment state: the audit reads events and head on their own
+_NOT_STATE = ("events", "events_chain", "schema_meta")
 
 _META_DDL = """
 CREATE TABLE IF NOT EXISTS schema_meta (
@@ -47,48 +90,20 @@ CREATE TABLE IF NOT EXISTS schema_meta (
 """
 
 
-class FileReplaced(LedgerError):
-    """The database file was deleted or replaced while open: every use fails closed."""
-
-
-def file_identity(path: Path) -> tuple[int, int]:
-    """(device, inode) of the file now; identifies THIS file, not whatever the name holds."""
-    st = os.stat(path)
-    return st.st_dev, st.st_ino
-
-
-def check_identity(path: Path, identity: tuple[int, int], what: str) -> None:
-    """Refuse to go on when `path` no longer names the file that was opened.
-
-    SQLite keeps writing into an unlinked file, and a file restored under the same name
-    is a different database: two learners could then each consume one rollout, one in the
-    old file and one in the new. Both cases fail closed here.
-    """
-    try:
-        now = file_identity(path)
-    except FileNotFoundError:
-        raise FileReplaced(
-            f"{what} {path} was deleted while open; nothing was written. Reopen it (or restore "
-            "it and reopen) to go on"
-        ) from None
-    except OSError as exc:
-        raise FileReplaced(
-            f"{what} {path} cannot be checked ({exc}); nothing was written"
-        ) from None
-    if now != identity:
-        raise FileReplaced(
-            f"{what} {path} was replaced by another file while open; nothing was written. "
-            "Reopen it to use the new file"
-        )
-
-
 def connect_read_only(path: Path) -> sqlite3.Connection:
     """Open an existing database so that nothing can be written through the connection.
 
     `mode=ro` never creates tables or files of its own content; on read-only storage where
     SQLite cannot create the WAL index (-shm) either, the file is opened `immutable`, which
-    is exact because nothing can change it there.
+    is exact because nothing can change it there. Refused (FileReplaced) while the -wal
+    beside the file belongs to another one (see `guard_open`).
     """
+    guard_open(path)
+    with connecting():  # its locks are taken here (see sqlite_files.close_unlocked)
+        return _connect_read_only(path)
+
+
+def _connect_read_only(path: Path) -> sqlite3.Connection:
     uri = f"{path.resolve().as_uri()}?mode=ro"
     conn = sqlite3.connect(
         uri, uri=True, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
@@ -138,19 +153,22 @@ def connect(path: str | Path, *, read_only: bool = False) -> sqlite3.Connection:
         raise LedgerError(f"directory {p.parent} does not exist; create it first")
     if read_only:
         return connect_read_only(p)
-    conn = sqlite3.connect(
-        str(p), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
-    )
-    try:
-        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if str(p) != ":memory:" and str(mode).lower() != "wal":
-            raise LedgerError(f"could not switch {p} to WAL journal mode (got {mode!r})")
-        conn.execute("PRAGMA synchronous = FULL")
-        conn.execute("PRAGMA foreign_keys = ON")
-    except BaseException:
-        conn.close()  # a half-opened connection must not keep the file (or a mount) busy
-        raise
+    if str(p) != ":memory:":
+        guard_open(p)  # before SQLite reads a -wal that may be another file's
+    with connecting():  # its locks are taken here (see sqlite_files.close_unlocked)
+        conn = sqlite3.connect(
+            str(p), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+        )
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(p) != ":memory:" and str(mode).lower() != "wal":
+                raise LedgerError(f"could not switch {p} to WAL journal mode (got {mode!r})")
+            conn.execute("PRAGMA synchronous = FULL")
+            conn.execute("PRAGMA foreign_keys = ON")
+        except BaseException:
+            conn.close()  # a half-opened connection must not keep the file (or a mount) busy
+            raise
     return conn
 
 
@@ -166,13 +184,16 @@ def ensure_schema(
 
     `migrations[v]` is the SQL that takes the component from schema v to v + 1 (run after
     the DDL, whose CREATE ... IF NOT EXISTS already adds new tables); a file written by a
-    NEWER program is refused with a message that says to upgrade.
+    NEWER program is refused with a message that says to upgrade. A file without an id gets
+    its random one here (see `sqlite_files.stamp_file_id`).
     """
     conn.execute("BEGIN IMMEDIATE")
     try:
         for stmt in (_META_DDL + _EVENTS_DDL + ddl).split(";"):
             if stmt.strip():
                 conn.execute(stmt)
+        _ensure_chain(conn)
+        stamped = stamp_file_id(conn)
         row = conn.execute(
             "SELECT version FROM schema_meta WHERE component = ?", (component,)
         ).fetchone()
@@ -204,39 +225,51 @@ def ensure_schema(
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+    if stamped:
+        # put the new id into the file itself now, so that every later use can compare the
+        # header on disk with it (see sqlite_files.FileGuard); once per file
+        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
 
-def event_subject(ev: TraceEvent) -> str:
-    """The indexed subject of an event: rollout id, artifact version, worker id, or 'membership'."""
-    if isinstance(ev, EntryChanged):
-        return ev.rollout_id
-    if isinstance(ev, ArtifactChanged):
-        return str(ev.version)
-    if isinstance(ev, WorkerReported):
-        return ev.worker_id
-    return "membership"
+def _ensure_chain(conn: sqlite3.Connection) -> None:
+    """Give an events table written before the hash chain its two columns and a head.
+
+    Its events stay unchained (the audit reports them as an unchained prefix, and how many
+    there were); the chain starts with the next event appended.
+    """
+    cols = {str(r[1]) for r in conn.execute("PRAGMA table_info(events)")}
+    for col in ("prev_hash", "hash"):
+        if col not in cols:
+            conn.execute(f"ALTER TABLE events ADD COLUMN {col} BLOB")
+    conn.execute(_CHAIN_DDL)
+    # counted once, when the chain begins (not on every open: COUNT scans the table)
+    if conn.execute("SELECT 1 FROM events_chain WHERE id = 1").fetchone() is None:
+        conn.execute(_CHAIN_START, (GENESIS,))
 
 
 def append_events(conn: sqlite3.Connection, events: Sequence[TraceEvent]) -> list[TraceEvent]:
-    """Append one atomic step's events inside the caller's open transaction.
+    """Append one atomic step's events inside the caller's open transaction (BEGIN
+    IMMEDIATE), each chained by hash to its predecessor, and move the chain's head.
 
-    The txn number is max(txn) + 1, read under the caller's write lock, so it is unique.
+    txn, seq and the head are read under the caller's write lock, so they are unique and
+    the chain has no forks. A head that is missing restarts the chain from GENESIS: the
+    audit then names the break instead of every later write being refused.
     """
     if not events:
         return []
-    row = conn.execute("SELECT COALESCE(MAX(txn), 0) + 1 FROM events").fetchone()
-    txn = int(row[0])
+    row = conn.execute(_NEXT).fetchone()
+    txn, last = int(row[0]), int(row[1])
+    prev = row[2] if isinstance(row[2], bytes) else GENESIS
+    rows = []
     out: list[TraceEvent] = []
-    for ev in events:
-        subject = event_subject(ev)
-        payload = event_to_jsonable(ev)
-        payload.pop("seq", None)
-        payload["txn"] = txn
-        cur = conn.execute(
-            "INSERT INTO events(txn, kind, subject, payload) VALUES (?, ?, ?, ?)",
-            (txn, ev.kind, subject, json.dumps(payload, separators=(",", ":"))),
-        )
-        out.append(attrs.evolve(ev, seq=int(cur.lastrowid or 0), txn=txn))
+    for i, ev in enumerate(events, 1):
+        seq, subject, payload = last + i, event_subject(ev), stored_payload(ev, txn)
+        h = chain_hash(prev, seq, txn, ev.kind, subject, payload)
+        rows.append((seq, txn, ev.kind, subject, payload, prev, h))
+        out.append(attrs.evolve(ev, seq=seq, txn=txn))
+        prev = h
+    conn.executemany(_APPEND, rows)
+    conn.execute(_HEAD, (last + len(events), prev))
     return out
 
 
@@ -274,3 +307,42 @@ def read_events(
         data["seq"] = seq
         out.append(event_from_jsonable(data))
     return out
+
+
+def read_stored(conn: sqlite3.Connection) -> StoredRows:
+    """Every table of the file, the events with their chain columns, and the chain's head,
+    read inside the caller's read transaction (one WAL snapshot). Reads only: a file that
+    predates the chain reads as `chained=False`."""
+    names = [
+        str(r[0])
+        for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite%' "
+            "ORDER BY name"
+        )
+    ]
+    cols = {str(r[1]) for r in conn.execute("PRAGMA table_info(events)")}
+    chained = {"prev_hash", "hash"} <= cols and "events_chain" in names
+    events: list[StoredEvent] = []
+    if "events" in names:
+        links = "prev_hash, hash" if chained else "NULL, NULL"
+        events = [
+            StoredEvent(*r)
+            for r in conn.execute(
+                f"SELECT seq, txn, kind, subject, payload, {links} FROM events ORDER BY seq"
+            )
+        ]
+    head = None
+    if chained:
+        found = conn.execute(
+            "SELECT base_seq, base_count, last_seq, last_hash FROM events_chain WHERE id = 1"
+        ).fetchone()
+        head = None if found is None else ChainHead(*found)
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for name in names:
+        if name in _NOT_STATE:
+            continue
+        quoted = '"' + name.replace('"', '""') + '"'
+        cur = conn.execute(f"SELECT * FROM {quoted}")
+        columns = [str(d[0]) for d in cur.description]
+        tables[name] = [dict(zip(columns, r, strict=True)) for r in cur]
+    return StoredRows(events=events, head=head, tables=tables, chained=chained)

@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import attrs
 
+from rollout_lifecycle.model.clocks import sqlite_host_clock
 from rollout_lifecycle.model.errors import (
     DuplicateRollout,
     InvalidLedgerArgument,
@@ -37,7 +38,7 @@ from rollout_lifecycle.model.errors import (
     UnknownRollout,
     brief,
 )
-from rollout_lifecycle.model.events import Change, EntryChanged, entry_events
+from rollout_lifecycle.model.events import Change, EntryChanged, StoredRows, entry_events
 from rollout_lifecycle.model.ledger import (
     CONFLICT,
     IDEMPOTENT,
@@ -62,11 +63,13 @@ from rollout_lifecycle.model.ledger import (
     plan_release,
     plan_reserve,
     plan_transition,
+    renew_plan,
     replan_lost,
     statistics_from,
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.records import (
+    AdmissionPolicy,
     AdmissionStamp,
     Disposition,
     LedgerEntry,
@@ -75,17 +78,17 @@ from rollout_lifecycle.model.records import (
     from_jsonable,
     to_jsonable,
 )
-from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES
+from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES, retired_from_rows
 from rollout_lifecycle.model.sqlite_common import (
     FileReplaced,
     append_events,
-    check_identity,
     connect,
     ensure_schema,
-    file_identity,
     has_component,
     read_events,
+    read_stored,
 )
+from rollout_lifecycle.model.sqlite_files import FileGuard, hand_back, read_file_id
 
 COMPONENT = "ledger"
 SCHEMA_VERSION = 1
@@ -199,11 +202,17 @@ class SQLiteLedger:
         self,
         path: str | os.PathLike[str],
         *,
-        clock: Clock = time.time,
+        clock: Clock | None = None,
         lease_seconds: float = 600.0,
         recovery: RecoveryRule | None = None,
         read_only: bool = False,
     ) -> None:
+        """Open (creating on first use) the ledger in `path`.
+
+        `clock` is for tests and simulations only: by default lease deadlines and expiry
+        use the host's clock as the ledger records it (model.clocks.HostClock), never
+        this process's wall clock.
+        """
         lease_seconds = check_lease_seconds(lease_seconds)
         self.read_only = read_only
         if str(path) == ":memory:":
@@ -212,7 +221,7 @@ class SQLiteLedger:
         self.path = Path(path)
         if self.path.is_dir():
             raise LedgerError(f"{self.path} is a directory; give a database file path inside it")
-        self.clock = clock
+        self.clock: Clock = clock if clock is not None else time.time
         self.lease_seconds = float(lease_seconds)
         self.recovery = recovery or RecoveryRule()
         self._registry_seen = False
@@ -222,13 +231,22 @@ class SQLiteLedger:
         self._inherited: list[_Handle] = []
         self._handles_lock = threading.Lock()
         self._closed = False
-        self._identity: tuple[int, int] | None = None
+        # fails every use closed once the path stops naming this file (sqlite_files)
+        self._guard: FileGuard | None = None
         try:
             if read_only:
                 self._check_readable(self._conn())
             else:
                 ensure_schema(self._conn(), COMPONENT, SCHEMA_VERSION, _DDL)
-            self._identity = file_identity(self.path)
+            if clock is None:
+                self.clock = sqlite_host_clock(self._conn(), read_only=read_only)
+            self._guard = FileGuard(
+                self.path,
+                "ledger",
+                read_file_id(self._conn()),
+                self._lost,
+                writer=not read_only,
+            )
         except sqlite3.Error as exc:
             self.close()
             raise LedgerError(
@@ -243,6 +261,8 @@ class SQLiteLedger:
 
     def _conn(self) -> sqlite3.Connection:
         """This thread's connection; a forked child opens its own (SQLite forbids sharing)."""
+        if self._guard is not None and self._guard.lost is not None:
+            raise FileReplaced(self._guard.lost)
         if self._closed:
             raise LedgerError(f"ledger {self.path} is closed; open a new SQLiteLedger")
         handle: _Handle | None = getattr(self._local, "handle", None)
@@ -251,6 +271,8 @@ class SQLiteLedger:
                 return handle.conn
             # a connection inherited through fork must never be used or closed here
             self._inherited.append(handle)
+        if self._guard is not None:
+            self._guard.check()  # a new connection must never open a file that replaced ours
         try:
             conn = connect(self.path, read_only=self.read_only)
             # connect() may succeed on a non-database file; the first read tells
@@ -267,6 +289,8 @@ class SQLiteLedger:
             handle = _Handle(conn)
             self._handles.add(handle)
         self._local.handle = handle
+        if self._guard is not None:
+            self._guard.opened()  # the -wal may be a new one: mark it as this file's
         return conn
 
     @contextlib.contextmanager
@@ -304,25 +328,37 @@ class SQLiteLedger:
                 f"{SCHEMA_VERSION}: the file was written by a newer rollout-lifecycle; upgrade"
             )
 
+    def _lost(self, give_back: bool) -> bool:
+        """The file is gone (see sqlite_files.lose_file): if asked, fold its -wal back into
+        it through this thread's connection or an idle one, then close; True if folded."""
+        folded = False
+        if give_back:
+            mine: _Handle | None = getattr(self._local, "handle", None)
+            with self._handles_lock:
+                idle = [h for h in self._handles if h is not mine and h.pid == os.getpid()]
+            if mine is not None and mine.pid == os.getpid():
+                folded = hand_back(mine.conn, own=True)
+            for h in idle:
+                folded = folded or hand_back(h.conn, own=False)
+        self.close()
+        return folded
+
     def _check_file(self) -> None:
-        """Fail closed when the file was deleted or replaced under this open ledger."""
-        if self._identity is not None:
-            try:
-                check_identity(self.path, self._identity, "ledger")
-            except FileReplaced:
-                self.close()
-                raise
+        """Fail closed when the file was deleted, replaced or overwritten under this open
+        ledger; the first finding closes it (and this process's registries on the file)."""
+        if self._guard is not None:
+            self._guard.check()
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
         """A read transaction: every SELECT inside sees one consistent snapshot (WAL)."""
+        self._check_file()  # before: a finding closes the connection a snapshot would use
         conn = self._conn()
         try:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             conn.execute("BEGIN")
             try:
-                self._check_file()
                 yield conn
             finally:
                 conn.execute("COMMIT")
@@ -347,6 +383,7 @@ class SQLiteLedger:
         if any(k not in PROCESS_LOCAL_COUNTERS for k, v in counts.items() if v):
             if self.read_only:
                 raise LedgerError(f"ledger {self.path} was opened read-only; nothing written")
+            self._check_file()
             try:
                 self._bump(self._conn(), counts)
             except sqlite3.Error as exc:
@@ -426,11 +463,16 @@ class SQLiteLedger:
             self._registry_seen = True  # a registry, once created, never goes away
         pointer = conn.execute("SELECT version FROM registry_pointer WHERE id = 1").fetchone()
         was = conn.execute(
-            f"SELECT version FROM registry_artifacts WHERE state IN ({_WAS_ACTIVE_MARKS})",
+            f"SELECT version, state, failure FROM registry_artifacts "
+            f"WHERE state IN ({_WAS_ACTIVE_MARKS})",
             _WAS_ACTIVE,
         ).fetchall()
+        pol = conn.execute("SELECT max_lag, max_drift FROM registry_policy WHERE id = 1").fetchone()
         return ActivationPremise(
-            None if pointer is None else int(pointer[0]), frozenset(int(r[0]) for r in was)
+            None if pointer is None else int(pointer[0]),
+            frozenset(int(r[0]) for r in was),
+            None if pol is None else AdmissionPolicy(int(pol[0]), float(pol[1])),
+            retired_from_rows((r[0], r[2]) for r in was if r[1] == "rolled_back"),
         )
 
     def _events(self, conn: sqlite3.Connection, changes: Sequence[Change]) -> None:
@@ -664,6 +706,18 @@ class SQLiteLedger:
             self._bump(conn, {"expirations": len(new)})
         return new
 
+    def renew_leases(self, update_id: str) -> list[LedgerEntry]:
+        """Heartbeat of a long update: every rollout it holds gets a full lease from now
+        (the ledger's clock), in one transaction."""
+        check_update_id(update_id)
+        with self._write() as conn:
+            owned = self._owned(conn, update_id)
+            new = renew_plan(owned, self.clock(), self.lease_seconds)
+            self._apply(
+                conn, [("renew_lease", b, a, update_id) for b, a in zip(owned, new, strict=True)]
+            )
+        return new
+
     def quarantine_version(self, version: int, reason: str) -> list[LedgerEntry]:
         """Mark a version bad: quarantine its open rollouts now, reserved ones on return."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
@@ -721,6 +775,12 @@ class SQLiteLedger:
             evs = read_events(conn, "entry", rollout_id)
         return [e for e in evs if isinstance(e, EntryChanged)]
 
+    def stored_rows(self) -> StoredRows:
+        """Every table of the file (ledger and registry), the events with their hash chain
+        and its head, from one WAL snapshot: what `ledger check` audits."""
+        with self._read() as conn:
+            return read_stored(conn)
+
     def statistics(self) -> LedgerStatistics:
         """Counts by state and counters of writes, wins, losses and returns, from one snapshot."""
         with self._read() as conn:
@@ -744,6 +804,8 @@ class SQLiteLedger:
             self._handles = weakref.WeakSet()
         for h in handles:
             h.close()
+        if self._guard is not None:
+            self._guard.release()  # after the connections: see sqlite_files._OpenFile
 
     def __enter__(self) -> SQLiteLedger:
         return self

@@ -28,7 +28,9 @@ from rollout_lifecycle.model.events import ArtifactChanged, EventLog
 from rollout_lifecycle.model.records import (
     ActionEvidence,
     ActivePointer,
+    AdmissionPolicy,
     ArtifactRecord,
+    AttemptToken,
     BehaviorPolicy,
     Disposition,
     GenerationConditions,
@@ -63,6 +65,17 @@ def artifact_hash(version: int) -> str:
     return f"sha-v{version}"
 
 
+def attempt_token(version: int, attempt: int, worker_id: str) -> str:
+    """The explorer's token source: a function of (version, attempt, worker), so equal
+    histories give equal states (production tokens are random)."""
+    return f"{worker_id}:v{version}a{attempt}"
+
+
+def _token_attempt(token: str | None) -> str | None:
+    """A token without its worker's name (the attempt it answers), for worker symmetry."""
+    return None if token is None else token.split(":", 1)[1]
+
+
 @attrs.frozen
 class Worker:
     """Ghost truth for one worker: its incarnation, what it really loaded, its ack counter."""
@@ -83,6 +96,7 @@ class ActState:
     workers: tuple[Worker, ...]
     network: tuple[WorkerAck, ...] = ()
     entries: tuple[LedgerEntry, ...] = ()
+    tokens: tuple[AttemptToken, ...] = ()  # the registry's attempt tokens
     bad_versions: frozenset[int] = frozenset()
     next_version: int = 1
     faults: tuple[int, int, int] = (0, 0, 0)  # crashes, corrupt loads, duplicates used
@@ -136,6 +150,7 @@ class ActivationModel:
         self.max_in_flight = max_in_flight
         self.max_rollouts = max_rollouts
         self.max_lag = max_lag
+        self.policy = AdmissionPolicy(max_lag, 0.2)  # the deployment's, as recorded
         self.max_attempts = max_attempts
         self.observed: Counter[str] = Counter()
         self.edges: Counter[tuple[str, str]] = Counter()
@@ -145,12 +160,20 @@ class ActivationModel:
     def _objects(self, s: ActState) -> tuple[Any, Any, Any, EventLog]:
         log = EventLog()
         reg = registry_mod.MemoryRegistry.restore(
-            s.artifacts, s.pointer, s.reports, log, membership=self.worker_ids
+            s.artifacts,
+            s.pointer,
+            s.reports,
+            log,
+            membership=self.worker_ids,
+            policy=self.policy,
+            tokens=s.tokens,
         )
         led = ledger_mod.MemoryLedger.restore(
             s.entries, s.bad_versions, event_log=log, clock=lambda: 0.0, activation=reg
         )
-        co = coord_mod.ActivationCoordinator(reg, ledger=led, clock=lambda: 0.0)
+        co = coord_mod.ActivationCoordinator(
+            reg, ledger=led, clock=lambda: 0.0, new_token=attempt_token
+        )
         return co, reg, led, log
 
     def init_states(self) -> Iterable[ActState]:
@@ -158,13 +181,21 @@ class ActivationModel:
         log = EventLog()
         reg = registry_mod.MemoryRegistry(log)
         led = ledger_mod.MemoryLedger(event_log=log, clock=lambda: 0.0, activation=reg)
-        co = coord_mod.ActivationCoordinator(reg, self.worker_ids, ledger=led, clock=lambda: 0.0)
+        co = coord_mod.ActivationCoordinator(
+            reg,
+            self.worker_ids,
+            ledger=led,
+            clock=lambda: 0.0,
+            policy=self.policy,
+            new_token=attempt_token,
+        )
         co.prepare(0)
         co.commit_artifact(0, artifact_hash(0))
         co.distribute(0)
         workers = []
         for w in self.worker_ids:
-            co.record_ack(WorkerAck(w, 0, artifact_hash(0), 0, 1, 1))
+            token = co.attempt_token(w, 0)
+            co.record_ack(WorkerAck(w, 0, artifact_hash(0), 0, 1, 1, token))
             workers.append(Worker(w, 0, (0, artifact_hash(0)), 1))
         res = co.try_activate(0)
         assert res.activated, res
@@ -173,6 +204,7 @@ class ActivationModel:
             pointer=reg.pointer(),
             reports=tuple(sorted(reg.workers().values(), key=lambda r: r.worker_id)),
             workers=tuple(workers),
+            tokens=tuple(reg.attempt_tokens()),
         )
 
     def actions(self, s: ActState) -> Iterable[Act]:
@@ -262,9 +294,15 @@ class ActivationModel:
                 h = artifact_hash(v) if act.kind == "load" else CORRUPT
                 if act.kind == "load_corrupt":
                     corrupt += 1
+                # the worker answers the attempt it was sent: it echoes that attempt's token
                 attempt = next(a.attempts for a in s.artifacts if a.version == v)
+                token = next(
+                    t.token for t in s.tokens if (t.version, t.worker_id) == (v, w.worker_id)
+                )
                 workers[k] = attrs.evolve(w, loaded=(v, h), seq=w.seq + 1)
-                network.append(WorkerAck(w.worker_id, v, h, w.incarnation, w.seq + 1, attempt))
+                network.append(
+                    WorkerAck(w.worker_id, v, h, w.incarnation, w.seq + 1, attempt, token)
+                )
             elif act.kind == "deliver":
                 ack = network.pop(act.index)
                 current = next((a for a in s.artifacts if a.version == ack.version), None)
@@ -334,6 +372,7 @@ class ActivationModel:
             reports=tuple(sorted(reg.workers().values(), key=lambda r: r.worker_id)),
             workers=tuple(workers),
             network=tuple(sorted(network, key=_ack_key)),
+            tokens=tuple(reg.attempt_tokens()),
             entries=tuple(sorted(led.snapshot().values(), key=lambda e: e.rollout_id)),
             bad_versions=led.bad_versions,
             next_version=next_version,
@@ -374,7 +413,11 @@ class ActivationModel:
             out = led.reserve(rid, e.revision, "learner", d.stamp())
             if out.reserved:
                 led.commit("learner", [rid])
-            elif out.reason == ledger_mod.NOT_ADMITTED:
+            elif out.reason in (
+                ledger_mod.NOT_ADMITTED,
+                ledger_mod.STAMP_CONTRADICTS,
+                ledger_mod.LOOSER_THAN_POLICY,
+            ):
                 return [f"gate_contradicts_spec: {rid} admitted, yet {out.detail}"]
         return []
 
@@ -388,13 +431,17 @@ class ActivationModel:
             pointer=s.pointer,
             required_workers=self.worker_ids,
             workers={r.worker_id: r for r in s.reports},
+            policy=self.policy,
+            tokens={(t.version, t.worker_id): t for t in s.tokens},
         )
 
     def canonical(self, s: ActState) -> Any:
         """Workers are interchangeable: a state is the same up to renaming them (symmetry).
 
         Each worker's signature holds everything that mentions it (truth, stored report,
-        acks in flight) minus its name; sorting signatures gives one form per orbit.
+        acks in flight) minus its name; sorting signatures gives one form per orbit. The
+        stored tokens are left out: with a fixed worker set and `attempt_token` they follow
+        from the artifacts' attempt counts, and tokens in acks keep only their attempt.
         """
         reports = {r.worker_id: r for r in s.reports}
         sigs = []
@@ -461,9 +508,21 @@ class ActivationModel:
         return [*s.step_violations, *(str(v) for v in check_at_rest(self.world(s)))]
 
 
-def _strip(a: WorkerAck | None) -> tuple[int, str, int, int | None, int | None] | None:
-    return None if a is None else (a.version, a.artifact_hash, a.incarnation, a.seq, a.attempt)
+def _strip(
+    a: WorkerAck | None,
+) -> tuple[int, str, int, int | None, int | None, str | None] | None:
+    if a is None:
+        return None
+    return (a.version, a.artifact_hash, a.incarnation, a.seq, a.attempt, _token_attempt(a.token))
 
 
-def _ack_key(a: WorkerAck) -> tuple[str, int, str, int, int | None, int | None]:
-    return (a.worker_id, a.version, a.artifact_hash, a.incarnation, a.seq, a.attempt)
+def _ack_key(a: WorkerAck) -> tuple[str, int, str, int, int | None, int | None, str]:
+    return (
+        a.worker_id,
+        a.version,
+        a.artifact_hash,
+        a.incarnation,
+        a.seq,
+        a.attempt,
+        a.token or "",
+    )

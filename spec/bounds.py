@@ -23,8 +23,11 @@ EXPLORER_MODELS: dict[str, tuple[ModelFactory, str]] = {
         "3 rollouts, 2 racing learners (read / compare-and-set split), crashes, lease expiry",
     ),
     "lifecycle": (
-        lambda: LedgerRaceModel(n_rollouts=2, n_learners=2, start="dispatched", max_updates=1),
-        "2 rollouts from dispatch, 2 learners, every failure path: all lifecycle edges",
+        lambda: LedgerRaceModel(
+            n_rollouts=2, n_learners=2, start="dispatched", max_updates=1, allow_renew=True
+        ),
+        "2 rollouts from dispatch, 2 learners, every failure path, a heartbeat: all "
+        "lifecycle edges",
     ),
     "activation": (
         lambda: ActivationModel(n_workers=3, n_versions=1, max_in_flight=2),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import ChainMap, Counter
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Literal, TypeVar, cast
 
 import attrs
@@ -32,12 +33,19 @@ from rollout_lifecycle.model.events import (
     ArtifactChanged,
     EntryChanged,
     MembershipChanged,
+    PolicyChanged,
     TraceEvent,
     WorkerReported,
 )
 from rollout_lifecycle.model.ledger import Ledger
 from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
-from rollout_lifecycle.model.records import ActivePointer, ArtifactRecord, LedgerEntry
+from rollout_lifecycle.model.records import (
+    ActivePointer,
+    AdmissionPolicy,
+    ArtifactRecord,
+    AttemptToken,
+    LedgerEntry,
+)
 from rollout_lifecycle.model.registry import RegistryStore, WorkerReport
 
 Kind = Literal["always", "step", "rest", "eventually"]
@@ -49,6 +57,59 @@ UNRESOLVED_ACTIVATION = rules.UNRESOLVED_STATES
 FAILED_ACTIVATION = rules.FAILED_ACTIVATION_STATES
 OPEN_STATES = rules.OPEN_STATES
 ENTRY_START_STATES = rules.START_STATES
+# the activation events that open a distribution attempt (and issue its tokens)
+ATTEMPT_EVENTS = ("distribute", "retry")
+
+TokenKey = tuple[int, str]  # (version, worker id)
+
+
+def next_tokens(
+    tokens: Mapping[TokenKey, AttemptToken], ev: TraceEvent, required: tuple[str, ...] | None
+) -> Mapping[TokenKey, AttemptToken]:
+    """The attempt tokens current after `ev` (`tokens` itself if `ev` leaves them alone), by
+    the spec's own rule: a distribution attempt replaces every token of its version with the
+    ones it issued; a membership change withdraws the leavers' tokens, adds the joiners'."""
+    if isinstance(ev, ArtifactChanged) and ev.event in ATTEMPT_EVENTS:
+        out = {k: t for k, t in tokens.items() if k[0] != ev.version}
+    elif isinstance(ev, MembershipChanged):
+        gone = set(required or ()) - set(ev.after)
+        out = {k: t for k, t in tokens.items() if k[1] not in gone}
+    else:
+        return tokens
+    out.update(((t.version, t.worker_id), t) for t in ev.tokens or ())
+    return out
+
+
+def next_legacy(legacy: frozenset[int], ev: TraceEvent) -> frozenset[int]:
+    """Versions whose current attempt was recorded before attempt tokens existed (its event
+    carries no token field): such an attempt is judged by its attempt number, as it was."""
+    if isinstance(ev, ArtifactChanged) and ev.event in ATTEMPT_EVENTS:
+        return legacy | {ev.version} if ev.tokens is None else legacy - {ev.version}
+    return legacy
+
+
+def next_voided(
+    voided: frozenset[str],
+    ev: TraceEvent,
+    required: tuple[str, ...] | None,
+    workers: Mapping[str, WorkerReport],
+) -> frozenset[str]:
+    """Workers whose stored report predates a membership change that removed them: a change
+    voids the leavers' acks; only a new report of the worker (a different ack) ends it."""
+    if isinstance(ev, MembershipChanged):
+        if ev.tokens is None:  # recorded before leaving voided anything
+            return voided
+        return voided | (set(required or ()) - set(ev.after))
+    if isinstance(ev, WorkerReported) and ev.worker_id in voided:
+        prev = workers.get(ev.worker_id)
+        if ev.ack is not None and (prev is None or prev.ack != ev.ack):
+            return voided - {ev.worker_id}
+    return voided
+
+
+def _live_voided(voided: frozenset[str], workers: Mapping[str, WorkerReport]) -> frozenset[str]:
+    """The voided workers that still have a stored ack (the rest have nothing to void)."""
+    return frozenset(w for w in voided if (r := workers.get(w)) is not None and r.ack is not None)
 
 
 @attrs.frozen
@@ -65,6 +126,19 @@ class World:
     # the durable required worker set and each worker's stored report, as replayed
     required_workers: tuple[str, ...] | None = None
     workers: Mapping[str, WorkerReport] = attrs.field(factory=dict)
+    # the deployment's recorded admission policy, as replayed (None: none recorded)
+    policy: AdmissionPolicy | None = None
+    # the token of each (version, worker) of its latest attempt (or of the worker's joining)
+    tokens: Mapping[TokenKey, AttemptToken] = attrs.field(factory=dict)
+    # workers whose stored ack predates a membership change that removed them (see
+    # next_voided); between steps only those whose ack is still stored are listed
+    voided: frozenset[str] = frozenset()
+    # versions whose current attempt predates attempt tokens (see next_legacy)
+    legacy: frozenset[int] = frozenset()
+    # updates with a landed commit (a commit event that consumed a rollout), as replayed;
+    # a replayer's views share its live set, so this is only read, never kept
+    # (derived from the history, not a stored row: worlds compare equal without it)
+    landed: AbstractSet[str] = attrs.field(default=frozenset(), eq=False)
 
     def apply(self, events: Iterable[TraceEvent]) -> World:
         """The world after `events` (replay: each event carries the record after it)."""
@@ -73,17 +147,28 @@ class World:
         pointer = self.pointer
         required = self.required_workers
         workers = dict(self.workers)
+        policy = self.policy
+        tokens: Mapping[TokenKey, AttemptToken] = self.tokens
+        voided, legacy = self.voided, self.legacy
+        landed = set(self.landed)
         for ev in events:
             if isinstance(ev, EntryChanged):
                 entries[ev.rollout_id] = ev.after
+                if ev.event == "commit" and ev.update_id is not None:
+                    landed.add(ev.update_id)
                 continue
             if artifacts is None:
                 artifacts = {}
+            tokens = next_tokens(tokens, ev, required)
+            voided = next_voided(voided, ev, required, workers)
+            legacy = next_legacy(legacy, ev)
             if isinstance(ev, ArtifactChanged):
                 artifacts[ev.version] = ev.after
                 pointer = ev.pointer_after
             elif isinstance(ev, MembershipChanged):
                 required = ev.after
+            elif isinstance(ev, PolicyChanged):
+                policy = ev.after
             else:
                 workers[ev.worker_id] = WorkerReport(ev.worker_id, ev.floor, ev.ack)
         return World(
@@ -92,6 +177,11 @@ class World:
             pointer=pointer,
             required_workers=required,
             workers=workers,
+            policy=policy,
+            tokens=dict(tokens),
+            voided=_live_voided(voided, workers),
+            legacy=legacy,
+            landed=frozenset(landed),
         )
 
     @property
@@ -280,6 +370,16 @@ def _revision_bumps_by_one(_b: World, events: Sequence[TraceEvent], _a: World) -
 def _exactly_once(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
     out = []
     for ev in events:
+        if (
+            isinstance(ev, EntryChanged)
+            and ev.before is not None
+            and ev.before.state == ev.after.state == "reserved"
+            and ev.before.reserved_by != ev.after.reserved_by
+        ):
+            out.append(
+                f"{ev.rollout_id}: reservation passed from {ev.before.reserved_by!r} to "
+                f"{ev.after.reserved_by!r} on {ev.event!r} without being returned"
+            )
         if not isinstance(ev, EntryChanged) or ev.after.state != "consumed" or ev.before is None:
             continue
         if ev.before.state == "consumed":
@@ -292,37 +392,121 @@ def _exactly_once(before: World, events: Sequence[TraceEvent], _after: World) ->
     return out
 
 
+# the cause a rollback records on the rolled-back artifact when the operator keeps its
+# rollouts (a recorded fact; the judgement below is not shared with the write path)
+_ROLLBACK_KEPT = rules.ROLLBACK_KEPT
+
+
+def _retired(art: ArtifactRecord | None) -> bool:
+    """A rolled-back version's rollouts are retired unless the rollback recorded 'kept'."""
+    return (
+        art is not None
+        and art.state == "rolled_back"
+        and (art.failure is None or art.failure.cause != _ROLLBACK_KEPT)
+    )
+
+
 def _reserved_against_current_version(
     before: World, events: Sequence[TraceEvent], _after: World
 ) -> list[str]:
-    """The reservation premise (model.rules.reservation_refusal), judged at the replayed step.
+    """A reservation, judged on the deployment's replayed state at its own step.
 
-    The pointer and the activation history are the replayed ones at the reservation's own
-    step, read from the trace, not from what the writer claimed.
+    Stated on its own (no call into the enforcing rules): the recorded admission policy of
+    that moment bounds the stamp (never looser) and the lag from the pointer of that
+    moment; the rollout's version and the version it was admitted against were active at
+    some time, and the rollout's version was not retired by a rollback.
     """
     if before.artifacts is None:
         return []
     out = []
-    pointer = before.pointer
+    pointer, policy = before.pointer, before.policy
     arts: ChainMap[int, ArtifactRecord] = _overlay(before.artifacts)
     for ev in events:
         if isinstance(ev, ArtifactChanged):
             pointer = ev.pointer_after
             arts[ev.version] = ev.after
             continue
+        if isinstance(ev, PolicyChanged):
+            policy = ev.after
+            continue
         if not isinstance(ev, EntryChanged) or ev.event != "reserve":
             continue
         if ev.after.state != "reserved":
             continue
-        v = ev.after.behavior_version
-        art = arts.get(v)
-        was_active = art is not None and art.state in EVER_ACTIVE_STATES
-        refusal = rules.reservation_refusal(
-            ev.after.admission, v, None if pointer is None else pointer.version, was_active
-        )
-        if refusal is not None and refusal[0] != rules.NOT_ADMITTED:
-            # a bad stamp itself is admitted_when_reserved's finding; this one is the moment
-            out.append(f"{ev.rollout_id}: reserved although {refusal[1]}")
+        rid, v, stamp = ev.rollout_id, ev.after.behavior_version, ev.after.admission
+
+        def ever(version: int) -> bool:
+            art = arts.get(version)
+            return art is not None and art.state in EVER_ACTIVE_STATES
+
+        if policy is None:
+            out.append(f"{rid}: reserved while the deployment recorded no admission policy")
+            continue
+        if stamp is None:
+            continue  # admitted_when_reserved names a missing stamp
+        if stamp.max_lag > policy.max_lag or stamp.max_drift > policy.max_drift:
+            out.append(
+                f"{rid}: reserved on a stamp judged with max_lag {stamp.max_lag} / max_drift "
+                f"{stamp.max_drift}, looser than the recorded policy {policy.max_lag} / "
+                f"{policy.max_drift}"
+            )
+        if stamp.drift is None or not 0 <= stamp.drift <= policy.max_drift:
+            out.append(f"{rid}: reserved with drift {stamp.drift} over {policy.max_drift}")
+        if not ever(v):
+            out.append(f"{rid}: reserved although v{v} never became the active version")
+        elif _retired(arts.get(v)):
+            out.append(f"{rid}: reserved although v{v} was rolled back (retired)")
+        if not ever(stamp.current_version):
+            out.append(
+                f"{rid}: admitted against v{stamp.current_version}, never the active version"
+            )
+        if pointer is None:
+            out.append(f"{rid}: reserved while no version was active")
+        elif not 0 <= pointer.version - v <= min(policy.max_lag, stamp.max_lag):
+            out.append(
+                f"{rid}: reserved at lag {pointer.version - v} from the active v"
+                f"{pointer.version}, outside [0, {min(policy.max_lag, stamp.max_lag)}]"
+            )
+    return out
+
+
+def _lineage_fenced(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
+    """A version names its lineage once, and it is registered, committed and activated
+    only while every update of its lineage has a landed commit in the replayed history
+    (so every rollout that reached it was consumed, exactly once, by an update it names)."""
+    out = []
+    arts: ChainMap[int, ArtifactRecord] = _overlay(before.artifacts or {})
+    for ev in events:
+        if not isinstance(ev, ArtifactChanged):
+            continue
+        lineage = ev.after.trained_by
+        prior = arts.get(ev.version)
+        arts[ev.version] = ev.after
+        if prior is not None and prior.trained_by != lineage:
+            out.append(f"artifact v{ev.version}: lineage changed on {ev.event!r}")
+        if ev.event in ("register", "commit_artifact", "activate"):
+            missing = sorted(u for u in lineage if u not in before.landed)
+            if missing:
+                out.append(
+                    f"artifact v{ev.version}: {ev.event} although update(s) {missing} of its "
+                    "lineage have no landed commit"
+                )
+    return out
+
+
+def _policy_explicit(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
+    out = []
+    for ev in events:
+        if not isinstance(ev, PolicyChanged):
+            continue
+        if ev.before != before.policy:
+            out.append(
+                f"policy change from {ev.before} does not start from the recorded {before.policy}"
+            )
+        if not ev.reason:
+            out.append("admission policy changed without a recorded reason")
+        if len(events) > 1:
+            out.append("a policy change shares its atomic step with other writes")
     return out
 
 
@@ -330,12 +514,18 @@ def _activation_needs_all_acks(
     before: World, events: Sequence[TraceEvent], _after: World
 ) -> list[str]:
     """Judged on replayed, durable state: the required set recorded by explicit membership
-    changes and the acks the registry really stored, never on what the activator claims."""
+    changes, the acks the registry really stored and the tokens the attempts issued (as
+    replayed by the spec's own rule), never on what the activator claims it used."""
     out = []
     required = before.required_workers
     reports: ChainMap[str, WorkerReport] = _overlay(before.workers)
     arts: ChainMap[int, ArtifactRecord] = _overlay(before.artifacts or {})
+    tokens: Mapping[TokenKey, AttemptToken] = before.tokens
+    voided, legacy = before.voided, before.legacy
     for ev in events:
+        tokens = next_tokens(tokens, ev, required)
+        voided = next_voided(voided, ev, required, reports)
+        legacy = next_legacy(legacy, ev)
         if isinstance(ev, MembershipChanged):
             required = ev.after
             continue
@@ -359,6 +549,7 @@ def _activation_needs_all_acks(
         for w in required:
             r = reports.get(w)
             a = None if r is None else r.ack
+            t = tokens.get((ev.version, w))
             if a is None:
                 out.append(f"artifact v{ev.version}: activated without an ack from {w!r}")
             elif a.version != ev.version or a.artifact_hash != art.artifact_hash:
@@ -366,10 +557,21 @@ def _activation_needs_all_acks(
                     f"artifact v{ev.version}: activated on {w!r}'s ack of v{a.version} "
                     f"hash {a.artifact_hash[:12]}"
                 )
-            elif a.attempt != attempt:
+            elif ev.version in legacy:
+                if a.attempt != attempt:  # recorded before tokens: the attempt number rule
+                    out.append(
+                        f"artifact v{ev.version}: activated on {w!r}'s ack of attempt "
+                        f"{a.attempt}, not the current attempt {attempt}"
+                    )
+            elif t is None or t.attempt != attempt or a.token != t.token:
                 out.append(
-                    f"artifact v{ev.version}: activated on {w!r}'s ack of attempt {a.attempt}, "
-                    f"not the current attempt {attempt}"
+                    f"artifact v{ev.version}: activated on {w!r}'s ack echoing token "
+                    f"{a.token!r}, not the token of the current attempt {attempt}"
+                )
+            elif w in voided:
+                out.append(
+                    f"artifact v{ev.version}: activated on {w!r}'s ack stored before a "
+                    "membership change removed it (leaving voids a worker's acks)"
                 )
         p = ev.pointer_after
         if p is None or p.version != ev.version or p.artifact_hash != art.artifact_hash:
@@ -391,8 +593,111 @@ def _membership_explicit(before: World, events: Sequence[TraceEvent], _after: Wo
             )
         if not ev.reason:
             out.append("membership changed without a recorded reason")
-        if len(events) > 1:
+        leavers = set(before.required_workers or ()) - set(ev.after)
+        # the one companion it may have: voiding a leaver's ack (see acks_bound_to_attempt)
+        others = [
+            e
+            for e in events
+            if e is not ev
+            and not (isinstance(e, WorkerReported) and e.worker_id in leavers and e.ack is None)
+        ]
+        if others:
             out.append("a membership change shares its atomic step with other writes")
+    return out
+
+
+def _acks_bound_to_attempt(before: World, events: Sequence[TraceEvent], after: World) -> list[str]:
+    """Tokens come from attempts and joins only; leaving voids; a stored token is current.
+
+    Every distribution attempt issues one fresh token per required worker, for its own
+    attempt number; a membership change issues tokens only to joiners, for the version
+    awaiting acks, and leaves no leaver's ack standing; an ack is stored with a token only
+    if it echoes the current token of its worker and version, awaiting acks.
+    """
+    out: list[str] = []
+    required = before.required_workers
+    tokens = before.tokens
+    reports: ChainMap[str, WorkerReport] = _overlay(before.workers)
+    arts: ChainMap[int, ArtifactRecord] = _overlay(before.artifacts or {})
+    for ev in events:
+        if isinstance(ev, ArtifactChanged):
+            arts[ev.version] = ev.after
+            if ev.event in ATTEMPT_EVENTS and ev.tokens is not None:
+                out.extend(_attempt_issue_problems(ev, required, tokens))
+            elif ev.tokens:
+                out.append(f"artifact v{ev.version}: {ev.event!r} issues attempt tokens")
+        elif isinstance(ev, MembershipChanged) and ev.tokens is not None:
+            joiners = set(ev.after) - set(required or ())
+            awaiting = {v: a for v, a in arts.items() if a.state == "awaiting_acks"}
+            got = {(t.version, t.worker_id) for t in ev.tokens}
+            for t in ev.tokens:
+                rec = awaiting.get(t.version)
+                if t.worker_id not in joiners or rec is None or t.attempt != rec.attempts:
+                    out.append(
+                        f"membership change issues {t.worker_id!r} a token for v{t.version} "
+                        f"attempt {t.attempt}: only joiners get one, for the version awaiting acks"
+                    )
+            for v in awaiting:
+                for w in sorted(joiners):
+                    if (v, w) not in got:
+                        out.append(f"{w!r} joins while v{v} awaits acks without a token")
+            for w in sorted(set(required or ()) - set(ev.after)):
+                r = after.workers.get(w)
+                if r is not None and r.ack is not None:
+                    out.append(f"{w!r} left the worker set but its ack still stands")
+        elif isinstance(ev, WorkerReported):
+            ack = ev.ack
+            prev = reports.get(ev.worker_id)
+            reports[ev.worker_id] = WorkerReport(ev.worker_id, ev.floor, ack)
+            if ack is None or ack.token is None or (prev is not None and prev.ack == ack):
+                continue
+            art = arts.get(ack.version)
+            cur = tokens.get((ack.version, ev.worker_id))
+            if (
+                ev.worker_id not in (required or ())
+                or art is None
+                or art.state != "awaiting_acks"
+                or cur is None
+                or cur.attempt != art.attempts
+                or cur.token != ack.token
+            ):
+                out.append(
+                    f"{ev.worker_id!r}'s ack of v{ack.version} stored with token {ack.token!r}, "
+                    "which is not its current attempt token"
+                )
+        tokens = next_tokens(tokens, ev, required)
+        if isinstance(ev, MembershipChanged):
+            required = ev.after
+    return out
+
+
+def _attempt_issue_problems(
+    ev: ArtifactChanged,
+    required: tuple[str, ...] | None,
+    tokens: Mapping[TokenKey, AttemptToken],
+) -> list[str]:
+    """What is wrong with the tokens one distribution attempt issued."""
+    out = []
+    issued = ev.tokens or ()
+    by_worker = {t.worker_id: t for t in issued}
+    if sorted(by_worker) != sorted(required or ()) or len(by_worker) != len(issued):
+        out.append(
+            f"artifact v{ev.version}: {ev.event} issues tokens to {sorted(by_worker)}, not one "
+            f"to each required worker {sorted(required or ())}"
+        )
+    if len({t.token for t in issued}) != len(issued):
+        out.append(f"artifact v{ev.version}: {ev.event} issues one token to two workers")
+    for t in issued:
+        old = tokens.get((ev.version, t.worker_id))
+        if t.version != ev.version or t.attempt != ev.after.attempts:
+            out.append(
+                f"artifact v{ev.version}: {ev.event} issues a token for v{t.version} attempt "
+                f"{t.attempt}, not for its own attempt {ev.after.attempts}"
+            )
+        elif old is not None and old.token == t.token:
+            out.append(
+                f"artifact v{ev.version}: {ev.event} reissues {t.worker_id!r}'s previous token"
+            )
     return out
 
 
@@ -487,6 +792,18 @@ def _failed_version_quarantined(w: World) -> list[str]:
     ]
 
 
+def _retired_version_quarantined(w: World) -> list[str]:
+    if w.artifacts is None:
+        return []
+    retired = {v for v, a in w.artifacts.items() if _retired(a)}
+    return [
+        f"{e.rollout_id}: still {e.state} although its version v{e.behavior_version} was "
+        "rolled back (its rollouts are retired unless the operator kept them)"
+        for e in w.entries.values()
+        if e.behavior_version in retired and e.state in OPEN_STATES and e.state != "reserved"
+    ]
+
+
 def _reservations_resolve(w: World) -> list[str]:
     return [
         f"{e.rollout_id}: still reserved by {e.reserved_by!r} with nothing pending"
@@ -551,8 +868,26 @@ INVARIANTS: tuple[Invariant, ...] = (
         "reserved_against_current_version",
         "step",
         "ledger",
-        "A reservation's admission was judged against the version active at that moment.",
+        "A reservation was judged against the deployment's state of its own moment: the "
+        "recorded admission policy (a stamp never looser), the lag from the active version, "
+        "a version that was active and not retired by a rollback.",
         step_check=_reserved_against_current_version,
+    ),
+    Invariant(
+        "lineage_fenced",
+        "step",
+        "activation",
+        "A version is registered, committed and activated only while every update it "
+        "records as its lineage has a landed commit; its lineage never changes.",
+        step_check=_lineage_fenced,
+    ),
+    Invariant(
+        "policy_explicit",
+        "step",
+        "ledger",
+        "The admission policy is durable deployment state, changed only by an explicit, "
+        "recorded step of its own.",
+        step_check=_policy_explicit,
     ),
     Invariant(
         "failures_have_stage",
@@ -574,8 +909,18 @@ INVARIANTS: tuple[Invariant, ...] = (
         "step",
         "activation",
         "A version becomes active only with a committed artifact and every required "
-        "worker's ack of the same version and hash.",
+        "worker's ack of the same version and hash, echoing that worker's token of the "
+        "attempt current at activation, stored after the worker last left the worker set.",
         step_check=_activation_needs_all_acks,
+    ),
+    Invariant(
+        "acks_bound_to_attempt",
+        "step",
+        "activation",
+        "Each distribution attempt issues every required worker a fresh token; a joiner gets "
+        "one for the version awaiting acks; leaving the worker set voids a worker's ack; an "
+        "ack is stored with a token only if it echoes its worker's current one.",
+        step_check=_acks_bound_to_attempt,
     ),
     Invariant(
         "membership_explicit",
@@ -636,6 +981,15 @@ INVARIANTS: tuple[Invariant, ...] = (
         "Between calls, no rollout of a version that failed activation (and never became "
         "active) is open: failure quarantines them, and late arrivals are quarantined on add.",
         world_check=_failed_version_quarantined,
+    ),
+    Invariant(
+        "retired_version_quarantined",
+        "rest",
+        "activation",
+        "Between calls, no rollout of a rolled-back version waits to be trained (it is "
+        "quarantined, now or on arrival) unless the rollback recorded the operator's choice "
+        "to keep them; one reserved at the rollback is quarantined when returned.",
+        world_check=_retired_version_quarantined,
     ),
     Invariant(
         "reservations_resolve",
@@ -735,6 +1089,11 @@ class Replayer:
         self.pointer = w.pointer
         self.required = w.required_workers
         self.workers: dict[str, WorkerReport] = dict(w.workers)
+        self.policy = w.policy
+        self.tokens: Mapping[TokenKey, AttemptToken] = dict(w.tokens)
+        self.voided = w.voided
+        self.legacy = w.legacy
+        self.landed: set[str] = set(w.landed)
         self.steps = 0
         self.events = 0
         self._open: set[tuple[str, str]] = set()
@@ -747,6 +1106,11 @@ class Replayer:
             pointer=self.pointer,
             required_workers=self.required,
             workers=self.workers,
+            policy=self.policy,
+            tokens=self.tokens,
+            voided=self.voided,
+            legacy=self.legacy,
+            landed=self.landed,
         )
 
     def world(self) -> World:
@@ -757,6 +1121,11 @@ class Replayer:
             pointer=self.pointer,
             required_workers=self.required,
             workers=dict(self.workers),
+            policy=self.policy,
+            tokens=dict(self.tokens),
+            voided=self.voided,
+            legacy=self.legacy,
+            landed=frozenset(self.landed),
         )
 
     def feed(self, events: Iterable[TraceEvent]) -> list[Violation]:
@@ -771,28 +1140,44 @@ class Replayer:
         e_ch: dict[str, LedgerEntry] = {}
         a_ch: dict[int, ArtifactRecord] = {}
         w_ch: dict[str, WorkerReport] = {}
-        pointer, required, registry = self.pointer, self.required, False
+        pointer, required, policy, registry = self.pointer, self.required, self.policy, False
+        tokens, voided, legacy = self.tokens, self.voided, self.legacy
+        commits: list[str] = []
         for ev in step:
             if isinstance(ev, EntryChanged):
                 e_ch[ev.rollout_id] = ev.after
+                if ev.event == "commit" and ev.update_id is not None:
+                    commits.append(ev.update_id)
                 continue
             registry = True
+            tokens = next_tokens(tokens, ev, required)
+            voided = next_voided(voided, ev, required, ChainMap(w_ch, self.workers))
+            legacy = next_legacy(legacy, ev)
             if isinstance(ev, ArtifactChanged):
                 a_ch[ev.version] = ev.after
                 pointer = ev.pointer_after
             elif isinstance(ev, MembershipChanged):
                 required = ev.after
+            elif isinstance(ev, PolicyChanged):
+                policy = ev.after
             else:
                 w_ch[ev.worker_id] = WorkerReport(ev.worker_id, ev.floor, ev.ack)
         arts: Mapping[int, ArtifactRecord] | None = None
         if self.artifacts is not None or registry:
             arts = ChainMap(a_ch, self.artifacts if self.artifacts is not None else {})
+        workers_after = ChainMap(w_ch, self.workers)
+        voided = _live_voided(voided, workers_after)
         after = World(
             entries=ChainMap(e_ch, self.entries),
             artifacts=arts,
             pointer=pointer,
             required_workers=required,
-            workers=ChainMap(w_ch, self.workers),
+            workers=workers_after,
+            policy=policy,
+            tokens=tokens,
+            voided=voided,
+            legacy=legacy,
+            landed=self.landed.union(commits) if commits else self.landed,
         )
         seq = step[0].seq if step else None
         out = [
@@ -801,12 +1186,14 @@ class Replayer:
             for m in inv.step_check(before, step, after)  # type: ignore[misc]
         ]
         self.entries.update(e_ch)
+        self.landed.update(commits)
         if registry:
             if self.artifacts is None:
                 self.artifacts = {}
             self.artifacts.update(a_ch)
             self.workers.update(w_ch)
-            self.pointer, self.required = pointer, required
+            self.pointer, self.required, self.policy = pointer, required, policy
+            self.tokens, self.voided, self.legacy = tokens, voided, legacy
         now = self.view()
         for inv in _ALWAYS:
             if inv.entry_check is not None:
@@ -859,6 +1246,8 @@ def stored_world(ledger: Ledger, registry: RegistryStore | None = None) -> World
         pointer=registry.pointer(),
         required_workers=registry.required_workers(),
         workers=registry.workers(),
+        policy=registry.policy(),
+        tokens={(t.version, t.worker_id): t for t in registry.attempt_tokens()},
     )
 
 
@@ -903,6 +1292,20 @@ def compare_with_store(replayed: World, stored: World) -> list[Violation]:
             )
         if dict(replayed.workers) != dict(stored.workers):
             out.append(Violation(name, "worker reports: stored reports differ from the trace"))
+        if replayed.policy != stored.policy:
+            out.append(
+                Violation(
+                    name,
+                    f"admission policy: stored {stored.policy}, the trace says {replayed.policy}",
+                )
+            )
+        if dict(replayed.tokens) != dict(stored.tokens):
+            diff = sorted(
+                f"v{k[0]}:{k[1]}"
+                for k in set(replayed.tokens) | set(stored.tokens)
+                if replayed.tokens.get(k) != stored.tokens.get(k)
+            )
+            out.append(Violation(name, f"attempt tokens: stored differ from the trace at {diff}"))
     return out
 
 
@@ -1055,6 +1458,15 @@ SOMETIMES: dict[str, str] = {
     "damaged_load_refused": "a worker's loader read damaged bytes and refused to ack them",
     "late_attempt_ack": "an ack of an earlier distribution attempt arrived during a retry "
     "of the same version (it never counts toward the new attempt)",
+    "stale_token_refused": "an ack echoing a token that is not its worker's token of the "
+    "current attempt (an earlier attempt's, one from before a re-join, another worker's) was "
+    "refused",
+    "missing_token_refused": "an ack of the version awaiting acks without any attempt token "
+    "(the README's old form) was refused",
+    "membership_churn": "the required worker set changed after it was first recorded (a "
+    "worker left or re-joined), with acks in flight",
+    "non_member_report_recorded": "a report from a worker outside the required set was "
+    "recorded as what it holds, and counted for nothing",
 }
 
 
@@ -1081,4 +1493,6 @@ def sometimes_from_events(events: Iterable[TraceEvent]) -> set[str]:
                 hit.add("rollback")
             elif ev.event == "activate":
                 hit.add("activated")
+        elif isinstance(ev, MembershipChanged) and ev.before is not None:
+            hit.add("membership_churn")
     return hit

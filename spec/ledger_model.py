@@ -62,6 +62,9 @@ class Learner:
     phase: str = "idle"  # idle | planning (has a snapshot) | crashed
     snapshot: tuple[tuple[str, int], ...] = ()  # (rollout_id, revision) of rewarded rollouts
     held: tuple[str, ...] = ()
+    # one heartbeat in a learner's life is enough to exercise renewal (each one bumps a
+    # revision, so more would multiply the states without reaching anything new)
+    renewed: bool = False
 
     @property
     def update_id(self) -> str:
@@ -111,6 +114,7 @@ class LedgerRaceModel:
         max_releases: int = 1,
         allow_crash: bool = True,
         allow_failures: bool = True,
+        allow_renew: bool = False,
     ) -> None:
         if n_rollouts < 1 or n_learners < 1 or max_updates < 1:
             raise ValueError("bounds must be >= 1")
@@ -120,6 +124,7 @@ class LedgerRaceModel:
         self.start = start
         self.recovery = RecoveryRule(max_releases=max_releases)
         self.allow_crash = allow_crash
+        self.allow_renew = allow_renew  # learner 0's one heartbeat (the renew_lease edge)
         self.allow_failures = allow_failures
         self.observed: Counter[str] = Counter()
         self.edges: Counter[tuple[str, str]] = Counter()
@@ -175,6 +180,8 @@ class LedgerRaceModel:
                 yield Act("retry", learner=k, rollout=ln.held[0])
                 yield Act("commit", learner=k)
                 yield Act("abort", learner=k)
+                if self.allow_renew and k == 0 and not ln.renewed:
+                    yield Act("renew", learner=k)
                 if self.allow_failures:
                     yield Act("update_failed", learner=k)
                 if self.allow_crash:
@@ -288,7 +295,11 @@ class LedgerRaceModel:
                     led.abort(ln.update_id)
                 else:
                     led.fail_update(ln.update_id, "nan_loss")
-                learners[k] = Learner(ln.name, ln.update_no + 1)
+                learners[k] = Learner(ln.name, ln.update_no + 1, renewed=ln.renewed)
+            elif ln is not None and kind == "renew":
+                renewed = led.renew_leases(ln.update_id)
+                self.observed["lease_renewed"] += len(renewed)
+                learners[k] = attrs.evolve(ln, renewed=True)
             elif ln is not None and kind == "crash":
                 learners[k] = attrs.evolve(ln, phase="crashed", snapshot=(), held=())
             else:

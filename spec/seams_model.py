@@ -35,8 +35,10 @@ from rollout_lifecycle.model.events import ArtifactChanged, EventLog, TraceEvent
 from rollout_lifecycle.model.records import (
     ActionEvidence,
     ActivePointer,
+    AdmissionPolicy,
     AdmissionStamp,
     ArtifactRecord,
+    AttemptToken,
     BehaviorPolicy,
     GenerationConditions,
     LedgerEntry,
@@ -46,6 +48,7 @@ from rollout_lifecycle.model.records import (
     WorkerAck,
 )
 from rollout_lifecycle.model.registry import WorkerReport
+from rollout_lifecycle.spec.activation_model import attempt_token
 from rollout_lifecycle.spec.coverage import count_edges
 from rollout_lifecycle.spec.explorer import Property
 from rollout_lifecycle.spec.invariants import World, check_at_rest, replay
@@ -54,6 +57,7 @@ WORKERS = ("g0", "g1")
 PARTIAL = ("g0",)  # what the second coordinator asks for (a partial worker set)
 MAX_LAG = 1
 MAX_DRIFT = 0.2
+POLICY = AdmissionPolicy(MAX_LAG, MAX_DRIFT)  # the deployment's, recorded in the registry
 REWARD = Reward("rm", "1", 1.0)
 CONDITIONS = GenerationConditions("tok", 1.0, 1.0, -1, 4)
 EVIDENCE = ActionEvidence((1, 2), (True, True), (-0.5, -0.5))
@@ -122,6 +126,7 @@ class Composition:
         learners: list[LearnerState],
         *,
         observed: Counter[str] | None = None,
+        new_token: coord_mod.TokenSource = coord_mod.random_token,
     ) -> None:
         self.ledgers = list(ledgers)
         self.registries = list(registries)
@@ -129,19 +134,24 @@ class Composition:
         self.learners = learners
         self.observed: Counter[str] = observed if observed is not None else Counter()
         self.problems: list[str] = []
-        self.coord_a = coord_mod.ActivationCoordinator(self.registries[0], ledger=self.ledgers[0])
+        self.new_token = new_token
+        self.coord_a = coord_mod.ActivationCoordinator(
+            self.registries[0], ledger=self.ledgers[0], new_token=new_token
+        )
         self.coord_b = self._second_coordinator()
 
     def _second_coordinator(self) -> coord_mod.ActivationCoordinator:
         """The other process's coordinator: it asks for a partial set, which the durable
         registry refuses, so it attaches with the registry's own set."""
         try:
-            c = coord_mod.ActivationCoordinator(self.registries[-1], PARTIAL)
+            c = coord_mod.ActivationCoordinator(
+                self.registries[-1], PARTIAL, new_token=self.new_token
+            )
             self.observed["partial_set_accepted"] += 1
             return c
         except ActivationError:
             self.observed["partial_set_refused"] += 1
-            return coord_mod.ActivationCoordinator(self.registries[-1])
+            return coord_mod.ActivationCoordinator(self.registries[-1], new_token=self.new_token)
 
     def coordinator(self, who: int) -> coord_mod.ActivationCoordinator:
         """Coordinator 0 (the trainer's) or 1 (the second one)."""
@@ -189,8 +199,9 @@ class Composition:
         rec = awaiting[0]
         assert rec.artifact_hash is not None
         self.truth[worker] = (rec.version, rec.artifact_hash)
+        token = self.coord_a.attempt_token(worker, rec.version)  # sent with the weights
         res = self.coord_a.record_ack(
-            WorkerAck(worker, rec.version, rec.artifact_hash, attempt=rec.attempts)
+            WorkerAck(worker, rec.version, rec.artifact_hash, attempt=rec.attempts, token=token)
         )
         self.observed[f"ack:{res.reason}"] += 1
 
@@ -296,8 +307,11 @@ class Composition:
         self.learners[k] = attrs.evolve(ln, pending=ln.pending + keep)
 
     def _lie(self, k: int) -> None:
-        """A sloppy learner marks a rollout accepted whatever its own figures say."""
-        ln, led, _reg = self._learner(k)
+        """A hostile learner: learner 0 marks a rollout accepted whatever its own figures
+        say; learner 1 is misconfigured, its stamps agree with themselves but are judged
+        with bounds far looser than the deployment's recorded policy."""
+        ln, led, reg = self._learner(k)
+        pointer = reg.pointer()
         for e in led.snapshot().values():
             if e.state == "rewarded" and e.rollout_id not in {p[0] for p in ln.pending}:
                 stamp = attrs.evolve(
@@ -305,6 +319,18 @@ class Composition:
                     behavior_version=e.behavior_version,
                     current_version=e.behavior_version + 9,
                 )
+                if k % 2 == 1 and pointer is not None and pointer.version >= e.behavior_version:
+                    lag = pointer.version - e.behavior_version
+                    stamp = AdmissionStamp(
+                        current_version=pointer.version,
+                        behavior_version=e.behavior_version,
+                        max_lag=1000,
+                        max_drift=1e9,
+                        drift=0.0,
+                        freshness="fresh" if lag == 0 else "tolerated",
+                        reason="ok",
+                        accepted=True,
+                    )
                 self.learners[k] = attrs.evolve(
                     ln, pending=(*ln.pending, (e.rollout_id, e.revision, stamp))
                 )
@@ -346,6 +372,7 @@ class SeamsState:
     learners: tuple[LearnerState, ...]
     budget: tuple[int, int, int]  # rollouts, lies, bad adds still allowed
     step_violations: tuple[str, ...] = ()
+    tokens: tuple[AttemptToken, ...] = ()  # the registry's attempt tokens
 
 
 class SeamsModel:
@@ -371,14 +398,25 @@ class SeamsModel:
     def _stack(self, s: SeamsState) -> tuple[Composition, EventLog, Any, Any]:
         log = EventLog()
         reg = registry_mod.MemoryRegistry.restore(
-            s.artifacts, s.pointer, s.reports, log, membership=s.membership
+            s.artifacts,
+            s.pointer,
+            s.reports,
+            log,
+            membership=s.membership,
+            policy=POLICY,
+            tokens=s.tokens,
         )
         led = ledger_mod.MemoryLedger.restore(
             s.entries, s.bad_versions, event_log=log, clock=lambda: 0.0, activation=reg
         )
         truth = {w: h for w, h in s.truth if h is not None}
         comp = Composition(
-            [led, led, led], [reg, reg, reg], truth, list(s.learners), observed=self.observed
+            [led, led, led],
+            [reg, reg, reg],
+            truth,
+            list(s.learners),
+            observed=self.observed,
+            new_token=attempt_token,
         )
         return comp, log, led, reg
 
@@ -387,12 +425,14 @@ class SeamsModel:
         log = EventLog()
         reg = registry_mod.MemoryRegistry(log)
         led = ledger_mod.MemoryLedger(event_log=log, clock=lambda: 0.0, activation=reg)
-        c = coord_mod.ActivationCoordinator(reg, WORKERS, ledger=led)
+        c = coord_mod.ActivationCoordinator(
+            reg, WORKERS, ledger=led, policy=POLICY, new_token=attempt_token
+        )
         c.prepare(0)
         c.commit_artifact(0, version_hash(0))
         c.distribute(0)
         for w in WORKERS:
-            c.record_ack(WorkerAck(w, 0, version_hash(0)))
+            c.record_ack(WorkerAck(w, 0, version_hash(0), token=c.attempt_token(w, 0)))
         assert c.try_activate(0).activated
         yield self._state(
             reg,
@@ -423,6 +463,7 @@ class SeamsModel:
             learners=tuple(learners),
             budget=budget,
             step_violations=tuple(violations),
+            tokens=tuple(reg.attempt_tokens()),
         )
 
     def actions(self, s: SeamsState) -> Iterable[Act]:
@@ -440,9 +481,11 @@ class SeamsModel:
         if "awaiting_acks" in states:
             rec = next(a for a in s.artifacts if a.state == "awaiting_acks")
             truth, reports = dict(s.truth), {r.worker_id: r for r in s.reports}
+            tokens = {(t.version, t.worker_id): t.token for t in s.tokens}
             for w, name in enumerate(WORKERS):
                 r = reports.get(name)
-                fresh = r is not None and r.ack is not None and r.ack.attempt == rec.attempts
+                token = tokens.get((rec.version, name))
+                fresh = r is not None and r.ack is not None and r.ack.token == token
                 if truth.get(name) != (rec.version, rec.artifact_hash) or not fresh:
                     yield Act("load", w)  # a worker loads what it does not hold yet
             for c in coordinators:
@@ -493,6 +536,8 @@ class SeamsModel:
             pointer=s.pointer,
             required_workers=s.membership,
             workers={r.worker_id: r for r in s.reports},
+            policy=POLICY,
+            tokens={(t.version, t.worker_id): t for t in s.tokens},
         )
 
     def action_label(self, act: Act) -> str:

@@ -1,11 +1,14 @@
 """Two-phase activation over a faulty network, as a Hypothesis rule-based machine.
 
 The network is rules: a worker loads the version being distributed and puts its ack
-(version, hash it really read, incarnation, seq, attempt) into a bag; acks are delivered,
-dropped, duplicated or left in the bag (delay) in any order, so acks of older versions and
-attempts arrive late. Workers load corrupt bytes, crash and restart (the coordinator hears
-of the restart synchronously: a worker re-registers before it does anything else, while
-its old acks may still be in the bag), and generate rollouts with whatever they loaded.
+(version, hash it really read, incarnation, seq, attempt, the attempt token it was sent)
+into a bag; acks are delivered, dropped, duplicated or left in the bag (delay) in any order,
+so acks of older versions and attempts arrive late. Workers load corrupt bytes, crash and
+restart (the coordinator hears of the restart synchronously: a worker re-registers before it
+does anything else, while its old acks may still be in the bag), report the active version
+they restored (no token: a report, not an answer), send acks in the README's old form (no
+token), leave and re-join the worker set with acks in flight, and generate rollouts with
+whatever they loaded.
 
 A reference model (plain dicts) predicts every coordinator answer: artifact states, the
 pointer, how each ack is judged, whether an activation attempt succeeds and why not. The
@@ -28,7 +31,7 @@ import rollout_lifecycle.model.gate as gate_mod
 from rollout_lifecycle.model.errors import ActivationError, IllegalTransition
 from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule
 from rollout_lifecycle.model.machines import ACTIVATION
-from rollout_lifecycle.model.records import Disposition, WorkerAck
+from rollout_lifecycle.model.records import AdmissionPolicy, Disposition, WorkerAck
 from rollout_lifecycle.spec.invariants import Violation
 from rollout_lifecycle.stateful_tests.backends import (
     Stack,
@@ -57,6 +60,7 @@ from rollout_lifecycle.stateful_tests.recording import (
     world_of,
 )
 from rollout_lifecycle.stateful_tests.workers import (
+    STORED_REASONS,
     ReportRef,
     WorkerTruth,
     activation_ghost_violations,
@@ -68,6 +72,7 @@ MAX_BAG = 6
 MAX_ROLLOUTS = 8
 MAX_LAG = 1
 MAX_DRIFT = 0.2
+POLICY = AdmissionPolicy(MAX_LAG, MAX_DRIFT)  # the deployment's, recorded in the registry
 LEASE = 10.0
 RESTART_SPACING = 6
 INVARIANT_NAMES = ("spec_holds",)
@@ -133,9 +138,17 @@ class ActivationMachine(RuleBasedStateMachine):
             "lease_seconds": LEASE,
             "recovery": RecoveryRule(),
         }
-        self.stack: Stack = open_stack(self.backend, self.tmp, self.clock, WORKERS, **self.options)
+        self.stack: Stack = open_stack(
+            self.backend, self.tmp, self.clock, WORKERS, policy=POLICY, **self.options
+        )
         self.truth = {w: WorkerTruth() for w in WORKERS}
         self.reports = {w: ReportRef() for w in WORKERS}
+        # the required worker set, and the token each member was sent for each version's
+        # current attempt (read when the attempt opens: tokens are random, never predicted)
+        self.members: list[str] = list(WORKERS)
+        self.tokens: dict[int, dict[str, str]] = {}
+        self.issued: set[str] = set()  # every token ever issued: a new one is never reused
+        self.churned_at = 0
         self.bag: list[WorkerAck] = []
         self.arts: dict[int, RefArtifact] = {}
         self.pointer: tuple[int, str] | None = None
@@ -159,7 +172,8 @@ class ActivationMachine(RuleBasedStateMachine):
         self._apply(0, "commit_artifact")
         self._apply(0, "distribute")
         for w in WORKERS:
-            self._deliver(self.truth[w].ack(w, 0, artifact_hash(0), self.arts[0].attempts))
+            token = self.tokens[0][w]
+            self._deliver(self.truth[w].ack(w, 0, artifact_hash(0), self.arts[0].attempts, token))
         self._try_activate(0)
 
     # ---- reference-model helpers ---------------------------------------------------------
@@ -250,16 +264,40 @@ class ActivationMachine(RuleBasedStateMachine):
             a.hash = artifact_hash(v)
         elif event in ("distribute", "retry"):
             a.attempts += 1
+            self._record_tokens(v)
         elif event in FAILURE_EVENTS:
             self.failed.add(v)
             for r in self.rollouts.values():
                 if r.version == v and r.state in ("generated", "rewarded"):
                     r.state, r.revision = "quarantined", r.revision + 1
 
+    def _record_tokens(self, v: int) -> None:
+        """A distribution attempt opened: every member must have a fresh token of its own."""
+        got = self.coord.attempt_tokens(v)
+        old = self.tokens.get(v, {})
+        self.recorder.checked(["attempt_tokens_fresh"])
+        if sorted(got) != sorted(self.members) or len(set(got.values())) != len(got):
+            raise self.recorder.fail(
+                f"attempt of v{v} issued tokens {got}; expected one per member {self.members}"
+            )
+        if any(old.get(w) == t or t in self.issued for w, t in got.items()):
+            raise self.recorder.fail(f"attempt of v{v} reissued a previous token: {got}")
+        self.tokens[v] = dict(got)
+        self.issued.update(got.values())
+
     def _deliver(self, ack: WorkerAck) -> None:
         ref = self.reports[ack.worker_id]
-        want = ref.expect(ack)
         art = self.arts.get(ack.version)
+        member = ack.worker_id in self.members
+        awaiting = art is not None and art.state == "awaiting_acks"
+        sent = self.tokens.get(ack.version, {}) if awaiting else {}
+        want = ref.expect(
+            ack,
+            member=member,
+            awaiting=awaiting,
+            token=sent.get(ack.worker_id),
+            others=frozenset(t for w, t in sent.items() if w != ack.worker_id),
+        )
         if (
             art is not None
             and art.state == "awaiting_acks"
@@ -271,15 +309,26 @@ class ActivationMachine(RuleBasedStateMachine):
             self.recorder.reached("late_attempt_ack")
         got = self.coord.record_ack(ack)
         self.recorder.checked(["ack_judged_as_reference"])
-        if got.reason != want or got.counted != (want == "counted"):
+        if (
+            got.reason != want
+            or got.counted != (want == "counted")
+            or got.recorded != (want in STORED_REASONS)
+        ):
             raise self.recorder.fail(
-                f"ack {ack} judged ({got.counted}, {got.reason!r}); reference: {want!r} "
-                f"(floor {ref.floor}, latest {ref.latest})"
+                f"ack {ack} judged ({got.counted}, {got.reason!r}, recorded {got.recorded}); "
+                f"reference: {want!r} (floor {ref.floor}, latest {ref.latest})"
             )
-        if want == "counted":
-            ref.latest = ack
+        if want in STORED_REASONS:
+            # only an answer to the current attempt keeps its token: a report never counts
+            ref.latest = ack if want == "counted" else attrs.evolve(ack, token=None)
+            if want == "not_required":
+                self.recorder.reached("non_member_report_recorded")
         elif want == "stale_incarnation":
             self.recorder.reached("restart_ack_refused")
+        elif want in ("stale_attempt_token", "foreign_attempt_token"):
+            self.recorder.reached("stale_token_refused")
+        elif want == "missing_attempt_token":
+            self.recorder.reached("missing_token_refused")
         else:  # a duplicate, an older report after a newer one, or a conflicting one
             self.recorder.reached("stale_ack_refused")
 
@@ -306,7 +355,7 @@ class ActivationMachine(RuleBasedStateMachine):
             for t in self.truth.values():
                 t.serving = t.loaded
         elif reason == "worker_mismatch" and any(
-            (r := self.reports[w].latest) is not None and r.version < v for w in WORKERS
+            (r := self.reports[w].latest) is not None and r.version < v for w in self.members
         ):
             self.recorder.reached("stale_ack_refused")
 
@@ -316,12 +365,15 @@ class ActivationMachine(RuleBasedStateMachine):
             return "artifact_not_committed" if a.hash is None else "not_awaiting_acks"
         if self.pointer is not None and v <= self.pointer[0]:
             return "non_monotonic_version"
+        # a report of another version blocks; one of v counts only with v's current token
+        sent = self.tokens.get(v, {})
         counted = {
             w: r.latest
-            for w, r in self.reports.items()
-            if r.latest is not None and (r.latest.version != v or r.latest.attempt == a.attempts)
+            for w in self.members
+            if (r := self.reports[w]).latest is not None
+            and (r.latest.version != v or r.latest.token == sent.get(w))
         }
-        if any(w not in counted for w in WORKERS):
+        if any(w not in counted for w in self.members):
             return "missing_worker_ack"
         if any((ack.version, ack.artifact_hash) != (v, a.hash) for ack in counted.values()):
             return "worker_mismatch"
@@ -329,7 +381,7 @@ class ActivationMachine(RuleBasedStateMachine):
 
     def _latest_summary(self) -> str:
         return ", ".join(
-            f"{w}: {None if r.latest is None else (r.latest.version, r.latest.attempt)}"
+            f"{w}: {None if r.latest is None else (r.latest.version, r.latest.token)}"
             for w, r in self.reports.items()
         )
 
@@ -374,10 +426,10 @@ class ActivationMachine(RuleBasedStateMachine):
             self._apply(self._versions("prepared")[0], "commit_artifact")
             return
         if v is not None:
-            attempt = self.arts[v].attempts
-            for w in WORKERS:
+            asked = self.tokens.get(v, {})
+            for w in self.members:
                 sent = self.truth[w].last_sent
-                answered = sent is not None and (sent.version, sent.attempt) == (v, attempt)
+                answered = sent is not None and (sent.version, sent.token) == (v, asked.get(w))
                 if not answered and len(self.bag) < MAX_BAG:
                     self._load(w, v, corrupt=False)
                     return
@@ -430,20 +482,74 @@ class ActivationMachine(RuleBasedStateMachine):
 
     # ---- workers and the network -------------------------------------------------------------
 
-    @rule(worker=worker_ids, corrupt=st.sampled_from([False] * 5 + [True]))
+    @rule(
+        worker=worker_ids,
+        corrupt=st.sampled_from([False] * 5 + [True]),
+        echo=st.sampled_from([True] * 7 + [False]),
+    )
     @precondition(lambda self: self._awaiting() is not None and len(self.bag) < MAX_BAG)
     @counted
-    def load(self, worker: str, corrupt: bool) -> None:
-        """The worker answers the distribution: loads (maybe corrupt bytes), acks into the bag."""
+    def load(self, worker: str, corrupt: bool, echo: bool) -> None:
+        """The worker answers the distribution: loads (maybe corrupt bytes), acks into the
+        bag echoing the token it was sent (a worker outside the set was sent none). Now and
+        then a worker on the README's old form sends no token at all."""
         v = self._awaiting()
         assert v is not None
-        self._load(worker, v, corrupt=corrupt)
+        self._load(worker, v, corrupt=corrupt, echo=echo)
 
-    def _load(self, worker: str, v: int, *, corrupt: bool) -> None:
+    def _load(self, worker: str, v: int, *, corrupt: bool, echo: bool = True) -> None:
+        token = self.tokens.get(v, {}).get(worker) if echo and worker in self.members else None
         ack = self.truth[worker].answer(
-            worker, v, artifact_hash(v), corrupt_hash(v), self.arts[v].attempts, corrupt=corrupt
+            worker,
+            v,
+            artifact_hash(v),
+            corrupt_hash(v),
+            self.arts[v].attempts,
+            token,
+            corrupt=corrupt,
         )
         self.bag.append(ack)
+
+    @rule(worker=worker_ids)
+    @precondition(lambda self: self.pointer is not None)
+    @counted
+    def restore_active(self, worker: str) -> None:
+        """The worker reloads the active version (after a failed attempt, being drained) and
+        reports what it holds: no attempt asked for it, so the report carries no token. It
+        says so before it drops what it held (like a restart's re-registration): weights
+        swapped behind an ack that still counts are a fault no coordinator can see."""
+        assert self.pointer is not None
+        v, h = self.pointer
+        self._deliver(self.truth[worker].ack(worker, v, h))
+
+    @rule(worker=worker_ids)
+    @precondition(lambda self: self.step_no - self.churned_at >= 2)
+    @counted
+    def churn(self, worker: str) -> None:
+        """Membership churn with acks in flight: the worker leaves the required set (if
+        another member remains), or re-joins it. Leaving voids its stored ack and tokens;
+        re-joining while a version awaits acks issues it a fresh token, so it acks afresh."""
+        self.churned_at = self.step_no
+        leaving = worker in self.members
+        if leaving and len(self.members) == 1:
+            return
+        new = [w for w in WORKERS if (w in self.members) != (w == worker)]
+        self.coord.change_membership(new, f"{worker} {'drained' if leaving else 'back'}")
+        self.members = new
+        v = self._awaiting()
+        if leaving:
+            self.reports[worker].latest = None
+            for sent in self.tokens.values():
+                sent.pop(worker, None)
+            if worker in self.coord.reports():
+                raise self.recorder.fail(f"{worker} left the worker set, its ack still stands")
+        elif v is not None:
+            fresh = self.coord.attempt_token(worker, v)
+            if fresh in self.issued:
+                raise self.recorder.fail(f"{worker} re-joined with a token already issued")
+            self.tokens[v][worker] = fresh
+            self.issued.add(fresh)
+        self.recorder.reached("membership_churn")
 
     @rule(pick=picks)
     @precondition(lambda self: bool(self.bag))
@@ -556,6 +662,13 @@ class ActivationMachine(RuleBasedStateMachine):
         got = self.coord.rollback()
         cur.state = "rolled_back"
         target.state = "active"
+        # the rolled-back version is retired: its open rollouts are quarantined now, late
+        # ones on arrival, none is reserved again (coordinator.rollback, keep_rollouts=False)
+        rolled = self.pointer[0]
+        self.failed.add(rolled)
+        for r in self.rollouts.values():
+            if r.version == rolled and r.state in ("generated", "rewarded"):
+                r.state, r.revision = "quarantined", r.revision + 1
         assert target.hash is not None
         self.pointer = (cur.rollback, target.hash)
         if (got.version, got.artifact_hash) != self.pointer:
@@ -654,7 +767,14 @@ class ActivationMachine(RuleBasedStateMachine):
     @counted
     def reopen(self) -> None:
         """Restart the coordinator process on the same file; `resume` must change nothing."""
-        self.stack = reopen_stack(self.stack, self.tmp, self.clock, WORKERS, **self.options)
+        self.stack = reopen_stack(
+            self.stack,
+            self.tmp,
+            self.clock,
+            tuple(self.members),
+            policy=POLICY,
+            **self.options,
+        )
         self.reopened_at = self.step_no
         self.coord.resume()
 
@@ -710,6 +830,11 @@ class ActivationMachine(RuleBasedStateMachine):
         want_entries = {rid: (r.state, r.revision) for rid, r in self.rollouts.items()}
         if got_entries != want_entries:
             raise rec.fail(f"ledger {got_entries} differs from the reference {want_entries}")
+        if reg.required_workers() != tuple(self.members):
+            raise rec.fail(f"worker set {reg.required_workers()}, reference {self.members}")
+        v = self._awaiting()
+        if v is not None and self.coord.attempt_tokens(v) != self.tokens[v]:
+            raise rec.fail(f"v{v}'s stored attempt tokens differ from the ones sent")
 
     def teardown(self) -> None:
         """Close the stores and delete the files; never raise over the real failure."""

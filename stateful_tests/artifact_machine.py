@@ -160,16 +160,19 @@ class ArtifactMachine(RuleBasedStateMachine):
         self.recorder.fired("load")
         rec = self._awaiting()
         really = read_hash(self.store, rec.version)  # the ghost's own reading
+        token = self.coord.attempt_token(w, rec.version)  # sent with the weights
         try:
             _loaded, ack = self.loaders[w].load(
-                rec.version, rec.artifact_hash, attempt=rec.attempts
+                rec.version, rec.artifact_hash, token=token, attempt=rec.attempts
             )
         except ArtifactError:
             # a failed load stages nothing: the worker keeps what it held, and acks nothing
             self.recorder.reached("damaged_load_refused")
             return
         self.truth[w] = (rec.version, really)
-        self.coord.record_ack(ack)
+        res = self.coord.record_ack(ack)
+        if not res.counted:
+            raise self.recorder.fail(f"{w}'s ack of its fresh load was refused: {res.reason}")
 
     @rule()
     @precondition(lambda self: self._awaiting() is not None)

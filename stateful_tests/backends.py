@@ -39,6 +39,7 @@ import rollout_lifecycle.model.sqlite_ledger as sqlite_ledger_mod
 from rollout_lifecycle.model.backends import redact_url
 from rollout_lifecycle.model.events import EventLog, TraceEvent
 from rollout_lifecycle.model.ledger import Clock, Ledger
+from rollout_lifecycle.model.records import AdmissionPolicy
 from rollout_lifecycle.model.registry import RegistryStore
 from rollout_lifecycle.model.sqlite_common import connect, read_events
 from rollout_lifecycle.stateful_tests.recording import Recorder
@@ -385,6 +386,7 @@ def _postgres_stack(
     clock: ledger_mod.ManualClock,
     workers: tuple[str, ...],
     schema: str,
+    policy: AdmissionPolicy | None = None,
     **ledger_options: Any,
 ) -> Stack:
     url = postgres_url(backend)
@@ -394,7 +396,7 @@ def _postgres_stack(
     db = common.PostgresDatabase(url, schema=schema)
     led: Ledger = pg_ledger.PostgresLedger(db, clock=clock, **ledger_options)
     reg: RegistryStore = pg_registry.PostgresRegistry(db)
-    coord = coord_mod.ActivationCoordinator(reg, workers, ledger=led, clock=clock)
+    coord = coord_mod.ActivationCoordinator(reg, workers, ledger=led, clock=clock, policy=policy)
     label = "postgresql" if backend == "postgresql" else redact_url(backend)
     return Stack(label, led, reg, coord, PostgresEventSource(db), url=backend)
 
@@ -404,10 +406,12 @@ def open_stack(
     tmp_path: Path,
     clock: ledger_mod.ManualClock,
     workers: tuple[str, ...],
+    policy: AdmissionPolicy | None = None,
     **ledger_options: Any,
 ) -> Stack:
     """Ledger + registry + coordinator on `backend`: 'memory', 'sqlite' (one file), or
-    PostgreSQL ('postgresql' or a URL: one fresh schema)."""
+    PostgreSQL ('postgresql' or a URL: one fresh schema); `policy` is recorded as the
+    deployment's admission policy."""
     if backend == "memory":
         log = EventLog()
         mem_reg = registry_mod.MemoryRegistry(event_log=log)
@@ -416,7 +420,7 @@ def open_stack(
         )
         mem_registry: RegistryStore = mem_reg
         coord = coord_mod.ActivationCoordinator(
-            mem_registry, workers, ledger=mem_ledger, clock=clock
+            mem_registry, workers, ledger=mem_ledger, clock=clock, policy=policy
         )
         return Stack(backend, mem_ledger, mem_registry, coord, LogSource(log))
     if backend == "sqlite":
@@ -424,12 +428,14 @@ def open_stack(
         sql_ledger: Ledger = sqlite_ledger_mod.SQLiteLedger(path, clock=clock, **ledger_options)
         sql_registry: RegistryStore = registry_mod.SQLiteRegistry(path)
         coord = coord_mod.ActivationCoordinator(
-            sql_registry, workers, ledger=sql_ledger, clock=clock
+            sql_registry, workers, ledger=sql_ledger, clock=clock, policy=policy
         )
         return Stack(backend, sql_ledger, sql_registry, coord, SQLiteEventSource(path))
     if is_postgres(backend):
         schema = fresh_schema(postgres_url(backend), tmp_path)
-        return _postgres_stack(backend, tmp_path, clock, workers, schema, **ledger_options)
+        return _postgres_stack(
+            backend, tmp_path, clock, workers, schema, policy=policy, **ledger_options
+        )
     raise ValueError(
         f"activation stacks run on {list(BACKEND_NAMES)} or a postgresql:// URL, not {backend!r}"
     )
@@ -440,6 +446,7 @@ def reopen_stack(
     tmp_path: Path,
     clock: ledger_mod.ManualClock,
     workers: tuple[str, ...],
+    policy: AdmissionPolicy | None = None,
     **ledger_options: Any,
 ) -> Stack:
     """Close a durable stack and open the same file with a new coordinator (a restart).
@@ -452,14 +459,20 @@ def reopen_stack(
     stack.registry.close()
     if stack.url is not None:
         again = _postgres_stack(
-            stack.url, tmp_path, clock, workers, schema_for(tmp_path), **ledger_options
+            stack.url,
+            tmp_path,
+            clock,
+            workers,
+            schema_for(tmp_path),
+            policy=policy,
+            **ledger_options,
         )
         again.source.close()
         return attrs.evolve(again, source=stack.source)
     path = tmp_path / DB_NAME
     led: Ledger = sqlite_ledger_mod.SQLiteLedger(path, clock=clock, **ledger_options)
     reg: RegistryStore = registry_mod.SQLiteRegistry(path)
-    coord = coord_mod.ActivationCoordinator(reg, workers, ledger=led, clock=clock)
+    coord = coord_mod.ActivationCoordinator(reg, workers, ledger=led, clock=clock, policy=policy)
     return Stack(stack.backend, led, reg, coord, stack.source)
 
 

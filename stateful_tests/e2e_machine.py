@@ -37,7 +37,7 @@ import rollout_lifecycle.model.api as api_mod
 import rollout_lifecycle.model.coordinator as coord_mod
 import rollout_lifecycle.model.gate as gate_mod
 from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule, ReserveRequest
-from rollout_lifecycle.model.records import Disposition, LedgerEntry, Rollout
+from rollout_lifecycle.model.records import AdmissionPolicy, Disposition, LedgerEntry, Rollout
 from rollout_lifecycle.spec.invariants import Violation
 from rollout_lifecycle.stateful_tests.backends import (
     Stack,
@@ -134,7 +134,14 @@ class EndToEndMachine(RuleBasedStateMachine):
             "lease_seconds": LEASE,
             "recovery": RecoveryRule(max_releases=MAX_RELEASES),
         }
-        self.stack: Stack = open_stack(self.backend, self.tmp, self.clock, WORKERS, **self.options)
+        self.stack: Stack = open_stack(
+            self.backend,
+            self.tmp,
+            self.clock,
+            WORKERS,
+            policy=AdmissionPolicy(MAX_LAG, MAX_DRIFT),
+            **self.options,
+        )
         self.truth = {w: WorkerTruth() for w in WORKERS}
         self.in_flight: list[Request] = []
         self.generated_by: dict[str, tuple[int, str]] = {}  # ghost: weights per rollout
@@ -371,21 +378,22 @@ class EndToEndMachine(RuleBasedStateMachine):
         """A worker stages the version awaiting acks and acks it (delivered at once here)."""
         (v,) = self._artifacts("awaiting_acks")
         rec = self.coord.artifact(v)
+        token = self.coord.attempt_token(worker, v)  # sent with the weights
         ack = self.truth[worker].answer(
-            worker, v, artifact_hash(v), corrupt_hash(v), rec.attempts, corrupt=corrupt
+            worker, v, artifact_hash(v), corrupt_hash(v), rec.attempts, token, corrupt=corrupt
         )
         res = self.coord.record_ack(ack)
         if not res.counted and res.reason != "duplicate":
             raise self.recorder.fail(f"{worker}'s fresh ack {ack} was not counted: {res.reason}")
 
     def _try_activate(self, v: int) -> None:
+        tokens = self.coord.attempt_tokens(v)  # before the call: activation closes the attempt
         res = self.coord.try_activate(v)
-        rec = self.coord.artifact(v)
         staged_ok = all(
             t.loaded == (v, artifact_hash(v))
             and t.last_sent is not None
-            and t.last_sent.attempt == rec.attempts
-            for t in self.truth.values()
+            and t.last_sent.token == tokens[w]
+            for w, t in self.truth.items()
         )
         p = self.coord.pointer()
         newer = res.activated or p is None or v > p.version
@@ -451,10 +459,10 @@ class EndToEndMachine(RuleBasedStateMachine):
             elif state == "committed":
                 self.coord.distribute(v)
             else:
-                rec = self.coord.artifact(v)
+                tokens = self.coord.attempt_tokens(v)
                 for w in WORKERS:
                     sent = self.truth[w].last_sent
-                    if sent is None or (sent.version, sent.attempt) != (v, rec.attempts):
+                    if sent is None or (sent.version, sent.token) != (v, tokens[w]):
                         self._load(w, corrupt=False)
                         return
                 self._try_activate(v)
@@ -565,9 +573,10 @@ class EndToEndMachine(RuleBasedStateMachine):
         attempt = self.coord.artifact(p.version).attempts
         for w, t in self.truth.items():
             # reload and report at once: acks of a newer version staged before the rollback
-            # must not keep counting (the coordinator does not void them on its own)
+            # must not keep counting (the coordinator does not void them on its own). No
+            # attempt is open, so the report carries no token: it can block, never help
             res = self.coord.record_ack(t.ack(w, p.version, p.artifact_hash, attempt))
-            if not res.counted:
+            if (res.recorded, res.reason) != (True, "reported"):
                 raise self.recorder.fail(f"{w}'s reload ack after rollback: {res.reason}")
             t.serving = t.loaded
         self.recorder.reached("rollback")
@@ -586,7 +595,14 @@ class EndToEndMachine(RuleBasedStateMachine):
     @counted
     def reopen(self) -> None:
         """Restart the coordinator process on the same file."""
-        self.stack = reopen_stack(self.stack, self.tmp, self.clock, WORKERS, **self.options)
+        self.stack = reopen_stack(
+            self.stack,
+            self.tmp,
+            self.clock,
+            WORKERS,
+            policy=AdmissionPolicy(MAX_LAG, MAX_DRIFT),
+            **self.options,
+        )
         self.reopened_at = self.step_no
         self.coord.resume()
 

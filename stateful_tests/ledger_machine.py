@@ -562,6 +562,26 @@ class LedgerRaceMachine(RuleBasedStateMachine):
     @rule(pick=picks)
     @precondition(lambda self: bool(self._busy_learners()))
     @counted
+    def renew(self, pick: int) -> None:
+        """A long update's heartbeat: every lease it holds runs a full lease from now."""
+        busy = self._busy_learners()
+        ln = self.learners[busy[pick % len(busy)]]
+        owned = self._owned(ln.update_id)
+        got = self.ledger.renew_leases(ln.update_id)
+        self._same_ids(f"renew_leases of {ln.update_id}", got, owned)
+        for e in got:
+            if e.lease_expires_at != self.clock.now + LEASE or e.reserved_by != ln.update_id:
+                raise self.recorder.fail(
+                    f"renewed {e.rollout_id}: lease {e.lease_expires_at}, owner "
+                    f"{e.reserved_by!r}; expected {self.clock.now + LEASE}, {ln.update_id!r}"
+                )
+        for rid in owned:
+            self._move(rid, "renew_lease")
+            self.ref[rid].lease = self.clock.now + LEASE
+
+    @rule(pick=picks)
+    @precondition(lambda self: bool(self._busy_learners()))
+    @counted
     def crash(self, pick: int) -> None:
         """The learner dies: it forgets its update; its reservations wait for their lease."""
         busy = self._busy_learners()

@@ -38,7 +38,7 @@ from rollout_lifecycle.model.ledger import (
     RESERVED,
     ReserveOutcome,
 )
-from rollout_lifecycle.model.records import Disposition, LedgerEntry, Reward
+from rollout_lifecycle.model.records import AdmissionPolicy, Disposition, LedgerEntry, Reward
 
 PROJECT_PREFIXES = ("rollout_lifecycle.",)
 
@@ -405,6 +405,39 @@ def _trust_accepted(
     return None
 
 
+def _stamp_bounds_trusted(
+    self: ledger_mod.ActivationPremise, admission: Any, behavior_version: int
+) -> tuple[str, str] | None:
+    """The reservation judges lag and drift with the bounds the stamp says it was judged
+    with, not the deployment's recorded policy (a learner with max_lag 1000 trains on
+    lag-10 data: prime-rl #2812, AReaL #1481)."""
+    loose = None if admission is None else AdmissionPolicy(admission.max_lag, admission.max_drift)
+    return rules_mod.reservation_refusal(
+        admission,
+        behavior_version,
+        self.pointer_version,
+        self.was_active,
+        loose if self.policy is not None else None,
+        self.retired,
+    )
+
+
+def _rollback_forgets_ledger(
+    self: Any, *, keep_rollouts: bool = False, reason: str = "operator rollback"
+) -> Any:
+    """The pointer goes back, but the rolled-back version's rollouts are never retired in
+    the ledger: they stay trainable, and once a newer version is active they are admitted
+    at lag 1 (issue 17 #5)."""
+    self._quarantine = lambda version, why: None
+    try:
+        return _real_rollback(self, keep_rollouts=keep_rollouts, reason=reason)
+    finally:
+        del self._quarantine
+
+
+_real_rollback = coord_mod.ActivationCoordinator.rollback
+
+
 @contextlib.contextmanager
 def _ledger_trusts_writes() -> Iterator[None]:
     """The ledger stores what it is told: no per-record rules on write, stamps trusted."""
@@ -458,7 +491,12 @@ _real_load = artifacts_mod.WorkerLoader.load
 
 
 def _ack_registered_hash(
-    self: Any, version: int, expected_hash: str, *, attempt: int = 1
+    self: Any,
+    version: int,
+    expected_hash: str,
+    *,
+    token: str | None = None,
+    attempt: int | None = None,
 ) -> tuple[Any, Any]:
     """The loader parses whatever it read and acks the hash it was TOLD to expect."""
     manifest = self.store.read_manifest(version)
@@ -466,7 +504,8 @@ def _ack_registered_hash(
     for f in manifest.files:
         data = self.store.read_bytes(version, f.name)
         entries.append(artifacts_mod.FileEntry(f.name, len(data), hashlib.sha256(data).hexdigest()))
-    loaded, ack = _real_load(self, version, artifacts_mod.content_hash(entries), attempt=attempt)
+    real = artifacts_mod.content_hash(entries)
+    loaded, ack = _real_load(self, version, real, token=token, attempt=attempt)
     return loaded, attrs.evolve(ack, artifact_hash=expected_hash)
 
 
@@ -502,6 +541,46 @@ def _simple(
     owner: Any, name: str, replacement: Any
 ) -> Callable[[], contextlib.AbstractContextManager[None]]:
     return lambda: patch_everywhere(owner, name, replacement)
+
+
+# ---- acks bound to an attempt (issue 17) ---------------------------------------------------
+
+
+def _acks_by_arrival(view: Any, rec: Any) -> dict[str, Any]:
+    """Every stored ack of the version counts, whichever attempt it answered."""
+    return {w: r.ack for w, r in view.workers().items() if r.ack is not None}
+
+
+@contextlib.contextmanager
+def _late_acks_win() -> Iterator[None]:
+    """An ack counts for the attempt in flight whatever token it echoes (or none): the
+    attempt is "numbered by arrival", so a delayed ack of a failed attempt activates a
+    version its worker no longer holds (issue 17 item 3; acks counted from a previous
+    version, as peers shipped)."""
+    with (
+        patch_everywhere(coord_mod, "judge_token", lambda *_a: None),
+        patch_everywhere(registry_mod, "counted_acks", _acks_by_arrival),
+    ):
+        yield
+
+
+def _forgetful_membership(
+    view: Any, new: tuple[str, ...], reason: str, at: float, new_token: Any
+) -> Any:
+    """A membership change that only records the new set: leavers keep their acks and
+    tokens, joiners get no token of their own."""
+    return registry_mod.RegistryStep(at, membership=new, membership_reason=reason)
+
+
+@contextlib.contextmanager
+def _membership_forgets() -> Iterator[None]:
+    """Leaving the worker set voids nothing, and the write path does not insist: an ack a
+    worker sent before it left counts after it re-joins (issue 17 item 2)."""
+    with (
+        patch_everywhere(coord_mod, "membership_step", _forgetful_membership),
+        patch_everywhere(registry_mod, "_check_tokens", lambda *_a: None),
+    ):
+        yield
 
 
 CATALOGUE: tuple[Mutant, ...] = (
@@ -586,6 +665,24 @@ CATALOGUE: tuple[Mutant, ...] = (
         fuzz_machine="activation",
     ),
     Mutant(
+        "late_attempt_ack_counted",
+        "an ack counts whatever attempt token it echoes: a delayed ack of a failed attempt "
+        "activates a version its worker no longer holds (issue 17 #3)",
+        12,
+        _late_acks_win,
+        explorer_model="activation",
+        fuzz_machine="activation",
+    ),
+    Mutant(
+        "membership_forgets_acks",
+        "leaving the worker set voids nothing: a worker's ack from before it left counts "
+        "after it re-joins (issue 17 #2)",
+        None,
+        _membership_forgets,
+        reach=("fuzz",),  # the explorer's worker set is fixed
+        fuzz_machine="activation",
+    ),
+    Mutant(
         "no_quarantine_on_failure",
         "rollouts of a version whose activation failed are not quarantined",
         5,
@@ -611,6 +708,24 @@ CATALOGUE: tuple[Mutant, ...] = (
         _simple(ledger_mod.ActivationPremise, "refusal", _stamp_only),
         explorer_model="seams",
         fuzz_machine="seams",
+    ),
+    Mutant(
+        "stamp_bounds_trusted",
+        "a reservation judges lag and drift with the bounds its stamp claims, not the "
+        "deployment's recorded policy (issue 17 #1)",
+        None,
+        _simple(ledger_mod.ActivationPremise, "refusal", _stamp_bounds_trusted),
+        explorer_model="seams",
+        fuzz_machine="seams",
+    ),
+    Mutant(
+        "rollback_forgets_ledger",
+        "a rollback moves the pointer back but never retires the rolled-back version's "
+        "rollouts in the ledger: they stay trainable (issue 17 #5)",
+        None,
+        _simple(coord_mod.ActivationCoordinator, "rollback", _rollback_forgets_ledger),
+        explorer_model="activation",
+        fuzz_machine="e2e",
     ),
     Mutant(
         "coordinator_own_worker_set",

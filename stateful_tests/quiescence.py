@@ -54,7 +54,13 @@ def quiesce_copy(
     clock = ledger_mod.ManualClock(now)
     required = registry.required_workers() or tuple(sorted(workers))
     reg = registry_mod.MemoryRegistry.restore(
-        artifacts, pointer, registry.workers().values(), event_log=log, membership=required
+        artifacts,
+        pointer,
+        registry.workers().values(),
+        event_log=log,
+        membership=required,
+        policy=registry.policy(),
+        tokens=registry.attempt_tokens(),
     )
     led = ledger_mod.MemoryLedger.restore(
         snapshot.values(),
@@ -109,8 +115,11 @@ def _resolve_activations(
         if awaiting:
             rec = awaiting[0]
             v = rec.version
+            tokens = coord.attempt_tokens(v)  # sent with the weights, one per required worker
             for w in sorted(truth):
-                ack = truth[w].answer(w, v, true_hash(v), corrupt_hash(v), rec.attempts)
+                if w not in tokens:
+                    continue  # not in the worker set: nothing is asked of it
+                ack = truth[w].answer(w, v, true_hash(v), corrupt_hash(v), rec.attempts, tokens[w])
                 res = coord.record_ack(ack)
                 if not res.counted and res.reason != "duplicate":  # a re-sent answer
                     problems.append(f"{w}'s fresh ack of v{v} was not counted ({res.reason})")
@@ -120,7 +129,7 @@ def _resolve_activations(
             problems.extend(activation_ghost_violations(log_of(reg)[before:], truth))
             if not result.activated:
                 pointer = reg.pointer()
-                healthy = not any(t.broken for t in truth.values())
+                healthy = not any(truth[w].broken for w in tokens if w in truth)
                 if healthy and (pointer is None or v > pointer.version):
                     problems.append(
                         f"v{v} did not activate ({result.reason}) although every worker "

@@ -36,6 +36,7 @@ from rollout_lifecycle.model.gate import AdmissionGate, GatePolicy
 from rollout_lifecycle.model.ledger import ReserveRequest
 from rollout_lifecycle.model.records import (
     ActionEvidence,
+    AdmissionPolicy,
     AdmissionStamp,
     BehaviorPolicy,
     Disposition,
@@ -81,6 +82,9 @@ class RaceConfig:
     max_drift: float = 0.2
     seed: int = 0
     pool: int = 64  # the generator keeps about this many rollouts waiting
+    # the first `hostile` learners are misconfigured: their gate admits at any lag and
+    # drift; the deployment's recorded policy must refuse what they would let through
+    hostile: int = 0
     mutant: str | None = None  # a catalogue mutant every child process runs with
 
 
@@ -144,8 +148,8 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                     coord.prepare(v)
                     coord.commit_artifact(v, version_hash(v))
                     coord.distribute(v)
-                    for w in WORKERS:
-                        coord.record_ack(WorkerAck(w, v, version_hash(v)))
+                    for w, token in coord.attempt_tokens(v).items():  # sent with the weights
+                        coord.record_ack(WorkerAck(w, v, version_hash(v), token=token))
                     res = coord.try_activate(v)
                     stats[f"activate:{res.reason}"] += 1
                     if res.activated:
@@ -166,8 +170,12 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
     update = 0
     try:
         with open_backend(cfg.url) as b:
+            hostile = index < cfg.hostile
+            clock: Callable[[], float] = getattr(b.ledger, "clock", time.time)
             gate = AdmissionGate(
-                GatePolicy(max_lag=cfg.max_lag, max_drift=cfg.max_drift),
+                GatePolicy(max_lag=10**6, max_drift=1e9)
+                if hostile
+                else GatePolicy(max_lag=cfg.max_lag, max_drift=cfg.max_drift),
                 registry=_hashes(b.registry),
             )
             reader = _reader(cfg.url)
@@ -203,7 +211,9 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
                     continue
                 update_id = f"L{index}.u{update}"
                 update += 1
-                started = time.time()
+                # call windows are measured on the ledger's clock, the one its events
+                # are dated by (the host's boot clock on SQLite, see model.clocks)
+                started = clock()
                 if rng.random() < 0.3:  # single compare-and-sets too: one statement each
                     outs = [
                         b.ledger.reserve(r.rollout_id, r.expected_revision, update_id, r.admission)
@@ -211,7 +221,7 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
                     ]
                 else:
                     outs = b.ledger.reserve_batch(update_id, requests)
-                ended = time.time()
+                ended = clock()
                 calls.append(
                     {
                         "update_id": update_id,
@@ -352,13 +362,18 @@ class RaceReport:
 def prepare(cfg: RaceConfig) -> None:
     """A fresh database with the worker set recorded and v0 active."""
     with open_backend(cfg.url) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger)
+        coord = ActivationCoordinator(
+            b.registry,
+            WORKERS,
+            ledger=b.ledger,
+            policy=AdmissionPolicy(cfg.max_lag, cfg.max_drift),
+        )
         if coord.pointer() is None:
             coord.prepare(0)
             coord.commit_artifact(0, version_hash(0))
             coord.distribute(0)
             for w in WORKERS:
-                coord.record_ack(WorkerAck(w, 0, version_hash(0)))
+                coord.record_ack(WorkerAck(w, 0, version_hash(0), token=coord.attempt_token(w, 0)))
             coord.try_activate(0)
 
 

@@ -135,7 +135,7 @@ def world_of(
     registry: RegistryStore | None = None,
 ) -> World:
     """A spec World from a ledger snapshot and (optionally) the registry's records; with
-    `registry`, its durable worker set and stored worker reports too."""
+    `registry`, its durable worker set, stored worker reports and attempt tokens too."""
     arts = None if artifacts is None else {a.version: a for a in artifacts}
     if registry is None:
         return World(entries=dict(entries), artifacts=arts, pointer=pointer)
@@ -145,6 +145,8 @@ def world_of(
         pointer=pointer,
         required_workers=registry.required_workers(),
         workers=registry.workers(),
+        policy=registry.policy(),
+        tokens={(t.version, t.worker_id): t for t in registry.attempt_tokens()},
     )
 
 

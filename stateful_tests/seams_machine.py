@@ -25,6 +25,7 @@ from rollout_lifecycle.model.ledger import MemoryLedger
 from rollout_lifecycle.model.records import WorkerAck
 from rollout_lifecycle.spec.invariants import Violation
 from rollout_lifecycle.spec.seams_model import (
+    POLICY,
     WORKERS,
     Act,
     Composition,
@@ -120,12 +121,12 @@ class SeamsMachine(RuleBasedStateMachine):
 
     def _bootstrap(self, b: Backend) -> None:
         """v0 active on both workers, through the real coordinator."""
-        c = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger)
+        c = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
         c.prepare(0)
         c.commit_artifact(0, version_hash(0))
         c.distribute(0)
         for w in WORKERS:
-            c.record_ack(WorkerAck(w, 0, version_hash(0)))
+            c.record_ack(WorkerAck(w, 0, version_hash(0), token=c.attempt_token(w, 0)))
         assert c.try_activate(0).activated
 
     def _enabled(self) -> list[Act]:

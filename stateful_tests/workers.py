@@ -36,11 +36,21 @@ class WorkerTruth:
         self.broken = False
         self.last_sent = None
 
-    def ack(self, worker_id: str, version: int, hash_: str, attempt: int) -> WorkerAck:
-        """Load `version` (hash as actually read) and report it: the next ack in order."""
+    def ack(
+        self,
+        worker_id: str,
+        version: int,
+        hash_: str,
+        attempt: int | None = None,
+        token: str | None = None,
+    ) -> WorkerAck:
+        """Load `version` (hash as actually read) and report it: the next ack in order,
+        echoing `token` when it answers a distribution attempt."""
         self.loaded = (version, hash_)
         self.seq += 1
-        self.last_sent = WorkerAck(worker_id, version, hash_, self.incarnation, self.seq, attempt)
+        self.last_sent = WorkerAck(
+            worker_id, version, hash_, self.incarnation, self.seq, attempt, token
+        )
         return self.last_sent
 
     def answer(
@@ -50,47 +60,79 @@ class WorkerTruth:
         good_hash: str,
         bad_hash: str,
         attempt: int,
+        token: str | None,
         *,
         corrupt: bool = False,
     ) -> WorkerAck:
-        """Answer a distribution request for (version, attempt), as a sane worker does.
+        """Answer a distribution request for (version, attempt), sent with `token`, as a sane
+        worker does: its ack echoes the token it was sent.
 
         A worker that already holds the right weights does not load them again: it re-sends
-        its answer for this attempt, or answers a new attempt with what it holds. Reloading
-        good weights into bad ones behind an ack already sent is a fault no coordinator can
-        see, so it is not part of the model. Otherwise it loads (corrupt while `broken`).
+        its answer to this very request (same token), or answers a new one (a new attempt,
+        or a token issued when it re-joined) with what it holds. Reloading good weights into
+        bad ones behind an ack already sent is a fault no coordinator can see, so it is not
+        part of the model. Otherwise it loads (corrupt while `broken`).
         """
         if self.loaded == (version, good_hash):
             sent = self.last_sent
-            if sent is not None and (sent.version, sent.attempt) == (version, attempt):
+            if sent is not None and (sent.version, sent.token) == (version, token):
                 return sent
-            return self.ack(worker_id, version, good_hash, attempt)
+            return self.ack(worker_id, version, good_hash, attempt, token)
         bad = self.broken or corrupt
-        return self.ack(worker_id, version, bad_hash if bad else good_hash, attempt)
+        return self.ack(worker_id, version, bad_hash if bad else good_hash, attempt, token)
 
     def copy(self) -> WorkerTruth:
         """An independent copy (the liveness check drives copies, never the machine)."""
         return attrs.evolve(self)
 
 
+# how a report that is stored is named: it answers the current attempt, it reports a version
+# that awaits no acks, or it comes from a worker outside the required set
+STORED_REASONS = ("counted", "reported", "not_required")
+
+
 @attrs.define
 class ReportRef:
-    """The reference model of one worker's stored report: floor and latest counted ack."""
+    """The reference model of one worker's stored report: floor and latest stored ack."""
 
     floor: int = 0
     latest: WorkerAck | None = None
 
-    def expect(self, ack: WorkerAck) -> str:
-        """How the coordinator must judge `ack`: ordered by (incarnation, seq), floor first."""
+    def expect(
+        self,
+        ack: WorkerAck,
+        *,
+        member: bool = True,
+        awaiting: bool = True,
+        token: str | None = None,
+        others: frozenset[str] = frozenset(),
+    ) -> str:
+        """How the coordinator must judge `ack`, written independently of it.
+
+        An ack of a version awaiting acks from a member must echo that worker's token of
+        the current attempt (`token`; `others` are the other workers' ones): else it is
+        refused for its token. Then reports are ordered by (incarnation, seq), floor first;
+        a report that passes is stored, and named by what it is (STORED_REASONS).
+        """
+        answers = member and awaiting
+        if answers:
+            if ack.token is None:
+                return "missing_attempt_token"
+            if ack.token != token:
+                return "foreign_attempt_token" if ack.token in others else "stale_attempt_token"
         if ack.incarnation < self.floor:
             return "stale_incarnation"
-        if self.latest is None:
+        if self.latest is not None:
+            key = (ack.incarnation, ack.seq)
+            latest_key = (self.latest.incarnation, self.latest.seq)
+            if key == latest_key:
+                same = attrs.evolve(ack, token=None) == attrs.evolve(self.latest, token=None)
+                return "duplicate" if same else "conflicting_report"
+            if key < latest_key:
+                return "out_of_order"
+        if answers:
             return "counted"
-        key = (ack.incarnation, ack.seq)
-        latest_key = (self.latest.incarnation, self.latest.seq)
-        if key == latest_key:
-            return "duplicate" if ack == self.latest else "conflicting_report"
-        return "counted" if key > latest_key else "out_of_order"
+        return "reported" if member else "not_required"
 
     def restarted(self, incarnation: int) -> None:
         """Raise the floor; a counted ack below it no longer counts."""

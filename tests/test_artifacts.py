@@ -286,6 +286,19 @@ def test_ack_sequence_and_restart(store: ArtifactStore) -> None:
     assert (ack.incarnation, ack.seq) == (1, 0)
 
 
+def test_ack_echoes_the_attempt_token(store: ArtifactStore) -> None:
+    """The loader puts the attempt's token into the ack it builds; without one it is a plain
+    report; a token that is not a non-empty string is refused before anything is read."""
+    s = store.write(1, files={"w": b"x"})
+    _, ack = WorkerLoader(store, "w0").load(1, s.artifact_hash, token="t-1")
+    assert (ack.token, ack.attempt) == ("t-1", None)
+    _, plain = WorkerLoader(store, "w0").load(1, s.artifact_hash)
+    assert plain.token is None
+    for bad in ("", 7):
+        with pytest.raises(ArtifactError, match="token must be"):
+            WorkerLoader(store, "w0").load(1, s.artifact_hash, token=bad)  # type: ignore[arg-type]
+
+
 def test_missing_version_is_an_artifact_error(store: ArtifactStore) -> None:
     """Opening a version that was never published says so."""
     with pytest.raises(ArtifactError, match="not in"):

@@ -247,7 +247,7 @@ def _activated_backend(path: Path) -> str:
         c.commit_artifact(3, H[3])
         c.distribute(3)
         for w in ("w0", "w1"):
-            c.record_ack(WorkerAck(w, 3, H[3]))
+            c.record_ack(WorkerAck(w, 3, H[3], token=c.attempt_token(w, 3)))
         assert c.try_activate(3).activated
     return url
 

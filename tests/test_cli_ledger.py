@@ -19,6 +19,7 @@ from rollout_lifecycle.model.ledger import ReserveRequest
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.records import (
     ActionEvidence,
+    AdmissionPolicy,
     BehaviorPolicy,
     GenerationConditions,
     Reward,
@@ -47,11 +48,13 @@ def ledger_url(tmp_path: Path) -> str:
     """A ledger file: v0 active; r0 consumed by update-1, r1 rewarded, r2 reward timed out."""
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     with open_backend(url) as b:
-        coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger)
+        coord = ActivationCoordinator(
+            b.registry, ["w0"], ledger=b.ledger, policy=AdmissionPolicy(1, 0.2)
+        )
         coord.prepare(0)
         coord.commit_artifact(0, H0)
         coord.distribute(0)
-        coord.record_ack(WorkerAck("w0", 0, H0))
+        coord.record_ack(WorkerAck("w0", 0, H0, token=coord.attempt_token("w0", 0)))
         assert coord.try_activate(0).activated
         for rid in ("r0", "r1", "r2"):
             b.ledger.add(_rollout(rid))

@@ -7,14 +7,24 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 
+from rollout_lifecycle.model.artifacts import ArtifactStore, WorkerLoader
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.errors import ActivationError, IllegalTransition
 from rollout_lifecycle.model.events import ArtifactChanged, EventLog
 from rollout_lifecycle.model.ledger import MemoryLedger
 from rollout_lifecycle.model.records import ActivePointer, LedgerEntry, WorkerAck
-from rollout_lifecycle.model.registry import MemoryRegistry, RegistryStore, SQLiteRegistry
+from rollout_lifecycle.model.registry import (
+    ArtifactChange,
+    MemoryRegistry,
+    RegistryStep,
+    RegistryStore,
+    RegistryView,
+    SQLiteRegistry,
+    WorkerReport,
+)
 from rollout_lifecycle.model.sqlite_common import connect, read_events
 from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
 from rollout_lifecycle.spec.invariants import check_trace
@@ -62,10 +72,27 @@ def coord(open_registry: Opener) -> ActivationCoordinator:
 
 
 def ack(
-    worker: str, version: int, h: str | None = None, inc: int = 0, seq: int = 0, attempt: int = 1
+    worker: str,
+    version: int,
+    h: str | None = None,
+    inc: int = 0,
+    seq: int = 0,
+    token: str | None = None,
 ) -> WorkerAck:
-    """A worker's report of what it loaded, answering distribution `attempt`."""
-    return WorkerAck(worker, version, H[version] if h is None else h, inc, seq, attempt)
+    """A worker's report of what it loaded (echoing `token` if it answers an attempt)."""
+    return WorkerAck(worker, version, H[version] if h is None else h, inc, seq, token=token)
+
+
+def answer(
+    c: ActivationCoordinator,
+    worker: str,
+    version: int,
+    h: str | None = None,
+    inc: int = 0,
+    seq: int = 0,
+) -> WorkerAck:
+    """The ack a worker sends for the current distribution attempt: it echoes its token."""
+    return ack(worker, version, h, inc, seq, token=c.attempt_token(worker, version))
 
 
 def ready(c: ActivationCoordinator, version: int) -> None:
@@ -79,7 +106,7 @@ def activate(c: ActivationCoordinator, version: int, seq: int = 0) -> None:
     """Drive `version` all the way to active with both workers' acks."""
     ready(c, version)
     for w in WORKERS:
-        assert c.record_ack(ack(w, version, seq=seq)).counted
+        assert c.record_ack(answer(c, w, version, seq=seq)).counted
     res = c.try_activate(version)
     assert res.activated, res
 
@@ -96,8 +123,8 @@ def assert_trace_ok(c: ActivationCoordinator) -> None:
 def test_activation_on_all_acks(coord: ActivationCoordinator) -> None:
     """With the artifact committed and every worker acking (version, hash), the pointer flips."""
     ready(coord, 1)
-    assert coord.record_ack(ack("w0", 1)).counted
-    assert coord.record_ack(ack("w1", 1)).counted
+    assert coord.record_ack(answer(coord, "w0", 1)).counted
+    assert coord.record_ack(answer(coord, "w1", 1)).counted
     res = coord.try_activate(1)
     assert (res.activated, res.reason) == (True, "activated")
     assert res.active_pointer == ActivePointer(1, H[1]) == coord.pointer()
@@ -139,7 +166,7 @@ def test_missing_ack_keeps_old_pointer(open_registry: Opener) -> None:
     c.change_membership((*WORKERS, "w2"), "scaled up by one worker")
     ready(c, 2)
     for w in WORKERS:
-        c.record_ack(ack(w, 2, seq=1))
+        c.record_ack(answer(c, w, 2, seq=1))
     n = len(c.history())
     res = c.try_activate(2)
     assert (res.activated, res.reason) == (False, "missing_worker_ack")
@@ -147,14 +174,14 @@ def test_missing_ack_keeps_old_pointer(open_registry: Opener) -> None:
     assert c.pointer() == res.active_pointer == ActivePointer(1, H[1])
     assert c.artifact(2).state == "awaiting_acks"
     assert len(c.history()) == n
-    assert c.record_ack(ack("w2", 2)).counted
+    assert c.record_ack(answer(c, "w2", 2)).counted
     assert c.try_activate(2).activated
 
 
 def test_missing_ack_on_first_activation(coord: ActivationCoordinator) -> None:
     """Before any activation a worker with no report at all is listed as missing."""
     ready(coord, 1)
-    coord.record_ack(ack("w0", 1))
+    coord.record_ack(answer(coord, "w0", 1))
     res = coord.try_activate(1)
     assert (res.reason, res.missing_workers, res.active_pointer) == (
         "missing_worker_ack",
@@ -168,8 +195,8 @@ def test_wrong_hash_keeps_old_pointer(coord: ActivationCoordinator) -> None:
     """A worker that loaded other bytes under the right version blocks the switch."""
     activate(coord, 1)
     ready(coord, 2)
-    coord.record_ack(ack("w0", 2, seq=1))
-    coord.record_ack(ack("w1", 2, h=BAD, seq=1))
+    coord.record_ack(answer(coord, "w0", 2, seq=1))
+    coord.record_ack(answer(coord, "w1", 2, h=BAD, seq=1))
     res = coord.try_activate(2)
     assert (res.reason, res.mismatched_workers) == ("worker_mismatch", ("w1",))
     assert coord.pointer() == ActivePointer(1, H[1])
@@ -180,22 +207,24 @@ def test_stale_ack_from_older_version_does_not_count(coord: ActivationCoordinato
     """A worker's ack of v1 never counts toward v2 (field-notes bug 12)."""
     activate(coord, 1)
     ready(coord, 2)
-    coord.record_ack(ack("w0", 2, seq=1))
+    coord.record_ack(answer(coord, "w0", 2, seq=1))
     res = coord.try_activate(2)
     assert (res.reason, res.mismatched_workers) == ("worker_mismatch", ("w1",))
     # a delayed copy of w1's v1 ack arriving after its v2 ack is out of order, not counted
-    assert coord.record_ack(ack("w1", 2, seq=2)).counted
+    assert coord.record_ack(answer(coord, "w1", 2, seq=2)).counted
     late = coord.record_ack(ack("w1", 1, seq=0))
     assert (late.counted, late.reason) == (False, "out_of_order")
     assert coord.try_activate(2).activated
 
 
 def test_uncommitted_artifact_never_activates(coord: ActivationCoordinator) -> None:
-    """Acks for a prepared (or committed but undistributed) artifact never flip the pointer."""
+    """Acks for a prepared (or committed but undistributed) artifact never flip the pointer,
+    nor do they count once it is distributed: no attempt was open, so they carry no token."""
     activate(coord, 1)
     coord.prepare(2)
     for w in WORKERS:
-        coord.record_ack(ack(w, 2, seq=1))
+        got = coord.record_ack(ack(w, 2, seq=1))
+        assert (got.counted, got.reason, got.recorded) == (False, "reported", True)
     res = coord.try_activate(2)
     assert (res.activated, res.reason) == (False, "artifact_not_committed")
     coord.commit_artifact(2, H[2])
@@ -203,6 +232,10 @@ def test_uncommitted_artifact_never_activates(coord: ActivationCoordinator) -> N
     assert (res.activated, res.reason) == (False, "not_awaiting_acks")
     assert coord.pointer() == ActivePointer(1, H[1])
     coord.distribute(2)
+    res = coord.try_activate(2)
+    assert (res.activated, res.missing_workers) == (False, WORKERS)
+    for w in WORKERS:
+        assert coord.record_ack(answer(coord, w, 2, seq=2)).counted
     assert coord.try_activate(2).activated
 
 
@@ -236,7 +269,7 @@ def test_older_than_active_distribution_is_refused(coord: ActivationCoordinator)
     coord.commit_artifact(2, H[2])
     ready(coord, 3)
     for w in WORKERS:
-        coord.record_ack(ack(w, 3, seq=5))
+        coord.record_ack(answer(coord, w, 3, seq=5))
     assert coord.try_activate(3).activated
     before = coord.artifacts()
     with pytest.raises(ActivationError, match="not newer than the active v3"):
@@ -269,13 +302,14 @@ def test_one_distribution_at_a_time(coord: ActivationCoordinator) -> None:
 
 def test_ack_ordering_reasons(coord: ActivationCoordinator) -> None:
     """Reports are kept per worker by (incarnation, seq); every ignored one says why."""
-    assert coord.record_ack(ack("w0", 1, seq=3)).reason == "counted"
-    assert coord.record_ack(ack("w0", 1, seq=3)).reason == "duplicate"
-    assert coord.record_ack(ack("w0", 1, h=BAD, seq=3)).reason == "conflicting_report"
-    assert coord.record_ack(ack("w0", 1, seq=2)).reason == "out_of_order"
+    ready(coord, 1)
+    assert coord.record_ack(answer(coord, "w0", 1, seq=3)).reason == "counted"
+    assert coord.record_ack(answer(coord, "w0", 1, seq=3)).reason == "duplicate"
+    assert coord.record_ack(answer(coord, "w0", 1, h=BAD, seq=3)).reason == "conflicting_report"
+    assert coord.record_ack(answer(coord, "w0", 1, seq=2)).reason == "out_of_order"
     assert coord.record_ack(ack("w9", 1)).reason == "not_required"
-    assert coord.record_ack(ack("w0", 1, inc=1, seq=0)).reason == "counted"
-    assert coord.reports() == {"w0": ack("w0", 1, inc=1, seq=0)}
+    assert coord.record_ack(answer(coord, "w0", 1, inc=1, seq=0)).reason == "counted"
+    assert coord.reports() == {"w0": answer(coord, "w0", 1, inc=1, seq=0), "w9": ack("w9", 1)}
     assert coord.statistics().acks == {
         "counted": 2,
         "duplicate": 1,
@@ -291,17 +325,17 @@ def test_ack_from_previous_incarnation_after_restart_does_not_count(
     """After a restart the worker's old ack is void, and a late one from before is ignored."""
     activate(coord, 1)
     ready(coord, 2)
-    coord.record_ack(ack("w0", 2, seq=1))
-    coord.record_ack(ack("w1", 2, seq=1))
+    coord.record_ack(answer(coord, "w0", 2, seq=1))
+    coord.record_ack(answer(coord, "w1", 2, seq=1))
     coord.worker_restarted("w1", 1)  # w1 crashed after acking: it no longer holds v2
     assert "w1" not in coord.reports()
     res = coord.try_activate(2)
     assert (res.reason, res.missing_workers) == ("missing_worker_ack", ("w1",))
-    late = coord.record_ack(ack("w1", 2, inc=0, seq=9))  # in flight from before the crash
+    late = coord.record_ack(answer(coord, "w1", 2, inc=0, seq=9))  # sent before the crash
     assert (late.counted, late.reason) == (False, "stale_incarnation")
     assert not coord.try_activate(2).activated
     assert coord.pointer() == ActivePointer(1, H[1])
-    assert coord.record_ack(ack("w1", 2, inc=1, seq=0)).counted
+    assert coord.record_ack(answer(coord, "w1", 2, inc=1, seq=0)).counted
     assert coord.try_activate(2).activated
 
 
@@ -340,7 +374,7 @@ def test_failed_distribution_quarantines_that_versions_rollouts(open_registry: O
     c = ActivationCoordinator(open_registry(), WORKERS, ledger=led)
     activate(c, 1)
     ready(c, 2)
-    c.record_ack(ack("w0", 2, seq=1))
+    c.record_ack(answer(c, "w0", 2, seq=1))
     before = led.snapshot()
     rec = c.fail_distribution(2, "load_timeout", "w1 did not answer in 60 s")
     assert rec.state == "distribution_failed"
@@ -397,26 +431,34 @@ def test_retry_after_distribution_failure_can_activate(coord: ActivationCoordina
     assert (rec.state, rec.attempts) == ("awaiting_acks", 2)
     assert rec.failure is not None and rec.failure.cause == "worker_oom"
     for w in WORKERS:
-        coord.record_ack(ack(w, 1, seq=1, attempt=2))
+        coord.record_ack(answer(coord, w, 1, seq=1))
     assert coord.try_activate(1).activated
     assert_trace_ok(coord)
 
 
 def test_ack_of_an_earlier_attempt_does_not_count(coord: ActivationCoordinator) -> None:
-    """After a retry, a delayed ack of the failed attempt counts as missing, not as loaded."""
+    """After a retry, an ack of the failed attempt counts as missing, and a delayed one
+    arriving during the retry is refused with its reason, never counted."""
     ready(coord, 1)
-    coord.record_ack(ack("w0", 1, seq=1, attempt=1))
+    first = answer(coord, "w0", 1, seq=1)
+    delayed = answer(coord, "w1", 1, seq=1)  # sent in attempt 1, still in flight
+    assert coord.record_ack(first).counted
     coord.fail_distribution(1, "timeout")
     coord.retry(1)
-    coord.record_ack(ack("w1", 1, seq=1, attempt=2))
+    assert coord.attempt_token("w1", 1) != delayed.token
+    late = coord.record_ack(delayed)
+    assert (late.counted, late.reason, late.recorded) == (False, "stale_attempt_token", False)
     res = coord.try_activate(1)
     assert (res.activated, res.reason, res.missing_workers) == (
         False,
         "missing_worker_ack",
-        ("w0",),
+        WORKERS,
     )
-    coord.record_ack(ack("w0", 1, seq=2, attempt=2))
+    coord.record_ack(answer(coord, "w1", 1, seq=2))
+    assert coord.try_activate(1).missing_workers == ("w0",)
+    coord.record_ack(answer(coord, "w0", 1, seq=2))
     assert coord.try_activate(1).activated
+    assert_trace_ok(coord)
 
 
 def test_illegal_events_raise_and_change_nothing(coord: ActivationCoordinator) -> None:
@@ -487,7 +529,7 @@ def test_rollback_refused_when_target_not_superseded(coord: ActivationCoordinato
     coord.commit_artifact(3, H[3])
     coord.distribute(3)
     for w in WORKERS:
-        coord.record_ack(ack(w, 3, seq=1))
+        coord.record_ack(answer(coord, w, 3, seq=1))
     assert coord.try_activate(3).activated
     n = len(coord.history())
     with pytest.raises(ActivationError, match="not 'superseded'"):
@@ -523,8 +565,8 @@ def test_restart_mid_activation_resumes_and_completes(open_registry: Opener) -> 
     c1 = ActivationCoordinator(open_registry(), WORKERS, ledger=led)
     activate(c1, 1)
     ready(c1, 2)
-    c1.record_ack(ack("w0", 2, seq=1))
-    c1.record_ack(ack("w1", 2, seq=1))
+    c1.record_ack(answer(c1, "w0", 2, seq=1))
+    c1.record_ack(answer(c1, "w1", 2, seq=1))
     c1.worker_restarted("w1", 1)
     c1.prepare(3)
     c1.fail_commit(3, "disk_full")
@@ -539,8 +581,8 @@ def test_restart_mid_activation_resumes_and_completes(open_registry: Opener) -> 
     assert pending.awaiting_acks[0].attempts == 1
     assert c2.artifact(3).state == "commit_failed"
     assert pending.quarantined_versions == (3,)
-    assert c2.record_ack(ack("w1", 2, inc=0, seq=5)).reason == "stale_incarnation"
-    assert c2.record_ack(ack("w1", 2, inc=1, seq=0)).counted
+    assert c2.record_ack(answer(c2, "w1", 2, inc=0, seq=5)).reason == "stale_incarnation"
+    assert c2.record_ack(answer(c2, "w1", 2, inc=1, seq=0)).counted
     assert c2.try_activate(2).activated
     assert c2.pointer() == ActivePointer(2, H[2])
     assert_trace_ok(c2)
@@ -664,7 +706,7 @@ def test_retried_version_that_activates_is_no_longer_bad(open_registry: Opener) 
     assert 2 in led.bad_versions
     c.retry(2)
     for w in WORKERS:
-        c.record_ack(ack(w, 2, seq=3, attempt=2))
+        c.record_ack(answer(c, w, 2, seq=3))
     assert c.try_activate(2).activated
     assert 2 not in led.bad_versions
     e = led.add(LedgerEntry(rollout_id="fresh", behavior_version=2, artifact_hash=H[2]))
@@ -677,7 +719,7 @@ def test_rollback_refused_while_a_distribution_awaits_acks(coord: ActivationCoor
     activate(coord, 1)
     activate(coord, 2, seq=1)
     ready(coord, 3)
-    coord.record_ack(ack("w0", 3, seq=9))
+    coord.record_ack(answer(coord, "w0", 3, seq=9))
     before = coord.pointer()
     with pytest.raises(ActivationError, match="awaiting acks"):
         coord.rollback()
@@ -685,3 +727,240 @@ def test_rollback_refused_while_a_distribution_awaits_acks(coord: ActivationCoor
     coord.fail_distribution(3, "operator")
     assert coord.rollback() == ActivePointer(1, H[1])
     assert_trace_ok(coord)
+
+
+# ---- acks bound to an attempt, and to membership (issue 17, items 2 and 3) ----------------
+
+W3 = ("w0", "w1", "w2")
+
+
+def _three(open_registry: Opener) -> ActivationCoordinator:
+    """Three required workers, v0 active on all of them, v1 distributed (awaiting acks)."""
+    c = ActivationCoordinator(open_registry(), W3)
+    c.prepare(0)
+    c.commit_artifact(0, H[0])
+    c.distribute(0)
+    for w in W3:
+        assert c.record_ack(answer(c, w, 0)).counted
+    assert c.try_activate(0).activated
+    ready(c, 1)
+    return c
+
+
+@pytest.mark.parametrize("numbered", [False, True], ids=["bare", "inc-seq-attempt"])
+def test_leaving_voids_acks_and_rejoining_needs_a_fresh_one(
+    open_registry: Opener, numbered: bool
+) -> None:
+    """Issue 17 item 2: w2 acks v1, leaves, reloads v0 and says so, re-joins; w0 and w1 ack
+    v1: v1 must not activate while w2 holds v0, whatever numbers the acks echo."""
+    c = _three(open_registry)
+    extra = {"incarnation": 0, "seq": 5, "attempt": 1} if numbered else {}
+    old_token = c.attempt_token("w2", 1)
+    w2_v1 = WorkerAck("w2", 1, H[1], token=old_token, **extra)
+    assert c.record_ack(w2_v1).counted
+    c.change_membership(("w0", "w1"), "w2 drained for maintenance")
+    assert "w2" not in c.reports()  # leaving voided its ack, in the same step
+    with pytest.raises(ActivationError, match="not a required worker"):
+        c.attempt_token("w2", 1)
+    if numbered:
+        extra = {"incarnation": 0, "seq": 6, "attempt": 1}
+    got = c.record_ack(WorkerAck("w2", 0, H[0], **extra))  # it reloaded v0, and reports it
+    assert (got.counted, got.reason, got.recorded) == (False, "not_required", True)
+    assert c.reports()["w2"].version == 0  # recorded, not dropped: we know what w2 holds
+    reported = [e for e in c.trace() if getattr(e, "worker_id", None) == "w2"]
+    assert reported[-1].ack is not None and reported[-1].ack.version == 0
+    c.change_membership(W3, "w2 is back")
+    fresh = c.attempt_token("w2", 1)
+    assert fresh != old_token
+    for w in ("w0", "w1"):
+        assert c.record_ack(answer(c, w, 1, seq=7)).counted
+    res = c.try_activate(1)
+    assert (res.activated, res.reason, res.mismatched_workers) == (
+        False,
+        "worker_mismatch",
+        ("w2",),
+    )
+    assert c.pointer() == ActivePointer(0, H[0])
+    # the ack w2 sent before it left is still in flight: it never counts again
+    again = c.record_ack(attrs.evolve(w2_v1, seq=8) if numbered else w2_v1)
+    assert (again.counted, again.reason) == (False, "stale_attempt_token")
+    assert not c.try_activate(1).activated
+    assert c.record_ack(answer(c, "w2", 1, seq=9)).counted
+    assert c.try_activate(1).activated
+    assert_trace_ok(c)
+
+
+@pytest.mark.parametrize("late_form", ["old_token", "no_token"])
+def test_delayed_ack_of_a_failed_attempt_is_refused(open_registry: Opener, late_form: str) -> None:
+    """Issue 17 item 3, in the README's own form: distribute v1, fail it, retry; w1 reports it
+    restored v0; w0 acks v1; w1's delayed ack of the failed attempt arrives: refused with a
+    typed reason, and v1 does not activate while w1 holds v0."""
+    c = ActivationCoordinator(open_registry(), WORKERS)
+    activate(c, 0)
+    ready(c, 1)
+    first = c.attempt_tokens(1)
+    c.fail_distribution(1, "ack_timeout")
+    c.retry(1)
+    assert c.attempt_tokens(1).keys() == first.keys()
+    assert all(c.attempt_tokens(1)[w] != first[w] for w in WORKERS)
+    restored = c.record_ack(WorkerAck("w1", 0, H[0]))
+    assert (restored.counted, restored.reason, restored.recorded) == (False, "reported", True)
+    assert c.record_ack(WorkerAck("w0", 1, H[1], token=c.attempt_token("w0", 1))).counted
+    token = first["w1"] if late_form == "old_token" else None
+    late = c.record_ack(WorkerAck("w1", 1, H[1], token=token))
+    want = "stale_attempt_token" if late_form == "old_token" else "missing_attempt_token"
+    assert (late.counted, late.reason, late.recorded) == (False, want, False)
+    assert c.reports()["w1"].version == 0
+    res = c.try_activate(1)
+    assert (res.activated, res.reason, res.mismatched_workers) == (
+        False,
+        "worker_mismatch",
+        ("w1",),
+    )
+    assert c.pointer() == ActivePointer(0, H[0])
+    assert c.statistics().acks[want] == 1
+    assert_trace_ok(c)
+
+
+def test_ack_without_a_token_is_refused_and_not_stored(coord: ActivationCoordinator) -> None:
+    """An ack of the version awaiting acks without its attempt's token never counts."""
+    ready(coord, 1)
+    got = coord.record_ack(ack("w0", 1))
+    assert (got.counted, got.reason, got.recorded) == (False, "missing_attempt_token", False)
+    assert coord.reports() == {}
+    assert coord.try_activate(1).missing_workers == WORKERS
+
+
+def test_token_of_another_worker_is_refused(coord: ActivationCoordinator) -> None:
+    """Echoing another worker's token of the same attempt is refused by name."""
+    ready(coord, 1)
+    got = coord.record_ack(ack("w0", 1, token=coord.attempt_token("w1", 1)))
+    assert (got.counted, got.reason) == (False, "foreign_attempt_token")
+    got = coord.record_ack(ack("w0", 1, token="made-up"))
+    assert (got.counted, got.reason) == (False, "stale_attempt_token")
+    assert coord.reports() == {}
+
+
+def test_attempt_tokens_are_random_per_worker_and_attempt(coord: ActivationCoordinator) -> None:
+    """Each attempt issues each worker its own 128-bit token; none exists outside an attempt."""
+    with pytest.raises(ActivationError, match="not registered"):
+        coord.attempt_token("w0", 1)
+    coord.prepare(1)
+    coord.commit_artifact(1, H[1])
+    with pytest.raises(ActivationError, match="not awaiting acks"):
+        coord.attempt_token("w0", 1)
+    coord.distribute(1)
+    a1 = coord.attempt_tokens(1)
+    assert sorted(a1) == sorted(WORKERS) and len(set(a1.values())) == 2
+    assert all(len(t) == 32 and int(t, 16) >= 0 for t in a1.values())
+    with pytest.raises(ActivationError, match="not a required worker"):
+        coord.attempt_token("w9", 1)
+    coord.fail_distribution(1, "timeout")
+    with pytest.raises(ActivationError, match="not awaiting acks"):
+        coord.attempt_token("w0", 1)
+    coord.retry(1)
+    a2 = coord.attempt_tokens(1)
+    assert not set(a1.values()) & set(a2.values())
+    dist = [e for e in coord.history(1) if e.event in ("distribute", "retry")]
+    assert [{t.worker_id: t.token for t in e.tokens} for e in dist] == [a1, a2]
+    assert [{t.attempt for t in e.tokens} for e in dist] == [{1}, {2}]
+
+
+def test_joining_worker_gets_a_token_for_the_attempt_in_flight(open_registry: Opener) -> None:
+    """A worker added while a version awaits acks is issued a token, recorded in the
+    membership change, and the activation waits for its ack."""
+    c = ActivationCoordinator(open_registry(), WORKERS)
+    ready(c, 1)
+    for w in WORKERS:
+        c.record_ack(answer(c, w, 1))
+    c.change_membership(W3, "scaled up")
+    change = [e for e in c.trace() if e.kind == "membership"][-1]
+    assert [(t.worker_id, t.version, t.attempt) for t in change.tokens] == [("w2", 1, 1)]
+    assert change.tokens[0].token == c.attempt_token("w2", 1)
+    assert c.try_activate(1).missing_workers == ("w2",)
+    assert c.record_ack(answer(c, "w2", 1)).counted
+    assert c.try_activate(1).activated
+    assert_trace_ok(c)
+
+
+def test_registry_refuses_plans_that_break_the_token_rules(open_registry: Opener) -> None:
+    """Even a buggy plan cannot activate on a stale or missing token, store a forged one,
+    keep a leaver's ack, or open an attempt without tokens: check_step refuses each."""
+    c = ActivationCoordinator(open_registry(), WORKERS)
+    ready(c, 1)
+    old = c.attempt_tokens(1)
+    for w in WORKERS:
+        c.record_ack(answer(c, w, 1))
+    c.fail_distribution(1, "timeout")
+    c.retry(1)  # the stored acks now echo tokens of attempt 1
+    reg = c.registry
+    rec = reg.artifact(1)
+    assert rec is not None
+
+    def activate_plan(view: RegistryView) -> tuple[RegistryStep, None]:
+        ch = ArtifactChange("activate", rec, attrs.evolve(rec, state="active"))
+        return RegistryStep(0.0, (ch,), pointer=ActivePointer(1, H[1])), None
+
+    with pytest.raises(ActivationError, match="missing_worker_ack"):
+        reg.transact(activate_plan)
+
+    def forged_plan(view: RegistryView) -> tuple[RegistryStep, None]:
+        forged = WorkerReport("w0", 0, WorkerAck("w0", 1, H[1], 0, 9, token=old["w0"]))
+        return RegistryStep(0.0, workers=(forged,)), None
+
+    with pytest.raises(ActivationError, match="not the current attempt"):
+        reg.transact(forged_plan)
+
+    def keep_leaver_plan(view: RegistryView) -> tuple[RegistryStep, None]:
+        return RegistryStep(0.0, membership=("w0",), membership_reason="x", revoked=("w1",)), None
+
+    with pytest.raises(ActivationError, match="ack stays standing"):
+        reg.transact(keep_leaver_plan)
+
+    c.fail_distribution(1, "again")
+    rec = reg.artifact(1)
+    assert rec is not None
+
+    def tokenless_retry(view: RegistryView) -> tuple[RegistryStep, None]:
+        ch = ArtifactChange("retry", rec, attrs.evolve(rec, state="awaiting_acks", attempts=3))
+        return RegistryStep(0.0, (ch,)), None
+
+    with pytest.raises(ActivationError, match="issues no token"):
+        reg.transact(tokenless_retry)
+    assert reg.artifact(1) == rec and c.pointer() is None
+    assert_trace_ok(c)
+
+
+def test_the_loader_echoes_the_token_for_the_worker(open_registry: Opener, tmp_path: Path) -> None:
+    """WorkerLoader.load(..., token=...) builds the ack with the token: the user never does."""
+    store = ArtifactStore(tmp_path / "artifacts")
+    stored = store.write(1, files={"weights.bin": b"v1"})
+    c = ActivationCoordinator(open_registry(), WORKERS)
+    c.prepare(1)
+    c.commit_artifact(1, stored.artifact_hash)
+    c.distribute(1)
+    for w in WORKERS:
+        _, got = WorkerLoader(store, w).load(1, stored.artifact_hash, token=c.attempt_token(w, 1))
+        assert got.token == c.attempt_token(w, 1)
+        assert c.record_ack(got).counted
+    _, untokened = WorkerLoader(store, "w0").load(1, stored.artifact_hash)
+    assert c.record_ack(untokened).reason == "missing_attempt_token"
+    assert c.try_activate(1).activated
+    assert_trace_ok(c)
+
+
+def test_read_only_registry_from_before_attempt_tokens(tmp_path: Path) -> None:
+    """A file written before the attempt-token table existed reads as holding no tokens
+    (read-only opens never create tables), instead of failing on the missing table."""
+    db = tmp_path / "state.db"
+    reg = SQLiteRegistry(db)
+    activate(ActivationCoordinator(reg, WORKERS), 1)
+    reg.close()
+    conn = connect(db)
+    conn.execute("DROP TABLE registry_attempt_tokens")
+    conn.close()
+    ro = SQLiteRegistry(db, read_only=True)
+    try:
+        assert ro.attempt_tokens() == [] and ro.pointer() == ActivePointer(1, H[1])
+    finally:
+        ro.close()

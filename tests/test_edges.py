@@ -29,7 +29,13 @@ from rollout_lifecycle.model.errors import (
     RolloutLifecycleError,
 )
 from rollout_lifecycle.model.ledger import MemoryLedger, ReserveRequest
-from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, Reward, WorkerAck
+from rollout_lifecycle.model.records import (
+    AdmissionPolicy,
+    AdmissionStamp,
+    LedgerEntry,
+    Reward,
+    WorkerAck,
+)
 from rollout_lifecycle.model.registry import MemoryRegistry
 from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
 
@@ -287,11 +293,13 @@ def test_ledger_show_survives_a_lease_of_1e300(tmp_path: Path) -> None:
     """A lease far outside any calendar is shown as a number, not a traceback."""
     url = f"sqlite:///{tmp_path / 'l.db'}"
     with open_backend(url) as b:
-        c = ActivationCoordinator(b.registry, ["g0"], ledger=b.ledger)
+        c = ActivationCoordinator(
+            b.registry, ["g0"], ledger=b.ledger, policy=AdmissionPolicy(1, 0.2)
+        )
         c.prepare(0)
         c.commit_artifact(0, H)
         c.distribute(0)
-        c.record_ack(WorkerAck("g0", 0, H))
+        c.record_ack(WorkerAck("g0", 0, H, token=c.attempt_token("g0", 0)))
         assert c.try_activate(0).activated
         b.ledger.add(LedgerEntry("r", 0, H, state="rewarded", reward=Reward("rm", "1", 1.0)))
     with open_backend(url, clock=lambda: 1e300) as b:
@@ -394,7 +402,9 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
 def test_registry_on_a_full_disk_says_so(full_disk: Path) -> None:
     """A full disk is reported as such (typed), not as 'cannot rollback'."""
     with open_backend(f"sqlite:///{full_disk / 's.db'}") as b:
-        coord = ActivationCoordinator(b.registry, ["g0"], ledger=b.ledger)
+        coord = ActivationCoordinator(
+            b.registry, ["g0"], ledger=b.ledger, policy=AdmissionPolicy(1, 0.2)
+        )
         filler = full_disk / "filler"
         with pytest.raises(OSError), filler.open("wb") as f:
             while True:

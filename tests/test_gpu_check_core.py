@@ -203,3 +203,24 @@ def test_committed_cpu_reference_rejudges_and_replays() -> None:
         assert rep == {k: v for k, v in g["invariants"].items() if k != "trace_file"}
         assert rep["violated"] == {}
     assert doc["device"]["device"] == "cpu"
+
+
+def test_gpu_check_doc_figures_match_the_committed_reference() -> None:
+    """docs/gpu-check.md's invariant figures are the committed reference's, group by group."""
+    import re
+
+    doc = json.loads(REFERENCE.read_text())
+    text = (REFERENCE.parent.parent / "gpu-check.md").read_text()
+    m = re.search(
+        r"(\d+) of (\d+) spec invariants\s+held over (\d+) atomic steps \((\d+) events\)", text
+    )
+    assert m is not None
+    held, checked, steps, events = (int(x) for x in m.groups())
+    for g in doc["groups"]:
+        inv = g["invariants"]
+        assert (len(inv["held"]), len(inv["checked"]), inv["steps"], inv["events"]) == (
+            held,
+            checked,
+            steps,
+            events,
+        )

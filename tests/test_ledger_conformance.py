@@ -328,11 +328,11 @@ def test_self_contradicting_stamp_is_refused(ledger: Ledger) -> None:
         accepted=True,
     )
     out = ledger.reserve("a", 0, "u", liar)
-    assert (out.reserved, out.reason) == (False, "not_admitted")
+    assert (out.reserved, out.reason) == (False, "stamp_contradicts_itself")
     assert "lag 10 outside [0, 1]" in out.detail and "drift 5.0 over 0.1" in out.detail
     frozen.assert_unchanged()
     (batch,) = ledger.reserve_batch("u", [ReserveRequest("a", 0, liar)])
-    assert (batch.reserved, batch.reason) == (False, "not_admitted")
+    assert (batch.reserved, batch.reason) == (False, "stamp_contradicts_itself")
     frozen.assert_unchanged()
 
 

@@ -38,7 +38,7 @@ from rollout_lifecycle.model.errors import (
 )
 from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, WorkerReported
 from rollout_lifecycle.model.ledger import RecoveryRule, ReserveRequest
-from rollout_lifecycle.model.records import WorkerAck
+from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck
 from rollout_lifecycle.spec.invariants import check_trace, compare_with_store, stored_world
 from tests import pg_server
 from tests.helpers_ledger import add_rewarded, ids, rewarded, stamp
@@ -48,6 +48,7 @@ pytestmark = pytest.mark.postgres
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "rollout_lifecycle.cli.main"]
 H = {v: f"{v:x}".rjust(64, "e") for v in range(200)}
+POLICY = AdmissionPolicy(max_lag=1, max_drift=0.2)  # the deployment's recorded policy
 
 
 def _ledger(url: str, **kw: Any) -> Any:
@@ -76,7 +77,8 @@ def _activate(c: ActivationCoordinator, version: int) -> None:
     c.commit_artifact(version, H[version])
     c.distribute(version)
     for w in c.required_workers:
-        assert c.record_ack(WorkerAck(w, version, H[version])).counted
+        token = c.attempt_token(w, version)
+        assert c.record_ack(WorkerAck(w, version, H[version], token=token)).counted
     assert c.try_activate(version).activated
 
 
@@ -269,7 +271,9 @@ def test_four_processes_of_eight_threads_race_for_10000_rollouts(postgres_url: s
     consumed once by the update that reserved it, counters add up, `ledger check` is clean."""
     n, procs_n, threads_n = 10_000, 4, 8
     with open_backend(postgres_url) as b:  # v1 active: every reservation is judged by it
-        _activate(ActivationCoordinator(b.registry, ["w0", "w1"], ledger=b.ledger), 1)
+        _activate(
+            ActivationCoordinator(b.registry, ["w0", "w1"], ledger=b.ledger, policy=POLICY), 1
+        )
     led = _ledger(postgres_url)
     add_rewarded(led, ids(n))
     ctx = multiprocessing.get_context("spawn")
@@ -389,7 +393,7 @@ def test_reservations_never_land_past_a_concurrent_pointer_switch(postgres_url: 
     pointer inside its own atomic step), and the ones refused say pointer_moved."""
     n = 1200
     with open_backend(postgres_url) as b:
-        coord = ActivationCoordinator(b.registry, ["w0", "w1"], ledger=b.ledger)
+        coord = ActivationCoordinator(b.registry, ["w0", "w1"], ledger=b.ledger, policy=POLICY)
         _activate(coord, 0)
         add_rewarded(b.ledger, ids(n), version=0)
     lag0 = attrs.evolve(stamp(0), max_lag=0)
@@ -426,7 +430,7 @@ def test_reservations_never_land_past_a_concurrent_pointer_switch(postgres_url: 
                 c.commit_artifact(1, H[1])
                 c.distribute(1)
                 for w in ("w0", "w1"):
-                    c.record_ack(WorkerAck(w, 1, H[1]))
+                    c.record_ack(WorkerAck(w, 1, H[1], token=c.attempt_token(w, 1)))
                 while reasons["reserved"] < n // 12:
                     time.sleep(0.001)
                 assert c.try_activate(1).activated
@@ -466,7 +470,7 @@ def test_two_coordinators_race_while_acks_arrive(postgres_url: str) -> None:
     attempt matches its version and hash."""
     workers = ("w0", "w1", "w2")
     with open_backend(postgres_url) as b:
-        _activate(ActivationCoordinator(b.registry, workers, ledger=b.ledger), 0)
+        _activate(ActivationCoordinator(b.registry, workers, ledger=b.ledger, policy=POLICY), 0)
     stop = threading.Event()
     errors: list[BaseException] = []
     results: Counter[str] = Counter()
@@ -507,11 +511,15 @@ def test_two_coordinators_race_while_acks_arrive(postgres_url: str) -> None:
                 while not stop.is_set():
                     awaiting = [a for a in c.artifacts() if a.state == "awaiting_acks"]
                     for a in awaiting:
+                        try:  # the token travels with the weights of this attempt
+                            token = c.attempt_token(w, a.version)
+                        except ActivationError:
+                            continue  # the attempt closed meanwhile: nothing to answer
                         if w == "w2" and rng.random() < 0.3:
-                            c.record_ack(WorkerAck(w, a.version, "0" * 64, attempt=a.attempts))
+                            c.record_ack(WorkerAck(w, a.version, "0" * 64, token=token))
                             with lock:
                                 results["corrupt_ack"] += 1
-                        c.record_ack(WorkerAck(w, a.version, H[a.version], attempt=a.attempts))
+                        c.record_ack(WorkerAck(w, a.version, H[a.version], token=token))
                     time.sleep(rng.uniform(0.001, 0.01))
         except BaseException as exc:
             errors.append(exc)
@@ -552,12 +560,14 @@ def test_two_coordinators_race_while_acks_arrive(postgres_url: str) -> None:
     # an independent replay: the stored reports at the moment of each pointer move
     stored: dict[str, WorkerAck | None] = {}
     arts: dict[int, Any] = {}
+    sent: dict[tuple[int, str], str] = {}  # the token each attempt issued
     moves = 0
     last = -1
     for ev in trace:
         if isinstance(ev, WorkerReported):
             stored[ev.worker_id] = ev.ack
         elif isinstance(ev, ArtifactChanged):
+            sent.update(((t.version, t.worker_id), t.token) for t in ev.tokens)
             if ev.pointer_after != ev.pointer_before and ev.event == "activate":
                 moves += 1
                 rec = arts[ev.version]
@@ -566,10 +576,10 @@ def test_two_coordinators_race_while_acks_arrive(postgres_url: str) -> None:
                 for w in workers:
                     a = stored[w]
                     assert a is not None, (ev.version, w)
-                    assert (a.version, a.artifact_hash, a.attempt) == (
+                    assert (a.version, a.artifact_hash, a.token) == (
                         ev.version,
                         rec.artifact_hash,
-                        rec.attempts,
+                        sent[(ev.version, w)],
                     ), (ev.version, w, a)
                 last = ev.pointer_after.version
             elif ev.pointer_after != ev.pointer_before and ev.event != "supersede":

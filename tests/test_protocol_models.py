@@ -10,13 +10,17 @@ from rollout_lifecycle.spec.bounds import CI_MODELS, EXPLORER_MODELS
 from rollout_lifecycle.spec.explorer import explore
 from rollout_lifecycle.stateful_tests.mutants import CATALOGUE
 
-# pinned like tlaplus/Examples pin TLC's counts: a change here means the model changed
+# pinned like tlaplus/Examples pin TLC's counts: a change here means the model changed.
+# activation-small 26955 -> 43067 and activation-2v 1695 -> 2743 with attempt tokens (issue
+# 17): a stored ack of the current attempt keeps its token, a report of a version no attempt
+# asks for is stored without one, so two stores that used to look alike now differ (with
+# tokens left out of the canonical form the counts are 26958 and 1695 again)
 PINNED = {
     "ledger-small": 5116,
-    "lifecycle": 22919,
-    "activation-small": 26955,
-    "activation-2v": 1695,
-    "seams": 12948,
+    "lifecycle": 71545,  # 22,919 before the heartbeat (renew_lease) action
+    "activation-small": 43067,
+    "activation-2v": 2743,
+    "seams": 13604,  # 12,948 before learner 1 lied with a looser-than-policy stamp
 }
 
 
@@ -48,7 +52,7 @@ def test_seams_model_reaches_the_races_it_is_for() -> None:
         "old_distribution_refused",
         "partial_set_refused",
         "bad_add_refused",
-        "reserve:not_admitted",
+        "reserve:stamp_contradicts_itself",
     ):
         assert model.observed[key] > 0, key
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from rollout_lifecycle.stateful_tests.backends import durable_url
 from rollout_lifecycle.stateful_tests.race import RaceConfig, RaceReport, judge_calls, run_race
 
 pytestmark = pytest.mark.slow
@@ -28,6 +29,21 @@ def test_clean_race_has_no_violation_and_counts_refusals(tmp_path: Path) -> None
     assert totals.get("committed", 0) > 0 and report.calls > 0
     assert totals.get("activate:activated", 0) > 0
     assert "reserve:pointer_moved" in totals or totals.get("reserve:reserved", 0) > 0
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_race_with_hostile_learners_is_judged_by_the_recorded_policy(
+    tmp_path: Path, kind: str
+) -> None:
+    """Two of three learners are misconfigured (they admit any lag and drift): whatever
+    their gate lets through past the recorded policy is refused at the write
+    ('looser_than_policy'), and the history and the trace show no violation."""
+    url = f"sqlite:///{tmp_path / 'race.db'}" if kind == "sqlite" else durable_url(kind, tmp_path)
+    report = run_race(RaceConfig(url=url, learners=3, seconds=8.0, seed=3, hostile=2))
+    assert report.ok, [str(v) for v in report.violations[:5]] + list(report.errors)
+    totals = report.totals()
+    assert totals.get("reserve:looser_than_policy", 0) > 0, totals
+    assert totals.get("committed", 0) > 0
 
 
 @pytest.mark.parametrize("mutant", ["reservation_ignores_pointer", "cas_atomic_on_one_connection"])

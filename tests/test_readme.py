@@ -54,7 +54,21 @@ PYTHON_BLOCKS = re.findall(r"```python\n(.*?)\n```", README, flags=re.S)
 def test_readme_has_runnable_examples() -> None:
     """The README shows the small API and the embedding pattern as Python code."""
     assert len(PYTHON_BLOCKS) >= 2
-    assert any("open_backend" in b and "reserve_batch" in b for b in PYTHON_BLOCKS)
+    assert any("open_backend" in b and "admit_and_reserve" in b for b in PYTHON_BLOCKS)
+
+
+def test_readme_embedding_runs_twice_in_the_same_folder(tmp_path: Path) -> None:
+    """The embedding example is rerunnable: a second run on the same ledger file (the
+    deployment already set up, its rollouts already consumed) trains on new rollouts."""
+    (block,) = [b for b in PYTHON_BLOCKS if "admit_and_reserve" in b]
+    script = tmp_path / "block.py"
+    script.write_text(block, encoding="utf-8")
+    for run in (1, 2):
+        res = subprocess.run(
+            [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        )
+        assert res.returncode == 0, (run, res.stdout + res.stderr)
+        assert "trained on 4 rollouts" in res.stdout, res.stdout
 
 
 @pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))

@@ -33,6 +33,7 @@ from rollout_lifecycle.model.gate import AdmissionGate, GatePolicy
 from rollout_lifecycle.model.ledger import ReserveRequest, WriteRefused
 from rollout_lifecycle.model.records import (
     ActionEvidence,
+    AdmissionPolicy,
     AdmissionStamp,
     BehaviorPolicy,
     GenerationConditions,
@@ -50,6 +51,7 @@ H = {v: f"{v:x}".rjust(64, "c") for v in range(10)}
 WORKERS = ["gen-0", "gen-1"]
 REWARD = Reward("rm", "1", 0.5)
 CONDITIONS = GenerationConditions("tok", 1.0, 1.0, -1, 8)
+POLICY = AdmissionPolicy(max_lag=1, max_drift=0.2)  # the deployment's recorded policy
 
 
 def _rollout(rid: str, version: int) -> Rollout:
@@ -66,7 +68,8 @@ def _activate(c: ActivationCoordinator, version: int) -> None:
     c.commit_artifact(version, H[version])
     c.distribute(version)
     for w in c.required_workers:
-        assert c.record_ack(WorkerAck(w, version, H[version])).counted
+        token = c.attempt_token(w, version)
+        assert c.record_ack(WorkerAck(w, version, H[version], token=token)).counted
     assert c.try_activate(version).activated
 
 
@@ -94,7 +97,9 @@ def test_pointer_moved_between_admission_and_reservation_is_refused(
     """Problem 1: the README pattern (admit against the pointer, then reserve) is refused
     with 'pointer_moved' when another process activated a version in between."""
     with two_processes(kind, tmp_path) as (learner, activator):
-        coord = ActivationCoordinator(activator.registry, WORKERS, ledger=activator.ledger)
+        coord = ActivationCoordinator(
+            activator.registry, WORKERS, ledger=activator.ledger, policy=POLICY
+        )
         _activate(coord, 0)
         _activate(coord, 1)
         ro = _rollout("r0", 0)
@@ -126,7 +131,9 @@ def test_pointer_moved_between_admission_and_reservation_is_refused(
 def test_version_that_never_activated_is_not_reserved(kind: str, tmp_path: Path) -> None:
     """A rollout of a version that never became active is refused at the write."""
     with two_processes(kind, tmp_path) as (learner, activator):
-        coord = ActivationCoordinator(activator.registry, WORKERS, ledger=activator.ledger)
+        coord = ActivationCoordinator(
+            activator.registry, WORKERS, ledger=activator.ledger, policy=POLICY
+        )
         _activate(coord, 0)
         learner.ledger.add(
             LedgerEntry(
@@ -164,7 +171,8 @@ def test_second_coordinator_with_another_worker_set_is_refused(tmp_path: Path) -
         trainer.prepare(1)
         trainer.commit_artifact(1, H[1])
         trainer.distribute(1)
-        assert trainer.record_ack(WorkerAck("gen-0", 1, H[1])).counted
+        token = trainer.attempt_token("gen-0", 1)
+        assert trainer.record_ack(WorkerAck("gen-0", 1, H[1], token=token)).counted
         res = other.try_activate(1)
         assert (res.activated, res.reason) == (False, "missing_worker_ack")
         assert other.pointer() is None

@@ -12,14 +12,17 @@ from rollout_lifecycle.model.events import (
     EntryChanged,
     EventLog,
     MembershipChanged,
+    PolicyChanged,
     TraceEvent,
     WorkerReported,
 )
 from rollout_lifecycle.model.ledger import ManualClock, MemoryLedger
 from rollout_lifecycle.model.records import (
     ActivePointer,
+    AdmissionPolicy,
     AdmissionStamp,
     ArtifactRecord,
+    AttemptToken,
     Disposition,
     LedgerEntry,
     Reward,
@@ -39,6 +42,7 @@ from rollout_lifecycle.spec.invariants import (
 )
 
 WORKERS = ("w1", "w2")
+POLICY = AdmissionPolicy(max_lag=1, max_drift=0.2)
 REWARD = Reward("rm", "1", 0.5)
 
 
@@ -55,6 +59,16 @@ def stamp(bv: int, cv: int, max_lag: int = 1, drift: float = 0.01) -> AdmissionS
     )
 
 
+def token(v: int, attempt: int, w: str) -> str:
+    """The attempt token the hand-driven registry issues to `w` (distinct per attempt)."""
+    return f"t{v}.{attempt}.{w}"
+
+
+def issued(v: int, attempt: int, workers: tuple[str, ...] = WORKERS) -> tuple[AttemptToken, ...]:
+    """The tokens a distribution attempt of `v` issues, one per worker."""
+    return tuple(AttemptToken(v, w, attempt, token(v, attempt, w)) for w in workers)
+
+
 class Registry:
     """A hand-driven registry that emits correct ArtifactChanged events into a shared log."""
 
@@ -64,18 +78,21 @@ class Registry:
         self.pointer: ActivePointer | None = None
         self.seq = 0
         self.log.record([MembershipChanged(0, 0, 0.0, None, WORKERS, "initial membership")])
+        self.log.record([PolicyChanged(0, 0, 0.0, None, POLICY, "initial policy")])
 
     def report(self, v: int, h: str) -> None:
-        """Every worker's ack of (v, h) for attempt 1, as the registry stores it."""
+        """Every worker's ack of (v, h) for attempt 1, echoing its token, as stored."""
         self.seq += 1
         for w in WORKERS:
-            self.log.record([WorkerReported(0, 0, 0.0, w, 0, WorkerAck(w, v, h, 0, self.seq, 1))])
+            ack = WorkerAck(w, v, h, 0, self.seq, 1, token(v, 1, w))
+            self.log.record([WorkerReported(0, 0, 0.0, w, 0, ack)])
 
     def _emit(
         self,
         changes: list[tuple[int, str, ArtifactRecord]],
         new_ptr: Any = "same",
         acks: tuple[WorkerAck, ...] = (),
+        tokens: tuple[AttemptToken, ...] = (),
     ) -> None:
         evs: list[TraceEvent] = []
         pb = self.pointer
@@ -94,6 +111,7 @@ class Registry:
                     pointer_after=pa,
                     acks=acks,
                     required_workers=WORKERS,
+                    tokens=tokens,
                 )
             )
             self.arts[v] = after
@@ -109,10 +127,11 @@ class Registry:
         a = self.arts[v]
         self._emit([(v, "commit_artifact", attrs.evolve(a, state="committed", artifact_hash=h))])
         self._emit(
-            [(v, "distribute", attrs.evolve(self.arts[v], state="awaiting_acks", attempts=1))]
+            [(v, "distribute", attrs.evolve(self.arts[v], state="awaiting_acks", attempts=1))],
+            tokens=issued(v, 1),
         )
         self.report(v, h)
-        acks = tuple(WorkerAck(w, v, h, 0, self.seq, 1) for w in WORKERS)
+        acks = tuple(WorkerAck(w, v, h, 0, self.seq, 1, token(v, 1, w)) for w in WORKERS)
         changes = [(v, "activate", attrs.evolve(self.arts[v], state="active"))]
         if self.pointer is not None:
             old = self.pointer.version
@@ -139,7 +158,10 @@ class Registry:
         self._emit(
             [(v, "commit_artifact", attrs.evolve(self.arts[v], state="committed", artifact_hash=h))]
         )
-        self._emit([(v, "distribute", attrs.evolve(self.arts[v], state="awaiting_acks"))])
+        self._emit(
+            [(v, "distribute", attrs.evolve(self.arts[v], state="awaiting_acks", attempts=1))],
+            tokens=issued(v, 1),
+        )
         self._emit(
             [
                 (
@@ -373,6 +395,98 @@ def test_reserved_against_current_version_violation() -> None:
     assert "admitted_when_reserved" not in names(ok)
 
 
+def test_reservation_judged_against_the_recorded_policy() -> None:
+    """A self-consistent stamp judged with a looser max_lag than the deployment's recorded
+    policy, a reservation with no recorded policy, and one of a rolled-back version are
+    each named: the premise is the replayed deployment state, never the stamp."""
+    events, _, _ = correct_history()
+    ev = next(e for e in events if is_entry("r4", "reserve")(e) and e.update_id == "u3")
+    assert isinstance(ev, EntryChanged)
+    loose = attrs.evolve(stamp(0, 1, max_lag=1000), max_drift=1e9)
+    lax = [
+        attrs.evolve(e, after=attrs.evolve(ev.after, admission=loose)) if e is ev else e
+        for e in events
+    ]
+    assert "reserved_against_current_version" in names(lax)
+    assert "admitted_when_reserved" not in names(lax)  # the stamp agrees with itself
+    no_policy = [e for e in events if not isinstance(e, PolicyChanged)]
+    assert "reserved_against_current_version" in names(no_policy)
+    # a later reservation of a v1 rollout after v1 was rolled back (retired)
+    log = EventLog()
+    led = MemoryLedger(clock=ManualClock(), event_log=log)
+    reg = Registry(log)
+    reg.activate(0)
+    reg.activate(1)
+    rewarded(led, "late", 1)
+    reg.rollback()
+    forged = forge(
+        LedgerEntry,
+        **{
+            **attrs.asdict(led.get("late"), recurse=False),
+            "state": "reserved",
+            "revision": 3,
+            "reserved_by": "u9",
+            "admission": stamp(1, 0),
+        },
+    )
+    log.record([EntryChanged(0, 0, 0.0, "late", "reserve", led.get("late"), forged, "u9")])
+    found = [v.message for v in check_trace(log.events()).violations]
+    assert any("rolled back (retired)" in m for m in found), found
+    # the operator's explicit choice to keep the rollouts is honoured
+    kept = [
+        attrs.evolve(
+            e,
+            after=attrs.evolve(
+                e.after, failure=Disposition("activation", "rolled_back_kept", "operator")
+            ),
+        )
+        if isinstance(e, ArtifactChanged) and e.event == "roll_back"
+        else e
+        for e in log.events()
+    ]
+    found = [v.message for v in check_trace(kept).violations]
+    assert not any("rolled back (retired)" in m for m in found), found
+
+
+def test_policy_explicit_violation() -> None:
+    """A policy change that does not start from the recorded one, or has no reason, or
+    shares its step with other writes, is named."""
+    events, _, _ = correct_history()
+    is_pol = lambda e: isinstance(e, PolicyChanged)  # noqa: E731
+    assert "policy_explicit" in names(tamper(events, is_pol, before=POLICY))
+    assert "policy_explicit" in names(tamper(events, is_pol, reason=""))
+
+
+def test_lineage_fenced_violation() -> None:
+    """A version registered naming an update with no landed commit, or whose lineage
+    changes later, is named; one naming an update that committed passes."""
+    events, _, _ = correct_history()
+    is_reg = lambda e: isinstance(e, ArtifactChanged) and e.event == "register"  # noqa: E731
+    reg1 = next(e for e in events if is_reg(e) and e.version == 1)
+    assert isinstance(reg1, ArtifactChanged)
+    ghost = [
+        attrs.evolve(e, after=attrs.evolve(e.after, trained_by=("ghost",))) if e is reg1 else e
+        for e in events
+    ]
+    assert "lineage_fenced" in names(ghost)
+    landed = [
+        attrs.evolve(e, after=attrs.evolve(e.after, trained_by=("u1",))) if e is reg1 else e
+        for e in events
+    ]
+    assert "lineage_fenced" in names(landed)  # v1's later events dropped the lineage
+    consistent = [
+        attrs.evolve(
+            e,
+            after=attrs.evolve(e.after, trained_by=("u1",)),
+            before=None if e.before is None else attrs.evolve(e.before, trained_by=("u1",)),
+        )
+        if isinstance(e, ArtifactChanged) and e.version == 1
+        else e
+        for e in events
+    ]
+    assert "lineage_fenced" not in names(consistent)
+
+
 def test_failures_have_stage_violation() -> None:
     """A failure recorded at the wrong stage, or with none, is named."""
     e1 = LedgerEntry(
@@ -411,8 +525,15 @@ def test_activation_needs_all_acks_violation() -> None:
     assert "activation_needs_all_acks" in names(stale)
     ev = next(e for e in events if is_report(WORKERS[0], 1)(e))
     assert isinstance(ev, WorkerReported) and ev.ack is not None
-    old_attempt = tamper(events, is_report(WORKERS[0], 1), ack=attrs.evolve(ev.ack, attempt=0))
+    old_attempt = tamper(
+        events, is_report(WORKERS[0], 1), ack=attrs.evolve(ev.ack, token=token(1, 0, WORKERS[0]))
+    )
     assert "activation_needs_all_acks" in names(old_attempt)
+    no_token = tamper(events, is_report(WORKERS[0], 1), ack=attrs.evolve(ev.ack, token=None))
+    assert "activation_needs_all_acks" in names(no_token)
+    # the worker's ack of attempt 1 stays current only while the attempt does
+    attempt_2 = tamper(events, is_art(1, "distribute"), tokens=issued(1, 2))
+    assert "activation_needs_all_acks" in names(attempt_2)
     no_members = [e for e in events if not isinstance(e, MembershipChanged)]
     assert "activation_needs_all_acks" in names(no_members)
     # the activator's own claim of acks is not evidence
@@ -523,6 +644,30 @@ def test_failed_version_quarantined_violation() -> None:
     assert check_world(w) == []
 
 
+def test_retired_version_quarantined_violation() -> None:
+    """A rollout of a rolled-back version still waiting at rest is named, unless the
+    rollback recorded that the operator keeps them; a reserved one waits for its return."""
+    e = LedgerEntry(
+        rollout_id="x", behavior_version=2, artifact_hash="h2", state="rewarded", reward=REWARD
+    )
+    rolled = ArtifactRecord(
+        version=2,
+        artifact_hash="h2",
+        state="rolled_back",
+        rollback_version=1,
+        failure=Disposition("activation", "rolled_back", "operator rollback"),
+    )
+    arts = {1: ArtifactRecord(version=1, artifact_hash="h1", state="active"), 2: rolled}
+    w = World(entries={"x": e}, artifacts=arts, pointer=ActivePointer(1, "h1"))
+    assert {v.invariant for v in check_quiescent(w)} == {"retired_version_quarantined"}
+    kept = attrs.evolve(rolled, failure=Disposition("activation", "rolled_back_kept", "ok"))
+    assert check_quiescent(attrs.evolve(w, artifacts={**arts, 2: kept})) == []
+    quarantined = attrs.evolve(
+        e, state="quarantined", reward=None, disposition=Disposition("activation", "retired")
+    )
+    assert check_quiescent(attrs.evolve(w, entries={"x": quarantined})) == []
+
+
 def test_reservation_outcome_checks() -> None:
     """check_reservation names a lost idempotency, a failed CAS that wrote, and a bad success."""
     held = LedgerEntry(
@@ -566,6 +711,103 @@ def test_check_needs_input() -> None:
     """check() with neither a snapshot nor a trace is a ValueError."""
     with pytest.raises(ValueError):
         check()
+
+
+def _churned_history(void: bool, fresh: bool) -> list[TraceEvent]:
+    """v1 distributed, both workers ack it; w2 leaves and re-joins; v1 activates.
+
+    `void`: the leave step voids w2's ack (as it must); `fresh`: w2's re-join token is new.
+    """
+    log = EventLog()
+    reg = Registry(log)
+    reg.activate(0)
+    h = "h1"
+    reg._emit([(1, "register", ArtifactRecord(version=1, artifact_hash=None, rollback_version=0))])
+    reg._emit(
+        [(1, "commit_artifact", attrs.evolve(reg.arts[1], state="committed", artifact_hash=h))]
+    )
+    reg._emit(
+        [(1, "distribute", attrs.evolve(reg.arts[1], state="awaiting_acks", attempts=1))],
+        tokens=issued(1, 1),
+    )
+    reg.report(1, h)
+    w2 = WORKERS[1]
+    leave: list[TraceEvent] = [MembershipChanged(0, 0, 0.0, WORKERS, WORKERS[:1], "drain")]
+    if void:
+        leave.append(WorkerReported(0, 0, 0.0, w2, 0, None))
+    log.record(leave)
+    again = AttemptToken(1, w2, 1, token(1, 1, w2) + ("-new" if fresh else ""))
+    log.record([MembershipChanged(0, 0, 0.0, WORKERS[:1], WORKERS, "back", tokens=(again,))])
+    acks = tuple(WorkerAck(w, 1, h, 0, reg.seq, 1, token(1, 1, w)) for w in WORKERS)
+    changes = [
+        (1, "activate", attrs.evolve(reg.arts[1], state="active")),
+        (0, "supersede", attrs.evolve(reg.arts[0], state="superseded")),
+    ]
+    reg._emit(changes, ActivePointer(1, h), acks)
+    return log.events()
+
+
+def test_acks_bound_to_attempt_violation() -> None:
+    """Tokens come from attempts and joins only, one fresh one per worker, and leaving voids
+    a worker's ack: each way of breaking that is named."""
+    events, _, _ = correct_history()
+    assert "acks_bound_to_attempt" in names(tamper(events, is_art(1, "distribute"), tokens=()))
+    partial = tamper(events, is_art(1, "distribute"), tokens=issued(1, 1, WORKERS[:1]))
+    assert "acks_bound_to_attempt" in names(partial)
+    shared = tuple(attrs.evolve(t, token="same") for t in issued(1, 1))
+    assert "acks_bound_to_attempt" in names(tamper(events, is_art(1, "distribute"), tokens=shared))
+    by_commit = tamper(events, is_art(1, "commit_artifact"), tokens=issued(1, 1))
+    assert "acks_bound_to_attempt" in names(by_commit)
+
+    def is_report(w: str, v: int) -> Any:
+        return lambda e: isinstance(e, WorkerReported) and e.worker_id == w and e.ack.version == v
+
+    ev = next(e for e in events if is_report(WORKERS[0], 1)(e))
+    assert isinstance(ev, WorkerReported) and ev.ack is not None
+    forged = tamper(events, is_report(WORKERS[0], 1), ack=attrs.evolve(ev.ack, token="forged"))
+    assert "acks_bound_to_attempt" in names(forged)
+    # the correct churn: w2's ack voided when it leaves, a fresh token when it re-joins; the
+    # activation then lacks w2's fresh ack, which activation_needs_all_acks names
+    ok = names(_churned_history(void=True, fresh=True))
+    assert "acks_bound_to_attempt" not in ok and "activation_needs_all_acks" in ok
+    assert "acks_bound_to_attempt" in names(_churned_history(void=False, fresh=True))
+
+
+def test_activation_on_an_ack_from_before_leaving_is_named() -> None:
+    """Even if the leave step kept w2's ack and its re-join reissued the same token (so the
+    token matches), the spec knows the ack predates a membership change that voided it."""
+    got = check_trace(_churned_history(void=False, fresh=False)).violations
+    msgs = [v.message for v in got if v.invariant == "activation_needs_all_acks"]
+    assert any("membership change removed it" in m for m in msgs), msgs
+
+
+def test_history_from_before_attempt_tokens_is_judged_by_attempt_number() -> None:
+    """Events stored before attempt tokens existed (no `tokens` field) are read as such: the
+    activation is judged by the attempt number its acks echo, as it was then."""
+    from rollout_lifecycle.model.events import event_from_jsonable, event_to_jsonable
+
+    def legacy(ev: TraceEvent) -> TraceEvent:
+        data = event_to_jsonable(ev)
+        data.pop("tokens", None)
+        if data.get("ack"):
+            data["ack"].pop("token", None)
+        for a in data.get("acks", ()):
+            a.pop("token", None)
+        return event_from_jsonable(data)
+
+    events, _, _ = correct_history()
+    old = [legacy(e) for e in events]
+    assert all(e.tokens is None for e in old if isinstance(e, ArtifactChanged | MembershipChanged))
+    rep = check_trace(old)
+    assert rep.ok, [str(v) for v in rep.violations]
+
+    def is_report(w: str, v: int) -> Any:
+        return lambda e: isinstance(e, WorkerReported) and e.worker_id == w and e.ack.version == v
+
+    ev = next(e for e in old if is_report(WORKERS[0], 1)(e))
+    assert isinstance(ev, WorkerReported) and ev.ack is not None
+    wrong = tamper(old, is_report(WORKERS[0], 1), ack=attrs.evolve(ev.ack, attempt=0))
+    assert "activation_needs_all_acks" in names(wrong)
 
 
 def test_every_invariant_has_a_negative_test() -> None:

@@ -1,0 +1,189 @@
+"""`deployment`: the durable state every learner and coordinator of a deployment is judged by.
+
+The admission policy (L_max, D_max) is deployment state, like the required worker set: it
+is set by a recorded step (`set-policy`), and every reservation is judged against it inside
+its own atomic step, whatever a learner was configured with. `show` prints that state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import click
+
+from rollout_lifecycle.cli.exitcodes import InputError, TechnicalError
+from rollout_lifecycle.cli.ledger_cmd import _opened, backend_option, json_option
+from rollout_lifecycle.cli.output import dumps
+from rollout_lifecycle.model.backends import Backend, open_backend
+from rollout_lifecycle.model.errors import BackendUnavailable, RolloutLifecycleError
+from rollout_lifecycle.model.records import AdmissionPolicy, to_jsonable
+from rollout_lifecycle.model.registry import set_admission_policy
+from rollout_lifecycle.model.rules import retired_versions
+
+__all__ = ["deployment"]
+
+
+@contextlib.contextmanager
+def _for_writing(url: str) -> Iterator[Backend]:
+    """Open (creating if new) a backend to record deployment state; one-line errors."""
+    try:
+        backend = open_backend(url)
+    except BackendUnavailable as exc:
+        raise TechnicalError(f"--backend: {exc}") from None
+    except RolloutLifecycleError as exc:
+        raise click.UsageError(f"--backend: {exc}") from None
+    try:
+        yield backend
+    except BackendUnavailable as exc:
+        raise TechnicalError(str(exc)) from None
+    except RolloutLifecycleError as exc:
+        raise InputError(str(exc)) from None
+    finally:
+        backend.close()
+
+
+def _drift(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise click.BadParameter(f"must be a finite number >= 0, got {value}")
+    return value
+
+
+@click.group("deployment")
+def deployment() -> None:
+    """The deployment's durable state: admission policy, pointer, workers, retired versions."""
+
+
+@deployment.command("set-policy")
+@backend_option
+@click.option(
+    "--max-lag",
+    type=click.IntRange(0, 2**63 - 1),
+    required=True,
+    help="L_max: the most versions a trained rollout may lag the active version.",
+)
+@click.option(
+    "--max-drift",
+    type=float,
+    required=True,
+    callback=_drift,
+    help="D_max: the largest mean |log-ratio| over action tokens a rollout may drift.",
+)
+@click.option(
+    "--reason",
+    default="set by the operator (rollout-lifecycle deployment set-policy)",
+    show_default=True,
+    help="Why, recorded in the trace with the change.",
+)
+def set_policy(url: str, max_lag: int, max_drift: float, reason: str) -> None:
+    """Record the admission policy every reservation of this deployment is judged by."""
+    if not reason.strip():
+        raise click.BadParameter("must not be empty", param_hint="--reason")
+    with _for_writing(url) as b:
+        before = b.registry.policy()
+        after = set_admission_policy(b.registry, AdmissionPolicy(max_lag, max_drift), reason)
+    if before == after:
+        click.echo(f"policy unchanged: max_lag {after.max_lag}, max_drift {after.max_drift}")
+    else:
+        was = (
+            "none" if before is None else f"max_lag {before.max_lag}, max_drift {before.max_drift}"
+        )
+        click.echo(
+            f"policy recorded: max_lag {after.max_lag}, max_drift {after.max_drift} (was: {was})"
+        )
+
+
+def _state(b: Backend) -> dict[str, Any]:
+    reg = b.registry
+    arts = reg.artifacts()
+    policy = reg.policy()
+    return {
+        "policy": None if policy is None else to_jsonable(policy),
+        "pointer": to_jsonable(reg.pointer()),
+        "required_workers": reg.required_workers(),
+        "artifacts": {str(a.version): a.state for a in arts},
+        "retired_versions": sorted(retired_versions(arts)),
+        "bad_versions": sorted(b.ledger.bad_versions),
+    }
+
+
+@deployment.command("show")
+@backend_option
+@json_option
+def show(url: str, as_json: bool) -> None:
+    """Print the deployment's recorded policy, pointer, worker set and versions."""
+    with _opened(url) as b:
+        state = _state(b)
+    if as_json:
+        click.echo(dumps(state), nl=False)
+        return
+    pol = state["policy"]
+    click.echo(
+        "admission policy: "
+        + (
+            "none recorded (every reservation is refused; set one with set-policy)"
+            if pol is None
+            else f"max_lag {pol['max_lag']}, max_drift {pol['max_drift']}"
+        )
+    )
+    ptr = state["pointer"]
+    click.echo(
+        "active version:   "
+        + ("none" if ptr is None else f"v{ptr['version']} ({ptr['artifact_hash'][:16]}...)")
+    )
+    workers = state["required_workers"]
+    click.echo("required workers: " + ("none recorded" if not workers else ", ".join(workers)))
+    arts = state["artifacts"]
+    click.echo(
+        "versions:         "
+        + (", ".join(f"v{v} {s}" for v, s in arts.items()) if arts else "none registered")
+    )
+    retired = state["retired_versions"]
+    click.echo("retired (rolled back): " + (", ".join(f"v{v}" for v in retired) or "none"))
+
+
+@deployment.command("lineage")
+@click.argument("version", type=click.IntRange(0, 2**63 - 1))
+@backend_option
+@json_option
+def lineage(version: int, url: str, as_json: bool) -> None:
+    """Show what VERSION contains: its parents, the updates it records, their rollouts."""
+    with _opened(url) as b:
+        chain = []
+        rec = b.registry.artifact(version)
+        if rec is None:
+            raise InputError(f"v{version} is not registered in this deployment")
+        seen: set[int] = set()
+        while rec is not None and rec.version not in seen:
+            seen.add(rec.version)
+            chain.append(rec)
+            rec = None if rec.parent_version is None else b.registry.artifact(rec.parent_version)
+        wanted = {u for r in chain for u in r.trained_by}
+        consumed: dict[str, list[str]] = {u: [] for u in sorted(wanted)}
+        for ev in b.ledger.history():
+            if ev.event == "commit" and ev.update_id in consumed:
+                consumed[ev.update_id].append(ev.rollout_id)
+    data = {
+        "version": version,
+        "chain": [
+            {
+                "version": r.version,
+                "state": r.state,
+                "parent_version": r.parent_version,
+                "trained_by": list(r.trained_by),
+            }
+            for r in chain
+        ],
+        "updates": {u: {"landed": bool(ids), "rollouts": ids} for u, ids in consumed.items()},
+    }
+    if as_json:
+        click.echo(dumps(data), nl=False)
+        return
+    for r in chain:
+        updates = ", ".join(r.trained_by) or "no recorded updates"
+        click.echo(f"v{r.version} ({r.state}): trained by {updates}")
+    for u, ids in consumed.items():
+        shown = ", ".join(ids[:10]) + (f" (+{len(ids) - 10} more)" if len(ids) > 10 else "")
+        click.echo(f"  {u}: " + (f"{len(ids)} rollouts: {shown}" if ids else "NO landed commit"))

@@ -1,0 +1,467 @@
+"""The tamper-evident history and the store audit (spec/audit.py) on every backend: an
+untouched store passes, and each edit of the issue's reproductions is named."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from click.testing import CliRunner
+
+from rollout_lifecycle.cli.main import cli
+from rollout_lifecycle.model.backends import Backend, open_backend
+from rollout_lifecycle.model.coordinator import ActivationCoordinator
+from rollout_lifecycle.model.events import GENESIS, StoredEvent, chain_hash
+from rollout_lifecycle.model.ledger import MemoryLedger, ReserveRequest
+from rollout_lifecycle.model.records import (
+    AdmissionPolicy,
+    AdmissionStamp,
+    LedgerEntry,
+    Reward,
+    WorkerAck,
+)
+from rollout_lifecycle.model.registry import MemoryRegistry
+from rollout_lifecycle.spec.audit import AuditReport, audit, row_hash
+from rollout_lifecycle.stateful_tests.backends import fresh_schema, postgres_url, with_schema
+
+H0 = "a" * 64
+REWARD = Reward("rm", "1", 1.0)
+IDS = ("r0", "r1", "r2")
+STAMP = AdmissionStamp(
+    current_version=0,
+    behavior_version=0,
+    max_lag=1,
+    max_drift=0.2,
+    drift=0.01,
+    freshness="fresh",
+    reason="ok",
+    accepted=True,
+)
+
+
+def build(b: Backend) -> None:
+    """v0 active under a recorded policy; each rollout added at dispatch and driven through
+    generation_done and reward_ready; r0 and r1 reserved and consumed by u1, r2 rewarded."""
+    c = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger)
+    c.set_policy(AdmissionPolicy(1, 0.2), "audit test")
+    c.prepare(0)
+    c.commit_artifact(0, H0)
+    c.distribute(0)
+    assert c.record_ack(WorkerAck("w0", 0, H0, token=c.attempt_token("w0", 0))).counted
+    assert c.try_activate(0).activated
+    for rid in IDS:
+        e = b.ledger.add(LedgerEntry(rollout_id=rid, behavior_version=0, artifact_hash=H0))
+        e = b.ledger.transition(rid, "generation_done", e.revision)
+        b.ledger.transition(rid, "reward_ready", e.revision, reward=REWARD)
+    won = b.ledger.reserve_batch("u1", [ReserveRequest(r, 2, STAMP) for r in IDS[:2]])
+    assert all(o.reserved for o in won), won
+    b.ledger.commit("u1", list(IDS[:2]))
+
+
+@attrs.define
+class Store:
+    """A built deployment on one backend, and how to edit it behind the library's back."""
+
+    kind: str
+    url: str
+    backend: Backend
+    path: Path | None = None
+
+    def audit(self) -> AuditReport:
+        """Read one snapshot and audit it."""
+        return audit(self.backend.stored_rows())
+
+    def sql(self, *statements: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        """Run statements as a user with sqlite3 or psql would; the last one's rows."""
+        rows: list[tuple[Any, ...]] = []
+        if self.kind == "sqlite":
+            conn = sqlite3.connect(str(self.path))
+            try:
+                for s in statements:
+                    rows = conn.execute(s, args).fetchall()
+                conn.commit()
+            finally:
+                conn.close()
+            return rows
+        import psycopg
+
+        with psycopg.connect(self.url, autocommit=True) as pg:
+            for s in statements:
+                cur = pg.execute(s.replace("?", "%s"), list(args) or None)
+                rows = cur.fetchall() if cur.description else []
+        return rows
+
+    def event_rows(self) -> list[tuple[Any, ...]]:
+        """(seq, kind, subject, payload) of every stored event, in order."""
+        if self.kind == "memory":
+            return [
+                (e.seq, e.kind, e.subject, e.payload) for e in self.backend.stored_rows().events
+            ]
+        return self.sql("SELECT seq, kind, subject, payload FROM events ORDER BY seq")
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """The deployment of `build`, on each backend."""
+    path = None
+    if request.param == "memory":
+        url = "memory://"
+    elif request.param == "sqlite":
+        path = tmp_path / "ledger.db"
+        url = f"sqlite:///{path}"
+    else:
+        base = postgres_url()
+        url = with_schema(base, fresh_schema(base, tmp_path))
+    s = Store(request.param, url, open_backend(url), path)
+    try:
+        build(s.backend)
+        s.backend.stored_rows()  # memory chains its log when first read: seal it first
+        yield s
+    finally:
+        s.backend.close()
+
+
+def _memory_parts(s: Store) -> tuple[MemoryLedger, Any]:
+    assert isinstance(s.backend.ledger, MemoryLedger)
+    assert isinstance(s.backend.registry, MemoryRegistry)
+    return s.backend.ledger, s.backend.registry.log
+
+
+def found(report: AuditReport) -> dict[str, list[tuple[int | None, str]]]:
+    """Findings by invariant: (seq, message)."""
+    out: dict[str, list[tuple[int | None, str]]] = {}
+    for v in report.violations:
+        out.setdefault(v.invariant, []).append((v.seq, v.message))
+    return out
+
+
+# ---- good histories pass --------------------------------------------------------------------
+
+
+def test_untouched_store_has_no_findings(store: Store) -> None:
+    """Every event chained, the head at the last one, every compared column as replayed."""
+    report = store.audit()
+    assert report.violations == [], [str(v) for v in report.violations]
+    events = store.event_rows()
+    assert report.history.chained == len(events) == report.trace.events
+    assert report.history.head_seq == events[-1][0]
+    assert report.history.unchained_prefix == 0
+    assert {"rollouts", "registry_artifacts", "registry_pointer"} <= set(report.store.compared)
+    assert report.store.rows == len(IDS)
+
+
+def test_chain_survives_concurrent_writers(store: Store) -> None:
+    """Four threads writing at once still leave one unbroken chain (each step chains onto
+    the step committed right before it)."""
+    ledger = store.backend.ledger
+
+    def work(t: int) -> None:
+        for i in range(6):
+            rid = f"t{t}-{i}"
+            e = ledger.add(LedgerEntry(rollout_id=rid, behavior_version=0, artifact_hash=H0))
+            ledger.transition(rid, "generation_done", e.revision)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    report = store.audit()
+    assert report.violations == [], [str(v) for v in report.violations]
+    assert report.history.chained == len(store.event_rows())
+
+
+def test_the_checker_and_the_writers_hash_alike() -> None:
+    """The spec's own hash of a row equals the writers' (the formula is stated twice)."""
+    row = StoredEvent(7, 3, "entry", "r\x00é", '{"txn":3}', GENESIS, None)
+    want = chain_hash(GENESIS, 7, 3, "entry", "r\x00é", '{"txn":3}')
+    assert row_hash(row) == want
+    assert row_hash(attrs.evolve(row, txn=4)) != want
+    text: Any = "3"  # SQLite stores whatever an UPDATE puts in a column
+    assert row_hash(attrs.evolve(row, txn=text)) is None
+
+
+# ---- edited columns -------------------------------------------------------------------------
+
+
+def test_consumed_state_set_back_to_rewarded_is_flagged(store: Store) -> None:
+    """sqlite3/psql `UPDATE rollouts SET state = 'rewarded'` on a consumed rollout."""
+    if store.kind == "memory":
+        led, _ = _memory_parts(store)
+        led._entries["r0"] = attrs.evolve(led._entries["r0"], state="rewarded")
+    else:
+        store.sql("UPDATE rollouts SET state = 'rewarded' WHERE rollout_id = 'r0'")
+    got = found(store.audit())
+    assert set(got) == {"stored_matches_trace"}, got
+    ((_, msg),) = got["stored_matches_trace"]
+    assert msg.startswith("r0: stored rewarded rev 4, the trace says consumed rev 4"), msg
+    assert "state: stored 'rewarded', replayed 'consumed'" in msg
+
+
+def test_revision_set_to_99_is_flagged(store: Store) -> None:
+    """`UPDATE rollouts SET revision = 99`: the column alone, the JSON entry untouched."""
+    if store.kind == "memory":
+        led, _ = _memory_parts(store)
+        led._entries["r0"] = attrs.evolve(led._entries["r0"], revision=99)
+    else:
+        store.sql("UPDATE rollouts SET revision = 99 WHERE rollout_id = 'r0'")
+    got = found(store.audit())
+    assert set(got) == {"stored_matches_trace"}, got
+    assert "revision: stored 99, replayed 4" in got["stored_matches_trace"][0][1]
+
+
+@pytest.mark.parametrize("column", ["entry", "lease_expires_at", "reserved_by"])
+def test_every_rollout_column_is_compared(store: Store, column: str) -> None:
+    """The JSON entry, the lease and the owner are compared like state and revision."""
+    if store.kind == "memory":
+        pytest.skip("memory keeps one record per rollout, not columns")
+    edit = {
+        "entry": "entry = replace(entry, '\"releases\":0', '\"releases\":3')",
+        "lease_expires_at": "lease_expires_at = 5.0",
+        "reserved_by": "state = 'reserved', reserved_by = 'intruder'",
+    }[column]
+    store.sql(f"UPDATE rollouts SET {edit} WHERE rollout_id = 'r1'")
+    got = found(store.audit())
+    assert set(got) == {"stored_matches_trace"}, got
+    msg = got["stored_matches_trace"][0][1]
+    assert msg.startswith("r1: ") and (column in msg or "JSON differs in releases" in msg), msg
+
+
+def test_registry_columns_are_compared(store: Store) -> None:
+    """The pointer and the recorded admission policy, edited in place, are named."""
+    if store.kind == "memory":
+        pytest.skip("memory has no columns to edit behind the registry's back")
+    store.sql("UPDATE registry_pointer SET version = 7", "UPDATE registry_policy SET max_lag = 100")
+    msgs = sorted(m for _, m in found(store.audit())["stored_matches_trace"])
+    assert msgs == [
+        "admission policy: max_lag: stored 100, replayed 1",
+        "pointer: version: stored 7, replayed 0",
+    ]
+
+
+def test_a_row_with_no_history_is_flagged(store: Store) -> None:
+    """A rollout inserted by hand: stored, but no event wrote it."""
+    if store.kind == "memory":
+        led, _ = _memory_parts(store)
+        led._entries["zz"] = attrs.evolve(led._entries["r2"], rollout_id="zz")
+    else:
+        store.sql(
+            "INSERT INTO rollouts SELECT 'zz', state, revision, reserved_by, lease_expires_at, "
+            "behavior_version, replace(entry, '\"r2\"', '\"zz\"') FROM rollouts "
+            "WHERE rollout_id = 'r2'"
+        )
+    got = found(store.audit())
+    assert got == {
+        "stored_matches_trace": [(None, "zz: stored (rewarded) but no trace event wrote it")]
+    }
+
+
+# ---- damaged history ------------------------------------------------------------------------
+
+
+def _seqs(store: Store, subject: str, event: str | None = None) -> list[int]:
+    return [
+        int(seq)
+        for seq, kind, subj, payload in store.event_rows()
+        if kind == "entry"
+        and subj == subject
+        and (event is None or json.loads(payload)["event"] == event)
+    ]
+
+
+def _drop(store: Store, seqs: list[int]) -> None:
+    """Delete these events (memory: from the log and its links alike)."""
+    if store.kind == "memory":
+        _, log = _memory_parts(store)
+        keep = [i for i, e in enumerate(log._events) if e.seq not in seqs]
+        log._events = [log._events[i] for i in keep]
+        log._links = [log._links[i] for i in keep]
+    else:
+        marks = ",".join(str(s) for s in seqs)
+        store.sql(f"DELETE FROM events WHERE seq IN ({marks})")
+
+
+def test_deleted_run_of_events_is_flagged(store: Store) -> None:
+    """r2's add, generation_done and reward_ready deleted: the gap is named at the next
+    event, and r2's row is left without history."""
+    run = _seqs(store, "r2")
+    assert len(run) == 3
+    after = min(s for s, *_ in store.event_rows() if s > max(run))
+    _drop(store, run)
+    got = found(store.audit())
+    assert set(got) == {"history_deleted", "stored_matches_trace"}, got
+    assert [seq for seq, _ in got["history_deleted"]] == [after]
+    assert got["stored_matches_trace"] == [
+        (None, "r2: stored (rewarded) but no trace event wrote it")
+    ]
+
+
+def test_swapped_payloads_are_flagged(store: Store) -> None:
+    """Two events' payloads swapped: both named as edited, by seq."""
+    (a,), (b,) = _seqs(store, "r0", "reserve"), _seqs(store, "r1", "reserve")
+    if store.kind == "memory":
+        _, log = _memory_parts(store)
+        i, j = (next(k for k, e in enumerate(log._events) if e.seq == s) for s in (a, b))
+        ea, eb = log._events[i], log._events[j]
+        log._events[i] = attrs.evolve(eb, seq=ea.seq)
+        log._events[j] = attrs.evolve(ea, seq=eb.seq)
+    else:
+        pa, pb = (
+            store.sql("SELECT payload FROM events WHERE seq = ?", args=(s,))[0][0] for s in (a, b)
+        )
+        store.sql("UPDATE events SET payload = ? WHERE seq = ?", args=(pb, a))
+        store.sql("UPDATE events SET payload = ? WHERE seq = ?", args=(pa, b))
+    got = found(store.audit())
+    assert [seq for seq, _ in got["history_edited"]] == [a, b], got
+    assert not {"history_deleted", "history_reordered", "history_truncated"} & set(got)
+
+
+def test_edited_payload_is_flagged(store: Store) -> None:
+    """A reward value rewritten inside one event: that event is named as edited."""
+    (seq,) = _seqs(store, "r2", "reward_ready")
+    if store.kind == "memory":
+        _, log = _memory_parts(store)
+        i = next(k for k, e in enumerate(log._events) if e.seq == seq)
+        ev = log._events[i]
+        log._events[i] = attrs.evolve(
+            ev, after=attrs.evolve(ev.after, reward=Reward("rm", "1", 0.0))
+        )
+    else:
+        store.sql(
+            "UPDATE events SET payload = replace(payload, '\"value\":1.0', '\"value\":0.0') "
+            "WHERE seq = ?",
+            args=(seq,),
+        )
+    got = found(store.audit())
+    assert [s for s, _ in got["history_edited"]] == [seq], got
+
+
+def test_reordered_events_are_flagged(store: Store) -> None:
+    """Two whole rows swapped in place: the chain says the events were reordered."""
+    a, b = _seqs(store, "r1", "generation_done")[0], _seqs(store, "r1", "reward_ready")[0]
+    if store.kind == "memory":
+        _, log = _memory_parts(store)
+        i, j = (next(k for k, e in enumerate(log._events) if e.seq == s) for s in (a, b))
+        log._events[i], log._events[j] = log._events[j], log._events[i]
+        log._links[i], log._links[j] = log._links[j], log._links[i]
+    else:
+        cols = "txn, kind, subject, payload, prev_hash, hash"
+        ra, rb = (
+            store.sql(f"SELECT {cols} FROM events WHERE seq = ?", args=(s,))[0] for s in (a, b)
+        )
+        sets = "txn = ?, kind = ?, subject = ?, payload = ?, prev_hash = ?, hash = ?"
+        store.sql(f"UPDATE events SET {sets} WHERE seq = ?", args=(*rb, a))
+        store.sql(f"UPDATE events SET {sets} WHERE seq = ?", args=(*ra, b))
+    got = found(store.audit())
+    assert "history_reordered" in got, got
+    assert {seq for seq, _ in got["history_reordered"]} >= {a, b}
+
+
+def test_truncated_history_is_flagged(store: Store) -> None:
+    """The last two events (u1's commit) cut off: the head names what is missing."""
+    seqs = [int(s) for s, *_ in store.event_rows()]
+    _drop(store, seqs[-2:])
+    got = found(store.audit())
+    assert "history_truncated" in got, got
+    ((seq, msg),) = got["history_truncated"]
+    assert seq == seqs[-3] and f"names event #{seqs[-1]}" in msg, msg
+    # the rows still say consumed, the shortened history says reserved
+    assert len(got["stored_matches_trace"]) == 2
+
+
+def test_deleted_head_is_flagged(store: Store) -> None:
+    """The head deleted (so a cut-off tail would go unseen): named, and the next write
+    restarts the chain, which names the break instead of refusing to write."""
+    if store.kind == "memory":
+        pytest.skip("the memory log keeps its head beside the events, not in a table")
+    store.sql("DELETE FROM events_chain")
+    got = found(store.audit())
+    assert set(got) == {"history_truncated"}, got
+    assert "head is missing" in got["history_truncated"][0][1]
+    store.backend.ledger.add(LedgerEntry(rollout_id="r9", behavior_version=0, artifact_hash=H0))
+    got = found(store.audit())
+    assert "history_deleted" in got, got  # chained to GENESIS again, right after the break
+
+
+# ---- databases from before the chain ------------------------------------------------------
+
+
+def _unchain(store: Store) -> None:
+    """Make the store look like one written before the chain existed."""
+    if store.kind == "sqlite":
+        store.sql(
+            "ALTER TABLE events DROP COLUMN prev_hash",
+            "ALTER TABLE events DROP COLUMN hash",
+            "DROP TABLE events_chain",
+        )
+    else:
+        store.sql(
+            "ALTER TABLE events DROP COLUMN prev_hash, DROP COLUMN hash",
+            "DROP TABLE events_chain",
+            "DROP FUNCTION events_chain_link(bytea, bytea[])",
+        )
+
+
+def test_events_from_before_the_chain_are_an_unchained_prefix(store: Store) -> None:
+    """Read-only, an old store has no chain (not a violation); the first writer migrates it,
+    the chain starts after the old events, and deleting one of those is still seen."""
+    if store.kind == "memory":
+        pytest.skip("a memory store is never older than the program holding it")
+    old = len(store.event_rows())
+    store.backend.close()
+    _unchain(store)
+    with open_backend(store.url, create=False) as reader:
+        report = audit(reader.stored_rows())
+    assert report.violations == [] and not report.history.has_chain
+    assert report.history.unchained_prefix == old
+    res = CliRunner().invoke(cli, ["ledger", "check", "--backend", store.url, "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert f"no hash chain yet ({old} events written before it" in res.stdout
+    with open_backend(store.url) as writer:  # a writer migrates on open
+        writer.ledger.add(LedgerEntry(rollout_id="new", behavior_version=0, artifact_hash=H0))
+        report = audit(writer.stored_rows())
+    assert report.violations == [], [str(v) for v in report.violations]
+    assert (report.history.unchained_prefix, report.history.chained) == (old, 1)
+    store.sql("DELETE FROM events WHERE seq = 1")
+    with open_backend(store.url, create=False) as reader:
+        got = found(audit(reader.stored_rows()))
+    assert "history_unchained" in got, got
+
+
+# ---- the command -------------------------------------------------------------------------
+
+
+def test_ledger_check_names_findings_and_exits_1(tmp_path: Path) -> None:
+    """`ledger check` on SQLite: 0 findings and exit 0 untouched; after an edited state
+    column, a deleted run and a damaged event, exit 1, each named, and no traceback."""
+    path = tmp_path / "ledger.db"
+    url = f"sqlite:///{path}"
+    with open_backend(url) as b:
+        build(b)
+    runner = CliRunner()
+    res = runner.invoke(cli, ["ledger", "check", "--backend", url, "--json", "--quiet"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["history"]["has_chain"] and data["history"]["unchained_prefix"] == 0
+    assert data["history"]["chained_events"] == data["events"]
+    assert "ledger_bad_versions" in data["not_compared"]
+    assert "history_deleted" in data["checked"] and "stored_matches_trace" in data["checked"]
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE rollouts SET state = 'rewarded' WHERE rollout_id = 'r0'")
+    conn.execute("DELETE FROM events WHERE kind = 'entry' AND subject = 'r2'")
+    conn.execute("UPDATE events SET payload = 'not json', txn = 'x' WHERE seq = 1")
+    conn.commit()
+    conn.close()
+    res = runner.invoke(cli, ["ledger", "check", "--backend", url, "--quiet"])
+    assert res.exit_code == 1, res.output
+    assert "Traceback" not in res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+    for name in ("history_deleted", "history_edited", "history_unreadable", "stored_matches_trace"):
+        assert f"{name}: " in res.stdout, res.stdout
+    assert "history: " in res.stdout and "not compared: " in res.stdout
