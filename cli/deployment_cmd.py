@@ -7,42 +7,20 @@ its own atomic step, whatever a learner was configured with. `show` prints that 
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import click
 
-from rollout_lifecycle.cli.exitcodes import InputError, TechnicalError
+from rollout_lifecycle.cli.exitcodes import InputError
 from rollout_lifecycle.cli.ledger_cmd import _opened, backend_option, json_option
 from rollout_lifecycle.cli.output import dumps
-from rollout_lifecycle.model.backends import Backend, open_backend
-from rollout_lifecycle.model.errors import BackendUnavailable, RolloutLifecycleError
+from rollout_lifecycle.model.backends import Backend
 from rollout_lifecycle.model.records import AdmissionPolicy, to_jsonable
 from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.model.rules import retired_versions
 
 __all__ = ["deployment"]
-
-
-@contextlib.contextmanager
-def _for_writing(url: str) -> Iterator[Backend]:
-    """Open (creating if new) a backend to record deployment state; one-line errors."""
-    try:
-        backend = open_backend(url)
-    except BackendUnavailable as exc:
-        raise TechnicalError(f"--backend: {exc}") from None
-    except RolloutLifecycleError as exc:
-        raise click.UsageError(f"--backend: {exc}") from None
-    try:
-        yield backend
-    except BackendUnavailable as exc:
-        raise TechnicalError(str(exc)) from None
-    except RolloutLifecycleError as exc:
-        raise InputError(str(exc)) from None
-    finally:
-        backend.close()
 
 
 def _drift(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
@@ -81,7 +59,7 @@ def set_policy(url: str, max_lag: int, max_drift: float, reason: str) -> None:
     """Record the admission policy every reservation of this deployment is judged by."""
     if not reason.strip():
         raise click.BadParameter("must not be empty", param_hint="--reason")
-    with _for_writing(url) as b:
+    with _opened(url, create=True) as b:
         before = b.registry.policy()
         after = set_admission_policy(b.registry, AdmissionPolicy(max_lag, max_drift), reason)
     if before == after:

@@ -67,10 +67,11 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON i
 
 
 @contextlib.contextmanager
-def _opened(url: str) -> Iterator[Backend]:
-    """Open an existing backend; project errors become one-line click errors."""
+def _opened(url: str, *, create: bool = False) -> Iterator[Backend]:
+    """Open an existing backend (or, with `create`, one to write deployment state into);
+    project errors become one-line click errors."""
     try:
-        backend = open_backend(url, create=False)
+        backend = open_backend(url, create=create)
     except BackendUnavailable as exc:
         raise TechnicalError(f"--backend: {exc}") from None
     except RolloutLifecycleError as exc:

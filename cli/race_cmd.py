@@ -46,6 +46,12 @@ from rollout_lifecycle.stateful_tests.race import RaceConfig, check_fresh, run_r
     help="How many of the learners are misconfigured (their gate admits any lag and "
     "drift): the deployment's recorded policy must refuse what they let through.",
 )
+@click.option(
+    "--churn",
+    is_flag=True,
+    help="Activators also roll back (retiring versions learners admitted against) and "
+    "shrink and restore the required worker set.",
+)
 @report_options
 @quiet_option
 def race(
@@ -56,6 +62,7 @@ def race(
     max_lag: int,
     seed: int,
     hostile: int,
+    churn: bool,
     as_json: bool,
     report_path: Path | None,
     quiet: bool,
@@ -80,6 +87,7 @@ def race(
         max_lag=max_lag,
         seed=seed,
         hostile=hostile,
+        churn=churn,
     )
     tick = Progress("race", quiet=quiet)
     try:

@@ -443,17 +443,20 @@ class PostgresLedger:
         assert row is not None
         return float(row[0])
 
-    def _premise(self, conn: Conn) -> ActivationPremise:
-        """The active pointer and ever-active versions, read inside the caller's transaction
-        after its prologue took the premise lock shared (see the module doc; the lock comes
-        first, so a first activation committing meanwhile waits for this step too). A
-        database without registry tables (a ledger on its own) gives NO_REGISTRY."""
+    def _premise(self, conn: Conn) -> tuple[ActivationPremise, float]:
+        """The active pointer, ever-active and retired versions and the recorded policy,
+        read inside the caller's transaction after its prologue took the premise lock
+        shared (see the module doc; the lock comes first, so a first activation committing
+        meanwhile waits for this step too), with the deployment's time now, in the same
+        round trip. A database without registry tables (a ledger on its own) gives
+        NO_REGISTRY."""
         if not self._registry_seen:
             if not has_table(conn, "registry_pointer"):
-                return NO_REGISTRY
+                return NO_REGISTRY, self._now(conn)
             self._registry_seen = True  # a registry, once created, never goes away
         row = conn.execute(
-            "SELECT (SELECT version FROM registry_pointer WHERE id = 1), "
+            "SELECT extract(epoch FROM clock_timestamp())::float8, "
+            "(SELECT version FROM registry_pointer WHERE id = 1), "
             "ARRAY(SELECT version FROM registry_artifacts WHERE state = ANY(%s::text[])), "
             "(SELECT json_build_array(max_lag, max_drift) FROM registry_policy WHERE id = 1), "
             "(SELECT json_agg(json_build_array(version, failure)) FROM registry_artifacts "
@@ -461,13 +464,14 @@ class PostgresLedger:
             (_WAS_ACTIVE,),
         ).fetchone()
         assert row is not None
-        pointer, was, pol, rolled = row
-        return ActivationPremise(
+        server_now, pointer, was, pol, rolled = row
+        premise = ActivationPremise(
             None if pointer is None else int(pointer),
             frozenset(int(v) for v in was),
             None if pol is None else AdmissionPolicy(int(pol[0]), float(pol[1])),
             retired_from_rows(rolled or ()),
         )
+        return premise, float(server_now) if self._server_clock else self.clock()
 
     # ---- protocol --------------------------------------------------------------------------
 
@@ -608,13 +612,14 @@ class PostgresLedger:
 
         def body(conn: Conn) -> ReserveOutcome:
             # ... and judge the premise against the pointer of THIS moment, under its lock
-            refusal = self._premise(conn).refusal(admission, entry.behavior_version)
+            premise, now = self._premise(conn)
+            refusal = premise.refusal(admission, entry.behavior_version)
             if refusal is not None:
                 self._bump(conn, {"refused": 1})
                 return ReserveOutcome(rollout_id, False, refusal[0], entry, refusal[1])
             nonlocal planned, fresh
             if self._server_clock:  # the deadline is the server's, not this client's
-                fresh = attrs.evolve(fresh, lease_expires_at=self._now(conn) + self.lease_seconds)
+                fresh = attrs.evolve(fresh, lease_expires_at=now + self.lease_seconds)
                 planned = attrs.evolve(planned, entry=fresh)
             if self._cas_one(conn, entry, fresh):
                 self._finish(conn, [("reserve", entry, fresh, update_id)], {"reservations": 1})
@@ -659,8 +664,8 @@ class PostgresLedger:
             return []
 
         def body(conn: Conn) -> list[ReserveOutcome]:
-            lease = self._now(conn) + self.lease_seconds
-            premise = self._premise(conn)
+            premise, server_now = self._premise(conn)
+            lease = server_now + self.lease_seconds
             entries = self._rows(conn, [r.rollout_id for r in requests])
             outcomes: list[ReserveOutcome] = []
             planned: dict[str, tuple[LedgerEntry, LedgerEntry]] = {}

@@ -485,7 +485,7 @@ class ActivationMachine(RuleBasedStateMachine):
     @rule(
         worker=worker_ids,
         corrupt=st.sampled_from([False] * 5 + [True]),
-        echo=st.sampled_from([True] * 7 + [False]),
+        echo=st.sampled_from([True] * 3 + [False]),
     )
     @precondition(lambda self: self._awaiting() is not None and len(self.bag) < MAX_BAG)
     @counted

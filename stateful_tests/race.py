@@ -85,6 +85,8 @@ class RaceConfig:
     # the first `hostile` learners are misconfigured: their gate admits at any lag and
     # drift; the deployment's recorded policy must refuse what they would let through
     hostile: int = 0
+    # activators also roll back (retiring the rolled-back version) and churn the worker set
+    churn: bool = False
     mutant: str | None = None  # a catalogue mutant every child process runs with
 
 
@@ -155,12 +157,27 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                     if res.activated:
                         # generators switch a little later: rollouts in flight lag behind
                         serving = coord.pointer() if rng.random() < 0.7 else serving
+                    if cfg.churn:
+                        _churn(coord, rng, stats)
                 except ActivationError as exc:
                     stats[f"refused:{type(exc).__name__}"] += 1
                 time.sleep(rng.uniform(0.02, 0.2))
         out.put({"role": f"activator-{index}", "stats": dict(stats)})
     except Exception as exc:  # the parent reports why a child failed (no child traceback)
         out.put({"role": f"activator-{index}", "stats": dict(stats), "error": repr(exc)})
+
+
+def _churn(coord: ActivationCoordinator, rng: random.Random, stats: Counter[str]) -> None:
+    """Sometimes roll back (the rolled-back version's rollouts are retired while learners
+    hold stamps admitted against it) and shrink or restore the required worker set."""
+    if rng.random() < 0.15:
+        coord.rollback()
+        stats["rolled_back"] += 1
+    if rng.random() < 0.2:
+        now = coord.required_workers
+        new = WORKERS[:1] if len(now) == len(WORKERS) else WORKERS
+        coord.change_membership(new, f"race churn: {len(now)} -> {len(new)} workers")
+        stats["membership_changed"] += 1
 
 
 def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:

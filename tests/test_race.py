@@ -35,15 +35,18 @@ def test_clean_race_has_no_violation_and_counts_refusals(tmp_path: Path) -> None
 def test_race_with_hostile_learners_is_judged_by_the_recorded_policy(
     tmp_path: Path, kind: str
 ) -> None:
-    """Two of three learners are misconfigured (they admit any lag and drift): whatever
-    their gate lets through past the recorded policy is refused at the write
-    ('looser_than_policy'), and the history and the trace show no violation."""
+    """Two of three learners are misconfigured (they admit any lag and drift) while the
+    activator rolls back and churns the worker set: whatever their gate lets through past
+    the recorded policy is refused at the write ('looser_than_policy'), and the history
+    and the trace show no violation."""
     url = f"sqlite:///{tmp_path / 'race.db'}" if kind == "sqlite" else durable_url(kind, tmp_path)
-    report = run_race(RaceConfig(url=url, learners=3, seconds=8.0, seed=3, hostile=2))
+    cfg = RaceConfig(url=url, learners=3, seconds=8.0, seed=3, hostile=2, churn=True)
+    report = run_race(cfg)
     assert report.ok, [str(v) for v in report.violations[:5]] + list(report.errors)
     totals = report.totals()
     assert totals.get("reserve:looser_than_policy", 0) > 0, totals
     assert totals.get("committed", 0) > 0
+    assert totals.get("rolled_back", 0) > 0 and totals.get("membership_changed", 0) > 0
 
 
 @pytest.mark.parametrize("mutant", ["reservation_ignores_pointer", "cas_atomic_on_one_connection"])
