@@ -168,12 +168,15 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
 
 
 def _churn(coord: ActivationCoordinator, rng: random.Random, stats: Counter[str]) -> None:
-    """Sometimes roll back (the rolled-back version's rollouts are retired while learners
-    hold stamps admitted against it) and shrink or restore the required worker set."""
-    if rng.random() < 0.15:
+    """Every few activations roll back (the rolled-back version's rollouts are retired
+    while learners hold stamps admitted against it), and shrink or restore the required
+    worker set; a steady cadence, so even a short race under load does both."""
+    stats["churn_turns"] += 1
+    turn = stats["churn_turns"]
+    if turn % 5 == 0 or rng.random() < 0.05:
         coord.rollback()
         stats["rolled_back"] += 1
-    if rng.random() < 0.2:
+    if turn % 4 == 2 or rng.random() < 0.05:
         now = coord.required_workers
         new = WORKERS[:1] if len(now) == len(WORKERS) else WORKERS
         coord.change_membership(new, f"race churn: {len(now)} -> {len(new)} workers")
