@@ -8,6 +8,7 @@ them all). A traceback is reserved for bugs in this program.
 
 from __future__ import annotations
 
+import importlib
 import signal
 import sys
 import threading
@@ -20,24 +21,18 @@ import click
 from rollout_lifecycle.cli import exitcodes
 from rollout_lifecycle.cli.admit_cmd import admit
 from rollout_lifecycle.cli.bench_cmd import bench
-from rollout_lifecycle.cli.campaign_cmd import campaign
 from rollout_lifecycle.cli.demo_cmd import demo
 from rollout_lifecycle.cli.deployment_cmd import deployment
 from rollout_lifecycle.cli.diagram_cmd import diagram
 from rollout_lifecycle.cli.explore_cmd import explore
-from rollout_lifecycle.cli.fuzz_cmd import fuzz
 from rollout_lifecycle.cli.gpu_check_cmd import gpu_check
 from rollout_lifecycle.cli.ledger_cmd import ledger
-from rollout_lifecycle.cli.mutants_cmd import mutants
 from rollout_lifecycle.cli.race_cmd import race
 from rollout_lifecycle.model.atomic import cleanup_temporaries, describe_os_error
 from rollout_lifecycle.model.errors import BackendUnavailable, RolloutLifecycleError
 
 COMMANDS = (
-    campaign,
-    fuzz,
     explore,
-    mutants,
     race,
     admit,
     ledger,
@@ -62,7 +57,59 @@ def _version() -> str:
         return "0+unknown (not installed)"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
+# commands whose modules import Hypothesis and the stateful machines: loaded when they run,
+# so `--help` and every other command start without them. The first line of each command's
+# docstring is its summary here (tests/test_cli_lazy.py checks they agree).
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "campaign": (
+        "rollout_lifecycle.cli.campaign_cmd",
+        "Fuzz and explore both machines, print the report, write coverage JSON and diagrams.",
+    ),
+    "fuzz": (
+        "rollout_lifecycle.cli.fuzz_cmd",
+        "Fuzz the protocol machines against the spec; exit 1 on a violation.",
+    ),
+    "mutants": (
+        "rollout_lifecycle.cli.mutants_cmd",
+        "Kill every mutant of the catalogue with the fuzzer and the explorer; exit 1 on a "
+        "survivor.",
+    ),
+}
+
+
+class _LazyGroup(click.Group):
+    """A group that imports a LAZY_COMMANDS module only when that command is used."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in LAZY_COMMANDS and cmd_name not in self.commands:
+            module = importlib.import_module(LAZY_COMMANDS[cmd_name][0])
+            self.add_command(getattr(module, cmd_name))
+        return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        limit = formatter.width - 6 - max(len(n) for n in self.list_commands(ctx))
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in LAZY_COMMANDS and name not in self.commands:
+                stub = click.Command(name, help=LAZY_COMMANDS[name][1])
+                rows.append((name, stub.get_short_help_str(limit)))
+            else:
+                cmd = self.get_command(ctx, name)
+                if cmd is not None and not cmd.hidden:
+                    rows.append((name, cmd.get_short_help_str(limit)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+@click.group(
+    cls=_LazyGroup,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog=EXIT_CODES_HELP,
+)
 @click.version_option(_version(), "--version", "-V", prog_name="rollout-lifecycle")
 def cli() -> None:
     """Stale- and duplicate-safe rollout lifecycle for online RL post-training."""

@@ -461,17 +461,20 @@ class SQLiteLedger:
             if row is None:
                 return NO_REGISTRY
             self._registry_seen = True  # a registry, once created, never goes away
-        pointer = conn.execute("SELECT version FROM registry_pointer WHERE id = 1").fetchone()
+        pointer, max_lag, max_drift = conn.execute(
+            "SELECT (SELECT version FROM registry_pointer WHERE id = 1), "
+            "(SELECT max_lag FROM registry_policy WHERE id = 1), "
+            "(SELECT max_drift FROM registry_policy WHERE id = 1)"
+        ).fetchone()
         was = conn.execute(
             f"SELECT version, state, failure FROM registry_artifacts "
             f"WHERE state IN ({_WAS_ACTIVE_MARKS})",
             _WAS_ACTIVE,
         ).fetchall()
-        pol = conn.execute("SELECT max_lag, max_drift FROM registry_policy WHERE id = 1").fetchone()
         return ActivationPremise(
-            None if pointer is None else int(pointer[0]),
+            None if pointer is None else int(pointer),
             frozenset(int(r[0]) for r in was),
-            None if pol is None else AdmissionPolicy(int(pol[0]), float(pol[1])),
+            None if max_lag is None else AdmissionPolicy(int(max_lag), float(max_drift)),
             retired_from_rows((r[0], r[2]) for r in was if r[1] == "rolled_back"),
         )
 

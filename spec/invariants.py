@@ -21,6 +21,7 @@ from here, so "the same invariants" is literal.
 
 from __future__ import annotations
 
+import math
 from collections import ChainMap, Counter
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -28,7 +29,6 @@ from typing import Literal, TypeVar, cast
 
 import attrs
 
-from rollout_lifecycle.model import rules
 from rollout_lifecycle.model.events import (
     ArtifactChanged,
     EntryChanged,
@@ -50,13 +50,17 @@ from rollout_lifecycle.model.registry import RegistryStore, WorkerReport
 
 Kind = Literal["always", "step", "rest", "eventually"]
 
-# state classes are read off the machines' rule tags (model.rules), never retyped here
-REWARD_FAILURE_STATES = rules.REWARD_FAILURE_STATES
-EVER_ACTIVE_STATES = rules.WAS_ACTIVE_STATES
-UNRESOLVED_ACTIVATION = rules.UNRESOLVED_STATES
-FAILED_ACTIVATION = rules.FAILED_ACTIVATION_STATES
-OPEN_STATES = rules.OPEN_STATES
-ENTRY_START_STATES = rules.START_STATES
+# state classes are read off the declared machines' rule tags, never retyped here; the
+# rules themselves are stated below on their own, not imported from the write path's
+# model.rules (a bug there must not blind the check)
+REWARD_FAILURE_STATES = frozenset(LIFECYCLE.states_tagged("reward_failure"))
+CARRIES_REWARD_STATES = frozenset(LIFECYCLE.states_tagged("carries_reward"))
+ADMITTED_STATES = frozenset(LIFECYCLE.states_tagged("admitted"))
+EVER_ACTIVE_STATES = frozenset(ACTIVATION.states_tagged("was_active"))
+UNRESOLVED_ACTIVATION = frozenset(ACTIVATION.states_tagged("unresolved"))
+FAILED_ACTIVATION = frozenset(ACTIVATION.states_tagged("failure"))
+OPEN_STATES = frozenset(s for s in LIFECYCLE.states if s not in LIFECYCLE.terminal)
+ENTRY_START_STATES = frozenset(LIFECYCLE.states_tagged("start"))
 # the activation events that open a distribution attempt (and issue its tokens)
 ATTEMPT_EVENTS = ("distribute", "retry")
 
@@ -249,21 +253,69 @@ def _overlay(base: Mapping[K, V]) -> ChainMap[K, V]:
     return ChainMap({}, cast(MutableMapping[K, V], base))
 
 
-# ---- always: ledger (the write paths enforce the same predicates, from model.rules) ------
+# ---- always: ledger (the write paths enforce the same rules, stated apart in model.rules) --
 
 
-def _on_entry(check: Callable[[LedgerEntry], list[str]]) -> EntryCheck:
-    return lambda e, _w: check(e)
+def _exclusive_ownership(e: LedgerEntry, _w: World) -> list[str]:
+    if (e.reserved_by is None) == (e.state == "reserved"):
+        return [f"{e.rollout_id}: {e.state} with reserved_by {e.reserved_by!r}"]
+    return []
 
 
-_exclusive_ownership = _on_entry(rules.ownership_problems)
-_reward_failures_clean = _on_entry(rules.reward_problems)
-_admitted_when_reserved = _on_entry(rules.admission_problems)
-_entry_stage = _on_entry(rules.stage_problems)
+def _reward_failures_clean(e: LedgerEntry, _w: World) -> list[str]:
+    out = []
+    if e.state in REWARD_FAILURE_STATES and e.reward is not None:
+        out.append(f"{e.rollout_id}: reward failure {e.state} carries a reward value")
+    if e.state in CARRIES_REWARD_STATES and e.reward is None:
+        out.append(f"{e.rollout_id}: {e.state} has no reward value")
+    if e.state in ADMITTED_STATES and e.disposition is not None:
+        out.append(f"{e.rollout_id}: {e.state} yet recorded as failed ({e.disposition.cause})")
+    return out
+
+
+def _admitted_when_reserved(e: LedgerEntry, _w: World) -> list[str]:
+    """What a reserved or consumed rollout's stamp must show: an accepted decision for this
+    rollout's version, 0 <= lag <= its L_max, a finite drift within its D_max."""
+    if e.state not in ADMITTED_STATES:
+        return []
+    a = e.admission
+    if a is None:
+        return [f"{e.rollout_id}: {e.state} without an admission stamp"]
+    lag = a.current_version - a.behavior_version
+    drift_ok = (
+        isinstance(a.drift, int | float)
+        and not isinstance(a.drift, bool)
+        and math.isfinite(a.drift)
+        and 0 <= a.drift <= a.max_drift
+    )
+    passed = (
+        a.accepted is True
+        and a.reason == "ok"
+        and a.behavior_version == e.behavior_version
+        and 0 <= lag <= a.max_lag
+        and drift_ok
+    )
+    if passed:
+        return []
+    return [
+        f"{e.rollout_id}: {e.state} on a stamp that did not pass (accepted={a.accepted!r}, "
+        f"reason {a.reason!r}, v{a.behavior_version} for v{e.behavior_version}, lag {lag} "
+        f"of {a.max_lag}, drift {a.drift} of {a.max_drift})"
+    ]
+
+
+def _entry_stage(e: LedgerEntry, _w: World) -> list[str]:
+    stages = LIFECYCLE.stages(e.state)
+    if stages and (e.disposition is None or e.disposition.stage not in stages):
+        return [f"{e.rollout_id}: {e.state} without a cause recorded at {sorted(stages)}"]
+    return []
 
 
 def _artifact_stage(a: ArtifactRecord, _w: World) -> list[str]:
-    return rules.artifact_stage_problems(a)
+    stages = ACTIVATION.stages(a.state)
+    if stages and (a.failure is None or a.failure.stage not in stages):
+        return [f"artifact v{a.version}: {a.state} without a cause recorded at {sorted(stages)}"]
+    return []
 
 
 # ---- always: activation --------------------------------------------------------------------
@@ -292,7 +344,7 @@ def _pointer_names_active_artifact(w: World) -> list[str]:
 
 
 def _never_active_not_consumed(e: LedgerEntry, w: World) -> list[str]:
-    if w.artifacts is None or e.state not in rules.ADMITTED_STATES:
+    if w.artifacts is None or e.state not in ADMITTED_STATES:
         return []
     art = w.artifacts.get(e.behavior_version)
     if art is not None and art.state in EVER_ACTIVE_STATES:
@@ -394,7 +446,7 @@ def _exactly_once(before: World, events: Sequence[TraceEvent], _after: World) ->
 
 # the cause a rollback records on the rolled-back artifact when the operator keeps its
 # rollouts (a recorded fact; the judgement below is not shared with the write path)
-_ROLLBACK_KEPT = rules.ROLLBACK_KEPT
+_ROLLBACK_KEPT = "rolled_back_kept"
 
 
 def _retired(art: ArtifactRecord | None) -> bool:

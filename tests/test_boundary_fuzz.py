@@ -366,7 +366,8 @@ def test_cli_options(option: tuple[str, str], value: str) -> None:
     if cmd == "admit":
         args = ["/dev/null", "--out", "/tmp/o.jsonl", "--current-version", "0", "--max-lag"]
         args += ["1", "--max-drift", "0.2", name, value]
-    command = cli.commands[cmd]  # type: ignore[attr-defined]
+    command = cli.get_command(click.Context(cli), cmd)  # lazy commands load here
+    assert command is not None
     try:
         ctx = command.make_context(cmd, list(args))
     except click.UsageError:
