@@ -16,7 +16,7 @@ LABEL  ?= cpu-$(shell date -u +%Y%m%dT%H%M%SZ)
 CONSTRAINTS ?= constraints.txt
 PIP_C  := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: campaign test setup setup-dev lint demo docs bench gpu-check clean
+.PHONY: campaign test setup setup-campaign setup-dev lint demo docs bench gpu-check drill clean
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ needed"'
@@ -27,16 +27,24 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml $(CONSTRAINTS)
 	$(BIN)/python -m pip install --quiet $(PIP_C) -e .
 	touch $@
 
+# [campaign] is Hypothesis, which only the fuzzing commands (campaign, fuzz, mutants) need
+$(VENV)/.installed-campaign: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet $(PIP_C) -e ".[campaign]"
+	touch $@
+
+# [postgres-binary]: psycopg with its own libpq, so the tests have a driver on any machine
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet $(PIP_C) "$(TORCH)"
-	$(BIN)/python -m pip install --quiet $(PIP_C) -e ".[dev,verl,postgres]"
+	$(BIN)/python -m pip install --quiet $(PIP_C) -e ".[dev,campaign,verl,postgres-binary]"
 	touch $@
 
 setup: $(VENV)/.installed
 
+setup-campaign: $(VENV)/.installed-campaign
+
 setup-dev: $(VENV)/.installed-dev
 
-campaign: setup
+campaign: setup-campaign
 	$(BIN)/rollout-lifecycle campaign --backend sqlite --out $(OUT)
 
 test: setup-dev
@@ -60,6 +68,10 @@ bench: setup-dev
 gpu-check: setup-dev
 	$(BIN)/rollout-lifecycle gpu-check preflight --run-label $(LABEL)
 	$(BIN)/rollout-lifecycle gpu-check run --run-label $(LABEL)
+
+# atomic activation across 3 Ray workers under every fault kind (docs/activation-drill.md)
+drill: setup-dev
+	$(BIN)/rollout-lifecycle activation-drill --workers 3
 
 clean:
 	rm -rf $(VENV) $(OUT) .hypothesis .pytest_cache .mypy_cache .ruff_cache gpu-check-results

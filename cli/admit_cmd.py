@@ -623,7 +623,8 @@ _EPILOG = "\n".join(
         "",
         "\b",
         f"Output: one JSON object per input rollout, in order: {', '.join(OUTPUT_FIELDS)}.",
-        "Exit status: 0 done; 1 bad input data (the message names the line); 2 bad options.",
+        "Exit status: 0 done; 2 bad input data (the message names the line) or bad "
+        "options; 3 technical failure (I/O, an unreachable backend).",
     ]
 )
 

@@ -127,7 +127,17 @@ def markdown(report: dict[str, Any], command: str) -> str:
         lines += ["", POSTGRES_NOTE]
     chk = report.get("checkers")
     if chk:
-        lines += ["", "## Checkers", "", "| fuzz backend | machine | examples | steps | steps/s |"]
+        lines += ["", "## Checkers", ""]
+        rerun = chk.get("rerun")
+        if rerun:  # measured apart from the rest of the report: say when, how and why
+            load = ", ".join(f"{x:.2f}" for x in rerun["loadavg_at_start"])
+            lines += [
+                f"Re-measured apart from the parts above, by `{rerun['command']}` "
+                f"({rerun['elapsed_s']} s, load average at the start {load}): "
+                f"{rerun['why']}",
+                "",
+            ]
+        lines += ["| fuzz backend | machine | examples | steps | steps/s |"]
         lines.append("|---|---|---:|---:|---:|")
         for backend, runs in chk["fuzz"].items():
             for machine, r in runs.items():

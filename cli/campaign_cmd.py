@@ -1,10 +1,15 @@
-"""`campaign`: the README's main job, fuzz and explore both machines, report, coverage.
+"""`campaign`: the README's main job: check the checkers, fuzz, explore, race, report.
 
-It runs the three stateful machines on the chosen backend (SQLite by default: the embedded
-default a user runs without a server), then the explorer at the README bounds, prints both
-reports, and writes into `--out`: the fuzz and explore reports, the merged coverage JSON
-(the format `rollout-lifecycle diagram --coverage` reads), and coverage-annotated diagrams
-of both machines. Exit 1 on any violation; never-exercised edges are listed in yellow.
+Stages, in order: every checker shown its known-bad and known-good histories and the
+enforcing rules compared with the spec (stateful_tests/checkers.py, seconds); the stateful
+machines on the chosen backend (SQLite by default: the embedded default a user runs without
+a server; a postgresql:// URL runs them on that server); the verl adapter fuzzed against the
+reference gate (when verl is installed); the explorer at the README bounds; real processes
+racing on the same backend (SQLite file, or a fresh PostgreSQL schema). It writes into
+`--out` the reports, the merged coverage JSON (the format `rollout-lifecycle diagram
+--coverage` reads), and coverage-annotated diagrams. Exit 1 on any violation; exit 5 when
+nothing was violated but a coverage goal was missed (the report names the budget that
+reaches it).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 
 import click
 
-from rollout_lifecycle.cli.exitcodes import findings
+from rollout_lifecycle.cli.exitcodes import findings, missed_goals
 from rollout_lifecycle.cli.explore_cmd import explore_models, print_explore_report
 from rollout_lifecycle.cli.fuzz_cmd import print_fuzz_report, progress_callback
 from rollout_lifecycle.cli.output import (
@@ -34,6 +39,8 @@ from rollout_lifecycle.model.machines import MACHINES
 from rollout_lifecycle.spec.bounds import EXPLORER_MODELS, README_MODELS
 from rollout_lifecycle.spec.coverage import merge_coverage, uncovered
 from rollout_lifecycle.spec.diagrams import DiagramError, render
+from rollout_lifecycle.stateful_tests.backends import DB_NAME, durable_url
+from rollout_lifecycle.stateful_tests.checkers import run_checker_checks
 from rollout_lifecycle.stateful_tests.profiles import selected_profile_name
 from rollout_lifecycle.stateful_tests.race import RaceConfig, run_race
 from rollout_lifecycle.stateful_tests.runner import MACHINES as FUZZ_MACHINES
@@ -89,8 +96,9 @@ from rollout_lifecycle.stateful_tests.runner import (
     type=FiniteFloat(0.0, 3600.0),
     default=README_RACE_SECONDS,
     show_default=True,
-    help="Real processes racing on the SQLite file (1 activator, 3 learners), every call "
-    "judged; 0 skips. Only on sqlite.",
+    help="Real processes racing on the campaign's backend (1 activator that also rolls back "
+    "and churns the worker set, 3 learners, one of them misconfigured), each with its own "
+    "connection, every call judged; 0 skips.",
 )
 @report_options
 @quiet_option
@@ -107,12 +115,26 @@ def campaign(
     report_path: Path | None,
     quiet: bool,
 ) -> None:
-    """Fuzz and explore both machines, print the report, write coverage JSON and diagrams."""
+    """Check the checkers, fuzz, explore and race; report; write coverage JSON and diagrams.
+
+    Exit 1 on a violation; 5 when nothing was violated but a coverage goal was missed.
+    """
     check_report_path(report_path)
     console = make_console(quiet=as_json)
     ensure_dir(out_dir, "--out")
     chosen = profile or selected_profile_name()
     show = not quiet
+    console.rule("checkers")
+    checked = run_checker_checks(seed=seed)
+    checkers_json = checked.to_json()
+    write_json_atomic(out_dir / "checkers-report.json", checkers_json)
+    console.print(
+        f"checkers: {checked.bad_cases:,} known-bad and {checked.good_cases:,} known-good "
+        f"inputs ({', '.join(f'{k} {n}' for k, n in checked.cases.items())}), "
+        f"{len(checked.failures)} got wrong"
+    )
+    for f in checked.failures[:20]:
+        console.print(f"[red]{f}[/]")
     console.rule("fuzz")
     try:
         report = run_campaign(
@@ -129,8 +151,25 @@ def campaign(
     print_fuzz_report(report, console)
     fuzz_json = report.to_json()
     write_json_atomic(out_dir / "fuzz-report.json", fuzz_json)
+    # when each goal was first reached: at the README's settings this file is what
+    # stateful_tests/first_reached.json holds (the budget hints of smaller runs read it)
+    write_json_atomic(
+        out_dir / "first-reached.json",
+        {
+            "schema": "rollout-lifecycle/first-reached/1",
+            "seed": seed,
+            "examples": examples,
+            "profile": chosen,
+            "backend": report.backend,
+            "first_reached": fuzz_json["first_reached"],
+        },
+    )
     docs = [fuzz_json]
-    violations = len(report.failures)
+    violations = len(report.failures) + len(checked.failures)
+    adapter_json = _adapter_stage(console, seed, examples)
+    if adapter_json is not None:
+        write_json_atomic(out_dir / "adapter-report.json", adapter_json)
+        violations += len(adapter_json["failures"])
     if not no_explore:
         console.rule("explore")
         names = list(models) or list(README_MODELS)
@@ -143,19 +182,27 @@ def campaign(
         docs.append(ex)
         violations += ex["violations"]
     race_json = None
-    if race_seconds > 0 and backend != "sqlite":
+    if race_seconds > 0 and backend == "memory":
         console.print(
-            f"race skipped: the campaign races on its own SQLite file, not on {backend!r}; "
-            "race a server with `rollout-lifecycle race --backend URL` on an empty database"
+            "race skipped: memory:// lives in one process; the race needs state shared by "
+            "processes (--backend sqlite or a postgresql:// URL)"
         )
-    if race_seconds > 0 and backend == "sqlite":
+    elif race_seconds > 0:
         console.rule("race")
-        db = out_dir / "race.db"
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{db}{suffix}").unlink(missing_ok=True)  # the campaign's own work file
+        try:
+            url = _race_url(backend, out_dir)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
         tick = Progress("race", quiet=quiet)
         raced = run_race(
-            RaceConfig(url=f"sqlite:///{db}", learners=3, seconds=race_seconds, seed=seed),
+            RaceConfig(
+                url=url,
+                learners=3,
+                seconds=race_seconds,
+                seed=seed,
+                hostile=1,
+                churn=True,
+            ),
             progress=tick,
         )
         tick("done", True)
@@ -163,12 +210,16 @@ def campaign(
         write_json_atomic(out_dir / "race-report.json", race_json)
         totals = race_json["totals"]
         console.print(
-            f"race: {race_json['events']:,} events, {race_json['calls_judged']:,} calls judged, "
-            f"{totals.get('committed', 0):,} consumed, {totals.get('reserve:pointer_moved', 0):,} "
-            f"refused as pointer_moved, {race_json['violation_count']} violations"
+            f"race on {race_json['config']['url']}: {race_json['events']:,} events, "
+            f"{race_json['calls_judged']:,} calls judged, {totals.get('committed', 0):,} "
+            f"consumed, {totals.get('reserve:pointer_moved', 0):,} refused as pointer_moved, "
+            f"{totals.get('reserve:looser_than_policy', 0):,} as looser_than_policy, "
+            f"{race_json['violation_count']} violations"
         )
         for v in raced.violations[:20]:
             console.print(f"[red]{v}[/]")
+        for e in raced.errors[:5]:
+            console.print(f"[red]{e}[/]")
         violations += len(raced.violations) + len(raced.errors)
     coverage = merge_coverage(*docs)
     write_json_atomic(out_dir / "coverage.json", coverage)
@@ -182,9 +233,12 @@ def campaign(
     console.print(f"reports, coverage.json and diagrams written to {out_dir}/")
     goals = campaign_goals(fuzz_json, docs[1] if len(docs) > 1 else None)
     missed = sum(len(v) for v in goals.values())
+    hints = budget_hints([g for names in goals.values() for g in names])
     for what, names in goals.items():
         if names:
-            console.print(f"[bold red]goal missed, {what}:[/] {', '.join(names)}")
+            console.print(f"[bold yellow]goal missed, {what}:[/] {', '.join(names)}")
+    for goal, hint in hints.items():
+        console.print(f"  {goal}: {hint}")
     summary = {
         "schema": "rollout-lifecycle/campaign-report/1",
         "backend": backend,
@@ -196,14 +250,98 @@ def campaign(
         "explore": docs[1] if len(docs) > 1 else None,
         "coverage": coverage,
         "race": race_json,
+        "checkers": checkers_json,
+        "adapter": adapter_json,
         "goals_missed": goals,
+        "budget_hints": hints,
         "out": str(out_dir),
     }
     emit_report(summary, as_json=as_json, report_path=report_path, console=console)
     if violations:
         console.print(f"[bold red]{violations} violation(s)[/]")
-    if violations or missed:
         raise findings()
+    if missed:
+        console.print(
+            f"[bold yellow]no violation, but {missed} coverage goal(s) missed (exit 5)[/]"
+        )
+        raise missed_goals()
+
+
+def _race_url(backend: str, out_dir: Path) -> str:
+    """Fresh durable state for the race on the campaign's backend: a new SQLite file in
+    `out_dir`, or a fresh schema on the PostgreSQL server (a connection per process)."""
+    race_dir = out_dir / "race"
+    race_dir.mkdir(parents=True, exist_ok=True)
+    if backend == "sqlite":
+        for old in race_dir.glob(f"{DB_NAME}*"):
+            old.unlink()  # the campaign's own work file from an earlier run
+    return durable_url(backend, race_dir)
+
+
+def _adapter_stage(console: object, seed: int, examples: int) -> dict[str, Any] | None:
+    """The verl adapter fuzzed against the reference gate, when verl is installed."""
+    from rich.console import Console
+
+    assert isinstance(console, Console)
+    try:
+        from rollout_lifecycle.stateful_tests.adapter_fuzz import run_adapter_fuzz
+    except ImportError as exc:
+        console.print(f"[yellow]adapter stage skipped: {exc} (pip install '.[verl]')[/]")
+        return None
+    console.rule("verl adapter")
+    rep = run_adapter_fuzz(seed=seed, examples=examples)
+    console.print(
+        f"adapter: {rep['batches']} generated batches ({rep['rows']:,} rows; "
+        f"{', '.join(rep['kinds'])}), {len(rep['failures'])} disagreements with the "
+        "reference gate"
+    )
+    for f in rep["failures"][:10]:
+        console.print(f"[red]{f}[/]")
+    return rep
+
+
+def budget_hints(missed: list[str]) -> dict[str, str]:
+    """For each missed goal, the budget that reaches it: the example that first reached it
+    in the README campaign (recorded in stateful_tests/first_reached.json), or that even
+    the README budget does not."""
+    if not missed:
+        return {}
+    ref = load_first_reached()
+    out = {}
+    for goal in missed:
+        hit = ref["first_reached"].get(goal)
+        if goal.split(": ", 1)[0] in EXPLORER_MODELS:
+            out[goal] = (
+                "an explorer witness: the README models at README bounds reach every one "
+                "(run without --model, or add this model)"
+            )
+        elif hit is not None:
+            machine, n = hit
+            out[goal] = (
+                f"the README campaign (seed {ref['seed']}, profile {ref.get('profile')}, "
+                f"--backend {ref['backend']}) reaches "
+                f"it at example {n} of the {machine} machine: rerun with --examples {n} or more"
+            )
+        else:
+            out[goal] = (
+                f"not reached by the README budget either (--examples {ref['examples']}): "
+                "raise --examples or run `rollout-lifecycle fuzz --time-budget`"
+            )
+    return out
+
+
+def load_first_reached() -> dict[str, Any]:
+    """The README campaign's record of when each goal was first reached."""
+    import json
+    from importlib import resources
+
+    text = (
+        resources.files("rollout_lifecycle.stateful_tests")
+        .joinpath("first_reached.json")
+        .read_text(encoding="utf-8")
+    )
+    data: dict[str, Any] = json.loads(text)
+    return data
 
 
 def campaign_goals(fuzz: dict[str, Any], explore: dict[str, Any] | None) -> dict[str, list[str]]:

@@ -10,9 +10,11 @@ inspect them afterwards.
 
 from __future__ import annotations
 
+import shlex
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
@@ -22,7 +24,15 @@ from rich.console import Console
 from rich.table import Table
 
 from rollout_lifecycle.cli.exitcodes import TechnicalError, findings
-from rollout_lifecycle.cli.output import ensure_dir
+from rollout_lifecycle.cli.output import (
+    check_report_path,
+    emit_report,
+    ensure_dir,
+    make_console,
+    program,
+    quiet_option,
+    report_options,
+)
 from rollout_lifecycle.cli.params import SEED
 from rollout_lifecycle.model.artifacts import ArtifactStore, WorkerLoader
 from rollout_lifecycle.model.backends import Backend, open_backend, sqlite_path
@@ -59,7 +69,12 @@ LATE = "r7"  # its reward arrives only after v1 is active
 class _Demo:
     """The demo's state; each method is one step of the story and prints one line or a few."""
 
-    def __init__(self, backend: Backend, store: ArtifactStore, seed: int) -> None:
+    def __init__(
+        self, backend: Backend, store: ArtifactStore, seed: int, narrate: Console | None = None
+    ) -> None:
+        # the story goes to stdout, or to stderr under --json (stdout is the report), or
+        # nowhere under --quiet
+        self.narrate = narrate if narrate is not None else make_console()
         self.backend = backend
         self.ledger: Ledger = backend.ledger
         self.store = store
@@ -81,7 +96,10 @@ class _Demo:
 
     def say(self, text: str) -> None:
         self.step_no += 1
-        click.echo(f"[{self.step_no:2d}] {text}")
+        self.echo(f"[{self.step_no:2d}] {text}")
+
+    def echo(self, text: str) -> None:
+        self.narrate.print(text, markup=False, highlight=False, soft_wrap=True)
 
     # ---- policy activation ---------------------------------------------------------------
 
@@ -134,7 +152,7 @@ class _Demo:
             if not same:
                 raise click.ClickException(f"demo: {w} loaded different tensors for v{version}")
             result = self.coordinator.record_ack(ack)
-            click.echo(
+            self.echo(
                 f"     {w}: loaded v{version}, recomputed hash {ack.artifact_hash[:12]}…, "
                 f"tensors match; ack {result.reason}"
             )
@@ -223,7 +241,7 @@ class _Demo:
             self.last[d.rollout_id] = d
             drift = "   n/a" if d.drift is None else f"{d.drift:6.3f}"
             verdict = "admit" if d.accepted else f"{d.reason} -> {d.route}"
-            click.echo(
+            self.echo(
                 f"     {d.rollout_id}: lag {d.lag} ({d.freshness or 'n/a'}), drift {drift}: "
                 f"{verdict}"
             )
@@ -292,7 +310,7 @@ class _Demo:
                 ]
                 who = ups[-1] if ups and ups[-1] else "?"
             table.add_row(rid, e.state, str(e.revision), adm, who)
-        Console().print(table)
+        self.narrate.print(table)
 
 
 def _check_fresh(url: str | None, workdir: Path | None) -> None:
@@ -331,8 +349,22 @@ def _check_fresh(url: str | None, workdir: Path | None) -> None:
     help="Directory for the artifacts (under artifacts/) [default: the new temp dir].",
 )
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the synthetic data.")
-def demo(url: str | None, workdir: Path | None, seed: int) -> None:
-    """Run the whole protocol once on SQLite with real artifacts, then check the trace."""
+@report_options
+@quiet_option
+def demo(
+    url: str | None,
+    workdir: Path | None,
+    seed: int,
+    as_json: bool,
+    report_path: Path | None,
+    quiet: bool,
+) -> None:
+    """Run the whole protocol once on SQLite with real artifacts, then check the trace.
+
+    --json prints a report (the trace check, every rollout's final state, where the files
+    are) instead of the story, which then goes to stderr; --quiet drops the story.
+    """
+    check_report_path(report_path)
     _check_fresh(url, workdir)
     tmp: Path | None = None
     if url is None:
@@ -348,19 +380,29 @@ def demo(url: str | None, workdir: Path | None, seed: int) -> None:
         if workdir is None:
             workdir = tmp or Path(tempfile.mkdtemp(prefix="rollout-lifecycle-demo-"))
         artifacts = workdir / "artifacts"
-        violations = _story(backend, ArtifactStore(artifacts), seed, url, artifacts)
+        narrate = make_console(stderr=as_json, quiet=quiet)
+        data = _story(backend, ArtifactStore(artifacts), seed, url, artifacts, narrate)
     except BackendUnavailable as exc:
         raise TechnicalError(f"demo failed: {exc}") from None
     except RolloutLifecycleError as exc:
         raise click.ClickException(f"demo failed: {exc}") from None
     finally:
         backend.close()
-    if violations:
+    emit_report(data, as_json=as_json, report_path=report_path, console=make_console(True))
+    if data["trace"]["violations"]:
         raise findings()
 
 
-def _story(backend: Backend, store: ArtifactStore, seed: int, url: str, artifacts: Path) -> int:
-    d = _Demo(backend, store, seed)
+def _story(
+    backend: Backend,
+    store: ArtifactStore,
+    seed: int,
+    url: str,
+    artifacts: Path,
+    narrate: Console | None = None,
+) -> dict[str, Any]:
+    """Tell the story; return the demo's report."""
+    d = _Demo(backend, store, seed, narrate)
     d.say(f"ledger and registry at {url}; artifacts in {artifacts}")
     h0 = d.publish(0)
     d.dispatch(0, h0)
@@ -378,12 +420,30 @@ def _story(backend: Backend, store: ArtifactStore, seed: int, url: str, artifact
     d.handle_others(third)
     report = check_trace(backend.trace(), quiescent=True)
     for v in report.violations:
-        click.echo(f"     {v}")
+        d.echo(f"     {v}")
     d.say(
         f"trace check: replayed {report.events} events in {report.steps} atomic steps against "
         f"{len(report.checked)} invariants: {len(report.violations)} violations"
     )
     d.final_table()
+    # the command that runs THIS program (after `make demo` it is not on PATH)
+    inspect = f"{program()} ledger history {DRIFTING} --backend {shlex.quote(url)}"
     if url.startswith("sqlite:"):
-        click.echo(f"inspect it: rollout-lifecycle ledger history {DRIFTING} --backend {url}")
-    return len(report.violations)
+        d.echo(f"inspect it: {inspect}")
+    return {
+        "schema": "rollout-lifecycle/demo/1",
+        "backend": url,
+        "artifacts": str(artifacts),
+        "seed": seed,
+        "trace": {
+            "events": report.events,
+            "steps": report.steps,
+            "invariants": len(report.checked),
+            "violations": [str(v) for v in report.violations],
+        },
+        "rollouts": {
+            rid: {"state": e.state, "revision": e.revision}
+            for rid, e in backend.ledger.snapshot().items()
+        },
+        "inspect": inspect if url.startswith("sqlite:") else None,
+    }

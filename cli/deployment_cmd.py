@@ -8,13 +8,20 @@ its own atomic step, whatever a learner was configured with. `show` prints that 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import click
 
 from rollout_lifecycle.cli.exitcodes import InputError
-from rollout_lifecycle.cli.ledger_cmd import _opened, backend_option, json_option
-from rollout_lifecycle.cli.output import dumps
+from rollout_lifecycle.cli.ledger_cmd import _opened, backend_option
+from rollout_lifecycle.cli.output import (
+    check_report_path,
+    emit_report,
+    make_console,
+    quiet_option,
+    report_options,
+)
 from rollout_lifecycle.model.backends import Backend
 from rollout_lifecycle.model.records import AdmissionPolicy, to_jsonable
 from rollout_lifecycle.model.registry import set_admission_policy
@@ -55,13 +62,33 @@ def deployment() -> None:
     show_default=True,
     help="Why, recorded in the trace with the change.",
 )
-def set_policy(url: str, max_lag: int, max_drift: float, reason: str) -> None:
+@report_options
+@quiet_option
+def set_policy(
+    url: str,
+    max_lag: int,
+    max_drift: float,
+    reason: str,
+    as_json: bool,
+    report_path: Path | None,
+    quiet: bool,
+) -> None:
     """Record the admission policy every reservation of this deployment is judged by."""
+    del quiet  # one write, no progress to silence: accepted like on every command
     if not reason.strip():
         raise click.BadParameter("must not be empty", param_hint="--reason")
+    check_report_path(report_path)
     with _opened(url, create=True) as b:
         before = b.registry.policy()
         after = set_admission_policy(b.registry, AdmissionPolicy(max_lag, max_drift), reason)
+    data = {
+        "changed": before != after,
+        "before": None if before is None else to_jsonable(before),
+        "policy": to_jsonable(after),
+    }
+    emit_report(data, as_json=as_json, report_path=report_path, console=make_console(True))
+    if as_json:
+        return
     if before == after:
         click.echo(f"policy unchanged: max_lag {after.max_lag}, max_drift {after.max_drift}")
     else:
@@ -89,13 +116,16 @@ def _state(b: Backend) -> dict[str, Any]:
 
 @deployment.command("show")
 @backend_option
-@json_option
-def show(url: str, as_json: bool) -> None:
+@report_options
+@quiet_option
+def show(url: str, as_json: bool, report_path: Path | None, quiet: bool) -> None:
     """Print the deployment's recorded policy, pointer, worker set and versions."""
+    del quiet  # one read, no progress to silence: accepted like on every command
+    check_report_path(report_path)
     with _opened(url) as b:
         state = _state(b)
+    emit_report(state, as_json=as_json, report_path=report_path, console=make_console(True))
     if as_json:
-        click.echo(dumps(state), nl=False)
         return
     pol = state["policy"]
     click.echo(
@@ -125,9 +155,12 @@ def show(url: str, as_json: bool) -> None:
 @deployment.command("lineage")
 @click.argument("version", type=click.IntRange(0, 2**63 - 1))
 @backend_option
-@json_option
-def lineage(version: int, url: str, as_json: bool) -> None:
+@report_options
+@quiet_option
+def lineage(version: int, url: str, as_json: bool, report_path: Path | None, quiet: bool) -> None:
     """Show what VERSION contains: its parents, the updates it records, their rollouts."""
+    del quiet  # one read, no progress to silence: accepted like on every command
+    check_report_path(report_path)
     with _opened(url) as b:
         chain = []
         rec = b.registry.artifact(version)
@@ -156,8 +189,8 @@ def lineage(version: int, url: str, as_json: bool) -> None:
         ],
         "updates": {u: {"landed": bool(ids), "rollouts": ids} for u, ids in consumed.items()},
     }
+    emit_report(data, as_json=as_json, report_path=report_path, console=make_console(True))
     if as_json:
-        click.echo(dumps(data), nl=False)
         return
     for r in chain:
         updates = ", ".join(r.trained_by) or "no recorded updates"

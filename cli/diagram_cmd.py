@@ -16,7 +16,14 @@ from typing import Any
 import click
 
 from rollout_lifecycle.cli.exitcodes import InputError, TechnicalError, findings
-from rollout_lifecycle.cli.output import ensure_dir
+from rollout_lifecycle.cli.output import (
+    check_report_path,
+    emit_report,
+    ensure_dir,
+    make_console,
+    quiet_option,
+    report_options,
+)
 from rollout_lifecycle.model.atomic import atomic_write, check_target
 from rollout_lifecycle.model.errors import OutputError
 from rollout_lifecycle.model.machines import MACHINES, MachineSpec
@@ -47,6 +54,11 @@ def _load_coverage(path: Path) -> dict[str, Any]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise click.UsageError(f"--coverage {path}: not valid JSON ({exc})") from None
+    except RecursionError:  # hostile nesting: no coverage report is more than a few deep
+        raise click.UsageError(
+            f"--coverage {path}: nested too deeply to be a coverage report; give the JSON "
+            "that `fuzz`, `explore` or `campaign` wrote"
+        ) from None
     if not isinstance(data, dict):
         raise click.UsageError(f"--coverage {path}: expected a JSON object")
     return data
@@ -125,6 +137,8 @@ def _targets(
     is_flag=True,
     help="Replace existing files at --out even if they do not look like diagrams.",
 )
+@report_options
+@quiet_option
 def diagram(
     machine_name: str,
     fmt: str,
@@ -135,20 +149,31 @@ def diagram(
     check_dir: Path | None,
     write_dir: Path | None,
     force: bool,
+    as_json: bool,
+    report_path: Path | None,
+    quiet: bool,
 ) -> None:
     """Draw the lifecycle/activation machines as Mermaid, DOT, SVG or PNG."""
+    del quiet  # drawing reports no progress: accepted like on every command
+    check_report_path(report_path)
     if write_dir is not None:
         ensure_dir(write_dir, "--write-docs")
     coverage = None if coverage_path is None else _load_coverage(coverage_path)
+    # the report: what was drawn or written, or which committed files are stale
+    data: dict[str, Any] = {"schema": "rollout-lifecycle/diagram/1"}
     try:
         if check_dir is not None or write_dir is not None:
-            _docs_mode(check_dir, write_dir, coverage, dot_path, out)
-            return
-        _draw(machine_name, fmt, engine or FORMAT_ENGINE[fmt], coverage, out, dot_path, force)
+            data |= _docs_mode(check_dir, write_dir, coverage, dot_path, out, as_json)
+        else:
+            engine = engine or FORMAT_ENGINE[fmt]
+            data |= _draw(machine_name, fmt, engine, coverage, out, dot_path, force, as_json)
     except GraphvizNotFound as exc:
         raise TechnicalError(str(exc)) from None
     except DiagramError as exc:
         raise InputError(str(exc)) from None
+    emit_report(data, as_json=as_json, report_path=report_path, console=make_console(True))
+    if data.get("stale"):
+        raise findings()
 
 
 def _docs_mode(
@@ -157,31 +182,40 @@ def _docs_mode(
     coverage: dict[str, Any] | None,
     dot_path: Path | None,
     out: Path | None,
-) -> None:
+    as_json: bool = False,
+) -> dict[str, Any]:
+    say = (lambda _m, err=False: None) if as_json else click.echo
     if check_dir is not None and write_dir is not None:
         raise click.UsageError("--check-docs and --write-docs are separate runs; pass one")
     if out is not None:
         raise click.UsageError("--out does not apply to --check-docs/--write-docs")
     if write_dir is not None:
-        for path in write_docs(write_dir, coverage, dot_path=dot_path):
-            click.echo(f"wrote {path}")
-        return
+        written = write_docs(write_dir, coverage, dot_path=dot_path)
+        for path in written:
+            say(f"wrote {path}")
+        return {"mode": "write-docs", "written": [str(p) for p in written], "stale": []}
     assert check_dir is not None
     if coverage is not None:
         raise click.UsageError("--check-docs reads each -coverage.json it finds; drop --coverage")
+    if not check_dir.is_dir():  # a usage error, not six "stale" files
+        raise click.BadParameter(
+            f"{check_dir}: no such folder; give the folder the diagrams were written to",
+            param_hint="--check-docs",
+        )
     stale = check_docs(check_dir)
+    report = {"mode": "check-docs", "written": [], "stale": [str(check_dir / n) for n in stale]}
     if not stale:
-        click.echo(f"{check_dir}: diagrams match the machines")
-        return
+        say(f"{check_dir}: diagrams match the machines")
+        return report
     for name in stale:
-        click.echo(f"stale: {check_dir / name}")
-    click.echo(
+        say(f"stale: {check_dir / name}")
+    say(
         f"{len(stale)} diagram file(s) in {check_dir} no longer match the machines; "
         f"regenerate with `rollout-lifecycle diagram --write-docs {check_dir}` "
         "(add --coverage RUN.json for coverage pictures, or delete stale *-coverage.* files)",
         err=True,
     )
-    raise findings()
+    return report
 
 
 def _draw(
@@ -192,7 +226,8 @@ def _draw(
     out: Path | None,
     dot_path: Path | None,
     force: bool = False,
-) -> None:
+    as_json: bool = False,
+) -> dict[str, Any]:
     machines = list(MACHINES.values()) if machine_name == "all" else [MACHINES[machine_name]]
     if coverage is not None and "machines" not in coverage and len(machines) > 1:
         raise click.UsageError(
@@ -205,9 +240,13 @@ def _draw(
     drawn = [
         (m, render(m, fmt, engine=engine, coverage=coverage, dot_path=dot_path)) for m in machines
     ]
+    report: dict[str, Any] = {"mode": "draw", "format": fmt, "written": [], "stale": []}
     if out is None:
-        click.echo("\n".join(data.decode("utf-8") for _, data in drawn), nl=False)
-        return
+        text = {m.name: data.decode("utf-8") for m, data in drawn}
+        if as_json:  # stdout carries the report, and the text inside it
+            return report | {"text": text}
+        click.echo("\n".join(text.values()), nl=False)
+        return report
     covered = coverage is not None
     targets = {m.name: p for m, p in _targets(machines, out, _EXTENSIONS[fmt], covered)}
     for path in targets.values():  # every target checked before anything is written
@@ -219,7 +258,10 @@ def _draw(
     for m, data in drawn:
         path = targets[m.name]
         atomic_write(path, data)
-        click.echo(f"wrote {path}")
+        report["written"].append(str(path))
+        if not as_json:
+            click.echo(f"wrote {path}")
+    return report
 
 
 # what a file this command wrote contains near its start: anything else at --out is a file

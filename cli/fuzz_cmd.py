@@ -26,6 +26,7 @@ from rollout_lifecycle.cli.output import (
     report_options,
 )
 from rollout_lifecycle.cli.params import COUNT, SEED, FiniteFloat, StrictInt
+from rollout_lifecycle.stateful_tests.backends import resolve_factory
 from rollout_lifecycle.stateful_tests.profiles import selected_profile_name
 from rollout_lifecycle.stateful_tests.runner import MACHINES as FUZZ_MACHINES
 from rollout_lifecycle.stateful_tests.runner import (
@@ -98,7 +99,7 @@ def print_fuzz_report(report: CampaignReport, console: Console) -> None:
     "machines",
     multiple=True,
     type=click.Choice(FUZZ_MACHINES),
-    help="Machine(s) to fuzz (repeatable). Default: all three.",
+    help=f"Machine(s) to fuzz (repeatable). Default: all {len(FUZZ_MACHINES)}.",
 )
 @click.option(
     "--backend",
@@ -157,6 +158,10 @@ def fuzz(
     """Fuzz the protocol machines against the spec; exit 1 on a violation."""
     chosen = profile or selected_profile_name()
     check_report_path(report_path)
+    try:  # a backend that cannot be used is refused before --out is created
+        resolve_factory(backend)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--backend") from None
     ensure_dir(out_dir, "--out")
     console = make_console(quiet=as_json)
     try:

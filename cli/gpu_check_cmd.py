@@ -7,7 +7,6 @@ the `[verl]` extra; without it both sub-commands say exactly what to install (ex
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -22,6 +21,13 @@ from rich.table import Table
 
 from rollout_lifecycle.cli import exitcodes
 from rollout_lifecycle.cli.exitcodes import InputError, TechnicalError
+from rollout_lifecycle.cli.output import (
+    check_report_path,
+    emit_report,
+    make_console,
+    quiet_option,
+    report_options,
+)
 from rollout_lifecycle.gpu_check.errors import (
     ControlError,
     ExtraMissing,
@@ -64,12 +70,10 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
                 show_default=True,
                 help="auto: cuda when torch sees a CUDA device, else cpu.",
             ),
-            click.option("--json", "as_json", is_flag=True, help="Print a JSON summary."),
-            click.option("--quiet", is_flag=True, help="No progress output."),
         )
     ):
         fn = opt(fn)
-    return fn
+    return quiet_option(report_options(fn))  # --json, --report, --quiet as on every command
 
 
 @contextlib.contextmanager
@@ -93,10 +97,18 @@ def gpu_check() -> None:
 @gpu_check.command("preflight")
 @_common
 def preflight(
-    run_label: str, output: Path, model: Path | None, device: str, as_json: bool, quiet: bool
+    run_label: str,
+    output: Path,
+    model: Path | None,
+    device: str,
+    as_json: bool,
+    report_path: Path | None,
+    quiet: bool,
 ) -> None:
     """Versions, memory, model assets and CPU checks of the loss; exit 0 ready, 4 weights only."""
     from rollout_lifecycle.gpu_check.preflight import run_preflight
+
+    check_report_path(report_path)
 
     log_fd, log = tempfile.mkstemp(prefix="gpu-check-preflight-", suffix=".log")
     os.close(log_fd)
@@ -107,9 +119,10 @@ def preflight(
             )
     finally:
         Path(log).unlink(missing_ok=True)
-    if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
-    else:
+    emit_report(
+        report.to_json(), as_json=as_json, report_path=report_path, console=make_console(True)
+    )
+    if not as_json:
         table = Table(title="gpu-check preflight")
         for col in ("item", "status", "detail"):
             table.add_column(col)
@@ -160,6 +173,7 @@ def run(
     model: Path | None,
     device: str,
     as_json: bool,
+    report_path: Path | None,
     quiet: bool,
     c_stale: bool,
     c_early: bool,
@@ -179,6 +193,7 @@ def run(
     chosen = [name for name, on in flags.items() if on]
     if len(chosen) > 1:
         raise click.UsageError(f"one negative control per run, got {', '.join(chosen)}")
+    check_report_path(report_path)
     from rollout_lifecycle.gpu_check.experiment import RunConfig, run_experiment
 
     try:
@@ -204,9 +219,8 @@ def run(
         raise TechnicalError(str(exc)) from None
     doc = outcome.doc
     summary = _summary(outcome.path, doc, outcome.technical)
-    if as_json:
-        click.echo(json.dumps(summary, indent=2))
-    elif not quiet:
+    emit_report(summary, as_json=as_json, report_path=report_path, console=make_console(True))
+    if not as_json and not quiet:
         _print(summary, doc)
     if outcome.technical:
         raise click.exceptions.Exit(exitcodes.TECHNICAL)
@@ -288,3 +302,12 @@ def _print(summary: dict[str, Any], doc: dict[str, Any]) -> None:
         state = "exactly the expected checks failed" if ctl["as_expected"] else "NOT as expected"
         console.print(f"negative control {ctl['name']}: {state}")
     console.print(f"result: {escape(summary['result'])}", highlight=False)
+
+
+def _register_train() -> None:
+    from rollout_lifecycle.cli.train_cmd import train
+
+    gpu_check.add_command(train)
+
+
+_register_train()

@@ -26,14 +26,17 @@ from rollout_lifecycle.cli.exitcodes import InputError, TechnicalError, findings
 from rollout_lifecycle.cli.output import (
     Progress,
     check_report_path,
-    dumps,
     emit_report,
     quiet_option,
     report_options,
 )
 from rollout_lifecycle.cli.params import COUNT
 from rollout_lifecycle.model.backends import DEFAULT_URL, Backend, open_backend
-from rollout_lifecycle.model.errors import BackendUnavailable, RolloutLifecycleError
+from rollout_lifecycle.model.errors import (
+    BackendUnavailable,
+    InvalidLedgerArgument,
+    RolloutLifecycleError,
+)
 from rollout_lifecycle.model.events import EntryChanged
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.records import LedgerEntry, to_jsonable
@@ -63,7 +66,6 @@ backend_option = click.option(
         "postgresql://user:password@host:5432/dbname (must exist)."
     ),
 )
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 
 
 @contextlib.contextmanager
@@ -94,8 +96,12 @@ def _when(at: float) -> str:
         return f"{at!r} (seconds since the epoch; out of calendar range)"
 
 
-def _echo_json(data: Any) -> None:
-    click.echo(dumps(data), nl=False)
+def _find(backend: Backend, rollout_id: str) -> LedgerEntry | None:
+    """The entry, or None; an id no backend can store is a usage error, said as such."""
+    try:
+        return backend.ledger.find(rollout_id)
+    except InvalidLedgerArgument as exc:
+        raise click.BadParameter(str(exc), param_hint="ROLLOUT_ID") from None
 
 
 @click.group("ledger")
@@ -105,9 +111,12 @@ def ledger() -> None:
 
 @ledger.command("counts")
 @backend_option
-@json_option
-def counts(url: str, as_json: bool) -> None:
+@report_options
+@quiet_option
+def counts(url: str, as_json: bool, report_path: Path | None, quiet: bool) -> None:
     """Rollouts per lifecycle state (every state, zeros included) and the ledger's counters."""
+    del quiet  # one read, no progress to silence: accepted like on every command
+    check_report_path(report_path)
     with _opened(url) as backend:
         stats = backend.ledger.statistics()
         # outcomes some backends count per process (a lost CAS writes nothing): another
@@ -115,18 +124,17 @@ def counts(url: str, as_json: bool) -> None:
         local = frozenset(getattr(backend.ledger, "process_local_counters", frozenset()))
     counters = {k: getattr(stats, k) for k in _COUNTERS if k not in local}
     not_stored = [k for k in _COUNTERS if k in local]
+    data = {
+        "schema": "rollout-lifecycle/ledger-counts/1",
+        "backend": url,
+        "entries": stats.entries,
+        "by_state": stats.by_state,
+        "counters": counters,
+        "not_stored": not_stored,
+        "bad_versions": list(stats.bad_versions),
+    }
+    emit_report(data, as_json=as_json, report_path=report_path, console=Console(stderr=True))
     if as_json:
-        _echo_json(
-            {
-                "schema": "rollout-lifecycle/ledger-counts/1",
-                "backend": url,
-                "entries": stats.entries,
-                "by_state": stats.by_state,
-                "counters": counters,
-                "not_stored": not_stored,
-                "bad_versions": list(stats.bad_versions),
-            }
-        )
         return
     table = Table(title=f"{stats.entries} rollouts in {url}")
     table.add_column("state")
@@ -194,15 +202,20 @@ def _describe(entry: LedgerEntry) -> list[tuple[str, str]]:
 @ledger.command("show")
 @click.argument("rollout_id")
 @backend_option
-@json_option
-def show(rollout_id: str, url: str, as_json: bool) -> None:
+@report_options
+@quiet_option
+def show(rollout_id: str, url: str, as_json: bool, report_path: Path | None, quiet: bool) -> None:
     """One rollout's ledger entry: state, revision, owner, reward or failure, admission."""
+    del quiet  # one read, no progress to silence: accepted like on every command
+    check_report_path(report_path)
     with _opened(url) as backend:
-        entry = backend.ledger.find(rollout_id)
+        entry = _find(backend, rollout_id)
     if entry is None:
         raise InputError(f"rollout {rollout_id!r} is not in {url}")
+    emit_report(
+        to_jsonable(entry), as_json=as_json, report_path=report_path, console=Console(stderr=True)
+    )
     if as_json:
-        _echo_json(to_jsonable(entry))
         return
     table = Table(title=f"rollout {rollout_id}", show_header=False, box=box.SIMPLE)
     table.add_column("field", no_wrap=True)
@@ -230,17 +243,23 @@ def _event_row(ev: EntryChanged) -> dict[str, Any]:
 @ledger.command("history")
 @click.argument("rollout_id")
 @backend_option
-@json_option
-def history(rollout_id: str, url: str, as_json: bool) -> None:
+@report_options
+@quiet_option
+def history(
+    rollout_id: str, url: str, as_json: bool, report_path: Path | None, quiet: bool
+) -> None:
     """Every write to one rollout, in order: event, before -> after state, revision, update."""
+    del quiet  # one read, no progress to silence: accepted like on every command
+    check_report_path(report_path)
     with _opened(url) as backend:
+        known = _find(backend, rollout_id) is not None
         events = [e for e in backend.ledger.history(rollout_id) if isinstance(e, EntryChanged)]
-        known = bool(events) or backend.ledger.find(rollout_id) is not None
+        known = known or bool(events)
     if not known:
         raise InputError(f"rollout {rollout_id!r} is not in {url}")
     rows = [_event_row(e) for e in events]
+    emit_report(rows, as_json=as_json, report_path=report_path, console=Console(stderr=True))
     if as_json:
-        _echo_json(rows)
         return
     days = {r["time"][:10] for r in rows}
     one_day = len(days) == 1

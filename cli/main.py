@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import click
@@ -24,12 +25,24 @@ from rollout_lifecycle.cli.bench_cmd import bench
 from rollout_lifecycle.cli.demo_cmd import demo
 from rollout_lifecycle.cli.deployment_cmd import deployment
 from rollout_lifecycle.cli.diagram_cmd import diagram
+from rollout_lifecycle.cli.drill_cmd import activation_drill
 from rollout_lifecycle.cli.explore_cmd import explore
 from rollout_lifecycle.cli.gpu_check_cmd import gpu_check
 from rollout_lifecycle.cli.ledger_cmd import ledger
+from rollout_lifecycle.cli.output import (
+    check_report_path,
+    emit_report,
+    make_console,
+    quiet_option,
+    report_options,
+)
 from rollout_lifecycle.cli.race_cmd import race
 from rollout_lifecycle.model.atomic import cleanup_temporaries, describe_os_error
-from rollout_lifecycle.model.errors import BackendUnavailable, RolloutLifecycleError
+from rollout_lifecycle.model.errors import (
+    BackendUnavailable,
+    RolloutLifecycleError,
+    StorageFull,
+)
 
 COMMANDS = (
     explore,
@@ -41,12 +54,14 @@ COMMANDS = (
     diagram,
     gpu_check,
     bench,
+    activation_drill,
 )
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 clean; 1 findings (a violation, a failed or surviving check, stale "
-    "docs, a missed coverage goal); 2 usage or input error; 3 technical failure; "
-    "4 gpu-check preflight/run: only the model weights are missing; 130 interrupted."
+    "docs); 2 usage or input error; 3 technical failure; 4 gpu-check preflight/run: only "
+    "the model weights are missing; 5 campaign: no violation but a coverage goal missed; "
+    "130 interrupted."
 )
 
 
@@ -58,12 +73,13 @@ def _version() -> str:
 
 
 # commands whose modules import Hypothesis and the stateful machines: loaded when they run,
-# so `--help` and every other command start without them. The first line of each command's
+# so `--help` and every other command start without them (and work where the [campaign]
+# extra, Hypothesis, is not installed). The first line of each command's
 # docstring is its summary here (tests/test_cli_lazy.py checks they agree).
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "campaign": (
         "rollout_lifecycle.cli.campaign_cmd",
-        "Fuzz and explore both machines, print the report, write coverage JSON and diagrams.",
+        "Check the checkers, fuzz, explore and race; report; write coverage JSON and diagrams.",
     ),
     "fuzz": (
         "rollout_lifecycle.cli.fuzz_cmd",
@@ -85,7 +101,18 @@ class _LazyGroup(click.Group):
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name in LAZY_COMMANDS and cmd_name not in self.commands:
-            module = importlib.import_module(LAZY_COMMANDS[cmd_name][0])
+            try:
+                module = importlib.import_module(LAZY_COMMANDS[cmd_name][0])
+            except ModuleNotFoundError as exc:
+                if (exc.name or "").partition(".")[0] != "hypothesis":
+                    raise
+                # Hypothesis is the [campaign] extra: embedding never needs it, these do
+                raise click.UsageError(
+                    f"'{cmd_name}' needs Hypothesis, which is not installed: "
+                    "pip install 'rollout-lifecycle[campaign]' (from a checkout: "
+                    "pip install -e '.[campaign]')",
+                    ctx,
+                ) from None
             self.add_command(getattr(module, cmd_name))
         return super().get_command(ctx, cmd_name)
 
@@ -116,13 +143,25 @@ def cli() -> None:
 
 
 @cli.command("version")
-def version() -> None:
+@report_options
+@quiet_option
+def version(as_json: bool, report_path: Path | None, quiet: bool) -> None:
     """Print the installed version and the libraries the model is declared with."""
     import transitions
 
-    click.echo(f"rollout-lifecycle {_version()}")
-    click.echo(f"transitions {getattr(transitions, '__version__', '?')}")
-    click.echo(f"python {sys.version.split()[0]}")
+    del quiet  # nothing to silence: accepted like on every command
+    check_report_path(report_path)
+    data = {
+        "schema": "rollout-lifecycle/version/1",
+        "rollout_lifecycle": _version(),
+        "transitions": getattr(transitions, "__version__", "?"),
+        "python": sys.version.split()[0],
+    }
+    emit_report(data, as_json=as_json, report_path=report_path, console=make_console(True))
+    if not as_json:
+        click.echo(f"rollout-lifecycle {data['rollout_lifecycle']}")
+        click.echo(f"transitions {data['transitions']}")
+        click.echo(f"python {data['python']}")
 
 
 for command in COMMANDS:
@@ -158,7 +197,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except click.exceptions.Exit as exc:
         return exc.exit_code
-    except BackendUnavailable as exc:  # the database is down or unreachable: not the input
+    except (BackendUnavailable, StorageFull) as exc:  # the database is down or full: not the input
         click.echo(f"error: {exc}", err=True)
         return exitcodes.TECHNICAL
     except RolloutLifecycleError as exc:

@@ -14,7 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from rollout_lifecycle.cli.exitcodes import findings
+from rollout_lifecycle.cli.exitcodes import InputError, findings
 from rollout_lifecycle.cli.output import (
     Progress,
     check_report_path,
@@ -25,7 +25,7 @@ from rollout_lifecycle.cli.output import (
     report_options,
 )
 from rollout_lifecycle.cli.params import COUNT, SEED
-from rollout_lifecycle.stateful_tests.mutants import BY_NAME, CATALOGUE
+from rollout_lifecycle.stateful_tests.mutants import BY_NAME, CATALOGUE, CLASSES
 from rollout_lifecycle.stateful_tests.mutation import MutantResult, run_catalogue, summary
 
 
@@ -43,11 +43,20 @@ def _cell(k: object) -> str:
 def print_mutants(results: list[MutantResult], console: Console) -> None:
     """One row per mutant, then kill rates and median time to kill."""
     table = Table(title="mutation catalogue")
-    for col in ("mutant", "peer bug", "killed by", "fuzzer", "explorer", "README campaign"):
+    for col in (
+        "mutant",
+        "class",
+        "peer bug",
+        "killed by",
+        "fuzzer",
+        "explorer",
+        "README campaign",
+    ):
         table.add_column(col)
     for r in results:
         table.add_row(
             r.name,
+            r.klass,
             "-" if r.peer_bug is None else f"#{r.peer_bug}",
             ", ".join(r.killed_by) or "[bold red]nobody[/]",
             _cell(r.fuzz),
@@ -65,6 +74,18 @@ def print_mutants(results: list[MutantResult], console: Console) -> None:
             f"time to kill {c['median_seconds_to_kill']}s"
         )
     console.print(f"killed by at least one checker: {s['killed_by_any']}/{s['mutants']}")
+    per = Table(title="per class: killed by the README campaign")
+    for col in ("class", "what it is", "mutants", "campaign reached", "campaign killed"):
+        per.add_column(col)
+    for klass, row in s["by_class"].items():
+        per.add_row(
+            klass,
+            CLASSES.get(klass, ""),
+            str(row["mutants"]),
+            str(row["campaign_reached"]),
+            str(row["campaign_killed"]),
+        )
+    console.print(per)
 
 
 @click.command("mutants")
@@ -97,6 +118,14 @@ def print_mutants(results: list[MutantResult], console: Console) -> None:
     default=None,
     help="Keep the fuzzer's work files (failing programs) here.",
 )
+@click.option(
+    "--postgres",
+    "postgres_url",
+    default=None,
+    metavar="URL",
+    help="A PostgreSQL server (postgresql://...) for the campaign of mutants of PostgreSQL "
+    "code (each run gets a fresh schema); without it they are not reached (n/a).",
+)
 @report_options
 @quiet_option
 def mutants(
@@ -105,12 +134,15 @@ def mutants(
     examples: int,
     seed: int,
     out_dir: Path | None,
+    postgres_url: str | None,
     as_json: bool,
     report_path: Path | None,
     quiet: bool,
 ) -> None:
     """Kill every mutant of the catalogue with the fuzzer and the explorer; exit 1 on a survivor."""
     check_report_path(report_path)
+    if postgres_url is not None and not postgres_url.startswith(("postgresql://", "postgres://")):
+        raise InputError(f"--postgres takes a postgresql:// URL, got {postgres_url!r}")
     if out_dir is not None:
         ensure_dir(out_dir, "--out")
     chosen = [BY_NAME[n] for n in only] if only else list(CATALOGUE)
@@ -134,6 +166,7 @@ def mutants(
         max_examples=examples,
         workdir=out_dir,
         on_result=on_result,
+        postgres_url=postgres_url,
     )
     print_mutants(results, console)
     data = {

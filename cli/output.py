@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -171,3 +173,18 @@ def make_console(stderr: bool = False, *, quiet: bool = False) -> Console:
     """A console wide enough for the report tables even when piped; `quiet` prints nothing."""
     stream = sys.stderr if stderr else sys.stdout
     return Console(stderr=stderr, width=None if stream.isatty() else 120, quiet=quiet)
+
+
+def program() -> str:
+    """The command a user can type, in the shell they ran this from, to run this program
+    again: `rollout-lifecycle` only when that name on PATH is this program (after
+    `make demo` it is `.venv/bin/rollout-lifecycle`, not on PATH), else the path it was
+    invoked by, or `python -m rollout_lifecycle` with this interpreter."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if Path(argv0).name == "rollout-lifecycle":
+        on_path = shutil.which("rollout-lifecycle")
+        if on_path is not None and Path(on_path).resolve() == Path(argv0).resolve():
+            return "rollout-lifecycle"
+        if os.sep in argv0:
+            return shlex.quote(argv0)
+    return f"{shlex.quote(sys.executable)} -m rollout_lifecycle"

@@ -140,6 +140,21 @@ def _versions(value: Any, b: int, key: str) -> tuple[npt.NDArray[np.int64], npt.
     return out, missing
 
 
+def judged_versions(
+    oldest: npt.NDArray[np.int64], newest: npt.NDArray[np.int64] | None
+) -> npt.NDArray[np.int64]:
+    """The version each sample is judged by: its OLDEST (a partial rollout resumed across a
+    weight sync is as stale as its stalest token), never the newest it saw."""
+    return oldest
+
+
+def refuse_unversioned(
+    accepted: npt.NDArray[np.bool_], missing: npt.NDArray[np.bool_]
+) -> npt.NDArray[np.bool_]:
+    """A sample with no recorded version is never kept, whatever its figures say."""
+    return accepted & ~missing
+
+
 def admission_mask(
     batch: Any,
     *,
@@ -188,13 +203,13 @@ def admission_mask(
         behaviour,
         current,
         mask,
-        np.where(missing, current_version, oldest),
+        np.where(missing, current_version, judged_versions(oldest, newest)),
         current_version,
         max_lag,
         max_drift,
     )
     reasons = tuple(MISSING_VERSION if missing[i] else r for i, r in enumerate(res.reasons))
-    accepted = res.accepted & ~missing
+    accepted = refuse_unversioned(res.accepted, missing)
     keep: Any = accepted
     if hasattr(mask, "device") and type(mask).__module__.split(".")[0] == "torch":
         import torch

@@ -44,7 +44,13 @@ from rollout_lifecycle.model.registry import (
     SQLiteRegistry,
     _record_to_row,
 )
-from rollout_lifecycle.model.sqlite_common import FileReplaced, connect_read_only, has_component
+from rollout_lifecycle.model.sqlite_common import (
+    FileReplaced,
+    absent_sidecars,
+    connect_read_only,
+    has_component,
+    remove_read_sidecars,
+)
 from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
 
 DEFAULT_URL = "sqlite:///rollout-lifecycle.db"
@@ -65,6 +71,8 @@ class Backend:
     ledger: Ledger
     registry: RegistryStore
     path: Path | None = None
+    # the SQLite -wal/-shm a read-only open created, removed again by close()
+    read_sidecars: tuple[Path, ...] = ()
 
     def trace(self) -> list[TraceEvent]:
         """The whole stored trace (ledger and registry events) in its one global order."""
@@ -89,6 +97,8 @@ class Backend:
             self.ledger.close()
         finally:
             self.registry.close()
+            if self.path is not None and self.read_sidecars:
+                remove_read_sidecars(self.path, self.read_sidecars)
 
     def __enter__(self) -> Backend:
         return self
@@ -259,23 +269,31 @@ def _storage_hint(path: Path, message: str) -> str:
 
 def _open_sqlite(url: str, _rest: str, opts: OpenOptions) -> Backend:
     path = sqlite_path(url)
-    if not opts.create:
-        _check_existing(url, path)
     read_only = not opts.create  # a reader never writes, not even a table
+    # nor leaves files behind: the -wal/-shm reading creates are removed on close
+    created = absent_sidecars(path) if read_only else ()
     try:
+        if not opts.create:
+            _check_existing(url, path)
         ledger = SQLiteLedger(
             path, clock=opts.clock, lease_seconds=opts.lease_seconds, read_only=read_only
         )
     except FileReplaced:
+        remove_read_sidecars(path, created)
         raise  # the URL is fine; the -wal beside the file is another file's (it says why)
     except LedgerError as exc:
+        remove_read_sidecars(path, created)
         raise _bad(url, _storage_hint(path, str(exc))) from None
+    except BaseException:
+        remove_read_sidecars(path, created)
+        raise
     try:
         registry = SQLiteRegistry(path, read_only=read_only)
     except BaseException:
         ledger.close()
+        remove_read_sidecars(path, created)
         raise
-    return Backend(url=url, ledger=ledger, registry=registry, path=path)
+    return Backend(url=url, ledger=ledger, registry=registry, path=path, read_sidecars=created)
 
 
 def _open_postgres(url: str, _rest: str, opts: OpenOptions) -> Backend:
@@ -291,8 +309,9 @@ def _open_postgres(url: str, _rest: str, opts: OpenOptions) -> Backend:
         from rollout_lifecycle.model.postgres_registry import PostgresRegistry
     except ImportError as exc:
         raise BackendUnavailable(
-            f"the PostgreSQL backend needs psycopg 3 ({exc}); install it with "
-            "pip install 'rollout-lifecycle[postgres]'"
+            f"the PostgreSQL backend needs psycopg 3 ({exc}); install the extra "
+            "rollout-lifecycle[postgres] (from a checkout: pip install -e '.[postgres]', which "
+            "uses the system's libpq; '.[postgres-binary]' brings its own)"
         ) from None
     try:
         db = PostgresDatabase(url, read_only=not opts.create)

@@ -38,12 +38,15 @@ from rollout_lifecycle.model.events import ArtifactChanged, TraceEvent
 from rollout_lifecycle.model.ledger import Ledger
 from rollout_lifecycle.model.machines import ACTIVATION
 from rollout_lifecycle.model.records import (
+    MAX_ID_LENGTH,
     ActivePointer,
     AdmissionPolicy,
     ArtifactRecord,
     AttemptToken,
     Disposition,
     WorkerAck,
+    check_int64,
+    text_problem,
 )
 from rollout_lifecycle.model.registry import (
     ATTEMPT_EVENTS,
@@ -246,14 +249,20 @@ def _change(
 
 
 def _version(v: object, what: str = "version") -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ActivationError(f"{what} must be a non-negative int, got {brief(v)}")
-    return v
+    """A version under the records' one limit (a signed 64-bit column on every backend)."""
+    try:
+        return check_int64(v, what)
+    except InvalidRecord as exc:
+        raise ActivationError(str(exc)) from None
 
 
-def _text(v: object, what: str) -> str:
-    if not isinstance(v, str) or not v:
-        raise ActivationError(f"{what} must be a non-empty string, got {brief(v)}")
+def _text(v: object, what: str, *, free: bool = False) -> str:
+    """An id (worker, hash, token) under the records' one limit for ids; `free` text (a
+    reason, a cause) has no length limit but must be storable all the same."""
+    problem = text_problem(v, max_length=None if free else MAX_ID_LENGTH)
+    if problem is not None:
+        raise ActivationError(f"{what} {problem}")
+    assert isinstance(v, str)
     return v
 
 
@@ -351,7 +360,7 @@ class ActivationCoordinator:
         `attempt_token`); its stored report, if any, stands until it acks with that token.
         """
         new = check_membership(workers)
-        why = _text(reason, "reason")
+        why = _text(reason, "reason", free=True)
 
         def plan(view: RegistryView) -> tuple[RegistryStep, tuple[str, ...]]:
             if view.required_workers() == new:
@@ -502,7 +511,7 @@ class ActivationCoordinator:
 
     def fail_commit(self, version: int, cause: str, detail: str = "") -> ArtifactRecord:
         """The artifact never became complete: stage 'artifact'; its rollouts are quarantined."""
-        d = Disposition("artifact", _text(cause, "cause"), detail)
+        d = Disposition("artifact", _text(cause, "cause", free=True), detail)
         rec = self._move(version, "fail_commit", lambda _r: {"failure": d})
         self._quarantine(version, f"artifact v{version} failed to commit: {cause}")
         return rec
@@ -527,14 +536,14 @@ class ActivationCoordinator:
 
     def fail_distribution(self, version: int, cause: str, detail: str = "") -> ArtifactRecord:
         """Loading failed on some worker: stage 'distribution', pointer unchanged, quarantine."""
-        d = Disposition("distribution", _text(cause, "cause"), detail)
+        d = Disposition("distribution", _text(cause, "cause", free=True), detail)
         rec = self._move(version, "fail_distribution", lambda _r: {"failure": d})
         self._quarantine(version, f"distribution of v{version} failed: {cause}")
         return rec
 
     def abandon(self, version: int, cause: str, detail: str = "") -> ArtifactRecord:
         """Give the version up for good (stage 'distribution': it never got to all workers)."""
-        d = Disposition("distribution", _text(cause, "cause"), detail)
+        d = Disposition("distribution", _text(cause, "cause", free=True), detail)
         rec = self._move(version, "abandon", lambda _r: {"failure": d})
         self._quarantine(version, f"v{version} abandoned: {cause}")
         return rec
@@ -706,7 +715,7 @@ class ActivationCoordinator:
             raise ActivationError(
                 f"keep_rollouts must be True or False, got {brief(keep_rollouts)}"
             )
-        keep, why = keep_rollouts, _text(reason, "reason")
+        keep, why = keep_rollouts, _text(reason, "reason", free=True)
         pointer, rolled = self._step(plan)[0]
         if not keep:
             self._quarantine(rolled, f"v{rolled} rolled back: {why}")

@@ -58,6 +58,13 @@ class BackendUnavailable(LedgerError):
     """
 
 
+class StorageFull(LedgerError):
+    """The database's storage is full (SQLite's 'database or disk is full', PostgreSQL's
+    disk_full): nothing was written. The same error from the ledger and the registry, so a
+    caller handles a full disk once; free space (or move the database) and retry. A
+    technical failure, not a refusal (the CLI exits 3 on it)."""
+
+
 class CommitMismatch(LedgerError, ValueError):
     """A commit named a set of rollouts other than exactly what its update reserved."""
 

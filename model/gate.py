@@ -606,7 +606,14 @@ def _torch_array_sums(
     old_log_probs: Any, current_log_probs: Any, action_mask: Any
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
     torch = sys.modules["torch"]
-    ref = next(x for x in (old_log_probs, current_log_probs, action_mask) if _is_torch(x))
+    given = (old_log_probs, current_log_probs, action_mask)
+    for name, x in zip(("old_log_probs", "current_log_probs", "action_mask"), given, strict=True):
+        if _is_torch(x) and x.device.type == "meta":  # shapes only: there is nothing to read
+            raise GateConfigError(
+                f"{name} is a tensor on torch's 'meta' device, which holds no values; pass "
+                "the tensor that holds the log-probs (on the CPU or an accelerator)"
+            )
+    ref = next(x for x in given if _is_torch(x))
     device = ref.device
 
     def tensor(x: Any) -> Any:

@@ -37,6 +37,7 @@ from rollout_lifecycle.model.records import (
     LedgerEntry,
     Reward,
     Rollout,
+    text_problem,
 )
 
 Clock = Callable[[], float]
@@ -242,11 +243,19 @@ def check_revision(value: object, what: str = "expected_revision") -> int:
     return value
 
 
+def check_id(value: object, what: str = "rollout_id") -> str:
+    """An id argument under the records' one limit for ids (length, no NUL, valid Unicode):
+    every backend refuses the same ids before touching storage."""
+    problem = text_problem(value)
+    if problem is not None:
+        raise InvalidLedgerArgument(f"{what} {problem}")
+    assert isinstance(value, str)
+    return value
+
+
 def check_update_id(update_id: object) -> str:
-    """An update id: a non-empty string."""
-    if not isinstance(update_id, str) or not update_id:
-        raise InvalidLedgerArgument(f"update_id must be a non-empty string, got {brief(update_id)}")
-    return update_id
+    """An update id: a non-empty string under the records' limit for ids."""
+    return check_id(update_id, "update_id")
 
 
 def check_requests(requests: object) -> list[ReserveRequest]:
@@ -259,10 +268,7 @@ def check_requests(requests: object) -> list[ReserveRequest]:
     for r in out:
         if not isinstance(r, ReserveRequest):
             raise InvalidLedgerArgument(f"a batch holds ReserveRequest items, got {brief(r)}")
-        if not isinstance(r.rollout_id, str) or not r.rollout_id:
-            raise InvalidLedgerArgument(
-                f"rollout_id must be a non-empty string, got {brief(r.rollout_id)}"
-            )
+        check_id(r.rollout_id)
         check_revision(r.expected_revision)
         if r.admission is not None and not isinstance(r.admission, AdmissionStamp):
             raise InvalidLedgerArgument(
@@ -587,8 +593,7 @@ def _check_ids(rollout_ids: Sequence[str]) -> list[str]:
         )
     ids = list(rollout_ids)
     for rid in ids:
-        if not isinstance(rid, str) or not rid:
-            raise InvalidLedgerArgument(f"rollout id must be a non-empty string, got {brief(rid)}")
+        check_id(rid, "rollout id")
     dup = [k for k, n in Counter(ids).items() if n > 1]
     if dup:
         raise CommitMismatch(f"rollout ids listed more than once: {sorted(dup)[:5]}")
@@ -744,6 +749,7 @@ class MemoryLedger:
 
     def find(self, rollout_id: str) -> LedgerEntry | None:
         """The entry, or None when absent."""
+        check_id(rollout_id)
         with self._lock:
             return self._entries.get(rollout_id)
 
@@ -938,6 +944,8 @@ class MemoryLedger:
 
     def history(self, rollout_id: str | None = None) -> list[EntryChanged]:
         """This ledger's trace, optionally for one rollout."""
+        if rollout_id is not None:
+            check_id(rollout_id)
         evs = self.log.events()
         return [
             e

@@ -58,6 +58,7 @@ from rollout_lifecycle.model.errors import (
     BackendURLError,
     LedgerError,
     RolloutLifecycleError,
+    StorageFull,
 )
 from rollout_lifecycle.model.events import (
     ChainHead,
@@ -646,6 +647,12 @@ class PostgresDatabase:
             return error(
                 f"{self.where}: permission denied during {what} ({first}); grant the role "
                 "the rights it needs on this schema"
+            )
+        if isinstance(exc, psycopg.errors.DiskFull):
+            # the same typed error as SQLite's full disk, from the ledger and the registry
+            return StorageFull(
+                f"{self.where}: {what} failed, nothing was written: the server's storage is "
+                f"full ({first}); free space on the server and retry"
             )
         if isinstance(exc, psycopg.errors.UndefinedTable):
             return error(

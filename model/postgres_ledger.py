@@ -64,7 +64,9 @@ from rollout_lifecycle.model.ledger import (
     RecoveryRule,
     ReserveOutcome,
     ReserveRequest,
+    check_id,
     check_lease_seconds,
+    check_requests,
     check_revision,
     check_update_id,
     commit_plan,
@@ -524,6 +526,7 @@ class PostgresLedger:
 
     def find(self, rollout_id: str) -> LedgerEntry | None:
         """The entry, or None when absent."""
+        check_id(rollout_id)
         found: LedgerEntry | None = self._read(lambda c: self._row(c, rollout_id), "find")
         return found
 
@@ -590,8 +593,7 @@ class PostgresLedger:
         admission: AdmissionStamp | None,
     ) -> ReserveOutcome:
         """Compare-and-set reservation of one rollout: unlocked read, one conditional UPDATE."""
-        if not update_id:
-            raise ValueError("update_id must be a non-empty string")
+        check_update_id(update_id)
         entry = self.find(rollout_id)
         lease = self.clock() + self.lease_seconds
         # plan on the unlocked read (a conflict or a bad stamp costs no transaction) ...
@@ -654,12 +656,8 @@ class PostgresLedger:
         Each item wins or loses on its own revision; a crash (or SIGKILL) before COMMIT
         leaves none of them reserved.
         """
-        if not update_id:
-            raise ValueError("update_id must be a non-empty string")
-        seen = Counter(r.rollout_id for r in requests)
-        dups = [k for k, n in seen.items() if n > 1]
-        if dups:
-            raise LedgerError(f"a batch names rollouts more than once: {sorted(dups)[:5]}")
+        check_update_id(update_id)
+        requests = check_requests(requests)  # the same refusals as every other backend
         if not requests:
             return []
 
@@ -716,8 +714,7 @@ class PostgresLedger:
 
     def commit(self, update_id: str, rollout_ids: Sequence[str]) -> list[LedgerEntry]:
         """Consume exactly the rollouts `update_id` reserved, atomically; else CommitMismatch."""
-        if not update_id:
-            raise ValueError("update_id must be a non-empty string")
+        check_update_id(update_id)
 
         def body(conn: Conn) -> list[LedgerEntry]:
             owned = self._locked(conn, "reserved_by = %s", (update_id,))
@@ -734,8 +731,7 @@ class PostgresLedger:
 
     def abort(self, update_id: str) -> list[LedgerEntry]:
         """Return every reservation of `update_id` under the recovery rule."""
-        if not update_id:
-            raise ValueError("update_id must be a non-empty string")
+        check_update_id(update_id)
 
         def body(conn: Conn) -> list[LedgerEntry]:
             lock(conn, K_BAD, shared=True)
@@ -895,6 +891,8 @@ class PostgresLedger:
 
     def history(self, rollout_id: str | None = None) -> list[EntryChanged]:
         """This database's ledger trace (shared `events` table), optionally for one rollout."""
+        if rollout_id is not None:
+            check_id(rollout_id)
         evs = self._read(lambda c: read_events(c, "entry", rollout_id), "history")
         return [e for e in evs if isinstance(e, EntryChanged)]
 

@@ -29,10 +29,7 @@ INT64_MAX = 2**63 - 1  # every stored integer fits a signed 64-bit column
 
 
 def _nonneg_int(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidRecord(f"{attribute.name} must be a non-negative int, got {brief(value)}")
-    if value > INT64_MAX:
-        raise InvalidRecord(f"{attribute.name} must fit in 64 bits (<= 2**63 - 1), got {value}")
+    check_int64(value, attribute.name)
 
 
 def _opt_nonneg_int(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -40,9 +37,54 @@ def _opt_nonneg_int(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> N
         _nonneg_int(inst, attribute, value)
 
 
-def _nonempty_str(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+# One limit for every identifier on every backend (memory, SQLite, PostgreSQL), so a record
+# one backend stores is never refused by another: PostgreSQL text cannot hold NUL, SQLite
+# cannot encode a lone surrogate, and an unbounded id slows every later lookup.
+MAX_ID_LENGTH = 1024
+
+
+def text_problem(value: object, *, max_length: int | None = MAX_ID_LENGTH) -> str | None:
+    """Why `value` cannot be stored as an id (or, without a length limit, as text); None if
+    it can. Shared by the record validators and the ledger's argument checks."""
     if not isinstance(value, str) or not value:
-        raise InvalidRecord(f"{attribute.name} must be a non-empty string, got {brief(value)}")
+        return f"must be a non-empty string, got {brief(value)}"
+    if max_length is not None and len(value) > max_length:
+        return f"must be at most {max_length} characters, got {len(value)}"
+    if "\x00" in value:
+        return f"must not contain a NUL character, got {brief(value)}"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"must be valid Unicode text (a lone surrogate at position {exc.start} cannot be "
+            "stored), decode its bytes with errors='replace' first"
+        )
+    return None
+
+
+def check_int64(value: object, what: str) -> int:
+    """A non-negative int that fits the signed 64-bit columns versions and revisions live in;
+    InvalidRecord otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRecord(f"{what} must be a non-negative int, got {brief(value)}")
+    if value > INT64_MAX:
+        raise InvalidRecord(f"{what} must fit in 64 bits (<= 2**63 - 1), got {brief(value)}")
+    return value
+
+
+def _nonempty_str(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    problem = text_problem(value)
+    if problem is not None:
+        raise InvalidRecord(f"{attribute.name} {problem}")
+
+
+def _text(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """Free text (a failure's cause or detail): any length, but storable everywhere."""
+    if isinstance(value, str) and value == "" and attribute.name == "detail":
+        return
+    problem = text_problem(value, max_length=None)
+    if problem is not None:
+        raise InvalidRecord(f"{attribute.name} {problem}")
 
 
 def _opt_nonempty_str(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -106,6 +148,10 @@ def _is_torch(x: Any) -> bool:
 def _tensor_to_numpy(t: Any) -> npt.NDArray[Any]:
     """A torch tensor on any device -> a numpy array on the host (one transfer)."""
     t = t.detach()
+    if t.device.type == "meta":  # shapes only: there are no values to check or keep
+        raise InvalidRecord(
+            "a tensor on torch's 'meta' device holds no values; pass the tensor that holds them"
+        )
     if t.device.type != "cpu":
         t = t.cpu()
     if str(t.dtype) == "torch.bfloat16":  # numpy has no bfloat16; float32 holds it exactly
@@ -376,8 +422,8 @@ class Disposition:
     """Why a rollout left the normal path: the stage where it happened and the cause."""
 
     stage: str = attrs.field(validator=_one_of(*DISPOSITION_STAGES))
-    cause: str = attrs.field(validator=_nonempty_str)
-    detail: str = ""
+    cause: str = attrs.field(validator=_text)
+    detail: str = attrs.field(default="", validator=_text)
 
 
 def _nonneg_finite(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -527,8 +573,9 @@ def _update_ids(value: Any) -> tuple[str, ...]:
         raise InvalidRecord(f"trained_by must be a list of update ids, got {brief(value)}")
     out = tuple(value)
     for u in out:
-        if not isinstance(u, str) or not u:
-            raise InvalidRecord(f"trained_by holds update ids (non-empty strings), got {brief(u)}")
+        problem = text_problem(u)
+        if problem is not None:
+            raise InvalidRecord(f"trained_by holds update ids: each {problem}")
     if len(set(out)) != len(out):
         raise InvalidRecord(f"trained_by names an update more than once: {brief(out)}")
     return out

@@ -26,7 +26,7 @@ import attrs
 from rollout_lifecycle.model import rules
 from rollout_lifecycle.model.api import activate_policy_version
 from rollout_lifecycle.model.clocks import sqlite_host_clock
-from rollout_lifecycle.model.errors import ActivationError, brief
+from rollout_lifecycle.model.errors import ActivationError, StorageFull, brief
 from rollout_lifecycle.model.events import (
     ArtifactChanged,
     EntryChanged,
@@ -45,6 +45,7 @@ from rollout_lifecycle.model.records import (
     Disposition,
     WorkerAck,
     from_jsonable,
+    text_problem,
     to_jsonable,
 )
 from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES, retired_versions
@@ -54,6 +55,7 @@ from rollout_lifecycle.model.sqlite_common import (
     ensure_schema,
     has_component,
     read_events,
+    write_failed,
 )
 from rollout_lifecycle.model.sqlite_files import FileGuard, hand_back, read_file_id
 
@@ -213,8 +215,9 @@ def check_membership(workers: object) -> tuple[str, ...]:
         )
     ws = tuple(workers)
     for w in ws:
-        if not isinstance(w, str) or not w:
-            raise ActivationError(f"worker id must be a non-empty string, got {brief(w)}")
+        problem = text_problem(w)  # the records' one limit for ids, on every backend
+        if problem is not None:
+            raise ActivationError(f"worker id {problem}")
     if not ws:
         raise ActivationError(
             "at least one required worker is needed: with none, a checkpoint on disk alone "
@@ -1253,6 +1256,9 @@ class SQLiteRegistry(_ViewReads):
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
                 if isinstance(exc, sqlite3.Error):
+                    failed = write_failed(f"registry {self.path}", exc)
+                    if isinstance(failed, StorageFull):  # the ledger's error for a full disk
+                        raise failed from exc
                     raise ActivationError(
                         f"registry {self.path}: write failed, nothing written "
                         f"({_sqlite_cause(exc)})"

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from rollout_lifecycle.model.errors import LedgerError
+from rollout_lifecycle.model.errors import LedgerError, StorageFull
 from rollout_lifecycle.model.events import (
     GENESIS,
     ChainHead,
@@ -30,6 +30,19 @@ from rollout_lifecycle.model.events import (
 )
 from rollout_lifecycle.model.sqlite_files import FileReplaced as FileReplaced
 from rollout_lifecycle.model.sqlite_files import connecting, guard_open, stamp_file_id
+
+
+def write_failed(where: str, exc: sqlite3.Error) -> LedgerError:
+    """The typed error of a failed write, the same for the ledger and the registry: a full
+    disk is StorageFull (nothing written, free space and retry), anything else LedgerError."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code == sqlite3.SQLITE_FULL or "disk is full" in str(exc):
+        return StorageFull(
+            f"{where}: write failed, nothing written: the database's disk is full ({exc}); "
+            "free space on its filesystem (or move the database) and retry"
+        )
+    return LedgerError(f"{where}: write failed, nothing written ({exc})")
+
 
 BUSY_TIMEOUT_MS = 30_000  # well above the 5 s default: 8 threads and 4 processes contend
 
@@ -101,6 +114,32 @@ def connect_read_only(path: Path) -> sqlite3.Connection:
     guard_open(path)
     with connecting():  # its locks are taken here (see sqlite_files.close_unlocked)
         return _connect_read_only(path)
+
+
+def absent_sidecars(path: Path) -> tuple[Path, ...]:
+    """The -wal and -shm beside `path`, if NEITHER exists yet: the ones a read-only open is
+    about to create (SQLite needs them to read a WAL database, and a reader cannot remove
+    them). Empty when either exists: then a writer has, or had, the file open."""
+    pair = (Path(f"{path}-wal"), Path(f"{path}-shm"))
+    return () if any(p.exists() for p in pair) else pair
+
+
+def remove_read_sidecars(path: Path, created: Sequence[Path]) -> None:
+    """Leave the folder as a read-only open found it: close one last ordinary connection,
+    which makes SQLite fold the (empty) -wal back and delete it and the -shm. Nothing of the
+    database changes; if another connection still has the file open, SQLite keeps both for
+    it, and that connection removes them when it closes."""
+    if not created or not any(p.exists() for p in created):
+        return
+    try:
+        with connecting():
+            conn = sqlite3.connect(str(path), timeout=0.5, isolation_level=None)
+            try:
+                conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchall()
+            finally:
+                conn.close()
+    except sqlite3.Error:
+        return  # busy or unreadable: the files stay, exactly as SQLite left them
 
 
 def _connect_read_only(path: Path) -> sqlite3.Connection:

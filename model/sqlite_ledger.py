@@ -52,6 +52,7 @@ from rollout_lifecycle.model.ledger import (
     ReserveOutcome,
     ReserveRequest,
     as_entry,
+    check_id,
     check_lease_seconds,
     check_requests,
     check_revision,
@@ -87,6 +88,7 @@ from rollout_lifecycle.model.sqlite_common import (
     has_component,
     read_events,
     read_stored,
+    write_failed,
 )
 from rollout_lifecycle.model.sqlite_files import FileGuard, hand_back, read_file_id
 
@@ -314,7 +316,7 @@ class SQLiteLedger:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
             if isinstance(exc, sqlite3.Error):
-                raise LedgerError(f"{self.path}: write failed, nothing written ({exc})") from exc
+                raise write_failed(str(self.path), exc) from exc
             raise
 
     def _check_readable(self, conn: sqlite3.Connection) -> None:
@@ -525,6 +527,7 @@ class SQLiteLedger:
 
     def find(self, rollout_id: str) -> LedgerEntry | None:
         """The entry, or None when absent."""
+        check_id(rollout_id)
         self._check_file()
         try:
             return self._row(self._conn(), rollout_id)
@@ -646,8 +649,7 @@ class SQLiteLedger:
 
     def commit(self, update_id: str, rollout_ids: Sequence[str]) -> list[LedgerEntry]:
         """Consume exactly the rollouts `update_id` reserved, atomically; else CommitMismatch."""
-        if not update_id:
-            raise ValueError("update_id must be a non-empty string")
+        check_update_id(update_id)
         with self._write() as conn:
             owned = self._owned(conn, update_id)
             new = commit_plan(update_id, rollout_ids, owned)
@@ -659,8 +661,7 @@ class SQLiteLedger:
 
     def abort(self, update_id: str) -> list[LedgerEntry]:
         """Return every reservation of `update_id` under the recovery rule."""
-        if not update_id:
-            raise ValueError("update_id must be a non-empty string")
+        check_update_id(update_id)
         with self._write() as conn:
             owned = self._owned(conn, update_id)
             bad = self._bad_versions(conn)
@@ -774,6 +775,8 @@ class SQLiteLedger:
 
     def history(self, rollout_id: str | None = None) -> list[EntryChanged]:
         """This file's ledger trace (shared `events` table), optionally for one rollout."""
+        if rollout_id is not None:
+            check_id(rollout_id)
         with self._read() as conn:
             evs = read_events(conn, "entry", rollout_id)
         return [e for e in evs if isinstance(e, EntryChanged)]

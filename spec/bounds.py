@@ -48,11 +48,18 @@ EXPLORER_MODELS: dict[str, tuple[ModelFactory, str]] = {
     ),
     "seams": (
         lambda: SeamsModel(
-            learners=2, second_coordinator=True, max_versions=2, max_rollouts=1, lies=1, bad_adds=1
+            learners=2,
+            second_coordinator=True,
+            max_versions=2,
+            max_rollouts=1,
+            lies=1,
+            bad_adds=1,
+            rollbacks=1,
         ),
         "the README's composition: an activator publishing v1, v2 while 2 learners admit, "
         "reserve and commit; a second coordinator on the same registry (asks for a partial "
-        "worker set, distributes its oldest version); a lying stamp and a reward-less rollout",
+        "worker set, distributes its oldest version); a lying stamp, a reward-less rollout, "
+        "and an operator rollback (retiring or keeping) between admission and reservation",
     ),
     "ledger-small": (
         lambda: LedgerRaceModel(

@@ -32,6 +32,7 @@ does not declare raises `StaleCoverage`: a stale coverage file is never drawn si
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import os
 import re
@@ -562,6 +563,7 @@ def _stale_set(
     machine: MachineSpec,
     counts: Mapping[str, int] | None,
     source: str | None = None,
+    dot_exe: str | None = None,
 ) -> list[str]:
     dot_text = to_dot(machine, counts, source=source)
     stale = []
@@ -573,22 +575,45 @@ def _stale_set(
     found = _SOURCE_RE.search(svg or "")
     if found is None or found.group(1) != _source_hash(dot_text):
         stale.append(f"{stem}.svg")
+    elif dot_exe is not None and svg_text(svg or "") != svg_text(
+        _run_dot(dot_text, "svg", dot_exe, 60.0).decode("utf-8", "replace")
+    ):
+        # the stamp is right but what the picture says is not (an edited label): the text
+        # Graphviz draws is compared, never its coordinates, which vary between versions
+        stale.append(f"{stem}.svg")
     return stale
+
+
+_SVG_TEXT_RE = re.compile(r"<(text|title)\b[^>]*>(.*?)</\1>", re.S)
+
+
+def svg_text(svg: str) -> list[str]:
+    """What an SVG says, for comparison: its <text> and <title> contents, sorted (layout,
+    coordinates and Graphviz's version-specific markup left out)."""
+    return sorted(html.unescape(m.group(2)).strip() for m in _SVG_TEXT_RE.finditer(svg))
 
 
 def check_docs(out_dir: str | os.PathLike[str] = DOCS_DIR) -> list[str]:
     """Names of committed diagram files that no longer match what the machines draw now.
 
     ``.mmd`` and ``.dot`` are compared as exact text; an ``.svg`` must carry the SHA-256 of
-    the current DOT text (stamped by `render`), so SVG bytes, which differ between Graphviz
-    versions, are never compared and no `dot` is needed. Missing files count as stale.
-    Coverage pictures are re-derived from their ``-coverage.json``; if that no longer fits
-    the machine, all the coverage files are stale.
+    the current DOT text (stamped by `render`) AND, where Graphviz `dot` is installed, say
+    what a fresh drawing says (its text, see `svg_text`: an edited label is caught; SVG
+    bytes, which differ between Graphviz versions, are never compared). Without `dot` only
+    the stamp is checked. Missing files count as stale. Coverage pictures are re-derived
+    from their ``-coverage.json``; if that no longer fits the machine, all the coverage
+    files are stale. A folder that does not exist is a DiagramError, not six stale files.
     """
     out = Path(out_dir)
+    if not out.is_dir():
+        raise DiagramError(
+            f"{out}: no such folder; give the folder the diagrams were written to "
+            f"(`rollout-lifecycle diagram --write-docs {out}` creates one)"
+        )
+    dot_exe = shutil.which("dot")
     stale: list[str] = []
     for name, machine in MACHINES.items():
-        stale += _stale_set(out, name, machine, None)
+        stale += _stale_set(out, name, machine, None, dot_exe=dot_exe)
     for cov in sorted(out.glob("*-coverage.json")):
         stem = cov.name.removesuffix(".json")
         machine_or_none = MACHINES.get(stem.removesuffix("-coverage"))
@@ -599,8 +624,10 @@ def check_docs(out_dir: str | os.PathLike[str] = DOCS_DIR) -> list[str]:
             if not isinstance(data, Mapping):
                 raise DiagramError(f"{cov.name}: not a JSON object")
             counts = edge_counts(machine_or_none, data)
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             stale += [cov.name] + [f"{stem}.{x}" for x in ("mmd", "dot", "svg")]
             continue
-        stale += _stale_set(out, stem, machine_or_none, counts, coverage_source(data))
+        stale += _stale_set(
+            out, stem, machine_or_none, counts, coverage_source(data), dot_exe=dot_exe
+        )
     return sorted(set(stale))

@@ -22,6 +22,7 @@ from here, so "the same invariants" is literal.
 from __future__ import annotations
 
 import math
+import re
 from collections import ChainMap, Counter
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -419,6 +420,11 @@ def _revision_bumps_by_one(_b: World, events: Sequence[TraceEvent], _a: World) -
     return out
 
 
+def _consumed_by_its_reserver(before: LedgerEntry, update_id: str | None) -> bool:
+    """Only the update holding the reservation may consume the rollout."""
+    return before.reserved_by is not None and before.reserved_by == update_id
+
+
 def _exactly_once(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
     out = []
     for ev in events:
@@ -436,7 +442,7 @@ def _exactly_once(before: World, events: Sequence[TraceEvent], _after: World) ->
             continue
         if ev.before.state == "consumed":
             out.append(f"{ev.rollout_id}: consumed a second time")
-        elif ev.before.reserved_by is None or ev.before.reserved_by != ev.update_id:
+        elif not _consumed_by_its_reserver(ev.before, ev.update_id):
             out.append(
                 f"{ev.rollout_id}: consumed by {ev.update_id!r}, reserved by "
                 f"{ev.before.reserved_by!r}"
@@ -864,6 +870,49 @@ def _reservations_resolve(w: World) -> list[str]:
     ]
 
 
+# ---- step: serving (a generator that names itself in its rollout ids) -----------------------
+
+# Rollout ids of the form "<worker>@<incarnation>/<anything>" name the generation worker and
+# its incarnation (the activation drill writes them so; docs/activation-drill.md). Ids of
+# any other form say nothing about who generated them and are not judged here.
+_SERVED_BY = re.compile(r"^(?P<worker>[^@/\s]+)@(?P<incarnation>[0-9]+)/")
+
+
+def _served_after_sync(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
+    """A worker serves only what it reported holding in its current incarnation: a rollout
+    it adds must carry the (version, hash) of its stored report, of that same incarnation,
+    not below its restart floor. A restarted worker that serves before it resynced (a load
+    reported after the restart) has no such report."""
+    if before.artifacts is None:
+        return []
+    out = []
+    for ev in events:
+        if not isinstance(ev, EntryChanged) or ev.before is not None:
+            continue
+        m = _SERVED_BY.match(ev.rollout_id)
+        if m is None:
+            continue
+        worker, inc = m.group("worker"), int(m.group("incarnation"))
+        rep = before.workers.get(worker)
+        ack = None if rep is None else rep.ack
+        e = ev.after
+        if (
+            rep is not None
+            and ack is not None
+            and inc >= rep.floor
+            and ack.incarnation == inc
+            and (ack.version, ack.artifact_hash) == (e.behavior_version, e.artifact_hash)
+        ):
+            continue
+        held = "nothing" if ack is None else f"v{ack.version} (incarnation {ack.incarnation})"
+        floor = 0 if rep is None else rep.floor
+        out.append(
+            f"{e.rollout_id}: {worker} incarnation {inc} served v{e.behavior_version} but its "
+            f"stored report holds {held}, restart floor {floor}: it served before it synced"
+        )
+    return out
+
+
 INVARIANTS: tuple[Invariant, ...] = (
     Invariant(
         "declared_edges",
@@ -1049,6 +1098,15 @@ INVARIANTS: tuple[Invariant, ...] = (
         "liveness",
         "Once everything is delivered, every reservation is committed, released or expired.",
         world_check=_reservations_resolve,
+    ),
+    Invariant(
+        "served_after_sync",
+        "step",
+        "activation",
+        "A generation worker that names itself in its rollout ids serves only the version "
+        "and hash it reported holding in its current incarnation: after a restart, not "
+        "before it resynced.",
+        step_check=_served_after_sync,
     ),
 )
 

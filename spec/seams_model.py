@@ -108,6 +108,9 @@ class Act:
 
 
 _NO_WHO = frozenset({"prepare", "publish", "bad_add", "fail"})
+# one figure of an otherwise honest stamp is wrong: what a subtly misconfigured or buggy
+# learner sends (each must be refused on its own; a stamp wrong everywhere is the LIAR)
+ONE_FIGURE_LIES = ("max_lag", "max_drift", "drift", "current_version", "behavior_version")
 
 
 class Composition:
@@ -229,6 +232,12 @@ class Composition:
                             f"{self.truth.get(w)}"
                         )
 
+    def _rollback(self, keep: int) -> None:
+        """The operator rolls the active version back (1: keeping its rollouts), possibly
+        between a learner's admission and its reservation."""
+        self.coord_a.rollback(keep_rollouts=bool(keep), reason="seams rollback")
+        self.observed["rolled_back_kept" if keep else "rolled_back"] += 1
+
     def _fail(self, _who: int) -> None:
         awaiting = [a.version for a in self.coord_a.artifacts() if a.state == "awaiting_acks"]
         if awaiting:
@@ -308,8 +317,9 @@ class Composition:
 
     def _lie(self, k: int) -> None:
         """A hostile learner: learner 0 marks a rollout accepted whatever its own figures
-        say; learner 1 is misconfigured, its stamps agree with themselves but are judged
-        with bounds far looser than the deployment's recorded policy."""
+        say, or (every other rollout) sends an honest stamp with exactly one figure wrong;
+        learner 1 is misconfigured, its stamps agree with themselves but are judged with
+        bounds far looser than the deployment's recorded policy."""
         ln, led, reg = self._learner(k)
         pointer = reg.pointer()
         for e in led.snapshot().values():
@@ -319,7 +329,9 @@ class Composition:
                     behavior_version=e.behavior_version,
                     current_version=e.behavior_version + 9,
                 )
-                if k % 2 == 1 and pointer is not None and pointer.version >= e.behavior_version:
+                honest = pointer is not None and pointer.version >= e.behavior_version
+                if k % 2 == 1 and honest:
+                    assert pointer is not None
                     lag = pointer.version - e.behavior_version
                     stamp = AdmissionStamp(
                         current_version=pointer.version,
@@ -331,6 +343,9 @@ class Composition:
                         reason="ok",
                         accepted=True,
                     )
+                elif honest and int(e.rollout_id[1:]) % 2 == 1:
+                    assert pointer is not None
+                    stamp = _one_figure_lie(e, pointer.version, int(e.rollout_id[1:]) // 2)
                 self.learners[k] = attrs.evolve(
                     ln, pending=(*ln.pending, (e.rollout_id, e.revision, stamp))
                 )
@@ -358,6 +373,44 @@ class Composition:
         self.learners[k] = LearnerState(ln.name, ln.update + 1)
 
 
+def _one_figure_lie(e: LedgerEntry, pointer: int, n: int) -> AdmissionStamp:
+    """An honest stamp of `e` at `pointer` with only figure ONE_FIGURE_LIES[n % 5] wrong."""
+    lag = pointer - e.behavior_version
+    fields = dict(
+        current_version=pointer,
+        behavior_version=e.behavior_version,
+        max_lag=MAX_LAG,
+        max_drift=MAX_DRIFT,
+        drift=0.0,
+        freshness="fresh" if lag == 0 else "tolerated" if lag <= MAX_LAG else "stale",
+        reason="ok",
+        accepted=True,
+    )
+    which = ONE_FIGURE_LIES[n % len(ONE_FIGURE_LIES)]
+    if which == "max_lag":
+        fields["max_lag"] = MAX_LAG + 1
+    elif which == "max_drift":
+        fields["max_drift"], fields["drift"] = MAX_DRIFT * 10, MAX_DRIFT * 2
+    elif which == "drift":
+        fields["drift"] = MAX_DRIFT * 2
+    elif which == "current_version":
+        fields["current_version"] = pointer + 1
+    else:
+        fields["behavior_version"] = e.behavior_version + 1
+    lag = int(str(fields["current_version"])) - int(str(fields["behavior_version"]))
+    ml = int(str(fields["max_lag"]))
+    fields["freshness"] = (
+        "future" if lag < 0 else "fresh" if lag == 0 else "tolerated" if lag <= ml else "stale"
+    )
+    try:
+        return AdmissionStamp(**fields)  # type: ignore[arg-type]
+    except RolloutLifecycleError:  # the record itself refuses it: send it anyway, forged
+        stamp = object.__new__(AdmissionStamp)
+        for k, v in fields.items():
+            object.__setattr__(stamp, k, v)
+        return stamp
+
+
 @attrs.frozen
 class SeamsState:
     """Everything the composition holds between actions (hashable for the explorer)."""
@@ -370,7 +423,7 @@ class SeamsState:
     bad_versions: frozenset[int]
     truth: tuple[tuple[str, tuple[int, str] | None], ...]
     learners: tuple[LearnerState, ...]
-    budget: tuple[int, int, int]  # rollouts, lies, bad adds still allowed
+    budget: tuple[int, int, int, int]  # rollouts, lies, bad adds, rollbacks still allowed
     step_violations: tuple[str, ...] = ()
     tokens: tuple[AttemptToken, ...] = ()  # the registry's attempt tokens
 
@@ -387,11 +440,12 @@ class SeamsModel:
         max_rollouts: int = 1,
         lies: int = 0,
         bad_adds: int = 0,
+        rollbacks: int = 0,
     ) -> None:
         self.n_learners = learners
         self.second = second_coordinator
         self.max_versions = max_versions
-        self.budget = (max_rollouts, lies, bad_adds)
+        self.budget = (max_rollouts, lies, bad_adds, rollbacks)
         self.observed: Counter[str] = Counter()
         self.edges: Counter[tuple[str, str]] = Counter()
 
@@ -449,7 +503,7 @@ class SeamsModel:
         led: Any,
         truth: dict[str, tuple[int, str]],
         learners: Sequence[LearnerState],
-        budget: tuple[int, int, int],
+        budget: tuple[int, int, int, int],
         violations: Sequence[str],
     ) -> SeamsState:
         return SeamsState(
@@ -468,7 +522,7 @@ class SeamsModel:
 
     def actions(self, s: SeamsState) -> Iterable[Act]:
         """Every enabled action (a budget bounds generation and the hostile clients)."""
-        rollouts, lies, bad = s.budget
+        rollouts, lies, bad, rollbacks = s.budget
         states = {a.state for a in s.artifacts}
         if len(s.artifacts) <= self.max_versions:
             yield Act("prepare")
@@ -496,6 +550,11 @@ class SeamsModel:
             yield Act("generate", 1)
         if bad:
             yield Act("bad_add")
+        if rollbacks and s.pointer is not None and "awaiting_acks" not in states:
+            active = next(a for a in s.artifacts if a.version == s.pointer.version)
+            if active.rollback_version is not None:
+                yield Act("rollback", 0)  # retire its rollouts
+                yield Act("rollback", 1)  # the operator keeps them
         for k, ln in enumerate(s.learners):
             if any(e.state == "rewarded" for e in s.entries):
                 yield Act("admit", k)
@@ -509,7 +568,7 @@ class SeamsModel:
     def next_state(self, s: SeamsState, act: Act) -> SeamsState | None:
         """Run `act` on real objects rebuilt from `s`; None when nothing changed."""
         comp, log, led, reg = self._stack(s)
-        rollouts, lies, bad = s.budget
+        rollouts, lies, bad, rollbacks = s.budget
         extra: list[str] = []
         try:
             comp.run(act)
@@ -521,11 +580,15 @@ class SeamsModel:
             lies -= 1
         elif act.kind == "bad_add":
             bad -= 1
+        elif act.kind == "rollback":
+            rollbacks -= 1
         events = log.events()
         count_edges(events, self.edges)
         _, viol, _ = replay(self.world(s), events)
         problems = [*comp.problems, *extra, *(str(v) for v in viol)]
-        new = self._state(reg, led, comp.truth, comp.learners, (rollouts, lies, bad), problems)
+        new = self._state(
+            reg, led, comp.truth, comp.learners, (rollouts, lies, bad, rollbacks), problems
+        )
         return None if new == s else new
 
     def world(self, s: SeamsState) -> World:

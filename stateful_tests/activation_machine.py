@@ -18,6 +18,7 @@ truly holds it. Liveness is checked on a rebuilt copy (`quiescence.quiesce_copy`
 
 from __future__ import annotations
 
+import hashlib
 import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
@@ -509,6 +510,16 @@ class ActivationMachine(RuleBasedStateMachine):
             corrupt=corrupt,
         )
         self.bag.append(ack)
+
+    @rule(pick=picks)
+    @precondition(lambda self: bool(self.bag) and len(self.bag) < MAX_BAG)
+    @counted
+    def garble(self, pick: int) -> None:
+        """A copy of an ack in flight with the same (incarnation, seq) but other content
+        (a hash no version has): whichever copy arrives second conflicts and never counts."""
+        ack = self.bag[pick % len(self.bag)]
+        other = hashlib.sha256(f"garbled-{ack.artifact_hash}".encode()).hexdigest()
+        self.bag.append(attrs.evolve(ack, artifact_hash=other))
 
     @rule(worker=worker_ids)
     @precondition(lambda self: self.pointer is not None)

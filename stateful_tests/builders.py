@@ -9,6 +9,7 @@ version lag), and masked positions carry large garbage that must never count.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -34,6 +35,9 @@ ACTION_MASK = (False, True, True, False, True, True)
 MASKED_GARBAGE = 9.0  # added at non-action positions: a gate that counts them drifts by ~3
 PAD = 7.0  # right padding of a batch row, also never an action position
 EVIDENCE_KINDS = ("ok", "drifty", "empty_mask", "misaligned", "missing")
+# the current policy's log-prob at the first action position is NaN (a NaN loss upstream):
+# both gates must refuse the row, never judge it (what the batch gate sees, not the record)
+NAN_CURRENT = "nan_current"
 # per-rollout drift per version of lag; none sits near the 0.2 / 0.25 bounds used
 DRIFT_SCALES = (0.05, 0.1, 0.15, 0.3, 0.4)
 DRIFTY_EXTRA = 1.5
@@ -74,7 +78,7 @@ def make_rollout(
     rollout_id: str, index: int, version: int, hash_: str, evidence: str = "ok"
 ) -> Rollout:
     """A rollout stamped with `version`/`hash_`; `evidence` picks an evidence fault, if any."""
-    if evidence not in EVIDENCE_KINDS:
+    if evidence not in (*EVIDENCE_KINDS, NAN_CURRENT):
         raise ValueError(f"evidence kind must be one of {EVIDENCE_KINDS}, got {evidence!r}")
     ev: ActionEvidence | None
     if evidence == "missing":
@@ -110,8 +114,13 @@ def current_log_probs(rollout: Rollout, current_version: int, evidence: str) -> 
     lag = current_version - rollout.behavior.version
     d = designed_drift(rollout.rollout_id, evidence, lag)
     out = []
+    poisoned = evidence != NAN_CURRENT
     for t, b in enumerate(ev.behavior_log_probs):
         action = t < len(ev.action_mask) and ev.action_mask[t]
+        if action and not poisoned:
+            out.append(math.nan)
+            poisoned = True
+            continue
         out.append(b + (d if t % 2 == 0 else -d) if action else b + MASKED_GARBAGE)
     return out
 

@@ -67,7 +67,9 @@ class ConformanceReport:
         f = self.campaign.failure
         if f is not None:
             lines.append(f"race machine: {f.exception.splitlines()[0]}")
-            lines.append(f"shrunk program ({f.program_steps} steps): {f.program_path}")
+            # the program itself: a saved file may be in a folder its caller removes
+            lines.append(f"shrunk program ({f.program_steps} steps), saved as {f.program_path}:")
+            lines += [f"    {line}" for line in f.program.splitlines()]
         return "\n".join(lines)
 
     def raise_on_failure(self) -> None:

@@ -36,6 +36,7 @@ from hypothesis.stateful import (
 import rollout_lifecycle.model.api as api_mod
 import rollout_lifecycle.model.coordinator as coord_mod
 import rollout_lifecycle.model.gate as gate_mod
+from rollout_lifecycle.model.errors import GateConfigError
 from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule, ReserveRequest
 from rollout_lifecycle.model.records import AdmissionPolicy, Disposition, LedgerEntry, Rollout
 from rollout_lifecycle.spec.invariants import Violation
@@ -49,6 +50,7 @@ from rollout_lifecycle.stateful_tests.backends import (
 )
 from rollout_lifecycle.stateful_tests.builders import (
     CONDITIONS,
+    NAN_CURRENT,
     REWARD,
     artifact_hash,
     corrupt_hash,
@@ -278,7 +280,11 @@ class EndToEndMachine(RuleBasedStateMachine):
             self.recorder.note("gate:torch")
         else:
             self.recorder.note("gate:numpy")
-        decisions = gate.assess_batch(rollouts, given, cv, entries=batch)
+        try:
+            decisions = gate.assess_batch(rollouts, given, cv, entries=batch)
+        except GateConfigError as exc:
+            self._refused_batch(batch, rollouts, current, cv, exc)
+            return
         requests = []
         for i, (e, ro, d) in enumerate(zip(batch, rollouts, decisions, strict=True)):
             self.judged[e.rollout_id] = cv
@@ -314,13 +320,44 @@ class EndToEndMachine(RuleBasedStateMachine):
                     )
                 self.held.add(out.rollout_id)
 
-    def _cross_check(self, ro: Rollout, current: list[float], d: Any, cv: int) -> None:
-        """The vectorised gate and the plain-Python contract function must agree on a row."""
-        if d.reason in RECORD_REASONS or ro.evidence is None:
-            return
+    def _refused_batch(
+        self,
+        batch: list[LedgerEntry],
+        rollouts: list[Rollout],
+        current: Any,
+        cv: int,
+        exc: GateConfigError,
+    ) -> None:
+        """The batch gate refused the whole batch: it must be for a NaN at an action
+        position, in exactly the rows the contract function refuses; those are quarantined
+        (a learner cannot judge them) and the rest is left for the next admission."""
+        poisoned = []
+        for i, ro in enumerate(rollouts):
+            try:
+                self._contract(ro, list(current[i]), cv)
+            except GateConfigError:
+                poisoned.append(i)
+        self.recorder.checked(["batch_gate_matches_contract_function"])
+        if not poisoned:
+            raise self.recorder.fail(f"assess_batch refused a batch the contract judges: {exc}")
+        if f"row(s) {poisoned[:10]}" not in str(exc):
+            raise self.recorder.fail(f"assess_batch named other rows than {poisoned}: {exc}")
+        self.recorder.note("gate:non_finite_refused")
+        for i in poisoned:
+            e = batch[i]
+            self.stack.ledger.transition(
+                e.rollout_id,
+                "quarantine",
+                e.revision,
+                disposition=Disposition("admission", "non_finite_log_probs"),
+            )
+
+    def _contract(self, ro: Rollout, current: list[float], cv: int) -> dict[str, Any]:
+        """The plain-Python contract function on one row (raises on a NaN at an action)."""
         ev = ro.evidence
+        assert ev is not None
         n = len(ev.behavior_log_probs)
-        want = api_mod.assess_policy_compatibility(
+        return api_mod.assess_policy_compatibility(
             list(ev.behavior_log_probs),
             current[:n],
             list(ev.action_mask),
@@ -329,6 +366,18 @@ class EndToEndMachine(RuleBasedStateMachine):
             self.max_lag,
             MAX_DRIFT,
         )
+
+    def _cross_check(self, ro: Rollout, current: list[float], d: Any, cv: int) -> None:
+        """The vectorised gate and the plain-Python contract function must agree on a row."""
+        if d.reason in RECORD_REASONS or ro.evidence is None:
+            return
+        try:
+            want = self._contract(ro, current, cv)
+        except GateConfigError as exc:
+            raise self.recorder.fail(
+                f"{ro.rollout_id}: assess_batch judged a row ({d.reason}) the contract "
+                f"function refuses: {exc}"
+            ) from None
         self.recorder.checked(["batch_gate_matches_contract_function"])
         same = (d.accepted, d.reason) == (want["accepted"], want["reason"])
         if same and d.drift is not None:
@@ -477,7 +526,10 @@ class EndToEndMachine(RuleBasedStateMachine):
 
     # ---- explicit rules: the search's deviations from the happy path -------------------------
 
-    @rule(worker=worker_ids, evidence=st.sampled_from(["ok"] * 4 + ["drifty"]))
+    @rule(
+        worker=worker_ids,
+        evidence=st.sampled_from(["ok"] * 5 + ["drifty", "drifty", "empty_mask", NAN_CURRENT]),
+    )
     @precondition(lambda self: self._open_count() < MAX_OPEN)
     @counted
     def dispatch(self, worker: str, evidence: str) -> None:

@@ -47,7 +47,9 @@ PROJECT_PREFIXES = ("rollout_lifecycle.",)
 def patch_everywhere(owner: Any, name: str, replacement: Any) -> Iterator[None]:
     """Replace `owner.name`, and every project-module global bound to the same object."""
     original = getattr(owner, name)
-    touched: list[tuple[Any, str, Any]] = [(owner, name, original)]
+    # a class keeps its staticmethod / classmethod wrapper: restore that, not the function
+    stored = vars(owner).get(name, original) if isinstance(owner, type) else original
+    touched: list[tuple[Any, str, Any]] = [(owner, name, stored)]
     setattr(owner, name, replacement)
     for mod_name, mod in list(sys.modules.items()):
         if (
@@ -68,6 +70,19 @@ def patch_everywhere(owner: Any, name: str, replacement: Any) -> Iterator[None]:
             setattr(obj, attr, value)
 
 
+# what kind of bug a mutant is (issue 18's classes of what a campaign can miss; the first
+# catalogue's protocol bugs are 'protocol'); `mutants` reports its table per class
+CLASSES: dict[str, str] = {
+    "protocol": "a protocol bug in the enforcing code",
+    "unloaded": "code the core campaign never loaded (PostgreSQL statements, the verl adapter)",
+    "checker": "a checker that stops checking (spec, race history judge, ledger check)",
+    "shared_rule": "a rule of the write path that a spec sharing it would be blind to",
+    "input": "a bug only inputs nobody generated expose (NaN, empty masks, one-figure lies, "
+    "conflicting acks, a rollback between admission and reservation)",
+    "budget": "a bug found only at a boundary a small budget rarely reaches",
+}
+
+
 @attrs.frozen
 class Mutant:
     """One injected bug: a name, what it does, which peer bug it mirrors, and its patch."""
@@ -76,11 +91,15 @@ class Mutant:
     description: str
     peer_bug: int | None
     patch: Callable[[], contextlib.AbstractContextManager[None]]
-    # which checkers can reach it: 'fuzz', 'explore' and/or 'race' (real processes, each
-    # with its own connection), with which machine / model
+    # which checkers can reach it: 'fuzz', 'explore', 'race' (real processes, each with its
+    # own connection), 'checkers' (the known-bad histories and the differential stage),
+    # 'adapter' (the verl adapter fuzz), with which machine / model
     reach: tuple[str, ...] = ("fuzz", "explore")
     explorer_model: str = "ledger"
     fuzz_machine: str = "ledger"
+    klass: str = "protocol"
+    # the backend whose code it breaks: its campaign runs there ('postgresql' needs a server)
+    backend: str = "sqlite"
 
     def __call__(self) -> contextlib.AbstractContextManager[None]:
         return self.patch()
@@ -583,6 +602,127 @@ def _membership_forgets() -> Iterator[None]:
         yield
 
 
+def _wrap(
+    module: str, name: str, make: Callable[[Any], Any]
+) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A patch replacing `module.name` by `make(original)`; the module (and its optional
+    dependencies) is imported only when the mutant is entered."""
+
+    @contextlib.contextmanager
+    def cm() -> Iterator[None]:
+        owner: Any = importlib.import_module(module)
+        for part in name.split(".")[:-1]:
+            owner = getattr(owner, part)
+        attr = name.split(".")[-1]
+        with patch_everywhere(owner, attr, make(getattr(owner, attr))):
+            yield
+
+    return cm
+
+
+_PG = "rollout_lifecycle.model.postgres_ledger"
+
+
+def _cas_many_unconditional(sql: str) -> str:
+    """The batch compare-and-set without its revision condition."""
+    out = sql.replace("WHERE r.revision = v.expected", "WHERE TRUE")
+    return out.replace("AND r.revision = v.expected", "")
+
+
+def _skip_premise(write: Any) -> Any:
+    def no_lock(self: Any, body: Any, what: str, *, premise: bool = False) -> Any:
+        return write(self, body, what)
+
+    return no_lock
+
+
+def _negative_lag(refusal: Any) -> Any:
+    def check(stamp: Any, bv: int, pv: Any, was_active: Any, *rest: Any) -> Any:
+        r = refusal(stamp, bv, pv, was_active, *rest)
+        if r is not None and r[0] == rules_mod.POINTER_MOVED and pv is not None and pv < bv:
+            return None  # the bound read as lag <= max_lag only
+        return r
+
+    return check
+
+
+def _drift_unchecked(fn: Any) -> Any:
+    def problems(*args: Any) -> list[str]:
+        return [p for p in fn(*args) if "drift" not in p]
+
+    return problems
+
+
+@contextlib.contextmanager
+def _nan_drift_passes() -> Iterator[None]:
+    """Neither stamp check looks at the drift figure: a NaN or missing drift passes."""
+    with (
+        _wrap(rules_mod.__name__, "stamp_contradictions", _drift_unchecked)(),
+        _wrap(rules_mod.__name__, "stamp_problems", _drift_unchecked)(),
+    ):
+        yield
+
+
+def _looser_drift(refusal: Any) -> Any:
+    def check(stamp: Any, bv: int, pv: Any, was_active: Any, policy: Any = None, *r: Any) -> Any:
+        out = refusal(stamp, bv, pv, was_active, policy, *r)
+        if (
+            out is not None
+            and out[0] == rules_mod.LOOSER_THAN_POLICY
+            and stamp.max_lag <= policy.max_lag
+        ):  # only max_lag compared with the policy: the stamp's own max_drift believed
+            looser = attrs.evolve(policy, max_drift=stamp.max_drift)
+            return refusal(stamp, bv, pv, was_active, looser, *r)
+        return out
+
+    return check
+
+
+def _sanitized(recheck: Any) -> Any:
+    def nan_to_zero(sums: Any, exact_rows: Any, ids: Any = None) -> None:
+        sums[~np.isfinite(sums)] = 0.0  # nan_to_num on the row sums
+
+    return nan_to_zero
+
+
+def _empty_rows_pass(decide: Any) -> Any:
+    def guarded(sums: Any, counts: Any, *rest: Any) -> Any:
+        return decide(sums, np.maximum(counts, 1), *rest)  # divide-by-zero "fixed"
+
+    return guarded
+
+
+def _conflict_counted(judge: Any) -> Any:
+    def counted(report: Any, ack: Any) -> str:
+        r = judge(report, ack)
+        return coord_mod.COUNTED if r == coord_mod.CONFLICTING else str(r)
+
+    return counted
+
+
+@contextlib.contextmanager
+def _strict_expiry() -> Iterator[None]:
+    """A lease counts as expired only strictly after its deadline (`<` for `<=`)."""
+    from rollout_lifecycle.model import sqlite_ledger
+
+    def make(expire: Any) -> Any:
+        def late(self: Any) -> Any:
+            real = self.clock
+            self.clock = lambda: real() - 1e-6
+            try:
+                return expire(self)
+            finally:
+                self.clock = real
+
+        return late
+
+    with (
+        _wrap(sqlite_ledger.__name__, "SQLiteLedger.expire_leases", make)(),
+        _wrap(ledger_mod.__name__, "MemoryLedger.expire_leases", make)(),
+    ):
+        yield
+
+
 CATALOGUE: tuple[Mutant, ...] = (
     Mutant(
         "blind_reserve",
@@ -778,6 +918,165 @@ CATALOGUE: tuple[Mutant, ...] = (
         _stamp_patch,
         reach=("fuzz",),
         fuzz_machine="e2e",
+    ),
+)
+
+CATALOGUE += (
+    # ---- class 1: code the core campaign never loaded
+    Mutant(
+        "pg_batch_cas_unconditional",
+        "PostgreSQL's batch compare-and-set drops its revision condition: two learners on two "
+        "connections both win a rollout",
+        1,
+        _wrap(_PG, "_CAS_MANY", _cas_many_unconditional),
+        reach=("race",),
+        klass="unloaded",
+        backend="postgresql",
+    ),
+    Mutant(
+        "pg_reserve_skips_premise_lock",
+        "a PostgreSQL reservation reads the pointer without the premise lock: a pointer switch "
+        "committed between its read and its write goes unseen",
+        None,
+        _wrap(_PG, "PostgresLedger._write", _skip_premise),
+        reach=("race",),
+        klass="unloaded",
+        backend="postgresql",
+    ),
+    Mutant(
+        "adapter_lag_from_newest",
+        "the verl adapter judges a partial rollout by the NEWEST version it saw, not its oldest",
+        None,
+        _wrap(
+            "rollout_lifecycle.gpu_check.verl_adapter",
+            "judged_versions",
+            lambda f: lambda o, n: o if n is None else n,
+        ),
+        reach=("adapter",),
+        klass="unloaded",
+    ),
+    Mutant(
+        "adapter_keeps_unversioned",
+        "the verl adapter keeps samples with no recorded version in the mask",
+        None,
+        _wrap(
+            "rollout_lifecycle.gpu_check.verl_adapter",
+            "refuse_unversioned",
+            lambda f: lambda a, m: a,
+        ),
+        reach=("adapter",),
+        klass="unloaded",
+    ),
+    # ---- class 2: checkers that stop checking
+    Mutant(
+        "race_win_revision_unchecked",
+        "the race's history judge stops checking that a win wrote over the revision its "
+        "caller read",
+        None,
+        _wrap("rollout_lifecycle.stateful_tests.race", "won_over", lambda f: lambda *a: True),
+        reach=("checkers",),
+        klass="checker",
+    ),
+    Mutant(
+        "race_retry_claim_trusted",
+        "the race's history judge accepts any idempotent_retry claim without asking who held "
+        "the row",
+        None,
+        _wrap(
+            "rollout_lifecycle.stateful_tests.race", "retry_confirmed", lambda f: lambda *a: True
+        ),
+        reach=("checkers",),
+        klass="checker",
+    ),
+    Mutant(
+        "exactly_once_ignores_consumer",
+        "the spec's exactly-once invariant ignores which update consumed a rollout",
+        None,
+        _wrap(
+            "rollout_lifecycle.spec.invariants",
+            "_consumed_by_its_reserver",
+            lambda f: lambda *a: True,
+        ),
+        reach=("checkers",),
+        klass="checker",
+    ),
+    Mutant(
+        "audit_trusts_stored_hashes",
+        "`ledger check` takes each event's stored hash as its own: an edited event passes",
+        None,
+        _wrap("rollout_lifecycle.spec.audit", "row_hash", lambda f: lambda ev: ev.hash),
+        reach=("checkers",),
+        klass="checker",
+    ),
+    # ---- class 3: rules that a spec sharing them would be blind to
+    Mutant(
+        "negative_lag_admitted",
+        "the reservation premise bounds the lag from above only: after a rollback that kept a "
+        "newer version's rollouts, they are reserved at a negative lag",
+        None,
+        _wrap(rules_mod.__name__, "reservation_refusal", _negative_lag),
+        reach=("checkers", "explore"),
+        explorer_model="seams",
+        klass="shared_rule",
+    ),
+    Mutant(
+        "nan_drift_passes",
+        "the stamp checks never look at the drift figure: a NaN or missing drift passes",
+        None,
+        _nan_drift_passes,
+        reach=("checkers",),
+        klass="shared_rule",
+    ),
+    # ---- class 4: inputs nobody generated
+    Mutant(
+        "nan_at_action_sanitized",
+        "the batch gate replaces a non-finite row sum by 0 (nan_to_num) instead of refusing a "
+        "NaN log-prob at an action position: the row passes with drift 0",
+        None,
+        _wrap(gate_mod.__name__, "_recheck", _sanitized),
+        reach=("fuzz",),
+        fuzz_machine="e2e",
+        klass="input",
+    ),
+    Mutant(
+        "empty_rows_pass",
+        "the batch gate guards its division with max(count, 1): a row with no action token "
+        "gets drift 0 and passes",
+        None,
+        _wrap(gate_mod.__name__, "_decide", _empty_rows_pass),
+        reach=("fuzz",),
+        fuzz_machine="e2e",
+        klass="input",
+    ),
+    Mutant(
+        "conflicting_ack_counted",
+        "an ack with the same (incarnation, seq) as the stored one but other content counts, "
+        "replacing it",
+        None,
+        _wrap(coord_mod.__name__, "judge_ack", _conflict_counted),
+        reach=("fuzz",),
+        fuzz_machine="activation",
+        klass="input",
+    ),
+    Mutant(
+        "looser_drift_bound_believed",
+        "the premise compares only max_lag with the recorded policy: a stamp wrong in exactly "
+        "one figure, its max_drift, lets a drifted rollout in",
+        None,
+        _wrap(rules_mod.__name__, "reservation_refusal", _looser_drift),
+        reach=("checkers", "fuzz"),
+        fuzz_machine="seams",
+        klass="input",
+    ),
+    # ---- class 5: a boundary a small budget rarely reaches
+    Mutant(
+        "lease_expiry_strict",
+        "a lease counts as expired only strictly after its deadline (`<` for `<=`)",
+        10,
+        _strict_expiry,
+        reach=("fuzz",),
+        fuzz_machine="ledger",
+        klass="budget",
     ),
 )
 

@@ -19,6 +19,8 @@ import attrs
 
 from rollout_lifecycle.spec.bounds import CI_MODELS, EXPLORER_MODELS, README_MODELS
 from rollout_lifecycle.spec.explorer import explore
+from rollout_lifecycle.stateful_tests.backends import durable_url
+from rollout_lifecycle.stateful_tests.checkers import run_checker_checks
 from rollout_lifecycle.stateful_tests.mutants import CATALOGUE, Mutant
 from rollout_lifecycle.stateful_tests.race import RaceConfig, run_race
 from rollout_lifecycle.stateful_tests.runner import (
@@ -59,6 +61,7 @@ class MutantResult:
     fuzz: Kill
     explore: Kill
     campaign: Kill = Kill("campaign", None, None, "examples", 0.0, "not run")
+    klass: str = "protocol"
 
     @property
     def kills(self) -> tuple[Kill, Kill, Kill]:
@@ -79,6 +82,7 @@ class MutantResult:
         """JSON-able dict."""
         return {
             "name": self.name,
+            "class": self.klass,
             "description": self.description,
             "peer_bug": self.peer_bug,
             "killed_by": list(self.killed_by),
@@ -167,42 +171,70 @@ def explore_kill(
     return Kill("explore", True, res.distinct_states, "states", seconds, detail)
 
 
-def campaign_kill(mutant: Mutant, *, workdir: Path) -> Kill:
+def _stage_kill(stage: str, effort: int, unit: str, t0: float, detail: str) -> Kill:
+    return Kill("campaign", True, effort, unit, time.perf_counter() - t0, f"{stage}: {detail}")
+
+
+def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = None) -> Kill:
     """Whether the README campaign, exactly as `make campaign` runs it, kills the mutant.
 
-    Its fuzz stage (every machine, README seed and examples, on SQLite) runs first, the
-    mutant's own machine leading; then its explore stage (the README models at README
-    bounds). The first stage that fails kills it. The race stage runs in child processes,
-    which an in-process patch cannot reach, so it is not counted here.
+    Its stages run in the campaign's order, the first that fails kills it: the checker
+    stage (known-bad histories, the differential of rules and spec); the verl adapter fuzz
+    (when verl is installed); the race (real processes, each patched, on the mutant's
+    backend: SQLite, or a fresh schema on `postgres_url` for PostgreSQL code); the fuzz
+    stage (every machine, README seed and examples, on the mutant's backend, its own
+    machine leading); the explore stage (the README models at README bounds). A mutant of
+    PostgreSQL code without a server is not reached (None), never counted as killed.
     """
     t0 = time.perf_counter()
-    if "race" in mutant.reach:  # real processes: the patch is entered in each child
-        with tempfile.TemporaryDirectory(prefix="mutant-race-") as tmp:
-            raced = run_race(
-                RaceConfig(
-                    url=f"sqlite:///{Path(tmp) / 'race.db'}",
-                    learners=3,
-                    seconds=README_RACE_SECONDS,
-                    seed=README_SEED,
-                    mutant=mutant.name,
-                )
-            )
-        if raced.violations or raced.errors:
-            first = raced.violations[0] if raced.violations else raced.errors[0]
+    backend = README_BACKEND
+    if mutant.backend == "postgresql":
+        if postgres_url is None:
             return Kill(
                 "campaign",
-                True,
-                raced.calls,
-                "calls",
-                time.perf_counter() - t0,
-                f"race: {first}",
+                None,
+                None,
+                "examples",
+                0.0,
+                "needs a PostgreSQL server (--postgres URL)",
             )
+        backend = postgres_url
+    with mutant():
+        checked = run_checker_checks(seed=README_SEED)
+    if checked.failures:
+        n = checked.bad_cases + checked.good_cases
+        return _stage_kill("checkers", n, "cases", t0, str(checked.failures[0]))
+    adapter = _adapter_fuzz()
+    if adapter is not None:
+        with mutant():
+            rep = adapter(seed=README_SEED, examples=README_EXAMPLES)
+        if rep["failures"]:
+            return _stage_kill("adapter", rep["batches"], "batches", t0, rep["failures"][0])
+    if "race" in mutant.reach:  # real processes: the patch is entered in each child
+        race_dir = workdir / "race"
+        race_dir.mkdir(parents=True, exist_ok=True)
+        for old in race_dir.glob("state.db*"):
+            old.unlink()
+        raced = run_race(
+            RaceConfig(
+                url=durable_url(backend, race_dir),
+                learners=3,
+                seconds=README_RACE_SECONDS,
+                seed=README_SEED,
+                hostile=1,
+                churn=True,
+                mutant=mutant.name,
+            )
+        )
+        if raced.violations or raced.errors:
+            first = raced.violations[0] if raced.violations else raced.errors[0]
+            return _stage_kill("race", raced.calls, "calls", t0, str(first))
     order = [mutant.fuzz_machine, *(m for m in FUZZ_MACHINES if m != mutant.fuzz_machine)]
     examples = 0
     for machine in order:
         report = run_campaign(
             [machine],
-            README_BACKEND,
+            backend,
             examples=README_EXAMPLES,
             seed=README_SEED,
             profile="ci",
@@ -214,14 +246,8 @@ def campaign_kill(mutant: Mutant, *, workdir: Path) -> Kill:
         run = report.runs[machine]
         examples += run.examples
         if run.failure is not None:
-            return Kill(
-                "campaign",
-                True,
-                examples,
-                "examples",
-                time.perf_counter() - t0,
-                f"fuzz {machine}: {_first_line(run.failure.exception)}",
-            )
+            detail = _first_line(run.failure.exception)
+            return _stage_kill(f"fuzz {machine}", examples, "examples", t0, detail)
     models = [mutant.explorer_model, *(m for m in README_MODELS if m != mutant.explorer_model)]
     states = 0
     for name in dict.fromkeys(m for m in models if m in README_MODELS):
@@ -229,22 +255,25 @@ def campaign_kill(mutant: Mutant, *, workdir: Path) -> Kill:
             res = explore(EXPLORER_MODELS[name][0]())
         states += res.distinct_states
         if res.violations:
-            return Kill(
-                "campaign",
-                True,
-                states,
-                "states",
-                time.perf_counter() - t0,
-                f"explore {name}: {res.violations[0].property_name}",
-            )
+            prop = res.violations[0].property_name
+            return _stage_kill(f"explore {name}", states, "states", t0, prop)
     return Kill(
         "campaign",
         False,
         examples,
         "examples",
         time.perf_counter() - t0,
-        f"survived the README fuzz ({examples} examples) and explorer ({states} states)",
+        f"survived the README checkers, fuzz ({examples} examples) and explorer ({states} states)",
     )
+
+
+def _adapter_fuzz() -> Callable[..., dict[str, Any]] | None:
+    """The adapter stage's entry point, or None without the [verl] extra."""
+    try:
+        from rollout_lifecycle.stateful_tests.adapter_fuzz import run_adapter_fuzz
+    except ImportError:
+        return None
+    return run_adapter_fuzz
 
 
 def run_catalogue(
@@ -257,6 +286,7 @@ def run_catalogue(
     workdir: Path | None = None,
     on_result: Callable[[MutantResult], None] | None = None,
     campaign: bool = False,
+    postgres_url: str | None = None,
 ) -> list[MutantResult]:
     """Every mutant against the chosen checkers, in catalogue order."""
     out = []
@@ -274,11 +304,11 @@ def run_catalogue(
                 else Kill("explore", None, None, "states", 0.0, "not run")
             )
             cp = (
-                campaign_kill(m, workdir=base / m.name / "campaign")
+                campaign_kill(m, workdir=base / m.name / "campaign", postgres_url=postgres_url)
                 if campaign
                 else Kill("campaign", None, None, "examples", 0.0, "not run")
             )
-            res = MutantResult(m.name, m.description, m.peer_bug, fz, ex, cp)
+            res = MutantResult(m.name, m.description, m.peer_bug, fz, ex, cp, m.klass)
             if on_result is not None:
                 on_result(res)
             out.append(res)
@@ -303,5 +333,14 @@ def summary(results: Sequence[MutantResult]) -> dict[str, Any]:
             else None,
         }
     out["survivors"] = [r.name for r in results if r.survived]
+    by_class: dict[str, dict[str, int]] = {}
+    for r in results:
+        row = by_class.setdefault(
+            r.klass, {"mutants": 0, "campaign_reached": 0, "campaign_killed": 0}
+        )
+        row["mutants"] += 1
+        row["campaign_reached"] += r.campaign.killed is not None
+        row["campaign_killed"] += bool(r.campaign.killed)
+    out["by_class"] = by_class
     out["killed_by_any"] = sum(1 for r in results if r.killed_by)
     return out

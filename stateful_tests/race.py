@@ -158,7 +158,7 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                         # generators switch a little later: rollouts in flight lag behind
                         serving = coord.pointer() if rng.random() < 0.7 else serving
                     if cfg.churn:
-                        _churn(coord, rng, stats)
+                        _churn(coord, rng, stats, cfg.max_lag)
                 except ActivationError as exc:
                     stats[f"refused:{type(exc).__name__}"] += 1
                 time.sleep(rng.uniform(0.02, 0.2))
@@ -167,20 +167,34 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
         out.put({"role": f"activator-{index}", "stats": dict(stats), "error": repr(exc)})
 
 
-def _churn(coord: ActivationCoordinator, rng: random.Random, stats: Counter[str]) -> None:
-    """Every few activations roll back (the rolled-back version's rollouts are retired
-    while learners hold stamps admitted against it), and shrink or restore the required
-    worker set; a steady cadence, so even a short race under load does both."""
+def _churn(
+    coord: ActivationCoordinator, rng: random.Random, stats: Counter[str], max_lag: int
+) -> None:
+    """Every few activations roll back (the rolled-back version's rollouts are retired,
+    or kept, while learners hold stamps admitted against it), shrink or restore the
+    required worker set, and tighten or restore the admission policy: registry moves
+    between a learner's admission and its reservation, on a steady cadence, so even a
+    short race under load makes each."""
     stats["churn_turns"] += 1
     turn = stats["churn_turns"]
-    if turn % 5 == 0 or rng.random() < 0.05:
-        coord.rollback()
+    if turn % 5 == 3 or rng.random() < 0.05:
+        keep = rng.random() < 0.3  # the operator keeps the rolled-back version's rollouts
+        coord.rollback(keep_rollouts=keep)
         stats["rolled_back"] += 1
+        stats["rolled_back_kept"] += keep
     if turn % 4 == 2 or rng.random() < 0.05:
         now = coord.required_workers
         new = WORKERS[:1] if len(now) == len(WORKERS) else WORKERS
         coord.change_membership(new, f"race churn: {len(now)} -> {len(new)} workers")
         stats["membership_changed"] += 1
+    policy = coord.policy()
+    if policy is not None and policy.max_lag != max_lag:  # restored after one turn
+        coord.set_policy(AdmissionPolicy(max_lag, policy.max_drift), "race churn: restored")
+        stats["policy_changed"] += 1
+    elif policy is not None and turn % 3 == 1 and max_lag > 0:
+        tight = AdmissionPolicy(0, policy.max_drift)
+        coord.set_policy(tight, "race churn: max_lag tightened to 0")
+        stats["policy_changed"] += 1
 
 
 def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
@@ -255,6 +269,22 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
                     }
                 )
                 won = [o.rollout_id for o in outs if o.reserved]
+                if won and rng.random() < 0.2:  # a retry of a call whose answer was lost
+                    again = [r for r in requests if r.rollout_id in won][:2]
+                    started = clock()
+                    outs = [*outs, *b.ledger.reserve_batch(update_id, again)]
+                    calls.append(
+                        {
+                            "update_id": update_id,
+                            "start": started,
+                            "end": clock(),
+                            "asked": [
+                                [r.rollout_id, r.expected_revision, to_jsonable(r.admission)]
+                                for r in again
+                            ],
+                            "got": [[o.rollout_id, o.reason] for o in outs[-len(again) :]],
+                        }
+                    )
                 for o in outs:
                     stats[f"reserve:{o.reason}"] += 1
                 if won:
@@ -415,7 +445,8 @@ def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> 
         p.start()
     reports: list[dict[str, Any]] = []
     while len(reports) < len(procs):
-        left = max(0.0, deadline - time.time())
+        # counted down from the requested duration: the spawn allowance is not race time
+        left = max(0.0, min(float(cfg.seconds), deadline - time.time()))
         say(f"{len(procs)} processes racing, {left:.0f}s left, {len(reports)} done")
         try:
             reports.append(results.get(timeout=5.0))
@@ -480,12 +511,25 @@ def judge_calls(trace: Sequence[TraceEvent], calls: Sequence[dict[str, Any]]) ->
                             f"holds {len(mine)} such reservation(s) in its window",
                         )
                     )
-                elif mine[0].before is None or mine[0].before.revision != expected_rev:
+                elif not won_over(mine[0], expected_rev):
                     out.append(
                         Violation(
                             name,
                             f"{call['update_id']} won {rid} at revision "
                             f"{expected_rev}, the trace wrote over another",
+                        )
+                    )
+                continue
+            states = _states_in(evs, lo, hi)
+            if reason == "idempotent_retry":
+                # the caller already held the row: its own earlier reservation, still held
+                # by it at some moment of the call
+                if not retry_confirmed(mine, states, call["update_id"], hi):
+                    out.append(
+                        Violation(
+                            name,
+                            f"{call['update_id']} was told idempotent_retry for {rid}, yet it "
+                            "held no reservation of it during the call",
                         )
                     )
                 continue
@@ -498,7 +542,6 @@ def judge_calls(trace: Sequence[TraceEvent], calls: Sequence[dict[str, Any]]) ->
                     )
                 )
                 continue
-            states = _states_in(evs, lo, hi)
             if reason == "revision_conflict":
                 ok = any(e.revision != expected_rev for e in states)
             elif reason == "not_rewarded":
@@ -520,6 +563,20 @@ def judge_calls(trace: Sequence[TraceEvent], calls: Sequence[dict[str, Any]]) ->
                     )
                 )
     return out
+
+
+def won_over(ev: EntryChanged, expected_revision: int) -> bool:
+    """A win wrote over exactly the revision the caller read (its compare-and-set)."""
+    return ev.before is not None and ev.before.revision == expected_revision
+
+
+def retry_confirmed(
+    mine: Sequence[EntryChanged], states: Sequence[LedgerEntry], update_id: str, hi: float
+) -> bool:
+    """An idempotent_retry answer is true: the caller's one reservation of the row was
+    written before the call ended, and the caller held the row at some moment of it."""
+    held = any(s.state == "reserved" and s.reserved_by == update_id for s in states)
+    return len(mine) == 1 and mine[0].at <= hi and held
 
 
 def _states_in(evs: Sequence[EntryChanged], lo: float, hi: float) -> list[LedgerEntry]:

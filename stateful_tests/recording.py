@@ -67,6 +67,10 @@ class Recorder:
     notes: Counter[str] = attrs.field(factory=Counter)
     violations: int = 0
     first_failure_example: int | None = None
+    # the example in which each edge / sometimes-property was first reached: what budget
+    # reaches a goal (`campaign` names it when a smaller budget misses one)
+    first_edge: dict[str, int] = attrs.field(factory=dict)
+    first_sometimes: dict[str, int] = attrs.field(factory=dict)
     started: float = attrs.field(factory=time.perf_counter)
     on_example: Callable[[Recorder], None] | None = None
 
@@ -90,6 +94,7 @@ class Recorder:
         if name not in SOMETIMES:
             raise KeyError(f"{name!r} is not a sometimes-property in spec.invariants.SOMETIMES")
         self.sometimes[name] += 1
+        self.first_sometimes.setdefault(name, self.examples)
 
     def note(self, name: str) -> None:
         """Something the model did that the machine tolerates but a person should look at."""
@@ -101,8 +106,10 @@ class Recorder:
             key = edge_key(ev)
             if key is not None:
                 self.edges[key[0]][key[1]] += 1
+                self.first_edge.setdefault(f"{key[0]}: {key[1]}", self.examples)
         for name in sometimes_from_events(events):
             self.sometimes[name] += 1
+            self.first_sometimes.setdefault(name, self.examples)
 
     def example_failed(self) -> None:
         """The running example raised; remember the first such example's number."""

@@ -161,6 +161,8 @@ class CampaignReport:
     invariants: dict[str, int]
     sometimes: dict[str, int]
     notes: dict[str, int]
+    # goal ("lifecycle: edge" or a sometimes-property) -> (machine, example that reached it)
+    first_reached: dict[str, tuple[str, int]] = attrs.field(factory=dict)
 
     @property
     def failures(self) -> list[Failure]:
@@ -215,6 +217,7 @@ class CampaignReport:
             "invariants": dict(sorted(self.invariants.items())),
             "sometimes": dict(self.sometimes),
             "notes": dict(sorted(self.notes.items())),
+            "first_reached": {k: list(v) for k, v in sorted(self.first_reached.items())},
             "violations": self.violations,
             "failure": None if self.failure is None else self.failure.to_json(),
         }
@@ -581,10 +584,14 @@ def _report(
     invariants: Counter[str] = Counter()
     sometimes: Counter[str] = Counter()
     notes: Counter[str] = Counter()
+    first: dict[str, tuple[str, int]] = {}
     for r in recorders:
         invariants.update(r.invariants)
         sometimes.update(r.sometimes)
         notes.update(r.notes)
+        for goal, n in [*r.first_edge.items(), *r.first_sometimes.items()]:
+            if goal not in first or n < first[goal][1]:
+                first[goal] = (r.machine, n)
     return CampaignReport(
         backend=label,
         profile=profile,
@@ -599,4 +606,5 @@ def _report(
         invariants=dict(invariants),
         sometimes={name: sometimes.get(name, 0) for name in SOMETIMES},
         notes=dict(notes),
+        first_reached=first,
     )

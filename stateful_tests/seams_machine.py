@@ -50,8 +50,9 @@ from rollout_lifecycle.stateful_tests.recording import (
 
 MAX_VERSIONS = 4
 MAX_ROLLOUTS = 6
-LIES = 2
+LIES = 4
 BAD_ADDS = 2
+ROLLBACKS = 2  # operator rollbacks, retiring or keeping, between admission and reservation
 INVARIANT_NAMES = ("spec_holds",)
 # outcomes of the composition that the search must show it reached (spec SOMETIMES names)
 SOMETIMES_OF = {
@@ -107,6 +108,7 @@ class SeamsMachine(RuleBasedStateMachine):
             max_rollouts=MAX_ROLLOUTS,
             lies=LIES,
             bad_adds=BAD_ADDS,
+            rollbacks=ROLLBACKS,
         )
         self.budget = self.model.budget
         self.comp = Composition(
@@ -143,7 +145,7 @@ class SeamsMachine(RuleBasedStateMachine):
         """One party acts; every rule is enabled exactly when the explorer's action is."""
         enabled = [a for a in self._enabled() if a.kind == kind]
         action = enabled[pick % len(enabled)]
-        rollouts, lies, bad = self.budget
+        rollouts, lies, bad, rollbacks = self.budget
         seen = {k: self.comp.observed[k] for k in SOMETIMES_OF}
         try:
             self.comp.run(action)
@@ -157,7 +159,9 @@ class SeamsMachine(RuleBasedStateMachine):
             lies -= 1
         elif action.kind == "bad_add":
             bad -= 1
-        self.budget = (rollouts, lies, bad)
+        elif action.kind == "rollback":
+            rollbacks -= 1
+        self.budget = (rollouts, lies, bad, rollbacks)
         self.recorder.fired(action.kind)
         for key, name in SOMETIMES_OF.items():
             if self.comp.observed[key] > seen[key]:
@@ -234,6 +238,12 @@ class SeamsMachine(RuleBasedStateMachine):
     def commit(self, pick: int) -> None:
         """commit (see spec/seams_model.Composition)."""
         self._do("commit", pick)
+
+    @rule(pick=picks)
+    @precondition(lambda self: self._has("rollback"))
+    def rollback(self, pick: int) -> None:
+        """rollback (see spec/seams_model.Composition): between admissions and reservations."""
+        self._do("rollback", pick)
 
     @rule()
     def settle(self) -> None:

@@ -59,7 +59,8 @@ def _start() -> None:
     no_driver = importlib.util.find_spec("psycopg") is None
     if _state["server"] is None and _state["error"] is None and no_driver:
         _state["error"] = (
-            "psycopg 3 is not installed: pip install -e '.[dev,postgres]' (the [postgres] extra)"
+            "psycopg 3 is not installed: pip install -e '.[dev,postgres-binary]' (or [postgres] "
+            "where libpq is installed)"
         )
     if _state["server"] is None and _state["error"] is None:
         try:

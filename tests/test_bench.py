@@ -110,3 +110,58 @@ def test_bad_destinations_are_refused_before_any_work(tmp_path: Path) -> None:
     assert res.returncode == 2 and "is a file" in res.stderr and res.stdout == ""
     res = bench("--quick", "--no-docs", "--report", str(tmp_path / "no" / "r.json"))
     assert res.returncode == 2 and "does not exist" in res.stderr
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+
+
+def test_committed_benchmark_doc_is_its_result_file() -> None:
+    """docs/benchmarks/README.md is exactly what the committed bench.json renders to (so no
+    figure in it can drift from the file), and every explorer count there that is complete
+    is the count tests/test_protocol_models.py pins (so the file cannot go stale either)."""
+    from tests.test_protocol_models import PINNED
+
+    render = (
+        "import json, sys\n"
+        "from rollout_lifecycle.cli.bench_report import markdown\n"
+        "d = json.load(open(sys.argv[1]))\n"
+        "sys.stdout.write(markdown(d, d['command']))\n"
+    )
+    res = subprocess.run(  # rendered apart: see the module docstring
+        [sys.executable, "-c", render, str(DOCS / "bench.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert res.stdout == (DOCS / "README.md").read_text()
+    explored = json.loads((DOCS / "bench.json").read_text())["checkers"]["explore"]
+    complete = {k: v["distinct_states"] for k, v in explored.items() if v["complete"]}
+    assert complete and all(k in PINNED for k in complete), complete
+    assert complete == {k: PINNED[k] for k in complete}
+
+
+def test_drift_gate_benchmark_script_runs(tmp_path: Path) -> None:
+    """`python benchmarks/verl_drift_gate.py`, which docs/gpu-check.md cites, runs as
+    printed (it imported a helper that no longer existed), here on a tiny batch."""
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is None or importlib.util.find_spec("torch") is None:
+        pytest.skip("needs the [verl] extra (verl and torch)")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gate.json"
+    tiny = ["--rows", "16", "--cols", "64", "--repeats", "1", "--json", str(out)]
+    res = subprocess.run(
+        [sys.executable, "benchmarks/verl_drift_gate.py", *tiny],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["batch"]["B"] == 16 and figures["batch"]["T"] == 64
+    kept = figures["kept"]
+    assert all(0 <= n <= 16 for n in kept.values()) and len(kept) == 3
+    assert figures["seconds_best_of_1"]["this gate"] > 0

@@ -63,9 +63,11 @@ def test_campaign_explore_subset(tmp_path: Path) -> None:
             "--quiet",
         ],
     )
-    # 5 examples cannot take every edge: the campaign says which goals it missed, exit 1
-    assert res.exit_code == 1, res.output
+    # 5 examples cannot take every edge: the campaign says which goals it missed and the
+    # budget that reaches each; nothing was violated, so it exits 5, not 1
+    assert res.exit_code == 5, res.output
     assert "goal missed" in res.output and "never took" in res.output
+    assert "rerun with --examples" in res.output
     ex = json.loads((out / "explore-report.json").read_text())
     # 1695 before attempt tokens (see tests/test_protocol_models.py for why it grew)
     assert ex["models"]["activation-2v"]["distinct_states"] == 2743
@@ -90,3 +92,32 @@ def test_campaign_bad_model_is_a_usage_error(tmp_path: Path) -> None:
         ],
     )
     assert res.exit_code == 2 and "Traceback" not in res.output
+
+
+def test_first_reached_reference_is_the_readme_campaigns() -> None:
+    """stateful_tests/first_reached.json is what the README campaign wrote: its seed and
+    budget, and every goal of the declared machines reached within that budget."""
+    from rollout_lifecycle.cli.campaign_cmd import load_first_reached
+    from rollout_lifecycle.spec.invariants import SOMETIMES
+    from rollout_lifecycle.stateful_tests.recording import DECLARED
+    from rollout_lifecycle.stateful_tests.runner import README_BACKEND, README_EXAMPLES
+
+    ref = load_first_reached()
+    assert (ref["seed"], ref["examples"]) == (README_SEED, README_EXAMPLES)
+    assert ref["backend"].startswith(README_BACKEND)
+    goals = {f"{m}: {spec.edge_id(e)}" for m, spec in DECLARED.items() for e in spec.edges}
+    goals |= set(SOMETIMES)
+    assert goals <= set(ref["first_reached"]), sorted(goals - set(ref["first_reached"]))
+    assert all(1 <= n <= README_EXAMPLES for _m, n in ref["first_reached"].values())
+
+
+def test_budget_hints_name_the_examples_that_reach_a_goal() -> None:
+    """A missed goal's hint gives the README run's example number; an unknown one says the
+    README budget does not reach it either; an explorer witness points at the models."""
+    from rollout_lifecycle.cli.campaign_cmd import budget_hints, load_first_reached
+
+    goal, (machine, n) = next(iter(load_first_reached()["first_reached"].items()))
+    hints = budget_hints([goal, "no such goal", "activation-2v: activated"])
+    assert f"--examples {n}" in hints[goal] and machine in hints[goal]
+    assert "not reached by the README budget" in hints["no such goal"]
+    assert "explorer witness" in hints["activation-2v: activated"]

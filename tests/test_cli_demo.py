@@ -121,3 +121,48 @@ def test_demo_exits_1_and_prints_violations(
     res = run(["demo", "--backend", "memory://", "--workdir", str(tmp_path)])
     assert res.exit_code == 1
     assert "exactly_once: r0: twice (event #7)" in res.stdout and "1 violations" in res.stdout
+
+
+def test_demo_hint_is_a_command_that_runs_where_the_demo_ran(tmp_path: Path) -> None:
+    """`make demo` runs `.venv/bin/rollout-lifecycle`, which is not on PATH: the closing
+    hint names the program as it was invoked, and that command runs as printed."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).parent / "rollout-lifecycle"
+    if not script.is_file():
+        pytest.skip("the console script is not installed beside this interpreter")
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}  # as after `make demo`: no venv on PATH
+    url = f"sqlite:///{tmp_path / 'demo.db'}"
+    res = subprocess.run(
+        [str(script), "demo", "--backend", url, "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    (hint,) = [ln for ln in res.stdout.splitlines() if ln.startswith("inspect it: ")]
+    command = hint.removeprefix("inspect it: ")
+    assert command.startswith(shlex.quote(str(script)) + " ledger history"), command
+    again = subprocess.run(
+        shlex.split(command), capture_output=True, text=True, env=env, timeout=120
+    )
+    assert again.returncode == 0 and "history of r3" in again.stdout, again.stderr
+
+
+def test_demo_json_report_is_the_only_stdout(tmp_path: Path) -> None:
+    """--json: stdout is the report (the story goes to stderr); --quiet drops the story;
+    --report writes the same report to a file."""
+    url = f"sqlite:///{tmp_path / 'demo.db'}"
+    report = tmp_path / "demo.json"
+    quiet_json = ["--json", "--quiet", "--report", str(report)]
+    res = run(["demo", "--backend", url, "--workdir", str(tmp_path), *quiet_json])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data == json.loads(report.read_text())
+    assert data["schema"] == "rollout-lifecycle/demo/1" and data["trace"]["violations"] == []
+    assert data["rollouts"]["r3"]["state"] == "retired_stale"
+    assert "[ 1]" not in res.stdout and "[ 1]" not in res.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 from click.testing import CliRunner
 
@@ -50,3 +51,64 @@ def test_spec_state_classes_agree_with_the_write_path() -> None:
     assert invariants.ENTRY_START_STATES == rules.START_STATES
     assert invariants.FAILED_ACTIVATION == rules.FAILED_ACTIVATION_STATES
     assert invariants._ROLLBACK_KEPT == rules.ROLLBACK_KEPT
+
+
+# A meta-path finder that makes `import hypothesis` fail as it does where the [campaign]
+# extra is not installed (the test venv has it, so it must be hidden, not uninstalled).
+_BLOCK_HYPOTHESIS = """
+import importlib.abc, sys
+class _NoHypothesis(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "hypothesis":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, _NoHypothesis())
+"""
+
+
+def _without_hypothesis(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _BLOCK_HYPOTHESIS + code],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_embedding_and_plain_commands_work_without_hypothesis(tmp_path: Path) -> None:
+    """Hypothesis is the [campaign] extra: the model API, the ledger, the coordinator and the
+    commands that read or write deployment state all work where it cannot be imported."""
+    code = """
+import sys
+from rollout_lifecycle import transition_lifecycle
+from rollout_lifecycle.model.backends import open_backend
+from rollout_lifecycle.model.coordinator import ActivationCoordinator
+from rollout_lifecycle.cli.main import run
+assert transition_lifecycle("rewarded", "reserve") == "reserved"
+with open_backend("sqlite:///led.db") as be:
+    coord = ActivationCoordinator(be.registry, ["w0"], ledger=be.ledger)
+    coord.prepare(0)
+url = "sqlite:///led.db"
+for argv in (["--help"], ["ledger", "counts", "--backend", url],
+             ["ledger", "check", "--backend", url, "--quiet"],
+             ["deployment", "show", "--backend", url], ["admit", "--help"], ["version"]):
+    rc = run(argv)
+    assert rc == 0, (argv, rc)
+assert "hypothesis" not in sys.modules
+print("ok")
+"""
+    res = _without_hypothesis(code, tmp_path)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+
+
+def test_fuzzing_commands_without_hypothesis_say_what_to_install(tmp_path: Path) -> None:
+    """campaign, fuzz and mutants need Hypothesis: without it, exit 2 and the extra to install,
+    no traceback; nothing is created in the working folder."""
+    for name in LAZY_COMMANDS:
+        code = f"import sys\nfrom rollout_lifecycle.cli.main import run\nsys.exit(run([{name!r}]))"
+        res = _without_hypothesis(code, tmp_path)
+        assert res.returncode == 2, (name, res.stdout, res.stderr)
+        assert "rollout-lifecycle[campaign]" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr, res.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -373,13 +373,20 @@ def test_open_backend_with_a_very_long_path(tmp_path: Path) -> None:
         open_backend(f"sqlite:///{tmp_path / ('x' * 300)}.db")
 
 
-def test_sqlite_batch_reserves_an_id_with_a_nul(tmp_path: Path) -> None:
-    """An existing id containing NUL is reserved by a batch, as by a single reserve."""
+def test_sqlite_refuses_an_id_with_a_nul_in_add_reserve_and_batch(tmp_path: Path) -> None:
+    """An id containing NUL can never be stored (PostgreSQL text holds no NUL, so no backend
+    stores one): add, a single reserve and a batch all refuse it, typed, and write nothing."""
+    from rollout_lifecycle.model.errors import InvalidLedgerArgument, InvalidRecord
+
     led = SQLiteLedger(tmp_path / "l.db")
     rid = "a\x00b"
-    led.add(LedgerEntry(rid, 3, H, state="rewarded", reward=Reward("rm", "1", 1.0)))
-    (out,) = led.reserve_batch("u", [ReserveRequest(rid, 0, STAMP)])
-    assert (out.reserved, out.reason) == (True, "reserved")
+    with pytest.raises(InvalidRecord, match="NUL"):
+        led.add(LedgerEntry(rid, 3, H, state="rewarded", reward=Reward("rm", "1", 1.0)))
+    with pytest.raises(InvalidLedgerArgument, match="NUL"):
+        led.reserve(rid, 0, "u", STAMP)
+    with pytest.raises(InvalidLedgerArgument, match="NUL"):
+        led.reserve_batch("u", [ReserveRequest(rid, 0, STAMP)])
+    assert led.statistics().entries == 0
     led.close()
 
 

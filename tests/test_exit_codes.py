@@ -128,6 +128,31 @@ def test_fuzz_exit_codes(tmp_path: Path) -> None:
     assert "FAILED" in bad.stdout
 
 
+def test_refused_fuzz_backend_creates_no_out_folder(tmp_path: Path) -> None:
+    """A backend that cannot be imported is a usage error before fuzz-out/ is made."""
+    res = cli("fuzz", "--backend", "mypkg:nosuch", cwd=tmp_path)
+    assert res.returncode == 2 and "mypkg" in res.stderr, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_read_only_ledger_commands_leave_no_wal_or_shm(tmp_path: Path, clean_db: str) -> None:
+    """counts, show, history and check only read: the folder holds afterwards exactly what
+    it held before (no -wal/-shm left beside the ledger file)."""
+    folder = Path(clean_db.removeprefix("sqlite:///")).parent
+    before = sorted(p.name for p in folder.iterdir())
+    assert not [n for n in before if n.endswith(("-wal", "-shm"))], before
+    for args in (
+        ("ledger", "counts"),
+        ("ledger", "check"),
+        ("ledger", "show", "no-such-rollout"),
+        ("ledger", "history", "no-such-rollout"),
+    ):
+        res = cli(*args, "--backend", clean_db, cwd=tmp_path)
+        assert res.returncode in (0, 2), res.stdout + res.stderr
+        assert sorted(p.name for p in folder.iterdir()) == before, args
+
+
 def test_explore_exit_codes(tmp_path: Path) -> None:
     """explore: 0 on the shipped code, 1 when an activation bug is active."""
     args = ("explore", "--model", "activation-small", "--quiet")
@@ -147,6 +172,25 @@ def test_diagram_check_docs_exit_codes(tmp_path: Path) -> None:
     (stale / "lifecycle.mmd").write_text("stateDiagram-v2\n")
     bad = cli("diagram", "--check-docs", str(stale), cwd=tmp_path)
     assert bad.returncode == 1, bad.stdout + bad.stderr
+    missing = cli("diagram", "--check-docs", str(tmp_path / "nowhere"), cwd=tmp_path)
+    assert missing.returncode == 2, missing.stdout + missing.stderr
+    assert "no such folder" in missing.stderr and "stale" not in missing.stdout
+
+
+def test_diagram_check_docs_reads_what_an_svg_says(tmp_path: Path) -> None:
+    """A label edited inside a committed SVG (its source stamp untouched) is stale: the
+    text the picture shows is compared with a fresh drawing's."""
+    if shutil.which("dot") is None:
+        pytest.skip("Graphviz `dot` is needed to draw the fresh SVG")
+    docs = tmp_path / "diagrams"
+    shutil.copytree(DOCS, docs)
+    svg = docs / "activation.svg"
+    text = svg.read_text()
+    assert ">activate [all_acked]<" in text
+    svg.write_text(text.replace(">activate [all_acked]<", ">activate [any_acked]<", 1))
+    res = cli("diagram", "--check-docs", str(docs), cwd=tmp_path)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"stale: {svg}" in res.stdout and res.stdout.count("stale:") == 1
 
 
 def test_mutants_exit_codes(tmp_path: Path) -> None:

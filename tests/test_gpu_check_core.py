@@ -224,3 +224,129 @@ def test_gpu_check_doc_figures_match_the_committed_reference() -> None:
             steps,
             events,
         )
+
+
+def _shown(text: str, pattern: str) -> tuple[str, ...]:
+    """The figures `pattern` captures in `text` (whitespace in the pattern matches line
+    breaks too); fails naming the pattern when the doc no longer says it."""
+    import re
+
+    m = re.search(pattern.replace(" ", r"\s+"), text)
+    assert m is not None, f"docs/gpu-check.md no longer matches {pattern!r}"
+    return m.groups()
+
+
+def _agrees(shown: str, value: float) -> bool:
+    """A figure printed with N digits agrees with the value rounded to N digits."""
+    from decimal import Decimal
+
+    d = Decimal(shown)
+    exponent = d.as_tuple().exponent
+    assert isinstance(exponent, int)
+    return abs(Decimal(repr(float(value))) - d) <= Decimal(5) * Decimal(10) ** (exponent - 1)
+
+
+def test_every_gpu_check_doc_figure_is_the_committed_files() -> None:
+    """Each measured figure docs/gpu-check.md quotes is read back from the doc and compared
+    with the committed result file it comes from (cpu-reference.json for the run,
+    drift-gate-benchmark.json for the gate-vs-verl comparison), so the doc cannot drift."""
+    doc = json.loads(REFERENCE.read_text())
+    bench = json.loads((REFERENCE.parent / "drift-gate-benchmark.json").read_text())
+    text = (REFERENCE.parent.parent / "gpu-check.md").read_text()
+    groups = doc["groups"]
+    g = groups[0]
+    up, init, cmp = doc["update"], doc["initialization"], g["decision"]["comparisons"]
+    for other in groups[1:]:  # "identical in both groups"
+        assert other["update"]["after_sha256"] == up["after_sha256"]
+        assert other["initialization"]["adapter_sha256"] == init["adapter_sha256"]
+
+    head, tail = _shown(text, r"initial adapter sha256 `(\w+)\.\.\.(\w+)`")
+    assert init["adapter_sha256"].startswith(head) and init["adapter_sha256"].endswith(tail)
+    head, tail = _shown(text, r"after-update `(\w+)\.\.\.(\w+)`")
+    assert up["after_sha256"].startswith(head) and up["after_sha256"].endswith(tail)
+    checks: list[tuple[str, list[float]]] = [
+        (r"loss ([\d.]+) \(verl's", [up["loss"]]),
+        (r"grad norm ([\d.]+) \(pre-clip\), delta L2 ([\d.]+):", [up["grad_norm"], up["delta_l2"]]),
+        (
+            r"(\d+) lora_B tensors by gradient \(delta L2 ([\d.]+)\), (\d+) lora_A by weight "
+            r"decay only \(delta L2 ([\d.e-]+),",
+            [
+                up["gradient_changed_tensors"],
+                up["gradient_delta_l2"],
+                up["weight_decay_only_tensors"],
+                up["weight_decay_delta_l2"],
+            ],
+        ),
+        (r"(\d+) of (\d+) tensors changed", [up["changed_tensors"], up["tensors_total"]]),
+        (
+            r"after the sync: max ([\d.]+), mean ([\d.]+) over (\d+) tokens",
+            [cmp["same_version_after"][k] for k in ("max_abs_error", "mean_abs_error", "tokens")],
+        ),
+        (
+            r"full forward\): max ([\d.e-]+), mean ([\d.e-]+);",
+            [cmp["same_version_before"][k] for k in ("max_abs_error", "mean_abs_error")],
+        ),
+        (r"\(dummy weights\): max ([\d.]+)", [cmp["before_first_sync"]["max_abs_error"]]),
+        (
+            r"v0 vs v1 on the frozen tokens: max ([\d.]+), mean ([\d.]+);",
+            [cmp["version_shift"][k] for k in ("max_abs_error", "mean_abs_error")],
+        ),
+        (
+            r"committed reference records its own timings "
+            r"\(`timings_s`\): ([\d.]+) s in all, ([\d.]+) s of it imports and setup, then per "
+            r"group ([\d.]+)-([\d.]+) s building verl's worker",
+            [
+                doc["timings_s"]["total"],
+                doc["timings_s"]["setup"],
+                min(x["timings_s"]["init"] for x in groups),
+                max(x["timings_s"]["init"] for x in groups),
+            ],
+        ),
+        (r"([\d.]+) GiB peak RSS", [doc["timings_s"]["peak_rss_gib"]]),
+    ]
+    admitted = [a for a in g["decision"]["admission"] if a["accepted"]]
+    after = g["decision"]["admission_after_update"]["rows"]
+    drift_after = [r["mean_abs_log_ratio"] for r in after]
+    n_adm, n_rej, bound = _shown(text, r"(\d+) admitted, (\d+) rejected \(drift <= ([\d.e-]+)\)")
+    assert (int(n_adm), int(n_rej)) == (
+        len(admitted),
+        len(g["decision"]["admission"]) - len(admitted),
+    )
+    assert max(a["drift"] for a in admitted) <= float(bound)
+    kept, total, lo, hi = _shown(
+        text, r"(\d+) of (\d+) still within D_max \(drift ([\d.]+)-([\d.]+)\)"
+    )
+    assert (int(kept), int(total)) == (sum(r["accepted"] for r in after), len(after))
+    assert _agrees(lo, min(drift_after)) and _agrees(hi, max(drift_after))
+    # the drift-gate comparison (benchmarks/verl_drift_gate.py writes the file)
+    kept_by = bench["kept"]
+    ours = next(v for k, v in kept_by.items() if "this gate" in k)
+    verl_mean = next(v for k, v in kept_by.items() if "seq_mean_k1" in k)
+    verl_sum = next(v for k, v in kept_by.items() if "seq_sum_k1" in k)
+    checks += [
+        (
+            r"one seeded (\d+) x (\d+) batch",
+            [bench["batch"]["B"], bench["batch"]["T"]],
+        ),
+        (
+            r"this gate kept (\d+) of (\d+) rows; verl's seq_mean_k1 kept all (\d+)\*\*",
+            [ours, bench["batch"]["B"], verl_mean],
+        ),
+        (
+            r"largest \|signed mean\| in the batch was ([\d.]+), while (\d+) rows",
+            [bench["largest_abs_signed_mean"], bench["rows_with_mean_abs_over_bound"]],
+        ),
+        (r"kept (\d+): a sum over", [verl_sum]),
+        (
+            r"the gate took ([\d.]+) s and verl's seq_mean_k1 mask ([\d.]+) s",
+            [
+                bench["seconds_best_of_5"]["this gate"],
+                bench["seconds_best_of_5"]["verl seq_mean_k1"],
+            ],
+        ),
+    ]
+    for pattern, values in checks:
+        shown = _shown(text, pattern)
+        assert len(shown) == len(values), pattern
+        for s, v in zip(shown, values, strict=True):
+            assert _agrees(s, v), f"{pattern!r}: the doc says {s}, the committed file {v}"

@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from rollout_lifecycle.cli.main import cli
-from rollout_lifecycle.stateful_tests.mutants import CATALOGUE, Mutant
-from rollout_lifecycle.stateful_tests.mutation import fuzz_kill
+from rollout_lifecycle.stateful_tests.mutants import BY_NAME, CATALOGUE, Mutant
+from rollout_lifecycle.stateful_tests.mutation import campaign_kill, fuzz_kill
 
 
 def test_catalogue_has_at_least_twelve_distinct_mutants() -> None:
@@ -52,3 +52,59 @@ def test_mutants_command_reports_all_killed(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["summary"]["survivors"] == []
     assert all(r["killed_by"] == ["fuzz", "explore"] for r in data["results"])
+
+
+@pytest.mark.parametrize(
+    "name", ["race_win_revision_unchecked", "nan_drift_passes", "adapter_keeps_unversioned"]
+)
+def test_campaign_kills_checker_rule_and_adapter_mutants(name: str, tmp_path: Path) -> None:
+    """The README campaign's first stages (checkers, adapter) kill what the core fuzzing
+    cannot see: a broken checker, a rule the spec states again, the verl adapter."""
+    pytest.importorskip("verl")
+    kill = campaign_kill(BY_NAME[name], workdir=tmp_path)
+    assert kill.killed, kill.detail
+    assert kill.detail.split(":")[0] in ("checkers", "adapter"), kill.detail
+
+
+def test_postgres_mutant_needs_a_server_and_is_not_counted_without_one(tmp_path: Path) -> None:
+    """Without a PostgreSQL server a mutant of PostgreSQL code is not reached (None), never
+    reported as killed or survived."""
+    kill = campaign_kill(BY_NAME["pg_batch_cas_unconditional"], workdir=tmp_path)
+    assert kill.killed is None and "PostgreSQL" in kill.detail
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_postgres_race_kills_the_unconditional_batch_cas(tmp_path: Path, postgres_url: str) -> None:
+    """The campaign's race, on PostgreSQL with a connection per process, kills a batch
+    compare-and-set that lost its revision condition."""
+    kill = campaign_kill(
+        BY_NAME["pg_batch_cas_unconditional"], workdir=tmp_path, postgres_url=postgres_url
+    )
+    assert kill.killed, kill.detail
+    assert kill.detail.startswith("race"), kill.detail
+
+
+def test_mutants_report_a_table_per_class(tmp_path: Path) -> None:
+    """The JSON report counts, per class, mutants reached and killed by the campaign."""
+    out = tmp_path / "m.json"
+    res = CliRunner().invoke(
+        cli,
+        [
+            "mutants",
+            "--checker",
+            "campaign",
+            "--only",
+            "exactly_once_ignores_consumer",
+            "--report",
+            str(out),
+            "--quiet",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["summary"]["by_class"] == {
+        "checker": {"mutants": 1, "campaign_reached": 1, "campaign_killed": 1}
+    }
+    assert data["results"][0]["class"] == "checker"
+    assert "per class" in res.output

@@ -29,15 +29,16 @@ def run(cmd: list[str], cwd: Path, timeout: float = 900) -> subprocess.Completed
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel built from this checkout."""
+def wheel_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The wheel built from this checkout, and everything the build printed (-v)."""
     out = tmp_path_factory.mktemp("dist")
-    run(
+    res = run(
         [
             sys.executable,
             "-m",
             "pip",
             "wheel",
+            "-v",
             "--no-deps",
             "--no-build-isolation",
             "-w",
@@ -47,7 +48,29 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         cwd=out,
     )
     (whl,) = out.glob("rollout_lifecycle-*.whl")
-    return whl
+    return whl, res.stdout + res.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(wheel_build: tuple[Path, str]) -> Path:
+    """The wheel built from this checkout."""
+    return wheel_build[0]
+
+
+def test_wheel_carries_every_report_schema_without_build_warnings(
+    wheel_build: tuple[Path, str],
+) -> None:
+    """Every cli/schemas/*.schema.json is in the wheel, and setuptools never warns that the
+    schemas folder is a package it would ignore (a future setuptools may drop it)."""
+    import zipfile
+
+    whl, log = wheel_build
+    assert "Package would be ignored" not in log, log[-3000:]
+    names = set(zipfile.ZipFile(whl).namelist())
+    shipped = sorted(p.name for p in (ROOT / "cli" / "schemas").glob("*.schema.json"))
+    assert len(shipped) >= 8
+    missing = [n for n in shipped if f"rollout_lifecycle/cli/schemas/{n}" not in names]
+    assert missing == []
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +146,29 @@ def test_runtime_dependencies_are_ranges_without_a_test_runner() -> None:
     assert "pytest" in " ".join(meta["project"]["optional-dependencies"]["pytest"])
 
 
+def test_hypothesis_and_the_psycopg_build_are_extras() -> None:
+    """Embedding needs no Hypothesis (the [campaign] extra, which `make campaign` and
+    `make setup-dev` install) and [postgres] depends on plain psycopg, as its docs advise a
+    library to; the binary build is its own extra, which the dev install uses."""
+    import tomllib
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    deps = meta["project"]["dependencies"]
+    extras = meta["project"]["optional-dependencies"]
+    assert not [d for d in deps if d.lower().startswith("hypothesis")], deps
+    for extra in ("campaign", "pytest", "dev"):
+        assert [d for d in extras[extra] if d.startswith("hypothesis>=")], extra
+    assert [d for d in extras["postgres"] if d.startswith("psycopg>=3.1,<4")], extras
+    assert not [d for d in extras["postgres"] if "[binary]" in d], extras
+    assert [d for d in extras["postgres-binary"] if d.startswith("psycopg[binary]")], extras
+    for target, extra in (("campaign", "[campaign]"), ("setup-dev", "campaign")):
+        plan = subprocess.run(
+            ["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+        installs = [ln for ln in plan.splitlines() if "pip install" in ln and " -e " in ln]
+        assert any(extra in ln for ln in installs), (target, plan)
+
+
 def test_resolves_beside_verl(fresh_env: Path, wheel: Path, tmp_path: Path) -> None:
     """pip's resolver finds one install set for this wheel, verl 0.9.1 and the CPU torch."""
     report = tmp_path / "resolution.json"
@@ -149,3 +195,24 @@ def test_resolves_beside_verl(fresh_env: Path, wheel: Path, tmp_path: Path) -> N
     }
     assert got["verl"] == "0.9.1" and got["rollout-lifecycle"]
     assert got["torch"].startswith("2.13.0")
+
+
+def test_readme_install_instructions_match_the_package(wheel: Path) -> None:
+    """The README says how to install from a checkout or a built wheel (the package is not
+    on the index, so never a bare `pip install rollout-lifecycle`), names the wheel the build
+    really makes, and describes exactly the extras pyproject.toml declares."""
+    import re
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Install as a library", 1)[1].split("\n## ", 1)[0]
+    assert not re.search(r"pip install '?rollout-lifecycle\b", readme)
+    for line in ("pip install .", "pip install -e .", "python -m build"):
+        assert line in section, line
+    named = re.findall(r"dist/(rollout_lifecycle-[\w.]+-py3-none-any\.whl)", section)
+    assert named and set(named) == {wheel.name}, (named, wheel.name)
+    extras = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    )
+    described = set(re.findall(r"^\| `([a-z-]+)` \|", section, flags=re.M))
+    assert described == extras

@@ -20,7 +20,8 @@ PINNED = {
     "lifecycle": 71545,  # 22,919 before the heartbeat (renew_lease) action
     "activation-small": 43067,
     "activation-2v": 2743,
-    "seams": 13604,  # 12,948 before learner 1 lied with a looser-than-policy stamp
+    "seams": 32546,  # 13,604 before the operator could roll back between admission and
+    # reservation (issue 18); 12,948 before learner 1 lied with a looser-than-policy stamp
 }
 
 

@@ -3,6 +3,8 @@ the spec, the stored rows and a per-call history check; and the bugs only it can
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,17 +15,26 @@ from rollout_lifecycle.stateful_tests.race import RaceConfig, RaceReport, judge_
 pytestmark = pytest.mark.slow
 
 
-def _race(tmp_path: Path, mutant: str | None = None, seconds: float = 6.0) -> RaceReport:
+def _race(
+    tmp_path: Path,
+    mutant: str | None = None,
+    seconds: float = 6.0,
+    progress: Callable[[str], None] | None = None,
+) -> RaceReport:
     cfg = RaceConfig(
         url=f"sqlite:///{tmp_path / 'race.db'}", learners=3, seconds=seconds, seed=1, mutant=mutant
     )
-    return run_race(cfg)
+    return run_race(cfg, progress)
 
 
 def test_clean_race_has_no_violation_and_counts_refusals(tmp_path: Path) -> None:
     """1 activator and 3 learner processes: nothing violated, every call judged, refusals
-    of reservations whose pointer moved counted."""
-    report = _race(tmp_path)
+    of reservations whose pointer moved counted; the progress counts down from the
+    requested 6 s (not from 9 s: the spawn allowance is not race time)."""
+    lines: list[str] = []
+    report = _race(tmp_path, progress=lines.append)
+    left = [int(m) for m in re.findall(r"(\d+)s left", " ".join(lines))]
+    assert left and left[0] == 6 and max(left) == 6, lines
     assert report.ok, [str(v) for v in report.violations[:5]] + list(report.errors)
     totals = report.totals()
     assert totals.get("committed", 0) > 0 and report.calls > 0

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -89,3 +90,62 @@ def test_readme_links_point_at_files() -> None:
     assert local
     missing = [t for t in local if not (ROOT / t).exists()]
     assert missing == []
+
+
+def _leaf_commands() -> list[tuple[str, click.Command]]:
+    """Every runnable command of the CLI, sub-commands of groups included, by full name."""
+    ctx = click.Context(cli)
+    found: list[tuple[str, click.Command]] = []
+
+    def walk(group: click.Group, prefix: str) -> None:
+        for name in group.list_commands(ctx):
+            cmd = group.get_command(ctx, name)
+            assert cmd is not None, name
+            if isinstance(cmd, click.Group):
+                walk(cmd, f"{prefix}{name} ")
+            else:
+                found.append((f"{prefix}{name}", cmd))
+
+    walk(cli, "")
+    return found
+
+
+def test_every_command_has_the_conventions_the_readme_promises() -> None:
+    """The README says `--json`, `--report` and `--quiet` are the same for every command:
+    each command, sub-commands included, has all three (and `--help`)."""
+    assert "`--json` prints the\ncommand's report" in README
+    leaves = _leaf_commands()
+    assert len(leaves) >= 20
+    missing = {}
+    for name, cmd in leaves:
+        opts = {o for p in cmd.params for o in getattr(p, "opts", ())}
+        lacks = sorted({"--json", "--report", "--quiet"} - opts)
+        if lacks:
+            missing[name] = lacks
+    assert missing == {}
+
+
+def test_help_texts_say_what_the_commands_do() -> None:
+    """`admit --help` states the exit code bad input really gets (2, as the README says) and
+    `fuzz --help` counts the machines there are."""
+    from rollout_lifecycle.cli import exitcodes
+    from rollout_lifecycle.stateful_tests.runner import MACHINES
+
+    runner = CliRunner()
+    admit_help = " ".join(runner.invoke(cli, ["admit", "--help"]).output.split())
+    assert f"{exitcodes.USAGE} bad input data" in admit_help, admit_help
+    assert "1 bad input" not in admit_help
+    fuzz_help = " ".join(runner.invoke(cli, ["fuzz", "--help"]).output.split())
+    assert f"Default: all {len(MACHINES)}." in fuzz_help and len(MACHINES) == 5, fuzz_help
+    assert "all three" not in fuzz_help
+
+
+def test_readme_explorer_counts_are_the_pinned_ones() -> None:
+    """Each explorer state count the README quotes for a model whose count is pinned
+    (tests/test_protocol_models.py) is that pinned count."""
+    from tests.test_protocol_models import PINNED
+
+    rows = re.findall(r"^\| ([a-z0-9-]+) \| ([\d,]+) \| [\d,]+ \| \d+ \| yes \|", README, re.M)
+    quoted = {name: int(n.replace(",", "")) for name, n in rows if name in PINNED}
+    assert quoted, rows
+    assert quoted == {k: PINNED[k] for k in quoted}

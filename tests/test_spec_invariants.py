@@ -19,14 +19,10 @@ from rollout_lifecycle.model.events import (
 from rollout_lifecycle.model.ledger import ManualClock, MemoryLedger
 from rollout_lifecycle.model.records import (
     ActivePointer,
-    AdmissionPolicy,
-    AdmissionStamp,
     ArtifactRecord,
-    AttemptToken,
     Disposition,
     LedgerEntry,
     Reward,
-    WorkerAck,
 )
 from rollout_lifecycle.spec.invariants import (
     BY_NAME,
@@ -40,176 +36,27 @@ from rollout_lifecycle.spec.invariants import (
     check_world,
     sometimes_from_events,
 )
+from rollout_lifecycle.stateful_tests.histories import (
+    POLICY,
+    REWARD,
+    WORKERS,
+    HandRegistry,
+    churned_history,
+    correct_history,
+    flagged,
+    forge,
+    is_art,
+    is_entry,
+    issued,
+    rewarded,
+    served_history,
+    stamp,
+    tamper,
+    token,
+)
 
-WORKERS = ("w1", "w2")
-POLICY = AdmissionPolicy(max_lag=1, max_drift=0.2)
-REWARD = Reward("rm", "1", 0.5)
-
-
-def stamp(bv: int, cv: int, max_lag: int = 1, drift: float = 0.01) -> AdmissionStamp:
-    return AdmissionStamp(
-        current_version=cv,
-        behavior_version=bv,
-        max_lag=max_lag,
-        max_drift=0.2,
-        drift=drift,
-        freshness="fresh" if bv == cv else "tolerated",
-        reason="ok",
-        accepted=True,
-    )
-
-
-def token(v: int, attempt: int, w: str) -> str:
-    """The attempt token the hand-driven registry issues to `w` (distinct per attempt)."""
-    return f"t{v}.{attempt}.{w}"
-
-
-def issued(v: int, attempt: int, workers: tuple[str, ...] = WORKERS) -> tuple[AttemptToken, ...]:
-    """The tokens a distribution attempt of `v` issues, one per worker."""
-    return tuple(AttemptToken(v, w, attempt, token(v, attempt, w)) for w in workers)
-
-
-class Registry:
-    """A hand-driven registry that emits correct ArtifactChanged events into a shared log."""
-
-    def __init__(self, log: EventLog) -> None:
-        self.log = log
-        self.arts: dict[int, ArtifactRecord] = {}
-        self.pointer: ActivePointer | None = None
-        self.seq = 0
-        self.log.record([MembershipChanged(0, 0, 0.0, None, WORKERS, "initial membership")])
-        self.log.record([PolicyChanged(0, 0, 0.0, None, POLICY, "initial policy")])
-
-    def report(self, v: int, h: str) -> None:
-        """Every worker's ack of (v, h) for attempt 1, echoing its token, as stored."""
-        self.seq += 1
-        for w in WORKERS:
-            ack = WorkerAck(w, v, h, 0, self.seq, 1, token(v, 1, w))
-            self.log.record([WorkerReported(0, 0, 0.0, w, 0, ack)])
-
-    def _emit(
-        self,
-        changes: list[tuple[int, str, ArtifactRecord]],
-        new_ptr: Any = "same",
-        acks: tuple[WorkerAck, ...] = (),
-        tokens: tuple[AttemptToken, ...] = (),
-    ) -> None:
-        evs: list[TraceEvent] = []
-        pb = self.pointer
-        pa = pb if new_ptr == "same" else new_ptr
-        for v, ev, after in changes:
-            evs.append(
-                ArtifactChanged(
-                    seq=0,
-                    txn=0,
-                    at=0.0,
-                    version=v,
-                    event=ev,
-                    before=self.arts.get(v),
-                    after=after,
-                    pointer_before=pb,
-                    pointer_after=pa,
-                    acks=acks,
-                    required_workers=WORKERS,
-                    tokens=tokens,
-                )
-            )
-            self.arts[v] = after
-        self.pointer = pa
-        self.log.record(evs)
-
-    def activate(self, v: int) -> None:
-        h = f"h{v}"
-        rb = None if self.pointer is None else self.pointer.version
-        self._emit(
-            [(v, "register", ArtifactRecord(version=v, artifact_hash=None, rollback_version=rb))]
-        )
-        a = self.arts[v]
-        self._emit([(v, "commit_artifact", attrs.evolve(a, state="committed", artifact_hash=h))])
-        self._emit(
-            [(v, "distribute", attrs.evolve(self.arts[v], state="awaiting_acks", attempts=1))],
-            tokens=issued(v, 1),
-        )
-        self.report(v, h)
-        acks = tuple(WorkerAck(w, v, h, 0, self.seq, 1, token(v, 1, w)) for w in WORKERS)
-        changes = [(v, "activate", attrs.evolve(self.arts[v], state="active"))]
-        if self.pointer is not None:
-            old = self.pointer.version
-            changes.append((old, "supersede", attrs.evolve(self.arts[old], state="superseded")))
-        self._emit(changes, ActivePointer(v, h), acks)
-
-    def rollback(self) -> None:
-        assert self.pointer is not None
-        cur = self.arts[self.pointer.version]
-        assert cur.rollback_version is not None
-        tgt = self.arts[cur.rollback_version]
-        assert tgt.artifact_hash is not None
-        self._emit(
-            [
-                (cur.version, "roll_back", attrs.evolve(cur, state="rolled_back")),
-                (tgt.version, "reinstate", attrs.evolve(tgt, state="active")),
-            ],
-            ActivePointer(tgt.version, tgt.artifact_hash),
-        )
-
-    def fail(self, v: int) -> None:
-        h = f"h{v}"
-        self._emit([(v, "register", ArtifactRecord(version=v, artifact_hash=None))])
-        self._emit(
-            [(v, "commit_artifact", attrs.evolve(self.arts[v], state="committed", artifact_hash=h))]
-        )
-        self._emit(
-            [(v, "distribute", attrs.evolve(self.arts[v], state="awaiting_acks", attempts=1))],
-            tokens=issued(v, 1),
-        )
-        self._emit(
-            [
-                (
-                    v,
-                    "fail_distribution",
-                    attrs.evolve(
-                        self.arts[v],
-                        state="distribution_failed",
-                        failure=Disposition("distribution", "missing_worker_ack"),
-                    ),
-                )
-            ]
-        )
-
-
-def rewarded(led: MemoryLedger, rid: str, v: int) -> None:
-    led.add(LedgerEntry(rollout_id=rid, behavior_version=v, artifact_hash=f"h{v}"))
-    led.transition(rid, "generation_done", 0)
-    led.transition(rid, "reward_ready", 1, reward=REWARD)
-
-
-def correct_history() -> tuple[list[TraceEvent], MemoryLedger, Registry]:
-    """A run touching every protocol path, written through the real MemoryLedger."""
-    log = EventLog()
-    clock = ManualClock()
-    led = MemoryLedger(clock=clock, lease_seconds=10, event_log=log)
-    reg = Registry(log)
-    reg.activate(0)
-    for rid in ("r1", "r2", "r4", "r5"):
-        rewarded(led, rid, 0)
-    led.add(LedgerEntry(rollout_id="r3", behavior_version=0, artifact_hash="h0"))
-    led.transition("r3", "generation_done", 0)
-    led.transition("r3", "reward_timeout", 1)
-    assert led.reserve("r1", 2, "u1", stamp(0, 0)).reserved
-    assert led.reserve("r2", 2, "u1", stamp(0, 0)).reserved
-    led.commit("u1", ["r1", "r2"])
-    assert led.reserve("r4", 2, "u2", stamp(0, 0)).reserved
-    led.abort("u2")
-    reg.activate(1)
-    assert led.reserve("r4", 4, "u3", stamp(0, 1)).reserved
-    clock.advance(11)
-    led.expire_leases()
-    led.transition("r5", "retire_stale", 2, disposition=Disposition("admission", "stale"))
-    reg.fail(2)
-    led.add(LedgerEntry(rollout_id="r6", behavior_version=2, artifact_hash="h2"))
-    led.quarantine_version(2, "distribution failed")
-    reg.rollback()
-    return log.events(), led, reg
+Registry = HandRegistry
+names = flagged
 
 
 def test_correct_history_has_no_violation() -> None:
@@ -239,42 +86,6 @@ def test_every_sometimes_is_reachable_in_the_correct_history() -> None:
         "activated",
     }
     assert hit <= set(SOMETIMES)
-
-
-def forge(cls: type[Any], **fields: Any) -> Any:
-    """Build a record WITHOUT its validators, to craft states a buggy backend might store."""
-    obj = object.__new__(cls)
-    base = {
-        f.name: f.default
-        for f in attrs.fields(cls)
-        if f.default is not attrs.NOTHING and not isinstance(f.default, attrs.Factory)
-    }
-    base.update(fields)
-    for k, v in base.items():
-        object.__setattr__(obj, k, v)
-    return obj
-
-
-def names(events: list[TraceEvent], **kw: Any) -> set[str]:
-    return {v.invariant for v in check_trace(events, **kw).violations}
-
-
-def tamper(events: list[TraceEvent], pred: Any, **changes: Any) -> list[TraceEvent]:
-    """Replace the first event matching `pred` by a copy with `changes`."""
-    out = list(events)
-    for i, ev in enumerate(out):
-        if pred(ev):
-            out[i] = attrs.evolve(ev, **changes)
-            return out
-    raise AssertionError("no event matched")
-
-
-def is_entry(rid: str, event: str) -> Any:
-    return lambda e: isinstance(e, EntryChanged) and e.rollout_id == rid and e.event == event
-
-
-def is_art(v: int, event: str) -> Any:
-    return lambda e: isinstance(e, ArtifactChanged) and e.version == v and e.event == event
 
 
 def test_declared_edges_violation() -> None:
@@ -713,38 +524,7 @@ def test_check_needs_input() -> None:
         check()
 
 
-def _churned_history(void: bool, fresh: bool) -> list[TraceEvent]:
-    """v1 distributed, both workers ack it; w2 leaves and re-joins; v1 activates.
-
-    `void`: the leave step voids w2's ack (as it must); `fresh`: w2's re-join token is new.
-    """
-    log = EventLog()
-    reg = Registry(log)
-    reg.activate(0)
-    h = "h1"
-    reg._emit([(1, "register", ArtifactRecord(version=1, artifact_hash=None, rollback_version=0))])
-    reg._emit(
-        [(1, "commit_artifact", attrs.evolve(reg.arts[1], state="committed", artifact_hash=h))]
-    )
-    reg._emit(
-        [(1, "distribute", attrs.evolve(reg.arts[1], state="awaiting_acks", attempts=1))],
-        tokens=issued(1, 1),
-    )
-    reg.report(1, h)
-    w2 = WORKERS[1]
-    leave: list[TraceEvent] = [MembershipChanged(0, 0, 0.0, WORKERS, WORKERS[:1], "drain")]
-    if void:
-        leave.append(WorkerReported(0, 0, 0.0, w2, 0, None))
-    log.record(leave)
-    again = AttemptToken(1, w2, 1, token(1, 1, w2) + ("-new" if fresh else ""))
-    log.record([MembershipChanged(0, 0, 0.0, WORKERS[:1], WORKERS, "back", tokens=(again,))])
-    acks = tuple(WorkerAck(w, 1, h, 0, reg.seq, 1, token(1, 1, w)) for w in WORKERS)
-    changes = [
-        (1, "activate", attrs.evolve(reg.arts[1], state="active")),
-        (0, "supersede", attrs.evolve(reg.arts[0], state="superseded")),
-    ]
-    reg._emit(changes, ActivePointer(1, h), acks)
-    return log.events()
+_churned_history = churned_history
 
 
 def test_acks_bound_to_attempt_violation() -> None:
@@ -808,6 +588,15 @@ def test_history_from_before_attempt_tokens_is_judged_by_attempt_number() -> Non
     assert isinstance(ev, WorkerReported) and ev.ack is not None
     wrong = tamper(old, is_report(WORKERS[0], 1), ack=attrs.evolve(ev.ack, attempt=0))
     assert "activation_needs_all_acks" in names(wrong)
+
+
+def test_served_after_sync_violation() -> None:
+    """A worker naming itself in its rollout ids (`<worker>@<incarnation>/...`, the
+    activation drill) serves only what it reported holding in that incarnation: a restarted
+    worker serving before it resynced is named. (tests/test_activation_drill.py has more.)"""
+    assert check_trace(served_history(False)).ok
+    got = check_trace(served_history(True))
+    assert {v.invariant for v in got.violations} == {"served_after_sync"}
 
 
 def test_every_invariant_has_a_negative_test() -> None:

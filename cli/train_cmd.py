@@ -1,0 +1,88 @@
+"""`gpu-check train`: verl's v1 trainer for real, with both kills and the resumes, judged.
+
+Nothing heavy is imported until the command runs (verl, Ray and torch load in the run).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from rollout_lifecycle.cli import exitcodes
+from rollout_lifecycle.cli.output import (
+    check_report_path,
+    emit_report,
+    make_console,
+    quiet_option,
+    report_options,
+)
+
+
+def verdict(result: dict[str, Any]) -> list[str]:
+    """Why a judged run fails the issue's bar (empty: it passes)."""
+    t = result["trajectories"]
+    bad = []
+    if t["lost"]:
+        bad.append(f"{t['lost']} trajectories lost")
+    if t["trained_twice"]:
+        bad.append(f"{t['trained_twice']} trained twice")
+    if result["max_lag_trained"] > result["policy"]["max_lag"]:
+        bad.append(f"trained at lag {result['max_lag_trained']} > {result['policy']['max_lag']}")
+    if result["spec"]["violations"]:
+        bad.append(f"{result['spec']['violations']} spec violations")
+    kinds = {k["what"] for k in result["kills"]}
+    for need in ("trainer", "rollout_replica"):
+        if need not in kinds:
+            bad.append(f"no SIGKILL of the {need} happened")
+    if result["checkpoint_step"] < result["steps"]:
+        bad.append(f"verl reached step {result['checkpoint_step']} of {result['steps']}")
+    return bad
+
+
+@click.command("train")
+@click.option(
+    "--output",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="A new folder for the run (model, data, ledger, verl checkpoints, logs).",
+)
+@click.option("--steps", type=click.IntRange(6), default=6, show_default=True)
+@click.option("--replicas", type=click.IntRange(2), default=2, show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@report_options
+@quiet_option
+def train(
+    output: Path,
+    steps: int,
+    replicas: int,
+    device: str,
+    as_json: bool,
+    report_path: Path | None,
+    quiet: bool,
+) -> None:
+    """verl's v1 trainer (separate_async) on the ledger: SIGKILL the trainer, resume from
+    verl's checkpoint with one replica SIGKILLed, resume until done; judge from the ledger.
+    Exit 0 when the judged run passes, 1 when it does not (the reasons are in the report);
+    `--report docs/gpu-check/trainer-cpu-reference.json` writes the reference."""
+    from rollout_lifecycle.gpu_check.verl_v1_train import TrainPlan, run_train
+
+    check_report_path(report_path)
+    plan = TrainPlan(out=output, steps=steps, replicas=replicas, device=device)
+    result = run_train(
+        plan, progress=(lambda _m: None) if quiet else (lambda m: click.echo(m, err=True))
+    )
+    bad = verdict(result)
+    result["verdict"] = {"passed": not bad, "why_not": bad}
+    emit_report(result, as_json=as_json, report_path=report_path, console=make_console(True))
+    if not as_json:
+        t = result["trajectories"]
+        click.echo(
+            f"train: {'passed' if not bad else 'FAILED: ' + '; '.join(bad)} | dispatched "
+            f"{t['dispatched']} consumed {t['consumed']} retired {t['retired']} live {t['live']} "
+            f"lost {t['lost']} trained twice {t['trained_twice']} | max lag "
+            f"{result['max_lag_trained']} | kills {result['kills']}"
+        )
+    if bad:
+        raise click.exceptions.Exit(exitcodes.FINDINGS)

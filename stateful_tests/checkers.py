@@ -1,0 +1,1249 @@
+"""Every checker checked: known-bad histories each checker must flag, known-good ones it
+must pass, and the enforcing rules compared with the spec that re-states them.
+
+A checker that is never shown a bad history is not a checker: a spec invariant that stops
+looking, a race judge that believes a claimed win, an audit that skips a column all pass
+every correct run. This catalogue is the campaign's first stage (seconds) and the target of
+the catalogue's checker mutants: break a checker and a known-bad case passes, which fails
+the campaign. Cases:
+
+* `spec:<invariant>`: hand-written bad histories, one or more per invariant, each a correct
+  history (stateful_tests/histories.py) with one thing broken, named by that invariant;
+* `spec:generated`: random correct histories with one random, targeted corruption each;
+* `race`: recorded reserve calls whose claimed outcome the trace contradicts;
+* `audit`: stored rows edited behind the store's back (`ledger check`);
+* `differential`: generated reservation premises (hostile stamps wrong in one figure,
+  negative lags after rollbacks, NaN drift, retired versions), judged by the write path's
+  model/rules.py and by the spec's own restatement: they must agree.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+
+from rollout_lifecycle.model import rules
+from rollout_lifecycle.model.backends import open_backend
+from rollout_lifecycle.model.events import (
+    ArtifactChanged,
+    EntryChanged,
+    EventLog,
+    MembershipChanged,
+    PolicyChanged,
+    StoredRows,
+    TraceEvent,
+    WorkerReported,
+)
+from rollout_lifecycle.model.ledger import ManualClock, MemoryLedger
+from rollout_lifecycle.model.records import (
+    ActivePointer,
+    AdmissionPolicy,
+    AdmissionStamp,
+    ArtifactRecord,
+    Disposition,
+    LedgerEntry,
+    Reward,
+    WorkerAck,
+    to_jsonable,
+)
+from rollout_lifecycle.spec.audit import audit
+from rollout_lifecycle.spec.invariants import (
+    INVARIANTS,
+    World,
+    check_quiescent,
+    check_world,
+)
+from rollout_lifecycle.stateful_tests.histories import (
+    POLICY,
+    REWARD,
+    WORKERS,
+    HandRegistry,
+    churned_history,
+    correct_history,
+    flagged,
+    forge,
+    is_art,
+    is_entry,
+    is_report,
+    issued,
+    random_history,
+    rewarded,
+    served_history,
+    stamp,
+    tamper,
+    token,
+)
+from rollout_lifecycle.stateful_tests.race import judge_calls
+
+Run = Callable[[], set[str]]
+
+
+@attrs.frozen
+class CheckerCase:
+    """One input to one checker: `expect` names what it must flag (None: a good input it
+    must pass without a finding)."""
+
+    checker: str
+    name: str
+    expect: str | None
+    run: Run
+
+    def judge(self) -> tuple[bool, set[str]]:
+        """(passed, what the checker flagged)."""
+        got = self.run()
+        return (not got if self.expect is None else self.expect in got), got
+
+
+def _world(w: World) -> Run:
+    return lambda: {v.invariant for v in check_world(w)}
+
+
+def _rest(w: World) -> Run:
+    return lambda: {v.invariant for v in check_quiescent(w)}
+
+
+def _trace(build: Callable[[], Sequence[TraceEvent]], **kw: Any) -> Run:
+    return lambda: flagged(build(), **kw)
+
+
+def _events() -> list[TraceEvent]:
+    return correct_history()[0]
+
+
+def _entry(ev_pred: Callable[[TraceEvent], bool]) -> EntryChanged:
+    ev = next(e for e in _events() if ev_pred(e))
+    assert isinstance(ev, EntryChanged)
+    return ev
+
+
+def _restamped(rid: str, update: str, adm: AdmissionStamp | None) -> list[TraceEvent]:
+    """The correct history with one reservation's stored stamp replaced."""
+    evs = _events()
+    ev = next(e for e in evs if is_entry(rid, "reserve")(e) and e.update_id == update)  # type: ignore[union-attr]
+    assert isinstance(ev, EntryChanged)
+    new = attrs.evolve(ev.after, admission=adm) if adm is not None else ev.after
+    return [attrs.evolve(e, after=new) if e is ev else e for e in evs]
+
+
+def _late_reservation_of_rolled_back() -> list[TraceEvent]:
+    log = EventLog()
+    led = MemoryLedger(clock=ManualClock(), event_log=log)
+    reg = HandRegistry(log)
+    reg.activate(0)
+    reg.activate(1)
+    rewarded(led, "late", 1)
+    reg.rollback()
+    forged = forge(
+        LedgerEntry,
+        **{
+            **attrs.asdict(led.get("late"), recurse=False),
+            "state": "reserved",
+            "revision": 3,
+            "reserved_by": "u9",
+            "admission": stamp(1, 0),
+        },
+    )
+    log.record([EntryChanged(0, 0, 0.0, "late", "reserve", led.get("late"), forged, "u9")])
+    return log.events()
+
+
+def _negative_lag_after_kept_rollback() -> list[TraceEvent]:
+    """v1 rolled back with its rollouts kept; a v1 rollout reserved at lag -1."""
+    log = EventLog()
+    led = MemoryLedger(clock=ManualClock(), event_log=log)
+    reg = HandRegistry(log)
+    reg.activate(0)
+    reg.activate(1)
+    rewarded(led, "ahead", 1)
+    reg.rollback(kept=True)
+    bad = attrs.evolve(stamp(1, 1), current_version=1)
+    forged = forge(
+        LedgerEntry,
+        **{
+            **attrs.asdict(led.get("ahead"), recurse=False),
+            "state": "reserved",
+            "revision": 3,
+            "reserved_by": "u9",
+            "admission": bad,
+        },
+    )
+    log.record([EntryChanged(0, 0, 0.0, "ahead", "reserve", led.get("ahead"), forged, "u9")])
+    return log.events()
+
+
+def _reserved(adm: AdmissionStamp | None, **kw: Any) -> World:
+    fields: dict[str, Any] = {
+        "rollout_id": "x",
+        "behavior_version": 0,
+        "artifact_hash": "h",
+        "state": "reserved",
+        "reserved_by": "u",
+        "reward": REWARD,
+        "admission": adm,
+        "revision": 3,
+    }
+    fields.update(kw)
+    return World(entries={"x": forge(LedgerEntry, **fields)})
+
+
+def spec_cases() -> list[CheckerCase]:
+    """Hand-written known-bad histories, at least one per spec invariant, and the good ones."""
+    evs = _events
+    c: list[CheckerCase] = []
+
+    def add(expect: str | None, name: str, run: Run) -> None:
+        c.append(CheckerCase(f"spec:{expect or 'good'}", name, expect, run))
+
+    add(None, "correct history, quiescent", _trace(evs, quiescent=True))
+    add(None, "legacy history without attempt tokens", _trace(lambda: _legacy(evs())))
+    r1 = _entry(is_entry("r1", "reserve"))
+    add(
+        "declared_edges",
+        "rewarded straight to consumed",
+        _trace(
+            lambda: tamper(
+                evs(),
+                is_entry("r1", "reserve"),
+                event="commit",
+                after=attrs.evolve(r1.after, state="consumed", reserved_by=None),
+            )
+        ),
+    )
+    add(
+        "declared_edges",
+        "a version registered twice",
+        _trace(lambda: [*evs(), *[e for e in evs() if is_art(1, "register")(e)]]),
+    )
+    last = _entry(is_entry("r1", "commit"))
+    add(
+        "terminal_absorbing",
+        "a consumed rollout returned",
+        _trace(
+            lambda: [
+                *evs(),
+                EntryChanged(
+                    999,
+                    999,
+                    0.0,
+                    "r1",
+                    "abort",
+                    last.after,
+                    attrs.evolve(last.after, state="rewarded", revision=last.after.revision + 1),
+                ),
+            ]
+        ),
+    )
+    add(
+        "exactly_once",
+        "consumed by an update that did not reserve it",
+        _trace(lambda: tamper(evs(), is_entry("r1", "commit"), update_id="u-other")),
+    )
+    add("exactly_once", "consumed a second time", _trace(lambda: _consumed_twice(evs())))
+    add(
+        "exactly_once",
+        "a reservation passed to another update",
+        _trace(lambda: _passed_on(evs())),
+    )
+    add(
+        "exclusive_ownership",
+        "reserved without an owner",
+        _world(_reserved(stamp(0, 0), reserved_by=None)),
+    )
+    r2 = _entry(is_entry("r2", "reserve"))
+    add(
+        "revision_bumps_by_one",
+        "a write bumping the revision by two",
+        _trace(
+            lambda: tamper(
+                evs(),
+                is_entry("r2", "reserve"),
+                after=attrs.evolve(r2.after, revision=r2.after.revision + 1),
+            )
+        ),
+    )
+    timeout = LedgerEntry(
+        rollout_id="x",
+        behavior_version=0,
+        artifact_hash="h",
+        state="reward_timed_out",
+        reward=Reward("rm", "1", 0.0),
+        disposition=Disposition("reward", "timeout"),
+    )
+    add(
+        "reward_failures_never_trained",
+        "a timeout stored as reward 0.0",
+        _world(World(entries={"x": timeout})),
+    )
+    for label, adm in (
+        ("stale by its own lag", attrs.evolve(stamp(0, 2, max_lag=1), freshness="stale")),
+        ("a rejected decision", attrs.evolve(stamp(0, 0), accepted=False, reason="policy_drift")),
+        ("drift over its bound", stamp(0, 0, drift=0.5)),
+        ("no stamp", None),
+        ("NaN drift", forge(AdmissionStamp, **{**attrs.asdict(stamp(0, 0)), "drift": math.nan})),
+        ("no drift figure", forge(AdmissionStamp, **{**attrs.asdict(stamp(0, 0)), "drift": None})),
+        (
+            "negative lag (a future version)",
+            forge(
+                AdmissionStamp,
+                **{**attrs.asdict(stamp(0, 0)), "current_version": 0, "behavior_version": 1},
+            ),
+        ),
+    ):
+        w = _reserved(adm)
+        if label == "negative lag (a future version)":
+            w = _reserved(adm, behavior_version=1)
+        add("admitted_when_reserved", label, _world(w))
+    tight = attrs.evolve(stamp(0, 0, max_lag=0), current_version=0)
+    add(
+        "reserved_against_current_version",
+        "lag 1 at its own step, stamp says 0",
+        _trace(lambda: _restamped("r4", "u3", tight)),
+    )
+    loose = attrs.evolve(stamp(0, 1, max_lag=1000), max_drift=1e9)
+    add(
+        "reserved_against_current_version",
+        "stamp looser than the recorded policy",
+        _trace(lambda: _restamped("r4", "u3", loose)),
+    )
+    one_off = attrs.evolve(stamp(0, 1), max_drift=0.3)
+    add(
+        "reserved_against_current_version",
+        "stamp looser in max_drift only",
+        _trace(lambda: _restamped("r4", "u3", one_off)),
+    )
+    add(
+        "reserved_against_current_version",
+        "no recorded policy",
+        _trace(lambda: [e for e in evs() if not isinstance(e, PolicyChanged)]),
+    )
+    add(
+        "reserved_against_current_version",
+        "a rolled-back version reserved",
+        _trace(_late_reservation_of_rolled_back),
+    )
+    add(
+        "reserved_against_current_version",
+        "negative lag after a kept rollback",
+        _trace(_negative_lag_after_kept_rollback),
+    )
+    is_pol: Callable[[TraceEvent], bool] = lambda e: isinstance(e, PolicyChanged)  # noqa: E731
+    add(
+        "policy_explicit",
+        "a change from a policy never recorded",
+        _trace(lambda: tamper(evs(), is_pol, before=POLICY)),
+    )
+    add(
+        "policy_explicit",
+        "a change without a reason",
+        _trace(lambda: tamper(evs(), is_pol, reason="")),
+    )
+    add(
+        "lineage_fenced",
+        "lineage names an update that never landed",
+        _trace(lambda: _lineage(evs(), ("ghost",))),
+    )
+    add(
+        "lineage_fenced",
+        "lineage dropped after registration",
+        _trace(lambda: _lineage(evs(), ("u1",))),
+    )
+    bad_stage = LedgerEntry(
+        rollout_id="a",
+        behavior_version=0,
+        artifact_hash="h",
+        state="update_failed",
+        reward=REWARD,
+        disposition=Disposition("reward", "timeout"),
+    )
+    add(
+        "failures_have_stage",
+        "a failure at the wrong stage",
+        _world(World(entries={"a": bad_stage})),
+    )
+    add(
+        "pointer_names_active_artifact",
+        "pointer at an uncommitted artifact",
+        _world(
+            World(
+                artifacts={1: ArtifactRecord(version=1, artifact_hash=None)},
+                pointer=ActivePointer(1, "h1"),
+            )
+        ),
+    )
+    add(
+        "activation_needs_all_acks",
+        "one worker's ack never stored",
+        _trace(lambda: [e for e in evs() if not is_report(WORKERS[1], 1)(e)]),
+    )
+    add(
+        "activation_needs_all_acks",
+        "an ack echoing an old attempt's token",
+        _trace(lambda: _reack(evs(), token=token(1, 0, WORKERS[0]))),
+    )
+    add(
+        "activation_needs_all_acks",
+        "an ack of another hash",
+        _trace(lambda: _reack(evs(), artifact_hash="h-other")),
+    )
+    add(
+        "activation_needs_all_acks",
+        "a retry after the acks",
+        _trace(lambda: tamper(evs(), is_art(1, "distribute"), tokens=issued(1, 2))),
+    )
+    add(
+        "activation_needs_all_acks",
+        "no recorded membership",
+        _trace(lambda: [e for e in evs() if not isinstance(e, MembershipChanged)]),
+    )
+    add(
+        "activation_needs_all_acks",
+        "an ack from before leaving the set",
+        _trace(lambda: churned_history(void=False, fresh=False)),
+    )
+    add(
+        "acks_bound_to_attempt",
+        "a distribution issuing no tokens",
+        _trace(lambda: tamper(evs(), is_art(1, "distribute"), tokens=())),
+    )
+    add(
+        "acks_bound_to_attempt",
+        "one token shared by two workers",
+        _trace(
+            lambda: tamper(
+                evs(),
+                is_art(1, "distribute"),
+                tokens=tuple(attrs.evolve(t, token="same") for t in issued(1, 1)),
+            )
+        ),
+    )
+    add(
+        "acks_bound_to_attempt",
+        "an ack with a forged token",
+        _trace(lambda: _reack(evs(), token="forged")),
+    )
+    add(
+        "acks_bound_to_attempt",
+        "leaving the set voids nothing",
+        _trace(lambda: churned_history(void=False, fresh=True)),
+    )
+    add(
+        "distributed_newer_than_active",
+        "a version no newer than the active one",
+        _trace(
+            lambda: tamper(evs(), is_art(2, "distribute"), pointer_before=ActivePointer(2, "h2"))
+        ),
+    )
+    is_mem: Callable[[TraceEvent], bool] = lambda e: isinstance(e, MembershipChanged)  # noqa: E731
+    add(
+        "membership_explicit",
+        "an empty worker set",
+        _trace(lambda: tamper(evs(), is_mem, after=())),
+    )
+    add(
+        "membership_explicit",
+        "a change from a set never recorded",
+        _trace(lambda: tamper(evs(), is_mem, before=("x",))),
+    )
+    add(
+        "pointer_monotonic",
+        "moved back without a rollback",
+        _trace(lambda: tamper(evs(), is_art(0, "reinstate"), event="activate")),
+    )
+    add(
+        "failed_activation_keeps_pointer",
+        "a failure that moved the pointer",
+        _trace(
+            lambda: tamper(
+                evs(), is_art(2, "fail_distribution"), pointer_after=ActivePointer(2, "h2")
+            )
+        ),
+    )
+    add("artifact_immutable", "a committed hash changed", _trace(lambda: _rehash(evs())))
+    consumed = LedgerEntry(
+        rollout_id="x",
+        behavior_version=2,
+        artifact_hash="h2",
+        state="consumed",
+        reward=REWARD,
+        admission=stamp(2, 2),
+    )
+    failed_arts = {
+        0: ArtifactRecord(version=0, artifact_hash="h0", state="active"),
+        2: ArtifactRecord(
+            version=2,
+            artifact_hash="h2",
+            state="distribution_failed",
+            failure=Disposition("distribution", "missing_worker_ack"),
+        ),
+    }
+    add(
+        "never_active_never_consumed",
+        "a rollout of a failed version consumed",
+        _world(
+            World(entries={"x": consumed}, artifacts=failed_arts, pointer=ActivePointer(0, "h0"))
+        ),
+    )
+    add(None, "a worker serving what it acked", _trace(lambda: served_history(False)))
+    add(
+        "served_after_sync",
+        "a restarted worker serving before it resynced",
+        _trace(lambda: served_history(True)),
+    )
+    pending = _reserved(stamp(0, 0)).entries
+    add("reservations_resolve", "a reservation left at quiescence", _rest(World(entries=pending)))
+    add(
+        "activations_resolve",
+        "an activation left awaiting acks",
+        _rest(
+            World(
+                artifacts={0: ArtifactRecord(version=0, artifact_hash="h0", state="awaiting_acks")}
+            )
+        ),
+    )
+    waiting = LedgerEntry(
+        rollout_id="x", behavior_version=2, artifact_hash="h2", state="rewarded", reward=REWARD
+    )
+    add(
+        "failed_version_quarantined",
+        "a failed version's rollout still open",
+        _rest(World(entries={"x": waiting}, artifacts=failed_arts, pointer=ActivePointer(0, "h0"))),
+    )
+    rolled = ArtifactRecord(
+        version=2,
+        artifact_hash="h2",
+        state="rolled_back",
+        rollback_version=1,
+        failure=Disposition("activation", "rolled_back", "operator rollback"),
+    )
+    add(
+        "retired_version_quarantined",
+        "a rolled-back version's rollout still waiting",
+        _rest(
+            World(
+                entries={"x": waiting},
+                artifacts={
+                    1: ArtifactRecord(version=1, artifact_hash="h1", state="active"),
+                    2: rolled,
+                },
+                pointer=ActivePointer(1, "h1"),
+            )
+        ),
+    )
+    return c
+
+
+def _legacy(events: Sequence[TraceEvent]) -> list[TraceEvent]:
+    """The history as stored before attempt tokens existed (no `tokens` fields)."""
+    from rollout_lifecycle.model.events import event_from_jsonable, event_to_jsonable
+
+    out = []
+    for ev in events:
+        data = event_to_jsonable(ev)
+        data.pop("tokens", None)
+        if data.get("ack"):
+            data["ack"].pop("token", None)
+        for a in data.get("acks", ()):
+            a.pop("token", None)
+        out.append(event_from_jsonable(data))
+    return out
+
+
+def _consumed_twice(events: Sequence[TraceEvent]) -> list[TraceEvent]:
+    ev = next(e for e in events if is_entry("r1", "commit")(e))
+    assert isinstance(ev, EntryChanged)
+    again = attrs.evolve(
+        ev,
+        seq=9999,
+        txn=9999,
+        before=ev.after,
+        after=attrs.evolve(ev.after, revision=ev.after.revision + 1),
+    )
+    return [*events, again]
+
+
+def _passed_on(events: Sequence[TraceEvent]) -> list[TraceEvent]:
+    """u1's reservation of r2 handed to u9 in place (no release, no re-reserve)."""
+    ev = next(e for e in events if is_entry("r2", "reserve")(e))
+    assert isinstance(ev, EntryChanged)
+    after = ev.after
+    moved = attrs.evolve(after, reserved_by="u9", revision=after.revision + 1)
+    step = EntryChanged(0, ev.txn, ev.at, "r2", "renew_lease", after, moved, "u9")
+    out = list(events)
+    i = out.index(ev)
+    out.insert(i + 1, attrs.evolve(step, seq=ev.seq, txn=ev.txn))
+    # later events of r2 continue from the handed-over record
+    return [
+        attrs.evolve(e, before=moved)
+        if isinstance(e, EntryChanged)
+        and e.rollout_id == "r2"
+        and e.before == after
+        and e is not out[i + 1]
+        else e
+        for e in out
+    ]
+
+
+def _lineage(events: Sequence[TraceEvent], lineage: tuple[str, ...]) -> list[TraceEvent]:
+    reg1 = next(e for e in events if is_art(1, "register")(e))
+    assert isinstance(reg1, ArtifactChanged)
+    return [
+        attrs.evolve(e, after=attrs.evolve(e.after, trained_by=lineage)) if e is reg1 else e
+        for e in events
+    ]
+
+
+def _reack(events: Sequence[TraceEvent], **changes: Any) -> list[TraceEvent]:
+    ev = next(e for e in events if is_report(WORKERS[0], 1)(e))
+    assert isinstance(ev, WorkerReported) and ev.ack is not None
+    return tamper(events, is_report(WORKERS[0], 1), ack=attrs.evolve(ev.ack, **changes))
+
+
+def _rehash(events: Sequence[TraceEvent]) -> list[TraceEvent]:
+    ev = next(e for e in events if is_art(1, "distribute")(e))
+    assert isinstance(ev, ArtifactChanged)
+    return tamper(
+        events, is_art(1, "distribute"), after=attrs.evolve(ev.after, artifact_hash="other")
+    )
+
+
+# ---- generated corruptions ---------------------------------------------------------------
+
+
+Corruption = Callable[[list[TraceEvent], random.Random], "list[TraceEvent] | None"]
+
+
+def _pick(
+    events: Sequence[TraceEvent], rng: random.Random, pred: Callable[[TraceEvent], bool]
+) -> int | None:
+    idx = [i for i, e in enumerate(events) if pred(e)]
+    return rng.choice(idx) if idx else None
+
+
+def _c_consumer(evs: list[TraceEvent], rng: random.Random) -> list[TraceEvent] | None:
+    i = _pick(evs, rng, lambda e: isinstance(e, EntryChanged) and e.event == "commit")
+    if i is None:
+        return None
+    ev = evs[i]
+    assert isinstance(ev, EntryChanged)
+    evs[i] = attrs.evolve(ev, update_id="intruder")
+    return evs
+
+
+def _c_revision(evs: list[TraceEvent], rng: random.Random) -> list[TraceEvent] | None:
+    i = _pick(evs, rng, lambda e: isinstance(e, EntryChanged) and e.before is not None)
+    if i is None:
+        return None
+    ev = evs[i]
+    assert isinstance(ev, EntryChanged)
+    evs[i] = attrs.evolve(
+        ev, after=attrs.evolve(ev.after, revision=ev.after.revision + rng.choice((2, 5)))
+    )
+    return evs
+
+
+def _c_loose_stamp(evs: list[TraceEvent], rng: random.Random) -> list[TraceEvent] | None:
+    i = _pick(evs, rng, lambda e: isinstance(e, EntryChanged) and e.event == "reserve")
+    if i is None:
+        return None
+    ev = evs[i]
+    assert isinstance(ev, EntryChanged) and ev.after.admission is not None
+    a = ev.after.admission
+    field = rng.choice(("max_lag", "max_drift"))
+    looser = (
+        attrs.evolve(a, max_lag=a.max_lag + 5)
+        if field == "max_lag"
+        else attrs.evolve(a, max_drift=a.max_drift + 1.0)
+    )
+    evs[i] = attrs.evolve(ev, after=attrs.evolve(ev.after, admission=looser))
+    return evs
+
+
+def _c_drop_ack(evs: list[TraceEvent], rng: random.Random) -> list[TraceEvent] | None:
+    acts = [
+        e.version
+        for e in evs
+        if isinstance(e, ArtifactChanged) and e.event == "activate" and e.version > 0
+    ]
+    if not acts:
+        return None
+    v = rng.choice(acts)
+    w = rng.choice(WORKERS)
+    return [e for e in evs if not is_report(w, v)(e)]
+
+
+def _c_fail_moves(evs: list[TraceEvent], rng: random.Random) -> list[TraceEvent] | None:
+    i = _pick(evs, rng, lambda e: isinstance(e, ArtifactChanged) and e.event == "fail_distribution")
+    if i is None:
+        return None
+    ev = evs[i]
+    assert isinstance(ev, ArtifactChanged)
+    evs[i] = attrs.evolve(ev, pointer_after=ActivePointer(ev.version, f"h{ev.version}"))
+    return evs
+
+
+def _c_owner(evs: list[TraceEvent], rng: random.Random) -> list[TraceEvent] | None:
+    i = _pick(evs, rng, lambda e: isinstance(e, EntryChanged) and e.event == "reserve")
+    if i is None:
+        return None
+    ev = evs[i]
+    assert isinstance(ev, EntryChanged)
+    evs[i] = attrs.evolve(
+        ev,
+        after=forge(LedgerEntry, **{**attrs.asdict(ev.after, recurse=False), "reserved_by": None}),
+    )
+    return evs
+
+
+CORRUPTIONS: dict[str, tuple[str, Corruption]] = {
+    "commit by another update": ("exactly_once", _c_consumer),
+    "revision jumps": ("revision_bumps_by_one", _c_revision),
+    "stamp looser than policy in one bound": ("reserved_against_current_version", _c_loose_stamp),
+    "an activation missing one ack": ("activation_needs_all_acks", _c_drop_ack),
+    "a failed activation moves the pointer": ("failed_activation_keeps_pointer", _c_fail_moves),
+    "a reservation without an owner": ("exclusive_ownership", _c_owner),
+}
+
+
+def _const(events: list[TraceEvent]) -> Callable[[], list[TraceEvent]]:
+    return lambda: events
+
+
+def generated_cases(seed: int, n: int) -> Iterator[CheckerCase]:
+    """n random correct histories (must pass) and one targeted corruption of each."""
+    rng = random.Random(seed)
+    names = sorted(CORRUPTIONS)
+    for k in range(n):
+        good = random_history(random.Random(rng.randrange(2**32)), steps=rng.randint(10, 60))
+        yield CheckerCase(
+            "spec:generated",
+            f"random history #{k}",
+            None,
+            _trace(_const(good), quiescent=False),
+        )
+        for j in range(len(names)):
+            label = names[(k + j) % len(names)]
+            expect, corrupt = CORRUPTIONS[label]
+            bad = corrupt(list(good), random.Random(rng.randrange(2**32)))
+            if bad is not None:
+                yield CheckerCase("spec:generated", f"#{k}: {label}", expect, _trace(_const(bad)))
+                break
+
+
+# ---- the race's history judge -------------------------------------------------------------
+
+
+def _race_trace() -> tuple[list[TraceEvent], dict[str, float]]:
+    """u1 reserves r1 (revision 2) at t=1, u2 is refused; u1 commits at t=3."""
+    log = EventLog()
+    clock = ManualClock()
+    led = MemoryLedger(clock=clock, lease_seconds=100, event_log=log)
+    reg = HandRegistry(log)
+    reg.activate(0)
+    rewarded(led, "r1", 0)
+    rewarded(led, "r2", 0)
+    clock.advance(1.0)
+    assert led.reserve("r1", 2, "u1", stamp(0, 0)).reserved
+    clock.advance(2.0)
+    led.commit("u1", ["r1"])
+    return log.events(), {"reserve": 1.0, "commit": 3.0}
+
+
+def _call(
+    update: str, start: float, end: float, asked: list[tuple[str, int]], got: list[tuple[str, str]]
+) -> dict[str, Any]:
+    return {
+        "update_id": update,
+        "start": start,
+        "end": end,
+        "asked": [[rid, rev, to_jsonable(stamp(0, 0))] for rid, rev in asked],
+        "got": [list(g) for g in got],
+    }
+
+
+def race_cases() -> list[CheckerCase]:
+    """Reserve calls whose claimed outcome the trace confirms (good) or contradicts (bad)."""
+    trace, _ = _race_trace()
+    name = "call_outcome_linearizable"
+
+    def judged(calls: list[dict[str, Any]]) -> Run:
+        return lambda: {v.invariant for v in judge_calls(trace, calls)}
+
+    win = _call("u1", 0.9, 1.1, [("r1", 2)], [("r1", "reserved")])
+    lost = _call("u2", 0.9, 1.1, [("r1", 2)], [("r1", "revision_conflict")])
+    retry = _call("u1", 1.5, 1.6, [("r1", 2)], [("r1", "idempotent_retry")])
+    return [
+        CheckerCase(
+            "race", "a win, a lost race and the owner's retry", None, judged([win, lost, retry])
+        ),
+        CheckerCase(
+            "race",
+            "a win over another revision",
+            name,
+            judged([_call("u1", 0.9, 1.1, [("r1", 1)], [("r1", "reserved")])]),
+        ),
+        CheckerCase(
+            "race",
+            "a win the trace never wrote",
+            name,
+            judged([_call("u2", 0.9, 1.1, [("r2", 2)], [("r2", "reserved")])]),
+        ),
+        CheckerCase(
+            "race",
+            "a win outside the call's window",
+            name,
+            judged([_call("u1", 2.0, 2.5, [("r1", 2)], [("r1", "reserved")])]),
+        ),
+        CheckerCase(
+            "race",
+            "an idempotent retry claimed by a non-owner",
+            name,
+            judged([_call("u2", 1.5, 1.6, [("r1", 2)], [("r1", "idempotent_retry")])]),
+        ),
+        CheckerCase(
+            "race",
+            "an idempotent retry of a row nobody held",
+            name,
+            judged([_call("u2", 0.2, 0.5, [("r2", 2)], [("r2", "idempotent_retry")])]),
+        ),
+        CheckerCase(
+            "race",
+            "a conflict that never was",
+            name,
+            judged([_call("u2", 0.2, 0.5, [("r2", 2)], [("r2", "revision_conflict")])]),
+        ),
+        CheckerCase(
+            "race",
+            "refused although the trace shows it won",
+            name,
+            judged([_call("u1", 0.9, 1.1, [("r1", 2)], [("r1", "revision_conflict")])]),
+        ),
+    ]
+
+
+# ---- ledger check (the audit of stored rows) ----------------------------------------------
+
+
+def _stored() -> StoredRows:
+    """The rows a memory backend stores after a short correct run through the real API."""
+    from rollout_lifecycle.model.coordinator import ActivationCoordinator
+
+    b = open_backend("memory://")
+    coord = ActivationCoordinator(
+        b.registry, WORKERS, ledger=b.ledger, policy=AdmissionPolicy(1, 0.2)
+    )
+    coord.prepare(0)
+    coord.commit_artifact(0, "h0")
+    coord.distribute(0)
+    for w in WORKERS:
+        coord.record_ack(WorkerAck(w, 0, "h0", token=coord.attempt_token(w, 0)))
+    coord.try_activate(0)
+    rewarded(b.ledger, "r1", 0)  # type: ignore[arg-type]
+    b.ledger.reserve("r1", 2, "u1", stamp(0, 0))
+    b.ledger.commit("u1", ["r1"])
+    return b.stored_rows()
+
+
+def _edit_table(rows: StoredRows, table: str, column: str, value: Any) -> StoredRows:
+    t = [dict(r) for r in rows.tables[table]]
+    t[0][column] = value
+    return attrs.evolve(rows, tables={**rows.tables, table: t})
+
+
+def audit_cases() -> list[CheckerCase]:
+    """`ledger check` on untouched rows (must pass) and on rows edited behind its back."""
+
+    def audited(edit: Callable[[StoredRows], StoredRows]) -> Run:
+        return lambda: {v.invariant for v in audit(edit(_stored())).violations}
+
+    def drop(i: int) -> Callable[[StoredRows], StoredRows]:
+        return lambda r: attrs.evolve(r, events=[e for k, e in enumerate(r.events) if k != i])
+
+    def edit_payload(r: StoredRows) -> StoredRows:
+        evs = list(r.events)
+        evs[-1] = attrs.evolve(evs[-1], payload=evs[-1].payload.replace('"consumed"', '"rewarded"'))
+        return attrs.evolve(r, events=evs)
+
+    return [
+        CheckerCase("audit", "the rows as stored", None, audited(lambda r: r)),
+        CheckerCase(
+            "audit",
+            "a rollout's state column edited",
+            "stored_matches_trace",
+            audited(lambda r: _edit_table(r, "rollouts", "state", "rewarded")),
+        ),
+        CheckerCase(
+            "audit",
+            "a rollout's revision column edited",
+            "stored_matches_trace",
+            audited(lambda r: _edit_table(r, "rollouts", "revision", 99)),
+        ),
+        CheckerCase(
+            "audit",
+            "the pointer row edited",
+            "stored_matches_trace",
+            audited(lambda r: _edit_table(r, "registry_pointer", "version", 7)),
+        ),
+        CheckerCase("audit", "an event deleted mid-chain", "history_deleted", audited(drop(3))),
+        CheckerCase(
+            "audit",
+            "the last event cut off",
+            "history_truncated",
+            audited(lambda r: attrs.evolve(r, events=list(r.events)[:-1])),
+        ),
+        CheckerCase("audit", "an event's payload edited", "history_edited", audited(edit_payload)),
+    ]
+
+
+# the audited tables whose every column the replayed trace determines (the counters are
+# statistics, not protocol state, and are not compared)
+_AUDITED = (
+    "rollouts",
+    "registry_artifacts",
+    "registry_workers",
+    "registry_attempt_tokens",
+    "registry_pointer",
+    "registry_membership",
+    "registry_policy",
+)
+
+
+def _edited(value: Any, rng: random.Random) -> Any:
+    if isinstance(value, bool) or value is None:
+        return rng.choice((1, "x"))
+    if isinstance(value, int | float):
+        return value + rng.choice((1, 2, -1))
+    return str(value) + "x"  # never whitespace: a JSON column would read the same
+
+
+def _audited_after(edit: Callable[[StoredRows], StoredRows]) -> Run:
+    return lambda: {v.invariant for v in audit(edit(_stored())).violations}
+
+
+def audit_generated_cases(seed: int, n: int) -> list[CheckerCase]:
+    """n random single-cell edits of audited rows: each must be named."""
+    rng = random.Random(seed)
+    rows = _stored()
+    out = []
+    for k in range(n):
+        table = rng.choice([t for t in _AUDITED if rows.tables.get(t)])
+        row = rng.randrange(len(rows.tables[table]))
+        column = rng.choice(sorted(rows.tables[table][row]))
+        value = _edited(rows.tables[table][row][column], rng)
+
+        def edit(
+            r: StoredRows, t: str = table, i: int = row, c: str = column, v: Any = value
+        ) -> StoredRows:
+            cells = [dict(x) for x in r.tables[t]]
+            cells[i][c] = v
+            return attrs.evolve(r, tables={**r.tables, t: cells})
+
+        out.append(
+            CheckerCase(
+                "audit",
+                f"#{k}: {table}[{row}].{column} edited",
+                "stored_matches_trace",
+                _audited_after(edit),
+            )
+        )
+    return out
+
+
+# ---- differential: the write path's rules against the spec's restatement ------------------
+
+
+@attrs.frozen
+class Premise:
+    """One reservation's premise: what the write path reads in its atomic step."""
+
+    stamp: AdmissionStamp | None
+    behavior_version: int
+    pointer: int | None
+    was_active: frozenset[int]
+    policy: AdmissionPolicy | None
+    retired: frozenset[int]
+    kept: frozenset[int]
+
+
+def _gen_premise(rng: random.Random) -> Premise:
+    """A premise near the boundaries: lags -1..3, bounds at and around the policy, one
+    figure of an otherwise good stamp wrong, NaN or missing drift, retired or kept
+    versions, a version never active."""
+    pv = rng.randint(0, 4)
+    bv = max(0, pv - rng.choice((-1, 0, 0, 0, 1, 1, 2)))
+    policy = (
+        None
+        if rng.random() < 0.05
+        else AdmissionPolicy(rng.choice((0, 1, 1, 2)), rng.choice((0.1, 0.2, 0.5)))
+    )
+    cv = pv if rng.random() < 0.8 else max(0, pv - 1)
+    max_lag = policy.max_lag if policy else 1
+    max_drift = policy.max_drift if policy else 0.2
+    lag = cv - bv
+    fresh = (
+        "future" if lag < 0 else "fresh" if lag == 0 else "tolerated" if lag <= max_lag else "stale"
+    )
+    good = dict(
+        current_version=cv,
+        behavior_version=bv,
+        max_lag=max_lag,
+        max_drift=max_drift,
+        drift=round(rng.uniform(0, max_drift), 3),
+        freshness=fresh,
+        reason="ok",
+        accepted=True,
+    )
+    wrong = rng.choice(
+        (
+            "none",
+            "none",
+            "max_lag",
+            "max_drift",
+            "drift",
+            "behavior_version",
+            "accepted",
+            "current_version",
+        )
+    )
+    if wrong == "max_lag":
+        good["max_lag"] = max_lag + rng.choice((-1, 1, 1000))
+    elif wrong == "max_drift":
+        good["max_drift"] = max_drift + rng.choice((0.05, 1e9))
+    elif wrong == "drift":
+        good["drift"] = rng.choice((math.nan, None, max_drift + 0.01, -0.1, math.inf))
+    elif wrong == "behavior_version":
+        good["behavior_version"] = bv + rng.choice((-1, 1))
+    elif wrong == "accepted":
+        good["accepted"], good["reason"] = False, "policy_drift"
+    elif wrong == "current_version":
+        good["current_version"] = cv + rng.choice((-1, 1, 5))
+    if isinstance(good["max_lag"], int) and good["max_lag"] >= 0:
+        lag = int(str(good["current_version"])) - int(str(good["behavior_version"]))
+        ml = int(str(good["max_lag"]))
+        good["freshness"] = (
+            "future" if lag < 0 else "fresh" if lag == 0 else "tolerated" if lag <= ml else "stale"
+        )
+    st = None if rng.random() < 0.03 else forge(AdmissionStamp, **good)
+    if rng.random() < 0.1:  # admitted while bv was active, then the operator rolled it back
+        bv, kept_back = pv + 1, rng.random() < 0.5
+        st = forge(
+            AdmissionStamp,
+            **{
+                **good,
+                "current_version": bv,
+                "behavior_version": bv,
+                "freshness": "fresh",
+                "accepted": True,
+                "reason": "ok",
+            },
+        )
+        ever = frozenset(range(pv + 2))
+        return Premise(
+            st,
+            bv,
+            pv,
+            ever,
+            policy,
+            frozenset() if kept_back else frozenset({bv}),
+            frozenset({bv}) if kept_back else frozenset(),
+        )
+    ever = frozenset(v for v in range(pv + 1) if rng.random() < 0.9 or v == pv)
+    if rng.random() < 0.2:
+        ever = ever | {pv + 1}  # a newer version that was active, then rolled back
+    rolled = frozenset(v for v in ever if v > pv)
+    kept = frozenset(v for v in rolled if rng.random() < 0.4)
+    return Premise(st, bv, pv, ever, policy, rolled - kept, kept)
+
+
+def _spec_refuses(p: Premise) -> bool:
+    """Whether the spec flags a reservation on this premise (replayed as one step)."""
+    arts: dict[int, ArtifactRecord] = {}
+    top = max([p.behavior_version, p.pointer or 0, *p.was_active]) + 1
+    for v in range(top + 1):
+        if v == p.pointer:
+            state = "active"
+        elif v in p.retired or v in p.kept:
+            state = "rolled_back"
+        elif v in p.was_active:
+            state = "superseded"
+        else:
+            state = "distribution_failed"
+        failure = None
+        if state == "rolled_back":
+            failure = Disposition(
+                "activation", "rolled_back_kept" if v in p.kept else "rolled_back"
+            )
+        elif state == "distribution_failed":
+            failure = Disposition("distribution", "timeout")
+        arts[v] = forge(
+            ArtifactRecord,
+            version=v,
+            artifact_hash=f"h{v}",
+            state=state,
+            failure=failure,
+        )
+    before = LedgerEntry(
+        rollout_id="x",
+        behavior_version=p.behavior_version,
+        artifact_hash=f"h{p.behavior_version}",
+        state="rewarded",
+        revision=2,
+        reward=REWARD,
+    )
+    after = forge(
+        LedgerEntry,
+        **{
+            **attrs.asdict(before, recurse=False),
+            "state": "reserved",
+            "reserved_by": "u",
+            "revision": 3,
+            "admission": p.stamp,
+        },
+    )
+    pointer = None if p.pointer is None else ActivePointer(p.pointer, f"h{p.pointer}")
+    world = World(
+        entries={"x": before},
+        artifacts=arts,
+        pointer=pointer,
+        policy=p.policy,
+        required_workers=WORKERS,
+    )
+    step: list[TraceEvent] = [EntryChanged(1, 1, 0.0, "x", "reserve", before, after, "u")]
+    from rollout_lifecycle.spec.invariants import Replayer
+
+    r = Replayer(world)
+    found = {v.invariant for v in r.feed(step)}
+    return bool(
+        found
+        & {
+            "admitted_when_reserved",
+            "reserved_against_current_version",
+            "never_active_never_consumed",
+        }
+    )
+
+
+def _rules_refuse(p: Premise) -> bool:
+    return (
+        rules.reservation_refusal(
+            p.stamp, p.behavior_version, p.pointer, p.was_active, p.policy, p.retired
+        )
+        is not None
+    )
+
+
+def differential_cases(seed: int, n: int) -> list[CheckerCase]:
+    """n generated premises; each a case that fails when the two judgements disagree."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(n):
+        p = _gen_premise(rng)
+
+        def run(p: Premise = p) -> set[str]:
+            a, b = _rules_refuse(p), _spec_refuses(p)
+            if a == b:
+                return set()
+            return {"rules_refuse_spec_admits" if a else "rules_admit_spec_refuses"}
+
+        out.append(CheckerCase("differential", f"premise #{k}", None, run))
+    return out
+
+
+# ---- the stage ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CaseFailure:
+    """A case the checker got wrong: a bad input passed, or a good one flagged."""
+
+    checker: str
+    name: str
+    expect: str | None
+    got: tuple[str, ...]
+
+    def __str__(self) -> str:
+        if self.expect is None:
+            return f"{self.checker}: good input '{self.name}' flagged {list(self.got)}"
+        return (
+            f"{self.checker}: bad input '{self.name}' not flagged as {self.expect} "
+            f"(got {list(self.got)})"
+        )
+
+
+@attrs.frozen
+class CheckerReport:
+    """How many cases each checker was shown, and the ones it got wrong."""
+
+    cases: dict[str, int]
+    bad_cases: int
+    good_cases: int
+    failures: tuple[CaseFailure, ...]
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        """Every checker flagged every bad case and passed every good one."""
+        return not self.failures
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able summary."""
+        return {
+            "cases": dict(self.cases),
+            "bad_cases": self.bad_cases,
+            "good_cases": self.good_cases,
+            "failures": [str(f) for f in self.failures],
+            "elapsed_s": round(self.elapsed_s, 2),
+        }
+
+
+def all_cases(seed: int = 0, generated: int = 30, differential: int = 400) -> list[CheckerCase]:
+    """The whole catalogue: hand-written, generated, race, audit, differential."""
+    return [
+        *spec_cases(),
+        *generated_cases(seed, generated),
+        *race_cases(),
+        *audit_cases(),
+        *audit_generated_cases(seed, max(generated // 2, 1) if generated else 0),
+        *differential_cases(seed, differential),
+    ]
+
+
+def run_checker_checks(
+    seed: int = 0, generated: int = 30, differential: int = 400
+) -> CheckerReport:
+    """Show every checker its known-bad and known-good inputs; collect what it got wrong."""
+    t0 = time.perf_counter()
+    cases = all_cases(seed, generated, differential)
+    per: Counter[str] = Counter(c.checker.split(":")[0] for c in cases)
+    failures = []
+    for case in cases:
+        try:
+            ok, got = case.judge()
+        except Exception as exc:  # a checker that crashes on an input got it wrong
+            ok, got = False, {f"crashed: {exc!r}"[:200]}
+        if not ok:
+            failures.append(CaseFailure(case.checker, case.name, case.expect, tuple(sorted(got))))
+    bad = sum(1 for c in cases if c.expect is not None)
+    return CheckerReport(
+        dict(per), bad, len(cases) - bad, tuple(failures), time.perf_counter() - t0
+    )
+
+
+def invariants_without_bad_case() -> list[str]:
+    """Spec invariants the hand-written catalogue never shows a bad history."""
+    covered = {c.expect for c in spec_cases()}
+    return [inv.name for inv in INVARIANTS if inv.name not in covered]
+
+
+__all__ = [
+    "CheckerCase",
+    "CheckerReport",
+    "all_cases",
+    "invariants_without_bad_case",
+    "run_checker_checks",
+]

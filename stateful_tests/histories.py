@@ -1,0 +1,409 @@
+"""Hand-built and generated protocol histories: the known-good and known-bad inputs that
+every checker must pass and flag.
+
+A correct history is written through the real MemoryLedger (so its entry events are what a
+ledger emits) and a hand-driven registry that emits exactly the activation events a correct
+coordinator would (so a bad one can be crafted event by event, with no coordinator in the
+way). Bad histories are correct ones with one event tampered: the checker must name the
+rule the tampering breaks. The spec's unit tests and the campaign's checker stage both use
+these, so a checker is never trusted on good input alone.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from rollout_lifecycle.model.events import (
+    ArtifactChanged,
+    EntryChanged,
+    EventLog,
+    MembershipChanged,
+    PolicyChanged,
+    TraceEvent,
+    WorkerReported,
+)
+from rollout_lifecycle.model.ledger import ManualClock, MemoryLedger
+from rollout_lifecycle.model.records import (
+    ActivePointer,
+    AdmissionPolicy,
+    AdmissionStamp,
+    ArtifactRecord,
+    AttemptToken,
+    Disposition,
+    LedgerEntry,
+    Reward,
+    WorkerAck,
+)
+from rollout_lifecycle.spec.invariants import check_trace
+
+WORKERS = ("w1", "w2")
+POLICY = AdmissionPolicy(max_lag=1, max_drift=0.2)
+REWARD = Reward("rm", "1", 0.5)
+
+Pred = Callable[[TraceEvent], bool]
+
+
+def stamp(bv: int, cv: int, max_lag: int = 1, drift: float = 0.01) -> AdmissionStamp:
+    """An accepted stamp for a rollout of v`bv` judged while v`cv` was active."""
+    lag = cv - bv
+    return AdmissionStamp(
+        current_version=cv,
+        behavior_version=bv,
+        max_lag=max_lag,
+        max_drift=0.2,
+        drift=drift,
+        freshness="fresh" if lag == 0 else "tolerated",
+        reason="ok",
+        accepted=True,
+    )
+
+
+def token(v: int, attempt: int, w: str) -> str:
+    """The attempt token the hand-driven registry issues to `w` (distinct per attempt)."""
+    return f"t{v}.{attempt}.{w}"
+
+
+def issued(v: int, attempt: int, workers: tuple[str, ...] = WORKERS) -> tuple[AttemptToken, ...]:
+    """The tokens a distribution attempt of `v` issues, one per worker."""
+    return tuple(AttemptToken(v, w, attempt, token(v, attempt, w)) for w in workers)
+
+
+class HandRegistry:
+    """A hand-driven registry that emits correct activation events into a shared log."""
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+        self.arts: dict[int, ArtifactRecord] = {}
+        self.pointer: ActivePointer | None = None
+        self.seq = 0
+        self.log.record([MembershipChanged(0, 0, 0.0, None, WORKERS, "initial membership")])
+        self.log.record([PolicyChanged(0, 0, 0.0, None, POLICY, "initial policy")])
+
+    def report(self, v: int, h: str) -> None:
+        """Every worker's ack of (v, h) for attempt 1, echoing its token, as stored."""
+        self.seq += 1
+        for w in WORKERS:
+            ack = WorkerAck(w, v, h, 0, self.seq, 1, token(v, 1, w))
+            self.log.record([WorkerReported(0, 0, 0.0, w, 0, ack)])
+
+    def emit(
+        self,
+        changes: list[tuple[int, str, ArtifactRecord]],
+        new_ptr: Any = "same",
+        acks: tuple[WorkerAck, ...] = (),
+        tokens: tuple[AttemptToken, ...] = (),
+    ) -> None:
+        """One registry step: these artifact changes, and the pointer after it."""
+        evs: list[TraceEvent] = []
+        pb = self.pointer
+        pa = pb if new_ptr == "same" else new_ptr
+        for v, ev, after in changes:
+            evs.append(
+                ArtifactChanged(
+                    seq=0,
+                    txn=0,
+                    at=0.0,
+                    version=v,
+                    event=ev,
+                    before=self.arts.get(v),
+                    after=after,
+                    pointer_before=pb,
+                    pointer_after=pa,
+                    acks=acks,
+                    required_workers=WORKERS,
+                    tokens=tokens,
+                )
+            )
+            self.arts[v] = after
+        self.pointer = pa
+        self.log.record(evs)
+
+    def stage(self, v: int) -> None:
+        """Register, commit and distribute v (attempt 1): it awaits acks."""
+        rb = None if self.pointer is None else self.pointer.version
+        self.emit(
+            [(v, "register", ArtifactRecord(version=v, artifact_hash=None, rollback_version=rb))]
+        )
+        a = self.arts[v]
+        self.emit(
+            [(v, "commit_artifact", attrs.evolve(a, state="committed", artifact_hash=f"h{v}"))]
+        )
+        self.emit(
+            [(v, "distribute", attrs.evolve(self.arts[v], state="awaiting_acks", attempts=1))],
+            tokens=issued(v, 1),
+        )
+
+    def activate(self, v: int) -> None:
+        """Take v through register, commit, distribute, every ack, activate."""
+        h = f"h{v}"
+        self.stage(v)
+        self.report(v, h)
+        acks = tuple(WorkerAck(w, v, h, 0, self.seq, 1, token(v, 1, w)) for w in WORKERS)
+        changes = [(v, "activate", attrs.evolve(self.arts[v], state="active"))]
+        if self.pointer is not None:
+            old = self.pointer.version
+            changes.append((old, "supersede", attrs.evolve(self.arts[old], state="superseded")))
+        self.emit(changes, ActivePointer(v, h), acks)
+
+    def rollback(self, kept: bool = False) -> None:
+        """Roll the active version back to its recorded rollback version."""
+        assert self.pointer is not None
+        cur = self.arts[self.pointer.version]
+        assert cur.rollback_version is not None
+        tgt = self.arts[cur.rollback_version]
+        assert tgt.artifact_hash is not None
+        cause = "rolled_back_kept" if kept else "rolled_back"
+        self.emit(
+            [
+                (
+                    cur.version,
+                    "roll_back",
+                    attrs.evolve(
+                        cur,
+                        state="rolled_back",
+                        failure=Disposition("activation", cause, "operator rollback"),
+                    ),
+                ),
+                (tgt.version, "reinstate", attrs.evolve(tgt, state="active")),
+            ],
+            ActivePointer(tgt.version, tgt.artifact_hash),
+        )
+
+    def fail(self, v: int) -> None:
+        """Stage v, then fail its distribution: no ack arrived."""
+        self.stage(v)
+        failed = attrs.evolve(
+            self.arts[v],
+            state="distribution_failed",
+            failure=Disposition("distribution", "missing_worker_ack"),
+        )
+        self.emit([(v, "fail_distribution", failed)])
+
+
+def rewarded(led: MemoryLedger, rid: str, v: int) -> None:
+    """Add a rollout of v and take it to rewarded."""
+    led.add(LedgerEntry(rollout_id=rid, behavior_version=v, artifact_hash=f"h{v}"))
+    led.transition(rid, "generation_done", 0)
+    led.transition(rid, "reward_ready", 1, reward=REWARD)
+
+
+def correct_history() -> tuple[list[TraceEvent], MemoryLedger, HandRegistry]:
+    """A run touching every protocol path, written through the real MemoryLedger."""
+    log = EventLog()
+    clock = ManualClock()
+    led = MemoryLedger(clock=clock, lease_seconds=10, event_log=log)
+    reg = HandRegistry(log)
+    reg.activate(0)
+    for rid in ("r1", "r2", "r4", "r5"):
+        rewarded(led, rid, 0)
+    led.add(LedgerEntry(rollout_id="r3", behavior_version=0, artifact_hash="h0"))
+    led.transition("r3", "generation_done", 0)
+    led.transition("r3", "reward_timeout", 1)
+    assert led.reserve("r1", 2, "u1", stamp(0, 0)).reserved
+    assert led.reserve("r2", 2, "u1", stamp(0, 0)).reserved
+    led.commit("u1", ["r1", "r2"])
+    assert led.reserve("r4", 2, "u2", stamp(0, 0)).reserved
+    led.abort("u2")
+    reg.activate(1)
+    assert led.reserve("r4", 4, "u3", stamp(0, 1)).reserved
+    clock.advance(11)
+    led.expire_leases()
+    led.transition("r5", "retire_stale", 2, disposition=Disposition("admission", "stale"))
+    reg.fail(2)
+    led.add(LedgerEntry(rollout_id="r6", behavior_version=2, artifact_hash="h2"))
+    led.quarantine_version(2, "distribution failed")
+    reg.rollback()
+    return log.events(), led, reg
+
+
+def random_history(rng: random.Random, steps: int = 40) -> list[TraceEvent]:
+    """A correct history of random shape: rollouts of the active version are added and
+    rewarded, reserved by updates (single or several), committed or aborted, leases
+    expire, new versions activate or fail, the active version is rolled back."""
+    log = EventLog()
+    clock = ManualClock()
+    led = MemoryLedger(clock=clock, lease_seconds=10, event_log=log)
+    reg = HandRegistry(log)
+    reg.activate(0)
+    next_v, n, u = 1, 0, 0
+    held: dict[str, list[str]] = {}
+    for _ in range(steps):
+        assert reg.pointer is not None
+        pv = reg.pointer.version
+        op = rng.choice(("add", "add", "reserve", "reserve", "settle", "version", "other"))
+        if op == "add":
+            rid = f"r{n}"
+            n += 1
+            rewarded(led, rid, pv)
+        elif op == "reserve":
+            ready = [
+                e
+                for e in led.snapshot().values()
+                if e.state == "rewarded"
+                and reg.arts[e.behavior_version].state in ("active", "superseded")
+                and 0 <= pv - e.behavior_version <= POLICY.max_lag
+                and reg.arts[e.behavior_version].state != "rolled_back"
+            ]
+            if ready:
+                uid = f"u{u}"
+                u += 1
+                for e in rng.sample(ready, min(len(ready), rng.randint(1, 3))):
+                    if led.reserve(
+                        e.rollout_id, e.revision, uid, stamp(e.behavior_version, pv)
+                    ).reserved:
+                        held.setdefault(uid, []).append(e.rollout_id)
+        elif op == "settle" and held:
+            uid = rng.choice(sorted(held))
+            rids = held.pop(uid)
+            if rng.random() < 0.7:
+                led.commit(uid, rids)
+            else:
+                led.abort(uid)
+        elif op == "version":
+            v = next_v
+            next_v += 1
+            if rng.random() < 0.75:
+                reg.activate(v)
+            else:
+                reg.fail(v)
+                led.quarantine_version(v, "distribution failed")
+        else:
+            choice = rng.random()
+            if choice < 0.4:
+                clock.advance(11)
+                expired = {e.rollout_id for e in led.expire_leases()}
+                for uid in list(held):
+                    held[uid] = [r for r in held[uid] if r not in expired]
+                    if not held[uid]:
+                        del held[uid]
+            elif choice < 0.6 and reg.arts[pv].rollback_version is not None and not held:
+                reg.rollback(kept=rng.random() < 0.3)
+                failure = reg.arts[pv].failure
+                if failure is not None and failure.cause == "rolled_back":
+                    led.quarantine_version(pv, "rolled back")
+            else:
+                open_ = [e for e in led.snapshot().values() if e.state == "rewarded"]
+                if open_:
+                    e = rng.choice(open_)
+                    led.transition(
+                        e.rollout_id,
+                        "retire_stale",
+                        e.revision,
+                        disposition=Disposition("admission", "stale"),
+                    )
+    for uid, rids in sorted(held.items()):
+        led.commit(uid, rids)
+    return log.events()
+
+
+def forge(cls: type[Any], **fields: Any) -> Any:
+    """Build a record WITHOUT its validators, to craft states a buggy backend might store."""
+    obj = object.__new__(cls)
+    base = {
+        f.name: f.default
+        for f in attrs.fields(cls)
+        if f.default is not attrs.NOTHING and not isinstance(f.default, attrs.Factory)  # type: ignore[arg-type]
+    }
+    base.update(fields)
+    for k, v in base.items():
+        object.__setattr__(obj, k, v)
+    return obj
+
+
+def flagged(events: Sequence[TraceEvent], **kw: Any) -> set[str]:
+    """The names of the invariants the spec says the trace violates."""
+    return {v.invariant for v in check_trace(events, **kw).violations}
+
+
+def tamper(events: Sequence[TraceEvent], pred: Pred, **changes: Any) -> list[TraceEvent]:
+    """Replace the first event matching `pred` by a copy with `changes`."""
+    out = list(events)
+    for i, ev in enumerate(out):
+        if pred(ev):
+            out[i] = attrs.evolve(ev, **changes)
+            return out
+    raise AssertionError("no event matched")
+
+
+def is_entry(rid: str, event: str) -> Pred:
+    """Matches the rollout's entry event of this name."""
+    return lambda e: isinstance(e, EntryChanged) and e.rollout_id == rid and e.event == event
+
+
+def is_art(v: int, event: str) -> Pred:
+    """Matches the version's artifact event of this name."""
+    return lambda e: isinstance(e, ArtifactChanged) and e.version == v and e.event == event
+
+
+def is_report(w: str, v: int) -> Pred:
+    """Matches the worker's stored report of an ack of v."""
+    return lambda e: (
+        isinstance(e, WorkerReported)
+        and e.worker_id == w
+        and e.ack is not None
+        and e.ack.version == v
+    )
+
+
+def churned_history(void: bool, fresh: bool) -> list[TraceEvent]:
+    """v1 distributed, both workers ack it; w2 leaves and re-joins; v1 activates.
+
+    `void`: the leave step voids w2's ack (as it must); `fresh`: w2's re-join token is new.
+    """
+    log = EventLog()
+    reg = HandRegistry(log)
+    reg.activate(0)
+    reg.stage(1)
+    reg.report(1, "h1")
+    w2 = WORKERS[1]
+    leave: list[TraceEvent] = [MembershipChanged(0, 0, 0.0, WORKERS, WORKERS[:1], "drain")]
+    if void:
+        leave.append(WorkerReported(0, 0, 0.0, w2, 0, None))
+    log.record(leave)
+    again = AttemptToken(1, w2, 1, token(1, 1, w2) + ("-new" if fresh else ""))
+    log.record([MembershipChanged(0, 0, 0.0, WORKERS[:1], WORKERS, "back", tokens=(again,))])
+    acks = tuple(WorkerAck(w, 1, "h1", 0, reg.seq, 1, token(1, 1, w)) for w in WORKERS)
+    changes = [
+        (1, "activate", attrs.evolve(reg.arts[1], state="active")),
+        (0, "supersede", attrs.evolve(reg.arts[0], state="superseded")),
+    ]
+    reg.emit(changes, ActivePointer(1, "h1"), acks)
+    return log.events()
+
+
+def served_history(restart_first: bool) -> list[TraceEvent]:
+    """A worker naming itself in its rollout ids (`<worker>@<incarnation>/<n>`, as the
+    activation drill writes them) serves v0 after acking it; with `restart_first` it
+    restarts (a new incarnation) and serves before it resynced: `served_after_sync`."""
+    from rollout_lifecycle.model.backends import open_backend
+    from rollout_lifecycle.model.coordinator import ActivationCoordinator
+    from rollout_lifecycle.model.records import (
+        BehaviorPolicy,
+        GenerationConditions,
+        Rollout,
+        RolloutIdentity,
+    )
+
+    h = "ab" * 32
+
+    def ro(rid: str) -> Rollout:
+        cond = GenerationConditions("tok", 1.0, 1.0, -1, 2)
+        return Rollout(RolloutIdentity(rid, "p", "d", 0), BehaviorPolicy(0, h), cond)
+
+    with open_backend("memory://") as be:
+        coord = ActivationCoordinator(be.registry, WORKERS, ledger=be.ledger, policy=POLICY)
+        coord.prepare(0)
+        coord.commit_artifact(0, h)
+        coord.distribute(0)
+        for w in WORKERS:
+            coord.record_ack(WorkerAck(w, 0, h, token=coord.attempt_token(w, 0)))
+        assert coord.try_activate(0).activated
+        be.ledger.add(ro(f"{WORKERS[0]}@0/0"))
+        if restart_first:
+            coord.worker_restarted(WORKERS[0], 1)
+            be.ledger.add(ro(f"{WORKERS[0]}@1/0"))
+        return be.trace()

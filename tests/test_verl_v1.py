@@ -1,0 +1,478 @@
+"""verl v1 integration against real verl 0.9.1 classes and a real in-process TransferQueue.
+
+Nothing of verl is mocked: the buffer is verl's ReplayBufferAsync subclass loaded the way
+the trainer loads it, TransferQueue runs its Ray actors, the checkpoint engine is built by
+verl's CheckpointEngineRegistry. Skipped only where verl or transferqueue is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+
+pytest.importorskip("verl")
+pytest.importorskip("transfer_queue")
+torch = pytest.importorskip("torch")
+
+from rollout_lifecycle.gpu_check import verl_v1  # noqa: E402
+from rollout_lifecycle.gpu_check.verl_v1 import (  # noqa: E402
+    LedgerCheckpointEngine,
+    LedgerReplayBuffer,
+    RewardIdentity,
+    TrajectoryKey,
+    VerlIntegrationError,
+    admit_batch,
+    admit_dataproto,
+    commit_update,
+    conditions_from_rollout_config,
+    register_trajectories,
+    release_update,
+    trajectories,
+)
+from rollout_lifecycle.model.backends import Backend, open_backend  # noqa: E402
+from rollout_lifecycle.model.coordinator import ActivationCoordinator  # noqa: E402
+from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck  # noqa: E402
+
+ROLLOUT_CFG = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "response_length": 8}
+REWARD = RewardIdentity("gsm8k-rule", "1")
+H = {v: f"{v:x}".rjust(64, "a") for v in range(20)}
+
+
+@pytest.fixture(scope="module")
+def tq() -> Iterator[Any]:
+    """A real TransferQueue (its controller and one storage unit as Ray actors)."""
+    import ray
+    import transfer_queue
+    from omegaconf import OmegaConf
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    transfer_queue.init(
+        OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
+    )
+    yield transfer_queue
+    transfer_queue.close()
+    ray.shutdown()
+
+
+@pytest.fixture
+def clean(tq: Any) -> Any:
+    """An empty train partition for each test."""
+    items = (tq.kv_list("train") or {}).get("train", {})
+    if items:
+        tq.kv_clear(keys=list(items), partition_id="train")
+    return tq
+
+
+def deployment(
+    path: Path, versions: int, max_lag: int = 1
+) -> tuple[Backend, ActivationCoordinator]:
+    """A SQLite ledger + registry with v0..v{versions-1} activated by one worker's acks."""
+    be = open_backend(f"sqlite:///{path}")
+    coord = ActivationCoordinator(
+        be.registry, ["rollout-0"], ledger=be.ledger, policy=AdmissionPolicy(max_lag, 0.5)
+    )
+    for v in range(versions):
+        activate(coord, v)
+    return be, coord
+
+
+def activate(coord: ActivationCoordinator, v: int) -> None:
+    coord.prepare(v)
+    coord.commit_artifact(v, H[v])
+    coord.distribute(v)
+    token = coord.attempt_token("rollout-0", v)
+    assert coord.record_ack(WorkerAck("rollout-0", v, H[v], token=token)).counted
+    assert coord.try_activate(v).activated
+
+
+def put_group(
+    tq: Any, uid: str, low: int, high: int | None = None, n: int = 2, status: str = "finished"
+) -> list[str]:
+    """A GRPO group as verl's agent loop writes it: n trajectories, then the prompt key."""
+    keys = []
+    for s in range(n):
+        key = f"{uid}_{s}_0"
+        lp = torch.tensor([-0.5, -0.25, -1.0])
+        tq.kv_put(
+            key=key,
+            partition_id="train",
+            fields={
+                "responses": torch.tensor([5, 6, 7]),
+                "response_mask": torch.tensor([1, 1, 1]),
+                "rollout_log_probs": lp,
+                "rm_scores": torch.tensor([0.0, 0.0, float(s)]),
+            },
+            tag={
+                "status": "success",
+                "global_steps": low,
+                "min_global_steps": low,
+                "max_global_steps": low if high is None else high,
+                "seq_len": 6,
+            },
+        )
+        keys.append(key)
+    tq.kv_put(
+        key=uid,
+        partition_id="train",
+        tag={"is_prompt": True, "status": status, "global_steps": low},
+    )
+    return keys
+
+
+def buffer(
+    be: Backend, run_id: str, refills: list[int] | None = None, threshold: int | None = None
+) -> LedgerReplayBuffer:
+    from verl.utils.import_utils import load_extern_type
+
+    cls = load_extern_type(verl_v1.SAMPLER_PATH, verl_v1.SAMPLER_NAME)
+    assert cls is LedgerReplayBuffer
+    sink = refills if refills is not None else []
+    buf: LedgerReplayBuffer = cls(
+        trainer_mode="separate_async",
+        trainer_config={},
+        max_off_policy_threshold=threshold,
+        max_off_policy_strategy="drop",
+        sampler_kwargs={
+            "ledger_url": be.url,
+            "run_id": run_id,
+            "tokenizer_id": "tok",
+            **ROLLOUT_CFG,
+            "reward_fn_id": REWARD.function_id,
+            "reward_fn_version": REWARD.function_version,
+        },
+        poll_interval=0.05,
+        refill_fn=sink.append,
+        backend=be,
+    )
+    return buf
+
+
+# ---- (a) the adapter ------------------------------------------------------------------
+
+
+def test_trajectory_key_is_verls_key_and_refuses_prompt_keys() -> None:
+    k = TrajectoryKey.parse("a1b2_3_0")
+    assert (k.uid, k.session, k.index, k.key) == ("a1b2", 3, 0, "a1b2_3_0")
+    with pytest.raises(VerlIntegrationError, match="trajectory key"):
+        TrajectoryKey.parse("a1b2")
+    with pytest.raises(VerlIntegrationError, match="rollout config"):
+        conditions_from_rollout_config({"top_p": 1.0}, "tok")
+
+
+def _dataproto(old: Any, lows: list[int]) -> Any:
+    from verl import DataProto
+
+    b = len(lows)
+    return DataProto.from_dict(
+        tensors={
+            "responses": torch.tensor([[5, 6, 7, 0]] * b),
+            "response_mask": torch.tensor([[1, 1, 1, 0]] * b),
+            "rollout_log_probs": torch.full((b, 4), -0.5),
+            "old_log_probs": old,
+            "rm_scores": torch.tensor([[0.0, 0.0, 1.0, 0.0]] * b),
+        },
+        non_tensors={
+            "uid": np.array([f"p{i}" for i in range(b)], dtype=object),
+            "session_id": np.array([0] * b, dtype=object),
+            "index": np.array([0] * b, dtype=object),
+            "min_global_steps": np.array(lows, dtype=object),
+            "max_global_steps": np.array(lows, dtype=object),
+        },
+    )
+
+
+def test_dataproto_to_reservations_commit_and_release(tmp_path: Path) -> None:
+    be, _coord = deployment(tmp_path / "s.db", versions=4)  # pointer v3, max_lag 1
+    conds = conditions_from_rollout_config(ROLLOUT_CFG, "tok")
+    old = torch.full((4, 4), -0.5)
+    old[1, :3] = -0.6  # drift 0.1: admitted, measured
+    old[2, :3] = -2.5  # drift 2.0: refused
+    batch = _dataproto(old, [3, 2, 3, 0])  # the last one is stale (lag 3)
+    adm = admit_dataproto(be.ledger, be.registry, "u1", batch, conditions=conds, reward=REWARD)
+    assert adm.reserved == ["p0_0_0", "p1_0_0"]
+    assert adm.refused == {"p2_0_0": "policy_drift", "p3_0_0": "stale_policy"}
+    stamp = be.ledger.get("p1_0_0").admission
+    assert stamp is not None and stamp.drift == pytest.approx(0.1, abs=1e-6) and stamp.lag == 1
+    assert be.ledger.get("p0_0_0").reward is not None
+    assert be.ledger.get("p0_0_0").reward.function_id == "gsm8k-rule"  # type: ignore[union-attr]
+    assert [e.state for e in commit_update(be.ledger, "u1")] == ["consumed", "consumed"]
+    # a second trainer cannot take what is consumed; a failed update gives back its own
+    again = admit_dataproto(be.ledger, be.registry, "u2", batch, conditions=conds, reward=REWARD)
+    assert again.reserved == []
+    # another batch whose update fails: released, not lost
+    b2 = _dataproto(torch.full((1, 4), -0.5), [3])
+    b2.non_tensor_batch["uid"] = np.array(["q9"], dtype=object)
+    adm3 = admit_dataproto(be.ledger, be.registry, "u3", b2, conditions=conds, reward=REWARD)
+    assert adm3.reserved == ["q9_0_0"]
+    assert [e.state for e in release_update(be.ledger, "u3")] == ["rewarded"]
+    be.close()
+
+
+def test_concurrent_cas_gives_each_trajectory_to_one_update(tmp_path: Path) -> None:
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    conds = conditions_from_rollout_config(ROLLOUT_CFG, "tok")
+    batch = _dataproto(torch.full((6, 4), -0.5), [1] * 6)
+    items = trajectories(batch)
+    register_trajectories(be.ledger, be.registry, items, REWARD)
+    cur = np.full((6, 4), -0.5)
+    won: dict[str, list[str]] = {}
+    backends = [open_backend(be.url) for _ in range(4)]
+
+    def run(i: int) -> None:
+        b = backends[i]
+        won[f"t{i}"] = admit_batch(
+            b.ledger, b.registry, f"t{i}", items, cur, conditions=conds
+        ).reserved
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    taken = [rid for ids in won.values() for rid in ids]
+    assert sorted(taken) == sorted(t.rollout_id for t in items)  # all taken, none twice
+    for b in backends:
+        b.close()
+    be.close()
+
+
+# ---- (b) the replay buffer on a real TransferQueue -------------------------------------
+
+
+def test_sample_evicts_stale_with_cause_refills_and_reserves(clean: Any, tmp_path: Path) -> None:
+    be, _ = deployment(tmp_path / "s.db", versions=4)  # pointer v3, max_lag 1
+    fresh = put_group(clean, "gfresh", 3)
+    tol = put_group(clean, "gtol", 2, 3)
+    stale = put_group(clean, "gstale", 0)
+    refills: list[int] = []
+    buf = buffer(be, "run", refills)
+    meta, metrics = buf.sample(global_steps=4, partition_id="train", batch_size=2)
+    assert sorted(meta.keys) == sorted(fresh + tol)
+    assert refills == [1]  # verl's refill_fn, once per evicted group
+    for k in stale:
+        e = be.ledger.get(k)
+        assert e.state == "retired_stale" and e.disposition is not None
+        assert e.disposition.cause == "lag_3_over_1"
+    for k in fresh + tol:
+        e = be.ledger.get(k)
+        assert e.state == "reserved" and e.reserved_by == "run.s00000004.m0.a0"
+    assert metrics["rollout_lifecycle/reserved"] == 4
+    assert metrics["rollout_lifecycle/lag_max"] == 1
+    # the next step starts: step 4's update landed, its reservations are consumed
+    more = put_group(clean, "gnext", 3)
+    meta2, m2 = buf.sample(global_steps=5, partition_id="train", batch_size=1)
+    assert m2["rollout_lifecycle/committed"] == 4
+    assert all(be.ledger.get(k).state == "consumed" for k in fresh + tol)
+    assert sorted(meta2.keys) == sorted(more)
+    assert buf.finish(5)["committed"] == 2
+    be.close()
+
+
+def test_failed_group_is_retired_with_its_cause(clean: Any, tmp_path: Path) -> None:
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    bad = put_group(clean, "gfail", 1, status="failure")
+    good = put_group(clean, "gok", 1)
+    refills: list[int] = []
+    buf = buffer(be, "run", refills)
+    meta, _ = buf.sample(global_steps=2, partition_id="train", batch_size=1)
+    assert sorted(meta.keys) == sorted(good)
+    assert refills == [1]
+    for k in bad:
+        e = be.ledger.get(k)
+        assert e.state == "quarantined" and e.disposition is not None
+        assert e.disposition.cause == "group_failure"
+    be.close()
+
+
+def test_two_trainers_on_one_ledger_never_share_a_trajectory(clean: Any, tmp_path: Path) -> None:
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    g1 = put_group(clean, "ga", 1)
+    g2 = put_group(clean, "gb", 1)
+    # trainer A (another process, its own TransferQueue view) took group ga through the ledger
+    other = open_backend(be.url)
+    conds = conditions_from_rollout_config(ROLLOUT_CFG, "tok")
+    td = clean.kv_batch_get(keys=g1, partition_id="train")
+    tags = [clean.kv_list("train")["train"][k] for k in g1]
+    items = trajectories(td, keys=g1, tags=tags)
+    register_trajectories(other.ledger, other.registry, items, REWARD)
+    cur = np.full((2, 3), -0.5)
+    assert admit_batch(other.ledger, other.registry, "A.s1", items, cur, conditions=conds).reserved
+    buf = buffer(be, "B")
+    meta, _ = buf.sample(global_steps=2, partition_id="train", batch_size=1)
+    assert sorted(meta.keys) == sorted(g2)
+    assert {be.ledger.get(k).reserved_by for k in g1} == {"A.s1"}
+    other.close()
+    be.close()
+
+
+def test_resume_releases_the_redone_step_and_commits_landed_ones(
+    clean: Any, tmp_path: Path
+) -> None:
+    be, _ = deployment(tmp_path / "s.db", versions=3)
+    g3 = put_group(clean, "gx", 2)
+    first = buffer(be, "run")
+    first.sample(global_steps=3, partition_id="train", batch_size=1)  # then SIGKILL
+    # verl restores TransferQueue from the step-2 checkpoint: the prompt key is back
+    clean.kv_put(
+        key="gx",
+        partition_id="train",
+        tag={"is_prompt": True, "status": "finished", "global_steps": 2},
+    )
+    second = buffer(be, "run")
+    meta, m = second.sample(global_steps=3, partition_id="train", batch_size=1)
+    assert m["rollout_lifecycle/released"] == 2
+    assert sorted(meta.keys) == sorted(g3)
+    e = be.ledger.get(g3[0])
+    assert e.state == "reserved" and e.releases == 1
+    assert e.reserved_by == "run.s00000003.m0.a0"
+    # the step then landed and the next process resumes at step 4: committed once
+    third = buffer(be, "run")
+    assert third.settle(4)["committed"] == 2
+    assert all(be.ledger.get(k).state == "consumed" for k in g3)
+    be.close()
+
+
+# ---- (c) two-phase activation around verl's weight sync --------------------------------
+
+
+def _engines(tmp_path: Path, url: str, n: int, **kw: Any) -> tuple[Any, list[Any]]:
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    assert CheckpointEngineRegistry.get("rollout_lifecycle") is LedgerCheckpointEngine
+    args = {"ledger_url": url, "artifact_root": str(tmp_path / "art"), **kw}
+    actor = CheckpointEngineRegistry.new("rollout_lifecycle", is_master=True, bucket_size=1, **args)
+    rollouts = [
+        CheckpointEngineRegistry.new("rollout_lifecycle", bucket_size=1, **args) for _ in range(n)
+    ]
+    a_kw, r_kw = LedgerCheckpointEngine.build_topology(1, n, [{}] * (n + 1))
+    actor.init_process_group(**{k: v[0] for k, v in a_kw.items()})
+    for i, r in enumerate(rollouts):
+        r.init_process_group(**{k: v[i] for k, v in r_kw.items()})
+    return actor, rollouts
+
+
+async def _sync(actor: Any, rollouts: list[Any], step: int, weights: dict[str, Any]) -> Any:
+    async def receive(r: Any) -> dict[str, Any]:
+        return {n: t async for n, t in r.receive_weights(global_steps=step)}
+
+    return await asyncio.gather(
+        actor.send_weights(iter(sorted(weights.items())), global_steps=step),
+        *[receive(r) for r in rollouts],
+    )
+
+
+def test_weight_sync_activates_only_after_every_replica_acked(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    actor, rollouts = _engines(tmp_path, url, 2)
+    w0 = {"layer.weight": torch.ones(2, 3)}
+    out = asyncio.run(_sync(actor, rollouts, 0, w0))
+    assert out[0]["rollout_lifecycle/activated"] == 1.0
+    assert all(torch.equal(r["layer.weight"], w0["layer.weight"]) for r in out[1:])
+    w1 = {"layer.weight": torch.full((2, 3), 2.0)}
+    asyncio.run(_sync(actor, rollouts, 1, w1))
+    be = open_backend(url)
+    p = be.registry.pointer()
+    assert p is not None and p.version == 1 and p.artifact_hash == actor.last["artifact_hash"]
+    rec = be.registry.artifact(1)
+    assert rec is not None and rec.state == "active"
+    acks = be.registry.workers()
+    assert {w: r.ack.version for w, r in acks.items() if r.ack} == {"rollout-0": 1, "rollout-1": 1}
+    be.close()
+
+
+def test_weight_sync_failure_keeps_pointer_records_stage_quarantines(tmp_path: Path) -> None:
+    from rollout_lifecycle.model.records import LedgerEntry
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    actor, rollouts = _engines(tmp_path, url, 2)
+    asyncio.run(_sync(actor, rollouts, 0, {"w": torch.zeros(2)}))
+    be = open_backend(url)
+    # a rollout generated by v1 while v1 was being distributed
+    be.ledger.add(LedgerEntry("early_0_0", 1, H[1], state="generated"))
+    for r in (actor, *rollouts):
+        r.ack_timeout_s = 1.0
+    rollouts[1].fail_worker = "rollout-1"  # this replica loads v1 but never acks
+    out = asyncio.run(_sync(actor, rollouts, 1, {"w": torch.ones(2)}))
+    assert out[0]["rollout_lifecycle/activated"] == 0.0
+    p = be.registry.pointer()
+    assert p is not None and p.version == 0
+    rec = be.registry.artifact(1)
+    assert rec is not None and rec.state == "distribution_failed"
+    assert rec.failure is not None and rec.failure.stage == "distribution"
+    # rollout-1 still reports v0: its state contradicts v1, so v1 never activates
+    assert rec.failure.cause == "worker_mismatch" and "rollout-1" in rec.failure.detail
+    assert be.ledger.get("early_0_0").state == "quarantined"
+    be.close()
+
+
+def test_resumed_trainer_redistributes_only_the_same_weights(tmp_path: Path) -> None:
+    """After a failed distribution, verl resumed from its checkpoint re-sends vN: the
+    bit-identical weights are distributed again and activate; other weights are refused."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    actor, rollouts = _engines(tmp_path, url, 2)
+    asyncio.run(_sync(actor, rollouts, 0, {"w": torch.zeros(2)}))
+    for r in (actor, *rollouts):
+        r.ack_timeout_s = 1.0
+    rollouts[1].fail_worker = "rollout-1"
+    asyncio.run(_sync(actor, rollouts, 1, {"w": torch.ones(2)}))
+    rollouts[1].fail_worker = None  # the replica is back
+    with pytest.raises(verl_v1.WeightSyncError, match="other weights"):
+        asyncio.run(_sync(actor, rollouts, 1, {"w": torch.full((2,), 3.0)}))
+    be = open_backend(url)
+    rec = be.registry.artifact(1)
+    assert rec is not None and rec.state == "distribution_failed"
+    out = asyncio.run(_sync(actor, rollouts, 1, {"w": torch.ones(2)}))
+    assert out[0]["rollout_lifecycle/activated"] == 1.0
+    p = be.registry.pointer()
+    assert p is not None and p.version == 1
+    be.close()
+
+
+def test_train_verdict_names_every_failed_criterion() -> None:
+    from rollout_lifecycle.cli.train_cmd import verdict
+
+    good = {
+        "trajectories": {"lost": 0, "trained_twice": 0},
+        "max_lag_trained": 1,
+        "policy": {"max_lag": 2},
+        "spec": {"violations": 0},
+        "kills": [{"what": "trainer"}, {"what": "rollout_replica"}],
+        "checkpoint_step": 6,
+        "steps": 6,
+    }
+    assert verdict(good) == []
+    bad = {
+        **good,
+        "trajectories": {"lost": 1, "trained_twice": 2},
+        "max_lag_trained": 3,
+        "spec": {"violations": 4},
+        "kills": [{"what": "trainer"}],
+        "checkpoint_step": 5,
+    }
+    why = verdict(bad)
+    assert len(why) == 6 and "no SIGKILL of the rollout_replica happened" in why
+
+
+def test_resume_retires_what_verls_checkpoint_no_longer_holds(clean: Any, tmp_path: Path) -> None:
+    """On the run's own ledger, a trajectory registered after verl's last checkpoint is gone
+    from the restored TransferQueue: it is retired with that cause, never left 'live'."""
+    from rollout_lifecycle.model.records import LedgerEntry, Reward
+
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    be.ledger.add(LedgerEntry("gone_0_0", 1, H[1], state="rewarded", reward=Reward("r", "1", 0.0)))
+    kept = put_group(clean, "gkept", 1)
+    buf = buffer(be, "run")
+    buf.settings = attrs.evolve(buf.settings, owns_ledger=True)
+    meta, _ = buf.sample(global_steps=2, partition_id="train", batch_size=1)
+    assert sorted(meta.keys) == sorted(kept)
+    e = be.ledger.get("gone_0_0")
+    assert e.state == "quarantined" and e.disposition is not None
+    assert (e.disposition.stage, e.disposition.cause) == ("admission", "dropped_by_resume")
+    be.close()
