@@ -35,7 +35,7 @@ $(VENV)/.installed-campaign: $(VENV)/.installed
 # [postgres-binary]: psycopg with its own libpq, so the tests have a driver on any machine
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet $(PIP_C) "$(TORCH)"
-	$(BIN)/python -m pip install --quiet $(PIP_C) -e ".[dev,campaign,verl,postgres-binary]"
+	$(BIN)/python -m pip install --quiet $(PIP_C) -e ".[dev,campaign,verl,verl-v1,postgres-binary]"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -233,7 +233,10 @@ def campaign(
     console.print(f"reports, coverage.json and diagrams written to {out_dir}/")
     goals = campaign_goals(fuzz_json, docs[1] if len(docs) > 1 else None)
     missed = sum(len(v) for v in goals.values())
-    hints = budget_hints([g for names in goals.values() for g in names])
+    hints = budget_hints(
+        [g for names in goals.values() for g in names],
+        explorer=goals.get("explorer witnesses never reached", []),
+    )
     for what, names in goals.items():
         if names:
             console.print(f"[bold yellow]goal missed, {what}:[/] {', '.join(names)}")
@@ -300,7 +303,7 @@ def _adapter_stage(console: object, seed: int, examples: int) -> dict[str, Any] 
     return rep
 
 
-def budget_hints(missed: list[str]) -> dict[str, str]:
+def budget_hints(missed: list[str], explorer: list[str] | None = None) -> dict[str, str]:
     """For each missed goal, the budget that reaches it: the example that first reached it
     in the README campaign (recorded in stateful_tests/first_reached.json), or that even
     the README budget does not."""
@@ -310,7 +313,7 @@ def budget_hints(missed: list[str]) -> dict[str, str]:
     out = {}
     for goal in missed:
         hit = ref["first_reached"].get(goal)
-        if goal.split(": ", 1)[0] in EXPLORER_MODELS:
+        if goal in (explorer or ()):
             out[goal] = (
                 "an explorer witness: the README models at README bounds reach every one "
                 "(run without --model, or add this model)"

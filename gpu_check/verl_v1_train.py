@@ -63,6 +63,17 @@ class TrainPlan:
         return f"sqlite:///{(self.out / 'ledger.db').resolve()}"
 
 
+REWARD_SOURCE = """import zlib
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    if solution_str.strip().split(" ")[0] == str(ground_truth):
+        return 1.0
+    return (zlib.crc32(solution_str.encode()) % 7) / 10.0
+"""
+REWARD_ID = ("arith-exact-or-crc-shaped", "1")
+
+
 def build_assets(out: Path) -> Path:
     """The small Qwen2 (seed 42) with a tokenizer verl's Qwen chat handling accepts, and
     a tiny arithmetic dataset; returns the model folder."""
@@ -112,6 +123,9 @@ def build_assets(out: Path) -> Path:
                 "extra_info": {"index": i, "split": "train"},
             }
         )
+    # a reward that varies within a GRPO group, so advantages (and so the weights) move:
+    # 1.0 for the right answer, else a deterministic shaping term from the response text
+    (out / "reward.py").write_text(REWARD_SOURCE)
     pd.DataFrame(rows).to_parquet(out / "train.parquet")
     pd.DataFrame(rows[:8]).to_parquet(out / "val.parquet")
     return model
@@ -183,6 +197,11 @@ def overrides(plan: TrainPlan, model: Path) -> list[str]:
         f"trainer.default_local_dir={out / 'ckpt'}",
         "trainer.resume_mode=auto",
         "critic.enable=false",
+        f"reward.custom_reward_function.path={out / 'reward.py'}",
+        "reward.custom_reward_function.name=compute_score",
+        f"+trainer.v1.sampler.sampler_kwargs.reward_fn_id={REWARD_ID[0]}",
+        f"+trainer.v1.sampler.sampler_kwargs.reward_fn_version={REWARD_ID[1]}",
+        "actor_rollout_ref.actor.optim.lr=1e-2",
     ]
     if cpu:
         keys += [

@@ -535,6 +535,23 @@ class LedgerRaceMachine(RuleBasedStateMachine):
         busy = self._busy_learners()
         self._abort(self.learners[busy[pick % len(busy)]])
 
+    def _poison_holders(self) -> list[int]:
+        """Learners holding a rollout that was already returned once."""
+        return [
+            i
+            for i, ln in enumerate(self.learners)
+            if any(self.ref[r].releases >= MAX_RELEASES for r in self._owned(ln.update_id))
+        ]
+
+    @rule(pick=picks)
+    @precondition(lambda self: bool(self._poison_holders()))
+    @counted
+    def abort_poison(self, pick: int) -> None:
+        """A learner holding a rollout already returned once gives it back again: the
+        recovery rule quarantines it (a poison rollout), the edge a small budget misses."""
+        holders = self._poison_holders()
+        self._abort(self.learners[holders[pick % len(holders)]])
+
     def _abort(self, ln: Learner) -> None:
         owned = self._owned(ln.update_id)
         got = self.ledger.abort(ln.update_id)

@@ -117,7 +117,12 @@ def test_budget_hints_name_the_examples_that_reach_a_goal() -> None:
     from rollout_lifecycle.cli.campaign_cmd import budget_hints, load_first_reached
 
     goal, (machine, n) = next(iter(load_first_reached()["first_reached"].items()))
-    hints = budget_hints([goal, "no such goal", "activation-2v: activated"])
+    witness = "activation-2v: activated"
+    hints = budget_hints([goal, "no such goal", witness], explorer=[witness])
     assert f"--examples {n}" in hints[goal] and machine in hints[goal]
     assert "not reached by the README budget" in hints["no such goal"]
-    assert "explorer witness" in hints["activation-2v: activated"]
+    assert "explorer witness" in hints[witness]
+    # a fuzz edge of a machine that shares its name with an explorer model is still a
+    # fuzz goal: the hint names its example
+    edge = next(g for g in load_first_reached()["first_reached"] if g.startswith("lifecycle: "))
+    assert "--examples" in budget_hints([edge])[edge]

@@ -214,5 +214,5 @@ def test_readme_install_instructions_match_the_package(wheel: Path) -> None:
     extras = set(
         tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     )
-    described = set(re.findall(r"^\| `([a-z-]+)` \|", section, flags=re.M))
+    described = set(re.findall(r"^\| `([a-z0-9-]+)` \|", section, flags=re.M))
     assert described == extras

@@ -1,0 +1,95 @@
+"""The real run: verl 0.9.1's v1 trainer on the CPU with the ledger-backed buffer and the
+two-phase checkpoint engine, SIGKILLed (trainer, then a rollout replica) and resumed from
+verl's own checkpoint; judged from the durable ledger and registry. CI reruns it and judges
+it as the committed reference was judged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout_lifecycle.gpu_check.extra import missing_modules
+
+REFERENCE = Path(__file__).parent.parent / "docs" / "gpu-check" / "trainer-cpu-reference.json"
+FIELDS = (
+    "verl_version",
+    "trainer_mode",
+    "steps",
+    "rollout_replicas",
+    "kills",
+    "trajectories",
+    "max_lag_trained",
+    "policy",
+    "activations",
+    "spec",
+)
+
+
+def judged_ok(doc: dict[str, Any]) -> list[str]:
+    """What the issue's bar says of a run (empty: it passes)."""
+    t = doc["trajectories"]
+    bad = []
+    for key in ("dispatched", "consumed", "retired", "live", "lost", "trained_twice"):
+        if key not in t:
+            bad.append(f"trajectories.{key} missing")
+    if t.get("lost") != 0 or t.get("trained_twice") != 0:
+        bad.append(f"lost {t.get('lost')}, trained twice {t.get('trained_twice')}")
+    if t.get("dispatched") != t.get("consumed", 0) + t.get("retired", 0) + t.get("live", 0):
+        bad.append("dispatched is not consumed + retired + live")
+    if doc["max_lag_trained"] > doc["policy"]["max_lag"]:
+        bad.append("trained past the policy's max_lag")
+    if doc["spec"]["violations"] != 0:
+        bad.append(f"{doc['spec']['violations']} spec violations")
+    if {k["what"] for k in doc["kills"]} < {"trainer", "rollout_replica"}:
+        bad.append(f"kills {doc['kills']}")
+    if doc["steps"] < 6 or doc["rollout_replicas"] < 2:
+        bad.append("fewer than 6 steps or 2 replicas")
+    a = doc["activations"]
+    if a["activated"] + a["failed"] != a["attempted"]:
+        bad.append(f"activations {a}")
+    return bad
+
+
+def test_committed_reference_has_the_fields_and_passes() -> None:
+    """docs/gpu-check/trainer-cpu-reference.json: every field the issue names, and the bar."""
+    doc = json.loads(REFERENCE.read_text())
+    assert all(f in doc for f in FIELDS), [f for f in FIELDS if f not in doc]
+    assert doc["verl_version"] == "0.9.1" and doc["trainer_mode"] == "separate_async"
+    assert judged_ok(doc) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(bool(missing_modules()), reason="the [verl] extra is not installed")
+def test_the_real_training_run_survives_kill_9(tmp_path: Path) -> None:
+    """`rollout-lifecycle gpu-check train` end to end on the CPU (about 9 minutes on 2
+    cores): exit 0 and the same judgement as the committed reference."""
+    pytest.importorskip("transfer_queue")  # the [verl-v1] extra (make test installs it)
+    exe = Path(sys.executable).with_name("rollout-lifecycle")
+    report = tmp_path / "train.json"
+    res = subprocess.run(
+        [
+            str(exe),
+            "gpu-check",
+            "train",
+            "--output",
+            str(tmp_path / "run"),
+            "--report",
+            str(report),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1700,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads(report.read_text())
+    assert all(f in doc for f in FIELDS)
+    assert judged_ok(doc) == [], doc
