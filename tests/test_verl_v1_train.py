@@ -88,6 +88,7 @@ def test_the_real_training_run_survives_kill_9(tmp_path: Path) -> None:
         text=True,
         timeout=1700,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=tmp_path,  # hydra writes outputs/ into the working folder
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     doc = json.loads(report.read_text())
