@@ -19,6 +19,7 @@ the campaign. Cases:
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
@@ -68,11 +69,14 @@ from rollout_lifecycle.stateful_tests.histories import (
     correct_history,
     flagged,
     forge,
+    freshness,
     is_art,
     is_entry,
     is_report,
     issued,
     random_history,
+    reserved_after_rollback,
+    restamped,
     rewarded,
     served_history,
     stamp,
@@ -120,61 +124,6 @@ def _entry(ev_pred: Callable[[TraceEvent], bool]) -> EntryChanged:
     ev = next(e for e in _events() if ev_pred(e))
     assert isinstance(ev, EntryChanged)
     return ev
-
-
-def _restamped(rid: str, update: str, adm: AdmissionStamp | None) -> list[TraceEvent]:
-    """The correct history with one reservation's stored stamp replaced."""
-    evs = _events()
-    ev = next(e for e in evs if is_entry(rid, "reserve")(e) and e.update_id == update)  # type: ignore[union-attr]
-    assert isinstance(ev, EntryChanged)
-    new = attrs.evolve(ev.after, admission=adm) if adm is not None else ev.after
-    return [attrs.evolve(e, after=new) if e is ev else e for e in evs]
-
-
-def _late_reservation_of_rolled_back() -> list[TraceEvent]:
-    log = EventLog()
-    led = MemoryLedger(clock=ManualClock(), event_log=log)
-    reg = HandRegistry(log)
-    reg.activate(0)
-    reg.activate(1)
-    rewarded(led, "late", 1)
-    reg.rollback()
-    forged = forge(
-        LedgerEntry,
-        **{
-            **attrs.asdict(led.get("late"), recurse=False),
-            "state": "reserved",
-            "revision": 3,
-            "reserved_by": "u9",
-            "admission": stamp(1, 0),
-        },
-    )
-    log.record([EntryChanged(0, 0, 0.0, "late", "reserve", led.get("late"), forged, "u9")])
-    return log.events()
-
-
-def _negative_lag_after_kept_rollback() -> list[TraceEvent]:
-    """v1 rolled back with its rollouts kept; a v1 rollout reserved at lag -1."""
-    log = EventLog()
-    led = MemoryLedger(clock=ManualClock(), event_log=log)
-    reg = HandRegistry(log)
-    reg.activate(0)
-    reg.activate(1)
-    rewarded(led, "ahead", 1)
-    reg.rollback(kept=True)
-    bad = attrs.evolve(stamp(1, 1), current_version=1)
-    forged = forge(
-        LedgerEntry,
-        **{
-            **attrs.asdict(led.get("ahead"), recurse=False),
-            "state": "reserved",
-            "revision": 3,
-            "reserved_by": "u9",
-            "admission": bad,
-        },
-    )
-    log.record([EntryChanged(0, 0, 0.0, "ahead", "reserve", led.get("ahead"), forged, "u9")])
-    return log.events()
 
 
 def _reserved(adm: AdmissionStamp | None, **kw: Any) -> World:
@@ -303,19 +252,19 @@ def spec_cases() -> list[CheckerCase]:
     add(
         "reserved_against_current_version",
         "lag 1 at its own step, stamp says 0",
-        _trace(lambda: _restamped("r4", "u3", tight)),
+        _trace(lambda: restamped("r4", "u3", tight)),
     )
     loose = attrs.evolve(stamp(0, 1, max_lag=1000), max_drift=1e9)
     add(
         "reserved_against_current_version",
         "stamp looser than the recorded policy",
-        _trace(lambda: _restamped("r4", "u3", loose)),
+        _trace(lambda: restamped("r4", "u3", loose)),
     )
     one_off = attrs.evolve(stamp(0, 1), max_drift=0.3)
     add(
         "reserved_against_current_version",
         "stamp looser in max_drift only",
-        _trace(lambda: _restamped("r4", "u3", one_off)),
+        _trace(lambda: restamped("r4", "u3", one_off)),
     )
     add(
         "reserved_against_current_version",
@@ -325,12 +274,16 @@ def spec_cases() -> list[CheckerCase]:
     add(
         "reserved_against_current_version",
         "a rolled-back version reserved",
-        _trace(_late_reservation_of_rolled_back),
+        _trace(lambda: reserved_after_rollback(kept=False, admission=stamp(1, 0))),
     )
     add(
         "reserved_against_current_version",
         "negative lag after a kept rollback",
-        _trace(_negative_lag_after_kept_rollback),
+        _trace(
+            lambda: reserved_after_rollback(
+                kept=True, admission=attrs.evolve(stamp(1, 1), current_version=1)
+            )
+        ),
     )
     is_pol: Callable[[TraceEvent], bool] = lambda e: isinstance(e, PolicyChanged)  # noqa: E731
     add(
@@ -829,8 +782,11 @@ def race_cases() -> list[CheckerCase]:
 # ---- ledger check (the audit of stored rows) ----------------------------------------------
 
 
+@functools.cache
 def _stored() -> StoredRows:
-    """The rows a memory backend stores after a short correct run through the real API."""
+    """The rows a memory backend stores after a short correct run through the real API
+    (built once per `run_checker_checks`, under whatever patch that run is in: every
+    audit case edits a copy, never these rows)."""
     from rollout_lifecycle.model.coordinator import ActivationCoordinator
 
     b = open_backend("memory://")
@@ -984,17 +940,13 @@ def _gen_premise(rng: random.Random) -> Premise:
     cv = pv if rng.random() < 0.8 else max(0, pv - 1)
     max_lag = policy.max_lag if policy else 1
     max_drift = policy.max_drift if policy else 0.2
-    lag = cv - bv
-    fresh = (
-        "future" if lag < 0 else "fresh" if lag == 0 else "tolerated" if lag <= max_lag else "stale"
-    )
     good = dict(
         current_version=cv,
         behavior_version=bv,
         max_lag=max_lag,
         max_drift=max_drift,
         drift=round(rng.uniform(0, max_drift), 3),
-        freshness=fresh,
+        freshness=freshness(cv - bv, max_lag),
         reason="ok",
         accepted=True,
     )
@@ -1025,9 +977,7 @@ def _gen_premise(rng: random.Random) -> Premise:
     if isinstance(good["max_lag"], int) and good["max_lag"] >= 0:
         lag = int(str(good["current_version"])) - int(str(good["behavior_version"]))
         ml = int(str(good["max_lag"]))
-        good["freshness"] = (
-            "future" if lag < 0 else "fresh" if lag == 0 else "tolerated" if lag <= ml else "stale"
-        )
+        good["freshness"] = freshness(lag, ml)
     st = None if rng.random() < 0.03 else forge(AdmissionStamp, **good)
     if rng.random() < 0.1:  # admitted while bv was active, then the operator rolled it back
         bv, kept_back = pv + 1, rng.random() < 0.5
@@ -1218,6 +1168,7 @@ def run_checker_checks(
 ) -> CheckerReport:
     """Show every checker its known-bad and known-good inputs; collect what it got wrong."""
     t0 = time.perf_counter()
+    _stored.cache_clear()  # rows of an earlier run may have been built under a mutant
     cases = all_cases(seed, generated, differential)
     per: Counter[str] = Counter(c.checker.split(":")[0] for c in cases)
     failures = []
@@ -1228,6 +1179,7 @@ def run_checker_checks(
             ok, got = False, {f"crashed: {exc!r}"[:200]}
         if not ok:
             failures.append(CaseFailure(case.checker, case.name, case.expect, tuple(sorted(got))))
+    _stored.cache_clear()
     bad = sum(1 for c in cases if c.expect is not None)
     return CheckerReport(
         dict(per), bad, len(cases) - bad, tuple(failures), time.perf_counter() - t0

@@ -47,6 +47,13 @@ REWARD = Reward("rm", "1", 0.5)
 Pred = Callable[[TraceEvent], bool]
 
 
+def freshness(lag: int, max_lag: int) -> str:
+    """The freshness class CONTRACT section 3 gives a lag (for building stamps)."""
+    return (
+        "future" if lag < 0 else "fresh" if lag == 0 else "tolerated" if lag <= max_lag else "stale"
+    )
+
+
 def stamp(bv: int, cv: int, max_lag: int = 1, drift: float = 0.01) -> AdmissionStamp:
     """An accepted stamp for a rollout of v`bv` judged while v`cv` was active."""
     lag = cv - bv
@@ -218,6 +225,39 @@ def correct_history() -> tuple[list[TraceEvent], MemoryLedger, HandRegistry]:
     led.quarantine_version(2, "distribution failed")
     reg.rollback()
     return log.events(), led, reg
+
+
+def restamped(rid: str, update: str, admission: AdmissionStamp) -> list[TraceEvent]:
+    """The correct history with the stamp stored by `update`'s reservation of `rid`
+    replaced (a reservation judged against another premise than the one it claims)."""
+    events = correct_history()[0]
+    ev = next(
+        e
+        for e in events
+        if isinstance(e, EntryChanged) and is_entry(rid, "reserve")(e) and e.update_id == update
+    )
+    new = attrs.evolve(ev, after=attrs.evolve(ev.after, admission=admission))
+    return [new if e is ev else e for e in events]
+
+
+def reserved_after_rollback(*, kept: bool, admission: AdmissionStamp) -> list[TraceEvent]:
+    """v0 then v1 activate, a v1 rollout is rewarded, v1 is rolled back (retiring its
+    rollouts, or `kept`), then the rollout is reserved with `admission`, forged past the
+    ledger as a buggy write path would store it."""
+    log = EventLog()
+    led = MemoryLedger(clock=ManualClock(), event_log=log)
+    reg = HandRegistry(log)
+    reg.activate(0)
+    reg.activate(1)
+    rewarded(led, "late", 1)
+    reg.rollback(kept=kept)
+    before = led.get("late")
+    fields = attrs.asdict(before, recurse=False)
+    fields.update(state="reserved", revision=3, reserved_by="u9", admission=admission)
+    log.record(
+        [EntryChanged(0, 0, 0.0, "late", "reserve", before, forge(LedgerEntry, **fields), "u9")]
+    )
+    return log.events()
 
 
 def random_history(rng: random.Random, steps: int = 40) -> list[TraceEvent]:

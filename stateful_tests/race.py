@@ -256,35 +256,14 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
                 else:
                     outs = b.ledger.reserve_batch(update_id, requests)
                 ended = clock()
-                calls.append(
-                    {
-                        "update_id": update_id,
-                        "start": started,
-                        "end": ended,
-                        "asked": [
-                            [r.rollout_id, r.expected_revision, to_jsonable(r.admission)]
-                            for r in requests
-                        ],
-                        "got": [[o.rollout_id, o.reason] for o in outs],
-                    }
-                )
+                calls.append(_call_record(update_id, started, ended, requests, outs))
                 won = [o.rollout_id for o in outs if o.reserved]
                 if won and rng.random() < 0.2:  # a retry of a call whose answer was lost
                     again = [r for r in requests if r.rollout_id in won][:2]
                     started = clock()
-                    outs = [*outs, *b.ledger.reserve_batch(update_id, again)]
-                    calls.append(
-                        {
-                            "update_id": update_id,
-                            "start": started,
-                            "end": clock(),
-                            "asked": [
-                                [r.rollout_id, r.expected_revision, to_jsonable(r.admission)]
-                                for r in again
-                            ],
-                            "got": [[o.rollout_id, o.reason] for o in outs[-len(again) :]],
-                        }
-                    )
+                    retried = b.ledger.reserve_batch(update_id, again)
+                    calls.append(_call_record(update_id, started, clock(), again, retried))
+                    outs = [*outs, *retried]
                 for o in outs:
                     stats[f"reserve:{o.reason}"] += 1
                 if won:
@@ -296,6 +275,19 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
         out.put(
             {"role": f"learner-{index}", "stats": dict(stats), "calls": calls, "error": repr(exc)}
         )
+
+
+def _call_record(
+    update_id: str, start: float, end: float, asked: Sequence[ReserveRequest], got: Sequence[Any]
+) -> dict[str, Any]:
+    """One reserve call as the history judge reads it: who, its window, asked, answered."""
+    return {
+        "update_id": update_id,
+        "start": start,
+        "end": end,
+        "asked": [[r.rollout_id, r.expected_revision, to_jsonable(r.admission)] for r in asked],
+        "got": [[o.rollout_id, o.reason] for o in got],
+    }
 
 
 class _Reader:

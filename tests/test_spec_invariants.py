@@ -10,13 +10,11 @@ import pytest
 from rollout_lifecycle.model.events import (
     ArtifactChanged,
     EntryChanged,
-    EventLog,
     MembershipChanged,
     PolicyChanged,
     TraceEvent,
     WorkerReported,
 )
-from rollout_lifecycle.model.ledger import ManualClock, MemoryLedger
 from rollout_lifecycle.model.records import (
     ActivePointer,
     ArtifactRecord,
@@ -48,7 +46,8 @@ from rollout_lifecycle.stateful_tests.histories import (
     is_art,
     is_entry,
     issued,
-    rewarded,
+    reserved_after_rollback,
+    restamped,
     served_history,
     stamp,
     tamper,
@@ -192,15 +191,8 @@ def test_admitted_when_reserved_violation() -> None:
 def test_reserved_against_current_version_violation() -> None:
     """A reservation whose lag, re-judged against the pointer of its own step, exceeds the
     bound is named, however self-consistent its stamp looks."""
-    events, _, _ = correct_history()
-    ev = next(e for e in events if is_entry("r4", "reserve")(e) and e.update_id == "u3")
-    assert isinstance(ev, EntryChanged)
     # admitted at v1 with max_lag 0 (fresh, lag 0 by its own figures)...
-    fresh = attrs.evolve(stamp(0, 0, max_lag=0), current_version=0)
-    ok = [
-        attrs.evolve(e, after=attrs.evolve(ev.after, admission=fresh)) if e is ev else e
-        for e in events
-    ]
+    ok = restamped("r4", "u3", attrs.evolve(stamp(0, 0, max_lag=0), current_version=0))
     # ...but v1 is active when it lands: lag 1 > 0
     assert "reserved_against_current_version" in names(ok)
     assert "admitted_when_reserved" not in names(ok)
@@ -210,38 +202,14 @@ def test_reservation_judged_against_the_recorded_policy() -> None:
     """A self-consistent stamp judged with a looser max_lag than the deployment's recorded
     policy, a reservation with no recorded policy, and one of a rolled-back version are
     each named: the premise is the replayed deployment state, never the stamp."""
-    events, _, _ = correct_history()
-    ev = next(e for e in events if is_entry("r4", "reserve")(e) and e.update_id == "u3")
-    assert isinstance(ev, EntryChanged)
-    loose = attrs.evolve(stamp(0, 1, max_lag=1000), max_drift=1e9)
-    lax = [
-        attrs.evolve(e, after=attrs.evolve(ev.after, admission=loose)) if e is ev else e
-        for e in events
-    ]
+    lax = restamped("r4", "u3", attrs.evolve(stamp(0, 1, max_lag=1000), max_drift=1e9))
     assert "reserved_against_current_version" in names(lax)
     assert "admitted_when_reserved" not in names(lax)  # the stamp agrees with itself
-    no_policy = [e for e in events if not isinstance(e, PolicyChanged)]
+    no_policy = [e for e in correct_history()[0] if not isinstance(e, PolicyChanged)]
     assert "reserved_against_current_version" in names(no_policy)
     # a later reservation of a v1 rollout after v1 was rolled back (retired)
-    log = EventLog()
-    led = MemoryLedger(clock=ManualClock(), event_log=log)
-    reg = Registry(log)
-    reg.activate(0)
-    reg.activate(1)
-    rewarded(led, "late", 1)
-    reg.rollback()
-    forged = forge(
-        LedgerEntry,
-        **{
-            **attrs.asdict(led.get("late"), recurse=False),
-            "state": "reserved",
-            "revision": 3,
-            "reserved_by": "u9",
-            "admission": stamp(1, 0),
-        },
-    )
-    log.record([EntryChanged(0, 0, 0.0, "late", "reserve", led.get("late"), forged, "u9")])
-    found = [v.message for v in check_trace(log.events()).violations]
+    retired = reserved_after_rollback(kept=False, admission=stamp(1, 0))
+    found = [v.message for v in check_trace(retired).violations]
     assert any("rolled back (retired)" in m for m in found), found
     # the operator's explicit choice to keep the rollouts is honoured
     kept = [
@@ -253,7 +221,7 @@ def test_reservation_judged_against_the_recorded_policy() -> None:
         )
         if isinstance(e, ArtifactChanged) and e.event == "roll_back"
         else e
-        for e in log.events()
+        for e in retired
     ]
     found = [v.message for v in check_trace(kept).violations]
     assert not any("rolled back (retired)" in m for m in found), found
