@@ -107,15 +107,30 @@ def test_only_weights_missing_exits_4(
 
 
 def test_other_problems_are_another_code(tmp_path: Path, weightless_model: Path) -> None:
-    """A used label is an input error (2); a folder without config is one too; never 0 or 4."""
-    from rollout_lifecycle.gpu_check.preflight import run_preflight
+    """A used label is an input error (2); a folder without config is one too; never 0 or 4.
 
+    Each preflight runs in a fresh process, as users run it: the CPU platform must be set up
+    before verl's FSDP engine is imported, and other tests in this process import it."""
     (tmp_path / "used.json").write_text("{}")
-    r = run_preflight(run_label="used", output_root=tmp_path, model=weightless_model, device="cpu")
-    assert r.exit_code == 2
-    assert next(i for i in r.items if i.name == "run_label").status == "fail"
+    base = [*CLI, "--output", str(tmp_path), "--device", "cpu", "--json"]
+    used = subprocess.run(
+        [*base, "--run-label", "used", "--model", str(weightless_model)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert used.returncode == 2, used.stderr[-2000:]
+    items = {i["name"]: i for i in json.loads(used.stdout)["items"]}
+    assert items["run_label"]["status"] == "fail"
     empty = tmp_path / "empty-model"
     empty.mkdir()
-    r2 = run_preflight(run_label="fresh", output_root=tmp_path, model=empty, device="cpu")
-    item = next(i for i in r2.items if i.name == "model_assets")
-    assert r2.exit_code == 2 and item.status == "fail" and "config.json" in item.detail
+    bare = subprocess.run(
+        [*base, "--run-label", "fresh", "--model", str(empty)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    items = {i["name"]: i for i in json.loads(bare.stdout)["items"]}
+    item = items["model_assets"]
+    assert bare.returncode == 2, bare.stderr[-2000:]
+    assert item["status"] == "fail" and "config.json" in item["detail"]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -16,34 +17,31 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_update_failure_is_technical_and_the_ledger_records_its_stage(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_update_failure_is_technical_and_the_ledger_records_its_stage(tmp_path: Path) -> None:
     """update_actor raising: exit 3, the result names stage 'update', no check is claimed
-    passed for the missing update, the reserved rollouts end update_failed, the spec holds."""
+    passed for the missing update, the reserved rollouts end update_failed, the spec holds.
+
+    The run is a fresh process, as users run it: the CPU platform must be set up before
+    verl's FSDP engine is imported, and other tests in this process import it."""
     from rollout_lifecycle.cli import exitcodes
-    from rollout_lifecycle.cli.main import run
-    from rollout_lifecycle.gpu_check import verl_driver
     from rollout_lifecycle.model.backends import open_backend
 
-    def broken(self: Any, *_a: Any, **_k: Any) -> dict[str, float]:
-        raise RuntimeError("simulated optimizer failure")
-
-    monkeypatch.setattr(verl_driver.Trainer, "sft_step", broken)
-    code = run(
-        [
-            "gpu-check",
-            "run",
-            "--run-label",
-            "broken",
-            "--output",
-            str(tmp_path),
-            "--device",
-            "cpu",
-            "--quiet",
-        ]
+    script = tmp_path / "broken_update.py"
+    script.write_text(
+        "import sys\n"
+        "from rollout_lifecycle.cli.main import run\n"
+        "from rollout_lifecycle.gpu_check import verl_driver\n"
+        "def broken(self, *a, **k):\n"
+        "    raise RuntimeError('simulated optimizer failure')\n"
+        "verl_driver.Trainer.sft_step = broken\n"
+        "sys.exit(run(['gpu-check', 'run', '--run-label', 'broken', '--output', sys.argv[1],\n"
+        "              '--device', 'cpu', '--quiet']))\n"
     )
-    assert code == exitcodes.TECHNICAL
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=900
+    )
+    code = proc.returncode
+    assert code == exitcodes.TECHNICAL, proc.stderr[-3000:]
     doc = json.loads((tmp_path / "broken.json").read_text())
     assert doc["passed"] is False and doc["incomplete"]
     assert [(t["group"], t["stage"]) for t in doc["technical"]] == [("release_resume", "update")]
