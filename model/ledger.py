@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
 
 import attrs
 
@@ -618,140 +618,263 @@ def commit_plan(
     return [plan_transition(e, "commit", reserved_by=None, lease_expires_at=None) for e in owned]
 
 
+# ---- one ledger over stores ----------------------------------------------------------------
+# The protocol (planning, `enforce`, events, counters, the premise check) is written once, in
+# `StoreLedger`. A backend is a `Store`: it runs a step's body as ONE atomic unit of work (a
+# lock, a SQLite IMMEDIATE transaction, a PostgreSQL transaction under its advisory locks)
+# and offers that body a few set-based primitives. A new atomic operation is a StoreLedger
+# method whose body calls those primitives; no backend needs a line of its own for it.
+
+T = TypeVar("T")
+
 _COUNTER_OF = {
     RESERVED: "reservations",
     IDEMPOTENT: "idempotent_retries",
     CONFLICT: "cas_conflicts",
 }
 
+# read off the machine, so "which states can be quarantined directly" is never retyped
+QUARANTINABLE = tuple(s for s in LIFECYCLE.states if LIFECYCLE.is_legal(s, "quarantine"))
 
-class MemoryLedger:
-    """Thread-safe in-memory ledger: one lock makes read-check-write indivisible.
 
-    Good for tests, simulations and single-process trainers; state is lost with the process.
+def counter_of(reason: str) -> str:
+    """The counter a reservation outcome bumps (the conformance suite compares them)."""
+    return _COUNTER_OF.get(reason, "refused")
+
+
+def check_version(version: object) -> int:
+    """A policy version argument: a non-negative int (never a bool)."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"version must be a non-negative int, got {brief(version)}")
+    return version
+
+
+class UnitOfWork(Protocol):
+    """What a step's body may do inside its store's atomic step.
+
+    Reads of sets the step will rewrite (`owned`, `due`, `of_version`) are locked where the
+    store needs row locks; `read_rows` is not, and `write` is a compare-and-set on each
+    `before`'s revision, so it returns the ids that won. Rows read back from the store were
+    validated when written; stores need not validate them again.
     """
+
+    def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+        """The stored entries of these ids (absent ids are left out)."""
+        ...
+
+    def owned(self, update_id: str) -> list[LedgerEntry]:
+        """The entries `update_id` holds, by rollout id."""
+        ...
+
+    def due(self, now: float) -> list[LedgerEntry]:
+        """Reserved entries whose lease ran out at `now`, by rollout id."""
+        ...
+
+    def of_version(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
+        """Entries of behaviour `version` in one of `states`, by rollout id."""
+        ...
+
+    def count(self, states: Sequence[str]) -> int:
+        """How many entries are in one of `states` now."""
+        ...
+
+    def read_premise(self) -> ActivationPremise:
+        """The registry's premise as of this step (NO_REGISTRY without a registry)."""
+        ...
+
+    def server_now(self) -> float | None:
+        """The deployment's clock where the store has one (PostgreSQL's); None: the ledger's."""
+        ...
+
+    def bad_versions(self) -> frozenset[int]:
+        """Versions marked bad, as of this step."""
+        ...
+
+    def mark_bad(self, version: int, reason: str) -> None:
+        """Mark `version` bad (a second mark keeps the first reason)."""
+        ...
+
+    def clear_bad(self, version: int) -> None:
+        """Lift the mark of `version`."""
+        ...
+
+    def insert(self, entries: Sequence[LedgerEntry]) -> None:
+        """Insert new rows, all or none: DuplicateRollout when any id exists or repeats."""
+        ...
+
+    def write(self, pairs: Sequence[tuple[LedgerEntry, LedgerEntry]]) -> set[str]:
+        """Compare-and-set each (before, after) on before's revision; the ids that won."""
+        ...
+
+    def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
+        """Append the step's events and add `counts` to the durable counters."""
+        ...
+
+
+class Store(Protocol):
+    """A ledger backend: an atomic step, and the reads that need no step."""
+
+    def atomic(
+        self,
+        body: Callable[[UnitOfWork], T],
+        what: str,
+        *,
+        premise: bool = False,
+        bad: str | None = None,
+    ) -> T:
+        """Run `body` as one atomic step; an exception it raises leaves nothing written.
+
+        `premise`: the body reads the registry's premise; `bad`: it reads ("read") or
+        changes ("change") the bad versions. A store that locks finer than the whole step
+        takes those locks first, in its fixed order. The body may run more than once (a
+        lost connection), so it keeps no state of its own between runs.
+        """
+        ...
+
+    def find(self, rollout_id: str) -> LedgerEntry | None:
+        """The stored entry, or None."""
+        ...
+
+    def reserved_by(self, update_id: str) -> list[str]:
+        """Ids reserved by `update_id`, sorted."""
+        ...
+
+    def snapshot(self) -> dict[str, LedgerEntry]:
+        """Every entry, from one consistent read."""
+        ...
+
+    def bad_versions(self) -> frozenset[int]:
+        """Versions marked bad."""
+        ...
+
+    def history(self, rollout_id: str | None) -> list[EntryChanged]:
+        """The ledger's events, optionally of one rollout."""
+        ...
+
+    def tallies(self) -> tuple[Mapping[str, int], Mapping[str, int], Iterable[int]]:
+        """(entries by state, durable counters, bad versions), from one consistent read."""
+        ...
+
+    def close(self) -> None:
+        """Release what the store holds; idempotent."""
+        ...
+
+
+class StoreLedger:
+    """The one ledger: the protocol over any `Store`.
+
+    Outcomes that write nothing (a lost compare-and-set, a refusal, an idempotent retry) are
+    counted by this object only (PROCESS_LOCAL_COUNTERS): a losing racer writes nothing.
+    """
+
+    #: counters of outcomes that write nothing; each ledger object counts its own, so a
+    #: durable ledger's statistics() from a later process shows 0 for them
+    process_local_counters: ClassVar[frozenset[str]] = PROCESS_LOCAL_COUNTERS
 
     def __init__(
         self,
+        store: Store,
         *,
-        clock: Clock = time.time,
-        lease_seconds: float = 600.0,
-        recovery: RecoveryRule | None = None,
-        event_log: EventLog | None = None,
-        activation: ActivationSource | None = None,
+        clock: Clock,
+        lease_seconds: float,
+        recovery: RecoveryRule | None,
     ) -> None:
-        check_lease_seconds(lease_seconds)
-        # attached to a registry, the ledger shares its lock: a reservation reads the active
-        # pointer and writes in ONE step that no pointer switch can interleave with
-        self.activation = activation
-        self._lock = activation.lock if activation is not None else threading.RLock()
-        self._entries: dict[str, LedgerEntry] = {}
-        self._bad_versions: set[int] = set()
-        self._counters: Counter[str] = Counter()
-        self._index_reset()
+        self.store = store
         self.clock = clock
-        self.lease_seconds = float(lease_seconds)
+        self.lease_seconds = check_lease_seconds(lease_seconds)
         self.recovery = recovery or RecoveryRule()
-        self.log = event_log if event_log is not None else EventLog()
+        self._outcomes: Counter[str] = Counter()
+        self._outcomes_lock = threading.Lock()
 
-    @classmethod
-    def restore(
-        cls,
-        entries: Iterable[LedgerEntry],
-        bad_versions: Iterable[int] = (),
-        **kwargs: Any,
-    ) -> MemoryLedger:
-        """A ledger holding exactly these entries, without replaying their history.
+    # ---- plumbing ------------------------------------------------------------------------
 
-        The explorer rebuilds a real ledger from each state it expands this way, so it
-        checks the same code that runs in production rather than a retyped copy.
+    def _step(
+        self,
+        body: Callable[[UnitOfWork, Counter[str]], T],
+        what: str,
+        *,
+        premise: bool = False,
+        bad: str | None = None,
+    ) -> T:
+        """Run one atomic step; its write-nothing outcomes (the second argument of `body`)
+        are counted once, from the run that ended the step, whether it returned or raised."""
+        local: Counter[str] = Counter()
+
+        def attempt(uow: UnitOfWork) -> T:
+            local.clear()  # a step run again must not count twice
+            return body(uow, local)
+
+        try:
+            return self.store.atomic(attempt, what, premise=premise, bad=bad)
+        finally:
+            self._count_local(local)
+
+    def _count_local(self, counts: Mapping[str, int]) -> None:
+        if any(counts.values()):
+            with self._outcomes_lock:
+                self._outcomes.update({k: v for k, v in counts.items() if v})
+
+    def _now(self, uow: UnitOfWork) -> float:
+        """The deployment's clock: the store's (PostgreSQL's server) or this ledger's."""
+        now = uow.server_now()
+        return self.clock() if now is None else now
+
+    def _apply(
+        self,
+        uow: UnitOfWork,
+        event: str,
+        befores: Sequence[LedgerEntry],
+        afters: list[LedgerEntry],
+        update_id: str | None,
+        counts: Mapping[str, int],
+    ) -> list[LedgerEntry]:
+        """Write a step's planned changes to rows it read under its lock, with their events.
+
+        `update_id` None records each row's own owner (lease expiry returns many updates').
         """
-        led = cls(**kwargs)
-        led._entries = {e.rollout_id: e for e in entries}
-        led._bad_versions = set(bad_versions)
-        led._index_reset()
-        return led
+        enforce(afters)
+        pairs = list(zip(befores, afters, strict=True))
+        if pairs and len(uow.write(pairs)) != len(pairs):
+            raise LedgerError(f"rollouts of {event} changed under this step's lock")
+        changes: list[Change] = [
+            (event, b, a, b.reserved_by if update_id is None else update_id) for b, a in pairs
+        ]
+        total = {"writes": len(changes), **counts}
+        uow.append(changes, self.clock(), total)
+        return afters
 
-    @property
-    def bad_versions(self) -> frozenset[int]:
-        """Versions marked bad by quarantine_version (the recovery rule quarantines them)."""
-        with self._lock:
-            return frozenset(self._bad_versions)
-
-    # ---- helpers ---------------------------------------------------------------------------
-
-    def _record(self, changes: list[Change]) -> None:
-        if not changes:
-            return
-        enforce(after for _, _, after, _ in changes)
-        at = self.clock()
-        for _, _, after, _ in changes:
-            self._index_write(self._entries.get(after.rollout_id), after)
-            self._entries[after.rollout_id] = after
-        self._counters["writes"] += len(changes)
-        self.log.record_entries(at, changes)
-
-    # ---- ownership and lease index -----------------------------------------------------
-    # Which rollouts each update holds, and a heap of lease deadlines, kept in step with every
-    # write in `_record`, so commit, abort, fail_update, reserved_by and expire_leases cost
-    # what the update holds or what is due, not the size of the ledger. The heap is lazy: a
-    # deadline whose reservation has since ended is dropped when it surfaces.
-
-    def _index_reset(self) -> None:
-        self._owners: dict[str, set[str]] = {}
-        self._leases: list[tuple[float, str]] = []
-        self._held = 0
-        for e in self._entries.values():
-            self._index_write(None, e)
-
-    def _index_write(self, before: LedgerEntry | None, after: LedgerEntry) -> None:
-        if before is not None and before.reserved_by is not None:
-            held = self._owners.get(before.reserved_by)
-            if held is not None and before.rollout_id in held:
-                held.discard(before.rollout_id)
-                self._held -= 1
-                if not held:
-                    del self._owners[before.reserved_by]
-        if after.reserved_by is None:
-            return
-        held = self._owners.setdefault(after.reserved_by, set())
-        if after.rollout_id not in held:
-            held.add(after.rollout_id)
-            self._held += 1
-        if after.lease_expires_at is not None:
-            heapq.heappush(self._leases, (after.lease_expires_at, after.rollout_id))
-            if len(self._leases) > 1024 and len(self._leases) > 4 * self._held:
-                # mostly deadlines of reservations that ended: rebuild from what is held
-                self._leases = [
-                    (e.lease_expires_at, e.rollout_id)
-                    for e in (self._entries.get(r) for s in self._owners.values() for r in s)
-                    if e is not None and e.lease_expires_at is not None
-                ]
-                heapq.heapify(self._leases)
-
-    def _owned(self, update_id: str) -> list[LedgerEntry]:
-        held = self._owners.get(update_id, ())
-        return sorted((self._entries[r] for r in held), key=lambda e: e.rollout_id)
-
-    # ---- protocol ----------------------------------------------------------------------
+    # ---- protocol --------------------------------------------------------------------------
 
     def add(self, rollout: Rollout | LedgerEntry) -> LedgerEntry:
         """Insert a new rollout at revision 0; its id must be new."""
-        entry = as_entry(rollout)
-        with self._lock:
-            changes = plan_add(entry, self._bad_versions)
-            if entry.rollout_id in self._entries:
-                raise DuplicateRollout(
-                    f"rollout {brief(entry.rollout_id)} is already in the ledger"
-                )
-            self._record([(ev, b, a, None) for ev, b, a in changes])
-            return changes[-1][2]
+        return self.add_many([rollout])[0]
+
+    def add_many(self, rollouts: Sequence[Rollout | LedgerEntry]) -> list[LedgerEntry]:
+        """Insert several new rollouts in one atomic step, all or nothing: a duplicate id
+        anywhere (stored or in the list) adds none of them."""
+        entries = [as_entry(r) for r in rollouts]
+        plans = [plan_add(e, ()) for e in entries]  # validated before any lock is taken
+        if not entries:
+            return []
+
+        def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
+            bad = uow.bad_versions()
+            steps = [
+                plan_add(e, bad) if e.behavior_version in bad else p
+                for e, p in zip(entries, plans, strict=True)
+            ]
+            final = [s[-1][2] for s in steps]
+            enforce(a for s in steps for _, b, a in s if b is not None)
+            uow.insert(final)
+            changes: list[Change] = [(ev, b, a, None) for s in steps for ev, b, a in s]
+            uow.append(changes, self.clock(), {"writes": len(changes)})
+            return final
+
+        return self._step(body, "add", bad="read")
 
     def find(self, rollout_id: str) -> LedgerEntry | None:
         """The entry, or None when absent."""
-        check_id(rollout_id)
-        with self._lock:
-            return self._entries.get(rollout_id)
+        return self.store.find(check_id(rollout_id))
 
     def get(self, rollout_id: str) -> LedgerEntry:
         """The entry; UnknownRollout when absent."""
@@ -772,14 +895,25 @@ class MemoryLedger:
         """Fire a direct lifecycle event under compare-and-set; nothing changes on failure."""
         changes = direct_changes(event, reward, disposition)
         check_revision(expected_revision)
-        with self._lock:
-            entry = self.get(rollout_id)
-            if entry.revision != expected_revision:
-                self._counters["cas_conflicts"] += 1
-                raise RevisionConflict(rollout_id, expected_revision, entry.revision)
-            new = plan_transition(entry, event, **changes)
-            self._record([(event, entry, new, None)])
-            return new
+        check_id(rollout_id)
+
+        def body(uow: UnitOfWork, local: Counter[str]) -> LedgerEntry:
+            entry = uow.read_rows([rollout_id]).get(rollout_id)
+            if entry is None:
+                raise UnknownRollout(f"rollout {brief(rollout_id)} is not in the ledger")
+            if entry.revision == expected_revision:
+                new = plan_transition(entry, event, **changes)
+                enforce([new])
+                if uow.write([(entry, new)]):
+                    uow.append([(event, entry, new, None)], self.clock(), {"writes": 1})
+                    return new
+                # lost between the read and the write: report what is there now
+                entry = uow.read_rows([rollout_id]).get(rollout_id)
+            local["cas_conflicts"] += 1
+            now = -1 if entry is None else entry.revision
+            raise RevisionConflict(rollout_id, expected_revision, now)
+
+        return self._step(body, f"transition {event}")
 
     def reserve(
         self,
@@ -788,24 +922,78 @@ class MemoryLedger:
         update_id: str,
         admission: AdmissionStamp | None,
     ) -> ReserveOutcome:
-        """Compare-and-set reservation of one rollout."""
-        return self.reserve_batch(
-            update_id, [ReserveRequest(rollout_id, expected_revision, admission)]
-        )[0]
+        """Compare-and-set reservation of one rollout.
+
+        Planned on a read outside any step, so a conflict or a bad stamp costs no write
+        lock; the step then judges the premise as of its own moment and writes with ONE
+        conditional write whose outcome decides who won.
+        """
+        check_update_id(update_id)
+        entry = self.find(rollout_id)
+        out, new = plan_reserve(
+            entry,
+            rollout_id,
+            expected_revision,
+            update_id,
+            admission,
+            premise=NO_REGISTRY,
+            lease_expires_at=self.clock() + self.lease_seconds,
+        )
+        if new is None or entry is None:
+            self._count_local({counter_of(out.reason): 1})
+            return out
+        planned, fresh = out, new
+
+        def body(uow: UnitOfWork, local: Counter[str]) -> ReserveOutcome:
+            refusal = uow.read_premise().refusal(admission, entry.behavior_version)
+            if refusal is not None:
+                local["refused"] += 1
+                return ReserveOutcome(rollout_id, False, refusal[0], entry, refusal[1])
+            now, done, lease = uow.server_now(), planned, fresh
+            if now is not None:  # the deadline is the server's, not this client's
+                lease = _evolve(fresh, lease_expires_at=now + self.lease_seconds)
+                done = attrs.evolve(planned, entry=lease)
+            enforce([lease])
+            if uow.write([(entry, lease)]):
+                changes: list[Change] = [("reserve", entry, lease, update_id)]
+                uow.append(changes, self.clock(), {"writes": 1, "reservations": 1})
+                return done
+            # lost: re-plan on the row as it is now (revisions only grow, so a conflict, or
+            # an idempotent retry if this update reserved it meanwhile through a batch)
+            again = replan_lost(
+                uow.read_rows([rollout_id]).get(rollout_id),
+                rollout_id,
+                expected_revision,
+                update_id,
+                admission,
+                lease.lease_expires_at,
+            )
+            local[counter_of(again.reason)] += 1
+            return again
+
+        return self._step(body, "reserve", premise=True)
 
     def reserve_batch(
         self, update_id: str, requests: Sequence[ReserveRequest]
     ) -> list[ReserveOutcome]:
-        """Reserve many rollouts in one atomic step; each item wins or loses on its own CAS."""
+        """Reserve many rollouts in one atomic step; each item wins or loses on its own CAS.
+
+        One read of every row, one set-based compare-and-set, one append of the events:
+        a constant number of store calls for any batch size.
+        """
         check_update_id(update_id)
         requests = check_requests(requests)
-        with self._lock:
-            lease = self.clock() + self.lease_seconds
-            premise = NO_REGISTRY if self.activation is None else self.activation.premise()
+        if not requests:
+            return []
+
+        def body(uow: UnitOfWork, local: Counter[str]) -> list[ReserveOutcome]:
+            premise = uow.read_premise()
+            lease = self._now(uow) + self.lease_seconds
+            entries = uow.read_rows([r.rollout_id for r in requests])
             outcomes: list[ReserveOutcome] = []
-            changes: list[Change] = []
+            planned: dict[str, tuple[LedgerEntry, LedgerEntry]] = {}
             for r in requests:
-                entry = self._entries.get(r.rollout_id)
+                entry = entries.get(r.rollout_id)
                 out, new = plan_reserve(
                     entry,
                     r.rollout_id,
@@ -815,148 +1003,391 @@ class MemoryLedger:
                     premise=premise,
                     lease_expires_at=lease,
                 )
-                self._count(out.reason)
-                if new is not None:
-                    changes.append(("reserve", entry, new, update_id))
+                if new is not None and entry is not None:
+                    planned[r.rollout_id] = (entry, new)
                 outcomes.append(out)
-            self._record(changes)
+            enforce(a for _, a in planned.values())
+            won = uow.write(list(planned.values())) if planned else set()
+            lost = [rid for rid in planned if rid not in won]
+            now = uow.read_rows(lost) if lost else {}
+            counts: Counter[str] = Counter()
+            changes: list[Change] = []
+            for i, r in enumerate(requests):
+                rid = r.rollout_id
+                if rid in won:
+                    changes.append(("reserve", planned[rid][0], planned[rid][1], update_id))
+                elif rid in planned:  # lost to a writer that read and wrote after our read
+                    outcomes[i] = replan_lost(
+                        now.get(rid), rid, r.expected_revision, update_id, r.admission, lease
+                    )
+                counts[counter_of(outcomes[i].reason)] += 1
+            durable = {k: v for k, v in counts.items() if k not in PROCESS_LOCAL_COUNTERS}
+            local.update({k: v for k, v in counts.items() if k in PROCESS_LOCAL_COUNTERS})
+            uow.append(changes, self.clock(), {"writes": len(changes), **durable})
             return outcomes
 
-    def _count(self, reason: str) -> None:
-        self._counters[_COUNTER_OF.get(reason, "refused")] += 1
+        return self._step(body, "reserve_batch", premise=True)
 
     def commit(self, update_id: str, rollout_ids: Sequence[str]) -> list[LedgerEntry]:
         """Consume exactly the rollouts `update_id` reserved, atomically; else CommitMismatch."""
-        with self._lock:
-            owned = self._owned(update_id)
+        check_update_id(update_id)
+
+        def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
+            owned = uow.owned(update_id)
             new = commit_plan(update_id, rollout_ids, owned)
-            self._record([("commit", b, a, update_id) for b, a in zip(owned, new, strict=True)])
-            self._counters["commits"] += 1
-            return new
+            return self._apply(uow, "commit", owned, new, update_id, {"commits": 1})
+
+        return self._step(body, "commit")
 
     def abort(self, update_id: str) -> list[LedgerEntry]:
         """Return every reservation of `update_id` under the recovery rule."""
         check_update_id(update_id)
-        with self._lock:
-            owned = self._owned(update_id)
-            new = [plan_release(e, "abort", self.recovery, self._bad_versions) for e in owned]
-            self._record([("abort", b, a, update_id) for b, a in zip(owned, new, strict=True)])
-            self._counters["aborts"] += 1
-            return new
+
+        def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
+            owned = uow.owned(update_id)
+            bad = uow.bad_versions()
+            new = [plan_release(e, "abort", self.recovery, bad) for e in owned]
+            return self._apply(uow, "abort", owned, new, update_id, {"aborts": 1})
+
+        return self._step(body, "abort", bad="read")
 
     def fail_update(self, update_id: str, cause: str, detail: str = "") -> list[LedgerEntry]:
         """The update itself failed with this data: its rollouts end in update_failed."""
         check_update_id(update_id)
         if not isinstance(cause, str) or not cause:
             raise InvalidLedgerArgument(f"cause must be a non-empty string, got {brief(cause)}")
-        with self._lock:
-            owned = self._owned(update_id)
+        failed = Disposition("update", cause, detail)
+
+        def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
+            owned = uow.owned(update_id)
             new = [
                 plan_transition(
-                    e,
-                    "update_failed",
-                    reserved_by=None,
-                    lease_expires_at=None,
-                    disposition=Disposition("update", cause, detail),
+                    e, "update_failed", reserved_by=None, lease_expires_at=None, disposition=failed
                 )
                 for e in owned
             ]
-            self._record(
-                [("update_failed", b, a, update_id) for b, a in zip(owned, new, strict=True)]
-            )
-            return new
+            return self._apply(uow, "update_failed", owned, new, update_id, {})
+
+        return self._step(body, "fail_update")
 
     def expire_leases(self) -> list[LedgerEntry]:
         """Return reservations whose lease ran out (a crashed learner never blocks forever)."""
-        with self._lock:
-            now = self.clock()
-            found: dict[str, LedgerEntry] = {}
-            while self._leases and self._leases[0][0] <= now:
-                _, rid = heapq.heappop(self._leases)
-                e = self._entries.get(rid)
-                if (
-                    e is not None
-                    and e.state == "reserved"
-                    and e.lease_expires_at is not None
-                    and e.lease_expires_at <= now
-                ):
-                    found[rid] = e
-            due = sorted(found.values(), key=lambda e: e.rollout_id)
-            new = [plan_release(e, "expire_lease", self.recovery, self._bad_versions) for e in due]
-            self._record(
-                [("expire_lease", b, a, b.reserved_by) for b, a in zip(due, new, strict=True)]
-            )
-            self._counters["expirations"] += len(new)
-            return new
+
+        def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
+            due = uow.due(self._now(uow))
+            bad = uow.bad_versions()
+            new = [plan_release(e, "expire_lease", self.recovery, bad) for e in due]
+            return self._apply(uow, "expire_lease", due, new, None, {"expirations": len(new)})
+
+        return self._step(body, "expire_leases", bad="read")
 
     def renew_leases(self, update_id: str) -> list[LedgerEntry]:
-        """Heartbeat of a long update: every rollout it holds gets a full lease from now.
-
-        Only the owner renews, and only what it still holds: a reservation that expired
-        and went to another update is not among them (check the returned ids)."""
+        """Heartbeat of a long update: every rollout it holds gets a full lease from now
+        (the deployment's clock). Only what it still holds: check the returned ids."""
         check_update_id(update_id)
-        with self._lock:
-            owned = self._owned(update_id)
-            new = renew_plan(owned, self.clock(), self.lease_seconds)
-            self._record(
-                [("renew_lease", b, a, update_id) for b, a in zip(owned, new, strict=True)]
-            )
-            return new
+
+        def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
+            owned = uow.owned(update_id)
+            new = renew_plan(owned, self._now(uow), self.lease_seconds)
+            return self._apply(uow, "renew_lease", owned, new, update_id, {})
+
+        return self._step(body, "renew_leases")
 
     def quarantine_version(self, version: int, reason: str) -> list[LedgerEntry]:
         """Mark a version bad: quarantine its open rollouts now, reserved ones when returned."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be a non-negative int, got {brief(version)}")
-        with self._lock:
-            self._bad_versions.add(version)
-            due = sorted(
-                (
-                    e
-                    for e in self._entries.values()
-                    if e.behavior_version == version and LIFECYCLE.is_legal(e.state, "quarantine")
-                ),
-                key=lambda e: e.rollout_id,
-            )
-            d = Disposition("activation", "failed_version", reason)
+        check_version(version)
+        d = Disposition("activation", "failed_version", reason)
+
+        def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
+            uow.mark_bad(version, reason)
+            due = uow.of_version(version, QUARANTINABLE)
             new = [plan_transition(e, "quarantine", disposition=d) for e in due]
-            self._record([("quarantine", b, a, None) for b, a in zip(due, new, strict=True)])
+            changes: list[Change] = [
+                ("quarantine", b, a, None) for b, a in zip(due, new, strict=True)
+            ]
+            enforce(new)
+            if due and len(uow.write(list(zip(due, new, strict=True)))) != len(due):
+                raise LedgerError("rollouts of quarantine changed under this step's lock")
+            uow.append(changes, self.clock(), {"writes": len(changes)})
             return new
+
+        return self._step(body, "quarantine_version", bad="change")
 
     def clear_bad_version(self, version: int) -> None:
         """Lift the mark: the version became active after a retry, its new rollouts are good.
 
         Rollouts already quarantined stay quarantined (terminal states absorb).
         """
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be a non-negative int, got {brief(version)}")
-        with self._lock:
-            self._bad_versions.discard(version)
+        check_version(version)
+        self._step(lambda uow, _: uow.clear_bad(version), "clear_bad_version", bad="change")
+
+    @property
+    def bad_versions(self) -> frozenset[int]:
+        """Versions marked bad by quarantine_version (the recovery rule quarantines them)."""
+        return self.store.bad_versions()
 
     def reserved_by(self, update_id: str) -> list[str]:
         """Ids currently reserved by `update_id`, sorted."""
-        with self._lock:
-            return [e.rollout_id for e in self._owned(update_id)]
+        return self.store.reserved_by(update_id)
 
     def snapshot(self) -> dict[str, LedgerEntry]:
         """A consistent copy of every entry (records are frozen, so sharing them is safe)."""
-        with self._lock:
-            return dict(self._entries)
+        return self.store.snapshot()
 
     def history(self, rollout_id: str | None = None) -> list[EntryChanged]:
         """This ledger's trace, optionally for one rollout."""
         if rollout_id is not None:
             check_id(rollout_id)
-        evs = self.log.events()
-        return [
-            e
-            for e in evs
-            if isinstance(e, EntryChanged) and (rollout_id is None or e.rollout_id == rollout_id)
-        ]
+        return self.store.history(rollout_id)
 
     def statistics(self) -> LedgerStatistics:
         """Counts by state and counters of writes, wins, losses and returns."""
-        with self._lock:
-            return statistics_from(self._entries.values(), self._counters, self._bad_versions)
+        by_state, durable, bad = self.store.tallies()
+        counters = Counter(durable)
+        with self._outcomes_lock:
+            counters.update(self._outcomes)
+        base = statistics_from((), counters, bad)
+        states = {s: int(by_state.get(s, 0)) for s in base.by_state}
+        return attrs.evolve(base, entries=sum(states.values()), by_state=states)
 
     def close(self) -> None:
-        """Nothing to release; present for protocol parity with durable backends."""
+        """Release the store (connections, pools); later use of a durable one raises."""
+        self.store.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- the memory store ----------------------------------------------------------------------
+
+
+class MemoryStore:
+    """Entries in a dict; one lock (the registry's, when attached) makes a step atomic.
+
+    An ownership index and a lease heap are kept in step with every write, so commit, abort,
+    fail_update, reserved_by and expire_leases cost what the update holds or what is due,
+    not the size of the ledger. The heap is lazy: a deadline whose reservation has since
+    ended is dropped when it surfaces.
+    """
+
+    def __init__(self, activation: ActivationSource | None, log: EventLog) -> None:
+        # attached to a registry, the store shares its lock: a reservation reads the active
+        # pointer and writes in ONE step that no pointer switch can interleave with
+        self.activation = activation
+        self.lock = activation.lock if activation is not None else threading.RLock()
+        self.log = log
+        self.entries: dict[str, LedgerEntry] = {}
+        self.bad: set[int] = set()
+        self.counters: Counter[str] = Counter()
+        self.reindex()
+
+    def reindex(self) -> None:
+        """Rebuild the ownership index and the lease heap from the entries."""
+        self.owners: dict[str, set[str]] = {}
+        self.leases: list[tuple[float, str]] = []
+        self._held = 0
+        for e in self.entries.values():
+            self._index(None, e)
+
+    def _index(self, before: LedgerEntry | None, after: LedgerEntry) -> None:
+        if before is not None and before.reserved_by is not None:
+            held = self.owners.get(before.reserved_by)
+            if held is not None and before.rollout_id in held:
+                held.discard(before.rollout_id)
+                self._held -= 1
+                if not held:
+                    del self.owners[before.reserved_by]
+        if after.reserved_by is None:
+            return
+        held = self.owners.setdefault(after.reserved_by, set())
+        if after.rollout_id not in held:
+            held.add(after.rollout_id)
+            self._held += 1
+        if after.lease_expires_at is not None:
+            heapq.heappush(self.leases, (after.lease_expires_at, after.rollout_id))
+            if len(self.leases) > 1024 and len(self.leases) > 4 * self._held:
+                # mostly deadlines of reservations that ended: rebuild from what is held
+                self.leases = [
+                    (e.lease_expires_at, e.rollout_id)
+                    for e in (self.entries.get(r) for s in self.owners.values() for r in s)
+                    if e is not None and e.lease_expires_at is not None
+                ]
+                heapq.heapify(self.leases)
+
+    # ---- the step: the store is its own unit of work, under its lock ---------------------
+
+    def atomic(
+        self,
+        body: Callable[[UnitOfWork], T],
+        what: str,
+        *,
+        premise: bool = False,
+        bad: str | None = None,
+    ) -> T:
+        """Run `body` under the lock (a step that raises has written nothing: every write
+        comes after its step's last refusal)."""
+        with self.lock:
+            return body(self)
+
+    def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+        got = self.entries.get
+        return {rid: e for rid in rollout_ids if (e := got(rid)) is not None}
+
+    def owned(self, update_id: str) -> list[LedgerEntry]:
+        held = self.owners.get(update_id, ())
+        return sorted((self.entries[r] for r in held), key=lambda e: e.rollout_id)
+
+    def due(self, now: float) -> list[LedgerEntry]:
+        found: dict[str, LedgerEntry] = {}
+        while self.leases and self.leases[0][0] <= now:
+            _, rid = heapq.heappop(self.leases)
+            e = self.entries.get(rid)
+            if (
+                e is not None
+                and e.state == "reserved"
+                and e.lease_expires_at is not None
+                and e.lease_expires_at <= now
+            ):
+                found[rid] = e
+        return sorted(found.values(), key=lambda e: e.rollout_id)
+
+    def of_version(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
+        return sorted(
+            (
+                e
+                for e in self.entries.values()
+                if e.behavior_version == version and e.state in states
+            ),
+            key=lambda e: e.rollout_id,
+        )
+
+    def count(self, states: Sequence[str]) -> int:
+        return sum(1 for e in self.entries.values() if e.state in states)
+
+    def read_premise(self) -> ActivationPremise:
+        return NO_REGISTRY if self.activation is None else self.activation.premise()
+
+    def server_now(self) -> float | None:
+        return None
+
+    def mark_bad(self, version: int, reason: str) -> None:
+        self.bad.add(version)
+
+    def clear_bad(self, version: int) -> None:
+        self.bad.discard(version)
+
+    def insert(self, entries: Sequence[LedgerEntry]) -> None:
+        seen: set[str] = set()
+        for e in entries:
+            if e.rollout_id in self.entries or e.rollout_id in seen:
+                raise DuplicateRollout(f"rollout {brief(e.rollout_id)} is already in the ledger")
+            seen.add(e.rollout_id)
+        for e in entries:
+            self.entries[e.rollout_id] = e
+            self._index(None, e)
+
+    def write(self, pairs: Sequence[tuple[LedgerEntry, LedgerEntry]]) -> set[str]:
+        won: set[str] = set()
+        for before, after in pairs:
+            now = self.entries.get(after.rollout_id)
+            if now is not None and now.revision == before.revision:
+                self._index(now, after)
+                self.entries[after.rollout_id] = after
+                won.add(after.rollout_id)
+        return won
+
+    def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
+        if changes:
+            self.log.record_entries(at, changes)
+        self.counters.update({k: v for k, v in counts.items() if v})
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    def find(self, rollout_id: str) -> LedgerEntry | None:
+        with self.lock:
+            return self.entries.get(rollout_id)
+
+    def reserved_by(self, update_id: str) -> list[str]:
+        with self.lock:
+            return sorted(self.owners.get(update_id, ()))
+
+    def snapshot(self) -> dict[str, LedgerEntry]:
+        with self.lock:
+            return dict(self.entries)
+
+    def bad_versions(self) -> frozenset[int]:
+        with self.lock:
+            return frozenset(self.bad)
+
+    def history(self, rollout_id: str | None) -> list[EntryChanged]:
+        return [
+            e
+            for e in self.log.events()
+            if isinstance(e, EntryChanged) and (rollout_id is None or e.rollout_id == rollout_id)
+        ]
+
+    def tallies(self) -> tuple[Mapping[str, int], Mapping[str, int], Iterable[int]]:
+        with self.lock:
+            by_state = Counter(e.state for e in self.entries.values())
+            return by_state, Counter(self.counters), set(self.bad)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class MemoryLedger(StoreLedger):
+    """Thread-safe in-memory ledger: one lock makes read-check-write indivisible.
+
+    Good for tests, simulations and single-process trainers; state is lost with the process.
+    """
+
+    store: MemoryStore
+
+    def __init__(
+        self,
+        *,
+        clock: Clock = time.time,
+        lease_seconds: float = 600.0,
+        recovery: RecoveryRule | None = None,
+        event_log: EventLog | None = None,
+        activation: ActivationSource | None = None,
+    ) -> None:
+        check_lease_seconds(lease_seconds)
+        self.activation = activation
+        self.log = event_log if event_log is not None else EventLog()
+        store = MemoryStore(activation, self.log)
+        super().__init__(store, clock=clock, lease_seconds=lease_seconds, recovery=recovery)
+
+    @classmethod
+    def restore(
+        cls,
+        entries: Iterable[LedgerEntry],
+        bad_versions: Iterable[int] = (),
+        **kwargs: Any,
+    ) -> MemoryLedger:
+        """A ledger holding exactly these entries, without replaying their history.
+
+        The explorer rebuilds a real ledger from each state it expands this way, so it
+        checks the same code that runs in production rather than a retyped copy.
+        """
+        led = cls(**kwargs)
+        led.store.entries = {e.rollout_id: e for e in entries}
+        led.store.bad = set(bad_versions)
+        led.store.reindex()
+        return led
+
+    # white-box views for tests that corrupt or inspect the store directly
+    @property
+    def _entries(self) -> dict[str, LedgerEntry]:
+        return self.store.entries
+
+    @_entries.setter
+    def _entries(self, value: dict[str, LedgerEntry]) -> None:
+        self.store.entries = value
+
+    @property
+    def _leases(self) -> list[tuple[float, str]]:
+        return self.store.leases
