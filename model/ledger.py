@@ -895,23 +895,24 @@ class StoreLedger:
         """Fire a direct lifecycle event under compare-and-set; nothing changes on failure."""
         changes = direct_changes(event, reward, disposition)
         check_revision(expected_revision)
-        check_id(rollout_id)
+        # planned on a read outside any step, like `reserve`: the conditional write decides
+        entry = self.get(rollout_id)
+        if entry.revision != expected_revision:
+            self._count_local({"cas_conflicts": 1})
+            raise RevisionConflict(rollout_id, expected_revision, entry.revision)
+        new = plan_transition(entry, event, **changes)
+        enforce([new])
 
         def body(uow: UnitOfWork, local: Counter[str]) -> LedgerEntry:
-            entry = uow.read_rows([rollout_id]).get(rollout_id)
-            if entry is None:
-                raise UnknownRollout(f"rollout {brief(rollout_id)} is not in the ledger")
-            if entry.revision == expected_revision:
-                new = plan_transition(entry, event, **changes)
-                enforce([new])
-                if uow.write([(entry, new)]):
-                    uow.append([(event, entry, new, None)], self.clock(), {"writes": 1})
-                    return new
-                # lost between the read and the write: report what is there now
-                entry = uow.read_rows([rollout_id]).get(rollout_id)
+            if uow.write([(entry, new)]):
+                uow.append([(event, entry, new, None)], self.clock(), {"writes": 1})
+                return new
+            # lost between the read and the write: report what is there now
+            now = uow.read_rows([rollout_id]).get(rollout_id)
             local["cas_conflicts"] += 1
-            now = -1 if entry is None else entry.revision
-            raise RevisionConflict(rollout_id, expected_revision, now)
+            raise RevisionConflict(
+                rollout_id, expected_revision, -1 if now is None else now.revision
+            )
 
         return self._step(body, f"transition {event}")
 

@@ -1,84 +1,52 @@
 """The ledger on a PostgreSQL server, for learners and generators on many machines.
 
-Every decision is made by the shared planners of `model.ledger` (`plan_reserve`,
-`plan_release`, `commit_plan`, ...) on rows read from the server, and every write passes
-`enforce`; this module only makes "check the revision and write" indivisible, under READ
-COMMITTED:
+`PostgresStore` is the ledger's store (see `model.ledger.Store`): every step of
+`StoreLedger` runs as one READ COMMITTED transaction of `PostgresDatabase.write`, and this
+module only makes "check the revision and write" indivisible there:
 
-- A single-row write (`reserve`, `transition`) is a real compare-and-set: the row is read
-  without a lock, planned in Python, and written by ONE conditional
-  ``UPDATE rollouts ... WHERE rollout_id = %s AND revision = %s``. Under READ COMMITTED a
-  racing UPDATE waits for the winner's COMMIT, re-checks the WHERE on the new row and
-  matches nothing: the loser gets 0 rows, never an error and never an overwrite.
-- A batch reservation is set-based: one unlocked SELECT reads every row, Python plans each
-  item, and ONE statement compare-and-sets them all (``UPDATE ... FROM unnest(...)`` with
-  RETURNING the winners). Its CTE locks the matching rows in rollout_id order first, so two
-  batches over overlapping rows can never deadlock. Items that lost are re-read and
-  reported as a conflict (or an idempotent retry if the same update took them meanwhile).
+- A compare-and-set is ONE conditional statement: ``UPDATE rollouts ... WHERE rollout_id =
+  %s AND revision = %s`` for one row, ``UPDATE ... FROM json_to_recordset(...)`` with
+  RETURNING the winners for a set. Under READ COMMITTED a racing UPDATE waits for the
+  winner's COMMIT, re-checks the WHERE on the new row and matches nothing: the loser gets 0
+  rows, never an error and never an overwrite. The set statement's CTE locks the matching
+  rows in rollout_id order first, so two batches over overlapping rows can never deadlock.
 - The reservation's premise (the active pointer and the ever-active versions, see
   `ActivationPremise`) is read INSIDE the reservation's transaction, after taking the
-  premise lock in SHARED mode; a registry step that changes an artifact or the pointer takes
-  it EXCLUSIVE before writing. So a pointer switch either committed before the reservation
-  read the pointer (and the reservation is judged against the new one) or waits until the
-  reservation committed: "read the pointer, then write the reservations" is atomic against
-  a concurrent switch, while reservations never block each other on it. (A row lock on the
-  pointer row would do the same but needs the row to exist before the first activation,
-  and FOR SHARE from many transactions costs a multixact each.)
+  premise lock in SHARED mode in the BEGIN round trip; a registry step that changes an
+  artifact or the pointer takes it EXCLUSIVE before writing. So a pointer switch either
+  committed before the reservation read the pointer (and the reservation is judged against
+  the new one) or waits until the reservation committed, while reservations never block
+  each other on it. (A row lock on the pointer row would do the same but needs the row to
+  exist before the first activation, and FOR SHARE from many transactions costs a
+  multixact each.)
 - Steps that read a set of rows and write them (commit, abort, fail_update, expire_leases,
   quarantine_version) lock that set with ``SELECT ... ORDER BY rollout_id FOR UPDATE``;
   under READ COMMITTED the predicate is re-checked on rows that changed while waiting.
   The bad-version lock (shared for add/abort/expiry, exclusive for quarantine_version)
   keeps a rollout of a version being marked bad from slipping through open.
 
-Events and counters are written last, under the events lock (see `postgres_common`), in the
-same transaction as the rows they describe.
+Events and counters are written last, in one statement under the events lock (see
+`postgres_common`), in the same transaction as the rows they describe.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
-import attrs
-
-from rollout_lifecycle.model.errors import (
-    DuplicateRollout,
-    LedgerError,
-    RevisionConflict,
-    UnknownRollout,
-)
+from rollout_lifecycle.model.errors import DuplicateRollout, LedgerError
 from rollout_lifecycle.model.events import Change, EntryChanged, StoredRows, entry_events
 from rollout_lifecycle.model.ledger import (
-    CONFLICT,
-    IDEMPOTENT,
     NO_REGISTRY,
-    PROCESS_LOCAL_COUNTERS,
-    RESERVED,
     ActivationPremise,
     Clock,
-    LedgerStatistics,
     RecoveryRule,
-    ReserveOutcome,
-    ReserveRequest,
-    check_id,
+    StoreLedger,
+    UnitOfWork,
     check_lease_seconds,
-    check_requests,
-    check_revision,
-    check_update_id,
-    commit_plan,
-    direct_changes,
-    enforce,
-    plan_add,
-    plan_release,
-    plan_reserve,
-    plan_transition,
-    renew_plan,
-    replan_lost,
-    statistics_from,
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.postgres_common import (
@@ -89,22 +57,19 @@ from rollout_lifecycle.model.postgres_common import (
     PostgresDatabase,
     append_events,
     has_table,
-    lock,
     lock_sql,
     read_events,
     read_stored,
 )
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
-    AdmissionStamp,
-    Disposition,
     LedgerEntry,
-    Reward,
-    Rollout,
     from_jsonable,
     to_jsonable,
 )
 from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES, retired_from_rows
+
+T = TypeVar("T")
 
 COMPONENT = "ledger"
 SCHEMA_VERSION = 1
@@ -187,17 +152,13 @@ ORDER BY c.name
 ON CONFLICT (name, shard) DO UPDATE SET n = ledger_counters.n + excluded.n
 """
 
-# Same reason -> counter mapping as MemoryLedger; the conformance suite compares the counts.
-_COUNTER_OF = {
-    RESERVED: "reservations",
-    IDEMPOTENT: "idempotent_retries",
-    CONFLICT: "cas_conflicts",
-}
-
+_COUNT = "SELECT COUNT(*) FROM rollouts WHERE state = ANY(%s::text[])"
 _WAS_ACTIVE = sorted(WAS_ACTIVE_STATES)
-_PREMISE_LOCK = lock_sql(K_PREMISE, shared=True)
-# read off the machine, so "which states can be quarantined directly" is never retyped
-_QUARANTINABLE = [s for s in LIFECYCLE.states if LIFECYCLE.is_legal(s, "quarantine")]
+_LOCKS = {
+    "premise": lock_sql(K_PREMISE, shared=True),
+    "read": lock_sql(K_BAD, shared=True),
+    "change": lock_sql(K_BAD),
+}
 
 
 def _dump(entry: LedgerEntry) -> str:
@@ -208,28 +169,245 @@ def _load(text: str) -> LedgerEntry:
     return from_jsonable(LedgerEntry, json.loads(text))
 
 
-def _counter_of(reason: str) -> str:
-    return _COUNTER_OF.get(reason, "refused")
+def _rows(conn: Conn, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+    rows = conn.execute(
+        "SELECT rollout_id, entry FROM rollouts WHERE rollout_id = ANY(%s::text[])",
+        (list(rollout_ids),),
+    ).fetchall()
+    return {str(rid): _load(text) for rid, text in rows}
 
 
-def _check_version(version: object) -> int:
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ValueError(f"version must be a non-negative int, got {version!r}")
-    return version
+def _bad(conn: Conn) -> frozenset[int]:
+    return frozenset(int(r[0]) for r in conn.execute("SELECT version FROM ledger_bad_versions"))
 
 
-class PostgresLedger:
+class _Unit:
+    """One step's access to the server, inside its transaction."""
+
+    def __init__(self, store: PostgresStore, conn: Conn) -> None:
+        self.store = store
+        self.conn = conn
+        self.now: float | None = None  # the server's clock, once this step read it
+
+    def _locked(self, where: str, args: Sequence[Any]) -> list[LedgerEntry]:
+        """Rows matching `where`, locked in rollout_id order (re-checked after any wait)."""
+        rows = self.conn.execute(
+            f"SELECT entry FROM rollouts WHERE {where} ORDER BY rollout_id FOR UPDATE", args
+        ).fetchall()
+        return [_load(r[0]) for r in rows]
+
+    def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+        return _rows(self.conn, rollout_ids)
+
+    def owned(self, update_id: str) -> list[LedgerEntry]:
+        return self._locked("reserved_by = %s", (update_id,))
+
+    def due(self, now: float) -> list[LedgerEntry]:
+        return self._locked(
+            "reserved_by IS NOT NULL AND lease_expires_at IS NOT NULL AND lease_expires_at <= %s",
+            (now,),
+        )
+
+    def of_version(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
+        return self._locked(
+            "behavior_version = %s AND state = ANY(%s::text[])", (version, list(states))
+        )
+
+    def count(self, states: Sequence[str]) -> int:
+        row = self.conn.execute(_COUNT, (list(states),)).fetchone()
+        return 0 if row is None else int(row[0])
+
+    def read_premise(self) -> ActivationPremise:
+        """The premise, with the server's time now in the same round trip (see module doc:
+        the premise lock was taken in this transaction's first round trip)."""
+        if not self.store.registry_seen:
+            if not has_table(self.conn, "registry_pointer"):
+                return NO_REGISTRY
+            self.store.registry_seen = True  # a registry, once created, never goes away
+        row = self.conn.execute(
+            "SELECT extract(epoch FROM clock_timestamp())::float8, "
+            "(SELECT version FROM registry_pointer WHERE id = 1), "
+            "ARRAY(SELECT version FROM registry_artifacts WHERE state = ANY(%s::text[])), "
+            "(SELECT json_build_array(max_lag, max_drift) FROM registry_policy WHERE id = 1), "
+            "(SELECT json_agg(json_build_array(version, failure)) FROM registry_artifacts "
+            "WHERE state = 'rolled_back')",
+            (_WAS_ACTIVE,),
+        ).fetchone()
+        assert row is not None
+        server_now, pointer, was, pol, rolled = row
+        self.now = float(server_now)
+        return ActivationPremise(
+            None if pointer is None else int(pointer),
+            frozenset(int(v) for v in was),
+            None if pol is None else AdmissionPolicy(int(pol[0]), float(pol[1])),
+            retired_from_rows(rolled or ()),
+        )
+
+    def server_now(self) -> float | None:
+        if not self.store.server_clock:
+            return None
+        if self.now is None:
+            row = self.conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8")
+            found = row.fetchone()
+            assert found is not None
+            self.now = float(found[0])
+        return self.now
+
+    def bad_versions(self) -> frozenset[int]:
+        return _bad(self.conn)
+
+    def mark_bad(self, version: int, reason: str) -> None:
+        self.conn.execute(
+            "INSERT INTO ledger_bad_versions(version, reason) VALUES (%s, %s) "
+            "ON CONFLICT (version) DO NOTHING",
+            (version, reason),
+        )
+
+    def clear_bad(self, version: int) -> None:
+        self.conn.execute("DELETE FROM ledger_bad_versions WHERE version = %s", (version,))
+
+    def insert(self, entries: Sequence[LedgerEntry]) -> None:
+        doc = [
+            {
+                "rollout_id": e.rollout_id,
+                "state": e.state,
+                "revision": e.revision,
+                "reserved_by": e.reserved_by,
+                "lease": e.lease_expires_at,
+                "version": e.behavior_version,
+                "entry": _dump(e),
+            }
+            for e in entries
+        ]
+        got = {str(r[0]) for r in self.conn.execute(_INSERT_MANY, (json.dumps(doc),)).fetchall()}
+        if len(got) != len(entries):
+            dup = sorted({e.rollout_id for e in entries} - got) or sorted(
+                k for k, n in Counter(e.rollout_id for e in entries).items() if n > 1
+            )
+            raise DuplicateRollout(
+                f"rollout {dup[0]!r} is already in the ledger (or listed twice); nothing was added"
+            )
+
+    def write(self, pairs: Sequence[tuple[LedgerEntry, LedgerEntry]]) -> set[str]:
+        """Compare-and-set every pair in ONE statement; the ids that won."""
+        if len(pairs) == 1:
+            b, a = pairs[0]
+            args = (a.state, a.revision, a.reserved_by, a.lease_expires_at, _dump(a))
+            row = self.conn.execute(_CAS_ONE, (*args, a.rollout_id, b.revision)).fetchone()
+            return set() if row is None else {a.rollout_id}
+        doc = [
+            {
+                "rollout_id": a.rollout_id,
+                "expected": b.revision,
+                "state": a.state,
+                "revision": a.revision,
+                "reserved_by": a.reserved_by,
+                "lease": a.lease_expires_at,
+                "entry": _dump(a),
+            }
+            for b, a in pairs
+        ]
+        return {str(r[0]) for r in self.conn.execute(_CAS_MANY, (json.dumps(doc),)).fetchall()}
+
+    def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
+        rows = sorted((k, v) for k, v in counts.items() if v)
+        if changes:  # counters ride in the events' statement
+            append_events(self.conn, entry_events(changes, at), counters=dict(rows))
+        elif rows:
+            self.conn.execute(_BUMP, (json.dumps([{"name": k, "n": v} for k, v in rows]),))
+
+
+class PostgresStore:
+    """The ledger's tables on a PostgreSQL server; see the module doc."""
+
+    def __init__(self, db: PostgresDatabase, *, server_clock: bool) -> None:
+        self.db = db
+        self.server_clock = server_clock
+        self.registry_seen = False
+        self.closed = False
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise LedgerError(f"ledger on {self.db.where} is closed; open a new PostgresLedger")
+
+    def atomic(
+        self,
+        body: Callable[[UnitOfWork], T],
+        what: str,
+        *,
+        premise: bool = False,
+        bad: str | None = None,
+    ) -> T:
+        """One transaction; the step's advisory locks are taken right after BEGIN, in the
+        same round trip and in the fixed order (bad versions, then premise)."""
+        self._check_open()
+        if self.db.read_only:
+            raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
+        locks = [_LOCKS[bad]] if bad is not None else []
+        if premise:
+            locks.append(_LOCKS["premise"])
+        return self.db.write(lambda conn: body(_Unit(self, conn)), what, prologue="; ".join(locks))
+
+    def _read(self, body: Callable[[Conn], T], what: str, *, snapshot: bool = False) -> T:
+        self._check_open()
+        return self.db.read(body, what, snapshot=snapshot)
+
+    def find(self, rollout_id: str) -> LedgerEntry | None:
+        return self._read(lambda c: _rows(c, [rollout_id]).get(rollout_id), "find")
+
+    def reserved_by(self, update_id: str) -> list[str]:
+        sql = "SELECT rollout_id FROM rollouts WHERE reserved_by = %s ORDER BY rollout_id"
+        rows = self._read(lambda c: c.execute(sql, (update_id,)).fetchall(), "reserved_by")
+        return [str(r[0]) for r in rows]
+
+    def snapshot(self) -> dict[str, LedgerEntry]:
+        sql = "SELECT rollout_id, entry FROM rollouts ORDER BY rollout_id"
+        rows = self._read(lambda c: c.execute(sql).fetchall(), "snapshot")
+        return {str(rid): _load(text) for rid, text in rows}
+
+    def in_state(self, state: str, limit: int | None) -> list[LedgerEntry]:
+        sql = "SELECT entry FROM rollouts WHERE state = %s ORDER BY rollout_id LIMIT %s"
+        rows = self._read(lambda c: c.execute(sql, (state, limit)).fetchall(), "in_state")
+        return [_load(r[0]) for r in rows]
+
+    def bad_versions(self) -> frozenset[int]:
+        return self._read(_bad, "bad_versions")
+
+    def history(self, rollout_id: str | None) -> list[EntryChanged]:
+        evs = self._read(lambda c: read_events(c, "entry", rollout_id), "history")
+        return [e for e in evs if isinstance(e, EntryChanged)]
+
+    def tallies(self) -> tuple[Mapping[str, int], Mapping[str, int], Iterable[int]]:
+        def body(conn: Conn) -> tuple[dict[str, int], dict[str, int], frozenset[int]]:
+            states = conn.execute("SELECT state, COUNT(*) FROM rollouts GROUP BY state")
+            sums = conn.execute("SELECT name, SUM(n) FROM ledger_counters GROUP BY name")
+            by_state = {str(s): int(n) for s, n in states.fetchall()}
+            return by_state, {str(k): int(n) for k, n in sums.fetchall()}, _bad(conn)
+
+        return self._read(body, "statistics", snapshot=True)
+
+    def stored_rows(self) -> StoredRows:
+        return self._read(read_stored, "reading every stored row", snapshot=True)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.db.release()
+
+
+class PostgresLedger(StoreLedger):
     """Durable ledger on a PostgreSQL server; any number of threads and processes share it.
 
     `url` is a postgresql:// URL (or a `PostgresDatabase` shared with a registry). The
     tables are created (or migrated) on first use; with `read_only` nothing is ever
     written, not even a table (the connections run with default_transaction_read_only).
     `schema` puts the tables in that schema (created on first use) instead of the
-    connection's current one.
+    connection's current one. Lease deadlines and expiry use the SERVER's clock, read
+    inside the writing transaction, unless a test injects `clock`; `clock` then only
+    dates events.
     """
 
-    #: counters of outcomes that write nothing, kept per ledger object (see _bump)
-    process_local_counters: ClassVar[frozenset[str]] = PROCESS_LOCAL_COUNTERS
+    store: PostgresStore
 
     def __init__(
         self,
@@ -244,698 +422,55 @@ class PostgresLedger:
         retry_seconds: float = 30.0,
     ) -> None:
         lease_seconds = check_lease_seconds(lease_seconds)
-        # lease deadlines and expiry use the SERVER's clock, read inside the writing
-        # transaction, unless a test injects a clock; `self.clock` then only dates events
-        self._server_clock = clock is None
-        self.clock: Clock = clock if clock is not None else time.time
-        self.lease_seconds = float(lease_seconds)
-        self.recovery = recovery or RecoveryRule()
         if isinstance(url, PostgresDatabase):
-            self.db = url.acquire()
+            db = url.acquire()
         else:
-            self.db = PostgresDatabase(
+            db = PostgresDatabase(
                 url,
                 schema=schema,
                 read_only=read_only,
                 pool_size=pool_size,
                 retry_seconds=retry_seconds,
             ).acquire()
-        self.read_only = self.db.read_only
-        self._outcomes: Counter[str] = Counter()  # outcomes that write nothing (see _bump)
-        self._outcomes_lock = threading.Lock()
-        self._local = threading.local()
-        self._registry_seen = False
-        self._closed = False
+        store = PostgresStore(db, server_clock=clock is None)
+        super().__init__(
+            store, clock=clock or time.time, lease_seconds=lease_seconds, recovery=recovery
+        )
         try:
-            if self.read_only:
-                if self.db.check_readable(COMPONENT, SCHEMA_VERSION) is None:
+            if db.read_only:
+                if db.check_readable(COMPONENT, SCHEMA_VERSION) is None:
                     raise LedgerError(
-                        f"{self.db.where} holds no rollout-lifecycle ledger (reading never "
+                        f"{db.where} holds no rollout-lifecycle ledger (reading never "
                         "creates one; check the URL's database and schema)"
                     )
             else:
-                self.db.ensure_schema(COMPONENT, SCHEMA_VERSION, _DDL)
+                db.ensure_schema(COMPONENT, SCHEMA_VERSION, _DDL)
         except BaseException:
             self.close()
             raise
 
     @property
+    def db(self) -> PostgresDatabase:
+        """The database (and its pool) this ledger uses, possibly shared with a registry."""
+        return self.store.db
+
+    @property
+    def read_only(self) -> bool:
+        """Whether nothing may be written through this ledger."""
+        return self.store.db.read_only
+
+    @property
     def where(self) -> str:
         """host:port/dbname of the server, for messages."""
-        return self.db.where
-
-    # ---- helpers ---------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LedgerError(f"ledger on {self.db.where} is closed; open a new PostgresLedger")
-
-    def _write(self, body: Any, what: str, *, premise: bool = False) -> Any:
-        """One write step; with `premise`, the premise lock is taken (shared) right after
-        BEGIN, in the same round trip, before anything the step reads."""
-        self._check_open()
-        if self.read_only:
-            raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
-        prologue = _PREMISE_LOCK if premise else ""
-        pending: Counter[str] = Counter()
-
-        def attempt(conn: Conn) -> Any:
-            # outcomes that write nothing are counted only once the step's transaction is
-            # done, and afresh on each attempt (a step run again must not count twice)
-            pending.clear()
-            self._local.pending = pending
-            try:
-                return body(conn)
-            finally:
-                self._local.pending = None
-
-        result = self.db.write(attempt, what, prologue=prologue)
-        if pending:
-            with self._outcomes_lock:
-                self._outcomes.update(pending)
-        return result
-
-    def _read(self, body: Any, what: str, *, snapshot: bool = False) -> Any:
-        self._check_open()
-        return self.db.read(body, what, snapshot=snapshot)
-
-    def _bump(self, conn: Conn, counts: Mapping[str, int]) -> None:
-        """Add to counters: counts of writes go to the server in the step's transaction;
-        outcomes that write nothing (a lost compare-and-set, a refusal, an idempotent retry)
-        are counted by this ledger object only, so a losing racer writes nothing at all."""
-        local = {k: v for k, v in counts.items() if v and k in PROCESS_LOCAL_COUNTERS}
-        if local:
-            pending = getattr(self._local, "pending", None)
-            if pending is None:
-                with self._outcomes_lock:
-                    self._outcomes.update(local)
-            else:
-                pending.update(local)
-        rows = sorted((k, v) for k, v in counts.items() if v and k not in local)
-        if rows:
-            conn.execute(_BUMP, (json.dumps([{"name": k, "n": v} for k, v in rows]),))
-
-    def _bump_now(self, counts: Mapping[str, int]) -> None:
-        """Counters of an outcome decided before any transaction (a stale read, a bad stamp)."""
-        self._check_open()
-        if any(k not in PROCESS_LOCAL_COUNTERS for k, v in counts.items() if v):
-            if self.read_only:
-                raise LedgerError(
-                    f"ledger on {self.db.where} was opened read-only; nothing written"
-                )
-            self.db.write(lambda conn: self._bump(conn, counts), "updating counters")
-        else:
-            with self._outcomes_lock:
-                self._outcomes.update({k: v for k, v in counts.items() if v})
-
-    @staticmethod
-    def _row(conn: Conn, rollout_id: str) -> LedgerEntry | None:
-        row = conn.execute(
-            "SELECT entry FROM rollouts WHERE rollout_id = %s", (rollout_id,)
-        ).fetchone()
-        return None if row is None else _load(row[0])
-
-    @staticmethod
-    def _rows(conn: Conn, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
-        rows = conn.execute(
-            "SELECT rollout_id, entry FROM rollouts WHERE rollout_id = ANY(%s::text[])",
-            (list(rollout_ids),),
-        ).fetchall()
-        return {str(rid): _load(text) for rid, text in rows}
-
-    @staticmethod
-    def _locked(conn: Conn, where: str, args: Sequence[Any]) -> list[LedgerEntry]:
-        """Rows matching `where`, locked in rollout_id order (re-checked after any wait)."""
-        rows = conn.execute(
-            f"SELECT entry FROM rollouts WHERE {where} ORDER BY rollout_id FOR UPDATE", args
-        ).fetchall()
-        return [_load(r[0]) for r in rows]
-
-    @staticmethod
-    def _bad_versions(conn: Conn) -> set[int]:
-        return {int(r[0]) for r in conn.execute("SELECT version FROM ledger_bad_versions")}
-
-    @staticmethod
-    def _cas_one(conn: Conn, before: LedgerEntry, after: LedgerEntry) -> bool:
-        """THE compare-and-set of one row: one conditional UPDATE; False when it lost."""
-        row = conn.execute(
-            _CAS_ONE,
-            (
-                after.state,
-                after.revision,
-                after.reserved_by,
-                after.lease_expires_at,
-                _dump(after),
-                after.rollout_id,
-                before.revision,
-            ),
-        ).fetchone()
-        return row is not None
-
-    @staticmethod
-    def _cas_many(conn: Conn, pairs: Sequence[tuple[LedgerEntry, LedgerEntry]]) -> set[str]:
-        """Compare-and-set many rows in ONE statement; returns the ids that won."""
-        if not pairs:
-            return set()
-        if len(pairs) == 1:
-            before, after = pairs[0]
-            return {after.rollout_id} if PostgresLedger._cas_one(conn, before, after) else set()
-        doc = [
-            {
-                "rollout_id": after.rollout_id,
-                "expected": before.revision,
-                "state": after.state,
-                "revision": after.revision,
-                "reserved_by": after.reserved_by,
-                "lease": after.lease_expires_at,
-                "entry": _dump(after),
-            }
-            for before, after in pairs
-        ]
-        rows = conn.execute(_CAS_MANY, (json.dumps(doc),)).fetchall()
-        return {str(r[0]) for r in rows}
-
-    def _apply(self, conn: Conn, changes: Sequence[Change]) -> None:
-        """Write changes to rows this transaction locked; a lost CAS here is a bug."""
-        pairs = [(b, a) for _, b, a, _ in changes if b is not None]
-        if len(pairs) != len(changes):
-            raise LedgerError("an update without a before-image reached _apply")
-        enforce(a for _, a in pairs)
-        won = self._cas_many(conn, pairs)
-        if len(won) != len(pairs):
-            lost = sorted({a.rollout_id for _, a in pairs} - won)
-            raise LedgerError(f"rollouts {lost[:5]} changed under this transaction's row locks")
-
-    def _finish(self, conn: Conn, changes: Sequence[Change], counts: Mapping[str, int]) -> None:
-        """Events and counters of a step, last, under the events lock (held to COMMIT)."""
-        total = Counter(counts)
-        total["writes"] += len(changes)
-        local = {k: total.pop(k) for k in PROCESS_LOCAL_COUNTERS if k in total}
-        self._bump(conn, local)  # counted by this object once the step is over
-        if not changes:
-            self._bump(conn, total)
-            return
-        append_events(conn, entry_events(changes, self.clock()), counters=total)
-
-    def _now(self, conn: Conn) -> float:
-        """The deployment's clock: the server's, inside this transaction (see model.clocks)."""
-        if not self._server_clock:
-            return self.clock()
-        row = conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
-        assert row is not None
-        return float(row[0])
-
-    def _premise(self, conn: Conn) -> tuple[ActivationPremise, float]:
-        """The active pointer, ever-active and retired versions and the recorded policy,
-        read inside the caller's transaction after its prologue took the premise lock
-        shared (see the module doc; the lock comes first, so a first activation committing
-        meanwhile waits for this step too), with the deployment's time now, in the same
-        round trip. A database without registry tables (a ledger on its own) gives
-        NO_REGISTRY."""
-        if not self._registry_seen:
-            if not has_table(conn, "registry_pointer"):
-                return NO_REGISTRY, self._now(conn)
-            self._registry_seen = True  # a registry, once created, never goes away
-        row = conn.execute(
-            "SELECT extract(epoch FROM clock_timestamp())::float8, "
-            "(SELECT version FROM registry_pointer WHERE id = 1), "
-            "ARRAY(SELECT version FROM registry_artifacts WHERE state = ANY(%s::text[])), "
-            "(SELECT json_build_array(max_lag, max_drift) FROM registry_policy WHERE id = 1), "
-            "(SELECT json_agg(json_build_array(version, failure)) FROM registry_artifacts "
-            "WHERE state = 'rolled_back')",
-            (_WAS_ACTIVE,),
-        ).fetchone()
-        assert row is not None
-        server_now, pointer, was, pol, rolled = row
-        premise = ActivationPremise(
-            None if pointer is None else int(pointer),
-            frozenset(int(v) for v in was),
-            None if pol is None else AdmissionPolicy(int(pol[0]), float(pol[1])),
-            retired_from_rows(rolled or ()),
-        )
-        return premise, float(server_now) if self._server_clock else self.clock()
-
-    # ---- protocol --------------------------------------------------------------------------
-
-    def add(self, rollout: Rollout | LedgerEntry) -> LedgerEntry:
-        """Insert a new rollout at revision 0; its id must be new."""
-        return self.add_many([rollout])[0]
-
-    def add_many(self, rollouts: Sequence[Rollout | LedgerEntry]) -> list[LedgerEntry]:
-        """Insert several new rollouts in one transaction and one INSERT statement.
-
-        All or nothing: a duplicate id anywhere (stored or in the list) adds none of them.
-        """
-        entries = [r.entry() if isinstance(r, Rollout) else r for r in rollouts]
-        for e in entries:
-            plan_add(e, ())  # validate before taking any lock
-        if not entries:
-            return []
-
-        def body(conn: Conn) -> list[LedgerEntry]:
-            lock(conn, K_BAD, shared=True)
-            bad = self._bad_versions(conn)
-            plans = [plan_add(e, bad) for e in entries]
-            final = [p[-1][2] for p in plans]
-            doc = [
-                {
-                    "rollout_id": e.rollout_id,
-                    "state": e.state,
-                    "revision": e.revision,
-                    "reserved_by": e.reserved_by,
-                    "lease": e.lease_expires_at,
-                    "version": e.behavior_version,
-                    "entry": _dump(e),
-                }
-                for e in final
-            ]
-            got = {str(r[0]) for r in conn.execute(_INSERT_MANY, (json.dumps(doc),)).fetchall()}
-            if len(got) != len(final):
-                dup = sorted({e.rollout_id for e in final} - got) or sorted(
-                    k for k, n in Counter(e.rollout_id for e in final).items() if n > 1
-                )
-                raise DuplicateRollout(
-                    f"rollout {dup[0]!r} is already in the ledger (or listed twice); "
-                    "nothing was added"
-                )
-            self._finish(conn, [(ev, b, a, None) for p in plans for ev, b, a in p], {})
-            return final
-
-        result: list[LedgerEntry] = self._write(body, "add")
-        return result
-
-    def find(self, rollout_id: str) -> LedgerEntry | None:
-        """The entry, or None when absent."""
-        check_id(rollout_id)
-        found: LedgerEntry | None = self._read(lambda c: self._row(c, rollout_id), "find")
-        return found
-
-    def get(self, rollout_id: str) -> LedgerEntry:
-        """The entry; UnknownRollout when absent."""
-        e = self.find(rollout_id)
-        if e is None:
-            raise UnknownRollout(f"rollout {rollout_id!r} is not in the ledger")
-        return e
+        return self.store.db.where
 
     def in_state(self, state: str, limit: int | None = None) -> list[LedgerEntry]:
         """Entries in `state`, by rollout id (at most `limit`): a learner's 'what is waiting'."""
         if state not in LIFECYCLE.states:
             raise ValueError(f"unknown lifecycle state {state!r}")
-
-        def body(conn: Conn) -> list[LedgerEntry]:
-            rows = conn.execute(
-                "SELECT entry FROM rollouts WHERE state = %s ORDER BY rollout_id LIMIT %s",
-                (state, limit),
-            ).fetchall()
-            return [_load(r[0]) for r in rows]
-
-        result: list[LedgerEntry] = self._read(body, "in_state")
-        return result
-
-    def transition(
-        self,
-        rollout_id: str,
-        event: str,
-        expected_revision: int,
-        *,
-        reward: Reward | None = None,
-        disposition: Disposition | None = None,
-    ) -> LedgerEntry:
-        """Fire a direct lifecycle event under compare-and-set; nothing changes on failure."""
-        changes = direct_changes(event, reward, disposition)
-        check_revision(expected_revision)
-        entry = self.get(rollout_id)
-        if entry.revision != expected_revision:
-            self._bump_now({"cas_conflicts": 1})
-            raise RevisionConflict(rollout_id, expected_revision, entry.revision)
-        new = plan_transition(entry, event, **changes)
-        enforce([new])
-
-        def body(conn: Conn) -> LedgerEntry | int:
-            if self._cas_one(conn, entry, new):
-                self._finish(conn, [(event, entry, new, None)], {})
-                return new
-            # lost between the read and the write: count it, report what is there now
-            self._bump(conn, {"cas_conflicts": 1})
-            now = self._row(conn, rollout_id)
-            return -1 if now is None else now.revision
-
-        out = self._write(body, f"transition {event}")
-        if isinstance(out, LedgerEntry):
-            return out
-        raise RevisionConflict(rollout_id, expected_revision, int(out))
-
-    def reserve(
-        self,
-        rollout_id: str,
-        expected_revision: int,
-        update_id: str,
-        admission: AdmissionStamp | None,
-    ) -> ReserveOutcome:
-        """Compare-and-set reservation of one rollout: unlocked read, one conditional UPDATE."""
-        check_update_id(update_id)
-        entry = self.find(rollout_id)
-        lease = self.clock() + self.lease_seconds
-        # plan on the unlocked read (a conflict or a bad stamp costs no transaction) ...
-        out, new = plan_reserve(
-            entry,
-            rollout_id,
-            expected_revision,
-            update_id,
-            admission,
-            premise=NO_REGISTRY,
-            lease_expires_at=lease,
-        )
-        if new is None or entry is None:
-            self._bump_now({_counter_of(out.reason): 1})
-            return out
-        enforce([new])
-        planned, fresh = out, new
-
-        def body(conn: Conn) -> ReserveOutcome:
-            # ... and judge the premise against the pointer of THIS moment, under its lock
-            premise, now = self._premise(conn)
-            refusal = premise.refusal(admission, entry.behavior_version)
-            if refusal is not None:
-                self._bump(conn, {"refused": 1})
-                return ReserveOutcome(rollout_id, False, refusal[0], entry, refusal[1])
-            nonlocal planned, fresh
-            if self._server_clock:  # the deadline is the server's, not this client's
-                fresh = attrs.evolve(fresh, lease_expires_at=now + self.lease_seconds)
-                planned = attrs.evolve(planned, entry=fresh)
-            if self._cas_one(conn, entry, fresh):
-                self._finish(conn, [("reserve", entry, fresh, update_id)], {"reservations": 1})
-                return planned
-            return self._lost(conn, rollout_id, expected_revision, update_id, admission, lease)
-
-        result: ReserveOutcome = self._write(body, "reserve", premise=True)
-        return result
-
-    def _lost(
-        self,
-        conn: Conn,
-        rollout_id: str,
-        expected_revision: int,
-        update_id: str,
-        admission: AdmissionStamp | None,
-        lease: float,
-    ) -> ReserveOutcome:
-        """A CAS that lost: re-plan on the row as it is now. Revisions only grow, so the
-        planner can only say conflict, or idempotent if this same update reserved it
-        meanwhile (e.g. through a concurrent batch)."""
-        now = self._row(conn, rollout_id)
-        again = replan_lost(now, rollout_id, expected_revision, update_id, admission, lease)
-        self._bump(conn, {_counter_of(again.reason): 1})
-        return again
-
-    def reserve_batch(
-        self, update_id: str, requests: Sequence[ReserveRequest]
-    ) -> list[ReserveOutcome]:
-        """Reserve many rollouts in one transaction with ONE compare-and-set statement.
-
-        Each item wins or loses on its own revision; a crash (or SIGKILL) before COMMIT
-        leaves none of them reserved.
-        """
-        check_update_id(update_id)
-        requests = check_requests(requests)  # the same refusals as every other backend
-        if not requests:
-            return []
-
-        def body(conn: Conn) -> list[ReserveOutcome]:
-            premise, server_now = self._premise(conn)
-            lease = server_now + self.lease_seconds
-            entries = self._rows(conn, [r.rollout_id for r in requests])
-            outcomes: list[ReserveOutcome] = []
-            planned: dict[str, tuple[LedgerEntry, LedgerEntry]] = {}
-            for r in requests:
-                entry = entries.get(r.rollout_id)
-                out, new = plan_reserve(
-                    entry,
-                    r.rollout_id,
-                    r.expected_revision,
-                    update_id,
-                    r.admission,
-                    premise=premise,
-                    lease_expires_at=lease,
-                )
-                if new is not None and entry is not None:
-                    planned[r.rollout_id] = (entry, new)
-                outcomes.append(out)
-            enforce(a for _, a in planned.values())
-            won = self._cas_many(conn, list(planned.values()))
-            lost = sorted(set(planned) - won)
-            now = self._rows(conn, lost) if lost else {}
-            counts: Counter[str] = Counter()
-            changes: list[Change] = []
-            for i, (r, out) in enumerate(zip(requests, outcomes, strict=True)):
-                rid = r.rollout_id
-                if rid in won:
-                    before, after = planned[rid]
-                    changes.append(("reserve", before, after, update_id))
-                elif rid in planned:
-                    again, _ = plan_reserve(
-                        now.get(rid),
-                        rid,
-                        r.expected_revision,
-                        update_id,
-                        r.admission,
-                        premise=NO_REGISTRY,
-                        lease_expires_at=lease,
-                    )
-                    if again.reason != IDEMPOTENT:
-                        again = ReserveOutcome(rid, False, CONFLICT, now.get(rid))
-                    outcomes[i] = out = again
-                counts[_counter_of(out.reason)] += 1
-            self._finish(conn, changes, counts)
-            return outcomes
-
-        result: list[ReserveOutcome] = self._write(body, "reserve_batch", premise=True)
-        return result
-
-    def commit(self, update_id: str, rollout_ids: Sequence[str]) -> list[LedgerEntry]:
-        """Consume exactly the rollouts `update_id` reserved, atomically; else CommitMismatch."""
-        check_update_id(update_id)
-
-        def body(conn: Conn) -> list[LedgerEntry]:
-            owned = self._locked(conn, "reserved_by = %s", (update_id,))
-            new = commit_plan(update_id, rollout_ids, owned)
-            changes: list[Change] = [
-                ("commit", b, a, update_id) for b, a in zip(owned, new, strict=True)
-            ]
-            self._apply(conn, changes)
-            self._finish(conn, changes, {"commits": 1})
-            return new
-
-        result: list[LedgerEntry] = self._write(body, "commit")
-        return result
-
-    def abort(self, update_id: str) -> list[LedgerEntry]:
-        """Return every reservation of `update_id` under the recovery rule."""
-        check_update_id(update_id)
-
-        def body(conn: Conn) -> list[LedgerEntry]:
-            lock(conn, K_BAD, shared=True)
-            owned = self._locked(conn, "reserved_by = %s", (update_id,))
-            bad = self._bad_versions(conn)
-            new = [plan_release(e, "abort", self.recovery, bad) for e in owned]
-            changes: list[Change] = [
-                ("abort", b, a, update_id) for b, a in zip(owned, new, strict=True)
-            ]
-            self._apply(conn, changes)
-            self._finish(conn, changes, {"aborts": 1})
-            return new
-
-        result: list[LedgerEntry] = self._write(body, "abort")
-        return result
-
-    def fail_update(self, update_id: str, cause: str, detail: str = "") -> list[LedgerEntry]:
-        """The update itself failed with this data: its rollouts end in update_failed."""
-        if not update_id or not cause:
-            raise ValueError("update_id and cause must be non-empty strings")
-
-        def body(conn: Conn) -> list[LedgerEntry]:
-            owned = self._locked(conn, "reserved_by = %s", (update_id,))
-            new = [
-                plan_transition(
-                    e,
-                    "update_failed",
-                    reserved_by=None,
-                    lease_expires_at=None,
-                    disposition=Disposition("update", cause, detail),
-                )
-                for e in owned
-            ]
-            changes: list[Change] = [
-                ("update_failed", b, a, update_id) for b, a in zip(owned, new, strict=True)
-            ]
-            self._apply(conn, changes)
-            self._finish(conn, changes, {})
-            return new
-
-        result: list[LedgerEntry] = self._write(body, "fail_update")
-        return result
-
-    def expire_leases(self) -> list[LedgerEntry]:
-        """Return reservations whose lease ran out (a crashed learner never blocks forever)."""
-
-        def body(conn: Conn) -> list[LedgerEntry]:
-            lock(conn, K_BAD, shared=True)
-            now = self._now(conn)
-            due = self._locked(
-                conn,
-                "reserved_by IS NOT NULL AND lease_expires_at IS NOT NULL "
-                "AND lease_expires_at <= %s",
-                (now,),
-            )
-            bad = self._bad_versions(conn)
-            new = [plan_release(e, "expire_lease", self.recovery, bad) for e in due]
-            changes: list[Change] = [
-                ("expire_lease", b, a, b.reserved_by) for b, a in zip(due, new, strict=True)
-            ]
-            self._apply(conn, changes)
-            self._finish(conn, changes, {"expirations": len(new)})
-            return new
-
-        result: list[LedgerEntry] = self._write(body, "expire_leases")
-        return result
-
-    def renew_leases(self, update_id: str) -> list[LedgerEntry]:
-        """Heartbeat of a long update: every rollout it holds gets a full lease from now
-        (the server's clock), in one transaction."""
-        check_update_id(update_id)
-
-        def body(conn: Conn) -> list[LedgerEntry]:
-            owned = self._locked(conn, "reserved_by = %s", (update_id,))
-            new = renew_plan(owned, self._now(conn), self.lease_seconds)
-            changes: list[Change] = [
-                ("renew_lease", b, a, update_id) for b, a in zip(owned, new, strict=True)
-            ]
-            self._apply(conn, changes)
-            self._finish(conn, changes, {})
-            return new
-
-        result: list[LedgerEntry] = self._write(body, "renew_leases")
-        return result
-
-    def quarantine_version(self, version: int, reason: str) -> list[LedgerEntry]:
-        """Mark a version bad: quarantine its open rollouts now, reserved ones on return."""
-        _check_version(version)
-
-        def body(conn: Conn) -> list[LedgerEntry]:
-            lock(conn, K_BAD)
-            conn.execute(
-                "INSERT INTO ledger_bad_versions(version, reason) VALUES (%s, %s) "
-                "ON CONFLICT (version) DO NOTHING",
-                (version, reason),
-            )
-            due = self._locked(
-                conn, "behavior_version = %s AND state = ANY(%s::text[])", (version, _QUARANTINABLE)
-            )
-            d = Disposition("activation", "failed_version", reason)
-            new = [plan_transition(e, "quarantine", disposition=d) for e in due]
-            changes: list[Change] = [
-                ("quarantine", b, a, None) for b, a in zip(due, new, strict=True)
-            ]
-            self._apply(conn, changes)
-            self._finish(conn, changes, {})
-            return new
-
-        result: list[LedgerEntry] = self._write(body, "quarantine_version")
-        return result
-
-    def clear_bad_version(self, version: int) -> None:
-        """Lift the mark: the version became active after a retry, its new rollouts are good.
-
-        Rollouts already quarantined stay quarantined (terminal states absorb).
-        """
-        _check_version(version)
-
-        def body(conn: Conn) -> None:
-            lock(conn, K_BAD)
-            conn.execute("DELETE FROM ledger_bad_versions WHERE version = %s", (version,))
-
-        self._write(body, "clear_bad_version")
-
-    @property
-    def bad_versions(self) -> frozenset[int]:
-        """Versions marked bad by quarantine_version, on this server (any process)."""
-        found: frozenset[int] = self._read(
-            lambda c: frozenset(self._bad_versions(c)), "bad_versions"
-        )
-        return found
-
-    def reserved_by(self, update_id: str) -> list[str]:
-        """Ids currently reserved by `update_id`, sorted."""
-
-        def body(conn: Conn) -> list[str]:
-            rows = conn.execute(
-                "SELECT rollout_id FROM rollouts WHERE reserved_by = %s ORDER BY rollout_id",
-                (update_id,),
-            ).fetchall()
-            return [str(r[0]) for r in rows]
-
-        result: list[str] = self._read(body, "reserved_by")
-        return result
-
-    def snapshot(self) -> dict[str, LedgerEntry]:
-        """A consistent copy of every entry (one statement sees one snapshot)."""
-
-        def body(conn: Conn) -> dict[str, LedgerEntry]:
-            rows = conn.execute(
-                "SELECT rollout_id, entry FROM rollouts ORDER BY rollout_id"
-            ).fetchall()
-            return {str(rid): _load(text) for rid, text in rows}
-
-        result: dict[str, LedgerEntry] = self._read(body, "snapshot")
-        return result
-
-    def history(self, rollout_id: str | None = None) -> list[EntryChanged]:
-        """This database's ledger trace (shared `events` table), optionally for one rollout."""
-        if rollout_id is not None:
-            check_id(rollout_id)
-        evs = self._read(lambda c: read_events(c, "entry", rollout_id), "history")
-        return [e for e in evs if isinstance(e, EntryChanged)]
+        return self.store.in_state(state, limit)
 
     def stored_rows(self) -> StoredRows:
         """Every table of the schema (ledger and registry), the events with their hash chain
         and its head, from one REPEATABLE READ snapshot: what `ledger check` audits."""
-        found: StoredRows = self._read(read_stored, "reading every stored row", snapshot=True)
-        return found
-
-    def statistics(self) -> LedgerStatistics:
-        """Counts by state and counters, from one REPEATABLE READ snapshot."""
-
-        def body(conn: Conn) -> tuple[dict[str, int], dict[str, int], set[int]]:
-            by_state = {
-                str(s): int(n)
-                for s, n in conn.execute(
-                    "SELECT state, COUNT(*) FROM rollouts GROUP BY state"
-                ).fetchall()
-            }
-            counters = {
-                str(k): int(n)
-                for k, n in conn.execute(
-                    "SELECT name, SUM(n) FROM ledger_counters GROUP BY name"
-                ).fetchall()
-            }
-            return by_state, counters, self._bad_versions(conn)
-
-        by_state, counters, bad = self._read(body, "statistics", snapshot=True)
-        with self._outcomes_lock:
-            for k, v in self._outcomes.items():
-                counters[k] = counters.get(k, 0) + v
-        base = statistics_from((), counters, bad)
-        states = {s: int(by_state.get(s, 0)) for s in base.by_state}
-        return attrs.evolve(base, entries=sum(states.values()), by_state=states)
-
-    def close(self) -> None:
-        """Release this ledger's hold on the connection pool; later use raises. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self.db.release()
-
-    def __enter__(self) -> PostgresLedger:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return self.store.stored_rows()

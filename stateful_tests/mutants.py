@@ -528,32 +528,11 @@ def _ack_registered_hash(
     return loaded, attrs.evolve(ack, artifact_hash=expected_hash)
 
 
-def _unconditional_cas(conn: Any, before: LedgerEntry, after: LedgerEntry) -> bool:
-    """SQLite's CAS without `AND revision = ?`: atomic on one connection (the read and the
-    write of one thread never interleave with another's) but not across connections."""
-    from rollout_lifecycle.model import sqlite_ledger as sl
-
-    cur = conn.execute(
-        "UPDATE rollouts SET state = ?, revision = ?, reserved_by = ?, lease_expires_at = ?, "
-        "entry = ? WHERE rollout_id = ?",
-        (
-            after.state,
-            after.revision,
-            after.reserved_by,
-            after.lease_expires_at,
-            sl._dump(after),
-            after.rollout_id,
-        ),
-    )
-    return bool(cur.rowcount == 1)
-
-
-@contextlib.contextmanager
-def _cas_one_connection() -> Iterator[None]:
-    from rollout_lifecycle.model import sqlite_ledger as sl
-
-    with patch_everywhere(sl.SQLiteLedger, "_cas", staticmethod(_unconditional_cas)):
-        yield
+def _unconditional_cas(sql: str) -> str:
+    """SQLite's CAS without its revision condition (the placeholder stays, so the statement
+    takes the same parameters): atomic on one connection (the read and the write of one
+    thread never interleave with another's) but not across connections."""
+    return sql.replace("AND revision = ?", "AND ? IS NOT NULL")
 
 
 def _simple(
@@ -629,9 +608,11 @@ def _cas_many_unconditional(sql: str) -> str:
     return out.replace("AND r.revision = v.expected", "")
 
 
-def _skip_premise(write: Any) -> Any:
-    def no_lock(self: Any, body: Any, what: str, *, premise: bool = False) -> Any:
-        return write(self, body, what)
+def _skip_premise(atomic: Any) -> Any:
+    def no_lock(
+        self: Any, body: Any, what: str, *, premise: bool = False, bad: str | None = None
+    ) -> Any:
+        return atomic(self, body, what, bad=bad)
 
     return no_lock
 
@@ -908,7 +889,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         "SQLite's compare-and-set drops its revision condition: correct on one connection, "
         "two learners on two connections both win a rollout (issue 14: one connection)",
         1,
-        _cas_one_connection,
+        _wrap("rollout_lifecycle.model.sqlite_ledger", "_CAS", _unconditional_cas),
         reach=("race",),
     ),
     Mutant(
@@ -938,7 +919,7 @@ CATALOGUE += (
         "a PostgreSQL reservation reads the pointer without the premise lock: a pointer switch "
         "committed between its read and its write goes unseen",
         None,
-        _wrap(_PG, "PostgresLedger._write", _skip_premise),
+        _wrap(_PG, "PostgresStore.atomic", _skip_premise),
         reach=("race",),
         klass="unloaded",
         backend="postgresql",

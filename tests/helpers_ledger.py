@@ -188,8 +188,8 @@ def crash_child(path: str, update_id: str, n: int, stop_after: int | None, signa
                 time.sleep(600)
             return real(*args, **kwargs)
 
-        # the ledger looks the planner up in its module globals at each call
-        vars(sl)["plan_reserve"] = stalling
+        # the ledger (model.ledger.StoreLedger) looks the planner up in its module globals
+        vars(ml)["plan_reserve"] = stalling
     ledger.reserve_batch(update_id, [ReserveRequest(r, 0, stamp()) for r in ids(n)])
     _signal(signal, "committed")
     time.sleep(600)

@@ -257,7 +257,7 @@ def test_lost_cas_in_reserve_changes_nothing(
     mine, other = SQLiteLedger(path), SQLiteLedger(path)
     add_rewarded(mine, ["a"])
     race = Interleave("plan_reserve", lambda: other.reserve("a", 0, "them", stamp()))
-    monkeypatch.setattr(sl, "plan_reserve", race)
+    monkeypatch.setattr(ml, "plan_reserve", race)
     out = mine.reserve("a", 0, "us", stamp())
     assert (out.reserved, out.reason) == (False, "revision_conflict")
     assert out.entry is not None and out.entry.reserved_by == "them"
@@ -279,7 +279,7 @@ def test_lost_cas_to_the_same_update_is_idempotent(
     mine, other = SQLiteLedger(path), SQLiteLedger(path)
     add_rewarded(mine, ["a"])
     race = Interleave("plan_reserve", lambda: other.reserve("a", 0, "us", stamp()))
-    monkeypatch.setattr(sl, "plan_reserve", race)
+    monkeypatch.setattr(ml, "plan_reserve", race)
     out = mine.reserve("a", 0, "us", stamp())
     assert (out.reserved, out.reason) == (True, "idempotent_retry")
     assert mine.get("a").revision == 1 and len(mine.history()) == 2
@@ -293,7 +293,7 @@ def test_lost_cas_in_transition_raises(tmp_path: Path, monkeypatch: pytest.Monke
     mine, other = SQLiteLedger(path), SQLiteLedger(path)
     add_rewarded(mine, ["a"])
     monkeypatch.setattr(
-        sl,
+        ml,
         "plan_transition",
         Interleave("plan_transition", lambda: other.transition("a", "retire_stale", 0)),
     )
