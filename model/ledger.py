@@ -9,6 +9,7 @@ write" one indivisible step (a lock here, a single-statement compare-and-set in 
 from __future__ import annotations
 
 import heapq
+import json
 import math
 import threading
 import time
@@ -37,7 +38,9 @@ from rollout_lifecycle.model.records import (
     LedgerEntry,
     Reward,
     Rollout,
+    from_jsonable,
     text_problem,
+    to_jsonable,
 )
 
 Clock = Callable[[], float]
@@ -618,6 +621,52 @@ def commit_plan(
     return [plan_transition(e, "commit", reserved_by=None, lease_expires_at=None) for e in owned]
 
 
+# ---- stored JSON of an entry ----------------------------------------------------------------
+# A SQL store keeps each entry as JSON it wrote itself, after the entry passed its validators
+# and `enforce`. Reading it back re-running every validator was a fifth of a batch's cost,
+# so a row with exactly the fields this program writes is rebuilt without them; any other
+# shape (an older or edited row) takes the validating path and its typed errors.
+
+_NESTED_IN_ENTRY: dict[str, type[Any]] = {
+    "reward": Reward,
+    "disposition": Disposition,
+    "admission": AdmissionStamp,
+}
+_STORED: tuple[type[Any], ...] = (LedgerEntry, *_NESTED_IN_ENTRY.values())
+_NAMES = {cls: tuple(a.name for a in attrs.fields(cls)) for cls in _STORED}
+_KEYS = {cls: frozenset(names) for cls, names in _NAMES.items()}
+
+
+def _trusted(cls: type[Any], data: dict[str, Any]) -> Any:
+    if data.keys() != _KEYS[cls]:
+        return from_jsonable(cls, data)
+    record = object.__new__(cls)
+    put = object.__setattr__
+    for name in _NAMES[cls]:
+        put(record, name, data[name])
+    return record
+
+
+def load_entry(text: str) -> LedgerEntry:
+    """An entry from the JSON a store wrote (see above: trusted when its shape is exact)."""
+    data = json.loads(text)
+    if not isinstance(data, dict) or data.keys() != _KEYS[LedgerEntry]:
+        return from_jsonable(LedgerEntry, data)
+    for name, cls in _NESTED_IN_ENTRY.items():
+        sub = data[name]
+        if sub is not None:
+            if not isinstance(sub, dict):
+                return from_jsonable(LedgerEntry, data)
+            data[name] = _trusted(cls, sub)
+    entry: LedgerEntry = _trusted(LedgerEntry, data)
+    return entry
+
+
+def dump_entry(entry: LedgerEntry) -> str:
+    """The JSON a store keeps of an entry (compact, fields in declaration order)."""
+    return json.dumps(to_jsonable(entry), separators=(",", ":"))
+
+
 # ---- one ledger over stores ----------------------------------------------------------------
 # The protocol (planning, `enforce`, events, counters, the premise check) is written once, in
 # `StoreLedger`. A backend is a `Store`: it runs a step's body as ONE atomic unit of work (a
@@ -647,6 +696,16 @@ def check_version(version: object) -> int:
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"version must be a non-negative int, got {brief(version)}")
     return version
+
+
+@attrs.frozen
+class Step:
+    """An atomic step: its name (for messages) and the shared facts its body reads, which a
+    store that locks finer than the whole step must lock first, in its fixed order."""
+
+    what: str
+    premise: bool = False  # the registry's premise (a reservation)
+    bad: str | None = None  # the bad versions: "read", or "change" them
 
 
 class UnitOfWork(Protocol):
@@ -714,21 +773,10 @@ class UnitOfWork(Protocol):
 class Store(Protocol):
     """A ledger backend: an atomic step, and the reads that need no step."""
 
-    def atomic(
-        self,
-        body: Callable[[UnitOfWork], T],
-        what: str,
-        *,
-        premise: bool = False,
-        bad: str | None = None,
-    ) -> T:
+    def atomic(self, body: Callable[[UnitOfWork], T], step: Step) -> T:
         """Run `body` as one atomic step; an exception it raises leaves nothing written.
-
-        `premise`: the body reads the registry's premise; `bad`: it reads ("read") or
-        changes ("change") the bad versions. A store that locks finer than the whole step
-        takes those locks first, in its fixed order. The body may run more than once (a
-        lost connection), so it keeps no state of its own between runs.
-        """
+        The body may run more than once (a lost connection), so it keeps no state of its
+        own between runs."""
         ...
 
     def find(self, rollout_id: str) -> LedgerEntry | None:
@@ -788,14 +836,7 @@ class StoreLedger:
 
     # ---- plumbing ------------------------------------------------------------------------
 
-    def _step(
-        self,
-        body: Callable[[UnitOfWork, Counter[str]], T],
-        what: str,
-        *,
-        premise: bool = False,
-        bad: str | None = None,
-    ) -> T:
+    def _step(self, body: Callable[[UnitOfWork, Counter[str]], T], step: Step) -> T:
         """Run one atomic step; its write-nothing outcomes (the second argument of `body`)
         are counted once, from the run that ended the step, whether it returned or raised."""
         local: Counter[str] = Counter()
@@ -805,7 +846,7 @@ class StoreLedger:
             return body(uow, local)
 
         try:
-            return self.store.atomic(attempt, what, premise=premise, bad=bad)
+            return self.store.atomic(attempt, step)
         finally:
             self._count_local(local)
 
@@ -870,7 +911,7 @@ class StoreLedger:
             uow.append(changes, self.clock(), {"writes": len(changes)})
             return final
 
-        return self._step(body, "add", bad="read")
+        return self._step(body, Step("add", bad="read"))
 
     def find(self, rollout_id: str) -> LedgerEntry | None:
         """The entry, or None when absent."""
@@ -914,7 +955,7 @@ class StoreLedger:
                 rollout_id, expected_revision, -1 if now is None else now.revision
             )
 
-        return self._step(body, f"transition {event}")
+        return self._step(body, Step(f"transition {event}"))
 
     def reserve(
         self,
@@ -972,7 +1013,7 @@ class StoreLedger:
             local[counter_of(again.reason)] += 1
             return again
 
-        return self._step(body, "reserve", premise=True)
+        return self._step(body, Step("reserve", premise=True))
 
     def reserve_batch(
         self, update_id: str, requests: Sequence[ReserveRequest]
@@ -1027,7 +1068,7 @@ class StoreLedger:
             uow.append(changes, self.clock(), {"writes": len(changes), **durable})
             return outcomes
 
-        return self._step(body, "reserve_batch", premise=True)
+        return self._step(body, Step("reserve_batch", premise=True))
 
     def commit(self, update_id: str, rollout_ids: Sequence[str]) -> list[LedgerEntry]:
         """Consume exactly the rollouts `update_id` reserved, atomically; else CommitMismatch."""
@@ -1038,7 +1079,7 @@ class StoreLedger:
             new = commit_plan(update_id, rollout_ids, owned)
             return self._apply(uow, "commit", owned, new, update_id, {"commits": 1})
 
-        return self._step(body, "commit")
+        return self._step(body, Step("commit"))
 
     def abort(self, update_id: str) -> list[LedgerEntry]:
         """Return every reservation of `update_id` under the recovery rule."""
@@ -1050,7 +1091,7 @@ class StoreLedger:
             new = [plan_release(e, "abort", self.recovery, bad) for e in owned]
             return self._apply(uow, "abort", owned, new, update_id, {"aborts": 1})
 
-        return self._step(body, "abort", bad="read")
+        return self._step(body, Step("abort", bad="read"))
 
     def fail_update(self, update_id: str, cause: str, detail: str = "") -> list[LedgerEntry]:
         """The update itself failed with this data: its rollouts end in update_failed."""
@@ -1069,7 +1110,7 @@ class StoreLedger:
             ]
             return self._apply(uow, "update_failed", owned, new, update_id, {})
 
-        return self._step(body, "fail_update")
+        return self._step(body, Step("fail_update"))
 
     def expire_leases(self) -> list[LedgerEntry]:
         """Return reservations whose lease ran out (a crashed learner never blocks forever)."""
@@ -1080,7 +1121,7 @@ class StoreLedger:
             new = [plan_release(e, "expire_lease", self.recovery, bad) for e in due]
             return self._apply(uow, "expire_lease", due, new, None, {"expirations": len(new)})
 
-        return self._step(body, "expire_leases", bad="read")
+        return self._step(body, Step("expire_leases", bad="read"))
 
     def renew_leases(self, update_id: str) -> list[LedgerEntry]:
         """Heartbeat of a long update: every rollout it holds gets a full lease from now
@@ -1092,7 +1133,7 @@ class StoreLedger:
             new = renew_plan(owned, self._now(uow), self.lease_seconds)
             return self._apply(uow, "renew_lease", owned, new, update_id, {})
 
-        return self._step(body, "renew_leases")
+        return self._step(body, Step("renew_leases"))
 
     def quarantine_version(self, version: int, reason: str) -> list[LedgerEntry]:
         """Mark a version bad: quarantine its open rollouts now, reserved ones when returned."""
@@ -1112,7 +1153,7 @@ class StoreLedger:
             uow.append(changes, self.clock(), {"writes": len(changes)})
             return new
 
-        return self._step(body, "quarantine_version", bad="change")
+        return self._step(body, Step("quarantine_version", bad="change"))
 
     def clear_bad_version(self, version: int) -> None:
         """Lift the mark: the version became active after a retry, its new rollouts are good.
@@ -1120,7 +1161,7 @@ class StoreLedger:
         Rollouts already quarantined stay quarantined (terminal states absorb).
         """
         check_version(version)
-        self._step(lambda uow, _: uow.clear_bad(version), "clear_bad_version", bad="change")
+        self._step(lambda uow, _: uow.clear_bad(version), Step("clear_bad_version", bad="change"))
 
     @property
     def bad_versions(self) -> frozenset[int]:
@@ -1220,14 +1261,7 @@ class MemoryStore:
 
     # ---- the step: the store is its own unit of work, under its lock ---------------------
 
-    def atomic(
-        self,
-        body: Callable[[UnitOfWork], T],
-        what: str,
-        *,
-        premise: bool = False,
-        bad: str | None = None,
-    ) -> T:
+    def atomic(self, body: Callable[[UnitOfWork], T], step: Step) -> T:
         """Run `body` under the lock (a step that raises has written nothing: every write
         comes after its step's last refusal)."""
         with self.lock:

@@ -44,9 +44,12 @@ from rollout_lifecycle.model.ledger import (
     ActivationPremise,
     Clock,
     RecoveryRule,
+    Step,
     StoreLedger,
     UnitOfWork,
     check_lease_seconds,
+    dump_entry,
+    load_entry,
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.postgres_common import (
@@ -64,10 +67,9 @@ from rollout_lifecycle.model.postgres_common import (
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
     LedgerEntry,
-    from_jsonable,
-    to_jsonable,
 )
 from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES, retired_from_rows
+from rollout_lifecycle.model.sql_unit import SqlUnit, read_bad
 
 T = TypeVar("T")
 
@@ -152,7 +154,6 @@ ORDER BY c.name
 ON CONFLICT (name, shard) DO UPDATE SET n = ledger_counters.n + excluded.n
 """
 
-_COUNT = "SELECT COUNT(*) FROM rollouts WHERE state = ANY(%s::text[])"
 _WAS_ACTIVE = sorted(WAS_ACTIVE_STATES)
 _LOCKS = {
     "premise": lock_sql(K_PREMISE, shared=True),
@@ -161,32 +162,22 @@ _LOCKS = {
 }
 
 
-def _dump(entry: LedgerEntry) -> str:
-    return json.dumps(to_jsonable(entry), separators=(",", ":"))
-
-
-def _load(text: str) -> LedgerEntry:
-    return from_jsonable(LedgerEntry, json.loads(text))
-
-
 def _rows(conn: Conn, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
     rows = conn.execute(
         "SELECT rollout_id, entry FROM rollouts WHERE rollout_id = ANY(%s::text[])",
         (list(rollout_ids),),
     ).fetchall()
-    return {str(rid): _load(text) for rid, text in rows}
+    return {str(rid): load_entry(text) for rid, text in rows}
 
 
-def _bad(conn: Conn) -> frozenset[int]:
-    return frozenset(int(r[0]) for r in conn.execute("SELECT version FROM ledger_bad_versions"))
-
-
-class _Unit:
+class _Unit(SqlUnit):
     """One step's access to the server, inside its transaction."""
 
+    mark = "%s"
+
     def __init__(self, store: PostgresStore, conn: Conn) -> None:
+        super().__init__(conn)
         self.store = store
-        self.conn = conn
         self.now: float | None = None  # the server's clock, once this step read it
 
     def _locked(self, where: str, args: Sequence[Any]) -> list[LedgerEntry]:
@@ -194,7 +185,7 @@ class _Unit:
         rows = self.conn.execute(
             f"SELECT entry FROM rollouts WHERE {where} ORDER BY rollout_id FOR UPDATE", args
         ).fetchall()
-        return [_load(r[0]) for r in rows]
+        return [load_entry(r[0]) for r in rows]
 
     def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
         return _rows(self.conn, rollout_ids)
@@ -212,10 +203,6 @@ class _Unit:
         return self._locked(
             "behavior_version = %s AND state = ANY(%s::text[])", (version, list(states))
         )
-
-    def count(self, states: Sequence[str]) -> int:
-        row = self.conn.execute(_COUNT, (list(states),)).fetchone()
-        return 0 if row is None else int(row[0])
 
     def read_premise(self) -> ActivationPremise:
         """The premise, with the server's time now in the same round trip (see module doc:
@@ -253,19 +240,6 @@ class _Unit:
             self.now = float(found[0])
         return self.now
 
-    def bad_versions(self) -> frozenset[int]:
-        return _bad(self.conn)
-
-    def mark_bad(self, version: int, reason: str) -> None:
-        self.conn.execute(
-            "INSERT INTO ledger_bad_versions(version, reason) VALUES (%s, %s) "
-            "ON CONFLICT (version) DO NOTHING",
-            (version, reason),
-        )
-
-    def clear_bad(self, version: int) -> None:
-        self.conn.execute("DELETE FROM ledger_bad_versions WHERE version = %s", (version,))
-
     def insert(self, entries: Sequence[LedgerEntry]) -> None:
         doc = [
             {
@@ -275,7 +249,7 @@ class _Unit:
                 "reserved_by": e.reserved_by,
                 "lease": e.lease_expires_at,
                 "version": e.behavior_version,
-                "entry": _dump(e),
+                "entry": dump_entry(e),
             }
             for e in entries
         ]
@@ -292,7 +266,7 @@ class _Unit:
         """Compare-and-set every pair in ONE statement; the ids that won."""
         if len(pairs) == 1:
             b, a = pairs[0]
-            args = (a.state, a.revision, a.reserved_by, a.lease_expires_at, _dump(a))
+            args = (a.state, a.revision, a.reserved_by, a.lease_expires_at, dump_entry(a))
             row = self.conn.execute(_CAS_ONE, (*args, a.rollout_id, b.revision)).fetchone()
             return set() if row is None else {a.rollout_id}
         doc = [
@@ -303,7 +277,7 @@ class _Unit:
                 "revision": a.revision,
                 "reserved_by": a.reserved_by,
                 "lease": a.lease_expires_at,
-                "entry": _dump(a),
+                "entry": dump_entry(a),
             }
             for b, a in pairs
         ]
@@ -330,23 +304,17 @@ class PostgresStore:
         if self.closed:
             raise LedgerError(f"ledger on {self.db.where} is closed; open a new PostgresLedger")
 
-    def atomic(
-        self,
-        body: Callable[[UnitOfWork], T],
-        what: str,
-        *,
-        premise: bool = False,
-        bad: str | None = None,
-    ) -> T:
+    def atomic(self, body: Callable[[UnitOfWork], T], step: Step) -> T:
         """One transaction; the step's advisory locks are taken right after BEGIN, in the
         same round trip and in the fixed order (bad versions, then premise)."""
         self._check_open()
         if self.db.read_only:
             raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
-        locks = [_LOCKS[bad]] if bad is not None else []
-        if premise:
+        locks = [_LOCKS[step.bad]] if step.bad is not None else []
+        if step.premise:
             locks.append(_LOCKS["premise"])
-        return self.db.write(lambda conn: body(_Unit(self, conn)), what, prologue="; ".join(locks))
+        prologue = "; ".join(locks)
+        return self.db.write(lambda conn: body(_Unit(self, conn)), step.what, prologue=prologue)
 
     def _read(self, body: Callable[[Conn], T], what: str, *, snapshot: bool = False) -> T:
         self._check_open()
@@ -363,15 +331,15 @@ class PostgresStore:
     def snapshot(self) -> dict[str, LedgerEntry]:
         sql = "SELECT rollout_id, entry FROM rollouts ORDER BY rollout_id"
         rows = self._read(lambda c: c.execute(sql).fetchall(), "snapshot")
-        return {str(rid): _load(text) for rid, text in rows}
+        return {str(rid): load_entry(text) for rid, text in rows}
 
     def in_state(self, state: str, limit: int | None) -> list[LedgerEntry]:
         sql = "SELECT entry FROM rollouts WHERE state = %s ORDER BY rollout_id LIMIT %s"
         rows = self._read(lambda c: c.execute(sql, (state, limit)).fetchall(), "in_state")
-        return [_load(r[0]) for r in rows]
+        return [load_entry(r[0]) for r in rows]
 
     def bad_versions(self) -> frozenset[int]:
-        return self._read(_bad, "bad_versions")
+        return self._read(read_bad, "bad_versions")
 
     def history(self, rollout_id: str | None) -> list[EntryChanged]:
         evs = self._read(lambda c: read_events(c, "entry", rollout_id), "history")
@@ -382,7 +350,7 @@ class PostgresStore:
             states = conn.execute("SELECT state, COUNT(*) FROM rollouts GROUP BY state")
             sums = conn.execute("SELECT name, SUM(n) FROM ledger_counters GROUP BY name")
             by_state = {str(s): int(n) for s, n in states.fetchall()}
-            return by_state, {str(k): int(n) for k, n in sums.fetchall()}, _bad(conn)
+            return by_state, {str(k): int(n) for k, n in sums.fetchall()}, read_bad(conn)
 
         return self._read(body, "statistics", snapshot=True)
 

@@ -14,7 +14,6 @@ statistics stay right across processes and restarts.
 
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 import threading
@@ -30,17 +29,19 @@ from rollout_lifecycle.model.ledger import (
     ActivationPremise,
     Clock,
     RecoveryRule,
+    Step,
     StoreLedger,
     UnitOfWork,
     check_lease_seconds,
+    dump_entry,
+    load_entry,
 )
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
     LedgerEntry,
-    from_jsonable,
-    to_jsonable,
 )
 from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES, retired_from_rows
+from rollout_lifecycle.model.sql_unit import SqlUnit, read_bad
 from rollout_lifecycle.model.sqlite_common import append_events, read_events, read_stored
 from rollout_lifecycle.model.sqlite_conns import Connections
 
@@ -98,28 +99,20 @@ _WAS_ACTIVE = tuple(sorted(WAS_ACTIVE_STATES))
 _WAS_ACTIVE_MARKS = ",".join("?" * len(_WAS_ACTIVE))
 
 
-def _dump(entry: LedgerEntry) -> str:
-    return json.dumps(to_jsonable(entry), separators=(",", ":"))
-
-
-def _load(text: str) -> LedgerEntry:
-    return from_jsonable(LedgerEntry, json.loads(text))
-
-
 def _marks(n: int) -> str:
     return ",".join("?" * n)
 
 
-class _Unit:
+class _Unit(SqlUnit):
     """One step's access to the file, inside its BEGIN IMMEDIATE transaction."""
 
     def __init__(self, store: SQLiteStore, conn: sqlite3.Connection) -> None:
+        super().__init__(conn)
         self.store = store
-        self.conn = conn
 
     def _entries(self, where: str, args: Sequence[object]) -> list[LedgerEntry]:
         rows = self.conn.execute(f"SELECT entry FROM rollouts WHERE {where}", args).fetchall()
-        return sorted((_load(r[0]) for r in rows), key=lambda e: e.rollout_id)
+        return sorted((load_entry(r[0]) for r in rows), key=lambda e: e.rollout_id)
 
     def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
         return self.store.rows(self.conn, rollout_ids)
@@ -137,28 +130,11 @@ class _Unit:
         where = f"behavior_version = ? AND state IN ({_marks(len(states))})"
         return self._entries(where, (version, *states))
 
-    def count(self, states: Sequence[str]) -> int:
-        sql = f"SELECT COUNT(*) FROM rollouts WHERE state IN ({_marks(len(states))})"
-        return int(self.conn.execute(sql, tuple(states)).fetchone()[0])
-
     def read_premise(self) -> ActivationPremise:
         return self.store.premise(self.conn)
 
     def server_now(self) -> float | None:
         return None  # the ledger's clock (the host's, as the file records it)
-
-    def bad_versions(self) -> frozenset[int]:
-        return self.store.bad(self.conn)
-
-    def mark_bad(self, version: int, reason: str) -> None:
-        self.conn.execute(
-            "INSERT INTO ledger_bad_versions(version, reason) VALUES (?, ?) "
-            "ON CONFLICT(version) DO NOTHING",
-            (version, reason),
-        )
-
-    def clear_bad(self, version: int) -> None:
-        self.conn.execute("DELETE FROM ledger_bad_versions WHERE version = ?", (version,))
 
     def insert(self, entries: Sequence[LedgerEntry]) -> None:
         ids = [e.rollout_id for e in entries]
@@ -178,7 +154,7 @@ class _Unit:
                     e.reserved_by,
                     e.lease_expires_at,
                     e.behavior_version,
-                    _dump(e),
+                    dump_entry(e),
                 )
                 for e in entries
             ],
@@ -191,7 +167,7 @@ class _Unit:
                 a.revision,
                 a.reserved_by,
                 a.lease_expires_at,
-                _dump(a),
+                dump_entry(a),
                 a.rollout_id,
                 b.revision,
             )
@@ -229,14 +205,7 @@ class SQLiteStore:
             path, read_only=read_only, component=COMPONENT, version=SCHEMA_VERSION, ddl=_DDL
         )
 
-    def atomic(
-        self,
-        body: Callable[[UnitOfWork], T],
-        what: str,
-        *,
-        premise: bool = False,
-        bad: str | None = None,
-    ) -> T:
+    def atomic(self, body: Callable[[UnitOfWork], T], step: Step) -> T:
         """One BEGIN IMMEDIATE transaction: the file's write lock covers every read."""
         with self.conns.write() as conn:
             return body(_Unit(self, conn))
@@ -252,12 +221,8 @@ class SQLiteStore:
             sql = (
                 f"SELECT rollout_id, entry FROM rollouts WHERE rollout_id IN ({_marks(len(part))})"
             )
-            out.update((rid, _load(text)) for rid, text in conn.execute(sql, part).fetchall())
+            out.update((rid, load_entry(text)) for rid, text in conn.execute(sql, part).fetchall())
         return out
-
-    @staticmethod
-    def bad(conn: sqlite3.Connection) -> frozenset[int]:
-        return frozenset(int(r[0]) for r in conn.execute("SELECT version FROM ledger_bad_versions"))
 
     def premise(self, conn: sqlite3.Connection) -> ActivationPremise:
         """The active pointer and ever-active versions, read inside the caller's transaction.
@@ -305,11 +270,11 @@ class SQLiteStore:
     def snapshot(self) -> dict[str, LedgerEntry]:
         with self.conns.read() as conn:
             rows = conn.execute("SELECT rollout_id, entry FROM rollouts").fetchall()
-        return {rid: _load(text) for rid, text in sorted(rows)}
+        return {rid: load_entry(text) for rid, text in sorted(rows)}
 
     def bad_versions(self) -> frozenset[int]:
         with self.conns.read() as conn:
-            return self.bad(conn)
+            return read_bad(conn)
 
     def history(self, rollout_id: str | None) -> list[EntryChanged]:
         with self.conns.read() as conn:
@@ -323,7 +288,7 @@ class SQLiteStore:
                 conn.execute("SELECT state, COUNT(*) FROM rollouts GROUP BY state").fetchall()
             )
             counters = dict(conn.execute("SELECT name, n FROM ledger_counters").fetchall())
-            return by_state, counters, self.bad(conn)
+            return by_state, counters, read_bad(conn)
 
     def stored_rows(self) -> StoredRows:
         with self.conns.read() as conn:

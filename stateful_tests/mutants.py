@@ -609,10 +609,8 @@ def _cas_many_unconditional(sql: str) -> str:
 
 
 def _skip_premise(atomic: Any) -> Any:
-    def no_lock(
-        self: Any, body: Any, what: str, *, premise: bool = False, bad: str | None = None
-    ) -> Any:
-        return atomic(self, body, what, bad=bad)
+    def no_lock(self: Any, body: Any, step: Any) -> Any:
+        return atomic(self, body, attrs.evolve(step, premise=False))
 
     return no_lock
 

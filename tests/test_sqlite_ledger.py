@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 
 import rollout_lifecycle.model.ledger as ml
-import rollout_lifecycle.model.sqlite_ledger as sl
 from rollout_lifecycle.model.errors import LedgerError, RevisionConflict
 from rollout_lifecycle.model.events import EntryChanged
 from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule, ReserveRequest
