@@ -35,7 +35,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from rollout_lifecycle.model.errors import DuplicateRollout, LedgerError
 from rollout_lifecycle.model.events import Change, EntryChanged, StoredRows, entry_events
@@ -174,35 +174,15 @@ class _Unit(SqlUnit):
     """One step's access to the server, inside its transaction."""
 
     mark = "%s"
+    row_locks = " FOR UPDATE"  # re-checked after any wait, under READ COMMITTED
 
     def __init__(self, store: PostgresStore, conn: Conn) -> None:
         super().__init__(conn)
         self.store = store
         self.now: float | None = None  # the server's clock, once this step read it
 
-    def _locked(self, where: str, args: Sequence[Any]) -> list[LedgerEntry]:
-        """Rows matching `where`, locked in rollout_id order (re-checked after any wait)."""
-        rows = self.conn.execute(
-            f"SELECT entry FROM rollouts WHERE {where} ORDER BY rollout_id FOR UPDATE", args
-        ).fetchall()
-        return [load_entry(r[0]) for r in rows]
-
     def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
         return _rows(self.conn, rollout_ids)
-
-    def owned(self, update_id: str) -> list[LedgerEntry]:
-        return self._locked("reserved_by = %s", (update_id,))
-
-    def due(self, now: float) -> list[LedgerEntry]:
-        return self._locked(
-            "reserved_by IS NOT NULL AND lease_expires_at IS NOT NULL AND lease_expires_at <= %s",
-            (now,),
-        )
-
-    def of_version(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
-        return self._locked(
-            "behavior_version = %s AND state = ANY(%s::text[])", (version, list(states))
-        )
 
     def read_premise(self) -> ActivationPremise:
         """The premise, with the server's time now in the same round trip (see module doc:

@@ -1,12 +1,16 @@
-"""What the SQLite and PostgreSQL ledger stores' units of work share: the statements on bad
-versions and state counts, written once with ``?`` placeholders (PostgreSQL's unit sets
-`mark` to ``%s``; the tables and their columns are the same on both)."""
+"""What the SQLite and PostgreSQL ledger stores' units of work share: the statements that
+read sets of rows, count states and mark bad versions, written once with ``?`` placeholders
+(PostgreSQL's unit sets `mark` to ``%s``; the tables and their columns are the same on both).
+"""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
 from typing import Any
+
+from rollout_lifecycle.model.ledger import load_entry
+from rollout_lifecycle.model.records import LedgerEntry
 
 
 def read_bad(conn: Any) -> frozenset[int]:
@@ -23,6 +27,7 @@ class SqlUnit:
     """A step's access to a SQL store, inside the transaction the store opened for it."""
 
     mark = "?"  # the driver's placeholder
+    row_locks = ""  # what a store that locks rows appends to a read of rows it will write
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
@@ -30,6 +35,25 @@ class SqlUnit:
     def run(self, sql: str, args: Sequence[Any] = ()) -> Any:
         """Execute `sql` (written with ``?``) with this driver's placeholder."""
         return self.conn.execute(_marked(sql, self.mark), args)
+
+    def select(self, where: str, args: Sequence[Any]) -> list[LedgerEntry]:
+        """Entries matching `where`, by rollout id, locked where the store locks rows (in
+        that order, so two steps never wait on each other's rows in a cycle)."""
+        sql = f"SELECT entry FROM rollouts WHERE {where} ORDER BY rollout_id{self.row_locks}"
+        return [load_entry(r[0]) for r in self.run(sql, args).fetchall()]
+
+    def owned(self, update_id: str) -> list[LedgerEntry]:
+        return self.select("reserved_by = ?", (update_id,))
+
+    def due(self, now: float) -> list[LedgerEntry]:
+        return self.select(
+            "reserved_by IS NOT NULL AND lease_expires_at IS NOT NULL AND lease_expires_at <= ?",
+            (now,),
+        )
+
+    def of_version(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
+        marks = ",".join("?" * len(states))
+        return self.select(f"behavior_version = ? AND state IN ({marks})", (version, *states))
 
     def count(self, states: Sequence[str]) -> int:
         marks = ",".join("?" * len(states))

@@ -110,25 +110,8 @@ class _Unit(SqlUnit):
         super().__init__(conn)
         self.store = store
 
-    def _entries(self, where: str, args: Sequence[object]) -> list[LedgerEntry]:
-        rows = self.conn.execute(f"SELECT entry FROM rollouts WHERE {where}", args).fetchall()
-        return sorted((load_entry(r[0]) for r in rows), key=lambda e: e.rollout_id)
-
     def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
         return self.store.rows(self.conn, rollout_ids)
-
-    def owned(self, update_id: str) -> list[LedgerEntry]:
-        return self._entries("reserved_by = ?", (update_id,))
-
-    def due(self, now: float) -> list[LedgerEntry]:
-        return self._entries(
-            "reserved_by IS NOT NULL AND lease_expires_at IS NOT NULL AND lease_expires_at <= ?",
-            (now,),
-        )
-
-    def of_version(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
-        where = f"behavior_version = ? AND state IN ({_marks(len(states))})"
-        return self._entries(where, (version, *states))
 
     def read_premise(self) -> ActivationPremise:
         return self.store.premise(self.conn)
