@@ -652,12 +652,11 @@ def load_entry(text: str) -> LedgerEntry:
     data = json.loads(text)
     if not isinstance(data, dict) or data.keys() != _KEYS[LedgerEntry]:
         return from_jsonable(LedgerEntry, data)
-    for name, cls in _NESTED_IN_ENTRY.items():
-        sub = data[name]
-        if sub is not None:
-            if not isinstance(sub, dict):
-                return from_jsonable(LedgerEntry, data)
-            data[name] = _trusted(cls, sub)
+    nested = [(k, cls, data[k]) for k, cls in _NESTED_IN_ENTRY.items() if data[k] is not None]
+    if not all(isinstance(sub, dict) for _, _, sub in nested):
+        return from_jsonable(LedgerEntry, data)
+    for name, cls, sub in nested:
+        data[name] = _trusted(cls, sub)
     entry: LedgerEntry = _trusted(LedgerEntry, data)
     return entry
 
