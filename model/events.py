@@ -12,7 +12,7 @@ import hashlib
 import json
 import struct
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -266,6 +266,21 @@ def stored_payload(ev: TraceEvent, txn: int | None) -> str:
     else:
         data["txn"] = txn
     return json.dumps(data, separators=(",", ":"))
+
+
+def entry_payload(ev: EntryChanged, txn: int | None, before: str | None, after: str) -> str:
+    """`stored_payload(ev, txn)` of an entry change whose entries' stored JSON texts
+    (`dump` of each, as the store keeps them) are at hand: the same bytes, without encoding
+    the entries a second time."""
+    head: dict[str, Any] = {} if txn is None else {"txn": txn}
+    head.update(at=ev.at, rollout_id=ev.rollout_id, event=ev.event)
+    tail = json.dumps({"update_id": ev.update_id, "kind": ev.kind}, separators=(",", ":"))
+    before_json = "null" if before is None else before
+    start = json.dumps(head, separators=(",", ":"))[:-1]
+    return f'{start},"before":{before_json},"after":{after},{tail[1:]}'
+
+
+Payload = Callable[[TraceEvent, "int | None"], str]
 
 
 @attrs.frozen

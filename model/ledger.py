@@ -624,8 +624,9 @@ def commit_plan(
 # ---- stored JSON of an entry ----------------------------------------------------------------
 # A SQL store keeps each entry as JSON it wrote itself, after the entry passed its validators
 # and `enforce`. Reading it back re-running every validator was a fifth of a batch's cost,
-# so a row with exactly the fields this program writes is rebuilt without them; any other
-# shape (an older or edited row) takes the validating path and its typed errors.
+# so a row with exactly the fields this program writes, in its order, is rebuilt without
+# them; any other shape (an older or edited row) takes the validating path and its typed
+# errors.
 
 _NESTED_IN_ENTRY: dict[str, type[Any]] = {
     "reward": Reward,
@@ -634,31 +635,33 @@ _NESTED_IN_ENTRY: dict[str, type[Any]] = {
 }
 _STORED: tuple[type[Any], ...] = (LedgerEntry, *_NESTED_IN_ENTRY.values())
 _NAMES = {cls: tuple(a.name for a in attrs.fields(cls)) for cls in _STORED}
-_KEYS = {cls: frozenset(names) for cls, names in _NAMES.items()}
 
 
-def _trusted(cls: type[Any], data: dict[str, Any]) -> Any:
-    if data.keys() != _KEYS[cls]:
-        return from_jsonable(cls, data)
+def _built(cls: type[Any], data: dict[str, Any]) -> Any:
     record = object.__new__(cls)
     put = object.__setattr__
-    for name in _NAMES[cls]:
-        put(record, name, data[name])
+    for name, value in data.items():
+        put(record, name, value)
     return record
 
 
-def load_entry(text: str) -> LedgerEntry:
-    """An entry from the JSON a store wrote (see above: trusted when its shape is exact)."""
+def read_entry(text: str) -> tuple[LedgerEntry, bool]:
+    """An entry from the JSON a store wrote, and whether it took the trusted path (see
+    above): then `text` is what `dump_entry` makes of it, and a store may reuse it."""
     data = json.loads(text)
-    if not isinstance(data, dict) or data.keys() != _KEYS[LedgerEntry]:
-        return from_jsonable(LedgerEntry, data)
-    nested = [(k, cls, data[k]) for k, cls in _NESTED_IN_ENTRY.items() if data[k] is not None]
-    if not all(isinstance(sub, dict) for _, _, sub in nested):
-        return from_jsonable(LedgerEntry, data)
-    for name, cls, sub in nested:
-        data[name] = _trusted(cls, sub)
-    entry: LedgerEntry = _trusted(LedgerEntry, data)
-    return entry
+    if isinstance(data, dict) and tuple(data) == _NAMES[LedgerEntry]:
+        nested = [(k, cls, data[k]) for k, cls in _NESTED_IN_ENTRY.items() if data[k] is not None]
+        if all(isinstance(sub, dict) and tuple(sub) == _NAMES[cls] for _, cls, sub in nested):
+            for name, cls, sub in nested:
+                data[name] = _built(cls, sub)
+            entry: LedgerEntry = _built(LedgerEntry, data)
+            return entry, True
+    return from_jsonable(LedgerEntry, data), False
+
+
+def load_entry(text: str) -> LedgerEntry:
+    """An entry from the JSON a store wrote (trusted when its shape is exact, see above)."""
+    return read_entry(text)[0]
 
 
 def dump_entry(entry: LedgerEntry) -> str:

@@ -62,6 +62,7 @@ from rollout_lifecycle.model.errors import (
 )
 from rollout_lifecycle.model.events import (
     ChainHead,
+    Payload,
     StoredEvent,
     StoredRows,
     TraceEvent,
@@ -864,7 +865,11 @@ _APPEND_COUNTED = _APPEND.format(counting=_COUNTING)
 
 
 def append_events(
-    conn: Conn, events: Sequence[TraceEvent], *, counters: Mapping[str, int] | None = None
+    conn: Conn,
+    events: Sequence[TraceEvent],
+    *,
+    counters: Mapping[str, int] | None = None,
+    payload_of: Payload = stored_payload,
 ) -> list[TraceEvent]:
     """Append one atomic step's events inside the caller's transaction, in ONE statement
     that first takes K_EVENTS (held to COMMIT), so txn and seq numbers are handed out in
@@ -879,7 +884,7 @@ def append_events(
             "ord": i,
             "kind": ev.kind,
             "subject": event_subject(ev),
-            "payload": stored_payload(ev, None),
+            "payload": payload_of(ev, None),
         }
         for i, ev in enumerate(events, start=1)
     ]

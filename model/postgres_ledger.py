@@ -48,7 +48,6 @@ from rollout_lifecycle.model.ledger import (
     StoreLedger,
     UnitOfWork,
     check_lease_seconds,
-    dump_entry,
     load_entry,
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
@@ -162,12 +161,14 @@ _LOCKS = {
 }
 
 
-def _rows(conn: Conn, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+def _rows(
+    conn: Conn, rollout_ids: Sequence[str], load: Callable[[str], LedgerEntry] = load_entry
+) -> dict[str, LedgerEntry]:
     rows = conn.execute(
         "SELECT rollout_id, entry FROM rollouts WHERE rollout_id = ANY(%s::text[])",
         (list(rollout_ids),),
     ).fetchall()
-    return {str(rid): load_entry(text) for rid, text in rows}
+    return {str(rid): load(text) for rid, text in rows}
 
 
 class _Unit(SqlUnit):
@@ -182,7 +183,7 @@ class _Unit(SqlUnit):
         self.now: float | None = None  # the server's clock, once this step read it
 
     def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
-        return _rows(self.conn, rollout_ids)
+        return _rows(self.conn, rollout_ids, self.load)
 
     def read_premise(self) -> ActivationPremise:
         """The premise, with the server's time now in the same round trip (see module doc:
@@ -229,7 +230,7 @@ class _Unit(SqlUnit):
                 "reserved_by": e.reserved_by,
                 "lease": e.lease_expires_at,
                 "version": e.behavior_version,
-                "entry": dump_entry(e),
+                "entry": self.dump(e),
             }
             for e in entries
         ]
@@ -246,7 +247,7 @@ class _Unit(SqlUnit):
         """Compare-and-set every pair in ONE statement; the ids that won."""
         if len(pairs) == 1:
             b, a = pairs[0]
-            args = (a.state, a.revision, a.reserved_by, a.lease_expires_at, dump_entry(a))
+            args = (a.state, a.revision, a.reserved_by, a.lease_expires_at, self.dump(a))
             row = self.conn.execute(_CAS_ONE, (*args, a.rollout_id, b.revision)).fetchone()
             return set() if row is None else {a.rollout_id}
         doc = [
@@ -257,7 +258,7 @@ class _Unit(SqlUnit):
                 "revision": a.revision,
                 "reserved_by": a.reserved_by,
                 "lease": a.lease_expires_at,
-                "entry": dump_entry(a),
+                "entry": self.dump(a),
             }
             for b, a in pairs
         ]
@@ -266,7 +267,9 @@ class _Unit(SqlUnit):
     def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
         rows = sorted((k, v) for k, v in counts.items() if v)
         if changes:  # counters ride in the events' statement
-            append_events(self.conn, entry_events(changes, at), counters=dict(rows))
+            append_events(
+                self.conn, entry_events(changes, at), counters=dict(rows), payload_of=self.payload
+            )
         elif rows:
             self.conn.execute(_BUMP, (json.dumps([{"name": k, "n": v} for k, v in rows]),))
 

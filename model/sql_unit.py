@@ -9,7 +9,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from rollout_lifecycle.model.ledger import load_entry
+from rollout_lifecycle.model.events import EntryChanged, TraceEvent, entry_payload, stored_payload
+from rollout_lifecycle.model.ledger import dump_entry, read_entry
 from rollout_lifecycle.model.records import LedgerEntry
 
 
@@ -31,6 +32,34 @@ class SqlUnit:
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
+        # the stored JSON of entries this step read or wrote, so that their events' payloads
+        # reuse it instead of encoding each entry again (kept with the entry: ids are reused)
+        self.texts: dict[int, tuple[LedgerEntry, str]] = {}
+
+    def load(self, text: str) -> LedgerEntry:
+        """An entry read in this step (its text kept when it is exactly what dump makes)."""
+        entry, exact = read_entry(text)
+        if exact:
+            self.texts[id(entry)] = (entry, text)
+        return entry
+
+    def dump(self, entry: LedgerEntry) -> str:
+        """The JSON to store of an entry this step writes (kept for its event)."""
+        text = dump_entry(entry)
+        self.texts[id(entry)] = (entry, text)
+        return text
+
+    def _text(self, entry: LedgerEntry | None) -> str | None:
+        found = None if entry is None else self.texts.get(id(entry))
+        return found[1] if found is not None and found[0] is entry else None
+
+    def payload(self, ev: TraceEvent, txn: int | None) -> str:
+        """An event's payload column, from the entries' stored JSON where this step has it."""
+        if isinstance(ev, EntryChanged):
+            after, before = self._text(ev.after), self._text(ev.before)
+            if after is not None and (before is not None or ev.before is None):
+                return entry_payload(ev, txn, before, after)
+        return stored_payload(ev, txn)
 
     def run(self, sql: str, args: Sequence[Any] = ()) -> Any:
         """Execute `sql` (written with ``?``) with this driver's placeholder."""
@@ -40,7 +69,7 @@ class SqlUnit:
         """Entries matching `where`, by rollout id, locked where the store locks rows (in
         that order, so two steps never wait on each other's rows in a cycle)."""
         sql = f"SELECT entry FROM rollouts WHERE {where} ORDER BY rollout_id{self.row_locks}"
-        return [load_entry(r[0]) for r in self.run(sql, args).fetchall()]
+        return [self.load(r[0]) for r in self.run(sql, args).fetchall()]
 
     def owned(self, update_id: str) -> list[LedgerEntry]:
         return self.select("reserved_by = ?", (update_id,))

@@ -20,6 +20,7 @@ from rollout_lifecycle.model.errors import LedgerError, StorageFull
 from rollout_lifecycle.model.events import (
     GENESIS,
     ChainHead,
+    Payload,
     StoredEvent,
     StoredRows,
     TraceEvent,
@@ -286,7 +287,9 @@ def _ensure_chain(conn: sqlite3.Connection) -> None:
         conn.execute(_CHAIN_START, (GENESIS,))
 
 
-def append_events(conn: sqlite3.Connection, events: Sequence[TraceEvent]) -> list[TraceEvent]:
+def append_events(
+    conn: sqlite3.Connection, events: Sequence[TraceEvent], payload_of: Payload = stored_payload
+) -> list[TraceEvent]:
     """Append one atomic step's events inside the caller's open transaction (BEGIN
     IMMEDIATE), each chained by hash to its predecessor, and move the chain's head.
 
@@ -302,7 +305,7 @@ def append_events(conn: sqlite3.Connection, events: Sequence[TraceEvent]) -> lis
     rows = []
     out: list[TraceEvent] = []
     for i, ev in enumerate(events, 1):
-        seq, subject, payload = last + i, event_subject(ev), stored_payload(ev, txn)
+        seq, subject, payload = last + i, event_subject(ev), payload_of(ev, txn)
         h = chain_hash(prev, seq, txn, ev.kind, subject, payload)
         rows.append((seq, txn, ev.kind, subject, payload, prev, h))
         out.append(attrs.evolve(ev, seq=seq, txn=txn))

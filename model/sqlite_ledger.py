@@ -33,7 +33,6 @@ from rollout_lifecycle.model.ledger import (
     StoreLedger,
     UnitOfWork,
     check_lease_seconds,
-    dump_entry,
     load_entry,
 )
 from rollout_lifecycle.model.records import (
@@ -111,7 +110,7 @@ class _Unit(SqlUnit):
         self.store = store
 
     def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
-        return self.store.rows(self.conn, rollout_ids)
+        return self.store.rows(self.conn, rollout_ids, self.load)
 
     def read_premise(self) -> ActivationPremise:
         return self.store.premise(self.conn)
@@ -137,7 +136,7 @@ class _Unit(SqlUnit):
                     e.reserved_by,
                     e.lease_expires_at,
                     e.behavior_version,
-                    dump_entry(e),
+                    self.dump(e),
                 )
                 for e in entries
             ],
@@ -150,7 +149,7 @@ class _Unit(SqlUnit):
                 a.revision,
                 a.reserved_by,
                 a.lease_expires_at,
-                dump_entry(a),
+                self.dump(a),
                 a.rollout_id,
                 b.revision,
             )
@@ -166,7 +165,7 @@ class _Unit(SqlUnit):
 
     def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
         if changes:
-            append_events(self.conn, entry_events(changes, at))
+            append_events(self.conn, entry_events(changes, at), self.payload)
         rows = [(k, v) for k, v in counts.items() if v]
         if rows:
             self.conn.executemany(_BUMP, rows)
@@ -194,7 +193,11 @@ class SQLiteStore:
             return body(_Unit(self, conn))
 
     @staticmethod
-    def rows(conn: sqlite3.Connection, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+    def rows(
+        conn: sqlite3.Connection,
+        rollout_ids: Sequence[str],
+        load: Callable[[str], LedgerEntry] = load_entry,
+    ) -> dict[str, LedgerEntry]:
         # bound parameters, chunked under SQLite's limit: every id compares byte for byte,
         # NUL included (json_each cut such ids at the NUL and reported them missing)
         out: dict[str, LedgerEntry] = {}
@@ -204,7 +207,7 @@ class SQLiteStore:
             sql = (
                 f"SELECT rollout_id, entry FROM rollouts WHERE rollout_id IN ({_marks(len(part))})"
             )
-            out.update((rid, load_entry(text)) for rid, text in conn.execute(sql, part).fetchall())
+            out.update((rid, load(text)) for rid, text in conn.execute(sql, part).fetchall())
         return out
 
     def premise(self, conn: sqlite3.Connection) -> ActivationPremise:

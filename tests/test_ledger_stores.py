@@ -9,6 +9,7 @@ import attrs
 import pytest
 
 from rollout_lifecycle.model.errors import InvalidRecord
+from rollout_lifecycle.model.events import EntryChanged, entry_payload, stored_payload
 from rollout_lifecycle.model.ledger import MemoryLedger, Step, dump_entry, load_entry
 from rollout_lifecycle.model.records import (
     AdmissionStamp,
@@ -71,3 +72,18 @@ def test_a_new_operation_is_one_step_on_the_ledger() -> None:
     led.add(_entries()[0])
     live = led._step(lambda uow, _: uow.count(("generated", "rewarded")), Step("count_live"))
     assert live == 1
+
+
+@pytest.mark.parametrize("txn", [None, 7])
+def test_an_event_payload_from_stored_texts_is_byte_for_byte_the_same(txn: int | None) -> None:
+    """Reusing the entries' stored JSON for an event changes no byte of its payload (the hash
+    chain and `ledger check` read it)."""
+    a, b, c = _entries()
+    for ev in (
+        EntryChanged(0, 0, 1.5e9 + 0.25, "r1", "reserve", a, b, "u\u00e9"),
+        EntryChanged(0, 0, 3, "r1", "add", None, a, None),
+        EntryChanged(0, 0, 0.0, "r1", "update_failed", b, c, "u"),
+    ):
+        before = None if ev.before is None else dump_entry(ev.before)
+        got = entry_payload(ev, txn, before, dump_entry(ev.after))
+        assert got == stored_payload(ev, txn)
