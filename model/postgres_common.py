@@ -870,12 +870,14 @@ def append_events(
     *,
     counters: Mapping[str, int] | None = None,
     payload_of: Payload = stored_payload,
+    stamped: bool = True,
 ) -> list[TraceEvent]:
     """Append one atomic step's events inside the caller's transaction, in ONE statement
     that first takes K_EVENTS (held to COMMIT), so txn and seq numbers are handed out in
     commit order, and chains them by hash onto the head (see model.events), moving the
     head in the same statement. The ledger's `counters` (name -> increment, table
-    ledger_counters) ride along in the same statement."""
+    ledger_counters) ride along in the same statement. Returns the events with their seq
+    and txn (none when not `stamped`)."""
     if not events:
         return []
     rows = [
@@ -898,6 +900,8 @@ def append_events(
     assert row is not None
     txn, last = int(row[0]), int(row[1])
     first = last - len(events) + 1
+    if not stamped:
+        return []
     return [attrs.evolve(ev, seq=first + i, txn=txn) for i, ev in enumerate(events)]
 
 

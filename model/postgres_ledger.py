@@ -268,7 +268,11 @@ class _Unit(SqlUnit):
         rows = sorted((k, v) for k, v in counts.items() if v)
         if changes:  # counters ride in the events' statement
             append_events(
-                self.conn, entry_events(changes, at), counters=dict(rows), payload_of=self.payload
+                self.conn,
+                entry_events(changes, at),
+                counters=dict(rows),
+                payload_of=self.payload,
+                stamped=False,
             )
         elif rows:
             self.conn.execute(_BUMP, (json.dumps([{"name": k, "n": v} for k, v in rows]),))

@@ -288,14 +288,20 @@ def _ensure_chain(conn: sqlite3.Connection) -> None:
 
 
 def append_events(
-    conn: sqlite3.Connection, events: Sequence[TraceEvent], payload_of: Payload = stored_payload
+    conn: sqlite3.Connection,
+    events: Sequence[TraceEvent],
+    payload_of: Payload = stored_payload,
+    *,
+    stamped: bool = True,
 ) -> list[TraceEvent]:
     """Append one atomic step's events inside the caller's open transaction (BEGIN
     IMMEDIATE), each chained by hash to its predecessor, and move the chain's head.
 
     txn, seq and the head are read under the caller's write lock, so they are unique and
     the chain has no forks. A head that is missing restarts the chain from GENESIS: the
-    audit then names the break instead of every later write being refused.
+    audit then names the break instead of every later write being refused. Returns the
+    events with their seq and txn (none when not `stamped`: a caller that drops them need
+    not pay for copies).
     """
     if not events:
         return []
@@ -308,7 +314,8 @@ def append_events(
         seq, subject, payload = last + i, event_subject(ev), payload_of(ev, txn)
         h = chain_hash(prev, seq, txn, ev.kind, subject, payload)
         rows.append((seq, txn, ev.kind, subject, payload, prev, h))
-        out.append(attrs.evolve(ev, seq=seq, txn=txn))
+        if stamped:
+            out.append(attrs.evolve(ev, seq=seq, txn=txn))
         prev = h
     conn.executemany(_APPEND, rows)
     conn.execute(_HEAD, (last + len(events), prev))

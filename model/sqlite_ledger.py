@@ -165,7 +165,7 @@ class _Unit(SqlUnit):
 
     def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
         if changes:
-            append_events(self.conn, entry_events(changes, at), self.payload)
+            append_events(self.conn, entry_events(changes, at), self.payload, stamped=False)
         rows = [(k, v) for k, v in counts.items() if v]
         if rows:
             self.conn.executemany(_BUMP, rows)
