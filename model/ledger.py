@@ -15,7 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, Self, TypeVar, runtime_checkable
 
 import attrs
 
@@ -707,7 +707,7 @@ class Step:
 
     what: str
     premise: bool = False  # the registry's premise (a reservation)
-    bad: str | None = None  # the bad versions: "read", or "change" them
+    bad: Literal["read", "change"] | None = None  # the bad versions: read or change them
 
 
 class UnitOfWork(Protocol):
@@ -870,20 +870,20 @@ class StoreLedger:
         afters: list[LedgerEntry],
         update_id: str | None,
         counts: Mapping[str, int],
+        *,
+        by_owner: bool = False,
     ) -> list[LedgerEntry]:
-        """Write a step's planned changes to rows it read under its lock, with their events.
-
-        `update_id` None records each row's own owner (lease expiry returns many updates').
-        """
+        """Write a step's planned changes to rows it read under its lock, with their events
+        (recorded for `update_id`, or with `by_owner` for each row's own holder: lease
+        expiry returns many updates' rows at once)."""
         enforce(afters)
         pairs = list(zip(befores, afters, strict=True))
         if pairs and len(uow.write(pairs)) != len(pairs):
             raise LedgerError(f"rollouts of {event} changed under this step's lock")
         changes: list[Change] = [
-            (event, b, a, b.reserved_by if update_id is None else update_id) for b, a in pairs
+            (event, b, a, b.reserved_by if by_owner else update_id) for b, a in pairs
         ]
-        total = {"writes": len(changes), **counts}
-        uow.append(changes, self.clock(), total)
+        uow.append(changes, self.clock(), {"writes": len(changes), **counts})
         return afters
 
     # ---- protocol --------------------------------------------------------------------------
@@ -1121,7 +1121,8 @@ class StoreLedger:
             due = uow.due(self._now(uow))
             bad = uow.bad_versions()
             new = [plan_release(e, "expire_lease", self.recovery, bad) for e in due]
-            return self._apply(uow, "expire_lease", due, new, None, {"expirations": len(new)})
+            counts = {"expirations": len(new)}
+            return self._apply(uow, "expire_lease", due, new, None, counts, by_owner=True)
 
         return self._step(body, Step("expire_leases", bad="read"))
 
@@ -1146,14 +1147,7 @@ class StoreLedger:
             uow.mark_bad(version, reason)
             due = uow.of_version(version, QUARANTINABLE)
             new = [plan_transition(e, "quarantine", disposition=d) for e in due]
-            changes: list[Change] = [
-                ("quarantine", b, a, None) for b, a in zip(due, new, strict=True)
-            ]
-            enforce(new)
-            if due and len(uow.write(list(zip(due, new, strict=True)))) != len(due):
-                raise LedgerError("rollouts of quarantine changed under this step's lock")
-            uow.append(changes, self.clock(), {"writes": len(changes)})
-            return new
+            return self._apply(uow, "quarantine", due, new, None, {})
 
         return self._step(body, Step("quarantine_version", bad="change"))
 
