@@ -735,8 +735,9 @@ class UnitOfWork(Protocol):
         """Entries of behaviour `version` in one of `states`, by rollout id."""
         ...
 
-    def count(self, states: Sequence[str]) -> int:
-        """How many entries are in one of `states` now."""
+    def count(self, states: Sequence[str], min_version: int | None = None) -> int:
+        """How many entries are in one of `states` now (of behaviour version >= `min_version`
+        when given: a dispatch budget counts the live rollouts of its window)."""
         ...
 
     def read_premise(self) -> ActivationPremise:
@@ -1295,8 +1296,11 @@ class MemoryStore:
             key=lambda e: e.rollout_id,
         )
 
-    def count(self, states: Sequence[str]) -> int:
-        return sum(1 for e in self.entries.values() if e.state in states)
+    def count(self, states: Sequence[str], min_version: int | None = None) -> int:
+        low = -1 if min_version is None else min_version
+        return sum(
+            1 for e in self.entries.values() if e.state in states and e.behavior_version >= low
+        )
 
     def read_premise(self) -> ActivationPremise:
         return NO_REGISTRY if self.activation is None else self.activation.premise()

@@ -84,10 +84,11 @@ class SqlUnit:
         marks = ",".join("?" * len(states))
         return self.select(f"behavior_version = ? AND state IN ({marks})", (version, *states))
 
-    def count(self, states: Sequence[str]) -> int:
+    def count(self, states: Sequence[str], min_version: int | None = None) -> int:
         marks = ",".join("?" * len(states))
-        row = self.run(f"SELECT COUNT(*) FROM rollouts WHERE state IN ({marks})", states)
-        return int(row.fetchone()[0])
+        sql = f"SELECT COUNT(*) FROM rollouts WHERE state IN ({marks}) AND behavior_version >= ?"
+        low = -1 if min_version is None else min_version
+        return int(self.run(sql, (*states, low)).fetchone()[0])
 
     def bad_versions(self) -> frozenset[int]:
         return read_bad(self.conn)

@@ -4,6 +4,7 @@ declaration) behaves the same on every path."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import attrs
 import pytest
@@ -18,6 +19,7 @@ from rollout_lifecycle.model.records import (
     Reward,
     from_jsonable,
 )
+from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
 
 STAMP = AdmissionStamp(3, 3, 1, 0.5, 0.01, "fresh", "ok", True)
 
@@ -65,13 +67,16 @@ def test_a_row_of_another_shape_takes_the_validating_path() -> None:
         load_entry(json.dumps({**data, "releases": 0, "disposition": "not a record"}))
 
 
-def test_a_new_operation_is_one_step_on_the_ledger() -> None:
-    """A step written once on the ledger (here: count what is live, then act) runs on a
-    store through the same primitives every backend offers."""
-    led = MemoryLedger()
-    led.add(_entries()[0])
-    live = led._step(lambda uow, _: uow.count(("generated", "rewarded")), Step("count_live"))
-    assert live == 1
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+def test_a_new_operation_is_one_step_on_the_ledger(backend: str, tmp_path: Path) -> None:
+    """A step written once on the ledger (here: count what is live in a version window, the
+    premise of a dispatch) runs on every store through the same primitives."""
+    led = MemoryLedger() if backend == "memory" else SQLiteLedger(tmp_path / "l.db")
+    led.add_many([_entries()[0], attrs.evolve(_entries()[0], rollout_id="r2", behavior_version=1)])
+    live = ("generated", "rewarded")
+    got = [led._step(lambda uow, _, v=v: uow.count(live, v), Step("count")) for v in (None, 2, 4)]
+    assert got == [2, 1, 0]
+    led.close()
 
 
 @pytest.mark.parametrize("txn", [None, 7])
