@@ -188,6 +188,24 @@ class ActivationPremise:
 NO_REGISTRY = ActivationPremise(None, None)
 
 
+@attrs.frozen
+class _JudgedOnce(ActivationPremise):
+    """A premise that judges each (stamp, version) once per step: a batch's requests mostly
+    carry one stamp, and the premise cannot change inside the step that read it."""
+
+    judged: dict[tuple[AdmissionStamp | None, int], tuple[str, str] | None] = attrs.field(
+        factory=dict, eq=False, repr=False
+    )
+
+    def refusal(
+        self, admission: AdmissionStamp | None, behavior_version: int
+    ) -> tuple[str, str] | None:
+        key = (admission, behavior_version)
+        if key not in self.judged:
+            self.judged[key] = super().refusal(admission, behavior_version)
+        return self.judged[key]
+
+
 class ActivationSource(Protocol):
     """A registry a ledger reads inside its own atomic step (the memory registry)."""
 
@@ -299,19 +317,37 @@ _EVOLVERS: dict[tuple[type[Any], frozenset[str]], Callable[..., Any]] = {}
 
 
 def _evolver(cls: type[Any], changed: frozenset[str]) -> Callable[..., Any]:
-    """attrs.evolve for one class and one set of changed fields, written out once: a direct
-    call of the class's own __init__ (its validators and post-init check still run)."""
-    fields = [a for a in attrs.fields(cls) if a.init]
+    """attrs.evolve for one class and one set of changed fields, written out once.
+
+    The fields left as they were passed their validators when the record was built, so only
+    the changed ones are validated again, then the class's post-init check runs, as in
+    __init__. A class with converters or non-init fields is built by its __init__ instead.
+    """
+    every = list(attrs.fields(cls))
+    fields = [a for a in every if a.init]
     unknown = changed - {a.alias for a in fields}
     if unknown:
         raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
-    args = ", ".join(
-        (f"{a.alias}=" if a.kw_only else "")  # positional where __init__ allows it
-        + (f"c[{a.alias!r}]" if a.alias in changed else f"e.{a.name}")
-        for a in fields
-    )
-    scope: dict[str, Any] = {"cls": cls}
-    exec(f"def evolve(e, c):\n    return cls({args})\n", scope)
+    scope: dict[str, Any] = {"cls": cls, "new": object.__new__, "put": object.__setattr__}
+    if len(fields) != len(every) or any(a.converter is not None for a in fields):
+        args = ", ".join(
+            (f"{a.alias}=" if a.kw_only else "")  # positional where __init__ allows it
+            + (f"c[{a.alias!r}]" if a.alias in changed else f"e.{a.name}")
+            for a in fields
+        )
+        exec(f"def evolve(e, c):\n    return cls({args})\n", scope)
+    else:
+        lines = ["def evolve(e, c):", "    o = new(cls)"]
+        for i, a in enumerate(fields):
+            value = f"c[{a.alias!r}]" if a.alias in changed else f"e.{a.name}"
+            lines.append(f"    put(o, {a.name!r}, {value})")
+            if a.alias in changed and a.validator is not None:
+                scope[f"f{i}"], scope[f"v{i}"] = a, a.validator
+                lines.append(f"    v{i}(o, f{i}, o.{a.name})")
+        if hasattr(cls, "__attrs_post_init__"):
+            lines.append("    o.__attrs_post_init__()")
+        lines.append("    return o")
+        exec("\n".join(lines) + "\n", scope)
     fn: Callable[..., Any] = scope["evolve"]
     return fn
 
@@ -987,10 +1023,11 @@ class StoreLedger:
         if new is None or entry is None:
             self._count_local({counter_of(out.reason): 1})
             return out
-        planned, fresh = out, new
+        planned, fresh, version = out, new, entry.behavior_version
 
         def body(uow: UnitOfWork, local: Counter[str]) -> ReserveOutcome:
-            refusal = uow.read_premise().refusal(admission, entry.behavior_version)
+            premise = uow.read_premise()  # planning judged the stamp alone already
+            refusal = None if premise is NO_REGISTRY else premise.refusal(admission, version)
             if refusal is not None:
                 local["refused"] += 1
                 return ReserveOutcome(rollout_id, False, refusal[0], entry, refusal[1])
@@ -1032,7 +1069,7 @@ class StoreLedger:
             return []
 
         def body(uow: UnitOfWork, local: Counter[str]) -> list[ReserveOutcome]:
-            premise = uow.read_premise()
+            premise = _JudgedOnce(**attrs.asdict(uow.read_premise(), recurse=False))
             lease = self._now(uow) + self.lease_seconds
             entries = uow.read_rows([r.rollout_id for r in requests])
             outcomes: list[ReserveOutcome] = []

@@ -4,6 +4,7 @@ declaration) behaves the same on every path."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import attrs
@@ -11,7 +12,7 @@ import pytest
 
 from rollout_lifecycle.model.errors import InvalidRecord
 from rollout_lifecycle.model.events import EntryChanged, entry_payload, stored_payload
-from rollout_lifecycle.model.ledger import MemoryLedger, Step, dump_entry, load_entry
+from rollout_lifecycle.model.ledger import MemoryLedger, Step, _evolve, dump_entry, load_entry
 from rollout_lifecycle.model.records import (
     AdmissionStamp,
     Disposition,
@@ -92,3 +93,24 @@ def test_an_event_payload_from_stored_texts_is_byte_for_byte_the_same(txn: int |
         before = None if ev.before is None else dump_entry(ev.before)
         got = entry_payload(ev, txn, before, dump_entry(ev.after))
         assert got == stored_payload(ev, txn)
+
+
+def test_evolve_validates_what_changed_as_attrs_evolve_would() -> None:
+    """The planners' evolve re-checks only the changed fields (the rest passed when the
+    record was built): same records, and the same typed refusals, as attrs.evolve."""
+    e = _entries()[0]
+    good = {"state": "reserved", "revision": 1, "reserved_by": "u", "lease_expires_at": 3.0}
+    for changes in ({**good, "admission": STAMP}, {"revision": 5}):
+        a, v = _evolve(e, **changes), attrs.evolve(e, **changes)
+        assert a == v and repr(a) == repr(v) and hash(a) == hash(v)
+    for bad in (
+        {**good, "lease_expires_at": math.inf},
+        {**good, "reserved_by": None},
+        {"revision": 2**63},
+        {"state": "bogus"},
+    ):
+        with pytest.raises(InvalidRecord) as ours:
+            _evolve(e, **bad)
+        with pytest.raises(InvalidRecord) as theirs:
+            attrs.evolve(e, **bad)
+        assert str(ours.value) == str(theirs.value)
