@@ -185,8 +185,15 @@ class _OpenFile:
             return f"its header cannot be read ({exc})"
         if data == self.last:
             return None
-        h = parse_header(data)
         with self.lock:
+            # read again under the lock: a header read before another thread judged a newer
+            # one would otherwise look like the counter went back (and close the file under
+            # every thread using it)
+            try:
+                data = os.pread(self.fd, _HEADER, 0)
+            except OSError as exc:
+                return f"its header cannot be read ({exc})"
+            h = parse_header(data)
             if h is None:
                 # before the first checkpoint a new file has no header on disk yet
                 return "its database header is gone" if self.seen else None
