@@ -112,7 +112,7 @@ def _prepare(url: str, schema: str, workers: int, n: int) -> None:
     from rollout_lifecycle.model.postgres_common import PostgresDatabase
     from rollout_lifecycle.model.postgres_ledger import PostgresLedger
     from rollout_lifecycle.model.postgres_registry import PostgresRegistry
-    from rollout_lifecycle.model.records import LedgerEntry, Reward, WorkerAck
+    from rollout_lifecycle.model.records import AdmissionPolicy, LedgerEntry, Reward, WorkerAck
 
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
@@ -120,7 +120,8 @@ def _prepare(url: str, schema: str, workers: int, n: int) -> None:
     led = PostgresLedger(db)
     reg = PostgresRegistry(db)
     try:
-        c = ActivationCoordinator(reg, ["w0"], ledger=led)
+        # reservations are judged against the deployment's recorded policy: record one
+        c = ActivationCoordinator(reg, ["w0"], ledger=led, policy=AdmissionPolicy(1, 0.2))
         c.prepare(1)
         c.commit_artifact(1, HASH)
         c.distribute(1)
