@@ -1,9 +1,11 @@
-"""The revisioned rollout ledger: protocol, shared planning logic, and the in-memory backend.
+"""The revisioned rollout ledger: the planning functions, the one ledger, the memory store.
 
-Every backend (memory, SQLite, PostgreSQL) shares the *planning* functions here: given the
-entry as read and the request, they decide the outcome and the new entry by asking the
-declared lifecycle machine. Backends differ only in how they make "check the revision and
-write" one indivisible step (a lock here, a single-statement compare-and-set in SQL).
+The planning functions decide, given the entry as read and the request, the outcome and the
+new entry by asking the declared lifecycle machine. `StoreLedger` is the one ledger: it
+holds the protocol (planning, `enforce`, events, counters, the activation premise check)
+over a `Store`, which only makes "read, check revisions, write, append events, bump
+counters" one atomic step in its own way: a lock here (`MemoryStore`), a SQLite IMMEDIATE
+transaction (model.sqlite_ledger), a PostgreSQL transaction (model.postgres_ledger).
 """
 
 from __future__ import annotations
