@@ -1453,7 +1453,16 @@ class MemoryLedger(StoreLedger):
         led.store.reindex()
         return led
 
-    # white-box views for tests that corrupt or inspect the store directly
+    # white-box hooks for tests that build deliberately broken ledgers or corrupt the store
+    def _record(self, changes: list[Change]) -> None:
+        """Write `changes` as planned, unconditionally (no compare-and-set), with events."""
+        enforce(after for _, _, after, _ in changes)
+        with self.store.lock:
+            for _, _, after, _ in changes:
+                self.store._index(self.store.entries.get(after.rollout_id), after)
+                self.store.entries[after.rollout_id] = after
+            self.store.append(changes, self.clock(), {"writes": len(changes)})
+
     @property
     def _entries(self) -> dict[str, LedgerEntry]:
         return self.store.entries
