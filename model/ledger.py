@@ -30,6 +30,20 @@ from rollout_lifecycle.model.errors import (
 )
 from rollout_lifecycle.model.events import Change, EntryChanged, EventLog
 from rollout_lifecycle.model.machines import LIFECYCLE
+from rollout_lifecycle.model.pacing import (
+    LIVE_STATES,
+    DispatchOutcome,
+    DispatchPremise,
+    PacingRow,
+    PacingStatistics,
+    check_chain,
+    oldest_first,
+    pacing_from,
+    plan_dispatch,
+    row_of,
+    stale_disposition,
+    window_floor,
+)
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
     AdmissionStamp,
@@ -231,9 +245,21 @@ class LedgerStatistics:
     aborts: int
     expirations: int
     bad_versions: tuple[int, ...]
+    # staleness of what was trained, attempts per prompt, wasted generation, length bias
+    pacing: PacingStatistics | None = None
 
 
 # ---- planning (shared by every backend) ---------------------------------------------------
+
+
+_LIVE = frozenset(LIVE_STATES)
+
+
+def check_limit(value: object) -> int:
+    """A result limit: a non-negative int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidLedgerArgument(f"limit must be a non-negative int, got {brief(value)}")
+    return value
 
 
 def check_revision(value: object, what: str = "expected_revision") -> int:
@@ -279,6 +305,20 @@ def check_requests(requests: object) -> list[ReserveRequest]:
     if dups:
         raise InvalidLedgerArgument(f"a batch names rollouts more than once: {sorted(dups)[:5]}")
     return out
+
+
+def dispatch_entry(rollout: object, chain: object) -> LedgerEntry:
+    """What `dispatch` accepts, validated before any lock: a new entry without a chain of
+    its own (the ledger numbers the attempt), and a chain key."""
+    entry = as_entry(rollout)
+    key = check_chain(chain)
+    if entry.chain is not None:
+        raise WriteRefused(
+            f"rollout {brief(entry.rollout_id)}: dispatch assigns the chain and attempt; "
+            f"pass a rollout without them (got chain {brief(entry.chain)})"
+        )
+    plan_add(attrs.evolve(entry, chain=key, attempt=1), (), dispatched=True)
+    return entry
 
 
 def as_entry(rollout: object) -> LedgerEntry:
@@ -440,8 +480,14 @@ def plan_release(
     )
 
 
+TOKEN_EVENTS = frozenset({"generation_done", "generation_failed"})
+
+
 def direct_changes(
-    event: str, reward: Reward | None, disposition: Disposition | None
+    event: str,
+    reward: Reward | None,
+    disposition: Disposition | None,
+    tokens: int | None = None,
 ) -> dict[str, Any]:
     """Field changes for a directly fired event, with its stage checked."""
     if event not in DIRECT_EVENTS:
@@ -449,6 +495,16 @@ def direct_changes(
             f"event {brief(event)} cannot be fired directly; use reserve/commit/abort/fail_update/"
             f"expire_leases (direct events: {sorted(DIRECT_EVENTS)})"
         )
+    if tokens is not None:
+        if event not in TOKEN_EVENTS:
+            raise LedgerError(
+                f"{event}: only {'/'.join(sorted(TOKEN_EVENTS))} record generated tokens"
+            )
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise InvalidLedgerArgument(
+                f"tokens must be a non-negative int (tokens generated), got {brief(tokens)}"
+            )
+        return {"tokens": tokens, **direct_changes(event, reward, disposition)}
     if event == "reward_ready":
         if reward is None:
             raise LedgerError("reward_ready needs the reward (function id, version, value)")
@@ -475,7 +531,7 @@ ADDABLE_STATES = tuple(s for s in LIFECYCLE.states if s in rules.START_STATES)
 
 
 def plan_add(
-    entry: LedgerEntry, bad_versions: Iterable[int]
+    entry: LedgerEntry, bad_versions: Iterable[int], *, dispatched: bool = False
 ) -> list[tuple[str, LedgerEntry | None, LedgerEntry]]:
     """The writes that add a new rollout: the entry, then quarantine if its version is bad.
 
@@ -487,6 +543,13 @@ def plan_add(
         raise WriteRefused(
             f"rollout {brief(entry.rollout_id)}: a new entry starts at revision 0 in "
             f"{'/'.join(ADDABLE_STATES)}, got revision {entry.revision} in {brief(entry.state)}"
+        )
+    if (entry.chain is not None) != dispatched:
+        raise WriteRefused(
+            f"rollout {brief(entry.rollout_id)}: an attempt chain is assigned by dispatch "
+            "(ledger.dispatch(rollout, chain=...)), never carried into add"
+            if not dispatched
+            else f"rollout {brief(entry.rollout_id)}: a dispatch names its chain"
         )
     if entry.reserved_by is not None or entry.admission is not None:
         raise WriteRefused(
@@ -507,10 +570,15 @@ def renew_plan(owned: Sequence[LedgerEntry], now: float, lease_seconds: float) -
 
 
 def statistics_from(
-    entries: Iterable[LedgerEntry], counters: Mapping[str, int], bad_versions: Iterable[int]
+    entries: Iterable[LedgerEntry],
+    counters: Mapping[str, int],
+    bad_versions: Iterable[int],
+    pacing_rows: Iterable[PacingRow] | None = None,
 ) -> LedgerStatistics:
-    """Build statistics from the entries and a backend's counters."""
+    """Build statistics from the entries (or the pacing rows a store read) and counters."""
+    entries = list(entries)
     by_state: Counter[str] = Counter(e.state for e in entries)
+    rows = [row_of(e) for e in entries] if pacing_rows is None else pacing_rows
     return LedgerStatistics(
         entries=sum(by_state.values()),
         by_state={s: by_state.get(s, 0) for s in LIFECYCLE.states},
@@ -523,6 +591,7 @@ def statistics_from(
         aborts=counters.get("aborts", 0),
         expirations=counters.get("expirations", 0),
         bad_versions=tuple(sorted(set(bad_versions))),
+        pacing=pacing_from(rows),
     )
 
 
@@ -544,6 +613,7 @@ class Ledger(Protocol):
         *,
         reward: Reward | None = None,
         disposition: Disposition | None = None,
+        tokens: int | None = None,
     ) -> LedgerEntry: ...
 
     def reserve(
@@ -576,6 +646,12 @@ class Ledger(Protocol):
     def bad_versions(self) -> frozenset[int]: ...
 
     def reserved_by(self, update_id: str) -> list[str]: ...
+
+    def dispatch(self, rollout: Rollout | LedgerEntry, *, chain: str) -> DispatchOutcome: ...
+
+    def retire_stale(self) -> list[LedgerEntry]: ...
+
+    def oldest_admissible(self, limit: int) -> list[LedgerEntry]: ...
 
     def snapshot(self) -> dict[str, LedgerEntry]: ...
 
@@ -698,6 +774,8 @@ class MemoryLedger:
     # deadline whose reservation has since ended is dropped when it surfaces.
 
     def _index_reset(self) -> None:
+        self._chains: dict[str, list[str]] = {}
+        self._live_by_version: Counter[int] = Counter()
         self._owners: dict[str, set[str]] = {}
         self._leases: list[tuple[float, str]] = []
         self._held = 0
@@ -705,6 +783,12 @@ class MemoryLedger:
             self._index_write(None, e)
 
     def _index_write(self, before: LedgerEntry | None, after: LedgerEntry) -> None:
+        if before is None and after.chain is not None:
+            self._chains.setdefault(after.chain, []).append(after.rollout_id)
+        if before is not None and before.state in _LIVE:
+            self._live_by_version[before.behavior_version] -= 1
+        if after.state in _LIVE:
+            self._live_by_version[after.behavior_version] += 1
         if before is not None and before.reserved_by is not None:
             held = self._owners.get(before.reserved_by)
             if held is not None and before.rollout_id in held:
@@ -768,9 +852,10 @@ class MemoryLedger:
         *,
         reward: Reward | None = None,
         disposition: Disposition | None = None,
+        tokens: int | None = None,
     ) -> LedgerEntry:
         """Fire a direct lifecycle event under compare-and-set; nothing changes on failure."""
-        changes = direct_changes(event, reward, disposition)
+        changes = direct_changes(event, reward, disposition, tokens)
         check_revision(expected_revision)
         with self._lock:
             entry = self.get(rollout_id)
@@ -936,6 +1021,72 @@ class MemoryLedger:
         """Ids currently reserved by `update_id`, sorted."""
         with self._lock:
             return [e.rollout_id for e in self._owned(update_id)]
+
+    def _premise(self) -> ActivationPremise:
+        return NO_REGISTRY if self.activation is None else self.activation.premise()
+
+    def dispatch(self, rollout: Rollout | LedgerEntry, *, chain: str) -> DispatchOutcome:
+        """Start a rollout of `chain` only within the staleness budget (model.pacing)."""
+        entry = dispatch_entry(rollout, chain)
+        with self._lock:
+            if entry.rollout_id in self._entries:
+                raise DuplicateRollout(
+                    f"rollout {brief(entry.rollout_id)} is already in the ledger"
+                )
+            act = self._premise()
+            floor = window_floor(act.pointer_version, act.policy)
+            live = sum(n for v, n in self._live_by_version.items() if floor is None or v >= floor)
+            states = tuple(self._entries[r].state for r in self._chains.get(chain, ()))
+            premise = DispatchPremise(act.pointer_version, act.was_active, act.policy, live, states)
+            out, new = plan_dispatch(entry, chain, premise)
+            if new is not None:
+                changes = plan_add(new, self._bad_versions, dispatched=True)
+                self._record([(ev, b, a, None) for ev, b, a in changes])
+                out = attrs.evolve(out, entry=changes[-1][2])
+            return out
+
+    def retire_stale(self) -> list[LedgerEntry]:
+        """Retire, with their cause, rewarded rollouts now too old for the pointer."""
+        with self._lock:
+            act = self._premise()
+            floor = window_floor(act.pointer_version, act.policy)
+            if floor is None or act.policy is None or act.pointer_version is None:
+                return []
+            due = sorted(
+                (
+                    e
+                    for e in self._entries.values()
+                    if e.state == "rewarded" and e.behavior_version < floor
+                ),
+                key=lambda e: e.rollout_id,
+            )
+            pointer, bound = act.pointer_version, act.policy.max_lag
+            new = [
+                plan_transition(
+                    e,
+                    "retire_stale",
+                    disposition=stale_disposition(pointer - e.behavior_version, bound, pointer),
+                )
+                for e in due
+            ]
+            self._record([("retire_stale", b, a, None) for b, a in zip(due, new, strict=True)])
+            return new
+
+    def oldest_admissible(self, limit: int) -> list[LedgerEntry]:
+        """Up to `limit` rewarded rollouts still within the lag bound, oldest first."""
+        limit = check_limit(limit)
+        with self._lock:
+            act = self._premise()
+            floor = window_floor(act.pointer_version, act.policy)
+            top = act.pointer_version
+            found = [
+                e
+                for e in self._entries.values()
+                if e.state == "rewarded"
+                and (floor is None or e.behavior_version >= floor)
+                and (top is None or e.behavior_version <= top)
+            ]
+            return oldest_first(found)[:limit]
 
     def snapshot(self) -> dict[str, LedgerEntry]:
         """A consistent copy of every entry (records are frozen, so sharing them is safe)."""

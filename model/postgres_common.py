@@ -83,6 +83,7 @@ K_BAD = _BASE + 2
 K_REGISTRY = _BASE + 3
 K_PREMISE = _BASE + 4
 K_EVENTS = _BASE + 5
+K_DISPATCH = _BASE + 6  # dispatches take it exclusively: the budget is counted, then written
 
 COUNTER_SHARDS = 16  # counter rows per name, so racing connections rarely share one row
 

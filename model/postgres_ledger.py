@@ -66,11 +66,13 @@ from rollout_lifecycle.model.ledger import (
     ReserveRequest,
     check_id,
     check_lease_seconds,
+    check_limit,
     check_requests,
     check_revision,
     check_update_id,
     commit_plan,
     direct_changes,
+    dispatch_entry,
     enforce,
     plan_add,
     plan_release,
@@ -81,9 +83,21 @@ from rollout_lifecycle.model.ledger import (
     statistics_from,
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
+from rollout_lifecycle.model.pacing import (
+    LIVE_STATES,
+    DispatchOutcome,
+    DispatchPremise,
+    PacingRow,
+    oldest_first,
+    plan_dispatch,
+    rows_from_columns,
+    stale_disposition,
+    window_floor,
+)
 from rollout_lifecycle.model.postgres_common import (
     COUNTER_SHARDS,
     K_BAD,
+    K_DISPATCH,
     K_PREMISE,
     Conn,
     PostgresDatabase,
@@ -128,6 +142,8 @@ CREATE INDEX IF NOT EXISTS rollouts_lease ON rollouts(lease_expires_at)
     WHERE reserved_by IS NOT NULL;
 CREATE INDEX IF NOT EXISTS rollouts_version ON rollouts(behavior_version, state);
 CREATE INDEX IF NOT EXISTS rollouts_state ON rollouts(state, rollout_id);
+CREATE INDEX IF NOT EXISTS rollouts_chain ON rollouts(((entry::jsonb)->>'chain'))
+    WHERE (entry::jsonb)->>'chain' IS NOT NULL;
 CREATE TABLE IF NOT EXISTS ledger_bad_versions (
     version bigint PRIMARY KEY,
     reason  text NOT NULL
@@ -167,6 +183,17 @@ WHERE r.rollout_id = v.rollout_id AND r.revision = v.expected
     AND r.rollout_id IN (SELECT rollout_id FROM locked)
 RETURNING r.rollout_id
 """
+
+_PACING_COLUMNS = (
+    "SELECT rollout_id, state, behavior_version, (entry::jsonb)->>'chain', "
+    "(entry::jsonb)->>'attempt', (entry::jsonb)->>'tokens', "
+    "(entry::jsonb)->'admission'->>'current_version' FROM rollouts"
+)
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
 
 _INSERT_MANY = """
 INSERT INTO rollouts(rollout_id, state, revision, reserved_by, lease_expires_at,
@@ -460,7 +487,8 @@ class PostgresLedger:
             "SELECT extract(epoch FROM clock_timestamp())::float8, "
             "(SELECT version FROM registry_pointer WHERE id = 1), "
             "ARRAY(SELECT version FROM registry_artifacts WHERE state = ANY(%s::text[])), "
-            "(SELECT json_build_array(max_lag, max_drift) FROM registry_policy WHERE id = 1), "
+            "(SELECT json_build_array(max_lag, max_drift, batch_size, max_attempts) "
+            "FROM registry_policy WHERE id = 1), "
             "(SELECT json_agg(json_build_array(version, failure)) FROM registry_artifacts "
             "WHERE state = 'rolled_back')",
             (_WAS_ACTIVE,),
@@ -470,7 +498,9 @@ class PostgresLedger:
         premise = ActivationPremise(
             None if pointer is None else int(pointer),
             frozenset(int(v) for v in was),
-            None if pol is None else AdmissionPolicy(int(pol[0]), float(pol[1])),
+            None
+            if pol is None
+            else AdmissionPolicy(int(pol[0]), float(pol[1]), _opt_int(pol[2]), _opt_int(pol[3])),
             retired_from_rows(rolled or ()),
         )
         return premise, float(server_now) if self._server_clock else self.clock()
@@ -560,9 +590,10 @@ class PostgresLedger:
         *,
         reward: Reward | None = None,
         disposition: Disposition | None = None,
+        tokens: int | None = None,
     ) -> LedgerEntry:
         """Fire a direct lifecycle event under compare-and-set; nothing changes on failure."""
-        changes = direct_changes(event, reward, disposition)
+        changes = direct_changes(event, reward, disposition, tokens)
         check_revision(expected_revision)
         entry = self.get(rollout_id)
         if entry.revision != expected_revision:
@@ -710,6 +741,107 @@ class PostgresLedger:
             return outcomes
 
         result: list[ReserveOutcome] = self._write(body, "reserve_batch", premise=True)
+        return result
+
+    def dispatch(self, rollout: Rollout | LedgerEntry, *, chain: str) -> DispatchOutcome:
+        """Start a rollout of `chain` only within the staleness budget (model.pacing).
+
+        Under the premise lock (shared: no pointer or policy move lands meanwhile) and the
+        dispatch lock (exclusive: no other dispatch counts the same free slot); READ
+        COMMITTED, so the count after the lock sees every dispatch committed before it."""
+        entry = dispatch_entry(rollout, chain)
+
+        def body(conn: Conn) -> DispatchOutcome:
+            lock(conn, K_DISPATCH)
+            act, _ = self._premise(conn)
+            floor = window_floor(act.pointer_version, act.policy)
+            row = conn.execute(
+                "SELECT COUNT(*) FROM rollouts WHERE state = ANY(%s::text[]) "
+                "AND behavior_version >= %s",
+                (list(LIVE_STATES), -1 if floor is None else floor),
+            ).fetchone()
+            assert row is not None
+            states = tuple(
+                str(r[0])
+                for r in conn.execute(
+                    "SELECT state FROM rollouts WHERE (entry::jsonb)->>'chain' = %s", (chain,)
+                ).fetchall()
+            )
+            premise = DispatchPremise(
+                act.pointer_version, act.was_active, act.policy, int(row[0]), states
+            )
+            out, new = plan_dispatch(entry, chain, premise)
+            if new is None:
+                return out
+            lock(conn, K_BAD, shared=True)
+            changes = plan_add(new, self._bad_versions(conn), dispatched=True)
+            written = changes[-1][2]
+            doc = [
+                {
+                    "rollout_id": written.rollout_id,
+                    "state": written.state,
+                    "revision": written.revision,
+                    "reserved_by": None,
+                    "lease": None,
+                    "version": written.behavior_version,
+                    "entry": _dump(written),
+                }
+            ]
+            if not conn.execute(_INSERT_MANY, (json.dumps(doc),)).fetchall():
+                raise DuplicateRollout(f"rollout {written.rollout_id!r} is already in the ledger")
+            self._finish(conn, [(ev, b, a, None) for ev, b, a in changes], {})
+            return attrs.evolve(out, entry=written)
+
+        result: DispatchOutcome = self._write(body, "dispatch", premise=True)
+        return result
+
+    def retire_stale(self) -> list[LedgerEntry]:
+        """Retire, with their cause, rewarded rollouts now too old for the pointer."""
+
+        def body(conn: Conn) -> list[LedgerEntry]:
+            act, _ = self._premise(conn)
+            floor = window_floor(act.pointer_version, act.policy)
+            if floor is None or act.policy is None or act.pointer_version is None:
+                return []
+            due = self._locked(conn, "state = 'rewarded' AND behavior_version < %s", (floor,))
+            due = [e for e in due if e.state == "rewarded"]  # re-checked after a wait
+            pointer, bound = act.pointer_version, act.policy.max_lag
+            new = [
+                plan_transition(
+                    e,
+                    "retire_stale",
+                    disposition=stale_disposition(pointer - e.behavior_version, bound, pointer),
+                )
+                for e in due
+            ]
+            changes: list[Change] = [
+                ("retire_stale", b, a, None) for b, a in zip(due, new, strict=True)
+            ]
+            self._apply(conn, changes)
+            self._finish(conn, changes, {})
+            return new
+
+        result: list[LedgerEntry] = self._write(body, "retire_stale", premise=True)
+        return result
+
+    def oldest_admissible(self, limit: int) -> list[LedgerEntry]:
+        """Up to `limit` rewarded rollouts still within the lag bound, oldest first."""
+        limit = check_limit(limit)
+
+        def body(conn: Conn) -> list[LedgerEntry]:
+            act, _ = self._premise(conn)
+            floor = window_floor(act.pointer_version, act.policy)
+            top = act.pointer_version
+            rows = conn.execute(
+                "SELECT entry FROM rollouts WHERE state = 'rewarded' "
+                "AND behavior_version >= %s AND behavior_version <= %s "
+                "ORDER BY behavior_version, "
+                "COALESCE(((entry::jsonb)->>'attempt')::bigint, 0) DESC, rollout_id LIMIT %s",
+                (-1 if floor is None else floor, 2**62 if top is None else top, limit),
+            ).fetchall()
+            return oldest_first(_load(r[0]) for r in rows)
+
+        result: list[LedgerEntry] = self._read(body, "oldest_admissible")
         return result
 
     def commit(self, update_id: str, rollout_ids: Sequence[str]) -> list[LedgerEntry]:
@@ -905,7 +1037,7 @@ class PostgresLedger:
     def statistics(self) -> LedgerStatistics:
         """Counts by state and counters, from one REPEATABLE READ snapshot."""
 
-        def body(conn: Conn) -> tuple[dict[str, int], dict[str, int], set[int]]:
+        def body(conn: Conn) -> tuple[dict[str, int], dict[str, int], set[int], list[PacingRow]]:
             by_state = {
                 str(s): int(n)
                 for s, n in conn.execute(
@@ -918,13 +1050,14 @@ class PostgresLedger:
                     "SELECT name, SUM(n) FROM ledger_counters GROUP BY name"
                 ).fetchall()
             }
-            return by_state, counters, self._bad_versions(conn)
+            pacing = rows_from_columns(conn.execute(_PACING_COLUMNS).fetchall())
+            return by_state, counters, self._bad_versions(conn), pacing
 
-        by_state, counters, bad = self._read(body, "statistics", snapshot=True)
+        by_state, counters, bad, pacing = self._read(body, "statistics", snapshot=True)
         with self._outcomes_lock:
             for k, v in self._outcomes.items():
                 counters[k] = counters.get(k, 0) + v
-        base = statistics_from((), counters, bad)
+        base = statistics_from((), counters, bad, pacing)
         states = {s: int(by_state.get(s, 0)) for s in base.by_state}
         return attrs.evolve(base, entries=sum(states.values()), by_state=states)
 

@@ -54,11 +54,13 @@ from rollout_lifecycle.model.ledger import (
     as_entry,
     check_id,
     check_lease_seconds,
+    check_limit,
     check_requests,
     check_revision,
     check_update_id,
     commit_plan,
     direct_changes,
+    dispatch_entry,
     enforce,
     plan_add,
     plan_release,
@@ -69,6 +71,16 @@ from rollout_lifecycle.model.ledger import (
     statistics_from,
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
+from rollout_lifecycle.model.pacing import (
+    LIVE_STATES,
+    DispatchOutcome,
+    DispatchPremise,
+    oldest_first,
+    plan_dispatch,
+    rows_from_columns,
+    stale_disposition,
+    window_floor,
+)
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
     AdmissionStamp,
@@ -115,6 +127,8 @@ CREATE INDEX IF NOT EXISTS rollouts_owner ON rollouts(reserved_by)
 CREATE INDEX IF NOT EXISTS rollouts_lease ON rollouts(lease_expires_at)
     WHERE reserved_by IS NOT NULL;
 CREATE INDEX IF NOT EXISTS rollouts_version ON rollouts(behavior_version, state);
+CREATE INDEX IF NOT EXISTS rollouts_chain ON rollouts(json_extract(entry, '$.chain'))
+    WHERE json_extract(entry, '$.chain') IS NOT NULL;
 CREATE TABLE IF NOT EXISTS ledger_bad_versions (
     version INTEGER PRIMARY KEY,
     reason  TEXT NOT NULL
@@ -151,6 +165,12 @@ _COUNTER_OF = {
 _IN_CHUNK = 500  # ids per IN (...) list, well under SQLite's bound-parameter limit
 _WAS_ACTIVE = tuple(sorted(WAS_ACTIVE_STATES))
 _WAS_ACTIVE_MARKS = ",".join("?" * len(_WAS_ACTIVE))
+_LIVE_MARKS = ",".join("?" * len(LIVE_STATES))
+_PACING_COLUMNS = (
+    "SELECT rollout_id, state, behavior_version, json_extract(entry, '$.chain'), "
+    "json_extract(entry, '$.attempt'), json_extract(entry, '$.tokens'), "
+    "json_extract(entry, '$.admission.current_version') FROM rollouts"
+)
 
 # Read off the machine, so "which states can be quarantined directly" is never retyped.
 _QUARANTINABLE = tuple(s for s in LIFECYCLE.states if LIFECYCLE.is_legal(s, "quarantine"))
@@ -463,11 +483,14 @@ class SQLiteLedger:
             if row is None:
                 return NO_REGISTRY
             self._registry_seen = True  # a registry, once created, never goes away
-        pointer, max_lag, max_drift = conn.execute(
-            "SELECT (SELECT version FROM registry_pointer WHERE id = 1), "
-            "(SELECT max_lag FROM registry_policy WHERE id = 1), "
-            "(SELECT max_drift FROM registry_policy WHERE id = 1)"
+        (pointer,) = conn.execute(
+            "SELECT (SELECT version FROM registry_pointer WHERE id = 1)"
         ).fetchone()
+        # by name: a registry not yet migrated to the pacing columns reads them as None
+        cur = conn.execute("SELECT * FROM registry_policy WHERE id = 1")
+        found = cur.fetchone()
+        names = [d[0] for d in cur.description]
+        pol = {} if found is None else dict(zip(names, found, strict=True))
         was = conn.execute(
             f"SELECT version, state, failure FROM registry_artifacts "
             f"WHERE state IN ({_WAS_ACTIVE_MARKS})",
@@ -476,7 +499,14 @@ class SQLiteLedger:
         return ActivationPremise(
             None if pointer is None else int(pointer),
             frozenset(int(r[0]) for r in was),
-            None if max_lag is None else AdmissionPolicy(int(max_lag), float(max_drift)),
+            None
+            if not pol
+            else AdmissionPolicy(
+                int(pol["max_lag"]),
+                float(pol["max_drift"]),
+                None if pol.get("batch_size") is None else int(pol["batch_size"]),
+                None if pol.get("max_attempts") is None else int(pol["max_attempts"]),
+            ),
             retired_from_rows((r[0], r[2]) for r in was if r[1] == "rolled_back"),
         )
 
@@ -549,9 +579,10 @@ class SQLiteLedger:
         *,
         reward: Reward | None = None,
         disposition: Disposition | None = None,
+        tokens: int | None = None,
     ) -> LedgerEntry:
         """Fire a direct lifecycle event under compare-and-set; nothing changes on failure."""
-        changes = direct_changes(event, reward, disposition)
+        changes = direct_changes(event, reward, disposition, tokens)
         check_revision(expected_revision)
         entry = self.get(rollout_id)
         if entry.revision != expected_revision:
@@ -646,6 +677,90 @@ class SQLiteLedger:
             self._events(conn, changes)
             self._bump(conn, counts)
         return outcomes
+
+    def dispatch(self, rollout: Rollout | LedgerEntry, *, chain: str) -> DispatchOutcome:
+        """Start a rollout of `chain` only within the staleness budget (model.pacing): the
+        pointer, the policy, the live count and the chain are read under the write lock."""
+        entry = dispatch_entry(rollout, chain)
+        with self._write() as conn:
+            act = self._premise(conn)
+            floor = window_floor(act.pointer_version, act.policy)
+            (live,) = conn.execute(
+                f"SELECT COUNT(*) FROM rollouts WHERE state IN ({_LIVE_MARKS}) "
+                "AND behavior_version >= ?",
+                (*LIVE_STATES, -1 if floor is None else floor),
+            ).fetchone()
+            states = tuple(
+                r[0]
+                for r in conn.execute(
+                    "SELECT state FROM rollouts WHERE json_extract(entry, '$.chain') = ?",
+                    (chain,),
+                )
+            )
+            premise = DispatchPremise(
+                act.pointer_version, act.was_active, act.policy, int(live), states
+            )
+            out, new = plan_dispatch(entry, chain, premise)
+            if new is None:
+                return out
+            changes = plan_add(new, self._bad_versions(conn), dispatched=True)
+            written = changes[-1][2]
+            cur = conn.execute(
+                _INSERT,
+                (
+                    new.rollout_id,
+                    written.state,
+                    written.revision,
+                    None,
+                    None,
+                    new.behavior_version,
+                    _dump(written),
+                ),
+            )
+            if cur.rowcount != 1:
+                raise DuplicateRollout(f"rollout {new.rollout_id!r} is already in the ledger")
+            self._events(conn, [(ev, b, a, None) for ev, b, a in changes])
+        return attrs.evolve(out, entry=written)
+
+    def retire_stale(self) -> list[LedgerEntry]:
+        """Retire, with their cause, rewarded rollouts now too old for the pointer."""
+        with self._write() as conn:
+            act = self._premise(conn)
+            floor = window_floor(act.pointer_version, act.policy)
+            if floor is None or act.policy is None or act.pointer_version is None:
+                return []
+            rows = conn.execute(
+                "SELECT entry FROM rollouts WHERE state = 'rewarded' AND behavior_version < ? "
+                "ORDER BY rollout_id",
+                (floor,),
+            ).fetchall()
+            due = [_load(r[0]) for r in rows]
+            pointer, bound = act.pointer_version, act.policy.max_lag
+            new = [
+                plan_transition(
+                    e,
+                    "retire_stale",
+                    disposition=stale_disposition(pointer - e.behavior_version, bound, pointer),
+                )
+                for e in due
+            ]
+            self._apply(conn, [("retire_stale", b, a, None) for b, a in zip(due, new, strict=True)])
+        return new
+
+    def oldest_admissible(self, limit: int) -> list[LedgerEntry]:
+        """Up to `limit` rewarded rollouts still within the lag bound, oldest first."""
+        limit = check_limit(limit)
+        with self._read() as conn:
+            act = self._premise(conn)
+            floor = window_floor(act.pointer_version, act.policy)
+            top = act.pointer_version
+            rows = conn.execute(
+                "SELECT entry FROM rollouts WHERE state = 'rewarded' AND behavior_version >= ? "
+                "AND behavior_version <= ? ORDER BY behavior_version, "
+                "COALESCE(json_extract(entry, '$.attempt'), 0) DESC, rollout_id LIMIT ?",
+                (-1 if floor is None else floor, 2**62 if top is None else top, limit),
+            ).fetchall()
+        return oldest_first(_load(r[0]) for r in rows)
 
     def commit(self, update_id: str, rollout_ids: Sequence[str]) -> list[LedgerEntry]:
         """Consume exactly the rollouts `update_id` reserved, atomically; else CommitMismatch."""
@@ -797,8 +912,9 @@ class SQLiteLedger:
             bad = self._bad_versions(conn)
         with self._handles_lock:
             counters.update(self._outcomes)
-        # counting states in SQL avoids loading every entry; the rest is the shared builder
-        base = statistics_from((), counters, bad)
+            pacing = rows_from_columns(conn.execute(_PACING_COLUMNS))
+        # counting states in SQL avoids decoding every entry; the rest is the shared builder
+        base = statistics_from((), counters, bad, pacing)
         states = {s: int(by_state.get(s, 0)) for s in base.by_state}
         return attrs.evolve(base, entries=sum(states.values()), by_state=states)
 

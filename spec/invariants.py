@@ -878,6 +878,82 @@ def _reservations_resolve(w: World) -> list[str]:
 _SERVED_BY = re.compile(r"^(?P<worker>[^@/\s]+)@(?P<incarnation>[0-9]+)/")
 
 
+def _dispatches(events: Sequence[TraceEvent]) -> list[LedgerEntry]:
+    """The entries a step dispatched: new entries that carry an attempt chain."""
+    return [
+        ev.after
+        for ev in events
+        if isinstance(ev, EntryChanged) and ev.before is None and ev.after.chain is not None
+    ]
+
+
+def _paced_dispatch(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
+    """Stated over the replayed history, apart from model.pacing: at each dispatch the
+    deployment's pointer and policy of that moment bound the version, the chain and the
+    number of live rollouts that can still be trained."""
+    new = _dispatches(events)
+    if not new:
+        return []
+    out: list[str] = []
+    chains: dict[str, list[LedgerEntry]] = {}
+    for e in before.entries.values():
+        if e.chain is not None:
+            chains.setdefault(e.chain, []).append(e)
+    pol, ptr = before.policy, before.pointer
+    paced = before.artifacts is not None and pol is not None and ptr is not None
+    live = 0
+    if paced and pol is not None and ptr is not None and pol.batch_size is not None:
+        oldest = ptr.version - pol.max_lag
+        live = sum(
+            1
+            for e in before.entries.values()
+            if e.state in OPEN_STATES and e.behavior_version >= oldest
+        )
+    for e in new:
+        earlier = chains.setdefault(e.chain or "", [])
+        if e.attempt != len(earlier) + 1:
+            out.append(
+                f"{e.rollout_id}: attempt {e.attempt} of chain {e.chain!r}, which had "
+                f"{len(earlier)} attempt(s) before"
+            )
+        busy = [x.rollout_id for x in earlier if x.state in OPEN_STATES or x.state == "consumed"]
+        if busy:
+            out.append(
+                f"{e.rollout_id}: dispatched while chain {e.chain!r} had a live or trained "
+                f"attempt ({', '.join(busy[:3])})"
+            )
+        if paced and pol is not None and ptr is not None:
+            v, p = e.behavior_version, ptr.version
+            if v > p or v not in before.ever_active or p - v > pol.max_lag:
+                out.append(
+                    f"{e.rollout_id}: dispatched on v{v} with the pointer at v{p} "
+                    f"(max_lag {pol.max_lag}): not a version that can still be trained"
+                )
+            if pol.max_attempts is not None and e.attempt > pol.max_attempts:
+                out.append(
+                    f"{e.rollout_id}: attempt {e.attempt} of chain {e.chain!r} exceeds "
+                    f"max_attempts {pol.max_attempts}"
+                )
+            if pol.batch_size is not None:
+                budget = (pol.max_lag + 1) * pol.batch_size
+                if live >= budget:
+                    out.append(
+                        f"{e.rollout_id}: dispatched with {live} live rollouts within "
+                        f"max_lag of v{p}, the budget being {budget}"
+                    )
+                live += 1
+        earlier.append(e)
+    return out
+
+
+def _accounted_for(e: LedgerEntry, _w: World) -> list[str]:
+    if e.state in OPEN_STATES or e.state == "consumed":
+        return []
+    if e.disposition is None or not e.disposition.cause:
+        return [f"{e.rollout_id}: ended {e.state} without a recorded cause"]
+    return []
+
+
 def _served_after_sync(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
     """A worker serves only what it reported holding in its current incarnation: a rollout
     it adds must carry the (version, hash) of its stored report, of that same incarnation,
@@ -1098,6 +1174,23 @@ INVARIANTS: tuple[Invariant, ...] = (
         "liveness",
         "Once everything is delivered, every reservation is committed, released or expired.",
         world_check=_reservations_resolve,
+    ),
+    Invariant(
+        "dispatch_paced",
+        "step",
+        "ledger",
+        "A rollout is dispatched only on a version that can still be trained (active or "
+        "was, within max_lag of the pointer), while fewer than (max_lag + 1) x batch_size "
+        "live rollouts can still be trained, as its chain's next attempt (numbered "
+        "1, 2, ...), with no live or trained attempt of the chain, at most max_attempts.",
+        step_check=_paced_dispatch,
+    ),
+    Invariant(
+        "dispatched_accounted_for",
+        "always",
+        "ledger",
+        "Every dispatched rollout is consumed, live, or ended with a recorded cause.",
+        entry_check=_accounted_for,
     ),
     Invariant(
         "served_after_sync",
