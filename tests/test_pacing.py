@@ -218,3 +218,14 @@ def test_racing_dispatchers_never_share_a_slot(kind: str, tmp_path: Path) -> Non
         assert won == len(live) == 4
         assert len({e.chain for e in live}) == 4
         assert check_trace(b.trace()).ok
+
+
+def test_the_docs_example_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/pacing.md's example prints what its comments say."""
+    import re
+
+    doc = (Path(__file__).parent.parent / "docs" / "pacing.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", doc, re.S)
+    exec(compile(code, "docs/pacing.md", "exec"), {})
+    out = capsys.readouterr().out.splitlines()
+    assert out == [str(["dispatched"] * 4 + ["no_capacity"]), "128.0"]
