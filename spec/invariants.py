@@ -117,6 +117,32 @@ def _live_voided(voided: frozenset[str], workers: Mapping[str, WorkerReport]) ->
     return frozenset(w for w in voided if (r := workers.get(w)) is not None and r.ack is not None)
 
 
+class PacingIndex:
+    """The replayer's running tally for `dispatch_paced`: live entries per behaviour version
+    and each chain's rollout ids, kept in step with the replayed entries so judging a
+    dispatch costs what its window and chain hold, not the size of the history. Built
+    here from the events, apart from the ledger's own counting (model.pacing)."""
+
+    def __init__(self, entries: Iterable[LedgerEntry] = ()) -> None:
+        self.live: Counter[int] = Counter()
+        self.chains: dict[str, list[str]] = {}
+        for e in entries:
+            self.apply(None, e)
+
+    def apply(self, before: LedgerEntry | None, after: LedgerEntry) -> None:
+        """One replayed write: the entry was `before` (None: new) and is now `after`."""
+        if before is None and after.chain is not None:
+            self.chains.setdefault(after.chain, []).append(after.rollout_id)
+        if before is not None and before.state in OPEN_STATES:
+            self.live[before.behavior_version] -= 1
+        if after.state in OPEN_STATES:
+            self.live[after.behavior_version] += 1
+
+    def live_from(self, oldest: int) -> int:
+        """Live entries whose behaviour version is >= `oldest`."""
+        return sum(n for v, n in self.live.items() if v >= oldest)
+
+
 @attrs.frozen
 class World:
     """What the invariants look at: ledger entries, and (when known) the activation registry.
@@ -144,6 +170,8 @@ class World:
     # a replayer's views share its live set, so this is only read, never kept
     # (derived from the history, not a stored row: worlds compare equal without it)
     landed: AbstractSet[str] = attrs.field(default=frozenset(), eq=False)
+    # the replayer's tally of `entries` for dispatch_paced (None: count from `entries`)
+    pacing: PacingIndex | None = attrs.field(default=None, eq=False)
 
     def apply(self, events: Iterable[TraceEvent]) -> World:
         """The world after `events` (replay: each event carries the record after it)."""
@@ -895,20 +923,16 @@ def _paced_dispatch(before: World, events: Sequence[TraceEvent], _after: World) 
     if not new:
         return []
     out: list[str] = []
+    index = before.pacing if before.pacing is not None else PacingIndex(before.entries.values())
     chains: dict[str, list[LedgerEntry]] = {}
-    for e in before.entries.values():
-        if e.chain is not None:
-            chains.setdefault(e.chain, []).append(e)
+    for e in new:
+        if e.chain is not None and e.chain not in chains:
+            chains[e.chain] = [before.entries[r] for r in index.chains.get(e.chain, ())]
     pol, ptr = before.policy, before.pointer
     paced = before.artifacts is not None and pol is not None and ptr is not None
     live = 0
     if paced and pol is not None and ptr is not None and pol.batch_size is not None:
-        oldest = ptr.version - pol.max_lag
-        live = sum(
-            1
-            for e in before.entries.values()
-            if e.state in OPEN_STATES and e.behavior_version >= oldest
-        )
+        live = index.live_from(ptr.version - pol.max_lag)
     for e in new:
         earlier = chains.setdefault(e.chain or "", [])
         if e.attempt != len(earlier) + 1:
@@ -1297,6 +1321,7 @@ class Replayer:
         self.voided = w.voided
         self.legacy = w.legacy
         self.landed: set[str] = set(w.landed)
+        self.pacing = PacingIndex(self.entries.values())
         self.steps = 0
         self.events = 0
         self._open: set[tuple[str, str]] = set()
@@ -1314,6 +1339,7 @@ class Replayer:
             voided=self.voided,
             legacy=self.legacy,
             landed=self.landed,
+            pacing=self.pacing,
         )
 
     def world(self) -> World:
@@ -1388,6 +1414,8 @@ class Replayer:
             for inv in _STEP
             for m in inv.step_check(before, step, after)  # type: ignore[misc]
         ]
+        for rid, e in e_ch.items():
+            self.pacing.apply(self.entries.get(rid), e)
         self.entries.update(e_ch)
         self.landed.update(commits)
         if registry:
