@@ -229,3 +229,35 @@ def test_the_docs_example_runs_as_written(capsys: pytest.CaptureFixture[str]) ->
     exec(compile(code, "docs/pacing.md", "exec"), {})
     out = capsys.readouterr().out.splitlines()
     assert out == [str(["dispatched"] * 4 + ["no_capacity"]), "128.0"]
+
+
+@pytest.mark.parametrize("stored_version", [2, 3])
+def test_an_older_registry_file_gains_the_pacing_bounds(
+    tmp_path: Path, stored_version: int
+) -> None:
+    """A SQLite registry written before the pacing bounds (schema 3, or 2 without the
+    policy table) is migrated on open: its policy reads back with no bounds, and the
+    bounds can then be recorded."""
+    import sqlite3
+
+    db = tmp_path / "old.db"
+    with open_backend(f"sqlite:///{db}") as b:
+        set_admission_policy(b.registry, AdmissionPolicy(2, 0.3), "before pacing")
+    conn = sqlite3.connect(db)
+    if stored_version == 3:
+        conn.execute("ALTER TABLE registry_policy DROP COLUMN batch_size")
+        conn.execute("ALTER TABLE registry_policy DROP COLUMN max_attempts")
+    else:
+        conn.execute("DROP TABLE registry_policy")
+        conn.execute("ALTER TABLE registry_artifacts DROP COLUMN trained_by")
+    conn.execute(
+        "UPDATE schema_meta SET version = ? WHERE component = 'registry'", (stored_version,)
+    )
+    conn.commit()
+    conn.close()
+    with open_backend(f"sqlite:///{db}") as b:
+        want = AdmissionPolicy(2, 0.3) if stored_version == 3 else None
+        assert b.registry.policy() == want
+        set_admission_policy(b.registry, PACED, "pacing on")
+    with open_backend(f"sqlite:///{db}", create=False) as b:
+        assert b.registry.policy() == PACED
