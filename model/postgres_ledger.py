@@ -523,6 +523,9 @@ class PostgresLedger:
             return []
 
         def body(conn: Conn) -> list[LedgerEntry]:
+            # shared with other adds, exclusive of a dispatch: a dispatch counts the live
+            # rollouts and then writes, so no new live rollout may commit in between
+            lock(conn, K_DISPATCH, shared=True)
             lock(conn, K_BAD, shared=True)
             bad = self._bad_versions(conn)
             plans = [plan_add(e, bad) for e in entries]
