@@ -16,61 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rollout_lifecycle.model.backends import open_backend
-from rollout_lifecycle.model.coordinator import ActivationCoordinator
-from rollout_lifecycle.model.ledger import ReserveRequest
-from rollout_lifecycle.model.records import (
-    AdmissionPolicy,
-    AdmissionStamp,
-    LedgerEntry,
-    Reward,
-    WorkerAck,
-)
-
-H0 = "a" * 64
-REWARD = Reward("rm", "1", 1.0)
-STAMP = AdmissionStamp(
-    current_version=0,
-    behavior_version=0,
-    max_lag=1,
-    max_drift=0.2,
-    drift=0.01,
-    freshness="fresh",
-    reason="ok",
-    accepted=True,
-)
-BATCH = 1000
-
-
-def build(path: Path, n: int) -> None:
-    """A ledger of `n` consumed rollouts, written through the real SQLite backend."""
-    with open_backend(f"sqlite:///{path}") as b:
-        c = ActivationCoordinator(b.registry, ["g0"], ledger=b.ledger)
-        c.set_policy(AdmissionPolicy(1, 0.2), "benchmark")
-        c.prepare(0)
-        c.commit_artifact(0, H0)
-        c.distribute(0)
-        c.record_ack(WorkerAck("g0", 0, H0, token=c.attempt_token("g0", 0)))
-        assert c.try_activate(0).activated
-        led = b.ledger
-        for start in range(0, n, BATCH):
-            ids = [f"r{i}" for i in range(start, min(n, start + BATCH))]
-            led.add_many(  # type: ignore[attr-defined]
-                [
-                    LedgerEntry(
-                        rollout_id=r,
-                        behavior_version=0,
-                        artifact_hash=H0,
-                        state="rewarded",
-                        reward=REWARD,
-                    )
-                    for r in ids
-                ]
-            )
-            upd = f"u{start}"
-            won = led.reserve_batch(upd, [ReserveRequest(r, 0, STAMP) for r in ids])
-            assert all(o.reserved for o in won)
-            led.commit(upd, ids)
+from rollout_lifecycle.cli.bench_speed import build_ledger as build  # also `bench` uses it
 
 
 def main(sizes: list[int]) -> None:

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import json
 import math
+import operator
 import os
 import sys
 import time
@@ -97,8 +98,11 @@ OUTPUT_FIELDS = (
     "current_version",
 )
 _REQUIRED = tuple(k for k in INPUT_FIELDS if k != "state")
+_REQUIRED_SET = frozenset(_REQUIRED)
+_INPUT_SET = frozenset(INPUT_FIELDS)
 _CONDITION_FIELDS = tuple(f.name for f in attrs.fields(GenerationConditions))
 _CONDITION_REQUIRED = tuple(f for f in _CONDITION_FIELDS if f != "seed")
+_CONDITION_REQUIRED_SET = frozenset(_CONDITION_REQUIRED)
 _LISTS = ("response_token_ids", "action_mask", "behavior_log_probs", "current_log_probs")
 _INPUT_OWNER = "input-file"  # placeholder owner for rollouts the input says are reserved
 DEFAULT_CHUNK = 1024
@@ -119,7 +123,7 @@ class ParsedLine:
     lineno: int
     rollout: Rollout
     entry: LedgerEntry
-    current: list[float]
+    current: npt.NDArray[np.float64]
     aligned: bool
 
 
@@ -136,8 +140,9 @@ def _need_list(obj: Mapping[str, Any], key: str, lineno: int) -> list[Any]:
 _NUMBER_TYPES = frozenset({float, int})
 
 
-def _numbers(values: list[Any], key: str, lineno: int) -> list[float]:
-    """A list of JSON numbers as floats; bools and strings are refused (json's NaN is allowed)."""
+def _numbers(values: list[Any], key: str, lineno: int) -> npt.NDArray[np.float64]:
+    """A list of JSON numbers as a float64 array; bools and strings are refused (json's NaN
+    is allowed)."""
     if not set(map(type, values)) <= _NUMBER_TYPES:  # C-speed check; find the culprit only if bad
         for i, v in enumerate(values):
             if type(v) not in _NUMBER_TYPES:
@@ -145,12 +150,41 @@ def _numbers(values: list[Any], key: str, lineno: int) -> list[float]:
                     lineno, f"field {key!r}[{i}] must be a number, got {type(v).__name__} {v!r}"
                 )
     try:
-        return list(map(float, values))
+        return np.array(values, dtype=np.float64)
     except OverflowError:
         i = next(j for j, v in enumerate(values) if isinstance(v, int) and abs(v) > 2**1023)
         raise InputLineError(
             lineno, f"field {key!r}[{i}] is too large to be a log-prob ({str(values[i])[:20]}...)"
         ) from None
+
+
+def _frozen_array(values: list[Any], allowed: frozenset[type], dtype: type) -> Any:
+    """`values` as the read-only array the record would make of them, in one C-speed
+    conversion; the list itself where an element is not of an `allowed` type or does not
+    fit, so the record's own validation names it, word for word as always."""
+    if not set(map(type, values)) <= allowed:
+        return values
+    try:
+        # fromiter is several times faster than np.array for Python bools and ints (no
+        # type discovery); np.array is the faster for floats
+        if dtype is np.float64:
+            arr = np.array(values, dtype=dtype)
+        else:
+            arr = np.fromiter(values, dtype, len(values))
+    except OverflowError:
+        return values
+    arr.flags.writeable = False  # owned, contiguous, read-only: the record keeps it as is
+    return arr
+
+
+def _bool_array(values: list[bool]) -> npt.NDArray[np.bool_]:
+    """JSON booleans (`_booleans` checked them) as the read-only array the record keeps."""
+    arr = np.fromiter(values, np.bool_, len(values))
+    arr.flags.writeable = False
+    return arr
+
+
+_INTS = frozenset({int})
 
 
 def _booleans(values: list[Any], key: str, lineno: int) -> list[bool]:
@@ -168,7 +202,7 @@ class LineParser:
     """Parses input lines; caches conditions, which are usually identical on every line."""
 
     def __init__(self) -> None:
-        self._conditions: dict[tuple[tuple[str, Any], ...], GenerationConditions] = {}
+        self._conditions: dict[tuple[tuple[Any, ...], ...], GenerationConditions] = {}
         self._seen: dict[str, int] = {}
 
     def _conditions_of(self, raw: Any, lineno: int) -> GenerationConditions:
@@ -176,11 +210,17 @@ class LineParser:
             raise InputLineError(
                 lineno, f"field 'conditions' must be an object, got {type(raw).__name__}"
             )
-        missing = [k for k in _CONDITION_REQUIRED if k not in raw]
-        if missing:
+        if not raw.keys() >= _CONDITION_REQUIRED_SET:
+            missing = [k for k in _CONDITION_REQUIRED if k not in raw]
             raise InputLineError(lineno, f"field 'conditions' is missing {missing}")
+        # keyed by names, value types and values as given (True == 1, but not as a top_k);
+        # another key order is another key, for the same conditions
+        key: tuple[tuple[Any, ...], ...] | None = (
+            tuple(raw),
+            tuple(map(type, raw.values())),
+            tuple(raw.values()),
+        )
         try:
-            key = tuple(sorted((k, v) for k, v in raw.items()))
             hash(key)
         except TypeError:
             key = None
@@ -214,15 +254,17 @@ class LineParser:
             raise InputLineError(lineno, "JSON nested too deeply to be a rollout") from None
         if not isinstance(obj, dict):
             raise InputLineError(lineno, f"expected a JSON object, got {type(obj).__name__}")
-        missing = [k for k in _REQUIRED if k not in obj]
-        if missing:
-            raise InputLineError(lineno, f"missing field(s) {missing}")
-        unknown = sorted(set(obj) - set(INPUT_FIELDS))
-        if unknown:
+        if not (_REQUIRED_SET <= obj.keys() <= _INPUT_SET):  # one C-speed test per line
+            missing = [k for k in _REQUIRED if k not in obj]
+            if missing:
+                raise InputLineError(lineno, f"missing field(s) {missing}")
+            unknown = sorted(set(obj) - _INPUT_SET)
             raise InputLineError(
                 lineno, f"unknown field(s) {unknown} (see `rollout-lifecycle admit --help`)"
             )
-        lists = {k: _need_list(obj, k, lineno) for k in _LISTS}
+        lists = {k: obj[k] for k in _LISTS}
+        if not all(type(v) is list for v in lists.values()):
+            lists = {k: _need_list(obj, k, lineno) for k in _LISTS}
         current = _numbers(lists["current_log_probs"], "current_log_probs", lineno)
         state = obj.get("state", "rewarded")
         if state not in LIFECYCLE.states:
@@ -235,9 +277,9 @@ class LineParser:
             )
             behavior = BehaviorPolicy(obj["behavior_version"], obj["artifact_hash"])
             evidence = ActionEvidence(
-                lists["response_token_ids"],
-                _booleans(lists["action_mask"], "action_mask", lineno),
-                lists["behavior_log_probs"],
+                _frozen_array(lists["response_token_ids"], _INTS, np.int64),
+                _bool_array(_booleans(lists["action_mask"], "action_mask", lineno)),
+                _frozen_array(lists["behavior_log_probs"], _NUMBER_TYPES, np.float64),
             )
             entry = LedgerEntry(
                 rollout_id=identity.rollout_id,
@@ -265,30 +307,32 @@ class LineParser:
         return ParsedLine(lineno, rollout, entry, current, len(evidence.action_mask) == n)
 
 
-def _check_finite(chunk: Sequence[ParsedLine], cur: npt.NDArray[np.float64]) -> None:
-    """Non-finite log-probs at action positions are an input error, reported by line."""
-    b, t = cur.shape
-    old = np.zeros((b, t), dtype=np.float64)
-    mask = np.zeros((b, t), dtype=np.bool_)
-    for i, p in enumerate(chunk):
-        if p.aligned:
-            ev = p.rollout.evidence
-            assert ev is not None
-            n = len(ev.behavior_log_probs)
-            old[i, :n] = ev.behavior_log_probs
-            mask[i, :n] = ev.action_mask
+def _check_finite(chunk: Sequence[ParsedLine]) -> None:
+    """Non-finite log-probs at action positions are an input error, reported by line.
+
+    The aligned rows' arrays are concatenated (three C-speed copies for the whole chunk,
+    not two per row), so the first bad flat position is the first bad line's first bad
+    token."""
+    rows = [p for p in chunk if p.aligned]
+    if not rows:
+        return
+    evs = [p.rollout.evidence for p in rows]
+    old = np.concatenate([ev.behavior_log_probs for ev in evs if ev is not None])
+    mask = np.concatenate([ev.action_mask for ev in evs if ev is not None])
+    cur = np.concatenate([p.current for p in rows])
     with np.errstate(invalid="ignore"):
-        bad = (mask & ~(np.isfinite(old) & np.isfinite(cur))).any(axis=1)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        ev = chunk[i].rollout.evidence
-        assert ev is not None
-        pos = int(np.flatnonzero(mask[i] & ~(np.isfinite(old[i]) & np.isfinite(cur[i])))[0])
-        raise InputLineError(
-            chunk[i].lineno,
-            f"non-finite log-prob at action position {pos} (behavior "
-            f"{float(ev.behavior_log_probs[pos])!r}, current {float(cur[i, pos])!r})",
-        )
+        bad = mask & ~(np.isfinite(old) & np.isfinite(cur))
+    if not bad.any():
+        return
+    at = int(np.argmax(bad))
+    starts = np.cumsum([0, *(len(p.current) for p in rows)])
+    i = int(np.searchsorted(starts, at, side="right")) - 1
+    pos = at - int(starts[i])
+    raise InputLineError(
+        rows[i].lineno,
+        f"non-finite log-prob at action position {pos} (behavior "
+        f"{float(old[at])!r}, current {float(cur[at])!r})",
+    )
 
 
 def _current_matrix(chunk: Sequence[ParsedLine]) -> npt.NDArray[np.float64]:
@@ -302,12 +346,17 @@ def _current_matrix(chunk: Sequence[ParsedLine]) -> npt.NDArray[np.float64]:
 def _decision_line(d: AdmissionDecision) -> str:
     """One decision as strict JSON: a drift too large to represent (finite log-probs near
     +-1e308 differ by more than a float holds) is written as null with `drift_overflow`."""
-    row = {k: getattr(d, k) for k in OUTPUT_FIELDS}
+    row = dict(zip(OUTPUT_FIELDS, _OUTPUT_VALUES(d), strict=True))
     drift = row["drift"]
     if isinstance(drift, float) and not math.isfinite(drift):
         row["drift"] = None
         row["drift_overflow"] = True
-    return json.dumps(row, separators=(",", ":"), allow_nan=False)
+    return _ENCODE(row)
+
+
+_OUTPUT_VALUES = operator.attrgetter(*OUTPUT_FIELDS)
+# one encoder for every line (json.dumps with options builds a new one per call)
+_ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 
 # ---- options ---------------------------------------------------------------------------------
@@ -428,7 +477,7 @@ def _chunks(
             chunk.append(parser.parse(raw, lineno))
         except InputLineError:
             if chunk:  # an earlier line of this chunk may hold the file's first error
-                _check_finite(chunk, _current_matrix(chunk))
+                _check_finite(chunk)
             raise
         if len(chunk) >= size:
             yield chunk
@@ -521,7 +570,7 @@ def _run(
             for rows in groups:  # every group first: the file's FIRST bad line is reported
                 part = [chunk[i] for i in rows]
                 try:
-                    _check_finite(part, _current_matrix(part))
+                    _check_finite(part)
                 except InputLineError as exc:
                     errors.append(exc)
             if errors:

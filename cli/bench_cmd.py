@@ -18,7 +18,7 @@ from rollout_lifecycle.cli.output import make_console, progress_printer
 from rollout_lifecycle.model.atomic import check_target
 from rollout_lifecycle.model.errors import OutputError
 
-PARTS = ("admission", "ledgers", "checkers")
+PARTS = ("admission", "ledgers", "checkers", "pacing", "gate", "admit", "startup", "ledger-check")
 FILES = ("bench.json", "README.md", "admission.png")
 
 
@@ -56,7 +56,8 @@ def bench(
     report: Path | None,
     quiet: bool,
 ) -> None:
-    """Measure admission, ledgers and checkers against their baselines, in one run.
+    """Measure admission, ledgers and checkers against their baselines, and simulate pacing
+    (issue 21), in one run.
 
     Reports ratios measured side by side (goals of issue 13), never pass/fail on time;
     exits 0 whether or not a goal was met.

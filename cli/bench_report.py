@@ -152,6 +152,14 @@ def markdown(report: dict[str, Any], command: str) -> str:
                 f"| {name} | {r['distinct_states']} | {'yes' if r['complete'] else 'no'} | "
                 f"{_fmt(r['states_per_s'], 1)} |"
             )
+    if report.get("pacing"):
+        from rollout_lifecycle.cli import pacing_sim
+
+        lines += ["", *pacing_sim.markdown(report["pacing"])]
+    from rollout_lifecycle.cli import bench_speed  # issue 22's parts, where they ran
+
+    for block in bench_speed.markdown(report):
+        lines += ["", *block]
     plot = report.get("plot")
     if plot:
         lines += ["", f"![admission times]({plot})"]

@@ -802,6 +802,13 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "<= 1.5",
             ),
         ]
+    if "pacing" in report:
+        from rollout_lifecycle.cli import pacing_sim
+
+        out += pacing_sim.goals(report["pacing"], _goal)
+    from rollout_lifecycle.cli import bench_speed  # issue 22's goals
+
+    out += bench_speed.goals(report, _goal)
     return out
 
 
@@ -836,6 +843,16 @@ def run(
         report["ledgers"] = bench_ledgers(sizes, progress)
     if "checkers" in parts:
         report["checkers"] = bench_checkers(sizes, progress)
+    if "pacing" in parts:  # issue 21's simulation (cli/pacing_sim.py)
+        from rollout_lifecycle.cli import pacing_sim
+
+        config = pacing_sim.QUICK if sizes is QUICK else pacing_sim.FULL
+        report["pacing"] = pacing_sim.bench_pacing(config, progress=progress)
+    speed = [p for p in parts if p in ("gate", "admit", "startup", "ledger-check")]
+    if speed:  # issue 22's parts (cli/bench_speed.py)
+        from rollout_lifecycle.cli import bench_speed
+
+        report.update(bench_speed.run(sizes is QUICK, speed, progress))
     report["goals"] = goals(report)
     report["elapsed_s"] = round(time.perf_counter() - t0, 1)
     return report

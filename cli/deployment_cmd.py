@@ -8,6 +8,7 @@ its own atomic step, whatever a learner was configured with. `show` prints that 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,20 @@ def deployment() -> None:
     help="D_max: the largest mean |log-ratio| over action tokens a rollout may drift.",
 )
 @click.option(
+    "--batch-size",
+    type=click.IntRange(1, 2**63 - 1),
+    default=None,
+    help="Rollouts per update: turns on the dispatch budget of (max_lag + 1) x batch_size "
+    "live rollouts (ledger.dispatch refuses 'no_capacity' beyond it). Default: no budget.",
+)
+@click.option(
+    "--max-attempts",
+    type=click.IntRange(1, 2**63 - 1),
+    default=None,
+    help="The most attempts per prompt chain (a stale attempt is retired and its prompt "
+    "requeued up to this many times). Default: unbounded.",
+)
+@click.option(
     "--reason",
     default="set by the operator (rollout-lifecycle deployment set-policy)",
     show_default=True,
@@ -68,6 +83,8 @@ def set_policy(
     url: str,
     max_lag: int,
     max_drift: float,
+    batch_size: int | None,
+    max_attempts: int | None,
     reason: str,
     as_json: bool,
     report_path: Path | None,
@@ -80,7 +97,8 @@ def set_policy(
     check_report_path(report_path)
     with _opened(url, create=True) as b:
         before = b.registry.policy()
-        after = set_admission_policy(b.registry, AdmissionPolicy(max_lag, max_drift), reason)
+        wanted = AdmissionPolicy(max_lag, max_drift, batch_size, max_attempts)
+        after = set_admission_policy(b.registry, wanted, reason)
     data = {
         "changed": before != after,
         "before": None if before is None else to_jsonable(before),
@@ -90,14 +108,21 @@ def set_policy(
     if as_json:
         return
     if before == after:
-        click.echo(f"policy unchanged: max_lag {after.max_lag}, max_drift {after.max_drift}")
+        click.echo(f"policy unchanged: {_described(after)}")
     else:
-        was = (
-            "none" if before is None else f"max_lag {before.max_lag}, max_drift {before.max_drift}"
-        )
-        click.echo(
-            f"policy recorded: max_lag {after.max_lag}, max_drift {after.max_drift} (was: {was})"
-        )
+        was = "none" if before is None else _described(before)
+        click.echo(f"policy recorded: {_described(after)} (was: {was})")
+
+
+def _described(p: AdmissionPolicy | Mapping[str, Any]) -> str:
+    """max_lag and max_drift, and the pacing bounds where set."""
+    d = to_jsonable(p) if isinstance(p, AdmissionPolicy) else p
+    out = f"max_lag {d['max_lag']}, max_drift {d['max_drift']}"
+    if d.get("batch_size") is not None:
+        out += f", batch_size {d['batch_size']}"
+    if d.get("max_attempts") is not None:
+        out += f", max_attempts {d['max_attempts']}"
+    return out
 
 
 def _state(b: Backend) -> dict[str, Any]:
@@ -133,7 +158,7 @@ def show(url: str, as_json: bool, report_path: Path | None, quiet: bool) -> None
         + (
             "none recorded (every reservation is refused; set one with set-policy)"
             if pol is None
-            else f"max_lag {pol['max_lag']}, max_drift {pol['max_drift']}"
+            else _described(pol)
         )
     )
     ptr = state["pointer"]

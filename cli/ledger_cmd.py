@@ -40,7 +40,7 @@ from rollout_lifecycle.model.errors import (
 from rollout_lifecycle.model.events import EntryChanged
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.records import LedgerEntry, to_jsonable
-from rollout_lifecycle.spec.audit import HistoryReport, audit
+from rollout_lifecycle.spec.audit import HistoryReport, audit, collector_paused
 from rollout_lifecycle.spec.invariants import violated_names
 
 __all__ = ["ledger"]
@@ -132,6 +132,8 @@ def counts(url: str, as_json: bool, report_path: Path | None, quiet: bool) -> No
         "counters": counters,
         "not_stored": not_stored,
         "bad_versions": list(stats.bad_versions),
+        # staleness of what was trained, attempts per prompt, wasted generation, length bias
+        "pacing": None if stats.pacing is None else to_jsonable(stats.pacing),
     }
     emit_report(data, as_json=as_json, report_path=report_path, console=Console(stderr=True))
     if as_json:
@@ -156,6 +158,16 @@ def counts(url: str, as_json: bool, report_path: Path | None, quiet: bool) -> No
     console.print(ctr)
     if stats.bad_versions:
         click.echo(f"versions marked bad: {', '.join(map(str, stats.bad_versions))}")
+    pc = stats.pacing
+    if pc is not None and pc.chains:
+        lag = "-" if pc.trained_lag_mean is None else f"{pc.trained_lag_mean:.2f}"
+        ks = "-" if pc.ks_length is None else f"{pc.ks_length:.3f}"
+        click.echo(
+            f"pacing: {pc.chains_trained}/{pc.chains} prompts trained, staleness mean {lag} "
+            f"max {pc.trained_lag_max if pc.trained_lag_max is not None else '-'}, attempts max "
+            f"{pc.max_attempts}, wasted {pc.wasted_fraction:.1%} of {pc.generated_tokens} "
+            f"tokens, length bias (KS) {ks}"
+        )
 
 
 def _describe(entry: LedgerEntry) -> list[tuple[str, str]]:
@@ -320,7 +332,7 @@ def check(
     check_report_path(report_path)
     tick = Progress("ledger check", quiet=quiet)
     started = time.perf_counter()
-    with _opened(url) as backend:
+    with _opened(url) as backend, collector_paused():  # flat cost per event: see there
         tick("reading every stored row and event")
         stored = backend.stored_rows()
     tick(f"verifying the hash chain and replaying {len(stored.events):,} events")

@@ -20,15 +20,6 @@ from typing import Any
 import click
 
 from rollout_lifecycle.cli import exitcodes
-from rollout_lifecycle.cli.admit_cmd import admit
-from rollout_lifecycle.cli.bench_cmd import bench
-from rollout_lifecycle.cli.demo_cmd import demo
-from rollout_lifecycle.cli.deployment_cmd import deployment
-from rollout_lifecycle.cli.diagram_cmd import diagram
-from rollout_lifecycle.cli.drill_cmd import activation_drill
-from rollout_lifecycle.cli.explore_cmd import explore
-from rollout_lifecycle.cli.gpu_check_cmd import gpu_check
-from rollout_lifecycle.cli.ledger_cmd import ledger
 from rollout_lifecycle.cli.output import (
     check_report_path,
     emit_report,
@@ -36,25 +27,11 @@ from rollout_lifecycle.cli.output import (
     quiet_option,
     report_options,
 )
-from rollout_lifecycle.cli.race_cmd import race
 from rollout_lifecycle.model.atomic import cleanup_temporaries, describe_os_error
 from rollout_lifecycle.model.errors import (
     BackendUnavailable,
     RolloutLifecycleError,
     StorageFull,
-)
-
-COMMANDS = (
-    explore,
-    race,
-    admit,
-    ledger,
-    deployment,
-    demo,
-    diagram,
-    gpu_check,
-    bench,
-    activation_drill,
 )
 
 EXIT_CODES_HELP = (
@@ -72,29 +49,73 @@ def _version() -> str:
         return "0+unknown (not installed)"
 
 
-# commands whose modules import Hypothesis and the stateful machines: loaded when they run,
-# so `--help` and every other command start without them (and work where the [campaign]
-# extra, Hypothesis, is not installed). The first line of each command's
-# docstring is its summary here (tests/test_cli_lazy.py checks they agree).
+# Every sub-command: its module, imported only when that command runs (so `--help` and
+# each command load only what they need: no Hypothesis, no torch, no measurement code), and
+# the summary `--help` lists for it, which is the first paragraph of the command's
+# docstring (tests/test_cli_lazy.py checks they agree). campaign, fuzz and mutants need Hypothesis,
+# the [campaign] extra; the others work without it.
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "activation-drill": (
+        "rollout_lifecycle.cli.drill_cmd",
+        "Activate policy versions across Ray workers under faults; judge the trace by the spec.",
+    ),
+    "admit": (
+        "rollout_lifecycle.cli.admit_cmd",
+        "Admit rollouts by version lag AND behaviour drift; write one decision per line.",
+    ),
+    "bench": (
+        "rollout_lifecycle.cli.bench_cmd",
+        "Measure admission, ledgers and checkers against their baselines, and simulate pacing "
+        "(issue 21), in one run.",
+    ),
     "campaign": (
         "rollout_lifecycle.cli.campaign_cmd",
         "Check the checkers, fuzz, explore and race; report; write coverage JSON and diagrams.",
     ),
+    "demo": (
+        "rollout_lifecycle.cli.demo_cmd",
+        "Run the whole protocol once on SQLite with real artifacts, then check the trace.",
+    ),
+    "deployment": (
+        "rollout_lifecycle.cli.deployment_cmd",
+        "The deployment's durable state: admission policy, pointer, workers, retired versions.",
+    ),
+    "diagram": (
+        "rollout_lifecycle.cli.diagram_cmd",
+        "Draw the lifecycle/activation machines as Mermaid, DOT, SVG or PNG.",
+    ),
+    "explore": (
+        "rollout_lifecycle.cli.explore_cmd",
+        "Explore every interleaving of the protocol models and check the spec's invariants.",
+    ),
     "fuzz": (
         "rollout_lifecycle.cli.fuzz_cmd",
         "Fuzz the protocol machines against the spec; exit 1 on a violation.",
+    ),
+    "gpu-check": (
+        "rollout_lifecycle.cli.gpu_check_cmd",
+        "The real-run check: one verl update, judged by the spec's invariants (CPU or GPU).",
+    ),
+    "ledger": (
+        "rollout_lifecycle.cli.ledger_cmd",
+        "Inspect a stored ledger: counts, one rollout, its history, an invariant check.",
     ),
     "mutants": (
         "rollout_lifecycle.cli.mutants_cmd",
         "Kill every mutant of the catalogue with the fuzzer and the explorer; exit 1 on a "
         "survivor.",
     ),
+    "race": (
+        "rollout_lifecycle.cli.race_cmd",
+        "Race activators against learners running the README pattern; judge everything.",
+    ),
 }
+NEEDS_HYPOTHESIS = ("campaign", "fuzz", "mutants")
 
 
 class _LazyGroup(click.Group):
-    """A group that imports a LAZY_COMMANDS module only when that command is used."""
+    """A group that imports a LAZY_COMMANDS module only when that command is used (the
+    command object is the module's attribute of the command's name, `-` read as `_`)."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
@@ -113,7 +134,7 @@ class _LazyGroup(click.Group):
                     "pip install -e '.[campaign]')",
                     ctx,
                 ) from None
-            self.add_command(getattr(module, cmd_name))
+            self.add_command(getattr(module, cmd_name.replace("-", "_")))
         return super().get_command(ctx, cmd_name)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
@@ -162,10 +183,6 @@ def version(as_json: bool, report_path: Path | None, quiet: bool) -> None:
         click.echo(f"rollout-lifecycle {data['rollout_lifecycle']}")
         click.echo(f"transitions {data['transitions']}")
         click.echo(f"python {data['python']}")
-
-
-for command in COMMANDS:
-    cli.add_command(command)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:

@@ -108,7 +108,8 @@ def race(
     for e in report.errors:
         console.print(f"[red]process failed: {e}[/]")
     console.print(
-        f"{report.events:,} events replayed, {report.calls:,} reserve calls judged: "
+        f"{report.events:,} events replayed, {report.calls:,} calls judged "
+        "(reservations and dispatches): "
         f"{len(report.violations)} violations"
     )
     emit_report(report.to_json(), as_json=as_json, report_path=report_path, console=console)

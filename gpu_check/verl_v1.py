@@ -56,6 +56,7 @@ from rollout_lifecycle.model.backends import Backend, open_backend
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 from rollout_lifecycle.model.ledger import Ledger
+from rollout_lifecycle.model.pacing import pacing_metrics
 from rollout_lifecycle.model.records import (
     ActionEvidence,
     ArtifactRecord,
@@ -744,6 +745,10 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
                 "rollout_lifecycle/cas_retries": attempt,
             }
         )
+        # staleness of what was trained, attempts per prompt, wasted generation, length bias
+        pacing = self.ledger.statistics().pacing
+        if pacing is not None:
+            metrics.update(pacing_metrics(pacing, prefix="rollout_lifecycle/pacing/"))
         meta = self._materialize_batch(partition_id, chosen, snapshot)
         return meta, metrics
 

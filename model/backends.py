@@ -166,7 +166,15 @@ def memory_rows(ledger: MemoryLedger, registry: MemoryRegistry) -> StoredRows:
     tables["registry_policy"] = (
         []
         if policy is None
-        else [{"id": 1, "max_lag": policy.max_lag, "max_drift": policy.max_drift}]
+        else [
+            {
+                "id": 1,
+                "max_lag": policy.max_lag,
+                "max_drift": policy.max_drift,
+                "batch_size": policy.batch_size,
+                "max_attempts": policy.max_attempts,
+            }
+        ]
     )
     return StoredRows(events=events, head=head, tables=tables)
 

@@ -19,6 +19,7 @@ import concurrent.futures
 import itertools
 import math
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -233,7 +234,8 @@ _BYTES_SUM = 0x0101010101010101  # (x * this) >> 56: the sum of x's 8 bytes (eac
 # diff_into(r0, r1, c0, c1, d, m): write cur - old of that block into d and return its mask
 # (numpy: `m` is bool scratch of the block's shape that it may fill and return)
 DiffInto = Callable[..., Any]
-_THREADS_FROM = 1 << 20  # elements: below this a thread costs more than it saves
+# elements: below this, a second thread's share is too short to outlast scheduling noise
+_THREADS_FROM = 1 << 22
 _MASK_DTYPE_MSG = "action mask must be bool or 0/1 integers, got {}"
 _MASK_VALUES_MSG = "integer action mask must hold only 0 and 1"
 
@@ -263,46 +265,88 @@ def _np_sums(
     dtype: np.dtype[Any],
     int_mask: bool,
     threads: int = 1,
+    block: int | None = None,
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
     """Masked |cur - old| row sums and action counts, block by block (numpy).
 
     With `threads` > 1 (torch tensors on the CPU: as many as torch's own intra-op threads)
-    contiguous ranges of blocks run on that many threads, each with its own scratch; numpy
-    releases the GIL inside every call, and no thread waits for another until the end.
+    that many threads, each with its own scratch, claim ranges of blocks in turn (a few
+    per thread) until none is left; numpy releases the GIL inside every call. A thread
+    the scheduler parks on a busy machine so delays the call by one range, not by its
+    whole share, as a static split would (torch's per-op barrier is what this avoids).
     """
-    rows, _ = _tiles(b, t, _CPU_BLOCK)
+    block = _CPU_BLOCK if block is None else block
+    rows, _ = _tiles(b, t, block)
     sums = np.zeros(b, np.float64)
     counts = np.zeros(b, np.int64)
     blocks = -(-b // rows)
     threads = max(1, min(threads, blocks))
     if threads == 1 or b * t < _THREADS_FROM:
-        _np_range(diff_into, 0, b, t, dtype, int_mask, sums, counts)
+        _np_range(diff_into, _claims([(0, b)]), t, dtype, int_mask, sums, counts, block)
         return sums, counts
-    per = -(-blocks // threads) * rows
-    ranges = [(lo, min(b, lo + per)) for lo in range(0, b, per)]
-    with concurrent.futures.ThreadPoolExecutor(len(ranges) - 1) as pool:
-        futures = [
-            pool.submit(_np_range, diff_into, lo, hi, t, dtype, int_mask, sums, counts)
-            for lo, hi in ranges[1:]
-        ]
-        _np_range(diff_into, *ranges[0], t, dtype, int_mask, sums, counts)
+    per = -(-blocks // (threads * _RANGES_PER_THREAD)) * rows
+    claim = _claims([(lo, min(b, lo + per)) for lo in range(0, b, per)])
+    pool = _pool(threads - 1)
+    futures = [
+        pool.submit(_np_range, diff_into, claim, t, dtype, int_mask, sums, counts, block)
+        for _ in range(threads - 1)
+    ]
+    try:
+        _np_range(diff_into, claim, t, dtype, int_mask, sums, counts, block)
+    finally:
         for f in futures:
             f.result()
     return sums, counts
 
 
+_RANGES_PER_THREAD = 4
+Claim = Callable[[], "tuple[int, int] | None"]
+
+
+def _claims(ranges: list[tuple[int, int]]) -> Claim:
+    """The next unclaimed (lo, hi) row range, or None; safe to call from any thread."""
+    it = iter(ranges)
+    lock = threading.Lock()
+
+    def claim() -> tuple[int, int] | None:
+        with lock:
+            return next(it, None)
+
+    return claim
+
+
+_POOLS: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """A process-wide pool of `workers` threads, kept between calls (one per size, never
+    shut down while another call may use it): starting threads per call costs more than
+    the kernel on a few hundred thousand elements."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = concurrent.futures.ThreadPoolExecutor(workers, "rl-gate")
+        return pool
+
+
 def _np_range(
     diff_into: DiffInto,
-    lo: int,
-    hi: int,
+    claim: Claim,
     t: int,
     dtype: np.dtype[Any],
     int_mask: bool,
     sums: npt.NDArray[np.float64],
     counts: npt.NDArray[np.int64],
+    block: int,
 ) -> None:
-    """Rows lo..hi of `_np_sums`, written into their slices of `sums` and `counts`."""
-    rows, cols = _tiles(hi - lo, t, _CPU_BLOCK)
+    """The row ranges this thread claims, each written into its slices of `sums` and
+    `counts` (ranges are whole multiples of the block's rows, so every thread cuts the
+    same blocks)."""
+    got = claim()
+    if got is None:
+        return
+    rows, cols = _tiles(sums.shape[0], t, block)
     narrow = dtype.itemsize == 4
     word_t = np.int32 if narrow else np.int64
     d = np.empty((rows, cols), dtype)
@@ -312,39 +356,44 @@ def _np_range(
     more_c = np.empty(rows, np.int64)
     popcount = getattr(np, "bitwise_count", None)  # numpy >= 2
     with np.errstate(invalid="ignore", over="ignore"):
-        for r0 in range(lo, hi, rows):
-            r1 = min(hi, r0 + rows)
-            n = r1 - r0
-            for c0 in range(0, t, cols):
-                c1 = min(t, c0 + cols)
-                k = c1 - c0
-                dd = d[:n, :k]
-                m = diff_into(r0, r1, c0, c1, dd, mask_scratch[:n, :k])
-                if int_mask and m.size and m.view(f"u{m.itemsize}").max() > 1:
-                    raise GateConfigError(_MASK_VALUES_MSG)
-                bits = dd.view(word_t)
-                np.multiply(bits, m, out=bits, casting="unsafe")
-                np.abs(dd, out=dd)
-                s_out = sums[r0:r1] if c0 == 0 else more_s[:n]
-                c_out = counts[r0:r1] if c0 == 0 else more_c[:n]
-                if narrow and k % _PARTIAL == 0:
-                    p = part[:n, : k // _PARTIAL]
-                    # einsum's plain sum loop is about twice numpy's reduction over a short
-                    # inner axis, and single-threaded (BLAS would start threads)
-                    np.einsum("ij->i", dd.reshape(-1, _PARTIAL), out=p.reshape(-1))
-                    np.add.reduce(p, axis=1, dtype=np.float64, out=s_out)
-                else:
-                    np.add.reduce(dd, axis=1, dtype=np.float64, out=s_out)
-                if int_mask:
-                    np.add.reduce(m, axis=1, dtype=np.int64, out=c_out)
-                elif popcount is not None and k % 8 == 0 and m.strides[-1] == 1:
-                    # a bool is one byte, 0 or 1: the set bits of 8 packed bools count them
-                    np.add.reduce(popcount(m.view(np.uint64)), axis=1, dtype=np.int64, out=c_out)
-                else:
-                    c_out[...] = np.count_nonzero(m, axis=1)
-                if c0:
-                    sums[r0:r1] += s_out
-                    counts[r0:r1] += c_out
+        while got is not None:
+            lo, hi = got
+            for r0 in range(lo, hi, rows):
+                r1 = min(hi, r0 + rows)
+                n = r1 - r0
+                for c0 in range(0, t, cols):
+                    c1 = min(t, c0 + cols)
+                    k = c1 - c0
+                    dd = d[:n, :k]
+                    m = diff_into(r0, r1, c0, c1, dd, mask_scratch[:n, :k])
+                    if int_mask and m.size and m.view(f"u{m.itemsize}").max() > 1:
+                        raise GateConfigError(_MASK_VALUES_MSG)
+                    bits = dd.view(word_t)
+                    np.multiply(bits, m, out=bits, casting="unsafe")
+                    np.abs(dd, out=dd)
+                    s_out = sums[r0:r1] if c0 == 0 else more_s[:n]
+                    c_out = counts[r0:r1] if c0 == 0 else more_c[:n]
+                    if narrow and k % _PARTIAL == 0:
+                        p = part[:n, : k // _PARTIAL]
+                        # einsum's plain sum loop is about twice numpy's reduction over a short
+                        # inner axis, and single-threaded (BLAS would start threads)
+                        np.einsum("ij->i", dd.reshape(-1, _PARTIAL), out=p.reshape(-1))
+                        np.add.reduce(p, axis=1, dtype=np.float64, out=s_out)
+                    else:
+                        np.add.reduce(dd, axis=1, dtype=np.float64, out=s_out)
+                    if int_mask:
+                        np.add.reduce(m, axis=1, dtype=np.int64, out=c_out)
+                    elif popcount is not None and k % 8 == 0 and m.strides[-1] == 1:
+                        # a bool is one byte, 0 or 1: the set bits of 8 packed bools count them
+                        np.add.reduce(
+                            popcount(m.view(np.uint64)), axis=1, dtype=np.int64, out=c_out
+                        )
+                    else:
+                        c_out[...] = np.count_nonzero(m, axis=1)
+                    if c0:
+                        sums[r0:r1] += s_out
+                        counts[r0:r1] += c_out
+            got = claim()
 
 
 def _torch_counts(torch: Any, m: Any, n: int, k: int) -> Any:
@@ -471,9 +520,20 @@ _REASON_CODES = ("empty_action_mask", "future_policy", "stale_policy", "policy_d
 _FRESHNESS_CODES: tuple[str | None, ...] = (None, "future", "fresh", "tolerated", "stale")
 
 
+_REASON_NAMES = np.array(_REASON_CODES, dtype=object)
+_FRESHNESS_NAMES = np.array(_FRESHNESS_CODES, dtype=object)
+
+
 def _freshness_codes(lag: npt.NDArray[np.int64], max_lag: int) -> npt.NDArray[np.intp]:
-    """classify_lag over a vector: 1 future, 2 fresh, 3 tolerated, 4 stale."""
-    return np.select([lag < 0, lag == 0, lag <= max_lag], [1, 2, 3], default=4)
+    """classify_lag over a vector: 1 future, 2 fresh, 3 tolerated, 4 stale.
+
+    Counted, not selected: each class adds one past the last (max_lag >= 0 makes them
+    nested), a few times cheaper than np.select at B in the thousands."""
+    code = (lag >= 0).astype(np.intp)
+    code += lag > 0
+    code += lag > max_lag
+    code += 1
+    return code
 
 
 def _decide(
@@ -496,12 +556,18 @@ def _decide(
     empty = counts == 0
     with np.errstate(invalid="ignore", divide="ignore"):
         drift = np.where(empty, np.nan, sums / np.maximum(counts, 1))
-    fresh = np.where(empty, 0, _freshness_codes(lag, max_lag))
-    reason = np.select([empty, lag < 0, lag > max_lag, drift > max_drift], [0, 1, 2, 3], default=4)
+    fresh = _freshness_codes(lag, max_lag)
+    fresh[empty] = 0
+    # the contract's order: the first that holds of empty, future, stale, drift wins
+    reason = np.full(lag.shape, 4, np.intp)
+    reason[drift > max_drift] = 3
+    reason[lag > max_lag] = 2
+    reason[lag < 0] = 1
+    reason[empty] = 0
     return BatchAssessment(
         accepted=reason == 4,
-        reasons=tuple(_REASON_CODES[i] for i in reason.tolist()),
-        freshness=tuple(_FRESHNESS_CODES[i] for i in fresh.tolist()),
+        reasons=tuple(_REASON_NAMES[reason].tolist()),
+        freshness=tuple(_FRESHNESS_NAMES[fresh].tolist()),
         drift=drift.astype(np.float64),
         lag=lag,
     )
@@ -590,6 +656,81 @@ def _numpy_viewable(torch: Any) -> tuple[Any, ...]:
     )
 
 
+_WIDE = ("torch.float32", "torch.float64")  # dtypes compared by name: no torch import here
+_HALF = ("torch.bfloat16", "torch.float16")
+# elements per block when float16 is widened by torch's copy with several torch threads:
+# under torch's grain size (32768), so torch runs it inline, no OpenMP fork/join per block
+_HALF_BLOCK = (1 << 15) - _PARTIAL
+
+
+class _HostReader:
+    """Blocks of a CPU tensor as numpy arrays: float32/float64 as zero-copy views,
+    bfloat16/float16 widened exactly into float32 scratch.
+
+    bfloat16 is the top half of a float32: a 16-bit shift of its int16 view (numpy has no
+    bfloat16). float16 goes through torch's vectorised copy (numpy's float16 cast is
+    several times slower), a block small enough that torch runs it on the calling thread.
+    """
+
+    def __init__(self, torch: Any, x: Any) -> None:
+        self.torch = torch
+        self.x = x
+        kind = str(x.dtype)
+        self.narrow = kind in _HALF
+        self.array: npt.NDArray[Any] | None = None
+        self.bits: npt.NDArray[np.uint16] | None = None
+        if kind == "torch.bfloat16":
+            self.bits = x.view(torch.int16).numpy().view(np.uint16)
+        elif not self.narrow:
+            self.array = x.numpy()
+
+    def read(self, r0: int, r1: int, c0: int, c1: int, out: npt.NDArray[np.float32]) -> Any:
+        """The block: a view, or widened into `out` (of the block's shape)."""
+        if self.array is not None:
+            return self.array[r0:r1, c0:c1]
+        if self.bits is not None:
+            np.left_shift(self.bits[r0:r1, c0:c1], 16, out=out.view(np.uint32), dtype=np.uint32)
+        else:
+            self.torch.from_numpy(out).copy_(self.x[r0:r1, c0:c1])
+        return out
+
+
+def _half_array_sums(
+    torch: Any, old_t: Any, cur_t: Any, mask_t: Any, threads: int
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """CPU tensors, one or both bfloat16 / float16: `_np_sums` on blocks widened on the way.
+
+    Widening is exact, so the arithmetic is the float32 (or float64) that torch's own
+    kernels do, in one pass and without a full-size temporary.
+    """
+    old, cur = _HostReader(torch, old_t), _HostReader(torch, cur_t)
+    mask = mask_t.numpy()
+    b, t = mask.shape
+    dtype = np.dtype(np.float64 if torch.float64 in (old_t.dtype, cur_t.dtype) else np.float32)
+    scratch = threading.local()  # one float32 block per thread, beside the kernel's own
+
+    def diff_into(r0: int, r1: int, c0: int, c1: int, d: Any, _m: Any) -> Any:
+        n, k = r1 - r0, c1 - c0
+        buf = getattr(scratch, "buf", None)
+        if buf is None or buf.shape[0] < n or buf.shape[1] < k:
+            buf = scratch.buf = np.empty((n, k), np.float32)
+        if cur.narrow and d.dtype == np.float32:  # cur widens straight into d
+            c = cur.read(r0, r1, c0, c1, d)
+            o = old.read(r0, r1, c0, c1, buf[:n, :k])
+        else:  # exactly one side is narrow: it widens into buf
+            c = cur.read(r0, r1, c0, c1, buf[:n, :k])
+            o = old.read(r0, r1, c0, c1, buf[:n, :k])
+        np.subtract(c, o, out=d, dtype=dtype)
+        return mask[r0:r1, c0:c1]
+
+    block = _CPU_BLOCK
+    if torch.float16 in (old_t.dtype, cur_t.dtype) and threads > 1:
+        block = min(block, _HALF_BLOCK)  # torch's copy stays on this thread
+    sums, counts = _np_sums(diff_into, b, t, dtype, mask.dtype != np.bool_, threads, block)
+    _recheck(sums, _torch_exact_rows(torch, old_t, cur_t, mask_t))
+    return sums, counts
+
+
 def _torch_compute_dtype(torch: Any, a: Any, b: Any) -> Any:
     return torch.float64 if torch.float64 in (a, b) else torch.float32
 
@@ -627,13 +768,19 @@ def _torch_array_sums(
     _check_shapes(old, cur, mask)
     if not (old.dtype.is_floating_point and cur.dtype.is_floating_point):
         raise GateConfigError("log-probs must be floating-point tensors")
-    if device.type == "cpu" and all(x.dtype in _numpy_viewable(torch) for x in (old, cur, mask)):
+    viewable = _numpy_viewable(torch)
+    if device.type == "cpu" and mask.dtype in viewable:
         # CPU tensors are host memory: numpy's kernel on zero-copy views, on as many threads
         # as torch would use. torch's own CPU kernels pay a thread barrier per call, which a
         # busy machine turns into a scheduler time slice per call.
-        return _np_array_sums(
-            old.numpy(), cur.numpy(), mask.numpy(), threads=torch.get_num_threads()
-        )
+        threads = torch.get_num_threads()
+        kinds = {str(old.dtype), str(cur.dtype)}
+        if kinds <= {*_WIDE} and old.dtype in viewable and cur.dtype in viewable:
+            return _np_array_sums(old.numpy(), cur.numpy(), mask.numpy(), threads=threads)
+        if kinds <= {*_WIDE, *_HALF}:
+            # bfloat16 / float16: widened block by block into float32 scratch, inside the
+            # same one-pass kernel
+            return _half_array_sums(torch, old, cur, mask, threads)
     b, t = old.shape
     rows, cols = _torch_block(torch, device, b, t)
     dtype = _torch_compute_dtype(torch, old.dtype, cur.dtype)

@@ -33,6 +33,20 @@ from rollout_lifecycle.model.errors import (
 )
 from rollout_lifecycle.model.events import Change, EntryChanged, EventLog
 from rollout_lifecycle.model.machines import LIFECYCLE
+from rollout_lifecycle.model.pacing import (
+    LIVE_STATES,
+    DispatchOutcome,
+    DispatchPremise,
+    PacingRow,
+    PacingStatistics,
+    check_chain,
+    oldest_first,
+    pacing_from,
+    plan_dispatch,
+    row_of,
+    stale_disposition,
+    window_floor,
+)
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
     AdmissionStamp,
@@ -254,9 +268,21 @@ class LedgerStatistics:
     aborts: int
     expirations: int
     bad_versions: tuple[int, ...]
+    # staleness of what was trained, attempts per prompt, wasted generation, length bias
+    pacing: PacingStatistics | None = None
 
 
 # ---- planning (shared by every backend) ---------------------------------------------------
+
+
+_LIVE = frozenset(LIVE_STATES)
+
+
+def check_limit(value: object) -> int:
+    """A result limit: a non-negative int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidLedgerArgument(f"limit must be a non-negative int, got {brief(value)}")
+    return value
 
 
 def check_revision(value: object, what: str = "expected_revision") -> int:
@@ -302,6 +328,20 @@ def check_requests(requests: object) -> list[ReserveRequest]:
     if dups:
         raise InvalidLedgerArgument(f"a batch names rollouts more than once: {sorted(dups)[:5]}")
     return out
+
+
+def dispatch_entry(rollout: object, chain: object) -> LedgerEntry:
+    """What `dispatch` accepts, validated before any lock: a new entry without a chain of
+    its own (the ledger numbers the attempt), and a chain key."""
+    entry = as_entry(rollout)
+    key = check_chain(chain)
+    if entry.chain is not None:
+        raise WriteRefused(
+            f"rollout {brief(entry.rollout_id)}: dispatch assigns the chain and attempt; "
+            f"pass a rollout without them (got chain {brief(entry.chain)})"
+        )
+    plan_add(attrs.evolve(entry, chain=key, attempt=1), (), dispatched=True)
+    return entry
 
 
 def as_entry(rollout: object) -> LedgerEntry:
@@ -481,8 +521,14 @@ def plan_release(
     )
 
 
+TOKEN_EVENTS = frozenset({"generation_done", "generation_failed"})
+
+
 def direct_changes(
-    event: str, reward: Reward | None, disposition: Disposition | None
+    event: str,
+    reward: Reward | None,
+    disposition: Disposition | None,
+    tokens: int | None = None,
 ) -> dict[str, Any]:
     """Field changes for a directly fired event, with its stage checked."""
     if event not in DIRECT_EVENTS:
@@ -490,6 +536,16 @@ def direct_changes(
             f"event {brief(event)} cannot be fired directly; use reserve/commit/abort/fail_update/"
             f"expire_leases (direct events: {sorted(DIRECT_EVENTS)})"
         )
+    if tokens is not None:
+        if event not in TOKEN_EVENTS:
+            raise LedgerError(
+                f"{event}: only {'/'.join(sorted(TOKEN_EVENTS))} record generated tokens"
+            )
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise InvalidLedgerArgument(
+                f"tokens must be a non-negative int (tokens generated), got {brief(tokens)}"
+            )
+        return {"tokens": tokens, **direct_changes(event, reward, disposition)}
     if event == "reward_ready":
         if reward is None:
             raise LedgerError("reward_ready needs the reward (function id, version, value)")
@@ -516,7 +572,7 @@ ADDABLE_STATES = tuple(s for s in LIFECYCLE.states if s in rules.START_STATES)
 
 
 def plan_add(
-    entry: LedgerEntry, bad_versions: Iterable[int]
+    entry: LedgerEntry, bad_versions: Iterable[int], *, dispatched: bool = False
 ) -> list[tuple[str, LedgerEntry | None, LedgerEntry]]:
     """The writes that add a new rollout: the entry, then quarantine if its version is bad.
 
@@ -528,6 +584,13 @@ def plan_add(
         raise WriteRefused(
             f"rollout {brief(entry.rollout_id)}: a new entry starts at revision 0 in "
             f"{'/'.join(ADDABLE_STATES)}, got revision {entry.revision} in {brief(entry.state)}"
+        )
+    if (entry.chain is not None) != dispatched:
+        raise WriteRefused(
+            f"rollout {brief(entry.rollout_id)}: an attempt chain is assigned by dispatch "
+            "(ledger.dispatch(rollout, chain=...)), never carried into add"
+            if not dispatched
+            else f"rollout {brief(entry.rollout_id)}: a dispatch names its chain"
         )
     if entry.reserved_by is not None or entry.admission is not None:
         raise WriteRefused(
@@ -548,10 +611,15 @@ def renew_plan(owned: Sequence[LedgerEntry], now: float, lease_seconds: float) -
 
 
 def statistics_from(
-    entries: Iterable[LedgerEntry], counters: Mapping[str, int], bad_versions: Iterable[int]
+    entries: Iterable[LedgerEntry],
+    counters: Mapping[str, int],
+    bad_versions: Iterable[int],
+    pacing_rows: Iterable[PacingRow] | None = None,
 ) -> LedgerStatistics:
-    """Build statistics from the entries and a backend's counters."""
+    """Build statistics from the entries (or the pacing rows a store read) and counters."""
+    entries = list(entries)
     by_state: Counter[str] = Counter(e.state for e in entries)
+    rows = [row_of(e) for e in entries] if pacing_rows is None else pacing_rows
     return LedgerStatistics(
         entries=sum(by_state.values()),
         by_state={s: by_state.get(s, 0) for s in LIFECYCLE.states},
@@ -564,6 +632,7 @@ def statistics_from(
         aborts=counters.get("aborts", 0),
         expirations=counters.get("expirations", 0),
         bad_versions=tuple(sorted(set(bad_versions))),
+        pacing=pacing_from(rows),
     )
 
 
@@ -585,6 +654,7 @@ class Ledger(Protocol):
         *,
         reward: Reward | None = None,
         disposition: Disposition | None = None,
+        tokens: int | None = None,
     ) -> LedgerEntry: ...
 
     def reserve(
@@ -617,6 +687,12 @@ class Ledger(Protocol):
     def bad_versions(self) -> frozenset[int]: ...
 
     def reserved_by(self, update_id: str) -> list[str]: ...
+
+    def dispatch(self, rollout: Rollout | LedgerEntry, *, chain: str) -> DispatchOutcome: ...
+
+    def retire_stale(self) -> list[LedgerEntry]: ...
+
+    def oldest_admissible(self, limit: int) -> list[LedgerEntry]: ...
 
     def snapshot(self) -> dict[str, LedgerEntry]: ...
 
@@ -672,14 +748,40 @@ _NESTED_IN_ENTRY: dict[str, type[Any]] = {
     "admission": AdmissionStamp,
 }
 _STORED: tuple[type[Any], ...] = (LedgerEntry, *_NESTED_IN_ENTRY.values())
-_NAMES = {cls: tuple(a.name for a in attrs.fields(cls)) for cls in _STORED}
+
+# Fields a record's JSON leaves out at their defaults (records: `omit_default`), in the
+# groups that are written together: LedgerEntry writes `chain` and `attempt` together (a
+# dispatched rollout) and `tokens` on its own (records._entry_jsonable).
+_OMITTED_TOGETHER: dict[type[Any], tuple[tuple[str, ...], ...]] = {
+    LedgerEntry: (("chain", "attempt"), ("tokens",)),
+}
 
 
-def _built(cls: type[Any], data: dict[str, Any]) -> Any:
+def _shapes(cls: type[Any]) -> dict[tuple[str, ...], dict[str, Any]]:
+    """Every key tuple this program writes for `cls`, each with the defaults of the fields
+    it leaves out: the written fields keep declaration order."""
+    fields = attrs.fields(cls)
+    omitted = {a.name for a in fields if a.metadata.get("omit_default")}
+    groups = _OMITTED_TOGETHER.get(cls, tuple((n,) for n in sorted(omitted)))
+    if {n for g in groups for n in g} != omitted:
+        raise TypeError(f"{cls.__name__}: omitted fields {sorted(omitted)} not all grouped")
+    shapes: dict[tuple[str, ...], dict[str, Any]] = {}
+    for mask in range(2 ** len(groups)):
+        left_out = {n for i, g in enumerate(groups) if not mask >> i & 1 for n in g}
+        names = tuple(a.name for a in fields if a.name not in left_out)
+        shapes[names] = {a.name: a.default for a in fields if a.name in left_out}
+    return shapes
+
+
+_SHAPES = {cls: _shapes(cls) for cls in _STORED}
+_ORDER = {cls: tuple(a.name for a in attrs.fields(cls)) for cls in _STORED}
+
+
+def _built(cls: type[Any], data: dict[str, Any], defaults: Mapping[str, Any]) -> Any:
     record = object.__new__(cls)
     put = object.__setattr__
-    for name, value in data.items():
-        put(record, name, value)
+    for name in _ORDER[cls]:
+        put(record, name, data[name] if name in data else defaults[name])
     return record
 
 
@@ -687,12 +789,18 @@ def read_entry(text: str) -> tuple[LedgerEntry, bool]:
     """An entry from the JSON a store wrote, and whether it took the trusted path (see
     above): then `text` is what `dump_entry` makes of it, and a store may reuse it."""
     data = json.loads(text)
-    if isinstance(data, dict) and tuple(data) == _NAMES[LedgerEntry]:
+    top = _SHAPES[LedgerEntry].get(tuple(data)) if isinstance(data, dict) else None
+    if top is not None:
         nested = [(k, cls, data[k]) for k, cls in _NESTED_IN_ENTRY.items() if data[k] is not None]
-        if all(isinstance(sub, dict) and tuple(sub) == _NAMES[cls] for _, cls, sub in nested):
-            for name, cls, sub in nested:
-                data[name] = _built(cls, sub)
-            entry: LedgerEntry = _built(LedgerEntry, data)
+        subs = [
+            _SHAPES[cls].get(tuple(sub)) if isinstance(sub, dict) else None
+            for _, cls, sub in nested
+        ]
+        if all(d is not None for d in subs):
+            for (name, cls, sub), d in zip(nested, subs, strict=True):
+                assert d is not None
+                data[name] = _built(cls, sub, d)
+            entry: LedgerEntry = _built(LedgerEntry, data, top)
             return entry, True
     return from_jsonable(LedgerEntry, data), False
 
@@ -715,6 +823,9 @@ def dump_entry(entry: LedgerEntry) -> str:
 # method whose body calls those primitives; no backend needs a line of its own for it.
 
 T = TypeVar("T")
+
+# what Store.tallies returns: entries by state, durable counters, bad versions, pacing rows
+Tallies = tuple[Mapping[str, int], Mapping[str, int], Iterable[int], list[PacingRow]]
 
 _COUNTER_OF = {
     RESERVED: "reservations",
@@ -746,9 +857,25 @@ class Step:
     what: str
     premise: bool = False  # the registry's premise (a reservation)
     bad: Literal["read", "change"] | None = None  # the bad versions: read or change them
+    # the live rollouts a dispatch budget counts: "add" steps make new ones (many may at
+    # once), a "count" step counts them and then adds one (no add may land in between)
+    live: Literal["add", "count"] | None = None
 
 
-class UnitOfWork(Protocol):
+class StoreView(Protocol):
+    """What a read-only body may read from one consistent view of a store."""
+
+    def read_premise(self) -> ActivationPremise:
+        """The registry's premise as of this step (NO_REGISTRY without a registry)."""
+        ...
+
+    def rewarded_between(self, low: int | None, high: int | None, limit: int) -> list[LedgerEntry]:
+        """Up to `limit` rewarded entries of behaviour version in [low, high] (None: no
+        bound on that side), the first in `model.pacing.oldest_first`'s order."""
+        ...
+
+
+class UnitOfWork(StoreView, Protocol):
     """What a step's body may do inside its store's atomic step.
 
     Reads of sets the step will rewrite (`owned`, `due`, `of_version`) are locked where the
@@ -778,8 +905,12 @@ class UnitOfWork(Protocol):
         when given: a dispatch budget counts the live rollouts of its window)."""
         ...
 
-    def read_premise(self) -> ActivationPremise:
-        """The registry's premise as of this step (NO_REGISTRY without a registry)."""
+    def chain_states(self, chain: str) -> tuple[str, ...]:
+        """The states of the entries dispatched on attempt chain `chain`."""
+        ...
+
+    def older_than(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
+        """Entries of behaviour version < `version` in one of `states`, by rollout id."""
         ...
 
     def server_now(self) -> float | None:
@@ -820,6 +951,10 @@ class Store(Protocol):
         own between runs."""
         ...
 
+    def view(self, body: Callable[[StoreView], T], what: str) -> T:
+        """Run a read-only `body` on one consistent view (no write lock is taken)."""
+        ...
+
     def find(self, rollout_id: str) -> LedgerEntry | None:
         """The stored entry, or None."""
         ...
@@ -840,8 +975,9 @@ class Store(Protocol):
         """The ledger's events, optionally of one rollout."""
         ...
 
-    def tallies(self) -> tuple[Mapping[str, int], Mapping[str, int], Iterable[int]]:
-        """(entries by state, durable counters, bad versions), from one consistent read."""
+    def tallies(self) -> Tallies:
+        """(entries by state, durable counters, bad versions, pacing rows), from one
+        consistent read."""
         ...
 
     def close(self) -> None:
@@ -952,7 +1088,7 @@ class StoreLedger:
             uow.append(changes, self.clock(), {"writes": len(changes)})
             return final
 
-        return self._step(body, Step("add", bad="read"))
+        return self._step(body, Step("add", bad="read", live="add"))
 
     def find(self, rollout_id: str) -> LedgerEntry | None:
         """The entry, or None when absent."""
@@ -973,9 +1109,10 @@ class StoreLedger:
         *,
         reward: Reward | None = None,
         disposition: Disposition | None = None,
+        tokens: int | None = None,
     ) -> LedgerEntry:
         """Fire a direct lifecycle event under compare-and-set; nothing changes on failure."""
-        changes = direct_changes(event, reward, disposition)
+        changes = direct_changes(event, reward, disposition, tokens)
         check_revision(expected_revision)
         # planned on a read outside any step, like `reserve`: the conditional write decides
         entry = self.get(rollout_id)
@@ -1208,6 +1345,65 @@ class StoreLedger:
         """Ids currently reserved by `update_id`, sorted."""
         return self.store.reserved_by(update_id)
 
+    def dispatch(self, rollout: Rollout | LedgerEntry, *, chain: str) -> DispatchOutcome:
+        """Start a rollout of `chain` only within the staleness budget (model.pacing): the
+        pointer, the policy, the live count of the window and the chain are read inside the
+        step that inserts the rollout, so no other dispatch counts the same free slot."""
+        entry = dispatch_entry(rollout, chain)
+
+        def body(uow: UnitOfWork, _: Counter[str]) -> DispatchOutcome:
+            act = uow.read_premise()
+            floor = window_floor(act.pointer_version, act.policy)
+            live = uow.count(LIVE_STATES, floor)
+            states = uow.chain_states(chain)
+            premise = DispatchPremise(act.pointer_version, act.was_active, act.policy, live, states)
+            out, new = plan_dispatch(entry, chain, premise)
+            if new is None:
+                return out
+            changes = plan_add(new, uow.bad_versions(), dispatched=True)
+            written = changes[-1][2]
+            uow.insert([written])
+            uow.append(
+                [(ev, b, a, None) for ev, b, a in changes], self.clock(), {"writes": len(changes)}
+            )
+            return attrs.evolve(out, entry=written)
+
+        return self._step(body, Step("dispatch", premise=True, bad="read", live="count"))
+
+    def retire_stale(self) -> list[LedgerEntry]:
+        """Retire, with their cause, rewarded rollouts now too old for the pointer."""
+
+        def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
+            act = uow.read_premise()
+            floor = window_floor(act.pointer_version, act.policy)
+            if floor is None or act.policy is None or act.pointer_version is None:
+                return []
+            due = [e for e in uow.older_than(floor, ("rewarded",)) if e.state == "rewarded"]
+            pointer, bound = act.pointer_version, act.policy.max_lag
+            new = [
+                plan_transition(
+                    e,
+                    "retire_stale",
+                    disposition=stale_disposition(pointer - e.behavior_version, bound, pointer),
+                )
+                for e in due
+            ]
+            return self._apply(uow, "retire_stale", due, new, None, {})
+
+        return self._step(body, Step("retire_stale", premise=True))
+
+    def oldest_admissible(self, limit: int) -> list[LedgerEntry]:
+        """Up to `limit` rewarded rollouts still within the lag bound, oldest first (read
+        with the premise in one consistent view; nothing is written)."""
+        limit = check_limit(limit)
+
+        def body(view: StoreView) -> list[LedgerEntry]:
+            act = view.read_premise()
+            floor = window_floor(act.pointer_version, act.policy)
+            return oldest_first(view.rewarded_between(floor, act.pointer_version, limit))
+
+        return self.store.view(body, "oldest_admissible")
+
     def snapshot(self) -> dict[str, LedgerEntry]:
         """A consistent copy of every entry (records are frozen, so sharing them is safe)."""
         return self.store.snapshot()
@@ -1220,11 +1416,11 @@ class StoreLedger:
 
     def statistics(self) -> LedgerStatistics:
         """Counts by state and counters of writes, wins, losses and returns."""
-        by_state, durable, bad = self.store.tallies()
+        by_state, durable, bad, pacing = self.store.tallies()
         counters = Counter(durable)
         with self._outcomes_lock:
             counters.update(self._outcomes)
-        base = statistics_from((), counters, bad)
+        base = statistics_from((), counters, bad, pacing)
         states = {s: int(by_state.get(s, 0)) for s in base.by_state}
         return attrs.evolve(base, entries=sum(states.values()), by_state=states)
 
@@ -1263,14 +1459,29 @@ class MemoryStore:
         self.reindex()
 
     def reindex(self) -> None:
-        """Rebuild the ownership index and the lease heap from the entries."""
+        """Rebuild the indexes (ownership, lease heap, chains, counts by state and version)
+        from the entries."""
         self.owners: dict[str, set[str]] = {}
         self.leases: list[tuple[float, str]] = []
         self._held = 0
+        self.chains: dict[str, list[str]] = {}
+        self.versions: dict[str, Counter[int]] = {s: Counter() for s in LIFECYCLE.states}
         for e in self.entries.values():
             self._index(None, e)
 
     def _index(self, before: LedgerEntry | None, after: LedgerEntry) -> None:
+        if before is None and after.chain is not None:
+            self.chains.setdefault(after.chain, []).append(after.rollout_id)
+        if before is None or (before.state, before.behavior_version) != (
+            after.state,
+            after.behavior_version,
+        ):
+            if before is not None:
+                held_v = self.versions[before.state]
+                held_v[before.behavior_version] -= 1
+                if not held_v[before.behavior_version]:
+                    del held_v[before.behavior_version]
+            self.versions[after.state][after.behavior_version] += 1
         if before is not None and before.reserved_by is not None:
             held = self.owners.get(before.reserved_by)
             if held is not None and before.rollout_id in held:
@@ -1300,6 +1511,10 @@ class MemoryStore:
     def atomic(self, body: Callable[[UnitOfWork], T], step: Step) -> T:
         """Run `body` under the lock (a step that raises has written nothing: every write
         comes after its step's last refusal)."""
+        with self.lock:
+            return body(self)
+
+    def view(self, body: Callable[[StoreView], T], what: str) -> T:
         with self.lock:
             return body(self)
 
@@ -1337,9 +1552,29 @@ class MemoryStore:
 
     def count(self, states: Sequence[str], min_version: int | None = None) -> int:
         low = -1 if min_version is None else min_version
-        return sum(
-            1 for e in self.entries.values() if e.state in states and e.behavior_version >= low
+        return sum(n for s in set(states) for v, n in self.versions[s].items() if v >= low)
+
+    def chain_states(self, chain: str) -> tuple[str, ...]:
+        return tuple(self.entries[r].state for r in self.chains.get(chain, ()))
+
+    def older_than(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
+        return sorted(
+            (
+                e
+                for e in self.entries.values()
+                if e.behavior_version < version and e.state in states
+            ),
+            key=lambda e: e.rollout_id,
         )
+
+    def rewarded_between(self, low: int | None, high: int | None, limit: int) -> list[LedgerEntry]:
+        lo, hi = -1 if low is None else low, math.inf if high is None else high
+        found = (
+            e
+            for e in self.entries.values()
+            if e.state == "rewarded" and lo <= e.behavior_version <= hi
+        )
+        return oldest_first(found)[:limit]
 
     def read_premise(self) -> ActivationPremise:
         return NO_REGISTRY if self.activation is None else self.activation.premise()
@@ -1403,10 +1638,11 @@ class MemoryStore:
             if isinstance(e, EntryChanged) and (rollout_id is None or e.rollout_id == rollout_id)
         ]
 
-    def tallies(self) -> tuple[Mapping[str, int], Mapping[str, int], Iterable[int]]:
+    def tallies(self) -> Tallies:
         with self.lock:
             by_state = Counter(e.state for e in self.entries.values())
-            return by_state, Counter(self.counters), set(self.bad)
+            rows = [row_of(e) for e in self.entries.values()]
+            return by_state, Counter(self.counters), set(self.bad), rows
 
     def close(self) -> None:
         """Nothing to release."""

@@ -9,6 +9,8 @@ Locks (transaction-scoped advisory locks, keyed per schema, always taken in this
 two steps can wait on each other in a cycle):
 
     K_SCHEMA    DDL on first use (creating tables while another process does the same)
+    K_DISPATCH  shared: add / add_many insert live rollouts; exclusive: a dispatch counts the
+                live rollouts of its window and then inserts one, so no add lands between
     K_BAD       shared: add / abort / expire_leases read the bad versions they act on;
                 exclusive: quarantine_version / clear_bad_version change them
     K_REGISTRY  exclusive: every registry step (its plan reads a registry nobody else changes)
@@ -84,6 +86,7 @@ K_BAD = _BASE + 2
 K_REGISTRY = _BASE + 3
 K_PREMISE = _BASE + 4
 K_EVENTS = _BASE + 5
+K_DISPATCH = _BASE + 6  # a dispatch exclusively (counts, then writes); adds shared
 
 COUNTER_SHARDS = 16  # counter rows per name, so racing connections rarely share one row
 

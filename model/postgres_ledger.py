@@ -34,8 +34,8 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from rollout_lifecycle.model.errors import DuplicateRollout, LedgerError
 from rollout_lifecycle.model.events import Change, EntryChanged, StoredRows, entry_events
@@ -46,6 +46,8 @@ from rollout_lifecycle.model.ledger import (
     RecoveryRule,
     Step,
     StoreLedger,
+    StoreView,
+    Tallies,
     UnitOfWork,
     check_lease_seconds,
     load_entry,
@@ -54,6 +56,7 @@ from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.postgres_common import (
     COUNTER_SHARDS,
     K_BAD,
+    K_DISPATCH,
     K_PREMISE,
     Conn,
     PostgresDatabase,
@@ -94,6 +97,8 @@ CREATE INDEX IF NOT EXISTS rollouts_lease ON rollouts(lease_expires_at)
     WHERE reserved_by IS NOT NULL;
 CREATE INDEX IF NOT EXISTS rollouts_version ON rollouts(behavior_version, state);
 CREATE INDEX IF NOT EXISTS rollouts_state ON rollouts(state, rollout_id);
+CREATE INDEX IF NOT EXISTS rollouts_chain ON rollouts(((entry::jsonb)->>'chain'))
+    WHERE (entry::jsonb)->>'chain' IS NOT NULL;
 CREATE TABLE IF NOT EXISTS ledger_bad_versions (
     version bigint PRIMARY KEY,
     reason  text NOT NULL
@@ -158,7 +163,15 @@ _LOCKS = {
     "premise": lock_sql(K_PREMISE, shared=True),
     "read": lock_sql(K_BAD, shared=True),
     "change": lock_sql(K_BAD),
+    # adds share the dispatch lock, a dispatch holds it alone: it counts the live rollouts
+    # and then writes, so no new live rollout may commit in between
+    "add": lock_sql(K_DISPATCH, shared=True),
+    "count": lock_sql(K_DISPATCH),
 }
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _rows(
@@ -182,6 +195,11 @@ class _Unit(SqlUnit):
         self.store = store
         self.now: float | None = None  # the server's clock, once this step read it
 
+    def field(self, *path: str, integer: bool = False) -> str:
+        *into, last = path
+        text = "(entry::jsonb)" + "".join(f"->'{p}'" for p in into) + f"->>'{last}'"
+        return f"({text})::bigint" if integer else text
+
     def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
         return _rows(self.conn, rollout_ids, self.load)
 
@@ -196,7 +214,8 @@ class _Unit(SqlUnit):
             "SELECT extract(epoch FROM clock_timestamp())::float8, "
             "(SELECT version FROM registry_pointer WHERE id = 1), "
             "ARRAY(SELECT version FROM registry_artifacts WHERE state = ANY(%s::text[])), "
-            "(SELECT json_build_array(max_lag, max_drift) FROM registry_policy WHERE id = 1), "
+            "(SELECT json_build_array(max_lag, max_drift, batch_size, max_attempts) "
+            "FROM registry_policy WHERE id = 1), "
             "(SELECT json_agg(json_build_array(version, failure)) FROM registry_artifacts "
             "WHERE state = 'rolled_back')",
             (_WAS_ACTIVE,),
@@ -207,7 +226,9 @@ class _Unit(SqlUnit):
         return ActivationPremise(
             None if pointer is None else int(pointer),
             frozenset(int(v) for v in was),
-            None if pol is None else AdmissionPolicy(int(pol[0]), float(pol[1])),
+            None
+            if pol is None
+            else AdmissionPolicy(int(pol[0]), float(pol[1]), _opt_int(pol[2]), _opt_int(pol[3])),
             retired_from_rows(rolled or ()),
         )
 
@@ -293,15 +314,21 @@ class PostgresStore:
 
     def atomic(self, body: Callable[[UnitOfWork], T], step: Step) -> T:
         """One transaction; the step's advisory locks are taken right after BEGIN, in the
-        same round trip and in the fixed order (bad versions, then premise)."""
+        same round trip and in the fixed order (dispatch budget, bad versions, premise)."""
         self._check_open()
         if self.db.read_only:
             raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
-        locks = [_LOCKS[step.bad]] if step.bad is not None else []
+        locks = [_LOCKS[step.live]] if step.live is not None else []
+        if step.bad is not None:
+            locks.append(_LOCKS[step.bad])
         if step.premise:
             locks.append(_LOCKS["premise"])
         prologue = "; ".join(locks)
         return self.db.write(lambda conn: body(_Unit(self, conn)), step.what, prologue=prologue)
+
+    def view(self, body: Callable[[StoreView], T], what: str) -> T:
+        """One read-only transaction (READ COMMITTED: each statement sees what committed)."""
+        return self._read(lambda conn: body(_Unit(self, conn)), what)
 
     def _read(self, body: Callable[[Conn], T], what: str, *, snapshot: bool = False) -> T:
         self._check_open()
@@ -332,12 +359,13 @@ class PostgresStore:
         evs = self._read(lambda c: read_events(c, "entry", rollout_id), "history")
         return [e for e in evs if isinstance(e, EntryChanged)]
 
-    def tallies(self) -> tuple[Mapping[str, int], Mapping[str, int], Iterable[int]]:
-        def body(conn: Conn) -> tuple[dict[str, int], dict[str, int], frozenset[int]]:
+    def tallies(self) -> Tallies:
+        def body(conn: Conn) -> Tallies:
             states = conn.execute("SELECT state, COUNT(*) FROM rollouts GROUP BY state")
             sums = conn.execute("SELECT name, SUM(n) FROM ledger_counters GROUP BY name")
             by_state = {str(s): int(n) for s, n in states.fetchall()}
-            return by_state, {str(k): int(n) for k, n in sums.fetchall()}, read_bad(conn)
+            counters = {str(k): int(n) for k, n in sums.fetchall()}
+            return by_state, counters, read_bad(conn), _Unit(self, conn).pacing_rows()
 
         return self._read(body, "statistics", snapshot=True)
 

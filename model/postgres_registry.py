@@ -59,9 +59,14 @@ R = TypeVar("R")
 
 COMPONENT = "registry"
 # 2: the durable admission policy (registry_policy)
-SCHEMA_VERSION = 2
+# 3: the policy's pacing bounds (batch_size, max_attempts)
+SCHEMA_VERSION = 3
 # 1 -> 2 adds tables (created by the DDL) and the artifacts' lineage column
-MIGRATIONS = {1: "ALTER TABLE registry_artifacts ADD COLUMN IF NOT EXISTS trained_by text"}
+MIGRATIONS = {
+    1: "ALTER TABLE registry_artifacts ADD COLUMN IF NOT EXISTS trained_by text",
+    2: "ALTER TABLE registry_policy ADD COLUMN IF NOT EXISTS batch_size bigint, "
+    "ADD COLUMN IF NOT EXISTS max_attempts bigint",
+}
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS registry_artifacts (
@@ -92,7 +97,9 @@ CREATE TABLE IF NOT EXISTS registry_membership (
 CREATE TABLE IF NOT EXISTS registry_policy (
     id        integer PRIMARY KEY CHECK (id = 1),
     max_lag   bigint NOT NULL CHECK (max_lag >= 0),
-    max_drift double precision NOT NULL CHECK (max_drift >= 0)
+    max_drift double precision NOT NULL CHECK (max_drift >= 0),
+    batch_size   bigint,
+    max_attempts bigint
 );
 CREATE TABLE IF NOT EXISTS registry_attempt_tokens (
     version   bigint NOT NULL CHECK (version >= 0),
@@ -177,10 +184,17 @@ def _write_step(conn: Conn, step: RegistryStep) -> None:
         )
     if not isinstance(step.policy, _Unchanged):
         conn.execute(
-            "INSERT INTO registry_policy(id, max_lag, max_drift) VALUES (1, %s, %s) "
+            "INSERT INTO registry_policy(id, max_lag, max_drift, batch_size, max_attempts) "
+            "VALUES (1, %s, %s, %s, %s) "
             "ON CONFLICT (id) DO UPDATE SET max_lag = excluded.max_lag, "
-            "max_drift = excluded.max_drift",
-            (step.policy.max_lag, step.policy.max_drift),
+            "max_drift = excluded.max_drift, batch_size = excluded.batch_size, "
+            "max_attempts = excluded.max_attempts",
+            (
+                step.policy.max_lag,
+                step.policy.max_drift,
+                step.policy.batch_size,
+                step.policy.max_attempts,
+            ),
         )
 
 

@@ -87,6 +87,11 @@ def _text(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         raise InvalidRecord(f"{attribute.name} {problem}")
 
 
+def _opt_pos_int(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (type(value) is not int or value < 1):
+        raise InvalidRecord(f"{attribute.name} must be None or an integer >= 1, got {brief(value)}")
+
+
 def _opt_nonempty_str(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None:
         _nonempty_str(inst, attribute, value)
@@ -463,6 +468,15 @@ class AdmissionPolicy:
 
     max_lag: int = attrs.field(validator=_nonneg_int)
     max_drift: float = attrs.field(validator=_nonneg_finite)
+    # pacing (issue 21): rollouts per update, which turns on the dispatch budget of
+    # (max_lag + 1) x batch_size live rollouts; and the bound on attempts per prompt chain.
+    # None: no budget / no bound. Omitted from JSON when None, so older records read the same.
+    batch_size: int | None = attrs.field(
+        default=None, validator=_opt_pos_int, metadata={"omit_default": True}
+    )
+    max_attempts: int | None = attrs.field(
+        default=None, validator=_opt_pos_int, metadata={"omit_default": True}
+    )
 
 
 @attrs.frozen
@@ -509,8 +523,23 @@ class LedgerEntry:
     disposition: Disposition | None = None
     admission: AdmissionStamp | None = None
     releases: int = attrs.field(default=0, validator=_nonneg_int)
+    # the prompt's attempt chain and this rollout's 1-based attempt in it (set by `dispatch`;
+    # None / 0 for a rollout added directly), and the tokens it generated (set on
+    # generation_done): what pacing bounds and reports. Omitted from JSON at their defaults.
+    chain: str | None = attrs.field(
+        default=None, validator=_opt_nonempty_str, metadata={"omit_default": True}
+    )
+    attempt: int = attrs.field(default=0, validator=_nonneg_int, metadata={"omit_default": True})
+    tokens: int | None = attrs.field(
+        default=None, validator=_opt_nonneg_int, metadata={"omit_default": True}
+    )
 
     def __attrs_post_init__(self) -> None:
+        if (self.chain is None) != (self.attempt == 0):
+            raise InvalidRecord(
+                f"rollout {brief(self.rollout_id)}: a chain needs an attempt >= 1 and an "
+                f"attempt needs a chain (chain {brief(self.chain)}, attempt {self.attempt})"
+            )
         if (self.reserved_by is not None) != (self.state == "reserved"):
             raise InvalidRecord(
                 f"rollout {brief(self.rollout_id)}: reserved_by must be set exactly when the state "
@@ -655,7 +684,7 @@ def _entry_jsonable(e: LedgerEntry) -> dict[str, Any]:
     """to_jsonable of a LedgerEntry, written out: every written row and every event's
     before/after goes through it, and the generic walk costs several times more."""
     r, d, a = e.reward, e.disposition, e.admission
-    return {
+    out = {
         "rollout_id": e.rollout_id,
         "behavior_version": e.behavior_version,
         "artifact_hash": e.artifact_hash,
@@ -687,6 +716,24 @@ def _entry_jsonable(e: LedgerEntry) -> dict[str, Any]:
         },
         "releases": e.releases,
     }
+    if e.chain is not None:  # pacing fields, only where set (see LedgerEntry)
+        out["chain"] = e.chain
+        out["attempt"] = e.attempt
+    if e.tokens is not None:
+        out["tokens"] = e.tokens
+    return out
+
+
+def _record_jsonable(obj: Any) -> dict[str, Any]:
+    """An attrs record's fields, less those marked `omit_default` that are at their default
+    (fields added later, so records written before them keep their exact JSON)."""
+    out: dict[str, Any] = {}
+    for f in attrs.fields(type(obj)):
+        v = getattr(obj, f.name)
+        if f.metadata.get("omit_default") and v == f.default:
+            continue
+        out[f.name] = to_jsonable(v)
+    return out
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -696,7 +743,7 @@ def to_jsonable(obj: Any) -> Any:
     if type(obj) is LedgerEntry:
         return _entry_jsonable(obj)
     if attrs.has(type(obj)):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in attrs.fields(type(obj))}
+        return _record_jsonable(obj)
     if isinstance(obj, tuple | list):
         return [to_jsonable(v) for v in obj]
     if isinstance(obj, np.ndarray | np.generic):  # evidence arrays: one C-level tolist()

@@ -64,10 +64,16 @@ R = TypeVar("R")
 COMPONENT = "registry"
 # 2: the durable required worker set (registry_membership); worker reports in the trace
 # 3: the durable admission policy (registry_policy)
-SCHEMA_VERSION = 3
+# 4: the policy's pacing bounds (batch_size, max_attempts)
+SCHEMA_VERSION = 4
 # 1 -> 2 only adds a table, which the DDL creates if missing; 2 -> 3 adds tables and the
 # artifacts' lineage column
-MIGRATIONS = {1: "", 2: "ALTER TABLE registry_artifacts ADD COLUMN trained_by TEXT"}
+MIGRATIONS = {
+    1: "",
+    2: "ALTER TABLE registry_artifacts ADD COLUMN trained_by TEXT",
+    3: "ALTER TABLE registry_policy ADD COLUMN batch_size INTEGER ;"
+    "ALTER TABLE registry_policy ADD COLUMN max_attempts INTEGER ",
+}
 
 
 @attrs.frozen
@@ -845,7 +851,9 @@ CREATE TABLE IF NOT EXISTS registry_membership (
 CREATE TABLE IF NOT EXISTS registry_policy (
     id        INTEGER PRIMARY KEY CHECK (id = 1),
     max_lag   INTEGER NOT NULL CHECK (max_lag >= 0),
-    max_drift REAL NOT NULL CHECK (max_drift >= 0)
+    max_drift REAL NOT NULL CHECK (max_drift >= 0),
+    batch_size   INTEGER,
+    max_attempts INTEGER
 );
 CREATE TABLE IF NOT EXISTS registry_attempt_tokens (
     version   INTEGER NOT NULL CHECK (version >= 0),
@@ -982,9 +990,16 @@ class SqlView:
 
     def policy(self) -> AdmissionPolicy | None:
         row = self._conn.execute(
-            "SELECT max_lag, max_drift FROM registry_policy WHERE id = 1"
+            "SELECT max_lag, max_drift, batch_size, max_attempts FROM registry_policy WHERE id = 1"
         ).fetchone()
-        return None if row is None else AdmissionPolicy(_int(row[0]), float(row[1]))
+        if row is None:
+            return None
+        return AdmissionPolicy(
+            _int(row[0]),
+            float(row[1]),
+            None if row[2] is None else _int(row[2]),
+            None if row[3] is None else _int(row[3]),
+        )
 
     # a JSON field of a stored event's payload, in this dialect
     EVENT_FIELD = "json_extract(payload, '$.{}')"
@@ -1243,10 +1258,17 @@ class SQLiteRegistry(_ViewReads):
                     )
                 if not isinstance(step.policy, _Unchanged):
                     conn.execute(
-                        "INSERT INTO registry_policy(id, max_lag, max_drift) VALUES (1, ?, ?) "
+                        "INSERT INTO registry_policy(id, max_lag, max_drift, batch_size, "
+                        "max_attempts) VALUES (1, ?, ?, ?, ?) "
                         "ON CONFLICT(id) DO UPDATE SET max_lag=excluded.max_lag, "
-                        "max_drift=excluded.max_drift",
-                        (step.policy.max_lag, step.policy.max_drift),
+                        "max_drift=excluded.max_drift, batch_size=excluded.batch_size, "
+                        "max_attempts=excluded.max_attempts",
+                        (
+                            step.policy.max_lag,
+                            step.policy.max_drift,
+                            step.policy.batch_size,
+                            step.policy.max_attempts,
+                        ),
                     )
                 stamped = append_events(conn, events)
                 conn.execute("COMMIT")

@@ -11,6 +11,7 @@ from typing import Any
 
 from rollout_lifecycle.model.events import EntryChanged, TraceEvent, entry_payload, stored_payload
 from rollout_lifecycle.model.ledger import dump_entry, read_entry
+from rollout_lifecycle.model.pacing import PacingRow, rows_from_columns
 from rollout_lifecycle.model.records import LedgerEntry
 
 
@@ -29,6 +30,11 @@ class SqlUnit:
 
     mark = "?"  # the driver's placeholder
     row_locks = ""  # what a store that locks rows appends to a read of rows it will write
+
+    def field(self, *path: str, integer: bool = False) -> str:
+        """SQL reading a field of the stored entry's JSON (NULL where absent); the chain's
+        expression is the one the chain index is built on. `integer`: compared as one."""
+        return f"json_extract(entry, '$.{'.'.join(path)}')"
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
@@ -89,6 +95,32 @@ class SqlUnit:
         sql = f"SELECT COUNT(*) FROM rollouts WHERE state IN ({marks}) AND behavior_version >= ?"
         low = -1 if min_version is None else min_version
         return int(self.run(sql, (*states, low)).fetchone()[0])
+
+    def chain_states(self, chain: str) -> tuple[str, ...]:
+        sql = f"SELECT state FROM rollouts WHERE {self.field('chain')} = ?"
+        return tuple(str(r[0]) for r in self.run(sql, (chain,)).fetchall())
+
+    def older_than(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
+        marks = ",".join("?" * len(states))
+        return self.select(f"behavior_version < ? AND state IN ({marks})", (version, *states))
+
+    def rewarded_between(self, low: int | None, high: int | None, limit: int) -> list[LedgerEntry]:
+        # the order of model.pacing.oldest_first, so LIMIT keeps the same first rows
+        attempt = f"COALESCE({self.field('attempt', integer=True)}, 0)"
+        sql = (
+            "SELECT entry FROM rollouts WHERE state = 'rewarded' AND behavior_version >= ? "
+            f"AND behavior_version <= ? ORDER BY behavior_version, {attempt} DESC, rollout_id "
+            "LIMIT ?"
+        )
+        args = (-1 if low is None else low, 2**62 if high is None else high, limit)
+        return [self.load(r[0]) for r in self.run(sql, args).fetchall()]
+
+    def pacing_rows(self) -> list[PacingRow]:
+        """What pacing statistics need of every row, read out of the JSON by the server."""
+        fields = [self.field(f) for f in ("chain", "attempt", "tokens")]
+        fields.append(self.field("admission", "current_version"))
+        sql = f"SELECT rollout_id, state, behavior_version, {', '.join(fields)} FROM rollouts"
+        return rows_from_columns(self.run(sql).fetchall())
 
     def bad_versions(self) -> frozenset[int]:
         return read_bad(self.conn)

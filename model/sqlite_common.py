@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -212,6 +213,20 @@ def connect(path: str | Path, *, read_only: bool = False) -> sqlite3.Connection:
     return conn
 
 
+_ADD_COLUMN = re.compile(r"ALTER TABLE (\w+) ADD COLUMN (\w+) ", re.IGNORECASE)
+
+
+def _migrate(conn: sqlite3.Connection, stmt: str) -> None:
+    """One migration statement; an ADD COLUMN whose column the DDL already created (a file
+    older than the table itself) is skipped, since SQLite has no ADD COLUMN IF NOT EXISTS."""
+    m = _ADD_COLUMN.match(stmt)
+    if m is not None:
+        cols = {r[1] for r in conn.execute(f"PRAGMA table_info({m.group(1)})")}
+        if m.group(2) in cols:
+            return
+    conn.execute(stmt)
+
+
 def ensure_schema(
     conn: sqlite3.Connection,
     component: str,
@@ -257,7 +272,7 @@ def ensure_schema(
             for v in range(stored, version):
                 for stmt in steps[v].split(";"):
                     if stmt.strip():
-                        conn.execute(stmt)
+                        _migrate(conn, stmt.strip())
             conn.execute(
                 "UPDATE schema_meta SET version = ? WHERE component = ?", (version, component)
             )

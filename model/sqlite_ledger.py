@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -31,6 +31,8 @@ from rollout_lifecycle.model.ledger import (
     RecoveryRule,
     Step,
     StoreLedger,
+    StoreView,
+    Tallies,
     UnitOfWork,
     check_lease_seconds,
     load_entry,
@@ -69,6 +71,8 @@ CREATE INDEX IF NOT EXISTS rollouts_owner ON rollouts(reserved_by)
 CREATE INDEX IF NOT EXISTS rollouts_lease ON rollouts(lease_expires_at)
     WHERE reserved_by IS NOT NULL;
 CREATE INDEX IF NOT EXISTS rollouts_version ON rollouts(behavior_version, state);
+CREATE INDEX IF NOT EXISTS rollouts_chain ON rollouts(json_extract(entry, '$.chain'))
+    WHERE json_extract(entry, '$.chain') IS NOT NULL;
 CREATE TABLE IF NOT EXISTS ledger_bad_versions (
     version INTEGER PRIMARY KEY,
     reason  TEXT NOT NULL
@@ -192,6 +196,11 @@ class SQLiteStore:
         with self.conns.write() as conn:
             return body(_Unit(self, conn))
 
+    def view(self, body: Callable[[StoreView], T], what: str) -> T:
+        """One read transaction (a WAL snapshot): no write lock, fine on a read-only file."""
+        with self.conns.read() as conn:
+            return body(_Unit(self, conn))
+
     @staticmethod
     def rows(
         conn: sqlite3.Connection,
@@ -222,11 +231,14 @@ class SQLiteStore:
             if row is None:
                 return NO_REGISTRY
             self._registry_seen = True  # a registry, once created, never goes away
-        pointer, max_lag, max_drift = conn.execute(
-            "SELECT (SELECT version FROM registry_pointer WHERE id = 1), "
-            "(SELECT max_lag FROM registry_policy WHERE id = 1), "
-            "(SELECT max_drift FROM registry_policy WHERE id = 1)"
+        (pointer,) = conn.execute(
+            "SELECT (SELECT version FROM registry_pointer WHERE id = 1)"
         ).fetchone()
+        # by name: a registry not yet migrated to the pacing columns reads them as None
+        cur = conn.execute("SELECT * FROM registry_policy WHERE id = 1")
+        found = cur.fetchone()
+        names = [d[0] for d in cur.description]
+        pol = {} if found is None else dict(zip(names, found, strict=True))
         was = conn.execute(
             f"SELECT version, state, failure FROM registry_artifacts "
             f"WHERE state IN ({_WAS_ACTIVE_MARKS})",
@@ -235,7 +247,14 @@ class SQLiteStore:
         return ActivationPremise(
             None if pointer is None else int(pointer),
             frozenset(int(r[0]) for r in was),
-            None if max_lag is None else AdmissionPolicy(int(max_lag), float(max_drift)),
+            None
+            if not pol
+            else AdmissionPolicy(
+                int(pol["max_lag"]),
+                float(pol["max_drift"]),
+                None if pol.get("batch_size") is None else int(pol["batch_size"]),
+                None if pol.get("max_attempts") is None else int(pol["max_attempts"]),
+            ),
             retired_from_rows((r[0], r[2]) for r in was if r[1] == "rolled_back"),
         )
 
@@ -267,14 +286,14 @@ class SQLiteStore:
             evs = read_events(conn, "entry", rollout_id)
         return [e for e in evs if isinstance(e, EntryChanged)]
 
-    def tallies(self) -> tuple[Mapping[str, int], Mapping[str, int], Iterable[int]]:
-        # counting states in SQL avoids loading every entry
+    def tallies(self) -> Tallies:
+        # counting states in SQL avoids decoding every entry
         with self.conns.read() as conn:
             by_state = dict(
                 conn.execute("SELECT state, COUNT(*) FROM rollouts GROUP BY state").fetchall()
             )
             counters = dict(conn.execute("SELECT name, n FROM ledger_counters").fetchall())
-            return by_state, counters, read_bad(conn)
+            return by_state, counters, read_bad(conn), _Unit(self, conn).pacing_rows()
 
     def stored_rows(self) -> StoredRows:
         with self.conns.read() as conn:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from rollout_lifecycle.model.records import AdmissionPolicy
 from rollout_lifecycle.spec.activation_model import ActivationModel
 from rollout_lifecycle.spec.ledger_model import LedgerRaceModel
 from rollout_lifecycle.spec.seams_model import SeamsModel
@@ -67,6 +68,20 @@ EXPLORER_MODELS: dict[str, tuple[ModelFactory, str]] = {
         ),
         "2 rollouts, 2 learners: the quick race used in CI",
     ),
+    "pacing": (
+        lambda: LedgerRaceModel(
+            n_rollouts=1,
+            n_learners=1,
+            start="rewarded",
+            max_updates=1,
+            allow_crash=False,
+            pacing=AdmissionPolicy(0, 0.2, batch_size=1, max_attempts=2),
+            dispatches=3,
+            chains=1,
+        ),
+        "paced dispatch on a ledger with v0 active: a budget of one live rollout, one prompt "
+        "chain of at most 2 attempts (failed or retired ones are requeued), a learner",
+    ),
     "activation-small": (
         lambda: ActivationModel(n_workers=2, n_versions=1, max_in_flight=2, max_duplicates=0),
         "2 workers, 1 new version, one crash, one corrupt load: quick, used in CI",
@@ -82,4 +97,5 @@ CI_MODELS: dict[str, str] = {
     "activation": "activation-small",
     "activation-2v": "activation-2v",
     "seams": "seams",
+    "pacing": "pacing",
 }

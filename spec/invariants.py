@@ -117,6 +117,32 @@ def _live_voided(voided: frozenset[str], workers: Mapping[str, WorkerReport]) ->
     return frozenset(w for w in voided if (r := workers.get(w)) is not None and r.ack is not None)
 
 
+class PacingIndex:
+    """The replayer's running tally for `dispatch_paced`: live entries per behaviour version
+    and each chain's rollout ids, kept in step with the replayed entries so judging a
+    dispatch costs what its window and chain hold, not the size of the history. Built
+    here from the events, apart from the ledger's own counting (model.pacing)."""
+
+    def __init__(self, entries: Iterable[LedgerEntry] = ()) -> None:
+        self.live: Counter[int] = Counter()
+        self.chains: dict[str, list[str]] = {}
+        for e in entries:
+            self.apply(None, e)
+
+    def apply(self, before: LedgerEntry | None, after: LedgerEntry) -> None:
+        """One replayed write: the entry was `before` (None: new) and is now `after`."""
+        if before is None and after.chain is not None:
+            self.chains.setdefault(after.chain, []).append(after.rollout_id)
+        if before is not None and before.state in OPEN_STATES:
+            self.live[before.behavior_version] -= 1
+        if after.state in OPEN_STATES:
+            self.live[after.behavior_version] += 1
+
+    def live_from(self, oldest: int) -> int:
+        """Live entries whose behaviour version is >= `oldest`."""
+        return sum(n for v, n in self.live.items() if v >= oldest)
+
+
 @attrs.frozen
 class World:
     """What the invariants look at: ledger entries, and (when known) the activation registry.
@@ -144,6 +170,8 @@ class World:
     # a replayer's views share its live set, so this is only read, never kept
     # (derived from the history, not a stored row: worlds compare equal without it)
     landed: AbstractSet[str] = attrs.field(default=frozenset(), eq=False)
+    # the replayer's tally of `entries` for dispatch_paced (None: count from `entries`)
+    pacing: PacingIndex | None = attrs.field(default=None, eq=False)
 
     def apply(self, events: Iterable[TraceEvent]) -> World:
         """The world after `events` (replay: each event carries the record after it)."""
@@ -878,6 +906,78 @@ def _reservations_resolve(w: World) -> list[str]:
 _SERVED_BY = re.compile(r"^(?P<worker>[^@/\s]+)@(?P<incarnation>[0-9]+)/")
 
 
+def _dispatches(events: Sequence[TraceEvent]) -> list[LedgerEntry]:
+    """The entries a step dispatched: new entries that carry an attempt chain."""
+    return [
+        ev.after
+        for ev in events
+        if isinstance(ev, EntryChanged) and ev.before is None and ev.after.chain is not None
+    ]
+
+
+def _paced_dispatch(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
+    """Stated over the replayed history, apart from model.pacing: at each dispatch the
+    deployment's pointer and policy of that moment bound the version, the chain and the
+    number of live rollouts that can still be trained."""
+    new = _dispatches(events)
+    if not new:
+        return []
+    out: list[str] = []
+    index = before.pacing if before.pacing is not None else PacingIndex(before.entries.values())
+    chains: dict[str, list[LedgerEntry]] = {}
+    for e in new:
+        if e.chain is not None and e.chain not in chains:
+            chains[e.chain] = [before.entries[r] for r in index.chains.get(e.chain, ())]
+    pol, ptr = before.policy, before.pointer
+    paced = before.artifacts is not None and pol is not None and ptr is not None
+    live = 0
+    if paced and pol is not None and ptr is not None and pol.batch_size is not None:
+        live = index.live_from(ptr.version - pol.max_lag)
+    for e in new:
+        earlier = chains.setdefault(e.chain or "", [])
+        if e.attempt != len(earlier) + 1:
+            out.append(
+                f"{e.rollout_id}: attempt {e.attempt} of chain {e.chain!r}, which had "
+                f"{len(earlier)} attempt(s) before"
+            )
+        busy = [x.rollout_id for x in earlier if x.state in OPEN_STATES or x.state == "consumed"]
+        if busy:
+            out.append(
+                f"{e.rollout_id}: dispatched while chain {e.chain!r} had a live or trained "
+                f"attempt ({', '.join(busy[:3])})"
+            )
+        if paced and pol is not None and ptr is not None:
+            v, p = e.behavior_version, ptr.version
+            if v > p or v not in before.ever_active or p - v > pol.max_lag:
+                out.append(
+                    f"{e.rollout_id}: dispatched on v{v} with the pointer at v{p} "
+                    f"(max_lag {pol.max_lag}): not a version that can still be trained"
+                )
+            if pol.max_attempts is not None and e.attempt > pol.max_attempts:
+                out.append(
+                    f"{e.rollout_id}: attempt {e.attempt} of chain {e.chain!r} exceeds "
+                    f"max_attempts {pol.max_attempts}"
+                )
+            if pol.batch_size is not None:
+                budget = (pol.max_lag + 1) * pol.batch_size
+                if live >= budget:
+                    out.append(
+                        f"{e.rollout_id}: dispatched with {live} live rollouts within "
+                        f"max_lag of v{p}, the budget being {budget}"
+                    )
+                live += 1
+        earlier.append(e)
+    return out
+
+
+def _accounted_for(e: LedgerEntry, _w: World) -> list[str]:
+    if e.state in OPEN_STATES or e.state == "consumed":
+        return []
+    if e.disposition is None or not e.disposition.cause:
+        return [f"{e.rollout_id}: ended {e.state} without a recorded cause"]
+    return []
+
+
 def _served_after_sync(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
     """A worker serves only what it reported holding in its current incarnation: a rollout
     it adds must carry the (version, hash) of its stored report, of that same incarnation,
@@ -1100,6 +1200,23 @@ INVARIANTS: tuple[Invariant, ...] = (
         world_check=_reservations_resolve,
     ),
     Invariant(
+        "dispatch_paced",
+        "step",
+        "ledger",
+        "A rollout is dispatched only on a version that can still be trained (active or "
+        "was, within max_lag of the pointer), while fewer than (max_lag + 1) x batch_size "
+        "live rollouts can still be trained, as its chain's next attempt (numbered "
+        "1, 2, ...), with no live or trained attempt of the chain, at most max_attempts.",
+        step_check=_paced_dispatch,
+    ),
+    Invariant(
+        "dispatched_accounted_for",
+        "always",
+        "ledger",
+        "Every dispatched rollout is consumed, live, or ended with a recorded cause.",
+        entry_check=_accounted_for,
+    ),
+    Invariant(
         "served_after_sync",
         "step",
         "activation",
@@ -1204,6 +1321,7 @@ class Replayer:
         self.voided = w.voided
         self.legacy = w.legacy
         self.landed: set[str] = set(w.landed)
+        self.pacing = PacingIndex(self.entries.values())
         self.steps = 0
         self.events = 0
         self._open: set[tuple[str, str]] = set()
@@ -1221,6 +1339,7 @@ class Replayer:
             voided=self.voided,
             legacy=self.legacy,
             landed=self.landed,
+            pacing=self.pacing,
         )
 
     def world(self) -> World:
@@ -1295,6 +1414,8 @@ class Replayer:
             for inv in _STEP
             for m in inv.step_check(before, step, after)  # type: ignore[misc]
         ]
+        for rid, e in e_ch.items():
+            self.pacing.apply(self.entries.get(rid), e)
         self.entries.update(e_ch)
         self.landed.update(commits)
         if registry:

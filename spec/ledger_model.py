@@ -9,10 +9,17 @@ quiescent state by its eventually invariants.
 
 Learners reserve in two separate actions (read a snapshot; later compare-and-set against the
 revision read), so the explorer enumerates every interleaving of racing reservers.
+
+With `pacing` (issue 21) the ledger is attached to a fixed registry (v0 active, that pacing
+policy recorded) and a generator may `dispatch` new attempts on prompt chains, a bounded
+number of times: against the budget, after an attempt failed or was retired (a requeue),
+and past the attempt bound. The spec then judges every dispatch with the registry in view
+(`dispatch_paced`), and each refusal is checked against the model's own reading of the rule.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -24,7 +31,15 @@ from rollout_lifecycle.model.errors import CommitMismatch
 from rollout_lifecycle.model.events import EventLog
 from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule, WriteRefused
 from rollout_lifecycle.model.machines import LIFECYCLE
-from rollout_lifecycle.model.records import AdmissionStamp, Disposition, LedgerEntry, Reward
+from rollout_lifecycle.model.records import (
+    ActivePointer,
+    AdmissionPolicy,
+    AdmissionStamp,
+    ArtifactRecord,
+    Disposition,
+    LedgerEntry,
+    Reward,
+)
 from rollout_lifecycle.spec.coverage import count_edges
 from rollout_lifecycle.spec.explorer import Property
 from rollout_lifecycle.spec.invariants import (
@@ -51,6 +66,49 @@ STAMP = AdmissionStamp(
     accepted=True,
 )
 LEASE = 10.0
+# what the budget counts: the lifecycle's non-terminal states, written out
+LIVE = frozenset({"dispatched", "generated", "rewarded", "reserved"})
+
+
+@attrs.frozen
+class FixedRegistry:
+    """The registry a paced ledger reads: v0 active for good, `policy` recorded."""
+
+    policy: AdmissionPolicy
+    lock: threading.RLock = attrs.field(factory=threading.RLock, eq=False)
+
+    def premise(self) -> ledger_mod.ActivationPremise:
+        """Pointer v0, ever active {v0}, the recorded policy."""
+        return ledger_mod.ActivationPremise(VERSION, frozenset({VERSION}), self.policy)
+
+    def world(self, entries: dict[str, LedgerEntry]) -> World:
+        """The spec's view: these entries and the same registry."""
+        art = ArtifactRecord(version=VERSION, artifact_hash=HASH, state="active", attempts=1)
+        return World(
+            entries=entries,
+            artifacts={VERSION: art},
+            pointer=ActivePointer(VERSION, HASH),
+            policy=self.policy,
+        )
+
+
+def expected_dispatch(
+    entries: Iterable[LedgerEntry], chain: str, policy: AdmissionPolicy
+) -> tuple[str, int]:
+    """The model's own reading of the dispatch rule at v0 (reason, attempt)."""
+    entries = list(entries)
+    states = [e.state for e in entries if e.chain == chain]
+    attempt = len(states) + 1
+    if "consumed" in states:
+        return "chain_done", attempt
+    if any(s in LIVE for s in states):
+        return "chain_live", attempt
+    if policy.max_attempts is not None and attempt > policy.max_attempts:
+        return "attempts_exhausted", attempt
+    live = sum(1 for e in entries if e.state in LIVE)
+    if policy.batch_size is not None and live >= (policy.max_lag + 1) * policy.batch_size:
+        return "no_capacity", attempt
+    return "dispatched", attempt
 
 
 @attrs.frozen
@@ -115,6 +173,9 @@ class LedgerRaceModel:
         allow_crash: bool = True,
         allow_failures: bool = True,
         allow_renew: bool = False,
+        pacing: AdmissionPolicy | None = None,
+        dispatches: int = 0,
+        chains: int = 1,
     ) -> None:
         if n_rollouts < 1 or n_learners < 1 or max_updates < 1:
             raise ValueError("bounds must be >= 1")
@@ -126,6 +187,10 @@ class LedgerRaceModel:
         self.allow_crash = allow_crash
         self.allow_renew = allow_renew  # learner 0's one heartbeat (the renew_lease edge)
         self.allow_failures = allow_failures
+        # paced dispatch: at most `dispatches` attempts land, on `chains` prompt chains
+        self.registry = None if pacing is None else FixedRegistry(pacing)
+        self.dispatches = dispatches if pacing is not None else 0
+        self.chains = chains
         self.observed: Counter[str] = Counter()
         self.edges: Counter[tuple[str, str]] = Counter()
 
@@ -160,6 +225,9 @@ class LedgerRaceModel:
                     yield Act("reward", rollout=e.rollout_id, outcome="error")
             elif e.state == "rewarded" and self.allow_failures:
                 yield Act("retire_stale", rollout=e.rollout_id)
+        if sum(1 for e in state.entries if e.chain is not None) < self.dispatches:
+            for c in range(self.chains):
+                yield Act("dispatch", outcome=f"p{c}")
         any_reserved = any(e.state == "reserved" for e in state.entries)
         if any_reserved:
             yield Act("expire_leases")
@@ -199,6 +267,7 @@ class LedgerRaceModel:
             lease_seconds=LEASE,
             recovery=self.recovery,
             event_log=log,
+            activation=self.registry,
         )
         learners = list(state.learners)
         outcome_viol: list[Violation] = []
@@ -236,6 +305,23 @@ class LedgerRaceModel:
                     e.revision,
                     disposition=Disposition("admission", "artifact_hash_mismatch"),
                 )
+            elif kind == "dispatch" and self.registry is not None:
+                n = sum(1 for e in state.entries if e.chain is not None)
+                rid = f"d{n + 1}"
+                want = expected_dispatch(state.entries, action.outcome, self.registry.policy)
+                paced = led.dispatch(
+                    LedgerEntry(rollout_id=rid, behavior_version=VERSION, artifact_hash=HASH),
+                    chain=action.outcome,
+                )
+                self.observed[f"dispatch:{paced.reason}"] += 1
+                if (paced.reason, paced.attempt) != want:
+                    outcome_viol.append(
+                        Violation(
+                            "dispatch_outcome",
+                            f"dispatch of {rid} on {action.outcome}: ({paced.reason!r}, "
+                            f"attempt {paced.attempt}), the rule says {want}",
+                        )
+                    )
             elif kind == "expire_leases":
                 clock.advance(LEASE)
                 led.expire_leases()
@@ -314,12 +400,17 @@ class LedgerRaceModel:
         entries = tuple(
             _normalise(e) for e in sorted(led.snapshot().values(), key=lambda e: e.rollout_id)
         )
-        _, step_viol, _ = replay(World(entries={e.rollout_id: e for e in state.entries}), events)
+        _, step_viol, _ = replay(self._world(state), events)
         viol = tuple(str(v) for v in [*outcome_viol, *step_viol])
         new = LedgerState(entries=entries, learners=tuple(learners), step_violations=viol)
         if new == state:
             return None
         return new
+
+    def _world(self, state: LedgerState) -> World:
+        """The spec's view of a state: the entries, and the fixed registry when paced."""
+        entries = _entry_map(state)
+        return World(entries=entries) if self.registry is None else self.registry.world(entries)
 
     def canonical(self, state: LedgerState) -> Any:
         """States are stored normalised (see `_normalise`), so they are their own canonical form."""
@@ -331,7 +422,7 @@ class LedgerRaceModel:
 
     def properties(self) -> Sequence[Property[LedgerState]]:
         """The spec's invariants: step (recorded on the state), always, eventually."""
-        return [
+        props: list[Property[LedgerState]] = [
             Property(
                 "spec_step_invariants",
                 "always",
@@ -341,13 +432,13 @@ class LedgerRaceModel:
             Property(
                 "spec_always_invariants",
                 "always",
-                lambda s: not check_world(World(entries=_entry_map(s))),
+                lambda s: not check_world(self._world(s)),
                 "every state satisfies the spec's always invariants",
             ),
             Property(
                 "spec_eventually_invariants",
                 "eventually",
-                lambda s: not check_quiescent(World(entries=_entry_map(s))),
+                lambda s: not check_quiescent(self._world(s)),
                 "at quiescence nothing is left reserved",
             ),
             Property(
@@ -355,17 +446,29 @@ class LedgerRaceModel:
                 "sometimes",
                 lambda s: any(e.state == "consumed" for e in s.entries),
             ),
-            Property(
-                "two_learners_hold_reservations",
-                "sometimes",
-                lambda s: sum(1 for ln in s.learners if ln.held) >= 2,
-            ),
         ]
+        if self.n_learners >= 2:  # a witness one learner cannot give
+            props.append(
+                Property(
+                    "two_learners_hold_reservations",
+                    "sometimes",
+                    lambda s: sum(1 for ln in s.learners if ln.held) >= 2,
+                )
+            )
+        if self.dispatches:
+            props.append(
+                Property(
+                    "requeued_attempt_dispatched",
+                    "sometimes",
+                    lambda s: any(e.attempt >= 2 for e in s.entries),
+                )
+            )
+        return props
 
     def violations_of(self, state: LedgerState) -> list[str]:
         """Human-readable list of what is wrong in `state` (for counterexample reports)."""
         out = list(state.step_violations)
-        out.extend(str(v) for v in check_world(World(entries=_entry_map(state))))
+        out.extend(str(v) for v in check_world(self._world(state)))
         return out
 
 

@@ -67,6 +67,7 @@ from rollout_lifecycle.stateful_tests.histories import (
     HandRegistry,
     churned_history,
     correct_history,
+    dispatched_event,
     flagged,
     forge,
     freshness,
@@ -74,6 +75,7 @@ from rollout_lifecycle.stateful_tests.histories import (
     is_entry,
     is_report,
     issued,
+    paced_history,
     random_history,
     reserved_after_rollback,
     restamped,
@@ -488,7 +490,77 @@ def spec_cases() -> list[CheckerCase]:
             )
         ),
     )
+    c.extend(_pacing_cases())
     return c
+
+
+def _pacing_cases() -> list[CheckerCase]:
+    """The paced history (good) and one tampering per rule of `dispatch_paced`, plus a
+    rollout that ended without a cause (`dispatched_accounted_for`)."""
+    paced = paced_history
+
+    def case(expect: str | None, name: str, run: Run) -> CheckerCase:
+        return CheckerCase(f"spec:{expect or 'good'}", name, expect, run)
+
+    def p(name: str, extra: Callable[[], list[TraceEvent]]) -> CheckerCase:
+        return case("dispatch_paced", name, _trace(extra))
+
+    ended = forge(
+        LedgerEntry,
+        rollout_id="x",
+        behavior_version=0,
+        artifact_hash="h",
+        state="retired_stale",
+        disposition=None,
+    )
+    return [
+        case(None, "a paced run: budget, retirement, a second attempt", _trace(paced)),
+        p(
+            "a dispatch past the full budget",
+            lambda: [*paced(), dispatched_event("d1", 2, "p4", 1)],
+        ),
+        p(
+            "a second live attempt of one chain",
+            lambda: [*paced(), dispatched_event("b3", 2, "p2", 3)],
+        ),
+        p(
+            "a chain dispatched again after it trained",
+            lambda: [*paced(), dispatched_event("a2", 2, "p1", 2)],
+        ),
+        p(
+            "an attempt numbered out of order",
+            lambda: tamper(
+                paced(),
+                lambda ev: (
+                    isinstance(ev, EntryChanged) and ev.rollout_id == "c1" and ev.before is None
+                ),
+                after=attrs.evolve(
+                    next(
+                        ev.after
+                        for ev in paced()
+                        if isinstance(ev, EntryChanged) and ev.rollout_id == "c1"
+                    ),
+                    attempt=2,
+                ),
+            ),
+        ),
+        p(
+            "a dispatch on a version already too old for the pointer",
+            lambda: [
+                *(
+                    ev
+                    for ev in paced()
+                    if not (isinstance(ev, EntryChanged) and ev.rollout_id == "c1")
+                ),
+                dispatched_event("c1", 0, "p3", 1),
+            ],
+        ),
+        case(
+            "dispatched_accounted_for",
+            "a rollout ended without a cause",
+            _world(World(entries={"x": ended})),
+        ),
+    ]
 
 
 def _legacy(events: Sequence[TraceEvent]) -> list[TraceEvent]:

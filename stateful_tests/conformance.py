@@ -300,6 +300,35 @@ def check_reads_are_copies(led: Ledger, _clock: ManualClock) -> list[str]:
     return out
 
 
+def check_dispatch_chains(led: Ledger, _clock: ManualClock) -> list[str]:
+    """dispatch numbers a chain's attempts, refuses a second live one or one after a
+    trained one, and writes nothing when it refuses; retired stale rollouts keep a cause.
+    (A ledger without a registry knows no pointer or policy: no budget applies.)"""
+    out = []
+    first = led.dispatch(_entry("d1", "dispatched"), chain="p")
+    if not first.dispatched or first.entry is None or first.entry.attempt != 1:
+        out.append(f"the first dispatch of a chain gave {first}")
+    busy = led.dispatch(_entry("d2", "dispatched"), chain="p")
+    if busy.dispatched or busy.reason != "chain_live" or led.find("d2") is not None:
+        out.append(f"a second live attempt of a chain gave {busy}")
+    led.transition("d1", "generation_failed", 0, tokens=4)
+    again = led.dispatch(_entry("d2", "dispatched"), chain="p")
+    if not again.dispatched or again.attempt != 2:
+        out.append(f"the requeued chain's dispatch gave {again}")
+    if led.get("d1").tokens != 4:
+        out.append(f"generation_failed did not record its tokens: {led.get('d1')}")
+    try:
+        led.add(
+            LedgerEntry(
+                rollout_id="d3", behavior_version=0, artifact_hash="h", chain="p", attempt=3
+            )
+        )
+        out.append("add accepted an entry carrying a chain (it would bypass dispatch)")
+    except RolloutLifecycleError:
+        pass
+    return out
+
+
 CHECKS: dict[str, Check] = {
     "protocol_shape": check_protocol_shape,
     "add_and_read": check_add_and_read,
@@ -310,6 +339,7 @@ CHECKS: dict[str, Check] = {
     "recovery": check_recovery,
     "quarantine_version": check_quarantine_version,
     "reads_are_copies": check_reads_are_copies,
+    "dispatch_chains": check_dispatch_chains,
 }
 
 

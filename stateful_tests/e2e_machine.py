@@ -12,6 +12,12 @@ the coordinator switches the pointer.
 
 Ghost truth kept here and nowhere else: which weights really generated each rollout, which
 versions really became active, what was consumed, what each worker really staged.
+
+Pacing (issue 21): each example records a pacing policy (batch_size, max_attempts), and
+generators may also ask `ledger.dispatch` for permission on a prompt's attempt chain, a
+fresh one or a requeue of a chain whose last attempt ended. The machine's own model of
+the budget and the chains (the ghost versions, the stored states, its own chain lists)
+predicts every answer; `retire_stale` and `oldest_admissible` are checked the same way.
 """
 
 from __future__ import annotations
@@ -76,6 +82,9 @@ LEASE = 10.0
 MAX_OPEN = 4  # requests in flight plus rollouts not yet terminal
 MAX_VERSIONS = 10
 BATCH = 4
+PACED_CHAINS = 4  # prompts whose attempt chains paced dispatch draws from (bounds the run)
+# non-terminal lifecycle states, written out here: what the budget counts as live
+LIVE = frozenset({"dispatched", "generated", "rewarded", "reserved"})
 MAX_RELEASES = 1  # a rollout returned twice is quarantined (a poison rollout)
 INVARIANT_NAMES = ("spec_holds",)
 # reasons the gate gives from the record alone, before lag and drift are computed
@@ -155,6 +164,8 @@ class EndToEndMachine(RuleBasedStateMachine):
         self.held: set[str] = set()  # what the learner believes its update reserved
         self.next_id = 0
         self.reopened_at = 0
+        self.policy = AdmissionPolicy(MAX_LAG, MAX_DRIFT)  # the recorded one (choose_pacing)
+        self.chains: dict[str, list[str]] = {}  # the model's attempt chains, in order
         self.checker = TraceChecker(self.recorder, with_registry=True)
         self._bootstrap()
 
@@ -263,6 +274,13 @@ class EndToEndMachine(RuleBasedStateMachine):
     def choose_max_lag(self, max_lag: int) -> None:
         """L_max per example: 1 exercises tolerated rollouts, 0 the one-version boundary."""
         self.max_lag = max_lag
+
+    @initialize(batch_size=st.sampled_from([1, 2, 3]), max_attempts=st.sampled_from([2, 1, 3]))
+    def choose_pacing(self, batch_size: int, max_attempts: int) -> None:
+        """Record a pacing policy per example: a small budget of (MAX_LAG + 1) x batch_size
+        live rollouts and a small attempt bound, so both refusals are reached."""
+        self.policy = AdmissionPolicy(MAX_LAG, MAX_DRIFT, batch_size, max_attempts)
+        self.coord.set_policy(self.policy, "pacing for this example")
 
     def _admit_batch(self, *, tensors: bool = False) -> None:
         """Admit up to BATCH rewarded rollouts at once; cross-check every row; reserve."""
@@ -475,6 +493,8 @@ class EndToEndMachine(RuleBasedStateMachine):
             return "activation"
         if self.held:
             return "finish"
+        if self._entries("dispatched"):  # paced rollouts, recorded at dispatch
+            return "generation"
         if self._entries("generated"):
             return "reward"
         if self._unjudged():
@@ -517,6 +537,8 @@ class EndToEndMachine(RuleBasedStateMachine):
                 self._try_activate(v)
         elif move == "finish":
             self._finish_update("commit")
+        elif move == "generation":
+            self._generated(self._entries("dispatched")[0], failed=False, tokens=8)
         elif move == "reward":
             self._reward(self._entries("generated")[0], "reward_ready")
         elif move == "admit":
@@ -588,6 +610,126 @@ class EndToEndMachine(RuleBasedStateMachine):
         for e in entries:
             self.judged.pop(e.rollout_id, None)
 
+    # ---- pacing: dispatch on a chain, retire what went stale, oldest first ----------------
+
+    def _expect_dispatch(self, version: int, chain: str) -> tuple[str, int]:
+        """The model's answer to a dispatch (reason, attempt), in model.pacing's order:
+        the version, the chain, the attempt bound, then the budget."""
+        pol, p = self.policy, self._pointer()[0]
+        snap = self.stack.ledger.snapshot()
+        states = [snap[rid].state for rid in self.chains.get(chain, [])]
+        attempt = len(states) + 1
+        if version > p or version not in self.activated:
+            return "not_active", attempt
+        if p - version > pol.max_lag:
+            return "stale", attempt
+        if "consumed" in states:
+            return "chain_done", attempt
+        if any(s in LIVE for s in states):
+            return "chain_live", attempt
+        if pol.max_attempts is not None and attempt > pol.max_attempts:
+            return "attempts_exhausted", attempt
+        floor = max(0, p - pol.max_lag)
+        live = sum(1 for e in snap.values() if e.state in LIVE and e.behavior_version >= floor)
+        if pol.batch_size is not None and live >= (pol.max_lag + 1) * pol.batch_size:
+            return "no_capacity", attempt
+        return "dispatched", attempt
+
+    @rule(
+        worker=worker_ids,
+        chain=st.integers(min_value=0, max_value=PACED_CHAINS - 1),
+        offset=st.sampled_from([0] * 6 + [1, 2, -1]),
+    )
+    @counted
+    def paced_dispatch(self, worker: str, chain: int, offset: int) -> None:
+        """A generator asks to start an attempt of prompt `chain` on the weights it serves
+        (offset 0), or on a version older or newer than the pointer (a refused probe). A
+        chain whose last attempt ended is a requeue. The budget bounds what is live, and
+        the chains and the attempt bound bound the rest, so the rule needs no precondition."""
+        truth = self.truth[worker]
+        assert truth.serving is not None
+        version = max(0, self._pointer()[0] - offset)
+        weights = truth.serving if offset == 0 else (version, artifact_hash(version))
+        key = f"p{chain}"
+        want, attempt = self._expect_dispatch(version, key)
+        rid = f"r{self.next_id}"
+        rollout = make_rollout(rid, self.next_id, weights[0], weights[1], "ok")
+        out = self.stack.ledger.dispatch(rollout, chain=key)
+        self.recorder.note(f"pacing:{out.reason}")
+        if (out.dispatched, out.reason, out.attempt) != (want == "dispatched", want, attempt):
+            raise self.recorder.fail(
+                f"dispatch of {rid} on v{weights[0]}, chain {key}: got ({out.dispatched}, "
+                f"{out.reason!r}, attempt {out.attempt}); the model expects ({want!r}, attempt "
+                f"{attempt}) under {self.policy} at v{self._pointer()[0]}"
+            )
+        if not out.dispatched:
+            return
+        e = out.entry
+        if e is None or (e.rollout_id, e.chain, e.attempt) != (rid, key, attempt):
+            raise self.recorder.fail(f"dispatch of {rid} on {key} recorded {e}")
+        self.next_id += 1
+        self.chains.setdefault(key, []).append(rid)
+        self.generated_by[rid] = weights
+        self.evidence[rid] = "ok"
+        if attempt > 1:
+            self.recorder.note("pacing:requeued")
+
+    def _generated(self, e: LedgerEntry, *, failed: bool, tokens: int) -> None:
+        event = "generation_failed" if failed else "generation_done"
+        got = self.stack.ledger.transition(e.rollout_id, event, e.revision, tokens=tokens)
+        if got.tokens != tokens:
+            raise self.recorder.fail(f"{event} on {e.rollout_id} recorded tokens {got.tokens}")
+
+    @rule(
+        pick=picks,
+        failed=st.sampled_from([False, True]),  # a failed attempt is what gets requeued
+        tokens=st.sampled_from([4, 16, 64]),
+    )
+    @precondition(lambda self: bool(self._entries("dispatched")))
+    @counted
+    def finish_paced(self, pick: int, failed: bool, tokens: int) -> None:
+        """A paced rollout's generation ends (or fails), with the tokens it generated."""
+        found = self._entries("dispatched")
+        self._generated(found[pick % len(found)], failed=failed, tokens=tokens)
+
+    def _window(self) -> tuple[int, int]:
+        p = self._pointer()[0]
+        return max(0, p - self.policy.max_lag), p
+
+    @rule()
+    @precondition(lambda self: bool(self._entries("rewarded")))
+    @counted
+    def retire_stale(self) -> None:
+        """Retire, with their cause, the rewarded rollouts the pointer has left behind."""
+        floor, _ = self._window()
+        due = [e.rollout_id for e in self._entries("rewarded") if e.behavior_version < floor]
+        got = self.stack.ledger.retire_stale()
+        if sorted(e.rollout_id for e in got) != due:
+            raise self.recorder.fail(
+                f"retire_stale returned {sorted(e.rollout_id for e in got)} below v{floor}; "
+                f"the model expects {due}"
+            )
+        for e in got:
+            if e.state != "retired_stale" or e.disposition is None or not e.disposition.cause:
+                raise self.recorder.fail(f"retire_stale left {e} without its cause")
+            self.judged.pop(e.rollout_id, None)
+
+    @rule(limit=st.integers(min_value=0, max_value=5))
+    @precondition(lambda self: bool(self._entries("rewarded")))
+    @counted
+    def oldest_admissible(self, limit: int) -> None:
+        """What a learner takes first: the oldest version, then the most-retried chain."""
+        floor, top = self._window()
+        ok = [e for e in self._entries("rewarded") if floor <= e.behavior_version <= top]
+        ok.sort(key=lambda e: (e.behavior_version, -e.attempt, e.rollout_id))
+        want = [e.rollout_id for e in ok[:limit]]
+        got = [e.rollout_id for e in self.stack.ledger.oldest_admissible(limit)]
+        if got != want:
+            raise self.recorder.fail(
+                f"oldest_admissible({limit}) returned {got}; the model expects {want} "
+                f"(window v{floor}..v{top})"
+            )
+
     @rule(worker=worker_ids, corrupt=st.booleans())
     @precondition(lambda self: bool(self._artifacts("awaiting_acks")))
     @counted
@@ -652,7 +794,7 @@ class EndToEndMachine(RuleBasedStateMachine):
             self.tmp,
             self.clock,
             WORKERS,
-            policy=AdmissionPolicy(MAX_LAG, MAX_DRIFT),
+            policy=self.policy,
             **self.options,
         )
         self.reopened_at = self.step_no

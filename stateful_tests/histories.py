@@ -447,3 +447,59 @@ def served_history(restart_first: bool) -> list[TraceEvent]:
             coord.worker_restarted(WORKERS[0], 1)
             be.ledger.add(ro(f"{WORKERS[0]}@1/0"))
         return be.trace()
+
+
+PACED = AdmissionPolicy(max_lag=1, max_drift=0.2, batch_size=1, max_attempts=2)
+
+
+def paced_history() -> list[TraceEvent]:
+    """A correct paced run through the real memory backend: policy (max_lag 1, batch 1,
+    at most 2 attempts per chain), v0 active; chain p1 dispatched, trained; chain p2's first
+    attempt goes stale after v1 and v2 and is retired with its cause, its second attempt
+    runs on v2; the budget of (1 + 1) x 1 live rollouts is full at the end."""
+    from rollout_lifecycle.model.backends import open_backend
+    from rollout_lifecycle.model.coordinator import ActivationCoordinator
+
+    def activate(coord: ActivationCoordinator, v: int) -> None:
+        h = f"{v:x}".rjust(64, "c")
+        coord.prepare(v)
+        coord.commit_artifact(v, h)
+        coord.distribute(v)
+        for w in WORKERS:
+            coord.record_ack(WorkerAck(w, v, h, token=coord.attempt_token(w, v)))
+        assert coord.try_activate(v).activated
+
+    def entry(rid: str, v: int) -> LedgerEntry:
+        return LedgerEntry(
+            rollout_id=rid, behavior_version=v, artifact_hash=f"{v:x}".rjust(64, "c")
+        )
+
+    with open_backend("memory://") as be:
+        led = be.ledger
+        coord = ActivationCoordinator(be.registry, WORKERS, ledger=led, policy=PACED)
+        activate(coord, 0)
+        for rid, chain in (("a1", "p1"), ("b1", "p2")):
+            assert led.dispatch(entry(rid, 0), chain=chain).dispatched
+            led.transition(rid, "generation_done", 0, tokens=5 if rid == "a1" else 40)
+            led.transition(rid, "reward_ready", 1, reward=REWARD)
+        assert led.reserve("a1", 2, "u1", stamp(0, 0)).reserved
+        led.commit("u1", ["a1"])
+        activate(coord, 1)
+        activate(coord, 2)
+        assert [e.rollout_id for e in led.retire_stale()] == ["b1"]
+        assert led.dispatch(entry("b2", 2), chain="p2").attempt == 2
+        assert led.dispatch(entry("c1", 2), chain="p3").dispatched
+        assert led.dispatch(entry("d1", 2), chain="p4").reason == "no_capacity"
+        return be.trace()
+
+
+def dispatched_event(rid: str, v: int, chain: str, attempt: int) -> EntryChanged:
+    """A dispatch as a ledger would record it, for appending to a history by hand."""
+    after = LedgerEntry(
+        rollout_id=rid,
+        behavior_version=v,
+        artifact_hash=f"{v:x}".rjust(64, "c"),
+        chain=chain,
+        attempt=attempt,
+    )
+    return EntryChanged(10_000, 10_000, 0.0, rid, "add", None, after)

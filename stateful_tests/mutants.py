@@ -702,6 +702,26 @@ def _strict_expiry() -> Iterator[None]:
         yield
 
 
+_PACING = "rollout_lifecycle.model.pacing"
+
+
+def _budget_ignored(plan: Any) -> Any:
+    """plan_dispatch as if nothing were live: the budget never refuses."""
+    return lambda entry, chain, premise: plan(entry, chain, attrs.evolve(premise, live_window=0))
+
+
+def _attempts_unbounded(plan: Any) -> Any:
+    """plan_dispatch with the policy's max_attempts dropped: a chain is requeued forever."""
+
+    def planned(entry: Any, chain: str, premise: Any) -> Any:
+        pol = premise.policy
+        if pol is not None:
+            premise = attrs.evolve(premise, policy=attrs.evolve(pol, max_attempts=None))
+        return plan(entry, chain, premise)
+
+    return planned
+
+
 CATALOGUE: tuple[Mutant, ...] = (
     Mutant(
         "blind_reserve",
@@ -1046,6 +1066,26 @@ CATALOGUE += (
         reach=("checkers", "fuzz"),
         fuzz_machine="seams",
         klass="input",
+    ),
+    # ---- pacing (issue 21): the dispatch-side budget and the attempt chains
+    Mutant(
+        "dispatch_ignores_budget",
+        "dispatch counts no live rollout against the staleness budget: generators start "
+        "rollouts that will be stale before a batch can take them",
+        None,
+        _wrap(_PACING, "plan_dispatch", _budget_ignored),
+        reach=("fuzz", "explore", "race"),
+        fuzz_machine="e2e",
+        explorer_model="pacing",
+    ),
+    Mutant(
+        "requeue_ignores_max_attempts",
+        "a prompt whose attempt went stale or failed is requeued with no bound on its attempts",
+        None,
+        _wrap(_PACING, "plan_dispatch", _attempts_unbounded),
+        reach=("fuzz", "explore", "race"),
+        fuzz_machine="e2e",
+        explorer_model="pacing",
     ),
     # ---- class 5: a boundary a small budget rarely reaches
     Mutant(

@@ -11,6 +11,13 @@ of the rollout at some moment while the call was running. A compare-and-set that
 on one connection but not across several, or a reservation that is judged against a
 stale pointer, shows up as a violation, not only in a unit test.
 
+Dispatchers (issue 21) ask `ledger.dispatch` for permission to start attempts on shared
+prompt chains under the recorded pacing policy, finish or fail what they started, and
+retire what went stale. The spec judges the budget and the chains from the trace
+(`dispatch_paced`, `dispatched_accounted_for`); each dispatch call is judged too: a
+`dispatched` answer must be the trace's one write of that attempt inside the call's
+window, a refusal must be true at some moment of it.
+
     rollout-lifecycle race --backend sqlite:///race.db --learners 4 --seconds 60
     rollout-lifecycle race --backend postgresql://user@host/racedb --learners 4 --seconds 60
 """
@@ -30,8 +37,18 @@ import numpy as np
 
 from rollout_lifecycle.model.backends import open_backend, redact_url
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
-from rollout_lifecycle.model.errors import ActivationError, BackendURLError, RevisionConflict
-from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, TraceEvent
+from rollout_lifecycle.model.errors import (
+    ActivationError,
+    BackendURLError,
+    RevisionConflict,
+    RolloutLifecycleError,
+)
+from rollout_lifecycle.model.events import (
+    ArtifactChanged,
+    EntryChanged,
+    PolicyChanged,
+    TraceEvent,
+)
 from rollout_lifecycle.model.gate import AdmissionGate, GatePolicy
 from rollout_lifecycle.model.ledger import ReserveRequest
 from rollout_lifecycle.model.records import (
@@ -88,6 +105,19 @@ class RaceConfig:
     # activators also roll back (retiring the rolled-back version) and churn the worker set
     churn: bool = False
     mutant: str | None = None  # a catalogue mutant every child process runs with
+    # paced dispatch: processes dispatching attempts of `chains` shared prompts under the
+    # recorded budget of (max_lag + 1) x batch_size live rollouts and max_attempts per
+    # chain (0 dispatchers: no pacing policy is recorded, the race of before)
+    dispatchers: int = 2
+    batch_size: int = 8
+    max_attempts: int = 3
+    chains: int = 32
+
+    def policy(self) -> AdmissionPolicy:
+        """The deployment's admission policy this race records."""
+        if self.dispatchers == 0:
+            return AdmissionPolicy(self.max_lag, self.max_drift)
+        return AdmissionPolicy(self.max_lag, self.max_drift, self.batch_size, self.max_attempts)
 
 
 def _hashes(registry: Any) -> Callable[[int], str | None]:
@@ -117,6 +147,97 @@ def _learner(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
     """The README pattern in a loop: pointer -> assess_batch -> reserve_batch -> commit."""
     with _with_mutant(cfg):
         _learn_loop(cfg, index, deadline, out)
+
+
+def _dispatcher(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
+    """Paced generation: dispatch attempts on shared chains, finish them, retire the stale."""
+    with _with_mutant(cfg):
+        _dispatch_loop(cfg, index, deadline, out)
+
+
+def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
+    rng = random.Random(cfg.seed * 15485863 + index)
+    stats: Counter[str] = Counter()
+    calls: list[dict[str, Any]] = []
+    started: list[str] = []  # dispatched by this process, not yet rewarded or ended
+    opened = deadline - cfg.seconds - 3.0  # the race's start, as run_race set it
+    n = 0
+    try:
+        with open_backend(cfg.url) as b:
+            clock: Callable[[], float] = getattr(b.ledger, "clock", time.time)
+            while time.time() < deadline:
+                time.sleep(rng.uniform(0.005, 0.03))  # a generator's pace, not a busy loop
+                pointer = b.registry.pointer()
+                if pointer is None:
+                    continue
+                if started and rng.random() < 0.6:  # move one of ours a step on
+                    _advance_attempt(b.ledger, started, rng, stats)
+                    continue
+                # a generator that has not switched yet runs the previous weights
+                v = max(0, pointer.version - (1 if rng.random() < 0.2 else 0))
+                # a sliding window of `chains` prompts, the same in every process: chains
+                # are retried, run out of attempts, and new prompts keep arriving
+                base = int((time.time() - opened) * 4)
+                chain = f"c{base + rng.randrange(cfg.chains)}"
+                rid = f"d{index}.{n}"
+                n += 1
+                entry = LedgerEntry(
+                    rollout_id=rid, behavior_version=v, artifact_hash=version_hash(v)
+                )
+                t0 = clock()
+                got = b.ledger.dispatch(entry, chain=chain)
+                calls.append(
+                    {
+                        "kind": "dispatch",
+                        "rollout_id": rid,
+                        "chain": chain,
+                        "version": v,
+                        "start": t0,
+                        "end": clock(),
+                        "reason": got.reason,
+                        "attempt": got.attempt,
+                    }
+                )
+                stats[f"dispatch:{got.reason}"] += 1
+                if got.dispatched:
+                    started.append(rid)
+                if rng.random() < 0.05:
+                    stats["retired_stale"] += len(b.ledger.retire_stale())
+        out.put({"role": f"dispatcher-{index}", "stats": dict(stats), "calls": calls})
+    except Exception as exc:  # reported with the calls made so far, which are judged too
+        out.put(
+            {
+                "role": f"dispatcher-{index}",
+                "stats": dict(stats),
+                "calls": calls,
+                "error": repr(exc),
+            }
+        )
+
+
+def _advance_attempt(
+    ledger: Any, started: list[str], rng: random.Random, stats: Counter[str]
+) -> None:
+    """One step of one attempt this process started: generation ends (1 in 6 fails, and
+    its chain may be requeued), or its reward arrives; a rollout something else ended
+    (a rollback retired it, its version was quarantined) is dropped."""
+    rid = started[rng.randrange(len(started))]
+    e = ledger.get(rid)
+    try:
+        if e.state == "dispatched":
+            failed = rng.random() < 1 / 6
+            event = "generation_failed" if failed else "generation_done"
+            ledger.transition(rid, event, e.revision, tokens=rng.choice((8, 64, 512)))
+            stats[f"attempt:{event}"] += 1
+            if not failed:
+                return
+        elif e.state == "generated":
+            ledger.transition(rid, "reward_ready", e.revision, reward=REWARD)
+            stats["attempt:rewarded"] += 1
+    except RolloutLifecycleError:
+        stats["attempt:lost_race"] += 1
+        return
+    started.remove(rid)
 
 
 def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
@@ -189,10 +310,10 @@ def _churn(
         stats["membership_changed"] += 1
     policy = coord.policy()
     if policy is not None and policy.max_lag != max_lag:  # restored after one turn
-        coord.set_policy(AdmissionPolicy(max_lag, policy.max_drift), "race churn: restored")
+        coord.set_policy(attrs.evolve(policy, max_lag=max_lag), "race churn: restored")
         stats["policy_changed"] += 1
     elif policy is not None and turn % 3 == 1 and max_lag > 0:
-        tight = AdmissionPolicy(0, policy.max_drift)
+        tight = attrs.evolve(policy, max_lag=0)  # the pacing bounds are kept
         coord.set_policy(tight, "race churn: max_lag tightened to 0")
         stats["policy_changed"] += 1
 
@@ -408,7 +529,7 @@ def prepare(cfg: RaceConfig) -> None:
             b.registry,
             WORKERS,
             ledger=b.ledger,
-            policy=AdmissionPolicy(cfg.max_lag, cfg.max_drift),
+            policy=cfg.policy(),
         )
         if coord.pointer() is None:
             coord.prepare(0)
@@ -427,12 +548,20 @@ def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> 
     results: Any = ctx.Queue()
     started = time.time()
     deadline = started + cfg.seconds + 3.0  # spawning children takes a moment
-    procs = [
-        ctx.Process(target=_activator, args=(cfg, i, deadline, results))
-        for i in range(cfg.activators)
-    ] + [
-        ctx.Process(target=_learner, args=(cfg, i, deadline, results)) for i in range(cfg.learners)
-    ]
+    procs = (
+        [
+            ctx.Process(target=_activator, args=(cfg, i, deadline, results))
+            for i in range(cfg.activators)
+        ]
+        + [
+            ctx.Process(target=_learner, args=(cfg, i, deadline, results))
+            for i in range(cfg.learners)
+        ]
+        + [
+            ctx.Process(target=_dispatcher, args=(cfg, i, deadline, results))
+            for i in range(cfg.dispatchers)
+        ]
+    )
     for p in procs:
         p.start()
     reports: list[dict[str, Any]] = []
@@ -455,14 +584,16 @@ def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> 
         trace = b.trace()
         report = check_trace(trace, with_registry=True)
         store = compare_with_store(report.final, stored_world(b.ledger, b.registry))
-    calls = [c for r in reports for c in r.get("calls", [])]
-    history = judge_calls(trace, calls)
+    every = [c for r in reports for c in r.get("calls", [])]
+    calls = [c for c in every if c.get("kind") != "dispatch"]
+    dispatches = [c for c in every if c.get("kind") == "dispatch"]
+    history = [*judge_calls(trace, calls), *judge_dispatches(trace, dispatches)]
     return RaceReport(
         config=cfg,
         elapsed_s=elapsed,
         stats={r["role"]: r.get("stats", {}) for r in reports},
         events=len(trace),
-        calls=len(calls),
+        calls=len(every),
         violations=(*report.violations, *store, *history),
         errors=errors,
     )
@@ -554,6 +685,140 @@ def judge_calls(trace: Sequence[TraceEvent], calls: Sequence[dict[str, Any]]) ->
                         f"{reason!r}, untrue at every moment of its call",
                     )
                 )
+    return out
+
+
+_LIVE = frozenset({"dispatched", "generated", "rewarded", "reserved"})  # not yet ended
+
+
+@attrs.define
+class _PacingMoment:
+    """What a dispatch decision depends on, replayed from the trace event by event."""
+
+    entries: dict[str, LedgerEntry] = attrs.field(factory=dict)
+    chains: dict[str, list[str]] = attrs.field(factory=lambda: defaultdict(list))
+    live: Counter[int] = attrs.field(factory=Counter)
+    pointer: int | None = None
+    ever_active: set[int] = attrs.field(factory=set)
+    policy: AdmissionPolicy | None = None
+
+    def apply(self, ev: TraceEvent) -> None:
+        """Move to the moment after `ev`."""
+        if isinstance(ev, EntryChanged):
+            if ev.before is not None and ev.before.state in _LIVE:
+                self.live[ev.before.behavior_version] -= 1
+            if ev.after.state in _LIVE:
+                self.live[ev.after.behavior_version] += 1
+            if ev.before is None and ev.after.chain is not None:
+                self.chains[ev.after.chain].append(ev.rollout_id)
+            self.entries[ev.rollout_id] = ev.after
+        elif isinstance(ev, ArtifactChanged):
+            self.pointer = None if ev.pointer_after is None else ev.pointer_after.version
+            if self.pointer is not None:
+                self.ever_active.add(self.pointer)
+        elif isinstance(ev, PolicyChanged):
+            self.policy = ev.after
+
+    def explains(self, reason: str, chain: str, v: int) -> bool:
+        """Whether refusing a dispatch of `chain` on v{v} with `reason` is true now."""
+        p, pol = self.pointer, self.policy
+        states = [self.entries[r].state for r in self.chains.get(chain, [])]
+        if reason == "not_active":
+            return p is None or v > p or v not in self.ever_active
+        if reason == "chain_done":
+            return "consumed" in states
+        if reason == "chain_live":
+            return any(s in _LIVE for s in states)
+        if pol is None or p is None:
+            return False
+        if reason == "stale":
+            return p - v > pol.max_lag
+        if reason == "attempts_exhausted":
+            return pol.max_attempts is not None and len(states) >= pol.max_attempts
+        if reason == "no_capacity" and pol.batch_size is not None:
+            floor = p - pol.max_lag
+            live = sum(n for version, n in self.live.items() if version >= floor)
+            return live >= (pol.max_lag + 1) * pol.batch_size
+        return False
+
+
+def judge_dispatches(
+    trace: Sequence[TraceEvent], calls: Sequence[dict[str, Any]]
+) -> list[Violation]:
+    """Each recorded dispatch call's answer against the trace (see `judge_calls`).
+
+    A `dispatched` answer must be the trace's one new entry of that rollout, written in
+    the call's window with the chain and attempt answered; a refusal must leave no entry
+    and its reason must be true at some moment of the window (the trace replayed event by
+    event: pointer, policy, chains, live rollouts). Whether a dispatch kept the budget is
+    the spec's `dispatch_paced`, judged on the trace itself.
+    """
+    name = "dispatch_outcome_linearizable"
+    out: list[Violation] = []
+    slack = 0.005
+    # A write is stamped when its events are appended, before its COMMIT; a step appended
+    # just before a refused call may land during it (PostgreSQL under load: tens of ms), so
+    # a refusal may reflect the moment before it. Its window opens that much earlier.
+    # (Whether a dispatch broke the budget is judged on the trace itself, exactly.)
+    commit_lag = 0.25
+    adds: dict[str, EntryChanged] = {
+        ev.rollout_id: ev for ev in trace if isinstance(ev, EntryChanged) and ev.before is None
+    }
+    refused: list[tuple[float, float, dict[str, Any]]] = []
+    for c in calls:
+        lo, hi, rid = c["start"] - slack, c["end"] + slack, c["rollout_id"]
+        ev = adds.get(rid)
+        if c["reason"] == "dispatched":
+            if ev is None or not lo <= ev.at <= hi:
+                out.append(
+                    Violation(
+                        name,
+                        f"{rid} was dispatched, yet the trace has no such "
+                        "entry written in the call's window",
+                    )
+                )
+            elif (ev.after.chain, ev.after.attempt) != (c["chain"], c["attempt"]):
+                out.append(
+                    Violation(
+                        name,
+                        f"{rid} was dispatched as attempt {c['attempt']} of {c['chain']}, the "
+                        f"trace wrote attempt {ev.after.attempt} of {ev.after.chain}",
+                    )
+                )
+        elif ev is not None:
+            out.append(Violation(name, f"{rid} was refused ({c['reason']}), yet it was written"))
+        else:
+            refused.append((lo - commit_lag, hi, c))
+    refused.sort(key=lambda t: t[0])
+    moment = _PacingMoment()
+    i = 0
+    active: list[tuple[float, float, dict[str, Any]]] = []
+    moments: list[TraceEvent | None] = [*trace, None]
+    nxt = float("-inf")
+    for step in moments:
+        # the trace's order is the write order; times read before commit (PostgreSQL) may
+        # step back a little, so a moment starts no earlier than the one before it
+        nxt = float("inf") if step is None else max(nxt, step.at)
+        while i < len(refused) and refused[i][0] < nxt:
+            active.append(refused[i])
+            i += 1
+        waiting = []
+        for lo, hi, c in active:
+            if moment.explains(c["reason"], c["chain"], c["version"]):
+                continue
+            if hi < nxt:  # the window ends before the next moment: never true in it
+                out.append(
+                    Violation(
+                        name,
+                        f"{c['rollout_id']} (chain {c['chain']}, v{c['version']}) was refused "
+                        f"{c['reason']!r}, untrue at every moment of its call",
+                    )
+                )
+                continue
+            waiting.append((lo, hi, c))
+        active = waiting
+        if step is not None:
+            moment.apply(step)
     return out
 
 

@@ -465,3 +465,37 @@ def test_ledger_check_names_findings_and_exits_1(tmp_path: Path) -> None:
     for name in ("history_deleted", "history_edited", "history_unreadable", "stored_matches_trace"):
         assert f"{name}: " in res.stdout, res.stdout
     assert "history: " in res.stdout and "not compared: " in res.stdout
+
+
+def test_audit_pauses_the_collector_and_restores_it(store: Store) -> None:
+    """The audit runs with the garbage collector off (flat cost per event) and leaves it
+    as it found it: on stays on, off stays off, also when the audit raises."""
+    import gc
+
+    from rollout_lifecycle.spec import audit as audit_mod
+
+    seen: list[bool] = []
+    real = audit_mod.check_trace
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(audit_mod, "check_trace", spy)
+                assert store.audit().violations == []
+            assert gc.isenabled() is enabled
+        gc.enable()
+        with audit_mod.collector_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        with pytest.raises(RuntimeError), audit_mod.collector_paused():
+            raise RuntimeError("boom")
+        assert gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen == [False, False]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from rollout_lifecycle.cli.main import LAZY_COMMANDS, cli
+from rollout_lifecycle.cli.main import LAZY_COMMANDS, NEEDS_HYPOTHESIS, cli
 from rollout_lifecycle.model import rules
 from rollout_lifecycle.spec import invariants
 
@@ -31,12 +31,50 @@ def test_help_and_embedding_never_import_hypothesis() -> None:
     assert res.stdout.strip().splitlines()[-1] == "False", res.stdout
 
 
+def test_help_imports_neither_hypothesis_nor_torch_nor_any_command() -> None:
+    """`python -X importtime -m rollout_lifecycle --help`, as a user starts it: the import
+    log names neither Hypothesis nor torch, nor any sub-command's module (each loads when
+    its command runs)."""
+    res = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "rollout_lifecycle", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert "Commands:" in res.stdout
+    imported = {
+        line.rpartition("|")[2].strip()
+        for line in res.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "rollout_lifecycle.cli.main" in imported  # the log is the one expected
+    assert not {m for m in imported if m.partition(".")[0] in ("hypothesis", "torch")}
+    assert not imported & {module for module, _ in LAZY_COMMANDS.values()}
+
+
+def test_embedding_the_model_never_imports_hypothesis() -> None:
+    """`import rollout_lifecycle.model` and the ledgers, as a trainer embeds them, leave
+    Hypothesis (and the stateful runner) out."""
+    code = (
+        "import sys\n"
+        "import rollout_lifecycle.model, rollout_lifecycle.model.ledger\n"
+        "import rollout_lifecycle.model.sqlite_ledger, rollout_lifecycle.model.gate\n"
+        "print(sorted(m for m in sys.modules if m.partition('.')[0] == 'hypothesis'\n"
+        "    or m.startswith('rollout_lifecycle.stateful_tests')))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "[]", res.stdout
+
+
 def test_lazy_summaries_are_the_commands_own() -> None:
-    """The summary `--help` lists for a lazy command is its docstring's first line, and
-    the command runs through the group (its own --help)."""
+    """The summary `--help` lists for a lazy command is its docstring's first paragraph,
+    and the command runs through the group (its own --help)."""
     for name, (module, summary) in LAZY_COMMANDS.items():
-        cmd = getattr(importlib.import_module(module), name)
-        assert cmd.help is not None and cmd.help.splitlines()[0] == summary, name
+        cmd = getattr(importlib.import_module(module), name.replace("-", "_"))
+        assert cmd.name == name, (name, cmd.name)
+        assert cmd.help is not None, name
+        assert " ".join(cmd.help.split("\n\n")[0].split()) == summary, name
         res = CliRunner().invoke(cli, [name, "--help"])
         assert res.exit_code == 0 and summary in " ".join(res.output.split()), res.output
 
@@ -105,7 +143,7 @@ print("ok")
 def test_fuzzing_commands_without_hypothesis_say_what_to_install(tmp_path: Path) -> None:
     """campaign, fuzz and mutants need Hypothesis: without it, exit 2 and the extra to install,
     no traceback; nothing is created in the working folder."""
-    for name in LAZY_COMMANDS:
+    for name in NEEDS_HYPOTHESIS:
         code = f"import sys\nfrom rollout_lifecycle.cli.main import run\nsys.exit(run([{name!r}]))"
         res = _without_hypothesis(code, tmp_path)
         assert res.returncode == 2, (name, res.stdout, res.stderr)

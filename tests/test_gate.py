@@ -659,3 +659,79 @@ def test_wide_rows_through_float32_partial_sums(kernel: str, width: int) -> None
     b = {"old": old, "cur": cur, "bool_mask": mask, "bvs": np.zeros(6, np.int64)}
     assert_rows_agree(res, reference_rows(b, 0, 0, 0.05), 0.05, float32=True)
     assert res.reasons[2] == "empty_action_mask"
+
+
+# ---- bfloat16 / float16 CPU tensors: widened block by block into the numpy kernel -----------
+
+NARROW_PAIRS = [
+    ("bfloat16", "bfloat16"),
+    ("float16", "float16"),
+    ("bfloat16", "float32"),
+    ("float32", "float16"),
+    ("float64", "bfloat16"),
+    ("float16", "bfloat16"),
+]
+
+
+@pytest.mark.parametrize(("old_dtype", "cur_dtype"), NARROW_PAIRS)
+@pytest.mark.parametrize("block", [None, 5, 64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_narrow_tensors_agree_with_the_torch_kernel_and_python(
+    old_dtype: str, cur_dtype: str, block: int | None, threads: int
+) -> None:
+    """bfloat16 / float16 CPU tensors (alone or mixed with wider ones) go through the numpy
+    kernel, widened block by block: the same decisions as torch's own kernel and as the
+    plain-Python reference on the exactly widened values, masked NaN/inf garbage included,
+    on one thread and several."""
+    rng = np.random.default_rng(7)
+    b, t = 9, 70
+    old = rng.normal(-2, 1, (b, t))
+    cur = old + rng.normal(0, 0.08, (b, t))
+    mask = rng.random((b, t)) < 0.6
+    mask[3] = False
+    old[~mask & (rng.random((b, t)) < 0.2)] = np.nan
+    cur[~mask & (rng.random((b, t)) < 0.2)] = -np.inf
+    o = torch.from_numpy(old).to(getattr(torch, old_dtype))
+    c = torch.from_numpy(cur).to(getattr(torch, cur_dtype))
+    m = torch.from_numpy(mask)
+    bvs = rng.integers(0, 3, b)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with block_size(block, threads_from=1):
+            got = assess_arrays(o, c, m, bvs, 2, 1, 0.05)
+            with mock.patch.object(gate_mod, "_numpy_viewable", lambda _t: ()):
+                kernel = assess_arrays(o, c, m, bvs, 2, 1, 0.05)
+    finally:
+        torch.set_num_threads(before)
+    assert got.reasons == kernel.reasons and got.freshness == kernel.freshness
+    np.testing.assert_allclose(got.drift, kernel.drift, rtol=1e-6, equal_nan=True)
+    exact = {
+        "old": o.double().numpy(),
+        "cur": c.double().numpy(),
+        "bool_mask": mask,
+        "bvs": bvs,
+    }
+    wide = torch.float64 in (o.dtype, c.dtype)
+    assert_rows_agree(got, reference_rows(exact, 2, 1, 0.05), 0.05, float32=not wide)
+    assert got.reasons[3] == "empty_action_mask"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_narrow_tensors_nonfinite_and_int_masks(dtype: str) -> None:
+    """NaN/inf at an action position of a narrow tensor raises naming the row; an integer
+    mask must hold only 0 and 1, as everywhere else."""
+    old = torch.full((4, 300), -1.0, dtype=getattr(torch, dtype))
+    cur = old.clone()
+    mask = torch.ones(4, 300, dtype=torch.bool)
+    cur[2, 299] = math.inf
+    with pytest.raises(GateConfigError, match=r"row\(s\) \[2\]"):
+        assess_arrays(old, cur, mask, np.zeros(4, np.int64), 0, 0, 0.1)
+    cur[2, 299] = -1.0
+    ints = torch.ones(4, 300, dtype=torch.int64)
+    ints[3, 7] = 2
+    with block_size(64), pytest.raises(GateConfigError, match="only 0 and 1"):
+        assess_arrays(old, cur, ints, np.zeros(4, np.int64), 0, 0, 0.1)
+    ints[3, 7] = 1
+    res = assess_arrays(old, cur, ints, np.zeros(4, np.int64), 0, 0, 0.1)
+    assert res.reasons == ("ok",) * 4 and res.drift.tolist() == [0.0] * 4

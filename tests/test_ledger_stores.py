@@ -12,7 +12,14 @@ import pytest
 
 from rollout_lifecycle.model.errors import InvalidRecord
 from rollout_lifecycle.model.events import EntryChanged, entry_payload, stored_payload
-from rollout_lifecycle.model.ledger import MemoryLedger, Step, _evolve, dump_entry, load_entry
+from rollout_lifecycle.model.ledger import (
+    MemoryLedger,
+    Step,
+    _evolve,
+    dump_entry,
+    load_entry,
+    read_entry,
+)
 from rollout_lifecycle.model.records import (
     AdmissionStamp,
     Disposition,
@@ -44,6 +51,10 @@ def _entries() -> list[LedgerEntry]:
             releases=2,
             disposition=Disposition("update", "nan loss", "é"),
         ),
+        # the pacing fields, written only where set (records._entry_jsonable)
+        attrs.evolve(base, chain="prompt-7", attempt=2),
+        attrs.evolve(base, tokens=0),
+        attrs.evolve(base, state="consumed", revision=3, chain="p", attempt=1, tokens=512),
     ]
 
 
@@ -54,6 +65,27 @@ def test_stored_entries_load_as_the_validating_reader_would(entry: LedgerEntry) 
     fast, slow = load_entry(text), from_jsonable(LedgerEntry, json.loads(text))
     assert fast == slow == entry and repr(fast) == repr(slow) and hash(fast) == hash(slow)
     assert dump_entry(fast) == text
+
+
+@pytest.mark.parametrize("entry", _entries())
+def test_every_shape_this_program_writes_takes_the_trusted_path(entry: LedgerEntry) -> None:
+    """Entries with or without the optional pacing keys (chain and attempt together, tokens
+    alone) load without their validators, and their stored text is reused as written."""
+    text = dump_entry(entry)
+    loaded, trusted = read_entry(text)
+    assert trusted and loaded == entry and dump_entry(loaded) == text
+
+
+def test_a_pacing_shape_this_program_never_writes_is_validated() -> None:
+    """A chain without its attempt (or an attempt alone) is no shape the ledger writes: it
+    takes the validating path, which refuses the record."""
+    data = json.loads(dump_entry(_entries()[3]))
+    for missing in ("attempt", "chain"):
+        odd = {k: v for k, v in data.items() if k != missing}
+        with pytest.raises(InvalidRecord):
+            read_entry(json.dumps(odd))
+    reordered = {k: data[k] for k in sorted(data)}
+    assert read_entry(json.dumps(reordered)) == (_entries()[3], False)
 
 
 def test_a_row_of_another_shape_takes_the_validating_path() -> None:
@@ -84,11 +116,12 @@ def test_a_new_operation_is_one_step_on_the_ledger(backend: str, tmp_path: Path)
 def test_an_event_payload_from_stored_texts_is_byte_for_byte_the_same(txn: int | None) -> None:
     """Reusing the entries' stored JSON for an event changes no byte of its payload (the hash
     chain and `ledger check` read it)."""
-    a, b, c = _entries()
+    a, b, c, d, _, f = _entries()
     for ev in (
         EntryChanged(0, 0, 1.5e9 + 0.25, "r1", "reserve", a, b, "u\u00e9"),
         EntryChanged(0, 0, 3, "r1", "add", None, a, None),
         EntryChanged(0, 0, 0.0, "r1", "update_failed", b, c, "u"),
+        EntryChanged(0, 0, 2.0, "r1", "commit", d, f, "u"),
     ):
         before = None if ev.before is None else dump_entry(ev.before)
         got = entry_payload(ev, txn, before, dump_entry(ev.after))

@@ -20,6 +20,9 @@ PINNED = {
     "lifecycle": 71545,  # 22,919 before the heartbeat (renew_lease) action
     "activation-small": 43067,
     "activation-2v": 2743,
+    # paced dispatch (issue 21): a budget of one live rollout, one chain of at most 2
+    # attempts, 3 dispatches; the other models are unchanged by it (no pacing policy)
+    "pacing": 5023,
     "seams": 32546,  # 13,604 before the operator could roll back between admission and
     # reservation (issue 18); 12,948 before learner 1 lied with a looser-than-policy stamp
 }

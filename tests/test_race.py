@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from rollout_lifecycle.stateful_tests.backends import durable_url
-from rollout_lifecycle.stateful_tests.race import RaceConfig, RaceReport, judge_calls, run_race
+from rollout_lifecycle.stateful_tests.race import (
+    RaceConfig,
+    RaceReport,
+    judge_calls,
+    judge_dispatches,
+    run_race,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -96,3 +102,58 @@ def test_history_check_flags_an_impossible_refusal() -> None:
     assert v.invariant == "call_outcome_linearizable"
     ok = dict(call, got=[["r", "not_admitted"]])
     assert judge_calls(trace, [ok]) == []
+
+
+def test_dispatch_judge_flags_untrue_refusals_and_unwritten_dispatches() -> None:
+    """With v0 active, a budget of one and one live attempt of chain p written at t=10:
+    `no_capacity` and `chain_live` are true after it and untrue before it or for another
+    chain; a `dispatched` answer the trace never wrote is named too."""
+    from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, PolicyChanged
+    from rollout_lifecycle.model.records import (
+        ActivePointer,
+        AdmissionPolicy,
+        ArtifactRecord,
+        LedgerEntry,
+    )
+
+    h = "a" * 64
+    policy = AdmissionPolicy(0, 0.2, batch_size=1, max_attempts=2)
+    d1 = LedgerEntry(rollout_id="d1", behavior_version=0, artifact_hash=h, chain="p", attempt=1)
+    trace = [
+        PolicyChanged(1, 1, 0.5, None, policy, "pacing"),
+        ArtifactChanged(
+            2,
+            2,
+            1.0,
+            0,
+            "activate",
+            None,
+            ArtifactRecord(0, h, state="active"),
+            None,
+            ActivePointer(0, h),
+        ),
+        EntryChanged(3, 3, 10.0, "d1", "add", None, d1),
+    ]
+
+    def call(rid: str, reason: str, at: float, chain: str = "p") -> dict[str, object]:
+        return {
+            "kind": "dispatch",
+            "rollout_id": rid,
+            "chain": chain,
+            "version": 0,
+            "start": at,
+            "end": at + 1.0,
+            "reason": reason,
+            "attempt": 2,
+        }
+
+    fine = [call("x1", "no_capacity", 20.0), call("x2", "chain_live", 20.0)]
+    assert judge_dispatches(trace, fine) == []
+    wrong = [
+        call("x3", "no_capacity", 5.0),
+        call("x4", "chain_live", 20.0, chain="q"),
+        call("x5", "dispatched", 20.0),
+    ]
+    found = judge_dispatches(trace, wrong)
+    assert {v.invariant for v in found} == {"dispatch_outcome_linearizable"}
+    assert sorted(v.message.split()[0] for v in found) == ["x3", "x4", "x5"]

@@ -280,7 +280,12 @@ def test_failures_have_stage_violation() -> None:
         rollout_id="b", behavior_version=0, artifact_hash="h", state="generation_failed"
     )
     vs = check_world(World(entries={"a": e1, "b": e2}))
-    assert [v.invariant for v in vs] == ["failures_have_stage"] * 2
+    # b also ended without a cause: not accounted for (issue 21's invariant names it too)
+    assert sorted(v.invariant for v in vs) == [
+        "dispatched_accounted_for",
+        "failures_have_stage",
+        "failures_have_stage",
+    ]
 
 
 def test_pointer_names_active_artifact_violation() -> None:
@@ -565,6 +570,39 @@ def test_served_after_sync_violation() -> None:
     assert check_trace(served_history(False)).ok
     got = check_trace(served_history(True))
     assert {v.invariant for v in got.violations} == {"served_after_sync"}
+
+
+def test_dispatch_paced_violations() -> None:
+    """A paced run is clean; a dispatch past the full budget, a second live attempt of a
+    chain, an attempt past max_attempts or a chain redone after it trained are named."""
+    from rollout_lifecycle.stateful_tests.histories import dispatched_event, paced_history
+
+    good = paced_history()
+    assert check_trace(good).ok
+    for extra in (
+        dispatched_event("d1", 2, "p4", 1),  # budget (1 + 1) x 1 already full
+        dispatched_event("b3", 2, "p2", 3),  # p2's second attempt is live; 3 > max 2
+        dispatched_event("a2", 2, "p1", 2),  # p1 trained already
+    ):
+        got = {v.invariant for v in check_trace([*good, extra]).violations}
+        assert got == {"dispatch_paced"}, (extra.rollout_id, got)
+
+
+def test_dispatched_accounted_for_violation() -> None:
+    """A rollout that ended (not consumed) without a recorded cause is named."""
+    from rollout_lifecycle.stateful_tests.histories import forge
+
+    gone = forge(
+        LedgerEntry,
+        rollout_id="x",
+        behavior_version=0,
+        artifact_hash="h",
+        state="retired_stale",
+        disposition=forge(Disposition, stage="admission", cause="", detail=""),
+    )
+    assert "dispatched_accounted_for" in {
+        v.invariant for v in check_world(World(entries={"x": gone}))
+    }
 
 
 def test_every_invariant_has_a_negative_test() -> None:

@@ -269,6 +269,10 @@ def test_sample_evicts_stale_with_cause_refills_and_reserves(clean: Any, tmp_pat
     more = put_group(clean, "gnext", 3)
     meta2, m2 = buf.sample(global_steps=5, partition_id="train", batch_size=1)
     assert m2["rollout_lifecycle/committed"] == 4
+    # pacing figures logged with each step: 4 trained at lag <= 1, the stale group wasted
+    assert m2["rollout_lifecycle/pacing/trained"] == 4.0
+    assert m2["rollout_lifecycle/pacing/staleness_max"] <= 1.0
+    assert "rollout_lifecycle/pacing/wasted_fraction" in m2
     assert all(be.ledger.get(k).state == "consumed" for k in fresh + tol)
     assert sorted(meta2.keys) == sorted(more)
     assert buf.finish(5)["committed"] == 2

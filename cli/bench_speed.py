@@ -1,0 +1,540 @@
+"""Issue 22's speed figures for `rollout-lifecycle bench`, each next to its baseline.
+
+Like the rest of the report (cli/benchmarks.py), nothing here is a pass/fail on time: every
+figure is a ratio to a baseline doing the same work, timed in the same run, the variants
+interleaved (A B A B ...) and the median of the repeats kept.
+
+- gate: `assess_arrays` on CPU tensors per dtype (float32, bfloat16, float16) and torch
+  thread count, against the bare torch expression on the same tensors; the records path
+  (`AdmissionGate.assess_batch`) against the array path on float32.
+- admit: the `admit` command's read-parse-gate-write loop against a plain loop that reads
+  the same file with json.loads, takes the masked mean with numpy and writes one decision
+  line per rollout.
+- startup: the modules `rollout-lifecycle --help` imports (`python -X importtime`), and its
+  wall time next to the bare interpreter's.
+- ledger-check: `rollout-lifecycle ledger check` seconds per event on SQLite ledgers of
+  three sizes (three events per rollout), built through the public API.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from rollout_lifecycle.cli import benchmarks as B
+
+Progress = Callable[[str], None]
+Goal = Callable[[str, float | None, str], dict[str, Any]]
+
+PARTS = ("gate", "admit", "startup", "ledger-check")
+
+
+@attrs.frozen
+class SpeedSizes:
+    """How much work each of these parts does."""
+
+    gate_batches: tuple[int, ...]
+    gate_widths: tuple[int, ...]
+    gate_threads: tuple[int, ...]
+    repeats: int
+    admit_rollouts: int
+    admit_tokens: int
+    admit_repeats: int
+    check_rollouts: tuple[int, ...]
+    check_repeats: int
+
+
+FULL = SpeedSizes(
+    gate_batches=(256, 1024, 4096),
+    gate_widths=(1024, 4096),
+    gate_threads=(1, 2),
+    repeats=7,
+    admit_rollouts=16_384,
+    admit_tokens=256,
+    admit_repeats=5,
+    check_rollouts=(1_000, 10_000, 100_000),
+    check_repeats=3,
+)
+QUICK = SpeedSizes(
+    gate_batches=(64,),
+    gate_widths=(256,),
+    gate_threads=(1, 2),
+    repeats=2,
+    admit_rollouts=200,
+    admit_tokens=64,
+    admit_repeats=1,
+    check_rollouts=(30, 100),
+    check_repeats=1,
+)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _nothing(_: str) -> None:
+    return None
+
+
+def interleaved_medians(variants: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median wall time (s) of each variant, the variants run in turn `repeats` times."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _rounded(x: float | None, digits: int = 3) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+# ---- gate ------------------------------------------------------------------------------------
+
+
+def _gate_variants(
+    torch: Any, gate: Any, data: dict[str, Any], rollouts: list[Any], dtype: str
+) -> dict[str, Callable[[], Any]]:
+    """The gate and the bare expression on the same tensors (and, for float32, the records
+    path over the same rows)."""
+    from rollout_lifecycle.model.gate import assess_arrays
+
+    old = torch.from_numpy(data["old"]).to(getattr(torch, dtype))
+    cur = torch.from_numpy(data["cur"]).to(getattr(torch, dtype))
+    mask = torch.from_numpy(data["mask"])
+    bvs = data["bvs"]
+    variants: dict[str, Callable[[], Any]] = {
+        "gate": lambda: assess_arrays(old, cur, mask, bvs, B.CURRENT, B.MAX_LAG, B.MAX_DRIFT),
+        "bare": lambda: ((cur - old).abs() * mask).sum(1) / mask.sum(1),
+    }
+    if dtype == "float32":
+        variants["records"] = lambda: gate.assess_batch(rollouts, cur, B.CURRENT)
+    return variants
+
+
+def bench_gate(sizes: SpeedSizes, progress: Progress = _nothing) -> dict[str, Any] | None:
+    """Gate against the bare torch expression per dtype, shape and thread count (None
+    without torch)."""
+    torch = B._optional_torch()
+    if torch is None:
+        return None
+    from rollout_lifecycle.model.gate import AdmissionGate, GatePolicy
+
+    gate = AdmissionGate(GatePolicy(B.MAX_LAG, B.MAX_DRIFT, B.CONDITIONS), registry=B.REGISTRY)
+    rows: list[dict[str, Any]] = []
+    before = torch.get_num_threads()
+    try:
+        for b in sizes.gate_batches:
+            for t in sizes.gate_widths:
+                data = B._batch(b, t)
+                rollouts = B._records(data)
+                for threads in sizes.gate_threads:
+                    torch.set_num_threads(threads)
+                    for dtype in DTYPES:
+                        progress(f"gate torch {dtype} B={b} T={t} threads={threads}")
+                        variants = _gate_variants(torch, gate, data, rollouts, dtype)
+                        for fn in variants.values():  # warm up: first touch, imports
+                            fn()
+                        med = interleaved_medians(variants, sizes.repeats)
+                        rows.append(
+                            {
+                                "dtype": dtype,
+                                "B": b,
+                                "T": t,
+                                "threads": threads,
+                                "ms": {k: round(v * 1e3, 4) for k, v in med.items()},
+                                "gate_vs_bare": _rounded(B._ratio(med["gate"], med["bare"])),
+                                "records_vs_arrays": _rounded(
+                                    B._ratio(med.get("records"), med["gate"])
+                                ),
+                            }
+                        )
+    finally:
+        torch.set_num_threads(before)
+    return {
+        "what": "assess_arrays on CPU tensors vs ((cur - old).abs() * mask).sum(1) / "
+        "mask.sum(1) on the same tensors; records: AdmissionGate.assess_batch over Rollout "
+        "records (float32 evidence) with float32 current log-probs",
+        "torch": str(torch.__version__),
+        "repeats": sizes.repeats,
+        "rows": rows,
+    }
+
+
+# ---- admit -----------------------------------------------------------------------------------
+
+_CONDITIONS = {
+    "tokenizer_id": "tok",
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "max_tokens": 1 << 20,
+}
+
+
+def _admit_input(path: Path, n: int, tokens: int) -> None:
+    """`n` rollouts of tokens/2..tokens tokens (80% actions), versions 3..5, as JSONL."""
+    rng = random.Random(0)
+    with path.open("w", encoding="utf-8") as f:
+        for i in range(n):
+            k = rng.randint(max(1, tokens // 2), tokens)
+            old = [round(-3 * rng.random(), 4) for _ in range(k)]
+            row = {
+                "rollout_id": f"r{i}",
+                "prompt_id": f"p{i}",
+                "dataset": "bench",
+                "sample_index": 0,
+                "behavior_version": rng.randint(3, 5),
+                "artifact_hash": "h",
+                "conditions": _CONDITIONS,
+                "response_token_ids": [rng.randrange(50_000) for _ in range(k)],
+                "action_mask": [rng.random() < 0.8 for _ in range(k)],
+                "behavior_log_probs": old,
+                "current_log_probs": [round(o + rng.gauss(0, 0.02), 4) for o in old],
+            }
+            f.write(json.dumps(row) + "\n")
+
+
+def _plain_admit(src: Path, dst: Path, current: int, max_lag: int, max_drift: float) -> None:
+    """The baseline: json.loads per line, the masked mean with numpy, lag and drift
+    decided, one JSON decision line written per rollout."""
+    with src.open("rb") as f, dst.open("w", encoding="utf-8") as out:
+        for line in f:
+            r = json.loads(line)
+            old = np.asarray(r["behavior_log_probs"], np.float64)
+            cur = np.asarray(r["current_log_probs"], np.float64)
+            mask = np.asarray(r["action_mask"], np.bool_)
+            k = int(np.count_nonzero(mask))
+            lag = current - r["behavior_version"]
+            drift = float(np.abs(cur[mask] - old[mask]).sum()) / k if k else None
+            ok = drift is not None and 0 <= lag <= max_lag and drift <= max_drift
+            decision = {"rollout_id": r["rollout_id"], "accepted": ok, "drift": drift, "lag": lag}
+            out.write(json.dumps(decision, separators=(",", ":")) + "\n")
+
+
+def bench_admit(sizes: SpeedSizes, progress: Progress = _nothing) -> dict[str, Any]:
+    """The admit loop against the plain loop, on the same file, in one run."""
+    from rollout_lifecycle.cli import admit_cmd
+    from rollout_lifecycle.model.gate import AdmissionGate, GatePolicy
+
+    n, tokens = sizes.admit_rollouts, sizes.admit_tokens
+    gate = AdmissionGate(GatePolicy(B.MAX_LAG, B.MAX_DRIFT))
+    with tempfile.TemporaryDirectory(prefix="rl-bench-admit-") as tmp:
+        src = Path(tmp) / "in.jsonl"
+        progress(f"admit: writing {n} rollouts of up to {tokens} tokens")
+        _admit_input(src, n, tokens)
+
+        def admit() -> None:
+            admit_cmd._run(
+                src, Path(tmp) / "admit.jsonl", gate, B.CURRENT, admit_cmd.DEFAULT_CHUNK, True, True
+            )
+
+        def plain() -> None:
+            _plain_admit(src, Path(tmp) / "plain.jsonl", B.CURRENT, B.MAX_LAG, B.MAX_DRIFT)
+
+        progress(f"admit: {sizes.admit_repeats} interleaved repeats")
+        variants = {"admit": admit, "plain_loop": plain}
+        for fn in variants.values():
+            fn()
+        med = interleaved_medians(variants, sizes.admit_repeats)
+        size = src.stat().st_size
+    return {
+        "what": "the admit command's loop (admit_cmd._run: read, parse and validate, gate in "
+        "chunks, write decisions atomically) vs a plain loop (json.loads per line, numpy "
+        "masked mean, lag and drift decided, one JSON decision line written)",
+        "rollouts": n,
+        "max_tokens": tokens,
+        "input_bytes": size,
+        "s": {k: round(v, 4) for k, v in med.items()},
+        "admit_vs_plain_loop": _rounded(B._ratio(med["admit"], med["plain_loop"])),
+    }
+
+
+# ---- startup ---------------------------------------------------------------------------------
+
+_FORBIDDEN = ("hypothesis", "torch")
+
+
+def bench_startup(repeats: int, progress: Progress = _nothing) -> dict[str, Any]:
+    """What `rollout-lifecycle --help` imports, and its wall time next to a bare start."""
+    progress("startup: python -X importtime -m rollout_lifecycle --help")
+    res = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "rollout_lifecycle", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    modules = [
+        line.rpartition("|")[2].strip()
+        for line in res.stderr.splitlines()
+        if line.startswith("import time:")
+    ]
+    forbidden = sorted({m for m in modules if m.partition(".")[0] in _FORBIDDEN})
+
+    def run(*args: str) -> Callable[[], Any]:
+        return lambda: subprocess.run([sys.executable, *args], capture_output=True, check=False)
+
+    med = interleaved_medians(
+        {"help": run("-m", "rollout_lifecycle", "--help"), "bare_python": run("-c", "pass")},
+        repeats,
+    )
+    return {
+        "command": "python -X importtime -m rollout_lifecycle --help",
+        "exit": res.returncode,
+        "modules_imported": len(modules),
+        "forbidden_imported": forbidden,
+        "imports_hypothesis": any(m.partition(".")[0] == "hypothesis" for m in modules),
+        "imports_torch": any(m.partition(".")[0] == "torch" for m in modules),
+        "s": {k: round(v, 4) for k, v in med.items()},
+    }
+
+
+# ---- ledger check ----------------------------------------------------------------------------
+
+H0 = "a" * 64
+
+
+def build_ledger(path: Path, n: int, batch: int = 1000) -> None:
+    """A SQLite ledger of `n` consumed rollouts written through the public API: v0
+    activated, each rollout added rewarded, reserved in a batch and committed (three events
+    per rollout plus the registry's)."""
+    from rollout_lifecycle.model.backends import open_backend
+    from rollout_lifecycle.model.coordinator import ActivationCoordinator
+    from rollout_lifecycle.model.ledger import ReserveRequest
+    from rollout_lifecycle.model.records import (
+        AdmissionPolicy,
+        AdmissionStamp,
+        LedgerEntry,
+        Reward,
+        WorkerAck,
+    )
+
+    reward = Reward("rm", "1", 1.0)
+    stamp = AdmissionStamp(
+        current_version=0,
+        behavior_version=0,
+        max_lag=1,
+        max_drift=0.2,
+        drift=0.01,
+        freshness="fresh",
+        reason="ok",
+        accepted=True,
+    )
+    with open_backend(f"sqlite:///{path}") as be:
+        coord = ActivationCoordinator(be.registry, ["g0"], ledger=be.ledger)
+        coord.set_policy(AdmissionPolicy(1, 0.2), "benchmark")
+        coord.prepare(0)
+        coord.commit_artifact(0, H0)
+        coord.distribute(0)
+        coord.record_ack(WorkerAck("g0", 0, H0, token=coord.attempt_token("g0", 0)))
+        if not coord.try_activate(0).activated:
+            raise RuntimeError("the benchmark ledger's v0 did not activate")
+        led: Any = be.ledger
+        for start in range(0, n, batch):
+            ids = [f"r{i}" for i in range(start, min(n, start + batch))]
+            led.add_many([LedgerEntry(r, 0, H0, state="rewarded", reward=reward) for r in ids])
+            won = led.reserve_batch(f"u{start}", [ReserveRequest(r, 0, stamp) for r in ids])
+            if not all(o.reserved for o in won):
+                raise RuntimeError("a benchmark reservation was refused")
+            led.commit(f"u{start}", ids)
+
+
+def check_seconds(db: Path) -> tuple[int, float]:
+    """(events, seconds) that `rollout-lifecycle ledger check` reports for this ledger."""
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollout_lifecycle",
+            "ledger",
+            "check",
+            "--backend",
+            f"sqlite:///{db}",
+            "--json",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=3600,
+    )
+    data = json.loads(res.stdout)
+    if res.returncode != 0 or not data["ok"]:
+        raise RuntimeError(f"ledger check of the benchmark ledger failed: {res.stderr[-500:]}")
+    return int(data["events"]), float(data["elapsed_s"])
+
+
+def bench_ledger_check(sizes: SpeedSizes, progress: Progress = _nothing) -> dict[str, Any]:
+    """Seconds per event of `ledger check` at each size, the sizes checked in turn."""
+    per_event: dict[int, list[float]] = {n: [] for n in sizes.check_rollouts}
+    events: dict[int, int] = {}
+    with tempfile.TemporaryDirectory(prefix="rl-bench-check-") as tmp:
+        dbs = {}
+        for n in sizes.check_rollouts:
+            progress(f"ledger check: building a ledger of {n} rollouts")
+            dbs[n] = Path(tmp) / f"ledger{n}.db"
+            build_ledger(dbs[n], n)
+        for rep in range(sizes.check_repeats):
+            for n, db in dbs.items():
+                progress(f"ledger check: {n} rollouts (repeat {rep + 1})")
+                events[n], seconds = check_seconds(db)
+                per_event[n].append(seconds / events[n])
+    us = {n: statistics.median(v) * 1e6 for n, v in per_event.items()}
+    rows = [
+        {"rollouts": n, "events": events[n], "us_per_event": round(us[n], 2)}
+        for n in sizes.check_rollouts
+    ]
+    smallest, largest = us[sizes.check_rollouts[0]], us[sizes.check_rollouts[-1]]
+    return {
+        "what": "rollout-lifecycle ledger check --json on SQLite ledgers built through the "
+        "API (elapsed_s it reports: reading every row and event, the chain, the replay and "
+        "the column comparison), median of the repeats",
+        "repeats": sizes.check_repeats,
+        "rows": rows,
+        "largest_vs_smallest": _rounded(B._ratio(largest, smallest)),
+        "max_vs_min": _rounded(B._ratio(max(us.values()), min(us.values()))),
+    }
+
+
+# ---- the report ------------------------------------------------------------------------------
+
+
+def run(quick: bool, parts: Sequence[str], progress: Progress = _nothing) -> dict[str, Any]:
+    """The parts of `parts` that are this module's, under their report keys."""
+    sizes = QUICK if quick else FULL
+    out: dict[str, Any] = {}
+    if "gate" in parts:
+        out["gate"] = bench_gate(sizes, progress)
+    if "admit" in parts:
+        out["admit"] = bench_admit(sizes, progress)
+    if "startup" in parts:
+        out["startup"] = bench_startup(1 if quick else 5, progress)
+    if "ledger-check" in parts:
+        out["ledger_check"] = bench_ledger_check(sizes, progress)
+    return out
+
+
+def goals(report: dict[str, Any], goal: Goal) -> list[dict[str, Any]]:
+    """Issue 22's goals, each with the ratio this run measured."""
+    out: list[dict[str, Any]] = []
+    for row in (report.get("gate") or {}).get("rows", []):
+        case = f"torch {row['dtype']} B={row['B']} T={row['T']} {row['threads']} thread(s)"
+        out.append(goal(f"{case}: gate / bare torch expression", row["gate_vs_bare"], "<= 1"))
+        if row["records_vs_arrays"] is not None:
+            out.append(
+                goal(f"{case}: records path / array path", row["records_vs_arrays"], "<= 1.3")
+            )
+    adm = report.get("admit")
+    if adm:
+        out.append(
+            goal(
+                f"admit / plain json.loads + numpy loop ({adm['rollouts']} rollouts)",
+                adm["admit_vs_plain_loop"],
+                "<= 1.2",
+            )
+        )
+    st = report.get("startup")
+    if st:
+        out.append(
+            goal(
+                "--help: Hypothesis and torch modules imported",
+                len(st["forbidden_imported"]),
+                "<= 0",
+            )
+        )
+    lc = report.get("ledger_check")
+    if lc:
+        lo, hi = lc["rows"][0]["events"], lc["rows"][-1]["events"]
+        out.append(
+            goal(
+                f"ledger check: us per event, largest / smallest of {lo}..{hi} events",
+                lc["max_vs_min"],
+                "<= 1.15",
+            )
+        )
+    return out
+
+
+def markdown(report: dict[str, Any]) -> list[list[str]]:
+    """This module's parts as Markdown, one block of lines per part that ran."""
+    blocks: list[list[str]] = []
+    gate = report.get("gate")
+    if gate:
+        lines = [
+            "## Gate per dtype and thread count (issue 22)",
+            "",
+            gate["what"] + f"; torch {gate['torch']}, median of {gate['repeats']} interleaved "
+            "repeats. Times in ms.",
+            "",
+            "| dtype | B | T | threads | gate | bare | records | gate/bare | records/arrays |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in gate["rows"]:
+            ms = r["ms"]
+            lines.append(
+                f"| {r['dtype']} | {r['B']} | {r['T']} | {r['threads']} | {_fmt(ms['gate'])} "
+                f"| {_fmt(ms['bare'])} | {_fmt(ms.get('records'))} | "
+                f"{_fmt(r['gate_vs_bare'])} | {_fmt(r['records_vs_arrays'])} |"
+            )
+        blocks.append(lines)
+    adm = report.get("admit")
+    if adm:
+        lines = [
+            "## admit (issue 22)",
+            "",
+            f"{adm['what']}; {adm['rollouts']} rollouts of up to {adm['max_tokens']} tokens "
+            f"({adm['input_bytes']:,} bytes). admit {_fmt(adm['s']['admit'])} s, plain loop "
+            f"{_fmt(adm['s']['plain_loop'])} s: {_fmt(adm['admit_vs_plain_loop'])}x.",
+        ]
+        blocks.append(lines)
+    st = report.get("startup")
+    if st:
+        lines = [
+            "## Start-up (issue 22)",
+            "",
+            f"`{st['command']}` imports {st['modules_imported']} modules; Hypothesis: "
+            f"{'yes' if st['imports_hypothesis'] else 'no'}, torch: "
+            f"{'yes' if st['imports_torch'] else 'no'}. `--help` takes {_fmt(st['s']['help'])}"
+            f" s, a bare `python -c pass` {_fmt(st['s']['bare_python'])} s (medians).",
+        ]
+        blocks.append(lines)
+    lc = report.get("ledger_check")
+    if lc:
+        lines = [
+            "## ledger check per event (issue 22)",
+            "",
+            lc["what"] + f" of {lc['repeats']}.",
+            "",
+            "| rollouts | events | us per event |",
+            "|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['rollouts']} | {r['events']} | {_fmt(r['us_per_event'])} |" for r in lc["rows"]
+        ]
+        lines += [
+            "",
+            f"Largest / smallest: {_fmt(lc['largest_vs_smallest'])}; max / min: "
+            f"{_fmt(lc['max_vs_min'])}.",
+        ]
+        blocks.append(lines)
+    return blocks
+
+
+def _fmt(v: Any) -> str:
+    """A number as the report prints it ('-' for none)."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.2f}"
+    return str(v)
