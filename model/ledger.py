@@ -1465,7 +1465,7 @@ class MemoryStore:
         self.leases: list[tuple[float, str]] = []
         self._held = 0
         self.chains: dict[str, list[str]] = {}
-        self.versions: dict[str, Counter[int]] = {s: Counter() for s in LIFECYCLE.states}
+        self.versions: dict[str, Counter[int]] = {}  # state -> behaviour version -> entries
         for e in self.entries.values():
             self._index(None, e)
 
@@ -1476,12 +1476,12 @@ class MemoryStore:
             after.state,
             after.behavior_version,
         ):
-            if before is not None:
-                held_v = self.versions[before.state]
-                held_v[before.behavior_version] -= 1
-                if not held_v[before.behavior_version]:
-                    del held_v[before.behavior_version]
-            self.versions[after.state][after.behavior_version] += 1
+            was = None if before is None else self.versions.get(before.state)
+            if before is not None and was is not None and was[before.behavior_version] > 0:
+                was[before.behavior_version] -= 1
+                if not was[before.behavior_version]:
+                    del was[before.behavior_version]
+            self.versions.setdefault(after.state, Counter())[after.behavior_version] += 1
         if before is not None and before.reserved_by is not None:
             held = self.owners.get(before.reserved_by)
             if held is not None and before.rollout_id in held:
@@ -1552,7 +1552,8 @@ class MemoryStore:
 
     def count(self, states: Sequence[str], min_version: int | None = None) -> int:
         low = -1 if min_version is None else min_version
-        return sum(n for s in set(states) for v, n in self.versions[s].items() if v >= low)
+        counts = [self.versions[s] for s in set(states) if s in self.versions]
+        return sum(n for c in counts for v, n in c.items() if v >= low)
 
     def chain_states(self, chain: str) -> tuple[str, ...]:
         return tuple(self.entries[r].state for r in self.chains.get(chain, ()))

@@ -112,6 +112,53 @@ def test_a_new_operation_is_one_step_on_the_ledger(backend: str, tmp_path: Path)
     led.close()
 
 
+def test_the_memory_stores_counts_follow_every_write() -> None:
+    """The memory store counts by (state, version) from an index kept with each write and
+    each white-box record; it agrees with a scan of the entries, and with the index rebuilt."""
+    led = MemoryLedger()
+    base = _entries()[0]
+    led.add_many([attrs.evolve(base, rollout_id=f"r{i}", behavior_version=i % 4) for i in range(8)])
+    led.reserve("r3", 0, "u", STAMP)
+    led.abort("u")
+    led.transition("r1", "retire_stale", 0)
+    assert led.reserve("r7", 0, "u2", STAMP).reserved
+    led.commit("u2", ["r7"])
+    led._record(
+        [
+            (
+                "quarantine",
+                None,
+                attrs.evolve(
+                    led.get("r2"),
+                    state="quarantined",
+                    revision=led.get("r2").revision + 1,
+                    disposition=Disposition("admission", "quarantined"),
+                ),
+                None,
+            )
+        ]
+    )
+    store = led.store
+
+    def scan(states: tuple[str, ...], low: int | None) -> int:
+        floor = -1 if low is None else low
+        return sum(
+            1 for e in store.entries.values() if e.state in states and e.behavior_version >= floor
+        )
+
+    cases = [
+        (s, v)
+        for s in (("rewarded",), ("consumed", "quarantined"), ("rewarded", "reserved", "x"))
+        for v in (None, 1, 3)
+    ]
+    counted = [store.count(s, v) for s, v in cases]
+    assert counted[:3] == [5, 3, 1]  # rewarded: r0, r3 (returned), r4, r5, r6
+    assert counted == [scan(s, v) for s, v in cases]
+    store.reindex()
+    assert [store.count(s, v) for s, v in cases] == counted
+    led.close()
+
+
 @pytest.mark.parametrize("txn", [None, 7])
 def test_an_event_payload_from_stored_texts_is_byte_for_byte_the_same(txn: int | None) -> None:
     """Reusing the entries' stored JSON for an event changes no byte of its payload (the hash
