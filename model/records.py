@@ -458,7 +458,7 @@ def _opt_freshness(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> N
         )
 
 
-@attrs.frozen
+@attrs.frozen(repr=False)
 class AdmissionPolicy:
     """The deployment's admission bounds (L_max, D_max), recorded durably in the registry.
 
@@ -477,6 +477,11 @@ class AdmissionPolicy:
     max_attempts: int | None = attrs.field(
         default=None, validator=_opt_pos_int, metadata={"omit_default": True}
     )
+
+    def __repr__(self) -> str:
+        """The bounds that are set (the pacing ones only when set, as in its JSON)."""
+        shown = ", ".join(f"{k}={v!r}" for k, v in _record_jsonable(self).items())
+        return f"AdmissionPolicy({shown})"
 
 
 @attrs.frozen

@@ -107,6 +107,12 @@ class Blind(MemoryLedger):
         ]
         return super().reserve_batch(update_id, fixed)
 
+    # single reservations too (the one ledger no longer routes them through the batch)
+    def reserve(self, rollout_id, expected_revision, update_id, admission):
+        return self.reserve_batch(
+            update_id, [ReserveRequest(rollout_id, expected_revision, admission)]
+        )[0]
+
 def make_ledger(tmp_path, clock, **options):
     return Blind(clock=clock, **options)
 """
