@@ -43,6 +43,7 @@ from rollout_lifecycle.model.records import (
 from rollout_lifecycle.spec.coverage import count_edges
 from rollout_lifecycle.spec.explorer import Property
 from rollout_lifecycle.spec.invariants import (
+    OPEN_STATES,
     Violation,
     World,
     check_quiescent,
@@ -66,8 +67,8 @@ STAMP = AdmissionStamp(
     accepted=True,
 )
 LEASE = 10.0
-# what the budget counts: the lifecycle's non-terminal states, written out
-LIVE = frozenset({"dispatched", "generated", "rewarded", "reserved"})
+# what the budget counts: the lifecycle's non-terminal states, read off the machine
+LIVE = OPEN_STATES
 
 
 @attrs.frozen

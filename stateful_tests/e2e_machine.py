@@ -45,7 +45,7 @@ import rollout_lifecycle.model.gate as gate_mod
 from rollout_lifecycle.model.errors import GateConfigError
 from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule, ReserveRequest
 from rollout_lifecycle.model.records import AdmissionPolicy, Disposition, LedgerEntry, Rollout
-from rollout_lifecycle.spec.invariants import Violation
+from rollout_lifecycle.spec.invariants import OPEN_STATES, Violation
 from rollout_lifecycle.stateful_tests.backends import (
     Stack,
     bind_machine,
@@ -83,8 +83,8 @@ MAX_OPEN = 4  # requests in flight plus rollouts not yet terminal
 MAX_VERSIONS = 10
 BATCH = 4
 PACED_CHAINS = 4  # prompts whose attempt chains paced dispatch draws from (bounds the run)
-# non-terminal lifecycle states, written out here: what the budget counts as live
-LIVE = frozenset({"dispatched", "generated", "rewarded", "reserved"})
+# what the budget counts as live: the lifecycle's non-terminal states, read off the machine
+LIVE = OPEN_STATES
 MAX_RELEASES = 1  # a rollout returned twice is quarantined (a poison rollout)
 INVARIANT_NAMES = ("spec_holds",)
 # reasons the gate gives from the record alone, before lag and drift are computed

@@ -67,6 +67,8 @@ from rollout_lifecycle.model.records import (
     to_jsonable,
 )
 from rollout_lifecycle.spec.invariants import (
+    OPEN_STATES,
+    PacingIndex,
     Violation,
     check_trace,
     compare_with_store,
@@ -688,16 +690,13 @@ def judge_calls(trace: Sequence[TraceEvent], calls: Sequence[dict[str, Any]]) ->
     return out
 
 
-_LIVE = frozenset({"dispatched", "generated", "rewarded", "reserved"})  # not yet ended
-
-
 @attrs.define
 class _PacingMoment:
-    """What a dispatch decision depends on, replayed from the trace event by event."""
+    """What a dispatch decision depends on, replayed from the trace event by event (the
+    live tally and chains are the spec's own PacingIndex)."""
 
     entries: dict[str, LedgerEntry] = attrs.field(factory=dict)
-    chains: dict[str, list[str]] = attrs.field(factory=lambda: defaultdict(list))
-    live: Counter[int] = attrs.field(factory=Counter)
+    index: PacingIndex = attrs.field(factory=PacingIndex)
     pointer: int | None = None
     ever_active: set[int] = attrs.field(factory=set)
     policy: AdmissionPolicy | None = None
@@ -705,12 +704,7 @@ class _PacingMoment:
     def apply(self, ev: TraceEvent) -> None:
         """Move to the moment after `ev`."""
         if isinstance(ev, EntryChanged):
-            if ev.before is not None and ev.before.state in _LIVE:
-                self.live[ev.before.behavior_version] -= 1
-            if ev.after.state in _LIVE:
-                self.live[ev.after.behavior_version] += 1
-            if ev.before is None and ev.after.chain is not None:
-                self.chains[ev.after.chain].append(ev.rollout_id)
+            self.index.apply(ev.before, ev.after)
             self.entries[ev.rollout_id] = ev.after
         elif isinstance(ev, ArtifactChanged):
             self.pointer = None if ev.pointer_after is None else ev.pointer_after.version
@@ -722,13 +716,13 @@ class _PacingMoment:
     def explains(self, reason: str, chain: str, v: int) -> bool:
         """Whether refusing a dispatch of `chain` on v{v} with `reason` is true now."""
         p, pol = self.pointer, self.policy
-        states = [self.entries[r].state for r in self.chains.get(chain, [])]
+        states = [self.entries[r].state for r in self.index.chains.get(chain, [])]
         if reason == "not_active":
             return p is None or v > p or v not in self.ever_active
         if reason == "chain_done":
             return "consumed" in states
         if reason == "chain_live":
-            return any(s in _LIVE for s in states)
+            return any(s in OPEN_STATES for s in states)
         if pol is None or p is None:
             return False
         if reason == "stale":
@@ -736,8 +730,7 @@ class _PacingMoment:
         if reason == "attempts_exhausted":
             return pol.max_attempts is not None and len(states) >= pol.max_attempts
         if reason == "no_capacity" and pol.batch_size is not None:
-            floor = p - pol.max_lag
-            live = sum(n for version, n in self.live.items() if version >= floor)
+            live = self.index.live_from(p - pol.max_lag)
             return live >= (pol.max_lag + 1) * pol.batch_size
         return False
 
