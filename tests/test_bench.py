@@ -165,3 +165,18 @@ def test_drift_gate_benchmark_script_runs(tmp_path: Path) -> None:
     kept = figures["kept"]
     assert all(0 <= n <= 16 for n in kept.values()) and len(kept) == 3
     assert figures["seconds_best_of_1"]["this gate"] > 0
+
+
+def test_verl_v1_overhead_doc_is_its_result_file() -> None:
+    """docs/verl-v1.md's overhead table and sentence are the committed
+    docs/benchmarks/verl-v1-overhead.json (the table drifted from a rerun once)."""
+    figures = json.loads((DOCS / "verl-v1-overhead.json").read_text())
+    doc = (DOCS.parent / "verl-v1.md").read_text()
+    verl = figures["verl_ReplayBufferAsync"]["median_ms"]
+    ours = figures["LedgerReplayBuffer"]["median_ms"]
+    inside = figures["ledger_work_inside_sample"]["median_ms"]
+    assert f"| verl `ReplayBufferAsync` | {verl} ms |" in doc
+    assert f"| `LedgerReplayBuffer` | {ours} ms ({inside} ms of it ledger work" in doc
+    assert f"{figures['overhead_per_step_ms']} ms more per step" in doc
+    per_trajectory = figures["overhead_per_step_ms"] / figures["trajectories_per_step"]
+    assert f"about\n{per_trajectory:.1f} ms per trajectory" in doc
