@@ -24,8 +24,10 @@ window, a refusal must be true at some moment of it.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import random
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -82,6 +84,7 @@ CONDITIONS = GenerationConditions("race-tok", 1.0, 1.0, -1, 4)
 EVIDENCE = ActionEvidence((1, 2, 3, 4), (True, True, True, True), (-1.0, -1.0, -1.0, -1.0))
 BATCH = 16
 SCHEMA = "rollout-lifecycle/race-report/1"
+START_TIMEOUT_S = 180.0  # a child still importing after this is taken as dead
 
 
 def version_hash(v: int) -> str:
@@ -130,8 +133,6 @@ def _hashes(registry: Any) -> Callable[[int], str | None]:
 
 def _with_mutant(cfg: RaceConfig) -> Any:
     """The mutant's patch, entered in this (child) process; a no-op context without one."""
-    import contextlib
-
     if cfg.mutant is None:
         return contextlib.nullcontext()
     from rollout_lifecycle.stateful_tests.mutants import BY_NAME
@@ -139,22 +140,33 @@ def _with_mutant(cfg: RaceConfig) -> Any:
     return BY_NAME[cfg.mutant]()
 
 
-def _activator(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
+def _start(cfg: RaceConfig, line: Any) -> float:
+    """Wait at the start line until every process has started, then race `cfg.seconds`.
+
+    Spawned children import the project before they run; on a loaded machine that can take
+    longer than a short race, which then judged nothing. A broken line (a child that died
+    before reaching it) starts this one anyway: the parent reports the dead child."""
+    with contextlib.suppress(threading.BrokenBarrierError):
+        line.wait(timeout=START_TIMEOUT_S)
+    return time.time() + cfg.seconds
+
+
+def _activator(cfg: RaceConfig, index: int, line: Any, out: Any) -> None:
     """Publish version after version (and generate rollouts at the version workers serve)."""
     with _with_mutant(cfg):
-        _activate_loop(cfg, index, deadline, out)
+        _activate_loop(cfg, index, _start(cfg, line), out)
 
 
-def _learner(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
+def _learner(cfg: RaceConfig, index: int, line: Any, out: Any) -> None:
     """The README pattern in a loop: pointer -> assess_batch -> reserve_batch -> commit."""
     with _with_mutant(cfg):
-        _learn_loop(cfg, index, deadline, out)
+        _learn_loop(cfg, index, _start(cfg, line), out)
 
 
-def _dispatcher(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
+def _dispatcher(cfg: RaceConfig, index: int, line: Any, out: Any) -> None:
     """Paced generation: dispatch attempts on shared chains, finish them, retire the stale."""
     with _with_mutant(cfg):
-        _dispatch_loop(cfg, index, deadline, out)
+        _dispatch_loop(cfg, index, _start(cfg, line), out)
 
 
 def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
@@ -162,7 +174,7 @@ def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
     stats: Counter[str] = Counter()
     calls: list[dict[str, Any]] = []
     started: list[str] = []  # dispatched by this process, not yet rewarded or ended
-    opened = deadline - cfg.seconds - 3.0  # the race's start, as run_race set it
+    opened = deadline - cfg.seconds  # the race's start, as _start set it
     n = 0
     try:
         with open_backend(cfg.url) as b:
@@ -549,27 +561,26 @@ def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> 
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     started = time.time()
-    deadline = started + cfg.seconds + 3.0  # spawning children takes a moment
+    n = cfg.activators + cfg.learners + cfg.dispatchers
+    line = ctx.Barrier(n + 1)  # the start line: the race's clock starts when all stand at it
     procs = (
         [
-            ctx.Process(target=_activator, args=(cfg, i, deadline, results))
+            ctx.Process(target=_activator, args=(cfg, i, line, results))
             for i in range(cfg.activators)
         ]
+        + [ctx.Process(target=_learner, args=(cfg, i, line, results)) for i in range(cfg.learners)]
         + [
-            ctx.Process(target=_learner, args=(cfg, i, deadline, results))
-            for i in range(cfg.learners)
-        ]
-        + [
-            ctx.Process(target=_dispatcher, args=(cfg, i, deadline, results))
+            ctx.Process(target=_dispatcher, args=(cfg, i, line, results))
             for i in range(cfg.dispatchers)
         ]
     )
     for p in procs:
         p.start()
+    say(f"{len(procs)} processes starting")
+    deadline = _start(cfg, line)
     reports: list[dict[str, Any]] = []
     while len(reports) < len(procs):
-        # counted down from the requested duration: the spawn allowance is not race time
-        left = max(0.0, min(float(cfg.seconds), deadline - time.time()))
+        left = max(0.0, deadline - time.time())
         say(f"{len(procs)} processes racing, {left:.0f}s left, {len(reports)} done")
         try:
             reports.append(results.get(timeout=5.0))
