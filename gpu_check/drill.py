@@ -783,8 +783,9 @@ class ActivationDrill:
             "spec": {
                 "events": result.trace.events,
                 "steps": result.trace.steps,
-                "checked": len(result.checked),
-                "violations": [str(v) for v in violations],
+                "invariants": len(result.checked),
+                "violations": len(violations),
+                "first_violations": [str(v) for v in violations[:50]],
                 "by_invariant": dict(violated_names(violations)),
             },
             "wall_s": round(wall, 1),
