@@ -47,7 +47,10 @@ PROJECT_PREFIXES = ("rollout_lifecycle.",)
 def patch_everywhere(owner: Any, name: str, replacement: Any) -> Iterator[None]:
     """Replace `owner.name`, and every project-module global bound to the same object."""
     original = getattr(owner, name)
-    # a class keeps its staticmethod / classmethod wrapper: restore that, not the function
+    # a class keeps its staticmethod / classmethod wrapper: restore that, not the function;
+    # an attribute it inherits is deleted again, not left behind as a copy that would shadow
+    # a later patch of the base class (StoreLedger's methods on its three backends)
+    inherited = isinstance(owner, type) and name not in vars(owner)
     stored = vars(owner).get(name, original) if isinstance(owner, type) else original
     touched: list[tuple[Any, str, Any]] = [(owner, name, stored)]
     setattr(owner, name, replacement)
@@ -68,6 +71,8 @@ def patch_everywhere(owner: Any, name: str, replacement: Any) -> Iterator[None]:
     finally:
         for obj, attr, value in reversed(touched):
             setattr(obj, attr, value)
+        if inherited:
+            delattr(owner, name)
 
 
 # what kind of bug a mutant is (issue 18's classes of what a campaign can miss; the first
@@ -192,15 +197,8 @@ def _leases_never_expire() -> Iterator[None]:
     def none(self: Any) -> list[LedgerEntry]:
         return []
 
-    stack = contextlib.ExitStack()
-    with stack:
-        stack.enter_context(patch_everywhere(ledger_mod.MemoryLedger, "expire_leases", none))
-        try:
-            from rollout_lifecycle.model import sqlite_ledger
-
-            stack.enter_context(patch_everywhere(sqlite_ledger.SQLiteLedger, "expire_leases", none))
-        except ImportError:  # pragma: no cover - the SQLite backend ships with the package
-            pass
+    # the one ledger: every backend (memory, SQLite, PostgreSQL) inherits expire_leases
+    with patch_everywhere(ledger_mod.StoreLedger, "expire_leases", none):
         yield
 
 
@@ -682,7 +680,6 @@ def _conflict_counted(judge: Any) -> Any:
 @contextlib.contextmanager
 def _strict_expiry() -> Iterator[None]:
     """A lease counts as expired only strictly after its deadline (`<` for `<=`)."""
-    from rollout_lifecycle.model import sqlite_ledger
 
     def make(expire: Any) -> Any:
         def late(self: Any) -> Any:
@@ -695,10 +692,9 @@ def _strict_expiry() -> Iterator[None]:
 
         return late
 
-    with (
-        _wrap(sqlite_ledger.__name__, "SQLiteLedger.expire_leases", make)(),
-        _wrap(ledger_mod.__name__, "MemoryLedger.expire_leases", make)(),
-    ):
+    # the one ledger's method, which memory and SQLite inherit (PostgreSQL reads the
+    # server's clock, so this shift of the ledger's own clock does not reach it)
+    with _wrap(ledger_mod.__name__, "StoreLedger.expire_leases", make)():
         yield
 
 

@@ -20,7 +20,7 @@ import attrs
 from rollout_lifecycle.spec.bounds import CI_MODELS, EXPLORER_MODELS, README_MODELS
 from rollout_lifecycle.spec.explorer import explore
 from rollout_lifecycle.stateful_tests.backends import durable_url
-from rollout_lifecycle.stateful_tests.checkers import run_checker_checks
+from rollout_lifecycle.stateful_tests.checkers import CaseFailure, run_checker_checks
 from rollout_lifecycle.stateful_tests.mutants import CATALOGUE, Mutant
 from rollout_lifecycle.stateful_tests.race import RaceConfig, run_race
 from rollout_lifecycle.stateful_tests.runner import (
@@ -175,6 +175,22 @@ def _stage_kill(stage: str, effort: int, unit: str, t0: float, detail: str) -> K
     return Kill("campaign", True, effort, unit, time.perf_counter() - t0, f"{stage}: {detail}")
 
 
+def checker_verdicts(failures: Sequence[CaseFailure]) -> tuple[list[CaseFailure], list[str]]:
+    """The checker stage's failures split into verdicts and crashes.
+
+    A case that only crashed is no checker's verdict: the patch itself raised (a TypeError
+    of a stale target), or a known-good history's builder stopped on its own assertion when
+    the mutated write path misbehaved. Neither says a checker caught the bug, so a crash
+    kills nothing and the later stages must."""
+    verdicts, crashes = [], []
+    for f in failures:
+        if f.got and all(g.startswith("crashed: ") for g in f.got):
+            crashes.append(str(f))
+        else:
+            verdicts.append(f)
+    return verdicts, crashes
+
+
 def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = None) -> Kill:
     """Whether the README campaign, exactly as `make campaign` runs it, kills the mutant.
 
@@ -183,8 +199,9 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
     (when verl is installed); the race (real processes, each patched, on the mutant's
     backend: SQLite, or a fresh schema on `postgres_url` for PostgreSQL code); the fuzz
     stage (every machine, README seed and examples, on the mutant's backend, its own
-    machine leading); the explore stage (the README models at README bounds). A mutant of
-    PostgreSQL code without a server is not reached (None), never counted as killed.
+    machine leading); the explore stage (the README models at README bounds). A checker
+    case that only crashed kills nothing (`checker_verdicts`). A mutant of PostgreSQL code
+    without a server is not reached (None), never counted as killed.
     """
     t0 = time.perf_counter()
     backend = README_BACKEND
@@ -201,9 +218,10 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
         backend = postgres_url
     with mutant():
         checked = run_checker_checks(seed=README_SEED)
-    if checked.failures:
+    verdicts, crashes = checker_verdicts(checked.failures)
+    if verdicts:
         n = checked.bad_cases + checked.good_cases
-        return _stage_kill("checkers", n, "cases", t0, str(checked.failures[0]))
+        return _stage_kill("checkers", n, "cases", t0, str(verdicts[0]))
     adapter = _adapter_fuzz()
     if adapter is not None:
         with mutant():
@@ -263,7 +281,8 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
         examples,
         "examples",
         time.perf_counter() - t0,
-        f"survived the README checkers, fuzz ({examples} examples) and explorer ({states} states)",
+        f"survived the README checkers, fuzz ({examples} examples) and explorer ({states} states)"
+        + (f"; the checker stage only crashed ({len(crashes)}): {crashes[0]}" if crashes else ""),
     )
 
 

@@ -4,14 +4,18 @@ test_protocol_models.py), and the CLI table reports 100%."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from rollout_lifecycle.cli.main import cli
+from rollout_lifecycle.model import ledger as ledger_mod
+from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
+from rollout_lifecycle.stateful_tests.checkers import CaseFailure, run_checker_checks
 from rollout_lifecycle.stateful_tests.mutants import BY_NAME, CATALOGUE, Mutant
-from rollout_lifecycle.stateful_tests.mutation import campaign_kill, fuzz_kill
+from rollout_lifecycle.stateful_tests.mutation import campaign_kill, checker_verdicts, fuzz_kill
 from rollout_lifecycle.stateful_tests.runner import README_SEED
 
 
@@ -112,3 +116,74 @@ def test_mutants_report_a_table_per_class(tmp_path: Path) -> None:
     }
     assert data["results"][0]["class"] == "checker"
     assert "per class" in res.output
+
+
+def _project_bindings() -> dict[tuple[str, ...], int]:
+    """Every project module global and every attribute a project class defines itself."""
+    out: dict[tuple[str, ...], int] = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith("rollout_lifecycle."):
+            continue
+        for attr, value in list(vars(mod).items()):
+            out[(name, attr)] = id(value)
+            if isinstance(value, type) and value.__module__ == name:
+                for cattr, cvalue in list(vars(value).items()):
+                    out[(name, attr, cattr)] = id(cvalue)
+    return out
+
+
+@pytest.mark.parametrize("mutant", CATALOGUE, ids=lambda m: m.name)
+def test_mutant_patches_code_and_leaves_it_as_it_found_it(mutant: Mutant) -> None:
+    """Entering a mutant changes at least one binding of the project; leaving it restores
+    every binding, and adds none (an inherited method patched on a subclass used to stay
+    behind as the subclass's own copy, shadowing any later patch of the base class)."""
+    if mutant.backend == "postgresql":
+        pytest.importorskip("psycopg")
+    first = _project_bindings()
+    with mutant():
+        pass  # imports what the mutant patches (and what those modules import)
+    before = _project_bindings()
+    with mutant():
+        during = _project_bindings()
+    after = _project_bindings()
+    assert {k for k in before.keys() | during.keys() if before.get(k) != during.get(k)}
+    assert after == before
+    # nothing the first entry found was changed, and no class it found gained an attribute
+    assert {k for k in first if after.get(k) != first[k]} == set()
+    assert {k for k in after.keys() - first.keys() if len(k) == 3 and k[:2] in first} == set()
+
+
+def test_lease_mutants_patch_the_one_ledger() -> None:
+    """Both lease mutants reach every backend through StoreLedger's own method, and leave
+    no copy of it on a backend class."""
+    real = ledger_mod.StoreLedger.expire_leases
+    for name in ("lease_never_expires", "lease_expiry_strict"):
+        with BY_NAME[name]():
+            assert ledger_mod.MemoryLedger.expire_leases is not real
+            assert SQLiteLedger.expire_leases is ledger_mod.MemoryLedger.expire_leases
+        assert ledger_mod.StoreLedger.expire_leases is real
+        assert "expire_leases" not in vars(ledger_mod.MemoryLedger)
+        assert "expire_leases" not in vars(SQLiteLedger)
+
+
+def test_a_checker_case_that_only_crashed_is_no_verdict() -> None:
+    """A crash (the patch raising, a known-good history's builder stopping on its own
+    assertion) kills nothing at the checker stage; a flag or a miss does."""
+    crash = CaseFailure("spec:good", "a paced run", None, ("crashed: AssertionError()",))
+    flag = CaseFailure("spec:good", "correct history", None, ("declared_edges",))
+    miss = CaseFailure("race", "a win over another revision", "call_outcome_linearizable", ())
+    verdicts, crashes = checker_verdicts([crash, flag, miss])
+    assert verdicts == [flag, miss]
+    assert crashes == [str(crash)]
+
+
+def test_budget_mutant_only_crashes_the_paced_history_builder() -> None:
+    """Under dispatch_ignores_budget the checker stage's failures are all crashes of the
+    paced history's builder (its own assertion on the refused dispatch): no checker judged
+    anything, so the campaign's kill must come from a later stage (the race's
+    dispatch_paced or the e2e machine)."""
+    with BY_NAME["dispatch_ignores_budget"]():
+        checked = run_checker_checks(seed=README_SEED)
+    assert checked.failures
+    verdicts, crashes = checker_verdicts(checked.failures)
+    assert verdicts == [] and len(crashes) == len(checked.failures)
