@@ -79,6 +79,10 @@ POLICY = AdmissionPolicy(max_lag=1, max_drift=0.2)
 REWARD_FN = ("drill-first-token", "1")
 
 
+# Ray actors import torch and build a model each: minutes on a loaded 2-core machine
+START_TIMEOUT_S = 900.0
+
+
 class DrillError(GpuCheckError):
     """The drill could not run as planned (a worker or the coordinator misbehaved outside the
     injected faults, or an injected fault did not produce the failure it stands for)."""
@@ -327,7 +331,12 @@ class ActivationDrill:
 
     def start_workers(self, ids: Sequence[str]) -> None:
         handles = {w: self.start_worker(w, 0) for w in ids}
-        pids = self.get([h.where.remote() for h in handles.values()], "worker start")
+        pids = self.get(
+            [h.where.remote() for h in handles.values()],
+            f"{len(handles)} workers did not all start within {START_TIMEOUT_S:.0f} s (each "
+            "process imports torch and builds its model; a machine this loaded is too slow)",
+            timeout=START_TIMEOUT_S,
+        )
         self.worker_procs.update(dict(zip(handles, pids, strict=True)))
 
     def restart_worker(self, wid: str) -> None:
