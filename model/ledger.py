@@ -407,7 +407,8 @@ def _evolver(cls: type[Any], changed: frozenset[str]) -> Callable[..., Any]:
         )
         exec(f"def evolve(e, c):\n    return cls({args})\n", scope)
     else:
-        lines = ["def evolve(e, c):", "    o = new(cls)"]
+        # the helpers bound as defaults: locals, not a global lookup per field
+        lines = ["def evolve(e, c, cls=cls, new=new, put=put):", "    o = new(cls)"]
         for i, a in enumerate(fields):
             if a.alias not in changed:
                 lines.append(f"    put(o, {a.name!r}, e.{a.name})")
@@ -831,7 +832,7 @@ def _builder(cls: type[Any], defaults: Mapping[str, Any]) -> Callable[[dict[str,
     """A record of `cls` from a decoded dict of one exact shape, its left-out fields at
     `defaults`: written out once per shape, with no validator (see above)."""
     scope: dict[str, Any] = {"cls": cls, "new": object.__new__, "put": object.__setattr__}
-    lines = ["def build(d):", "    o = new(cls)"]
+    lines = ["def build(d, cls=cls, new=new, put=put):", "    o = new(cls)"]
     for i, a in enumerate(attrs.fields(cls)):
         if a.name in defaults:
             scope[f"d{i}"] = defaults[a.name]
