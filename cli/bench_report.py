@@ -124,6 +124,19 @@ def markdown(report: dict[str, Any], command: str) -> str:
                     f"| {name} | {r['workers']} | {r['rollouts']} | {r['wins']} | "
                     f"{r['lost_cas']} | {_fmt(r['wins_per_s'])} |"
                 )
+        scale = led.get("memory", {}).get("scale")
+        if scale:
+            per_row = ", ".join(
+                f"{k}: {_fmt(v)} ({_fmt(scale['wall_us_per_row'][k])} wall)"
+                for k, v in scale["cpu_us_per_row"].items()
+            )
+            lines += [
+                "",
+                f"Memory batch reservations ({scale['batch_size']}) as the ledger grows, "
+                f"garbage collector on, CPU us per row by ledger size: {per_row}; largest / "
+                f"smallest {_fmt(scale['ratios']['cpu_largest_vs_smallest'])} (medians of "
+                f"{scale['repeats']}).",
+            ]
         lines += ["", POSTGRES_NOTE]
     chk = report.get("checkers")
     if chk:

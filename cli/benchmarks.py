@@ -13,7 +13,8 @@ by the rest of the machine), and the report states ratios. Nothing here is a tes
 2. ledgers: reservations per second, one compare-and-set at a time and in batches, 1 / 4 / 8
    racing threads; commits per second at two ledger sizes; next to a plain UPDATE and an
    executemany of the same rows on a file with the same table and durability settings
-   (SQLite), or a dict write under a lock (memory).
+   (SQLite), or a dict write under a lock (memory); and the memory ledger's per-row cost
+   of batch reservations at ledger sizes up to 1e6 rollouts with the garbage collector on.
 3. checkers: fuzz steps per second and explorer distinct states per second.
 """
 
@@ -27,6 +28,7 @@ import os
 import platform
 import random
 import sqlite3
+import statistics
 import sys
 import tempfile
 import threading
@@ -39,6 +41,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from rollout_lifecycle.model.events import EntryChanged, stored_payload
 from rollout_lifecycle.model.gate import AdmissionGate, GatePolicy, assess_arrays
 from rollout_lifecycle.model.ledger import MemoryLedger, ReserveRequest
 from rollout_lifecycle.model.records import (
@@ -74,6 +77,8 @@ class Sizes:
     racers: tuple[int, ...]
     race_rollouts: int
     ledger_repeats: int
+    scale_rollouts: tuple[int, ...]  # memory ledger sizes for the per-row cost with gc on
+    scale_repeats: int
     fuzz_examples: int
     fuzz_backends: tuple[str, ...]
     explore_max_states: int | None
@@ -90,6 +95,8 @@ FULL = Sizes(
     racers=(1, 4, 8),
     race_rollouts=2_000,
     ledger_repeats=3,
+    scale_rollouts=(1_000, 10_000, 100_000, 1_000_000),
+    scale_repeats=5,
     fuzz_examples=25,
     fuzz_backends=("memory", "sqlite"),
     explore_max_states=20_000,
@@ -105,6 +112,8 @@ QUICK = Sizes(
     racers=(1, 4),
     race_rollouts=100,
     ledger_repeats=1,
+    scale_rollouts=(200, 2_000),
+    scale_repeats=1,
     fuzz_examples=3,
     fuzz_backends=("memory",),
     explore_max_states=500,
@@ -420,6 +429,8 @@ def _reserve_rates(
     totals: dict[str, float] = {}
     for _ in range(repeats):
         spent = dict.fromkeys(("single", "plain_single", "batch", "plain_batch"), 0.0)
+        if backend != "memory":
+            spent["plain_batch_events"] = 0.0
         with _ledger(backend, folder, entries) as led, plain() as base:
             for k in range(0, n, turn):
                 t0 = time.perf_counter()
@@ -429,7 +440,7 @@ def _reserve_rates(
                 t0 = time.perf_counter()
                 base.single(k, min(n, k + turn))
                 spent["plain_single"] += time.perf_counter() - t0
-        with _ledger(backend, folder, entries) as led, plain() as base:
+        with _ledger(backend, folder, entries) as led, plain() as base, plain() as logged:
             for k in range(0, n, batch):
                 t0 = time.perf_counter()
                 led.reserve_batch("u", requests[k : k + batch])
@@ -437,6 +448,10 @@ def _reserve_rates(
                 t0 = time.perf_counter()
                 base.many(k, min(n, k + batch))
                 spent["plain_batch"] += time.perf_counter() - t0
+                if "plain_batch_events" in spent:
+                    t0 = time.perf_counter()
+                    logged.many_with_events(k, min(n, k + batch))
+                    spent["plain_batch_events"] += time.perf_counter() - t0
         for name, dt in spent.items():
             totals[name] = min(totals.get(name, dt), dt)
     rates = {
@@ -452,10 +467,55 @@ def _reserve_rates(
         baseline = {
             "autocommit_update_per_s": round(n / totals["plain_single"], 1),
             f"executemany_{batch}_per_s": round(n / totals["plain_batch"], 1),
+            # the same, plus each row's event row (payload and hashes made beforehand)
+            f"executemany_with_events_{batch}_per_s": round(n / totals["plain_batch_events"], 1),
             "synchronous": _sqlite_synchronous(folder),
             "journal_mode": "wal",
         }
     return rates, baseline
+
+
+def _memory_scale(rollouts: Sequence[int], repeats: int, batch: int = 100) -> dict[str, Any]:
+    """Per-row cost of batch reservations as a memory ledger and its event log grow, with
+    the garbage collector on as in a trainer: every rollout of a ledger of n reserved in
+    batches of `batch`. Microseconds per row of CPU time (what the ledger costs, whatever
+    else the machine runs) and of wall time, medians of `repeats`, the sizes interleaved."""
+    cpu: dict[int, list[float]] = {n: [] for n in rollouts}
+    wall: dict[int, list[float]] = {n: [] for n in rollouts}
+    was_on = gc.isenabled()
+    gc.enable()
+    try:
+        for _ in range(repeats):
+            for n in rollouts:
+                entries = _entries(n)
+                requests = [ReserveRequest(e.rollout_id, 0, STAMP) for e in entries]
+                led = MemoryLedger.restore(entries)
+                del entries
+                gc.collect()
+                t0, c0 = time.perf_counter(), time.process_time()
+                for k in range(0, n, batch):
+                    led.reserve_batch("u", requests[k : k + batch])
+                wall[n].append((time.perf_counter() - t0) / n * 1e6)
+                cpu[n].append((time.process_time() - c0) / n * 1e6)
+                del led, requests
+                gc.collect()
+    finally:
+        if not was_on:
+            gc.disable()
+    small, large = min(rollouts), max(rollouts)
+    cpu_us = {n: statistics.median(v) for n, v in cpu.items()}
+    wall_us = {n: statistics.median(v) for n, v in wall.items()}
+    return {
+        "batch_size": batch,
+        "repeats": repeats,
+        "gc": "on",
+        "cpu_us_per_row": {str(n): round(v, 2) for n, v in cpu_us.items()},
+        "wall_us_per_row": {str(n): round(v, 2) for n, v in wall_us.items()},
+        "ratios": {
+            "cpu_largest_vs_smallest": round(cpu_us[large] / cpu_us[small], 3),
+            "wall_largest_vs_smallest": round(wall_us[large] / wall_us[small], 3),
+        },
+    }
 
 
 def _race(backend: str, folder: Path, n: int, workers: int) -> dict[str, Any]:
@@ -535,6 +595,17 @@ _PLAIN_DDL = (
     "CREATE INDEX rollouts_owner ON rollouts(reserved_by) WHERE reserved_by IS NOT NULL;"
     "CREATE INDEX rollouts_lease ON rollouts(lease_expires_at) WHERE reserved_by IS NOT NULL;"
     "CREATE INDEX rollouts_version ON rollouts(behavior_version, state);"
+    # the ledger's events table (model.sqlite_common), for the baseline that also appends
+    # each write's event row as the ledger does
+    "CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, txn INTEGER NOT NULL, "
+    "kind TEXT NOT NULL, subject TEXT NOT NULL, payload TEXT NOT NULL, prev_hash BLOB, "
+    "hash BLOB);"
+    "CREATE INDEX events_subject ON events(kind, subject);"
+    "CREATE INDEX events_txn ON events(txn);"
+)
+_PLAIN_EVENT = (
+    "INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 _PLAIN_UPDATE = (
     "UPDATE rollouts SET state = ?, revision = revision + 1, reserved_by = ?, "
@@ -561,6 +632,10 @@ class _Plain:
     def many(self, a: int, b: int) -> None:
         raise NotImplementedError
 
+    def many_with_events(self, a: int, b: int) -> None:
+        """`many`, and the rows' event rows appended in the same transaction."""
+        raise NotImplementedError
+
 
 def _plain_sqlite(folder: Path, n: int) -> Callable[[], contextlib.AbstractContextManager[_Plain]]:
     """The same rows on a file with the ledger's table shape, connection settings (WAL,
@@ -569,8 +644,26 @@ def _plain_sqlite(folder: Path, n: int) -> Callable[[], contextlib.AbstractConte
     entry = attrs.evolve(
         _entries(1)[0], state="reserved", revision=1, reserved_by="u", lease_expires_at=1e9
     )
-    payload = json.dumps(to_jsonable(attrs.evolve(entry, admission=STAMP)))
+    reserved = attrs.evolve(entry, admission=STAMP)
+    payload = json.dumps(to_jsonable(reserved))
     args = [("reserved", "u", 1e9, payload, f"r{i}", 0) for i in range(n)]
+    # the event row the ledger appends for each reservation: its stored payload (before and
+    # after entries) and 32-byte chain hashes, made before any timing
+    before = _entries(1)[0]
+    events = [
+        (
+            i + 1,
+            1 + i // 1000,
+            "entry",
+            f"r{i}",
+            stored_payload(
+                EntryChanged(0, 0, 1e9, f"r{i}", "reserve", before, reserved, "u"), 1 + i // 1000
+            ),
+            bytes(32),
+            bytes(32),
+        )
+        for i in range(n)
+    ]
 
     class Plain(_Plain):
         def __init__(self, conn: sqlite3.Connection) -> None:
@@ -583,6 +676,12 @@ def _plain_sqlite(folder: Path, n: int) -> Callable[[], contextlib.AbstractConte
         def many(self, a: int, b: int) -> None:
             self.conn.execute("BEGIN IMMEDIATE")
             self.conn.executemany(_PLAIN_UPDATE, args[a:b])
+            self.conn.execute("COMMIT")
+
+        def many_with_events(self, a: int, b: int) -> None:
+            self.conn.execute("BEGIN IMMEDIATE")
+            self.conn.executemany(_PLAIN_UPDATE, args[a:b])
+            self.conn.executemany(_PLAIN_EVENT, events[a:b])
             self.conn.execute("COMMIT")
 
     @contextlib.contextmanager
@@ -661,10 +760,21 @@ def bench_ledgers(sizes: Sizes, progress: Progress = _nothing) -> dict[str, Any]
                 ratios["batch_vs_executemany"] = _ratio(
                     rates["batch_per_s"], baseline[f"executemany_{batch}_per_s"]
                 )
+                ratios["batch_vs_executemany_with_events"] = _ratio(
+                    rates["batch_per_s"], baseline[f"executemany_with_events_{batch}_per_s"]
+                )
                 ratios["single_vs_autocommit_update"] = _ratio(
                     single, baseline["autocommit_update_per_s"]
                 )
+            if backend == "memory":
+                progress(f"ledger memory: per-row cost at {sizes.scale_rollouts} rollouts, gc on")
+                extra: dict[str, Any] = {
+                    "scale": _memory_scale(sizes.scale_rollouts, sizes.scale_repeats)
+                }
+            else:
+                extra = {}
             out[backend] = {
+                **extra,
                 "rollouts": n,
                 "batch_size": batch,
                 **rates,
@@ -774,6 +884,17 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "<= 1.5",
             ),
         ]
+        scale = mem.get("scale")
+        if scale:
+            sizes = sorted(scale["cpu_us_per_row"], key=int)
+            out.append(
+                _goal(
+                    f"memory: batch reservation CPU per row at {sizes[-1]} / at {sizes[0]} "
+                    "rollouts, gc on",
+                    scale["ratios"]["cpu_largest_vs_smallest"],
+                    "<= 1.2",
+                )
+            )
     if "sqlite" in ledgers:
         sq = ledgers["sqlite"]
         r = sq["ratios"]

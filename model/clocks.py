@@ -19,7 +19,9 @@ An injectable clock (`clock=` on every ledger) stays for tests and simulations o
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -43,11 +45,30 @@ def read_host_clock() -> tuple[str, float, float] | None:
 
 
 def uptime_seconds() -> float | None:
-    """Seconds since boot as the kernel counts them (CLOCK_BOOTTIME), or None."""
+    """Seconds since boot as the kernel counts them (CLOCK_BOOTTIME), or None.
+
+    Every ledger step reads it (a lease deadline, an event's time), so the file is kept
+    open and re-read from offset 0 (one pread: the kernel renders it afresh each time)
+    instead of opened, read and closed per reading.
+    """
     try:
-        return float((_PROC / "uptime").read_text().split()[0])
+        fd = _UPTIME_FD[0] if _UPTIME_FD else _open_uptime()
+        return float(os.pread(fd, 64, 0).split()[0])
     except (OSError, ValueError, IndexError):
         return None
+
+
+_UPTIME_FD: list[int] = []  # /proc/uptime, opened on first use
+
+
+def _open_uptime() -> int:
+    with _UPTIME_LOCK:
+        if not _UPTIME_FD:
+            _UPTIME_FD.append(os.open(_PROC / "uptime", os.O_RDONLY | os.O_CLOEXEC))
+        return _UPTIME_FD[0]
+
+
+_UPTIME_LOCK = threading.Lock()
 
 
 class HostClock:

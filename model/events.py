@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import json.encoder
+import math
+import operator
 import struct
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -244,15 +247,19 @@ def event_subject(ev: TraceEvent) -> str:
 GENESIS = bytes(32)
 
 
-def _text(value: str) -> bytes:
-    raw = value.encode("utf-8", "surrogatepass")
-    return struct.pack(">q", len(raw)) + raw
-
-
 def chain_hash(prev: bytes, seq: int, txn: int, kind: str, subject: str, payload: str) -> bytes:
     """The hash of one stored event row, chained to its predecessor's hash `prev`."""
-    message = struct.pack(">qq", seq, txn) + _text(kind) + _text(subject) + _text(payload)
-    return hashlib.sha256(prev + message).digest()
+    k = kind.encode("utf-8", "surrogatepass")
+    s = subject.encode("utf-8", "surrogatepass")
+    p = payload.encode("utf-8", "surrogatepass")
+    # prev || seq || txn || len(kind) kind || len(subject) subject || len(payload) payload
+    head = _PACK3(seq, txn, len(k))
+    return _sha256(b"".join((prev, head, k, _PACK1(len(s)), s, _PACK1(len(p)), p))).digest()
+
+
+_PACK3 = struct.Struct(">qqq").pack
+_PACK1 = struct.Struct(">q").pack
+_sha256 = hashlib.sha256
 
 
 def stored_payload(ev: TraceEvent, txn: int | None) -> str:
@@ -268,16 +275,51 @@ def stored_payload(ev: TraceEvent, txn: int | None) -> str:
     return json.dumps(data, separators=(",", ":"))
 
 
+_encode_str = json.encoder.encode_basestring_ascii  # what json.dumps uses for a str
+
+
+def json_scalar(value: object) -> str:
+    """`json.dumps(value)` of a scalar, without the encoder's per-call set-up for the common
+    types (a str, an int, a finite float, None): the same text."""
+    t = type(value)
+    if t is str:
+        text: str = _encode_str(cast(str, value))
+        return text
+    if value is None:
+        return "null"
+    if t is int or (t is float and math.isfinite(value)):  # type: ignore[arg-type]
+        return repr(value)  # what the encoder writes for an exact int or a finite float
+    return json.dumps(value)
+
+
 def entry_payload(ev: EntryChanged, txn: int | None, before: str | None, after: str) -> str:
     """`stored_payload(ev, txn)` of an entry change whose entries' stored JSON texts
     (`dump` of each, as the store keeps them) are at hand: the same bytes, without encoding
     the entries a second time."""
-    head: dict[str, Any] = {} if txn is None else {"txn": txn}
-    head.update(at=ev.at, rollout_id=ev.rollout_id, event=ev.event)
-    tail = json.dumps({"update_id": ev.update_id, "kind": ev.kind}, separators=(",", ":"))
+    key = (txn, ev.at, ev.event, ev.update_id, ev.kind)
+    known, parts = _PAYLOAD_PARTS[0]
+    if not all(map(operator.is_, known, key)):
+        # a step's events share all but the rollout id and the entries: encode them once
+        head = "{" if txn is None else f'{{"txn":{json_scalar(txn)},'
+        parts = (
+            f'{head}"at":{json_scalar(ev.at)},"rollout_id":',
+            f',"event":{json_scalar(ev.event)},"before":',
+            f',"update_id":{json_scalar(ev.update_id)},"kind":{json_scalar(ev.kind)}}}',
+        )
+        _PAYLOAD_PARTS[0] = (key, parts)
+    start, middle, end = parts
     before_json = "null" if before is None else before
-    start = json.dumps(head, separators=(",", ":"))[:-1]
-    return f'{start},"before":{before_json},"after":{after},{tail[1:]}'
+    return f'{start}{json_scalar(ev.rollout_id)}{middle}{before_json},"after":{after}{end}'
+
+
+# the last step's shared parts of entry payloads, by the identity of what they encode (the
+# objects are held, so no id is reused; racing threads each store parts they encoded)
+_PAYLOAD_PARTS: list[tuple[tuple[object, ...], tuple[str, str, str]]] = [
+    (
+        (object(),) * 5,
+        ("", "", ""),
+    )
+]
 
 
 Payload = Callable[[TraceEvent, "int | None"], str]

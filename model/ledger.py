@@ -209,17 +209,20 @@ class _JudgedOnce(ActivationPremise):
     """A premise that judges each (stamp, version) once per step: a batch's requests mostly
     carry one stamp, and the premise cannot change inside the step that read it."""
 
-    judged: dict[tuple[AdmissionStamp | None, int], tuple[str, str] | None] = attrs.field(
-        factory=dict, eq=False, repr=False
+    # keyed by the stamp object's identity (hashing a stamp costs more than judging it
+    # twice); the stamp is kept in the value, so its id cannot be reused within the step
+    judged: dict[tuple[int, int], tuple[AdmissionStamp | None, tuple[str, str] | None]] = (
+        attrs.field(factory=dict, eq=False, repr=False)
     )
 
     def refusal(
         self, admission: AdmissionStamp | None, behavior_version: int
     ) -> tuple[str, str] | None:
-        key = (admission, behavior_version)
-        if key not in self.judged:
-            self.judged[key] = super().refusal(admission, behavior_version)
-        return self.judged[key]
+        key = (id(admission), behavior_version)
+        found = self.judged.get(key)
+        if found is None or found[0] is not admission:
+            found = self.judged[key] = (admission, super().refusal(admission, behavior_version))
+        return found[1]
 
 
 class ActivationSource(Protocol):
@@ -304,7 +307,17 @@ def check_id(value: object, what: str = "rollout_id") -> str:
 
 def check_update_id(update_id: object) -> str:
     """An update id: a non-empty string under the records' limit for ids."""
-    return check_id(update_id, "update_id")
+    if update_id is _CHECKED_UPDATE[0]:  # a str is immutable: it passed, it passes
+        return update_id  # type: ignore[return-value]
+    checked = check_id(update_id, "update_id")
+    if type(checked) is str:
+        _CHECKED_UPDATE[0] = checked
+    return checked
+
+
+# the update id checked last (a batch checks its update id once per row it plans), held so
+# that its id cannot be reused; threads racing to store theirs each store a checked one
+_CHECKED_UPDATE: list[object] = [object()]
 
 
 def check_requests(requests: object) -> list[ReserveRequest]:
@@ -323,9 +336,9 @@ def check_requests(requests: object) -> list[ReserveRequest]:
             raise InvalidLedgerArgument(
                 f"admission must be an AdmissionStamp or None, got {brief(r.admission)}"
             )
-    seen = Counter(r.rollout_id for r in out)
-    dups = [k for k, n in seen.items() if n > 1]
-    if dups:
+    if len({r.rollout_id for r in out}) != len(out):
+        seen = Counter(r.rollout_id for r in out)
+        dups = [k for k, n in seen.items() if n > 1]
         raise InvalidLedgerArgument(f"a batch names rollouts more than once: {sorted(dups)[:5]}")
     return out
 
@@ -355,22 +368,37 @@ def as_entry(rollout: object) -> LedgerEntry:
     )
 
 
-_EVOLVERS: dict[tuple[type[Any], frozenset[str]], Callable[..., Any]] = {}
+_EVOLVERS: dict[tuple[Any, ...], Callable[..., Any]] = {}  # (class, *changed names)
+
+
+# Classes whose field validators judge the value alone (model/records.py): a value of an
+# immutable scalar type that passed a field's validator passes it again, so an evolver of
+# these classes skips the validator when handed the very object it validated last (a batch
+# hands every row the same owner, lease and state objects).
+_VALUE_VALIDATED: frozenset[type[Any]] = frozenset({LedgerEntry})
+_IMMUTABLE = (str, int, float, type(None))
 
 
 def _evolver(cls: type[Any], changed: frozenset[str]) -> Callable[..., Any]:
     """attrs.evolve for one class and one set of changed fields, written out once.
 
     The fields left as they were passed their validators when the record was built, so only
-    the changed ones are validated again, then the class's post-init check runs, as in
-    __init__. A class with converters or non-init fields is built by its __init__ instead.
+    the changed ones are validated again (see `_VALUE_VALIDATED`), then the class's
+    post-init check runs, as in __init__. A class with converters or non-init fields is
+    built by its __init__ instead.
     """
     every = list(attrs.fields(cls))
     fields = [a for a in every if a.init]
     unknown = changed - {a.alias for a in fields}
     if unknown:
         raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
-    scope: dict[str, Any] = {"cls": cls, "new": object.__new__, "put": object.__setattr__}
+    scope: dict[str, Any] = {
+        "cls": cls,
+        "new": object.__new__,
+        "put": object.__setattr__,
+        "immutable": _IMMUTABLE,
+    }
+    memo = cls in _VALUE_VALIDATED
     if len(fields) != len(every) or any(a.converter is not None for a in fields):
         args = ", ".join(
             (f"{a.alias}=" if a.kw_only else "")  # positional where __init__ allows it
@@ -379,13 +407,29 @@ def _evolver(cls: type[Any], changed: frozenset[str]) -> Callable[..., Any]:
         )
         exec(f"def evolve(e, c):\n    return cls({args})\n", scope)
     else:
-        lines = ["def evolve(e, c):", "    o = new(cls)"]
+        # the helpers bound as defaults: locals, not a global lookup per field
+        lines = ["def evolve(e, c, cls=cls, new=new, put=put):", "    o = new(cls)"]
         for i, a in enumerate(fields):
-            value = f"c[{a.alias!r}]" if a.alias in changed else f"e.{a.name}"
-            lines.append(f"    put(o, {a.name!r}, {value})")
-            if a.alias in changed and a.validator is not None:
-                scope[f"f{i}"], scope[f"v{i}"] = a, a.validator
-                lines.append(f"    v{i}(o, f{i}, o.{a.name})")
+            if a.alias not in changed:
+                lines.append(f"    put(o, {a.name!r}, e.{a.name})")
+                continue
+            lines.append(f"    x = c[{a.alias!r}]")
+            lines.append(f"    put(o, {a.name!r}, x)")
+            if a.validator is None:
+                continue
+            scope[f"f{i}"], scope[f"v{i}"] = a, a.validator
+            if not memo:
+                lines.append(f"    v{i}(o, f{i}, x)")
+                continue
+            # the last value validated, held so its id cannot be reused (racing threads
+            # each store a value they validated: any of them is right)
+            scope[f"m{i}"] = [object()]
+            lines += [
+                f"    if x is not m{i}[0]:",
+                f"        v{i}(o, f{i}, x)",
+                "        if type(x) in immutable:",
+                f"            m{i}[0] = x",
+            ]
         if hasattr(cls, "__attrs_post_init__"):
             lines.append("    o.__attrs_post_init__()")
         lines.append("    return o")
@@ -397,10 +441,10 @@ def _evolver(cls: type[Any], changed: frozenset[str]) -> Callable[..., Any]:
 def _evolve(entry: LedgerEntry, **changes: Any) -> LedgerEntry:
     """attrs.evolve(entry, **changes) without its per-call introspection: it runs once per
     written row, so the few (class, changed fields) shapes are compiled once each."""
-    key = (type(entry), frozenset(changes))
+    key = (type(entry), *changes)  # cheaper to build and hash than a frozenset
     fn = _EVOLVERS.get(key)
     if fn is None:
-        fn = _EVOLVERS[key] = _evolver(*key)
+        fn = _EVOLVERS[key] = _evolver(type(entry), frozenset(changes))
     new: LedgerEntry = fn(entry, changes)
     return new
 
@@ -412,8 +456,16 @@ def plan_transition(
     **changes: Any,
 ) -> LedgerEntry:
     """The entry after `event`, per the declared machine; revision + 1. Raises IllegalTransition."""
-    edge = LIFECYCLE.resolve(entry.state, event, guards)
-    return _evolve(entry, state=edge.dest, revision=entry.revision + 1, **changes)
+    dest = None if guards else _DESTS.get((entry.state, event))
+    if dest is None:
+        dest = LIFECYCLE.resolve(entry.state, event, guards).dest
+        if not guards:
+            _DESTS[(entry.state, event)] = dest
+    return _evolve(entry, state=dest, revision=entry.revision + 1, **changes)
+
+
+# (state, event) -> destination of the unguarded edge: the declared machine never changes
+_DESTS: dict[tuple[str, str], str] = {}
 
 
 def reserve_precheck(
@@ -774,33 +826,51 @@ def _shapes(cls: type[Any]) -> dict[tuple[str, ...], dict[str, Any]]:
 
 
 _SHAPES = {cls: _shapes(cls) for cls in _STORED}
-_ORDER = {cls: tuple(a.name for a in attrs.fields(cls)) for cls in _STORED}
 
 
-def _built(cls: type[Any], data: dict[str, Any], defaults: Mapping[str, Any]) -> Any:
-    record = object.__new__(cls)
-    put = object.__setattr__
-    for name in _ORDER[cls]:
-        put(record, name, data[name] if name in data else defaults[name])
-    return record
+def _builder(cls: type[Any], defaults: Mapping[str, Any]) -> Callable[[dict[str, Any]], Any]:
+    """A record of `cls` from a decoded dict of one exact shape, its left-out fields at
+    `defaults`: written out once per shape, with no validator (see above)."""
+    scope: dict[str, Any] = {"cls": cls, "new": object.__new__, "put": object.__setattr__}
+    lines = ["def build(d, cls=cls, new=new, put=put):", "    o = new(cls)"]
+    for i, a in enumerate(attrs.fields(cls)):
+        if a.name in defaults:
+            scope[f"d{i}"] = defaults[a.name]
+            lines.append(f"    put(o, {a.name!r}, d{i})")
+        else:
+            lines.append(f"    put(o, {a.name!r}, d[{a.name!r}])")
+    lines.append("    return o")
+    exec("\n".join(lines) + "\n", scope)
+    fn: Callable[[dict[str, Any]], Any] = scope["build"]
+    return fn
+
+
+# class -> key tuple of a written shape -> its builder
+_BUILDERS = {
+    cls: {shape: _builder(cls, defaults) for shape, defaults in shapes.items()}
+    for cls, shapes in _SHAPES.items()
+}
+_NESTED_BUILDERS = tuple((k, _BUILDERS[cls]) for k, cls in _NESTED_IN_ENTRY.items())
 
 
 def read_entry(text: str) -> tuple[LedgerEntry, bool]:
     """An entry from the JSON a store wrote, and whether it took the trusted path (see
     above): then `text` is what `dump_entry` makes of it, and a store may reuse it."""
     data = json.loads(text)
-    top = _SHAPES[LedgerEntry].get(tuple(data)) if isinstance(data, dict) else None
-    if top is not None:
-        nested = [(k, cls, data[k]) for k, cls in _NESTED_IN_ENTRY.items() if data[k] is not None]
-        subs = [
-            _SHAPES[cls].get(tuple(sub)) if isinstance(sub, dict) else None
-            for _, cls, sub in nested
-        ]
-        if all(d is not None for d in subs):
-            for (name, cls, sub), d in zip(nested, subs, strict=True):
-                assert d is not None
-                data[name] = _built(cls, sub, d)
-            entry: LedgerEntry = _built(LedgerEntry, data, top)
+    build = _BUILDERS[LedgerEntry].get(tuple(data)) if isinstance(data, dict) else None
+    if build is not None:
+        nested = []
+        for key, builders in _NESTED_BUILDERS:
+            sub = data[key]
+            if sub is not None:
+                sub_build = builders.get(tuple(sub)) if isinstance(sub, dict) else None
+                if sub_build is None:
+                    break  # not a shape this program writes: the validating path
+                nested.append((key, sub_build, sub))
+        else:
+            for key, sub_build, sub in nested:
+                data[key] = sub_build(sub)
+            entry: LedgerEntry = build(data)
             return entry, True
     return from_jsonable(LedgerEntry, data), False
 
@@ -860,6 +930,10 @@ class Step:
     # the live rollouts a dispatch budget counts: "add" steps make new ones (many may at
     # once), a "count" step counts them and then adds one (no add may land in between)
     live: Literal["add", "count"] | None = None
+
+
+_RESERVE = Step("reserve", premise=True)
+_RESERVE_BATCH = Step("reserve_batch", premise=True)
 
 
 class StoreView(Protocol):
@@ -1192,7 +1266,7 @@ class StoreLedger:
             local[counter_of(again.reason)] += 1
             return again
 
-        return self._step(body, Step("reserve", premise=True))
+        return self._step(body, _RESERVE)
 
     def reserve_batch(
         self, update_id: str, requests: Sequence[ReserveRequest]
@@ -1229,25 +1303,30 @@ class StoreLedger:
                 outcomes.append(out)
             enforce(a for _, a in planned.values())
             won = uow.write(list(planned.values())) if planned else set()
-            lost = [rid for rid in planned if rid not in won]
-            now = uow.read_rows(lost) if lost else {}
+            changes: list[Change]
+            if len(won) == len(planned):  # every planned row won (the usual case)
+                changes = [("reserve", b, a, update_id) for b, a in planned.values()]
+            else:
+                lost = [rid for rid in planned if rid not in won]
+                now = uow.read_rows(lost)
+                changes = []
+                for i, r in enumerate(requests):
+                    rid = r.rollout_id
+                    if rid in won:
+                        changes.append(("reserve", planned[rid][0], planned[rid][1], update_id))
+                    elif rid in planned:  # lost to a writer that read and wrote after our read
+                        outcomes[i] = replan_lost(
+                            now.get(rid), rid, r.expected_revision, update_id, r.admission, lease
+                        )
             counts: Counter[str] = Counter()
-            changes: list[Change] = []
-            for i, r in enumerate(requests):
-                rid = r.rollout_id
-                if rid in won:
-                    changes.append(("reserve", planned[rid][0], planned[rid][1], update_id))
-                elif rid in planned:  # lost to a writer that read and wrote after our read
-                    outcomes[i] = replan_lost(
-                        now.get(rid), rid, r.expected_revision, update_id, r.admission, lease
-                    )
-                counts[counter_of(outcomes[i].reason)] += 1
+            for reason, n in Counter(o.reason for o in outcomes).items():
+                counts[counter_of(reason)] += n
             durable = {k: v for k, v in counts.items() if k not in PROCESS_LOCAL_COUNTERS}
             local.update({k: v for k, v in counts.items() if k in PROCESS_LOCAL_COUNTERS})
             uow.append(changes, self.clock(), {"writes": len(changes), **durable})
             return outcomes
 
-        return self._step(body, Step("reserve_batch", premise=True))
+        return self._step(body, _RESERVE_BATCH)
 
     def commit(self, update_id: str, rollout_ids: Sequence[str]) -> list[LedgerEntry]:
         """Consume exactly the rollouts `update_id` reserved, atomically; else CommitMismatch."""
@@ -1470,18 +1549,25 @@ class MemoryStore:
             self._index(None, e)
 
     def _index(self, before: LedgerEntry | None, after: LedgerEntry) -> None:
-        if before is None and after.chain is not None:
-            self.chains.setdefault(after.chain, []).append(after.rollout_id)
-        if before is None or (before.state, before.behavior_version) != (
-            after.state,
-            after.behavior_version,
-        ):
-            was = None if before is None else self.versions.get(before.state)
-            if before is not None and was is not None and was[before.behavior_version] > 0:
-                was[before.behavior_version] -= 1
-                if not was[before.behavior_version]:
-                    del was[before.behavior_version]
-            self.versions.setdefault(after.state, Counter())[after.behavior_version] += 1
+        version = after.behavior_version
+        if before is None:
+            if after.chain is not None:
+                self.chains.setdefault(after.chain, []).append(after.rollout_id)
+        elif before.state == after.state and before.behavior_version == version:
+            pass  # counts by state and version unchanged
+        else:
+            was = self.versions.get(before.state)
+            old = before.behavior_version
+            if was is not None and was.get(old, 0) > 0:
+                if was[old] == 1:
+                    del was[old]
+                else:
+                    was[old] -= 1
+        if before is None or before.state != after.state or before.behavior_version != version:
+            now = self.versions.get(after.state)
+            if now is None:
+                now = self.versions[after.state] = Counter()
+            now[version] = now.get(version, 0) + 1
         if before is not None and before.reserved_by is not None:
             held = self.owners.get(before.reserved_by)
             if held is not None and before.rollout_id in held:

@@ -229,6 +229,10 @@ class MachineSpec:
         self.tags: dict[str, tuple[str, ...]] = {
             s: tuple(self.machine.get_state(s).tags) for s in self.states
         }
+        self._stages: dict[str, frozenset[str]] = {
+            s: frozenset(t.split(":", 1)[1] for t in tags if t.startswith("stage:"))
+            for s, tags in self.tags.items()
+        }
         edges: list[Edge] = []
         for event_name, event in self.machine.events.items():
             for source, trans_list in event.transitions.items():
@@ -333,7 +337,7 @@ class MachineSpec:
 
     def stages(self, state: str) -> frozenset[str]:
         """Stages a failure in `state` may be recorded at (its `stage:` tags); empty if none."""
-        return frozenset(t.split(":", 1)[1] for t in self.tags[state] if t.startswith("stage:"))
+        return self._stages[state]  # read off the tags once (every write's check asks)
 
 
 LIFECYCLE = MachineSpec("lifecycle", LIFECYCLE_STATES, LIFECYCLE_TRANSITIONS, initial="dispatched")

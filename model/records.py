@@ -52,6 +52,8 @@ def text_problem(value: object, *, max_length: int | None = MAX_ID_LENGTH) -> st
         return f"must be at most {max_length} characters, got {len(value)}"
     if "\x00" in value:
         return f"must not contain a NUL character, got {brief(value)}"
+    if value.isascii():  # no surrogate to find: skip the encoding copy
+        return None
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:

@@ -6,18 +6,73 @@ read sets of rows, count states and mark bad versions, written once with ``?`` p
 from __future__ import annotations
 
 import functools
+import json
+import operator
 from collections.abc import Sequence
 from typing import Any
 
-from rollout_lifecycle.model.events import EntryChanged, TraceEvent, entry_payload, stored_payload
+import attrs
+
+from rollout_lifecycle.model.events import (
+    EntryChanged,
+    TraceEvent,
+    entry_payload,
+    json_scalar,
+    stored_payload,
+)
 from rollout_lifecycle.model.ledger import dump_entry, read_entry
 from rollout_lifecycle.model.pacing import PacingRow, rows_from_columns
-from rollout_lifecycle.model.records import LedgerEntry
+from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, to_jsonable
 
 
 def read_bad(conn: Any) -> frozenset[int]:
     """The versions marked bad (one statement, no parameters: the same on both servers)."""
     return frozenset(int(r[0]) for r in conn.execute("SELECT version FROM ledger_bad_versions"))
+
+
+# What a reservation (and most writes) changes of an entry: the top-level fields between
+# "state" and "lease_expires_at", and "admission". `splice_entry` rewrites just these in a
+# stored text; every other field must be the very same object before and after.
+_SPLICED = ("state", "revision", "reserved_by", "lease_expires_at", "admission")
+_KEPT = operator.attrgetter(*(a.name for a in attrs.fields(LedgerEntry) if a.name not in _SPLICED))
+
+
+def splice_entry(before_text: str, fields: tuple[str, str, str], admission_json: str) -> str | None:
+    """`dump_entry(after)` made from `before_text`, the exact `dump_entry` of an entry that
+    differs from `after` in `_SPLICED` fields only: `fields` are after's ',"state":...'
+    up to the revision, its revision, and ',"reserved_by":...' through the lease, as
+    `dump_entry` encodes them (see `reservation_fields`), `admission_json` its stamp's JSON;
+    None when the text is not laid out as expected.
+
+    The keys are found by text: a compact JSON string never holds an unescaped quote, so
+    ',"state":' and the like can only be the top-level keys; the fields in between are
+    scalars, and no record nested in an entry has a field named "admission" or "releases".
+    """
+    i = before_text.find(',"state":')
+    j = before_text.find(',"reward":', i)
+    k = before_text.rfind(',"releases":')
+    m = before_text.rfind(',"admission":', j, k)
+    if i < 0 or j < 0 or m < 0:
+        return None
+    head, revision, tail = fields
+    return (
+        f'{before_text[:i]}{head}{revision}{tail}{before_text[j:m]},"admission":'
+        f"{admission_json}{before_text[k:]}"
+    )
+
+
+def reservation_fields(after: LedgerEntry) -> tuple[str, str, str]:
+    """The `fields` of `splice_entry` for `after`."""
+    return (
+        f',"state":{json_scalar(after.state)},"revision":',
+        json_scalar(after.revision),
+        f',"reserved_by":{json_scalar(after.reserved_by)}'
+        f',"lease_expires_at":{json_scalar(after.lease_expires_at)}',
+    )
+
+
+# the stamp whose JSON was made last, by any step (held, so its id is not reused)
+_LAST_STAMP: list[tuple[object, str]] = [(object(), "")]
 
 
 @functools.cache
@@ -41,6 +96,9 @@ class SqlUnit:
         # the stored JSON of entries this step read or wrote, so that their events' payloads
         # reuse it instead of encoding each entry again (kept with the entry: ids are reused)
         self.texts: dict[int, tuple[LedgerEntry, str]] = {}
+        self.stamps: dict[int, tuple[AdmissionStamp, str]] = {}
+        # (state, owner, lease) objects last encoded, with their fields (see `_fields`)
+        self.shared: tuple[tuple[object, ...], tuple[str, str, str]] = ((object(),) * 3, ("",) * 3)
 
     def load(self, text: str) -> LedgerEntry:
         """An entry read in this step (its text kept when it is exactly what dump makes)."""
@@ -53,6 +111,48 @@ class SqlUnit:
         """The JSON to store of an entry this step writes (kept for its event)."""
         text = dump_entry(entry)
         self.texts[id(entry)] = (entry, text)
+        return text
+
+    def dump_after(self, before: LedgerEntry, after: LedgerEntry) -> str:
+        """`dump(after)` for a write of `after` over `before`: when this step holds
+        before's stored text and only the fields a reservation changes differ, the text is
+        spliced instead of encoding the whole entry again (the same bytes either way)."""
+        found = self.texts.get(id(before))
+        if found is not None and found[0] is before:
+            kept = all(map(operator.is_, _KEPT(before), _KEPT(after)))
+            if kept:
+                text = splice_entry(found[1], self._fields(after), self._admission_json(after))
+                if text is not None:
+                    self.texts[id(after)] = (after, text)
+                    return text
+        return self.dump(after)
+
+    def _fields(self, after: LedgerEntry) -> tuple[str, str, str]:
+        """`reservation_fields(after)`, its state, owner and lease encoded once per step
+        (a batch's rows share them)."""
+        key = (after.state, after.reserved_by, after.lease_expires_at)
+        known, (head, _, tail) = self.shared
+        if not all(map(operator.is_, known, key)):
+            head, _, tail = reservation_fields(after)
+            self.shared = (key, (head, "", tail))
+        return head, json_scalar(after.revision), tail
+
+    def _admission_json(self, entry: LedgerEntry) -> str:
+        """The JSON of an entry's stamp as `dump_entry` nests it, once per stamp per step
+        (a batch's rows mostly share one)."""
+        stamp = entry.admission
+        if stamp is None:
+            return "null"
+        found = self.stamps.get(id(stamp))
+        if found is not None and found[0] is stamp:
+            return found[1]
+        last = _LAST_STAMP[0]  # a caller reserving one rollout per step, same stamp
+        if last[0] is stamp:
+            text = last[1]
+        else:
+            text = json.dumps(to_jsonable(entry)["admission"], separators=(",", ":"))
+            _LAST_STAMP[0] = (stamp, text)
+        self.stamps[id(stamp)] = (stamp, text)
         return text
 
     def _text(self, entry: LedgerEntry | None) -> str | None:

@@ -36,6 +36,7 @@ from rollout_lifecycle.model.ledger import (
     UnitOfWork,
     check_lease_seconds,
     load_entry,
+    read_entry,
 )
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
@@ -112,6 +113,9 @@ class _Unit(SqlUnit):
     def __init__(self, store: SQLiteStore, conn: sqlite3.Connection) -> None:
         super().__init__(conn)
         self.store = store
+        found = store.found  # a single reservation plans on the entry `find` just read
+        if found is not None:
+            self.texts[id(found[0])] = found
 
     def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
         return self.store.rows(self.conn, rollout_ids, self.load)
@@ -153,7 +157,7 @@ class _Unit(SqlUnit):
                 a.revision,
                 a.reserved_by,
                 a.lease_expires_at,
-                self.dump(a),
+                self.dump_after(b, a),
                 a.rollout_id,
                 b.revision,
             )
@@ -187,6 +191,10 @@ class SQLiteStore:
         self.path = path
         self.read_only = read_only
         self._registry_seen = False
+        # the entry `find` read last, with its stored text when it is exactly what `dump`
+        # makes: a step writing over that very object reuses the text (any thread's:
+        # the object itself is checked, by identity)
+        self.found: tuple[LedgerEntry, str] | None = None
         self.conns = Connections(
             path, read_only=read_only, component=COMPONENT, version=SCHEMA_VERSION, ddl=_DDL
         )
@@ -218,6 +226,12 @@ class SQLiteStore:
             )
             out.update((rid, load(text)) for rid, text in conn.execute(sql, part).fetchall())
         return out
+
+    def _load_found(self, text: str) -> LedgerEntry:
+        entry, exact = read_entry(text)
+        if exact:
+            self.found = (entry, text)
+        return entry
 
     def premise(self, conn: sqlite3.Connection) -> ActivationPremise:
         """The active pointer and ever-active versions, read inside the caller's transaction.
@@ -263,7 +277,7 @@ class SQLiteStore:
     def find(self, rollout_id: str) -> LedgerEntry | None:
         self.conns.check_file()
         try:
-            return self.rows(self.conns.conn(), [rollout_id]).get(rollout_id)
+            return self.rows(self.conns.conn(), [rollout_id], self._load_found).get(rollout_id)
         except sqlite3.Error as exc:
             raise LedgerError(f"{self.path}: read failed ({exc})") from exc
 

@@ -75,6 +75,9 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
         assert all(r["wins"] == r["rollouts"] for r in x["racing"])  # every rollout won once
         assert len(x["commits_per_s"]) == 2 and all(map(_number, x["commits_per_s"].values()))
         assert {"batch_vs_single", "commit_large_vs_small"} <= set(x["ratios"])
+    scale = report["ledgers"]["memory"]["scale"]
+    assert list(scale["cpu_us_per_row"]) == ["200", "2000"] and scale["gc"] == "on"
+    assert all(map(_number, [*scale["cpu_us_per_row"].values(), *scale["ratios"].values()]))
     assert {"autocommit_update_per_s", "executemany_1000_per_s"} <= set(
         report["ledgers"]["sqlite"]["baseline"]
     )

@@ -3,15 +3,17 @@ declaration) behaves the same on every path."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import struct
 from pathlib import Path
 
 import attrs
 import pytest
 
 from rollout_lifecycle.model.errors import InvalidRecord
-from rollout_lifecycle.model.events import EntryChanged, entry_payload, stored_payload
+from rollout_lifecycle.model.events import EntryChanged, chain_hash, entry_payload, stored_payload
 from rollout_lifecycle.model.ledger import (
     MemoryLedger,
     Step,
@@ -26,7 +28,9 @@ from rollout_lifecycle.model.records import (
     LedgerEntry,
     Reward,
     from_jsonable,
+    to_jsonable,
 )
+from rollout_lifecycle.model.sql_unit import SqlUnit, reservation_fields, splice_entry
 from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
 
 STAMP = AdmissionStamp(3, 3, 1, 0.5, 0.01, "fresh", "ok", True)
@@ -194,3 +198,93 @@ def test_evolve_validates_what_changed_as_attrs_evolve_would() -> None:
         with pytest.raises(InvalidRecord) as theirs:
             attrs.evolve(e, **bad)
         assert str(ours.value) == str(theirs.value)
+
+
+def _tricky() -> list[tuple[LedgerEntry, LedgerEntry]]:
+    """(before, after) pairs of a reservation, with ids and texts that look like the keys
+    `splice_entry` finds, an int lease, no stamp, and nested records before and after."""
+    pairs = []
+    for rid in ("r1", 'x,"state":y', 'q\\",\\"admission\\":', "ü\u2028", 'r,"releases":1'):
+        for chain in (None, 'c,"releases":2,"admission":null'):
+            before = LedgerEntry(
+                rid,
+                3,
+                'h"',
+                state="rewarded",
+                reward=Reward('f,"admission":', "1", 0.1),
+                chain=chain,
+                attempt=0 if chain is None else 2,
+                tokens=None if chain is None else 7,
+            )
+            for lease, stamp in ((1e9, STAMP), (3, None), (1 / 3, STAMP)):
+                after = _evolve(
+                    before,
+                    state="reserved",
+                    revision=1,
+                    reserved_by='u"',
+                    lease_expires_at=lease,
+                    admission=stamp,
+                )
+                pairs.append((before, after))
+    return pairs
+
+
+def test_a_spliced_entry_is_byte_for_byte_its_full_encoding() -> None:
+    """A write that changes only a reservation's fields reuses the row's stored text: the
+    spliced JSON is exactly what `dump_entry` writes, whatever the ids and texts hold."""
+    unit = SqlUnit(None)
+    for before, after in _tricky():
+        stamp = json.dumps(to_jsonable(after.admission), separators=(",", ":"))
+        spliced = splice_entry(dump_entry(before), reservation_fields(after), stamp)
+        assert spliced == dump_entry(after)
+        loaded = unit.load(dump_entry(before))  # the step read the row: its text is kept
+        planned = _evolve(loaded, **_reservation_of(after))
+        assert unit.dump_after(loaded, planned) == dump_entry(after)
+
+
+def _reservation_of(after: LedgerEntry) -> dict[str, object]:
+    names = ("state", "revision", "reserved_by", "lease_expires_at", "admission")
+    return {n: getattr(after, n) for n in names}
+
+
+def test_splicing_needs_the_exact_text_and_nothing_else_changed() -> None:
+    """A text that is not laid out as `dump_entry` writes it is not spliced, and a write
+    that changes any other field is encoded in full: both give `dump_entry`'s bytes."""
+    before, after = _tricky()[0]
+    spaced = json.dumps(json.loads(dump_entry(before)))  # ", " and ": " separators
+    assert splice_entry(spaced, reservation_fields(after), "null") is None
+    unit = SqlUnit(None)
+    loaded = unit.load(dump_entry(before))
+    released = _evolve(loaded, releases=1, **_reservation_of(after))
+    assert unit.dump_after(loaded, released) == dump_entry(released)
+
+
+def test_evolve_never_skips_a_check_for_a_value_it_has_not_passed() -> None:
+    """The planners' evolve skips a field's validator only for the very object it passed
+    last: a bad value after a good one, or an equal but different object, is judged."""
+    e = _entries()[0]
+    ok = {"state": "reserved", "revision": 1, "lease_expires_at": 3.0}
+    assert _evolve(e, reserved_by="u", **ok).reserved_by == "u"
+    for bad in ("", "x" * 10_000, "a\x00b"):
+        with pytest.raises(InvalidRecord):
+            _evolve(e, reserved_by=bad, **ok)
+    with pytest.raises(InvalidRecord):
+        _evolve(e, reserved_by="u", **{**ok, "lease_expires_at": math.nan})
+
+
+def test_the_chain_hash_is_the_documented_formula() -> None:
+    """hash_n = sha256(prev || seq || txn || len-prefixed kind, subject, payload), as the
+    audit recomputes it; surrogates are hashed as stored (surrogatepass)."""
+
+    def text(v: str) -> bytes:
+        raw = v.encode("utf-8", "surrogatepass")
+        return struct.pack(">q", len(raw)) + raw
+
+    for prev, seq, txn, kind, subject, payload in (
+        (bytes(32), 1, 1, "entry", "r1", '{"a":1}'),
+        (b"x" * 32, 2**40, 7, "artifact", "\udcff\u00e9", "p\ud800"),
+    ):
+        want = struct.pack(">qq", seq, txn) + text(kind) + text(subject) + text(payload)
+        assert chain_hash(prev, seq, txn, kind, subject, payload) == (
+            hashlib.sha256(prev + want).digest()
+        )
