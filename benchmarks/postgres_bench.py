@@ -10,8 +10,16 @@ cost of a winning reservation through the real code path (read, plan, enforce, t
 under its lock, the CAS statement, events and counters under the events lock, COMMIT). The
 baseline is the bare write those rows need: one autocommit ``UPDATE ... WHERE rollout_id =``
 per row for the single mode, one ``UPDATE ... WHERE rollout_id = ANY(...)`` per chunk for the
-batch mode. Wall time runs from a barrier every worker has reached to the last one done.
-No figure is asserted anywhere; the ratio inside one run is what to read.
+batch mode. The batch mode has a second baseline doing the SAME writes as a reservation
+batch: per chunk, in one transaction (the same durability), one ``UPDATE ... FROM
+unnest(...)`` of the same columns (state, revision, owner, lease, the entry's JSON) and one
+INSERT of the same event rows (kind, subject, payload JSON, seq, txn, 32-byte hashes), the
+JSON built before the clock starts: the database's own speed for that work. Wall time runs
+from a barrier every worker has reached to the last one done. No figure is asserted
+anywhere; the ratio inside one run is what to read.
+
+`--code DIR` imports rollout_lifecycle from another checkout (workers included), so two
+versions can be measured against the same baselines, run after run.
 
 Standalone and importable: `run_bench(url, ...)` returns the rows as dicts.
 """
@@ -52,6 +60,54 @@ def _ids(worker: int, n: int, tag: str) -> list[str]:
     return [f"{tag}-w{worker}-{i:06d}" for i in range(n)]
 
 
+def _planned(rids: list[str], update_id: str) -> tuple[list[Any], list[str]]:
+    """What reserving `rids` (as `_prepare` added them) writes: the new entries and the
+    events' payloads, built as the ledger builds them (outside any clock)."""
+    from rollout_lifecycle.model.events import entry_events, entry_payload
+    from rollout_lifecycle.model.ledger import NO_REGISTRY, dump_entry, plan_reserve
+
+    rows, payloads = [], []
+    for rid in rids:
+        before = _entry(rid)
+        _, after = plan_reserve(
+            before, rid, 0, update_id, _stamp(), premise=NO_REGISTRY, lease_expires_at=time.time()
+        )
+        assert after is not None
+        (ev,) = entry_events([("reserve", before, after, update_id)], time.time())
+        text = dump_entry(after)
+        rows.append((after, text))
+        payloads.append(entry_payload(ev, None, dump_entry(before), text))
+    return rows, payloads
+
+
+def _entry(rid: str) -> Any:
+    from rollout_lifecycle.model.records import LedgerEntry, Reward
+
+    return LedgerEntry(
+        rollout_id=rid,
+        behavior_version=1,
+        artifact_hash=HASH,
+        state="rewarded",
+        reward=Reward("bench", "1", 1.0),
+    )
+
+
+# the same columns a reservation batch writes, arrays sent in binary (%b): no quoting in Python
+_SAME_UPDATE = """
+UPDATE rollouts r SET state = u.state, revision = u.revision, reserved_by = u.reserved_by,
+    lease_expires_at = u.lease, entry = u.entry
+FROM unnest(%b::text[], %b::text[], %b::bigint[], %b::text[], %b::float8[], %b::text[])
+    AS u(rollout_id, state, revision, reserved_by, lease, entry)
+WHERE r.rollout_id = u.rollout_id
+"""
+_SAME_EVENTS = """
+INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
+SELECT nextval('events_seq'), t.txn, 'entry', u.subject, u.payload, u.h, u.h
+FROM (SELECT nextval('events_txn') AS txn) t,
+    unnest(%b::text[], %b::text[], %b::bytea[]) AS u(subject, payload, h)
+"""
+
+
 def _worker(
     url: str, schema: str, mode: str, worker: int, n: int, chunk: int, barrier: Any, out: Any
 ) -> None:
@@ -64,6 +120,7 @@ def _worker(
 
         rids = _ids(worker, n, "r")
         stamp = _stamp()
+        same = _planned(rids, f"u{worker}") if mode == "same-batch" else ([], [])
         led = PostgresLedger(url, schema=schema, pool_size=1)
         conn = psycopg.connect(url, autocommit=True, options=f"-c search_path={schema}")
         barrier.wait(timeout=300)
@@ -92,6 +149,23 @@ def _worker(
                         (time.time(), part),
                     )
                 won += cur.rowcount
+        elif mode == "same-batch":
+            entries, payloads = same
+            for i in range(0, n, chunk):
+                part = entries[i : i + chunk]
+                cols = (
+                    [a.rollout_id for a, _ in part],
+                    [a.state for a, _ in part],
+                    [a.revision for a, _ in part],
+                    [a.reserved_by for a, _ in part],
+                    [a.lease_expires_at for a, _ in part],
+                    [t for _, t in part],
+                )
+                hashes = [bytes(32)] * len(part)
+                with conn.transaction():
+                    cur = conn.execute(_SAME_UPDATE, cols)
+                    conn.execute(_SAME_EVENTS, (cols[0], payloads[i : i + chunk], hashes))
+                won += cur.rowcount
         else:
             raise ValueError(mode)
         elapsed = time.perf_counter() - t0
@@ -112,7 +186,7 @@ def _prepare(url: str, schema: str, workers: int, n: int) -> None:
     from rollout_lifecycle.model.postgres_common import PostgresDatabase
     from rollout_lifecycle.model.postgres_ledger import PostgresLedger
     from rollout_lifecycle.model.postgres_registry import PostgresRegistry
-    from rollout_lifecycle.model.records import AdmissionPolicy, LedgerEntry, Reward, WorkerAck
+    from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck
 
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
@@ -127,22 +201,10 @@ def _prepare(url: str, schema: str, workers: int, n: int) -> None:
         c.distribute(1)
         c.record_ack(WorkerAck("w0", 1, HASH, token=c.attempt_token("w0", 1)))
         assert c.try_activate(1).activated
-        reward = Reward("bench", "1", 1.0)
         for w in range(workers):
             rids = _ids(w, n, "r")
             for i in range(0, n, 5000):
-                led.add_many(
-                    [
-                        LedgerEntry(
-                            rollout_id=r,
-                            behavior_version=1,
-                            artifact_hash=HASH,
-                            state="rewarded",
-                            reward=reward,
-                        )
-                        for r in rids[i : i + 5000]
-                    ]
-                )
+                led.add_many([_entry(r) for r in rids[i : i + 5000]])
     finally:
         led.close()
         reg.close()
@@ -193,6 +255,8 @@ def run_bench(
             cas = _run(url, schema, f"cas-{mode}", k, n, chunk)
             plain = _run(url, schema, f"plain-{mode}", k, n, chunk)
             assert cas["done"] == plain["done"] == k * n, (cas, plain)
+            same = _run(url, schema, "same-batch", k, n, chunk) if mode == "batch" else None
+            assert same is None or same["done"] == k * n, same
             row = {
                 "mode": mode,
                 "chunk": chunk if mode == "batch" else 1,
@@ -204,22 +268,38 @@ def run_bench(
                 "cas_wall_s": round(cas["wall_s"], 3),
                 "plain_wall_s": round(plain["wall_s"], 3),
             }
+            if same is not None:
+                row["same_update_per_s"] = round(same["per_s"])
+                row["cas_vs_same"] = round(cas["per_s"] / same["per_s"], 3)
             say(
                 f"{mode:6} x{k}: CAS {row['cas_per_s']:>7,}/s  plain UPDATE "
                 f"{row['plain_update_per_s']:>7,}/s  ratio {row['cas_vs_plain']}"
+                + (
+                    f"  same-columns {row['same_update_per_s']:>7,}/s  ratio {row['cas_vs_same']}"
+                    if same is not None
+                    else ""
+                )
             )
             rows.append(row)
     return rows
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = "| mode | workers | rows | CAS reservations/s | plain UPDATE rows/s | CAS / plain |"
-    lines = [head, "|---|---:|---:|---:|---:|---:|"]
+    head = (
+        "| mode | workers | rows | CAS reservations/s | plain UPDATE rows/s | CAS / plain "
+        "| same-columns rows/s | CAS / same |"
+    )
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         mode = f"batch ({r['chunk']}/stmt)" if r["mode"] == "batch" else "single"
+        same = (
+            f"{r['same_update_per_s']:,} | {r['cas_vs_same']:.2f}"
+            if "same_update_per_s" in r
+            else "- | -"
+        )
         lines.append(
             f"| {mode} | {r['workers']} | {r['rows']:,} | {r['cas_per_s']:,} | "
-            f"{r['plain_update_per_s']:,} | {r['cas_vs_plain']:.2f} |"
+            f"{r['plain_update_per_s']:,} | {r['cas_vs_plain']:.2f} | {same} |"
         )
     return "\n".join(lines)
 
@@ -233,7 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-n", type=int, default=10_000, help="rollouts per worker, batch")
     ap.add_argument("--chunk", type=int, default=250, help="rollouts per batch statement")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    ap.add_argument(
+        "--code", type=Path, help="import rollout_lifecycle from this checkout (default: this one)"
+    )
     args = ap.parse_args(argv)
+    if args.code is not None:  # spawned workers inherit sys.path
+        sys.path.insert(0, str(args.code.resolve()))
     workers = tuple(int(x) for x in args.workers.split(","))
     server = None
     url = args.url
