@@ -5,8 +5,9 @@
 module only makes "check the revision and write" indivisible there:
 
 - A compare-and-set is ONE conditional statement: ``UPDATE rollouts ... WHERE rollout_id =
-  %s AND revision = %s`` for one row, ``UPDATE ... FROM json_to_recordset(...)`` with
-  RETURNING the winners for a set. Under READ COMMITTED a racing UPDATE waits for the
+  %s AND revision = %s`` for one row, ``UPDATE ... FROM unnest(...)`` (the columns as
+  binary arrays: no JSON to quote or parse) with RETURNING the winners for a set. Under
+  READ COMMITTED a racing UPDATE waits for the
   winner's COMMIT, re-checks the WHERE on the new row and matches nothing: the loser gets 0
   rows, never an error and never an overwrite. The set statement's CTE locks the matching
   rows in rollout_id order first, so two batches over overlapping rows can never deadlock.
@@ -24,6 +25,14 @@ module only makes "check the revision and write" indivisible there:
   under READ COMMITTED the predicate is re-checked on rows that changed while waiting.
   The bad-version lock (shared for add/abort/expiry, exclusive for quarantine_version)
   keeps a rollout of a version being marked bad from slipping through open.
+- A single reservation (`peek`, `write_one`: the ledger's `GuardedStore`) is two round
+  trips. One autocommit read takes the row, the premise and the server's time; the ledger
+  plans, judges and enforces on them; then ONE call of the server-side function
+  `ledger_write_one_v1` (created on open) takes the premise lock SHARED, checks that the
+  premise is still the one the plan was judged on (an equality of the stored facts, no
+  rule), compare-and-sets the row, appends the events and counters with the statement
+  `append_events` sends, and inserts the commit mark only when it wrote. A premise that
+  moved sends the reservation through the step above; a row that moved is re-read.
 
 Events and counters are written last, in one statement under the events lock (see
 `postgres_common`), in the same transaction as the rows they describe.
@@ -69,7 +78,7 @@ from rollout_lifecycle.model.postgres_common import (
     PostgresDatabase,
     append_events,
     append_statement,
-    event_rows,
+    event_columns,
     has_table,
     lock_sql,
     read_events,
@@ -131,9 +140,9 @@ _CAS_ONE = (
 # writes exactly those rows and returns their ids: the winners.
 _CAS_MANY = """
 WITH v AS (
-    SELECT * FROM json_to_recordset(%s::json)
-        AS v(rollout_id text, expected bigint, state text, revision bigint, reserved_by text,
-             lease float8, entry text)
+    SELECT * FROM unnest(%b::text[], %b::bigint[], %b::text[], %b::bigint[], %b::text[],
+                         %b::float8[], %b::text[])
+        AS v(rollout_id, expected, state, revision, reserved_by, lease, entry)
 ), locked AS (
     SELECT r.rollout_id FROM rollouts r JOIN v ON r.rollout_id = v.rollout_id
     WHERE r.revision = v.expected
@@ -209,7 +218,9 @@ _WRITE_ONE_ARGS = (
     ("p_rollout_id", "text"),
     ("p_expected", "bigint"),
     ("p_n", "bigint"),
-    ("p_events", "text"),
+    ("p_kinds", "text[]"),
+    ("p_subjects", "text[]"),
+    ("p_payloads", "text[]"),
     ("p_counters", "text"),
     ("p_token", "text"),
 )
@@ -218,7 +229,9 @@ _APPEND_IN_FUNCTION = (
     append_statement(counted=True, result="txn INTO v_txn FROM t")
     .replace("%(key)s", str(K_EVENTS))
     .replace("%(n)s", "p_n")
-    .replace("%(events)s", "p_events")
+    .replace("%(kinds)b", "p_kinds")
+    .replace("%(subjects)b", "p_subjects")
+    .replace("%(payloads)b", "p_payloads")
     .replace("%(counters)s", "p_counters")
     .replace("%%", "%")
 )
@@ -254,7 +267,7 @@ $fn$;
 _WRITE_ONE_CALL = (
     f"SELECT {WRITE_ONE}("
     + ", ".join(
-        f"%({n[2:]})s" + ("::double precision" if t.startswith("double") else "")
+        f"%({n[2:]})b" if t.endswith("[]") else f"%({n[2:]})s" + ("::float8" if t[0] == "d" else "")
         for n, t in _WRITE_ONE_ARGS
     )
     + ")"
@@ -383,19 +396,16 @@ class _Unit(SqlUnit):
             args = (a.state, a.revision, a.reserved_by, a.lease_expires_at, self.dump(a))
             row = self.conn.execute(_CAS_ONE, (*args, a.rollout_id, b.revision)).fetchone()
             return set() if row is None else {a.rollout_id}
-        doc = [
-            {
-                "rollout_id": a.rollout_id,
-                "expected": b.revision,
-                "state": a.state,
-                "revision": a.revision,
-                "reserved_by": a.reserved_by,
-                "lease": a.lease_expires_at,
-                "entry": self.dump(a),
-            }
-            for b, a in pairs
-        ]
-        return {str(r[0]) for r in self.conn.execute(_CAS_MANY, (json.dumps(doc),)).fetchall()}
+        columns = (
+            [a.rollout_id for _, a in pairs],
+            [b.revision for b, _ in pairs],
+            [a.state for _, a in pairs],
+            [a.revision for _, a in pairs],
+            [a.reserved_by for _, a in pairs],
+            [a.lease_expires_at for _, a in pairs],
+            [self.dump(a) for _, a in pairs],
+        )
+        return {str(r[0]) for r in self.conn.execute(_CAS_MANY, columns).fetchall()}
 
     def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
         rows = sorted((k, v) for k, v in counts.items() if v)
@@ -516,7 +526,7 @@ class PostgresStore:
             "rollout_id": after.rollout_id,
             "expected": before.revision,
             "n": len(changes),
-            "events": event_rows(entry_events(changes, at), unit.payload),
+            **event_columns(entry_events(changes, at), unit.payload),
             "counters": json.dumps([{"name": k, "n": v} for k, v in sorted(counts.items()) if v]),
         }
         return self.atomic(OneStatement(_WRITE_ONE_CALL, params, _won, "won"), step)
