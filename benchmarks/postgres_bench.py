@@ -18,8 +18,10 @@ JSON built before the clock starts: the database's own speed for that work. Wall
 from a barrier every worker has reached to the last one done. No figure is asserted
 anywhere; the ratio inside one run is what to read.
 
-`--code DIR` imports rollout_lifecycle from another checkout (workers included), so two
-versions can be measured against the same baselines, run after run.
+`--repeats R` runs R interleaved rounds on fresh rows and reports medians (and the median
+of the per-round ratios). `--code DIR` (repeatable) measures the CAS of the
+rollout_lifecycle in that checkout: every round runs each one, so two versions are
+compared against the same baselines in one run.
 
 Standalone and importable: `run_bench(url, ...)` returns the rows as dicts.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -109,16 +112,28 @@ FROM (SELECT nextval('events_txn') AS txn) t,
 
 
 def _worker(
-    url: str, schema: str, mode: str, worker: int, n: int, chunk: int, barrier: Any, out: Any
+    url: str,
+    schema: str,
+    mode: str,
+    worker: int,
+    n: int,
+    chunk: int,
+    barrier: Any,
+    out: Any,
+    tag: str = "r",
+    code: str | None = None,
 ) -> None:
-    """One process: reserve its n rollouts (mode cas-*) or plain-UPDATE them (plain-*)."""
+    """One process: reserve its n rollouts of slice `tag` (mode cas-*), or write them as a
+    baseline does (plain-*, same-batch), with rollout_lifecycle imported from `code`."""
+    if code is not None:
+        sys.path.insert(0, code)
     try:
         import psycopg
 
         from rollout_lifecycle.model.ledger import ReserveRequest
         from rollout_lifecycle.model.postgres_ledger import PostgresLedger
 
-        rids = _ids(worker, n, "r")
+        rids = _ids(worker, n, tag)
         stamp = _stamp()
         same = _planned(rids, f"u{worker}") if mode == "same-batch" else ([], [])
         led = PostgresLedger(url, schema=schema, pool_size=1)
@@ -171,14 +186,25 @@ def _worker(
         elapsed = time.perf_counter() - t0
         conn.close()
         led.close()
-        out.put({"worker": worker, "done": won, "t0": t0, "t1": t0 + elapsed})
+        import rollout_lifecycle
+
+        out.put(
+            {
+                "worker": worker,
+                "done": won,
+                "t0": t0,
+                "t1": t0 + elapsed,
+                "code": str(Path(rollout_lifecycle.__file__).resolve().parents[1]),
+            }
+        )
     except BaseException as exc:
         out.put({"worker": worker, "error": repr(exc)})
         raise
 
 
-def _prepare(url: str, schema: str, workers: int, n: int) -> None:
-    """A fresh schema with v1 active and every worker's n rollouts waiting (rewarded)."""
+def _prepare(url: str, schema: str, workers: int, n: int, tags: tuple[str, ...] = ("r",)) -> None:
+    """A fresh schema with v1 active and every worker's n rollouts of each slice in `tags`
+    waiting (rewarded)."""
     import psycopg
     from psycopg import sql
 
@@ -201,8 +227,8 @@ def _prepare(url: str, schema: str, workers: int, n: int) -> None:
         c.distribute(1)
         c.record_ack(WorkerAck("w0", 1, HASH, token=c.attempt_token("w0", 1)))
         assert c.try_activate(1).activated
-        for w in range(workers):
-            rids = _ids(w, n, "r")
+        for w, tag in ((w, t) for w in range(workers) for t in tags):
+            rids = _ids(w, n, tag)
             for i in range(0, n, 5000):
                 led.add_many([_entry(r) for r in rids[i : i + 5000]])
     finally:
@@ -210,12 +236,21 @@ def _prepare(url: str, schema: str, workers: int, n: int) -> None:
         reg.close()
 
 
-def _run(url: str, schema: str, mode: str, workers: int, n: int, chunk: int) -> dict[str, Any]:
+def _run(
+    url: str,
+    schema: str,
+    mode: str,
+    workers: int,
+    n: int,
+    chunk: int,
+    tag: str = "r",
+    code: str | None = None,
+) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(workers)
     out: Any = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(url, schema, mode, w, n, chunk, barrier, out))
+        ctx.Process(target=_worker, args=(url, schema, mode, w, n, chunk, barrier, out, tag, code))
         for w in range(workers)
     ]
     for p in procs:
@@ -226,9 +261,15 @@ def _run(url: str, schema: str, mode: str, workers: int, n: int, chunk: int) -> 
     errors = [g["error"] for g in got if "error" in g]
     if errors:
         raise RuntimeError(f"{mode} x{workers}: {errors}")
+    if code is not None and {g["code"] for g in got} != {str(Path(code).resolve())}:
+        raise RuntimeError(f"{mode}: workers imported {sorted({g['code'] for g in got})}")
     done = sum(g["done"] for g in got)
     wall = max(g["t1"] for g in got) - min(g["t0"] for g in got)
     return {"done": done, "wall_s": wall, "per_s": done / wall}
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
 
 
 def run_bench(
@@ -238,58 +279,78 @@ def run_bench(
     single_n: int = 1500,
     batch_n: int = 10_000,
     chunk: int = 250,
+    repeats: int = 1,
+    codes: tuple[str | None, ...] = (None,),
     progress: Any = None,
 ) -> list[dict[str, Any]]:
-    """Every (mode, workers) row: CAS reservations/s and plain-UPDATE rows/s on the same rows.
+    """Every (mode, workers, code) row: CAS reservations/s, plain-UPDATE rows/s and (batch)
+    same-columns rows/s, each the median over `repeats` rounds, with the median of the
+    per-round ratios.
 
-    `single_n` / `batch_n` are rollouts per worker. The plain UPDATE runs right after the CAS
-    on the very rows the CAS reserved (the same rows, the same row size, a warm cache).
+    `single_n` / `batch_n` are rollouts per worker and round. In each round every code's
+    CAS runs on fresh rows of its own, one after the other; then the baselines run right
+    after, on the rows the first code's CAS reserved (the same rows, the same row size, a
+    warm cache). Rounds interleave, so slow and fast moments of a shared machine fall on
+    every series alike.
     """
     say = progress or (lambda _t: None)
     rows = []
     for mode, n in (("single", single_n), ("batch", batch_n)):
         for k in workers:
             schema = f"bench_{mode}_{k}"
-            say(f"preparing {mode} x{k}: {k * n} rollouts")
-            _prepare(url, schema, k, n)
-            cas = _run(url, schema, f"cas-{mode}", k, n, chunk)
-            plain = _run(url, schema, f"plain-{mode}", k, n, chunk)
-            assert cas["done"] == plain["done"] == k * n, (cas, plain)
-            same = _run(url, schema, "same-batch", k, n, chunk) if mode == "batch" else None
-            assert same is None or same["done"] == k * n, same
-            row = {
-                "mode": mode,
-                "chunk": chunk if mode == "batch" else 1,
-                "workers": k,
-                "rows": k * n,
-                "cas_per_s": round(cas["per_s"]),
-                "plain_update_per_s": round(plain["per_s"]),
-                "cas_vs_plain": round(cas["per_s"] / plain["per_s"], 3),
-                "cas_wall_s": round(cas["wall_s"], 3),
-                "plain_wall_s": round(plain["wall_s"], 3),
-            }
-            if same is not None:
-                row["same_update_per_s"] = round(same["per_s"])
-                row["cas_vs_same"] = round(cas["per_s"] / same["per_s"], 3)
-            say(
-                f"{mode:6} x{k}: CAS {row['cas_per_s']:>7,}/s  plain UPDATE "
-                f"{row['plain_update_per_s']:>7,}/s  ratio {row['cas_vs_plain']}"
-                + (
-                    f"  same-columns {row['same_update_per_s']:>7,}/s  ratio {row['cas_vs_same']}"
-                    if same is not None
-                    else ""
+            tags = tuple(f"r{rep}c{c}" for rep in range(repeats) for c in range(len(codes)))
+            say(f"preparing {mode} x{k}: {k * n * len(tags)} rollouts")
+            _prepare(url, schema, k, n, tags)
+            rounds: list[dict[str, Any]] = []
+            for rep in range(repeats):
+                got: dict[str, Any] = {}
+                for c, code in enumerate(codes):
+                    got[f"cas{c}"] = _run(
+                        url, schema, f"cas-{mode}", k, n, chunk, f"r{rep}c{c}", code
+                    )
+                got["plain"] = _run(url, schema, f"plain-{mode}", k, n, chunk, f"r{rep}c0")
+                if mode == "batch":
+                    got["same"] = _run(url, schema, "same-batch", k, n, chunk, f"r{rep}c0")
+                assert all(g["done"] == k * n for g in got.values()), got
+                rounds.append({key: g["per_s"] for key, g in got.items()})
+                say(
+                    f"{mode:6} x{k} round {rep + 1}/{repeats}: "
+                    + "  ".join(f"{key} {v:,.0f}/s" for key, v in rounds[-1].items())
                 )
-            )
-            rows.append(row)
+            for c, code in enumerate(codes):
+                cas = [r[f"cas{c}"] for r in rounds]
+                row: dict[str, Any] = {
+                    "mode": mode,
+                    "chunk": chunk if mode == "batch" else 1,
+                    "workers": k,
+                    "rows": k * n,
+                    "repeats": repeats,
+                    "code": code or str(ROOT),
+                    "cas_per_s": round(_median(cas)),
+                    "plain_update_per_s": round(_median([r["plain"] for r in rounds])),
+                    "cas_vs_plain": round(_median([r[f"cas{c}"] / r["plain"] for r in rounds]), 3),
+                    "rounds": rounds,
+                }
+                if mode == "batch":
+                    row["same_update_per_s"] = round(_median([r["same"] for r in rounds]))
+                    row["cas_vs_same"] = round(
+                        _median([r[f"cas{c}"] / r["same"] for r in rounds]), 3
+                    )
+                say(
+                    f"{mode:6} x{k} {row['code']}: CAS {row['cas_per_s']:,}/s  ratio to plain "
+                    f"UPDATE {row['cas_vs_plain']}"
+                    + (f"  to same-columns {row['cas_vs_same']}" if mode == "batch" else "")
+                )
+                rows.append(row)
     return rows
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| mode | workers | rows | CAS reservations/s | plain UPDATE rows/s | CAS / plain "
+        "| code | mode | workers | rows | CAS reservations/s | plain UPDATE rows/s | CAS / plain "
         "| same-columns rows/s | CAS / same |"
     )
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         mode = f"batch ({r['chunk']}/stmt)" if r["mode"] == "batch" else "single"
         same = (
@@ -298,7 +359,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
             else "- | -"
         )
         lines.append(
-            f"| {mode} | {r['workers']} | {r['rows']:,} | {r['cas_per_s']:,} | "
+            f"| {r['code']} | {mode} | {r['workers']} | {r['rows']:,} | {r['cas_per_s']:,} | "
             f"{r['plain_update_per_s']:,} | {r['cas_vs_plain']:.2f} | {same} |"
         )
     return "\n".join(lines)
@@ -313,12 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-n", type=int, default=10_000, help="rollouts per worker, batch")
     ap.add_argument("--chunk", type=int, default=250, help="rollouts per batch statement")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds (medians)")
     ap.add_argument(
-        "--code", type=Path, help="import rollout_lifecycle from this checkout (default: this one)"
+        "--code",
+        type=Path,
+        action="append",
+        help="measure the CAS of the rollout_lifecycle in this checkout (repeatable: each "
+        "round runs every one; default: this checkout)",
     )
     args = ap.parse_args(argv)
-    if args.code is not None:  # spawned workers inherit sys.path
-        sys.path.insert(0, str(args.code.resolve()))
+    codes = tuple(str(c.resolve()) for c in args.code) if args.code else (None,)
     workers = tuple(int(x) for x in args.workers.split(","))
     server = None
     url = args.url
@@ -335,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
             single_n=args.single_n,
             batch_n=args.batch_n,
             chunk=args.chunk,
+            repeats=args.repeats,
+            codes=codes,
             progress=print,
         )
     finally:
