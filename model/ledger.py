@@ -1005,9 +1005,10 @@ class GuardedStore(Protocol):
     """A store that can do a single compare-and-set in fewer round trips than a step: read
     the row with the premise (`peek`), then write the row, its events and counters as ONE
     atomic write that first checks, under the premise lock, that the premise is still what
-    was peeked (`write_one`). No rule is judged by the store: the ledger plans, judges and
-    enforces on what was peeked; the store only refuses to write when the row's revision or
-    the premise changed since (a compare-and-set on both)."""
+    was peeked (`write_one`; a transition, which reads no premise, uses it unguarded). No
+    rule is judged by the store: the ledger plans, judges and enforces on what was peeked;
+    the store only refuses to write when the row's revision or the premise changed since
+    (a compare-and-set on both)."""
 
     def peek(self, rollout_id: str) -> tuple[LedgerEntry | None, Peeked]:
         """The row (None: absent) and the premise, from one consistent read."""
@@ -1165,6 +1166,18 @@ class StoreLedger:
             raise RevisionConflict(rollout_id, expected_revision, entry.revision)
         new = plan_transition(entry, event, **changes)
         enforce([new])
+        step = Step(f"transition {event}")
+        if self._guarded is not None:  # one write with its events, no premise to guard
+            got = self._guarded.write_one(
+                (entry, new), [(event, entry, new, None)], self.clock(), {"writes": 1}, step, None
+            )
+            if got == "won":
+                return new
+            now = self.find(rollout_id)
+            self._count_local({"cas_conflicts": 1})
+            raise RevisionConflict(
+                rollout_id, expected_revision, -1 if now is None else now.revision
+            )
 
         def body(uow: UnitOfWork, local: Counter[str]) -> LedgerEntry:
             if uow.write([(entry, new)]):
@@ -1177,7 +1190,7 @@ class StoreLedger:
                 rollout_id, expected_revision, -1 if now is None else now.revision
             )
 
-        return self._step(body, Step(f"transition {event}"))
+        return self._step(body, step)
 
     def reserve(
         self,
