@@ -19,7 +19,10 @@ from a barrier every worker has reached to the last one done. No figure is asser
 anywhere; the ratio inside one run is what to read.
 
 `--repeats R` runs R interleaved rounds on fresh rows and reports medians (and the median
-of the per-round ratios). `--code DIR` (repeatable) measures the CAS of the
+of the per-round ratios); the single mode also times every reservation next to a plain
+UPDATE of the same row in the same process ("call by call": plain time / reservation
+time), so a load that changes between runs falls on both alike. `--code DIR` (repeatable)
+measures the CAS of the
 rollout_lifecycle in that checkout: every round runs each one, so two versions are
 compared against the same baselines in one run.
 
@@ -141,7 +144,19 @@ def _worker(
         barrier.wait(timeout=300)
         t0 = time.perf_counter()
         won = 0
-        if mode == "cas-single":
+        split = [0.0, 0.0]  # mode mixed-single: seconds in reservations, in plain UPDATEs
+        if mode == "mixed-single":  # each reservation, then the plain UPDATE of that row
+            for rid in rids:
+                t = time.perf_counter()
+                won += led.reserve(rid, 0, f"u{worker}", stamp).reserved
+                split[0] += time.perf_counter() - t
+                t = time.perf_counter()
+                conn.execute(
+                    "UPDATE rollouts SET lease_expires_at = %s WHERE rollout_id = %s",
+                    (time.time(), rid),
+                )
+                split[1] += time.perf_counter() - t
+        elif mode == "cas-single":
             for rid in rids:
                 won += led.reserve(rid, 0, f"u{worker}", stamp).reserved
         elif mode == "cas-batch":
@@ -195,6 +210,7 @@ def _worker(
                 "t0": t0,
                 "t1": t0 + elapsed,
                 "code": str(Path(rollout_lifecycle.__file__).resolve().parents[1]),
+                "split": split,
             }
         )
     except BaseException as exc:
@@ -265,7 +281,8 @@ def _run(
         raise RuntimeError(f"{mode}: workers imported {sorted({g['code'] for g in got})}")
     done = sum(g["done"] for g in got)
     wall = max(g["t1"] for g in got) - min(g["t0"] for g in got)
-    return {"done": done, "wall_s": wall, "per_s": done / wall}
+    cas_s, plain_s = (sum(g["split"][i] for g in got) for i in (0, 1))
+    return {"done": done, "wall_s": wall, "per_s": done / wall, "split": [cas_s, plain_s]}
 
 
 def _median(values: list[float]) -> float:
@@ -298,7 +315,10 @@ def run_bench(
     for mode, n in (("single", single_n), ("batch", batch_n)):
         for k in workers:
             schema = f"bench_{mode}_{k}"
-            tags = tuple(f"r{rep}c{c}" for rep in range(repeats) for c in range(len(codes)))
+            kinds = ("c", "m") if mode == "single" else ("c",)
+            tags = tuple(
+                f"r{rep}{x}{c}" for rep in range(repeats) for x in kinds for c in range(len(codes))
+            )
             say(f"preparing {mode} x{k}: {k * n * len(tags)} rollouts")
             _prepare(url, schema, k, n, tags)
             rounds: list[dict[str, Any]] = []
@@ -311,8 +331,16 @@ def run_bench(
                 got["plain"] = _run(url, schema, f"plain-{mode}", k, n, chunk, f"r{rep}c0")
                 if mode == "batch":
                     got["same"] = _run(url, schema, "same-batch", k, n, chunk, f"r{rep}c0")
+                else:  # call by call: every reservation next to a plain UPDATE of its row
+                    for c, code in enumerate(codes):
+                        got[f"mixed{c}"] = _run(
+                            url, schema, "mixed-single", k, n, chunk, f"r{rep}m{c}", code
+                        )
                 assert all(g["done"] == k * n for g in got.values()), got
                 rounds.append({key: g["per_s"] for key, g in got.items()})
+                for key, g in got.items():
+                    if key.startswith("mixed"):  # plain UPDATE time / reservation time
+                        rounds[-1][key] = g["split"][1] / g["split"][0]
                 say(
                     f"{mode:6} x{k} round {rep + 1}/{repeats}: "
                     + "  ".join(f"{key} {v:,.0f}/s" for key, v in rounds[-1].items())
@@ -331,6 +359,9 @@ def run_bench(
                     "cas_vs_plain": round(_median([r[f"cas{c}"] / r["plain"] for r in rounds]), 3),
                     "rounds": rounds,
                 }
+                if mode == "single":
+                    calls = [r[f"mixed{c}"] for r in rounds]
+                    row["interleaved_cas_vs_plain"] = round(_median(calls), 3)
                 if mode == "batch":
                     row["same_update_per_s"] = round(_median([r["same"] for r in rounds]))
                     row["cas_vs_same"] = round(
@@ -339,7 +370,11 @@ def run_bench(
                 say(
                     f"{mode:6} x{k} {row['code']}: CAS {row['cas_per_s']:,}/s  ratio to plain "
                     f"UPDATE {row['cas_vs_plain']}"
-                    + (f"  to same-columns {row['cas_vs_same']}" if mode == "batch" else "")
+                    + (
+                        f"  to same-columns {row['cas_vs_same']}"
+                        if mode == "batch"
+                        else f"  (call by call: {row['interleaved_cas_vs_plain']})"
+                    )
                 )
                 rows.append(row)
     return rows
@@ -348,9 +383,9 @@ def run_bench(
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| code | mode | workers | rows | CAS reservations/s | plain UPDATE rows/s | CAS / plain "
-        "| same-columns rows/s | CAS / same |"
+        "| call by call | same-columns rows/s | CAS / same |"
     )
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         mode = f"batch ({r['chunk']}/stmt)" if r["mode"] == "batch" else "single"
         same = (
@@ -360,7 +395,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
         )
         lines.append(
             f"| {r['code']} | {mode} | {r['workers']} | {r['rows']:,} | {r['cas_per_s']:,} | "
-            f"{r['plain_update_per_s']:,} | {r['cas_vs_plain']:.2f} | {same} |"
+            f"{r['plain_update_per_s']:,} | {r['cas_vs_plain']:.2f} | "
+            + (f"{r['interleaved_cas_vs_plain']:.2f}" if "interleaved_cas_vs_plain" in r else "-")
+            + f" | {same} |"
         )
     return "\n".join(lines)
 
