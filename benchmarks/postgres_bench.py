@@ -343,7 +343,10 @@ def run_bench(
                         rounds[-1][key] = g["split"][1] / g["split"][0]
                 say(
                     f"{mode:6} x{k} round {rep + 1}/{repeats}: "
-                    + "  ".join(f"{key} {v:,.0f}/s" for key, v in rounds[-1].items())
+                    + "  ".join(
+                        f"{key} {v:.3f}" if key.startswith("mixed") else f"{key} {v:,.0f}/s"
+                        for key, v in rounds[-1].items()
+                    )
                 )
             for c, code in enumerate(codes):
                 cas = [r[f"cas{c}"] for r in rounds]
