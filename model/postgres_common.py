@@ -559,11 +559,11 @@ class PostgresDatabase:
         with self._lock:
             self._commits += 1
             prune = self._commits % _PRUNE_EVERY == 0
+        if prune:  # before the step, so that its failure can never follow a commit
+            conn.execute(_PRUNE_MARKS)
         attempt.result = step.landed
         attempt.committing = True
         row = conn.execute(step.sql, {**step.params, "token": attempt.token}).fetchone()
-        if prune:
-            conn.execute(_PRUNE_MARKS)
         return step.read(row)
 
     def _session(self, conn: Conn) -> Backend:

@@ -295,6 +295,29 @@ def test_single_reservation_is_two_round_trips(
         assert report.ok, [str(v) for v in report.violations[:5]]
 
 
+def test_old_commit_marks_are_pruned_by_both_kinds_of_write(postgres_url: str) -> None:
+    """Marks older than a day go once per 1,000 commits of a client, whether the commit was
+    a step's COMMIT (add) or a one-statement write (a single reservation)."""
+    import psycopg
+
+    from rollout_lifecycle.model import postgres_common as pc
+
+    led = _ledger(postgres_url)
+    add_rewarded(led, ["a"])
+    for write in (lambda: add_rewarded(led, ["b"]), lambda: led.reserve("a", 0, "u", stamp())):
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO commit_marks(token, at) VALUES ('old', now() - interval '2 days')"
+            )
+        led.db._commits = pc._PRUNE_EVERY - 1
+        write()
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            tokens = [r[0] for r in conn.execute("SELECT token FROM commit_marks")]
+        assert "old" not in tokens and len(tokens) >= 1
+    assert led.get("a").state == "reserved" and led.get("b").state == "rewarded"
+    led.close()
+
+
 def test_single_reservation_rejudges_a_premise_that_moved_after_its_read(
     postgres_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
