@@ -10,8 +10,21 @@ cost of a winning reservation through the real code path (read, plan, enforce, t
 under its lock, the CAS statement, events and counters under the events lock, COMMIT). The
 baseline is the bare write those rows need: one autocommit ``UPDATE ... WHERE rollout_id =``
 per row for the single mode, one ``UPDATE ... WHERE rollout_id = ANY(...)`` per chunk for the
-batch mode. Wall time runs from a barrier every worker has reached to the last one done.
-No figure is asserted anywhere; the ratio inside one run is what to read.
+batch mode. The batch mode has a second baseline doing the SAME writes as a reservation
+batch: per chunk, in one transaction (the same durability), one ``UPDATE ... FROM
+unnest(...)`` of the same columns (state, revision, owner, lease, the entry's JSON) and one
+INSERT of the same event rows (kind, subject, payload JSON, seq, txn, 32-byte hashes), the
+JSON built before the clock starts: the database's own speed for that work. Wall time runs
+from a barrier every worker has reached to the last one done. No figure is asserted
+anywhere; the ratio inside one run is what to read.
+
+`--repeats R` runs R interleaved rounds on fresh rows and reports medians (and the median
+of the per-round ratios); the single mode also times every reservation next to a plain
+UPDATE of the same row in the same process ("call by call": plain time / reservation
+time), so a load that changes between runs falls on both alike. `--code DIR` (repeatable)
+measures the CAS of the
+rollout_lifecycle in that checkout: every round runs each one, so two versions are
+compared against the same baselines in one run.
 
 Standalone and importable: `run_bench(url, ...)` returns the rows as dicts.
 """
@@ -21,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -52,24 +66,97 @@ def _ids(worker: int, n: int, tag: str) -> list[str]:
     return [f"{tag}-w{worker}-{i:06d}" for i in range(n)]
 
 
+def _planned(rids: list[str], update_id: str) -> tuple[list[Any], list[str]]:
+    """What reserving `rids` (as `_prepare` added them) writes: the new entries and the
+    events' payloads, built as the ledger builds them (outside any clock)."""
+    from rollout_lifecycle.model.events import entry_events, entry_payload
+    from rollout_lifecycle.model.ledger import NO_REGISTRY, dump_entry, plan_reserve
+
+    rows, payloads = [], []
+    for rid in rids:
+        before = _entry(rid)
+        _, after = plan_reserve(
+            before, rid, 0, update_id, _stamp(), premise=NO_REGISTRY, lease_expires_at=time.time()
+        )
+        assert after is not None
+        (ev,) = entry_events([("reserve", before, after, update_id)], time.time())
+        text = dump_entry(after)
+        rows.append((after, text))
+        payloads.append(entry_payload(ev, None, dump_entry(before), text))
+    return rows, payloads
+
+
+def _entry(rid: str) -> Any:
+    from rollout_lifecycle.model.records import LedgerEntry, Reward
+
+    return LedgerEntry(
+        rollout_id=rid,
+        behavior_version=1,
+        artifact_hash=HASH,
+        state="rewarded",
+        reward=Reward("bench", "1", 1.0),
+    )
+
+
+# the same columns a reservation batch writes, arrays sent in binary (%b): no quoting in Python
+_SAME_UPDATE = """
+UPDATE rollouts r SET state = u.state, revision = u.revision, reserved_by = u.reserved_by,
+    lease_expires_at = u.lease, entry = u.entry
+FROM unnest(%b::text[], %b::text[], %b::bigint[], %b::text[], %b::float8[], %b::text[])
+    AS u(rollout_id, state, revision, reserved_by, lease, entry)
+WHERE r.rollout_id = u.rollout_id
+"""
+_SAME_EVENTS = """
+INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
+SELECT nextval('events_seq'), t.txn, 'entry', u.subject, u.payload, u.h, u.h
+FROM (SELECT nextval('events_txn') AS txn) t,
+    unnest(%b::text[], %b::text[], %b::bytea[]) AS u(subject, payload, h)
+"""
+
+
 def _worker(
-    url: str, schema: str, mode: str, worker: int, n: int, chunk: int, barrier: Any, out: Any
+    url: str,
+    schema: str,
+    mode: str,
+    worker: int,
+    n: int,
+    chunk: int,
+    barrier: Any,
+    out: Any,
+    tag: str = "r",
+    code: str | None = None,
 ) -> None:
-    """One process: reserve its n rollouts (mode cas-*) or plain-UPDATE them (plain-*)."""
+    """One process: reserve its n rollouts of slice `tag` (mode cas-*), or write them as a
+    baseline does (plain-*, same-batch), with rollout_lifecycle imported from `code`."""
+    if code is not None:
+        sys.path.insert(0, code)
     try:
         import psycopg
 
         from rollout_lifecycle.model.ledger import ReserveRequest
         from rollout_lifecycle.model.postgres_ledger import PostgresLedger
 
-        rids = _ids(worker, n, "r")
+        rids = _ids(worker, n, tag)
         stamp = _stamp()
+        same = _planned(rids, f"u{worker}") if mode == "same-batch" else ([], [])
         led = PostgresLedger(url, schema=schema, pool_size=1)
         conn = psycopg.connect(url, autocommit=True, options=f"-c search_path={schema}")
         barrier.wait(timeout=300)
         t0 = time.perf_counter()
         won = 0
-        if mode == "cas-single":
+        split = [0.0, 0.0]  # mode mixed-single: seconds in reservations, in plain UPDATEs
+        if mode == "mixed-single":  # each reservation, then the plain UPDATE of that row
+            for rid in rids:
+                t = time.perf_counter()
+                won += led.reserve(rid, 0, f"u{worker}", stamp).reserved
+                split[0] += time.perf_counter() - t
+                t = time.perf_counter()
+                conn.execute(
+                    "UPDATE rollouts SET lease_expires_at = %s WHERE rollout_id = %s",
+                    (time.time(), rid),
+                )
+                split[1] += time.perf_counter() - t
+        elif mode == "cas-single":
             for rid in rids:
                 won += led.reserve(rid, 0, f"u{worker}", stamp).reserved
         elif mode == "cas-batch":
@@ -92,19 +179,48 @@ def _worker(
                         (time.time(), part),
                     )
                 won += cur.rowcount
+        elif mode == "same-batch":
+            entries, payloads = same
+            for i in range(0, n, chunk):
+                part = entries[i : i + chunk]
+                cols = (
+                    [a.rollout_id for a, _ in part],
+                    [a.state for a, _ in part],
+                    [a.revision for a, _ in part],
+                    [a.reserved_by for a, _ in part],
+                    [a.lease_expires_at for a, _ in part],
+                    [t for _, t in part],
+                )
+                hashes = [bytes(32)] * len(part)
+                with conn.transaction():
+                    cur = conn.execute(_SAME_UPDATE, cols)
+                    conn.execute(_SAME_EVENTS, (cols[0], payloads[i : i + chunk], hashes))
+                won += cur.rowcount
         else:
             raise ValueError(mode)
         elapsed = time.perf_counter() - t0
         conn.close()
         led.close()
-        out.put({"worker": worker, "done": won, "t0": t0, "t1": t0 + elapsed})
+        import rollout_lifecycle
+
+        out.put(
+            {
+                "worker": worker,
+                "done": won,
+                "t0": t0,
+                "t1": t0 + elapsed,
+                "code": str(Path(rollout_lifecycle.__file__).resolve().parents[1]),
+                "split": split,
+            }
+        )
     except BaseException as exc:
         out.put({"worker": worker, "error": repr(exc)})
         raise
 
 
-def _prepare(url: str, schema: str, workers: int, n: int) -> None:
-    """A fresh schema with v1 active and every worker's n rollouts waiting (rewarded)."""
+def _prepare(url: str, schema: str, workers: int, n: int, tags: tuple[str, ...] = ("r",)) -> None:
+    """A fresh schema with v1 active and every worker's n rollouts of each slice in `tags`
+    waiting (rewarded)."""
     import psycopg
     from psycopg import sql
 
@@ -112,7 +228,7 @@ def _prepare(url: str, schema: str, workers: int, n: int) -> None:
     from rollout_lifecycle.model.postgres_common import PostgresDatabase
     from rollout_lifecycle.model.postgres_ledger import PostgresLedger
     from rollout_lifecycle.model.postgres_registry import PostgresRegistry
-    from rollout_lifecycle.model.records import AdmissionPolicy, LedgerEntry, Reward, WorkerAck
+    from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck
 
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
@@ -127,33 +243,30 @@ def _prepare(url: str, schema: str, workers: int, n: int) -> None:
         c.distribute(1)
         c.record_ack(WorkerAck("w0", 1, HASH, token=c.attempt_token("w0", 1)))
         assert c.try_activate(1).activated
-        reward = Reward("bench", "1", 1.0)
-        for w in range(workers):
-            rids = _ids(w, n, "r")
+        for w, tag in ((w, t) for w in range(workers) for t in tags):
+            rids = _ids(w, n, tag)
             for i in range(0, n, 5000):
-                led.add_many(
-                    [
-                        LedgerEntry(
-                            rollout_id=r,
-                            behavior_version=1,
-                            artifact_hash=HASH,
-                            state="rewarded",
-                            reward=reward,
-                        )
-                        for r in rids[i : i + 5000]
-                    ]
-                )
+                led.add_many([_entry(r) for r in rids[i : i + 5000]])
     finally:
         led.close()
         reg.close()
 
 
-def _run(url: str, schema: str, mode: str, workers: int, n: int, chunk: int) -> dict[str, Any]:
+def _run(
+    url: str,
+    schema: str,
+    mode: str,
+    workers: int,
+    n: int,
+    chunk: int,
+    tag: str = "r",
+    code: str | None = None,
+) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(workers)
     out: Any = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(url, schema, mode, w, n, chunk, barrier, out))
+        ctx.Process(target=_worker, args=(url, schema, mode, w, n, chunk, barrier, out, tag, code))
         for w in range(workers)
     ]
     for p in procs:
@@ -164,9 +277,16 @@ def _run(url: str, schema: str, mode: str, workers: int, n: int, chunk: int) -> 
     errors = [g["error"] for g in got if "error" in g]
     if errors:
         raise RuntimeError(f"{mode} x{workers}: {errors}")
+    if code is not None and {g["code"] for g in got} != {str(Path(code).resolve())}:
+        raise RuntimeError(f"{mode}: workers imported {sorted({g['code'] for g in got})}")
     done = sum(g["done"] for g in got)
     wall = max(g["t1"] for g in got) - min(g["t0"] for g in got)
-    return {"done": done, "wall_s": wall, "per_s": done / wall}
+    cas_s, plain_s = (sum(g["split"][i] for g in got) for i in (0, 1))
+    return {"done": done, "wall_s": wall, "per_s": done / wall, "split": [cas_s, plain_s]}
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
 
 
 def run_bench(
@@ -176,50 +296,111 @@ def run_bench(
     single_n: int = 1500,
     batch_n: int = 10_000,
     chunk: int = 250,
+    repeats: int = 1,
+    codes: tuple[str | None, ...] = (None,),
     progress: Any = None,
 ) -> list[dict[str, Any]]:
-    """Every (mode, workers) row: CAS reservations/s and plain-UPDATE rows/s on the same rows.
+    """Every (mode, workers, code) row: CAS reservations/s, plain-UPDATE rows/s and (batch)
+    same-columns rows/s, each the median over `repeats` rounds, with the median of the
+    per-round ratios.
 
-    `single_n` / `batch_n` are rollouts per worker. The plain UPDATE runs right after the CAS
-    on the very rows the CAS reserved (the same rows, the same row size, a warm cache).
+    `single_n` / `batch_n` are rollouts per worker and round. In each round every code's
+    CAS runs on fresh rows of its own, one after the other; then the baselines run right
+    after, on the rows the first code's CAS reserved (the same rows, the same row size, a
+    warm cache). Rounds interleave, so slow and fast moments of a shared machine fall on
+    every series alike.
     """
     say = progress or (lambda _t: None)
     rows = []
     for mode, n in (("single", single_n), ("batch", batch_n)):
         for k in workers:
             schema = f"bench_{mode}_{k}"
-            say(f"preparing {mode} x{k}: {k * n} rollouts")
-            _prepare(url, schema, k, n)
-            cas = _run(url, schema, f"cas-{mode}", k, n, chunk)
-            plain = _run(url, schema, f"plain-{mode}", k, n, chunk)
-            assert cas["done"] == plain["done"] == k * n, (cas, plain)
-            row = {
-                "mode": mode,
-                "chunk": chunk if mode == "batch" else 1,
-                "workers": k,
-                "rows": k * n,
-                "cas_per_s": round(cas["per_s"]),
-                "plain_update_per_s": round(plain["per_s"]),
-                "cas_vs_plain": round(cas["per_s"] / plain["per_s"], 3),
-                "cas_wall_s": round(cas["wall_s"], 3),
-                "plain_wall_s": round(plain["wall_s"], 3),
-            }
-            say(
-                f"{mode:6} x{k}: CAS {row['cas_per_s']:>7,}/s  plain UPDATE "
-                f"{row['plain_update_per_s']:>7,}/s  ratio {row['cas_vs_plain']}"
+            kinds = ("c", "m") if mode == "single" else ("c",)
+            tags = tuple(
+                f"r{rep}{x}{c}" for rep in range(repeats) for x in kinds for c in range(len(codes))
             )
-            rows.append(row)
+            say(f"preparing {mode} x{k}: {k * n * len(tags)} rollouts")
+            _prepare(url, schema, k, n, tags)
+            rounds: list[dict[str, Any]] = []
+            for rep in range(repeats):
+                got: dict[str, Any] = {}
+                for c, code in enumerate(codes):
+                    got[f"cas{c}"] = _run(
+                        url, schema, f"cas-{mode}", k, n, chunk, f"r{rep}c{c}", code
+                    )
+                got["plain"] = _run(url, schema, f"plain-{mode}", k, n, chunk, f"r{rep}c0")
+                if mode == "batch":
+                    got["same"] = _run(url, schema, "same-batch", k, n, chunk, f"r{rep}c0")
+                else:  # call by call: every reservation next to a plain UPDATE of its row
+                    for c, code in enumerate(codes):
+                        got[f"mixed{c}"] = _run(
+                            url, schema, "mixed-single", k, n, chunk, f"r{rep}m{c}", code
+                        )
+                assert all(g["done"] == k * n for g in got.values()), got
+                rounds.append({key: g["per_s"] for key, g in got.items()})
+                for key, g in got.items():
+                    if key.startswith("mixed"):  # plain UPDATE time / reservation time
+                        rounds[-1][key] = g["split"][1] / g["split"][0]
+                say(
+                    f"{mode:6} x{k} round {rep + 1}/{repeats}: "
+                    + "  ".join(
+                        f"{key} {v:.3f}" if key.startswith("mixed") else f"{key} {v:,.0f}/s"
+                        for key, v in rounds[-1].items()
+                    )
+                )
+            for c, code in enumerate(codes):
+                cas = [r[f"cas{c}"] for r in rounds]
+                row: dict[str, Any] = {
+                    "mode": mode,
+                    "chunk": chunk if mode == "batch" else 1,
+                    "workers": k,
+                    "rows": k * n,
+                    "repeats": repeats,
+                    "code": code or str(ROOT),
+                    "cas_per_s": round(_median(cas)),
+                    "plain_update_per_s": round(_median([r["plain"] for r in rounds])),
+                    "cas_vs_plain": round(_median([r[f"cas{c}"] / r["plain"] for r in rounds]), 3),
+                    "rounds": rounds,
+                }
+                if mode == "single":
+                    calls = [r[f"mixed{c}"] for r in rounds]
+                    row["interleaved_cas_vs_plain"] = round(_median(calls), 3)
+                if mode == "batch":
+                    row["same_update_per_s"] = round(_median([r["same"] for r in rounds]))
+                    row["cas_vs_same"] = round(
+                        _median([r[f"cas{c}"] / r["same"] for r in rounds]), 3
+                    )
+                say(
+                    f"{mode:6} x{k} {row['code']}: CAS {row['cas_per_s']:,}/s  ratio to plain "
+                    f"UPDATE {row['cas_vs_plain']}"
+                    + (
+                        f"  to same-columns {row['cas_vs_same']}"
+                        if mode == "batch"
+                        else f"  (call by call: {row['interleaved_cas_vs_plain']})"
+                    )
+                )
+                rows.append(row)
     return rows
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = "| mode | workers | rows | CAS reservations/s | plain UPDATE rows/s | CAS / plain |"
-    lines = [head, "|---|---:|---:|---:|---:|---:|"]
+    head = (
+        "| code | mode | workers | rows | CAS reservations/s | plain UPDATE rows/s | CAS / plain "
+        "| call by call | same-columns rows/s | CAS / same |"
+    )
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         mode = f"batch ({r['chunk']}/stmt)" if r["mode"] == "batch" else "single"
+        same = (
+            f"{r['same_update_per_s']:,} | {r['cas_vs_same']:.2f}"
+            if "same_update_per_s" in r
+            else "- | -"
+        )
         lines.append(
-            f"| {mode} | {r['workers']} | {r['rows']:,} | {r['cas_per_s']:,} | "
-            f"{r['plain_update_per_s']:,} | {r['cas_vs_plain']:.2f} |"
+            f"| {r['code']} | {mode} | {r['workers']} | {r['rows']:,} | {r['cas_per_s']:,} | "
+            f"{r['plain_update_per_s']:,} | {r['cas_vs_plain']:.2f} | "
+            + (f"{r['interleaved_cas_vs_plain']:.2f}" if "interleaved_cas_vs_plain" in r else "-")
+            + f" | {same} |"
         )
     return "\n".join(lines)
 
@@ -233,7 +414,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-n", type=int, default=10_000, help="rollouts per worker, batch")
     ap.add_argument("--chunk", type=int, default=250, help="rollouts per batch statement")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds (medians)")
+    ap.add_argument(
+        "--code",
+        type=Path,
+        action="append",
+        help="measure the CAS of the rollout_lifecycle in this checkout (repeatable: each "
+        "round runs every one; default: this checkout)",
+    )
     args = ap.parse_args(argv)
+    codes = tuple(str(c.resolve()) for c in args.code) if args.code else (None,)
     workers = tuple(int(x) for x in args.workers.split(","))
     server = None
     url = args.url
@@ -250,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
             single_n=args.single_n,
             batch_n=args.batch_n,
             chunk=args.chunk,
+            repeats=args.repeats,
+            codes=codes,
             progress=print,
         )
     finally:

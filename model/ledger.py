@@ -1059,6 +1059,50 @@ class Store(Protocol):
         ...
 
 
+@attrs.frozen
+class Peeked:
+    """What a store read of the registry together with a row, outside any step: the
+    premise a reservation is planned and judged on, the store's clock then (None: the
+    ledger's), and `token`, the store's own record of what it read, which its guarded
+    write compares under the premise lock before writing (see `GuardedStore`)."""
+
+    premise: ActivationPremise
+    now: float | None
+    token: object = attrs.field(eq=False, repr=False)
+
+
+WriteOutcome = Literal["won", "lost", "moved"]
+
+
+@runtime_checkable
+class GuardedStore(Protocol):
+    """A store that can do a single compare-and-set in fewer round trips than a step: read
+    the row with the premise (`peek`), then write the row, its events and counters as ONE
+    atomic write that first checks, under the premise lock, that the premise is still what
+    was peeked (`write_one`; a transition, which reads no premise, uses it unguarded). No
+    rule is judged by the store: the ledger plans, judges and enforces on what was peeked;
+    the store only refuses to write when the row's revision or the premise changed since
+    (a compare-and-set on both)."""
+
+    def peek(self, rollout_id: str) -> tuple[LedgerEntry | None, Peeked]:
+        """The row (None: absent) and the premise, from one consistent read."""
+        ...
+
+    def write_one(
+        self,
+        pair: tuple[LedgerEntry, LedgerEntry],
+        changes: Sequence[Change],
+        at: float,
+        counts: Mapping[str, int],
+        step: Step,
+        seen: Peeked | None,
+    ) -> WriteOutcome:
+        """Compare-and-set `pair` and append `changes` and `counts` in one atomic write.
+        With `step.premise`, only while the premise is `seen`'s ("moved" otherwise);
+        "lost" when the row's revision moved; "won" when all of it landed."""
+        ...
+
+
 class StoreLedger:
     """The one ledger: the protocol over any `Store`.
 
@@ -1084,6 +1128,7 @@ class StoreLedger:
         self.recovery = recovery or RecoveryRule()
         self._outcomes: Counter[str] = Counter()
         self._outcomes_lock = threading.Lock()
+        self._guarded = store if isinstance(store, GuardedStore) else None
 
     # ---- plumbing ------------------------------------------------------------------------
 
@@ -1195,6 +1240,18 @@ class StoreLedger:
             raise RevisionConflict(rollout_id, expected_revision, entry.revision)
         new = plan_transition(entry, event, **changes)
         enforce([new])
+        step = Step(f"transition {event}")
+        if self._guarded is not None:  # one write with its events, no premise to guard
+            got = self._guarded.write_one(
+                (entry, new), [(event, entry, new, None)], self.clock(), {"writes": 1}, step, None
+            )
+            if got == "won":
+                return new
+            now = self.find(rollout_id)
+            self._count_local({"cas_conflicts": 1})
+            raise RevisionConflict(
+                rollout_id, expected_revision, -1 if now is None else now.revision
+            )
 
         def body(uow: UnitOfWork, local: Counter[str]) -> LedgerEntry:
             if uow.write([(entry, new)]):
@@ -1207,7 +1264,7 @@ class StoreLedger:
                 rollout_id, expected_revision, -1 if now is None else now.revision
             )
 
-        return self._step(body, Step(f"transition {event}"))
+        return self._step(body, step)
 
     def reserve(
         self,
@@ -1220,22 +1277,53 @@ class StoreLedger:
 
         Planned on a read outside any step, so a conflict or a bad stamp costs no write
         lock; the step then judges the premise as of its own moment and writes with ONE
-        conditional write whose outcome decides who won.
+        conditional write whose outcome decides who won. A `GuardedStore` reads the premise
+        with the row, so it is judged with the plan, and writes only while the premise it
+        was judged on still holds under the premise lock (else the step judges it again).
         """
         check_update_id(update_id)
-        entry = self.find(rollout_id)
+        guarded, seen, start = self._guarded, None, None
+        if guarded is not None:  # the row and the premise in one read: judged right here
+            entry, seen = guarded.peek(check_id(rollout_id))
+            start = seen.now
+        else:
+            entry = self.find(rollout_id)
         out, new = plan_reserve(
             entry,
             rollout_id,
             expected_revision,
             update_id,
             admission,
-            premise=NO_REGISTRY,
-            lease_expires_at=self.clock() + self.lease_seconds,
+            premise=NO_REGISTRY if seen is None else seen.premise,
+            lease_expires_at=(self.clock() if start is None else start) + self.lease_seconds,
         )
         if new is None or entry is None:
             self._count_local({counter_of(out.reason): 1})
             return out
+        if guarded is not None:
+            enforce([new])
+            got = guarded.write_one(
+                (entry, new),
+                [("reserve", entry, new, update_id)],
+                self.clock(),
+                {"writes": 1, "reservations": 1},
+                Step("reserve", premise=True),
+                seen,
+            )
+            if got == "won":
+                return out
+            if got == "lost":  # see the step's own lost path below
+                again = replan_lost(
+                    self.find(rollout_id),
+                    rollout_id,
+                    expected_revision,
+                    update_id,
+                    admission,
+                    new.lease_expires_at,
+                )
+                self._count_local({counter_of(again.reason): 1})
+                return again
+            # "moved": the premise changed since the peek; judge it again inside a step
         planned, fresh, version = out, new, entry.behavior_version
 
         def body(uow: UnitOfWork, local: Counter[str]) -> ReserveOutcome:

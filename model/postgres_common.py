@@ -46,7 +46,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import attrs
 import psycopg
@@ -286,6 +286,25 @@ class _Attempt:
     result: Any = None
 
 
+@attrs.frozen
+class OneStatement(Generic[T]):
+    """A writing step that is ONE autocommit statement (a server-side function that takes
+    its own locks and inserts the commit mark itself, as `%(token)s`, only if it wrote):
+    one round trip, and no BEGIN or COMMIT of its own. `read` turns its row into the step's
+    result; `landed` is the result when it wrote, which is what a lost answer whose mark
+    is found returns (only a statement that wrote inserts the mark)."""
+
+    sql: str
+    params: Mapping[str, Any]
+    read: Callable[[tuple[Any, ...] | None], T]
+    landed: T
+
+    def __call__(self, conn: Conn) -> T:
+        """The same statement inside a transaction already open (its mark a fresh token)."""
+        args = {**self.params, "token": uuid.uuid4().hex}
+        return self.read(conn.execute(self.sql, args).fetchone())
+
+
 class PostgresDatabase:
     """One database (one schema in it) shared by a ledger and a registry.
 
@@ -502,6 +521,11 @@ class PostgresDatabase:
         with self._checkout() as conn:
             try:
                 attempt.backend = self._session(conn)
+                if isinstance(body, OneStatement):
+                    if prologue:
+                        raise LedgerError(f"{self.where}: a one-statement step takes its own locks")
+                    done: T = self._one_statement(conn, body, attempt)
+                    return done
                 # one round trip: BEGIN and the prologue; each statement its own snapshot
                 conn.execute(f"BEGIN; {prologue}" if prologue else "BEGIN")
                 result = body(conn)
@@ -528,6 +552,19 @@ class PostgresDatabase:
                 if isinstance(exc, psycopg.Error) and _is_lost(exc, conn):
                     raise _ConnectionBroke(_first_line(exc)) from exc
                 raise
+
+    def _one_statement(self, conn: Conn, step: OneStatement[T], attempt: _Attempt) -> T:
+        """`step` as one autocommit statement carrying the attempt's mark token: it commits
+        as it ends, so from the moment it is sent a lost answer is resolved by the mark."""
+        with self._lock:
+            self._commits += 1
+            prune = self._commits % _PRUNE_EVERY == 0
+        if prune:  # before the step, so that its failure can never follow a commit
+            conn.execute(_PRUNE_MARKS)
+        attempt.result = step.landed
+        attempt.committing = True
+        row = conn.execute(step.sql, {**step.params, "token": attempt.token}).fetchone()
+        return step.read(row)
 
     def _session(self, conn: Conn) -> Backend:
         """Who this connection is on the server; asked once per connection, then cached."""
@@ -828,8 +865,8 @@ WITH lk AS (
            setval('events_seq', nextval('events_seq') + %(n)s - 1) AS last
     FROM lk
 ), e AS (
-    SELECT * FROM json_to_recordset(%(events)s::json)
-        AS e(ord bigint, kind text, subject text, payload text)
+    SELECT * FROM unnest(%(kinds)b::text[], %(subjects)b::text[], %(payloads)b::text[])
+        WITH ORDINALITY AS e(kind, subject, payload, ord)
 ), hd AS (
     SELECT c.last_hash FROM lk, events_chain c WHERE c.id = 1 FOR UPDATE OF c
 ), msg AS (
@@ -850,7 +887,7 @@ WITH lk AS (
     SELECT 1, 0, 0, t.last, ch.hash FROM t, ch WHERE ch.ord = %(n)s
     ON CONFLICT (id) DO UPDATE SET last_seq = excluded.last_seq, last_hash = excluded.last_hash
 ){counting}
-SELECT txn, last FROM t
+SELECT {result}
 """
 )
 
@@ -863,8 +900,28 @@ _COUNTING = f"""
     ON CONFLICT (name, shard) DO UPDATE SET n = ledger_counters.n + excluded.n
 )"""
 
-_APPEND_PLAIN = _APPEND.format(counting="")
-_APPEND_COUNTED = _APPEND.format(counting=_COUNTING)
+
+def append_statement(*, counted: bool, result: str = "txn, last FROM t") -> str:
+    """The events append of `append_events` (with the ledger's counters when `counted`);
+    `result` replaces what it returns (a server-side function selects INTO its variables)."""
+    return _APPEND.replace("{counting}", _COUNTING if counted else "").replace("{result}", result)
+
+
+_APPEND_PLAIN = append_statement(counted=False)
+_APPEND_COUNTED = append_statement(counted=True)
+
+
+def event_columns(
+    events: Sequence[TraceEvent], payload_of: Payload = stored_payload
+) -> dict[str, list[str]]:
+    """One step's events as the arrays the append statement unnests, in order (seq and txn
+    are stamped by the server, under the events lock). Sent as binary arrays: no quoting of
+    the payloads' JSON, in Python or on the server."""
+    return {
+        "kinds": [ev.kind for ev in events],
+        "subjects": [event_subject(ev) for ev in events],
+        "payloads": [payload_of(ev, None) for ev in events],
+    }
 
 
 def append_events(
@@ -883,17 +940,8 @@ def append_events(
     and txn (none when not `stamped`)."""
     if not events:
         return []
-    rows = [
-        # seq and txn are columns, stamped by the server under the lock
-        {
-            "ord": i,
-            "kind": ev.kind,
-            "subject": event_subject(ev),
-            "payload": payload_of(ev, None),
-        }
-        for i, ev in enumerate(events, start=1)
-    ]
-    params: dict[str, Any] = {"key": K_EVENTS, "n": len(events), "events": json.dumps(rows)}
+    params: dict[str, Any] = {"key": K_EVENTS, "n": len(events)}
+    params.update(event_columns(events, payload_of))
     query = _APPEND_PLAIN
     counts = sorted((k, v) for k, v in (counters or {}).items() if v)
     if counts:

@@ -5,8 +5,9 @@
 module only makes "check the revision and write" indivisible there:
 
 - A compare-and-set is ONE conditional statement: ``UPDATE rollouts ... WHERE rollout_id =
-  %s AND revision = %s`` for one row, ``UPDATE ... FROM json_to_recordset(...)`` with
-  RETURNING the winners for a set. Under READ COMMITTED a racing UPDATE waits for the
+  %s AND revision = %s`` for one row, ``UPDATE ... FROM unnest(...)`` (the columns as
+  binary arrays: no JSON to quote or parse) with RETURNING the winners for a set. Under
+  READ COMMITTED a racing UPDATE waits for the
   winner's COMMIT, re-checks the WHERE on the new row and matches nothing: the loser gets 0
   rows, never an error and never an overwrite. The set statement's CTE locks the matching
   rows in rollout_id order first, so two batches over overlapping rows can never deadlock.
@@ -24,6 +25,14 @@ module only makes "check the revision and write" indivisible there:
   under READ COMMITTED the predicate is re-checked on rows that changed while waiting.
   The bad-version lock (shared for add/abort/expiry, exclusive for quarantine_version)
   keeps a rollout of a version being marked bad from slipping through open.
+- A single reservation (`peek`, `write_one`: the ledger's `GuardedStore`) is two round
+  trips. One autocommit read takes the row, the premise and the server's time; the ledger
+  plans, judges and enforces on them; then ONE call of the server-side function
+  `ledger_write_one_v1` (created on open) takes the premise lock SHARED, checks that the
+  premise is still the one the plan was judged on (an equality of the stored facts, no
+  rule), compare-and-sets the row, appends the events and counters with the statement
+  `append_events` sends, and inserts the commit mark only when it wrote. A premise that
+  moved sends the reservation through the step above; a row that moved is re-read.
 
 Events and counters are written last, in one statement under the events lock (see
 `postgres_common`), in the same transaction as the rows they describe.
@@ -37,18 +46,22 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import attrs
+
 from rollout_lifecycle.model.errors import DuplicateRollout, LedgerError
 from rollout_lifecycle.model.events import Change, EntryChanged, StoredRows, entry_events
 from rollout_lifecycle.model.ledger import (
     NO_REGISTRY,
     ActivationPremise,
     Clock,
+    Peeked,
     RecoveryRule,
     Step,
     StoreLedger,
     StoreView,
     Tallies,
     UnitOfWork,
+    WriteOutcome,
     check_lease_seconds,
     load_entry,
 )
@@ -57,10 +70,15 @@ from rollout_lifecycle.model.postgres_common import (
     COUNTER_SHARDS,
     K_BAD,
     K_DISPATCH,
+    K_EVENTS,
     K_PREMISE,
+    K_SCHEMA,
     Conn,
+    OneStatement,
     PostgresDatabase,
     append_events,
+    append_statement,
+    event_columns,
     has_table,
     lock_sql,
     read_events,
@@ -122,9 +140,9 @@ _CAS_ONE = (
 # writes exactly those rows and returns their ids: the winners.
 _CAS_MANY = """
 WITH v AS (
-    SELECT * FROM json_to_recordset(%s::json)
-        AS v(rollout_id text, expected bigint, state text, revision bigint, reserved_by text,
-             lease float8, entry text)
+    SELECT * FROM unnest(%b::text[], %b::bigint[], %b::text[], %b::bigint[], %b::text[],
+                         %b::float8[], %b::text[])
+        AS v(rollout_id, expected, state, revision, reserved_by, lease, entry)
 ), locked AS (
     SELECT r.rollout_id FROM rollouts r JOIN v ON r.rollout_id = v.rollout_id
     WHERE r.revision = v.expected
@@ -159,6 +177,109 @@ ON CONFLICT (name, shard) DO UPDATE SET n = ledger_counters.n + excluded.n
 """
 
 _WAS_ACTIVE = sorted(WAS_ACTIVE_STATES)
+
+# The reservation's premise as ONE deterministic JSON text (sets in order): read inside a
+# step (`read_premise`), read with a row outside any step (`peek`), and compared, under the
+# premise lock, by a single reservation's write with the text its plan was judged on. The
+# comparison is an equality of facts, not a rule: every rule stays in Python.
+_PREMISE = (
+    "json_build_array((SELECT version FROM registry_pointer WHERE id = 1), "
+    "ARRAY(SELECT version FROM registry_artifacts WHERE state = ANY(ARRAY["
+    + ", ".join(f"'{s}'" for s in _WAS_ACTIVE)
+    + "]) ORDER BY version), "
+    "(SELECT json_build_array(max_lag, max_drift, batch_size, max_attempts) "
+    "FROM registry_policy WHERE id = 1), "
+    "(SELECT json_agg(json_build_array(version, failure) ORDER BY version) "
+    "FROM registry_artifacts WHERE state = 'rolled_back'))::text"
+)
+_NOW = "extract(epoch FROM clock_timestamp())::float8"
+_PEEK = f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_PREMISE}"
+_PEEK_BARE = (
+    f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), "
+    "to_regclass('registry_pointer') IS NOT NULL"
+)
+# The single compare-and-set of `write_one` as ONE server-side function, so that it is ONE
+# autocommit statement (one round trip) with its plans cached by the server: the premise
+# lock (shared, taken first: the statements after it see every switch committed before),
+# the guard (the premise is still what the plan was judged on: an equality of facts, no
+# rule), the compare-and-set, the events and counters (the very statement `append_events`
+# sends), and the commit mark, inserted only when the row was written. Under READ
+# COMMITTED each statement of the function reads what committed before it started.
+# p_guard: 0 no premise (no lock), 1 a premise read with no registry, 2 a registry premise.
+WRITE_ONE = "ledger_write_one_v1"  # a changed body gets a new name
+_WRITE_ONE_ARGS = (
+    ("p_guard", "integer"),
+    ("p_premise", "text"),
+    ("p_state", "text"),
+    ("p_revision", "bigint"),
+    ("p_reserved_by", "text"),
+    ("p_lease", "double precision"),
+    ("p_entry", "text"),
+    ("p_rollout_id", "text"),
+    ("p_expected", "bigint"),
+    ("p_n", "bigint"),
+    ("p_kinds", "text[]"),
+    ("p_subjects", "text[]"),
+    ("p_payloads", "text[]"),
+    ("p_counters", "text"),
+    ("p_token", "text"),
+)
+_WRITE_ONE_SIGNATURE = f"{WRITE_ONE}({', '.join(t for _, t in _WRITE_ONE_ARGS)})"
+_APPEND_IN_FUNCTION = (
+    append_statement(counted=True, result="txn INTO v_txn FROM t")
+    .replace("%(key)s", str(K_EVENTS))
+    .replace("%(n)s", "p_n")
+    .replace("%(kinds)b", "p_kinds")
+    .replace("%(subjects)b", "p_subjects")
+    .replace("%(payloads)b", "p_payloads")
+    .replace("%(counters)s", "p_counters")
+    .replace("%%", "%")
+)
+_WRITE_ONE_DDL = f"""
+CREATE OR REPLACE FUNCTION {WRITE_ONE}({", ".join(f"{n} {t}" for n, t in _WRITE_ONE_ARGS)})
+RETURNS text LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    v_txn bigint;
+BEGIN
+    IF p_guard > 0 THEN
+        PERFORM pg_advisory_xact_lock_shared({K_PREMISE}, hashtext(current_schema()));
+    END IF;
+    IF p_guard = 1 AND to_regclass('registry_pointer') IS NOT NULL THEN
+        RETURN 'moved';
+    END IF;
+    IF p_guard = 2 THEN  -- nested: the registry's tables are planned only where they exist
+        IF {_PREMISE} IS DISTINCT FROM p_premise THEN
+            RETURN 'moved';
+        END IF;
+    END IF;
+    UPDATE rollouts SET state = p_state, revision = p_revision, reserved_by = p_reserved_by,
+        lease_expires_at = p_lease, entry = p_entry
+    WHERE rollout_id = p_rollout_id AND revision = p_expected;
+    IF NOT FOUND THEN
+        RETURN 'lost';
+    END IF;
+    {_APPEND_IN_FUNCTION.strip()};
+    INSERT INTO commit_marks(token) VALUES (p_token);
+    RETURN 'won';
+END
+$fn$;
+"""
+_WRITE_ONE_CALL = (
+    f"SELECT {WRITE_ONE}("
+    + ", ".join(
+        f"%({n[2:]})b" if t.endswith("[]") else f"%({n[2:]})s" + ("::float8" if t[0] == "d" else "")
+        for n, t in _WRITE_ONE_ARGS
+    )
+    + ")"
+)
+
+
+def _won(row: tuple[Any, ...] | None) -> WriteOutcome:
+    assert row is not None and row[0] in ("won", "lost", "moved"), row
+    out: WriteOutcome = row[0]
+    return out
+
+
 _LOCKS = {
     "premise": lock_sql(K_PREMISE, shared=True),
     "read": lock_sql(K_BAD, shared=True),
@@ -172,6 +293,27 @@ _LOCKS = {
 
 def _opt_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def _premise(text: str) -> ActivationPremise:
+    """The premise from `_PREMISE`'s text."""
+    pointer, was, pol, rolled = json.loads(text)
+    return ActivationPremise(
+        None if pointer is None else int(pointer),
+        frozenset(int(v) for v in was),
+        None
+        if pol is None
+        else AdmissionPolicy(int(pol[0]), float(pol[1]), _opt_int(pol[2]), _opt_int(pol[3])),
+        retired_from_rows(rolled or ()),
+    )
+
+
+@attrs.frozen
+class _Seen:
+    """What `peek` read: the premise's text (None: no registry) and the row's stored JSON."""
+
+    premise: str | None
+    entry: str | None
 
 
 def _rows(
@@ -210,27 +352,10 @@ class _Unit(SqlUnit):
             if not has_table(self.conn, "registry_pointer"):
                 return NO_REGISTRY
             self.store.registry_seen = True  # a registry, once created, never goes away
-        row = self.conn.execute(
-            "SELECT extract(epoch FROM clock_timestamp())::float8, "
-            "(SELECT version FROM registry_pointer WHERE id = 1), "
-            "ARRAY(SELECT version FROM registry_artifacts WHERE state = ANY(%s::text[])), "
-            "(SELECT json_build_array(max_lag, max_drift, batch_size, max_attempts) "
-            "FROM registry_policy WHERE id = 1), "
-            "(SELECT json_agg(json_build_array(version, failure)) FROM registry_artifacts "
-            "WHERE state = 'rolled_back')",
-            (_WAS_ACTIVE,),
-        ).fetchone()
+        row = self.conn.execute(f"SELECT {_NOW}, {_PREMISE}").fetchone()
         assert row is not None
-        server_now, pointer, was, pol, rolled = row
-        self.now = float(server_now)
-        return ActivationPremise(
-            None if pointer is None else int(pointer),
-            frozenset(int(v) for v in was),
-            None
-            if pol is None
-            else AdmissionPolicy(int(pol[0]), float(pol[1]), _opt_int(pol[2]), _opt_int(pol[3])),
-            retired_from_rows(rolled or ()),
-        )
+        self.now = float(row[0])
+        return _premise(row[1])
 
     def server_now(self) -> float | None:
         if not self.store.server_clock:
@@ -271,19 +396,16 @@ class _Unit(SqlUnit):
             args = (a.state, a.revision, a.reserved_by, a.lease_expires_at, self.dump(a))
             row = self.conn.execute(_CAS_ONE, (*args, a.rollout_id, b.revision)).fetchone()
             return set() if row is None else {a.rollout_id}
-        doc = [
-            {
-                "rollout_id": a.rollout_id,
-                "expected": b.revision,
-                "state": a.state,
-                "revision": a.revision,
-                "reserved_by": a.reserved_by,
-                "lease": a.lease_expires_at,
-                "entry": self.dump(a),
-            }
-            for b, a in pairs
-        ]
-        return {str(r[0]) for r in self.conn.execute(_CAS_MANY, (json.dumps(doc),)).fetchall()}
+        columns = (
+            [a.rollout_id for _, a in pairs],
+            [b.revision for b, _ in pairs],
+            [a.state for _, a in pairs],
+            [a.revision for _, a in pairs],
+            [a.reserved_by for _, a in pairs],
+            [a.lease_expires_at for _, a in pairs],
+            [self.dump(a) for _, a in pairs],
+        )
+        return {str(r[0]) for r in self.conn.execute(_CAS_MANY, columns).fetchall()}
 
     def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
         rows = sorted((k, v) for k, v in counts.items() if v)
@@ -299,6 +421,25 @@ class _Unit(SqlUnit):
             self.conn.execute(_BUMP, (json.dumps([{"name": k, "n": v} for k, v in rows]),))
 
 
+def _ensure_write_one(db: PostgresDatabase) -> None:
+    """Create the function of `write_one` where it is missing (a new database, or one made
+    before it existed: added like the event chain, it changes no table)."""
+
+    def exists(conn: Conn) -> bool:
+        row = conn.execute("SELECT to_regprocedure(%s)", (_WRITE_ONE_SIGNATURE,)).fetchone()
+        return row is not None and row[0] is not None
+
+    if db.read(exists, f"looking for {WRITE_ONE}"):
+        return
+
+    def body(conn: Conn) -> None:
+        conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", (K_SCHEMA,))
+        if not exists(conn):
+            conn.execute(_WRITE_ONE_DDL)
+
+    db.write(body, f"creating {WRITE_ONE}")
+
+
 class PostgresStore:
     """The ledger's tables on a PostgreSQL server; see the module doc."""
 
@@ -312,9 +453,10 @@ class PostgresStore:
         if self.closed:
             raise LedgerError(f"ledger on {self.db.where} is closed; open a new PostgresLedger")
 
-    def atomic(self, body: Callable[[UnitOfWork], T], step: Step) -> T:
+    def atomic(self, body: Callable[[UnitOfWork], T] | OneStatement[T], step: Step) -> T:
         """One transaction; the step's advisory locks are taken right after BEGIN, in the
-        same round trip and in the fixed order (dispatch budget, bad versions, premise)."""
+        same round trip and in the fixed order (dispatch budget, bad versions, premise).
+        A `OneStatement` body is a server-side function that takes them itself."""
         self._check_open()
         if self.db.read_only:
             raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
@@ -323,8 +465,71 @@ class PostgresStore:
             locks.append(_LOCKS[step.bad])
         if step.premise:
             locks.append(_LOCKS["premise"])
+        if isinstance(body, OneStatement):  # it takes the step's locks itself
+            return self.db.write(body, step.what)
         prologue = "; ".join(locks)
         return self.db.write(lambda conn: body(_Unit(self, conn)), step.what, prologue=prologue)
+
+    def peek(self, rollout_id: str) -> tuple[LedgerEntry | None, Peeked]:
+        """The row and the premise (and the server's time) in ONE autocommit statement."""
+        if self.db.read_only:  # what a reservation peeks for is a write
+            raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
+
+        def body(conn: Conn) -> tuple[str | None, str | None, float]:
+            if not self.registry_seen:
+                row = conn.execute(_PEEK_BARE, (rollout_id,)).fetchone()
+                assert row is not None
+                if not row[2]:
+                    return row[1], None, float(row[0])
+                self.registry_seen = True  # a registry, once created, never goes away
+            row = conn.execute(_PEEK, (rollout_id,)).fetchone()
+            assert row is not None
+            return row[1], row[2], float(row[0])
+
+        text, premise, now = self._read(body, "reserve")
+        seen = Peeked(
+            NO_REGISTRY if premise is None else _premise(premise),
+            now if self.server_clock else None,
+            _Seen(premise, text),
+        )
+        return (None if text is None else load_entry(text)), seen
+
+    def write_one(
+        self,
+        pair: tuple[LedgerEntry, LedgerEntry],
+        changes: Sequence[Change],
+        at: float,
+        counts: Mapping[str, int],
+        step: Step,
+        seen: Peeked | None,
+    ) -> WriteOutcome:
+        """The premise lock and guard (`step.premise`), the compare-and-set, the events, the
+        counters and the commit mark: ONE call of the server-side function, one round trip."""
+        before, after = pair
+        unit = SqlUnit(None)  # its JSON and event payloads, without a unit of work
+        token = seen.token if seen is not None else None
+        if isinstance(token, _Seen) and token.entry is not None:
+            unit.texts[id(before)] = (before, token.entry)
+        guard, premise = 0, None
+        if step.premise:
+            if not isinstance(token, _Seen):
+                raise LedgerError(f"{step.what}: a guarded write needs the premise it peeked")
+            guard, premise = (1, None) if token.premise is None else (2, token.premise)
+        params: dict[str, Any] = {
+            "guard": guard,
+            "premise": premise,
+            "state": after.state,
+            "revision": after.revision,
+            "reserved_by": after.reserved_by,
+            "lease": after.lease_expires_at,
+            "entry": unit.dump(after),
+            "rollout_id": after.rollout_id,
+            "expected": before.revision,
+            "n": len(changes),
+            **event_columns(entry_events(changes, at), unit.payload),
+            "counters": json.dumps([{"name": k, "n": v} for k, v in sorted(counts.items()) if v]),
+        }
+        return self.atomic(OneStatement(_WRITE_ONE_CALL, params, _won, "won"), step)
 
     def view(self, body: Callable[[StoreView], T], what: str) -> T:
         """One read-only transaction (READ COMMITTED: each statement sees what committed)."""
@@ -428,6 +633,7 @@ class PostgresLedger(StoreLedger):
                     )
             else:
                 db.ensure_schema(COMPONENT, SCHEMA_VERSION, _DDL)
+                _ensure_write_one(db)
         except BaseException:
             self.close()
             raise

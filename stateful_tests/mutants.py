@@ -613,6 +613,33 @@ def _skip_premise(atomic: Any) -> Any:
     return no_lock
 
 
+def _write_one_skips_premise(write_one: Any) -> Any:
+    """A single reservation's one-statement write without the premise lock (and so without
+    the check, under it, that the premise its plan was judged on still holds)."""
+
+    def no_lock(
+        self: Any, pair: Any, changes: Any, at: Any, counts: Any, step: Any, seen: Any
+    ) -> Any:
+        return write_one(self, pair, changes, at, counts, attrs.evolve(step, premise=False), seen)
+
+    return no_lock
+
+
+def _both(
+    *patches: Callable[[], contextlib.AbstractContextManager[None]],
+) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """Several patches entered together: one bug that lives in more than one place."""
+
+    @contextlib.contextmanager
+    def cm() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch())
+            yield
+
+    return cm
+
+
 def _negative_lag(refusal: Any) -> Any:
     def check(stamp: Any, bv: int, pv: Any, was_active: Any, *rest: Any) -> Any:
         r = refusal(stamp, bv, pv, was_active, *rest)
@@ -933,7 +960,11 @@ CATALOGUE += (
         "a PostgreSQL reservation reads the pointer without the premise lock: a pointer switch "
         "committed between its read and its write goes unseen",
         None,
-        _wrap(_PG, "PostgresStore.atomic", _skip_premise),
+        # the batch's step and the single reservation's one-statement write both lose it
+        _both(
+            _wrap(_PG, "PostgresStore.atomic", _skip_premise),
+            _wrap(_PG, "PostgresStore.write_one", _write_one_skips_premise),
+        ),
         reach=("race",),
         klass="unloaded",
         backend="postgresql",

@@ -261,6 +261,108 @@ def test_batch_reservation_is_one_compare_and_set_statement(
     led.close()
 
 
+def test_single_reservation_is_two_round_trips(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A winning single reservation sends two statements: one read of the row with the
+    premise, and ONE call of the server-side write (premise lock, guard, compare-and-set,
+    events, counters and commit mark); no BEGIN, no COMMIT, nothing else."""
+    import psycopg
+
+    with open_backend(postgres_url) as b:
+        coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY)
+        _activate(coord, 1)
+        add_rewarded(b.ledger, ["a", "b", "c"])
+        assert b.ledger.reserve("a", 0, "u", stamp()).reserved  # pool and registry warmed
+        seen: list[str] = []
+        real = psycopg.Connection.execute
+
+        def recording(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+            seen.append(str(query))
+            return real(self, query, *args, **kwargs)
+
+        monkeypatch.setattr(psycopg.Connection, "execute", recording)
+        for rid in ("b", "c"):
+            seen.clear()
+            assert b.ledger.reserve(rid, 0, "u", stamp()).reserved
+            assert len(seen) == 2, seen
+            assert seen[0].startswith("SELECT") and "rollouts" in seen[0]
+            assert seen[1].startswith("SELECT ledger_write_one")
+        monkeypatch.undo()
+        assert [e.event for e in b.ledger.history("b")] == ["add", "reserve"]
+        assert b.ledger.statistics().reservations == 3
+        report = check_trace(b.trace(), with_registry=True)
+        assert report.ok, [str(v) for v in report.violations[:5]]
+
+
+def test_old_commit_marks_are_pruned_by_both_kinds_of_write(postgres_url: str) -> None:
+    """Marks older than a day go once per 1,000 commits of a client, whether the commit was
+    a step's COMMIT (add) or a one-statement write (a single reservation)."""
+    import psycopg
+
+    from rollout_lifecycle.model import postgres_common as pc
+
+    led = _ledger(postgres_url)
+    add_rewarded(led, ["a"])
+    for write in (lambda: add_rewarded(led, ["b"]), lambda: led.reserve("a", 0, "u", stamp())):
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO commit_marks(token, at) VALUES ('old', now() - interval '2 days')"
+            )
+        led.db._commits = pc._PRUNE_EVERY - 1
+        write()
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            tokens = [r[0] for r in conn.execute("SELECT token FROM commit_marks")]
+        assert "old" not in tokens and len(tokens) >= 1
+    assert led.get("a").state == "reserved" and led.get("b").state == "rewarded"
+    led.close()
+
+
+def test_single_reservation_rejudges_a_premise_that_moved_after_its_read(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pointer moves between a single reservation's read and its write: the write's
+    guard sees it under the premise lock and writes nothing, and the reservation is judged
+    again on the new pointer (pointer_moved for a stamp of max_lag 0); a row reserved by
+    someone else in that gap is a revision_conflict, and by the same update an idempotent
+    retry. Nothing lands on a premise that no longer holds."""
+    from rollout_lifecycle.model.postgres_ledger import PostgresStore
+
+    with open_backend(postgres_url) as b:
+        coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY)
+        _activate(coord, 0)
+        add_rewarded(b.ledger, ["a", "b", "c", "d"], version=0)
+        real = PostgresStore.peek
+        gap: list[Any] = []
+
+        def peek_then(self: Any, rollout_id: str) -> Any:
+            got = real(self, rollout_id)
+            gap.pop()()  # what happens between the read and the write
+            return got
+
+        monkeypatch.setattr(PostgresStore, "peek", peek_then)
+        lag0 = attrs.evolve(stamp(0), max_lag=0)
+        gap.append(lambda: _activate(coord, 1))
+        out = b.ledger.reserve("a", 0, "u1", lag0)
+        assert (out.reserved, out.reason) == (False, "pointer_moved"), out
+        assert b.ledger.get("a").revision == 0
+        with open_backend(postgres_url) as other:
+            gap.append(lambda: other.ledger.reserve_batch("u2", [ReserveRequest("b", 0, stamp(0))]))
+            out = b.ledger.reserve("b", 0, "u1", stamp(0))
+            assert (out.reserved, out.reason) == (False, "revision_conflict"), out
+            gap.append(lambda: other.ledger.reserve_batch("u3", [ReserveRequest("c", 0, stamp(0))]))
+            out = b.ledger.reserve("c", 0, "u3", stamp(0))
+            assert (out.reserved, out.reason) == (True, "idempotent_retry"), out
+        gap.append(lambda: None)
+        assert b.ledger.reserve("d", 0, "u4", stamp(0)).reserved
+        monkeypatch.undo()
+        assert b.ledger.get("b").reserved_by == "u2" and b.ledger.get("d").reserved_by == "u4"
+        reserves = [e.rollout_id for e in b.ledger.history() if e.event == "reserve"]
+        assert sorted(reserves) == ["b", "c", "d"]
+        report = check_trace(b.trace(), with_registry=True)
+        assert report.ok, [str(v) for v in report.violations[:5]]
+
+
 # ---- real concurrency -------------------------------------------------------------------------
 
 
