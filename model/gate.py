@@ -239,6 +239,9 @@ _BYTES_SUM = 0x0101010101010101  # (x * this) >> 56: the sum of x's 8 bytes (eac
 DiffInto = Callable[..., Any]
 # elements: below this, a second thread's share is too short to outlast scheduling noise
 _THREADS_FROM = 1 << 22
+# bfloat16 / float16 cost several times more per element (widening), and torch's bare
+# expression on them already runs its threads from about this size: split them sooner
+_HALF_THREADS_FROM = 1 << 17
 _MASK_DTYPE_MSG = "action mask must be bool or 0/1 integers, got {}"
 _MASK_VALUES_MSG = "integer action mask must hold only 0 and 1"
 
@@ -269,6 +272,7 @@ def _np_sums(
     int_mask: bool,
     threads: int = 1,
     block: int | None = None,
+    threads_from: int | None = None,
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
     """Masked |cur - old| row sums and action counts, block by block (numpy).
 
@@ -284,7 +288,7 @@ def _np_sums(
     counts = np.zeros(b, np.int64)
     blocks = -(-b // rows)
     threads = max(1, min(threads, blocks))
-    if threads == 1 or b * t < _THREADS_FROM:
+    if threads == 1 or b * t < min(_THREADS_FROM, threads_from or _THREADS_FROM):
         _np_range(diff_into, _claims([(0, b)]), t, dtype, int_mask, sums, counts, block)
         return sums, counts
     per = -(-blocks // (threads * _RANGES_PER_THREAD)) * rows
@@ -729,7 +733,9 @@ def _half_array_sums(
     block = _CPU_BLOCK
     if torch.float16 in (old_t.dtype, cur_t.dtype) and threads > 1:
         block = min(block, _HALF_BLOCK)  # torch's copy stays on this thread
-    sums, counts = _np_sums(diff_into, b, t, dtype, mask.dtype != np.bool_, threads, block)
+    sums, counts = _np_sums(
+        diff_into, b, t, dtype, mask.dtype != np.bool_, threads, block, _HALF_THREADS_FROM
+    )
     _recheck(sums, _torch_exact_rows(torch, old_t, cur_t, mask_t))
     return sums, counts
 
