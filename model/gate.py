@@ -824,6 +824,7 @@ def _records_sums(
         lp_dtype = np.dtype(np.float64)
     torch = sys.modules.get("torch") if _is_torch(current_log_probs) else None
     cur: Any
+    threads = 1
     if torch is not None:
         cur_t = current_log_probs.detach()
         if not cur_t.dtype.is_floating_point:
@@ -848,8 +849,11 @@ def _records_sums(
             return sums, counts
         # a CPU tensor is host memory: a zero-copy numpy view, and numpy's kernel, whose
         # calls per row cost far less than torch's (and leave torch's worker threads idle);
-        # one thread: filling rows is Python work, which a second thread only contends for
+        # as many threads as torch would use: filling a block's rows is Python work (the
+        # GIL), but its kernel releases the GIL, so one thread's kernel runs while another
+        # fills its next block
         cur = cur_t.numpy()
+        threads = torch.get_num_threads()
     else:
         cur = np.asarray(current_log_probs)
         if not np.issubdtype(cur.dtype, np.floating):
@@ -886,7 +890,7 @@ def _records_sums(
             m[j, : e - c0] = mask[c0:e]
         return m
 
-    sums, counts = _np_sums(diff_into, b, t, dtype, False)
+    sums, counts = _np_sums(diff_into, b, t, dtype, False, threads)
 
     def exact(rows_idx: npt.NDArray[np.intp]) -> tuple[Any, Any]:
         o, m = _records_rows(olds, masks, rows_idx.tolist(), t, lp_dtype)
