@@ -331,7 +331,7 @@ def check(
     """
     check_report_path(report_path)
     tick = Progress("ledger check", quiet=quiet)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     with _opened(url) as backend, collector_paused():  # flat cost per event: see there
         tick("reading every stored row and event")
         stored = backend.stored_rows()
@@ -340,6 +340,7 @@ def check(
     report, store = result.trace, result.store
     violations = result.violations
     elapsed = time.perf_counter() - started
+    cpu = time.process_time() - cpu_started  # this process's own CPU: what load cannot inflate
     tick(f"done in {elapsed:.1f}s", True)
     data = {
         "schema": "rollout-lifecycle/ledger-check/1",
@@ -356,6 +357,7 @@ def check(
         "by_invariant": dict(violated_names(violations)),
         "violations": [attrs.asdict(v) for v in violations],
         "elapsed_s": round(elapsed, 3),
+        "cpu_s": round(cpu, 3),
     }
     console = Console(quiet=as_json)
     if not as_json:

@@ -15,12 +15,14 @@ module is used). Tests check that they agree, which is worth more than one share
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import math
+import operator
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -29,6 +31,7 @@ import numpy.typing as npt
 
 from rollout_lifecycle.model.errors import GateConfigError, RolloutLifecycleError, brief
 from rollout_lifecycle.model.records import (
+    ActionEvidence,
     AdmissionStamp,
     GenerationConditions,
     LedgerEntry,
@@ -236,6 +239,9 @@ _BYTES_SUM = 0x0101010101010101  # (x * this) >> 56: the sum of x's 8 bytes (eac
 DiffInto = Callable[..., Any]
 # elements: below this, a second thread's share is too short to outlast scheduling noise
 _THREADS_FROM = 1 << 22
+# bfloat16 / float16 cost several times more per element (widening), and torch's bare
+# expression on them already runs its threads from about this size: split them sooner
+_HALF_THREADS_FROM = 1 << 17
 _MASK_DTYPE_MSG = "action mask must be bool or 0/1 integers, got {}"
 _MASK_VALUES_MSG = "integer action mask must hold only 0 and 1"
 
@@ -266,6 +272,7 @@ def _np_sums(
     int_mask: bool,
     threads: int = 1,
     block: int | None = None,
+    threads_from: int | None = None,
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
     """Masked |cur - old| row sums and action counts, block by block (numpy).
 
@@ -281,7 +288,7 @@ def _np_sums(
     counts = np.zeros(b, np.int64)
     blocks = -(-b // rows)
     threads = max(1, min(threads, blocks))
-    if threads == 1 or b * t < _THREADS_FROM:
+    if threads == 1 or b * t < min(_THREADS_FROM, threads_from or _THREADS_FROM):
         _np_range(diff_into, _claims([(0, b)]), t, dtype, int_mask, sums, counts, block)
         return sums, counts
     per = -(-blocks // (threads * _RANGES_PER_THREAD)) * rows
@@ -726,7 +733,9 @@ def _half_array_sums(
     block = _CPU_BLOCK
     if torch.float16 in (old_t.dtype, cur_t.dtype) and threads > 1:
         block = min(block, _HALF_BLOCK)  # torch's copy stays on this thread
-    sums, counts = _np_sums(diff_into, b, t, dtype, mask.dtype != np.bool_, threads, block)
+    sums, counts = _np_sums(
+        diff_into, b, t, dtype, mask.dtype != np.bool_, threads, block, _HALF_THREADS_FROM
+    )
     _recheck(sums, _torch_exact_rows(torch, old_t, cur_t, mask_t))
     return sums, counts
 
@@ -815,6 +824,7 @@ def _records_sums(
         lp_dtype = np.dtype(np.float64)
     torch = sys.modules.get("torch") if _is_torch(current_log_probs) else None
     cur: Any
+    threads = 1
     if torch is not None:
         cur_t = current_log_probs.detach()
         if not cur_t.dtype.is_floating_point:
@@ -839,8 +849,11 @@ def _records_sums(
             return sums, counts
         # a CPU tensor is host memory: a zero-copy numpy view, and numpy's kernel, whose
         # calls per row cost far less than torch's (and leave torch's worker threads idle);
-        # one thread: filling rows is Python work, which a second thread only contends for
+        # as many threads as torch would use: filling a block's rows is Python work (the
+        # GIL), but its kernel releases the GIL, so one thread's kernel runs while another
+        # fills its next block
         cur = cur_t.numpy()
+        threads = torch.get_num_threads()
     else:
         cur = np.asarray(current_log_probs)
         if not np.issubdtype(cur.dtype, np.floating):
@@ -877,7 +890,7 @@ def _records_sums(
             m[j, : e - c0] = mask[c0:e]
         return m
 
-    sums, counts = _np_sums(diff_into, b, t, dtype, False)
+    sums, counts = _np_sums(diff_into, b, t, dtype, False, threads)
 
     def exact(rows_idx: npt.NDArray[np.intp]) -> tuple[Any, Any]:
         o, m = _records_rows(olds, masks, rows_idx.tolist(), t, lp_dtype)
@@ -950,6 +963,39 @@ class AdmissionDecision:
             reason=self.reason,
             accepted=self.accepted,
         )
+
+
+# AdmissionDecision has no validators, converters or post-init: setting its slots is
+# exactly what its __init__ does, and doing it field by field over a whole batch (each
+# slot's descriptor mapped over the rows, in C) is several times cheaper than B calls
+_DECISION_SETTERS = tuple(
+    getattr(AdmissionDecision, f.name).__set__ for f in attrs.fields(AdmissionDecision)
+)
+_PLAIN_DECISION = not any(
+    f.validator is not None or f.converter is not None for f in attrs.fields(AdmissionDecision)
+) and not hasattr(AdmissionDecision, "__attrs_post_init__")
+
+
+def _decisions(columns: Sequence[Iterable[Any]], b: int) -> list[AdmissionDecision]:
+    """B decisions from their columns (in field order), as `AdmissionDecision(*row)` each."""
+    if not _PLAIN_DECISION:
+        return list(map(AdmissionDecision, *columns))
+    out = list(map(object.__new__, itertools.repeat(AdmissionDecision, b)))
+    for setter, column in zip(_DECISION_SETTERS, columns, strict=True):
+        collections.deque(map(setter, out, column), maxlen=0)
+    return out
+
+
+_STATE = operator.attrgetter("state")
+_BEHAVIOR = operator.attrgetter("behavior")
+_VERSION = operator.attrgetter("version")
+_HASH = operator.attrgetter("artifact_hash")
+_CONDITIONS = operator.attrgetter("conditions")
+_EVIDENCE = operator.attrgetter("evidence")
+_ROLLOUT_ID = operator.attrgetter("identity.rollout_id")
+_EVIDENCE_SIZES = ("response_token_ids.size", "action_mask.size", "behavior_log_probs.size")
+_SIZES = operator.attrgetter(*_EVIDENCE_SIZES)
+_LENGTHS = tuple(map(operator.attrgetter, _EVIDENCE_SIZES))
 
 
 Registry = Mapping[int, str] | Callable[[int], str | None]
@@ -1173,9 +1219,10 @@ class AdmissionGate:
 
         Each rollout's state comes from `entries` (in the rollouts' order; a None falls back
         to the record's status), else from `ledger`, else from each `rollout.status`; a
-        rollout whose state nobody gives raises GateConfigError. Record checks loop over
-        rollouts; lag and drift run vectorised over the whole batch, reading the records'
-        stored arrays block by block (no B x T copies, no Python work per token).
+        rollout whose state nobody gives raises GateConfigError. Record checks read each
+        field of the whole batch in one C-level pass and judge each distinct value once
+        (`_batch_checks`); lag and drift run vectorised over the whole batch, reading the
+        records' stored arrays block by block (no B x T copies, no Python work per token).
         """
         _check_version("current_version", current_version)
         b = len(rollouts)
@@ -1184,14 +1231,12 @@ class AdmissionGate:
         if len(shape) != 2 or shape[0] != b:
             raise GateConfigError(f"current log-probs must be {b} x T, got shape {shape}")
         t = shape[1]
-        memo: dict[Any, Any] = {}
-        check = self._record_checks
-        early = [
-            check(ro, st, current_version, memo) for ro, st in zip(rollouts, states, strict=True)
-        ]
-        evidence = [
-            ro.evidence if why is None else None for ro, why in zip(rollouts, early, strict=True)
-        ]
+        early, evidence = self._batch_checks(rollouts, states, current_version)
+        failed = b - early.count(None)
+        if failed:
+            evidence = [
+                None if why is not None else ev for ev, why in zip(evidence, early, strict=True)
+            ]
         olds = [None if ev is None else ev.behavior_log_probs for ev in evidence]
         masks = [None if ev is None else ev.action_mask for ev in evidence]
         widest = max((lp.size for lp in olds if lp is not None), default=0)
@@ -1201,38 +1246,96 @@ class AdmissionGate:
                 f"rollout {brief(rollouts[i].rollout_id)} has {widest} tokens but the batch is "
                 f"T={t} wide"
             )
-        ids = [ro.identity.rollout_id for ro in rollouts]
+        ids = list(map(_ROLLOUT_ID, rollouts))
         sums, counts = _records_sums(olds, masks, current_log_probs, ids)
-        versions = np.fromiter((ro.behavior.version for ro in rollouts), np.int64, count=b)
+        bvs = list(map(_VERSION, map(_BEHAVIOR, rollouts)))
+        versions = np.array(bvs, np.int64) if b else np.zeros(0, np.int64)
         pol = self.policy
         res = _decide(sums, counts, versions, current_version, pol.max_lag, pol.max_drift)
-        # the same fields as _decision builds, for B rollouts at once (positional: this loop
-        # is the records path's only per-rollout cost besides the record checks)
-        fresh_all = _freshness_codes(res.lag, pol.max_lag).tolist()
-        drift = res.drift.tolist()
-        lags = res.lag.tolist()
-        bvs = versions.tolist()
+        # the same fields as _decision builds, for B rollouts at once
+        drift: list[float | None] = res.drift.tolist()
         reasons = list(res.reasons)
         freshness = list(res.freshness)
-        for i, why in enumerate(early):
-            if why is not None:
-                reasons[i], freshness[i], drift[i] = why, _FRESHNESS_CODES[fresh_all[i]], None
-            elif drift[i] != drift[i]:  # NaN: no action position
-                drift[i] = None
-        route = REASON_ROUTE
-        return list(
-            map(
-                AdmissionDecision,
+        for i in np.flatnonzero(counts == 0).tolist():  # NaN: no action position
+            drift[i] = None
+        if failed:
+            fresh_all = _freshness_codes(res.lag, pol.max_lag).tolist()
+            for i, why in enumerate(early):
+                if why is not None:
+                    reasons[i], freshness[i], drift[i] = why, _FRESHNESS_CODES[fresh_all[i]], None
+        return _decisions(
+            (
                 ids,
-                [r == "ok" for r in reasons],
+                map("ok".__eq__, reasons),
                 reasons,
-                [route[r] for r in reasons],
+                map(REASON_ROUTE.__getitem__, reasons),
                 freshness,
                 drift,
-                lags,
+                res.lag.tolist(),
                 itertools.repeat(current_version, b),
                 bvs,
                 itertools.repeat(pol.max_lag, b),
                 itertools.repeat(pol.max_drift, b),
-            )
+            ),
+            b,
         )
+
+    def _batch_checks(
+        self, rollouts: Sequence[Rollout], states: Sequence[LedgerEntry], current_version: int
+    ) -> tuple[list[str | None], list[ActionEvidence | None]]:
+        """`_record_checks` of every rollout, and every rollout's evidence.
+
+        Each check reads its field of every record in one C-level pass (attrgetter over the
+        batch) and judges each distinct value once: states, (version, hash) pairs,
+        conditions objects, evidence lengths. Only rows that some check flags go through
+        `_record_checks`, which names the first failing reason in the contract's order;
+        every other row passes every check. Lookups happen for the versions of rewarded
+        rows only, as the per-row checks do.
+        """
+        b = len(rollouts)
+        flagged: set[int] = set()
+        kinds = list(map(_STATE, states))
+        rewarded = kinds.count("rewarded") == b
+        if not rewarded:
+            flagged.update(i for i, k in enumerate(kinds) if k != "rewarded")
+        behaviors = list(map(_BEHAVIOR, rollouts))
+        pairs = list(zip(map(_VERSION, behaviors), map(_HASH, behaviors), strict=True))
+        memo: dict[Any, Any] = {}
+        live = (
+            pairs if rewarded else [p for p, k in zip(pairs, kinds, strict=True) if k == "rewarded"]
+        )
+        bad = {p for p in dict.fromkeys(live) if not self._pair_ok(p, current_version, memo)}
+        if bad:
+            flagged.update(i for i, p in enumerate(pairs) if p in bad)
+        expected = self.policy.conditions
+        if expected is not None:
+            conds = list(map(_CONDITIONS, rollouts))
+            distinct = dict(zip(map(id, conds), conds, strict=True))
+            odd = {k for k, c in distinct.items() if c is not expected and c != expected}
+            if odd:
+                flagged.update(i for i, c in enumerate(conds) if id(c) in odd)
+        evidence: list[ActionEvidence | None] = list(map(_EVIDENCE, rollouts))
+        if None in evidence:
+            flagged.update(i for i, ev in enumerate(evidence) if ev is None)
+        present = [ev for ev in evidence if ev is not None] if flagged else evidence
+        lengths = [list(map(get, present)) for get in _LENGTHS]
+        if not (lengths[0] == lengths[1] == lengths[2]):
+            flagged.update(
+                i for i, ev in enumerate(evidence) if ev is not None and len(set(_SIZES(ev))) != 1
+            )
+        early: list[str | None] = [None] * b
+        check = self._record_checks
+        for i in flagged:
+            early[i] = check(rollouts[i], states[i], current_version, memo)
+        return early, evidence
+
+    def _pair_ok(self, pair: tuple[int, str], current_version: int, memo: dict[Any, Any]) -> bool:
+        """Whether a (behaviour version, artifact hash) pair passes the version checks
+        (`_record_checks`' lookups, shared through `memo`)."""
+        bv, artifact_hash = pair
+        key = ("v", bv)
+        looked = memo.get(key)
+        if looked is None:
+            looked = memo[key] = _registered_hash(self.registry, bv)
+        known, registered = looked
+        return bv <= current_version and (not known or registered == artifact_hash)

@@ -18,6 +18,7 @@ from rollout_lifecycle.model import gate as gate_mod
 from rollout_lifecycle.model.api import assess_policy_compatibility
 from rollout_lifecycle.model.errors import GateConfigError
 from rollout_lifecycle.model.gate import (
+    AdmissionDecision,
     AdmissionGate,
     BatchAssessment,
     GatePolicy,
@@ -288,6 +289,91 @@ def test_gate_batch_equals_single(
             assert a.drift == pytest.approx(b.drift, abs=1e-12)
     tb = g.assess_batch(ros, torch.tensor(cur), cv)
     assert [d.reason for d in tb] == [d.reason for d in batch]
+
+
+# every record check's outcome, and the lag/drift ones, for the batch-vs-single test below
+CHECK_KINDS = (
+    "ok",
+    "tolerated",
+    "stale",
+    "future",
+    "hash",
+    "unregistered",
+    "conditions",
+    "missing",
+    "misaligned",
+    "empty",
+    "drift",
+)
+OTHER_CONDITIONS = GenerationConditions(
+    tokenizer_id="tok-v2", temperature=1.0, top_p=1.0, top_k=-1, max_tokens=64
+)
+
+
+def _checked_rollout(kind: str, state: str, i: int) -> Rollout:
+    lp, m = [-0.1, -0.2], [True, True]
+    rid = f"r{i}"
+    if kind == "future":
+        return make_rollout(rid, 7, lp, m, state=state)
+    if kind == "hash":
+        return make_rollout(rid, 4, lp, m, artifact_hash="evil", state=state)
+    if kind == "conditions":
+        return make_rollout(rid, 5, lp, m, conditions=OTHER_CONDITIONS, state=state)
+    version = {"tolerated": 4, "stale": 1, "unregistered": 3}.get(kind, 5)
+    lp = [-3.0, -3.0] if kind == "drift" else lp
+    m = [False, False] if kind == "empty" else m
+    ro = make_rollout(rid, version, lp, m, state=state)
+    if kind == "missing":
+        return attrs.evolve(ro, evidence=None)
+    if kind == "misaligned":
+        return attrs.evolve(ro, evidence=ActionEvidence([1, 2], [True], [-0.1, -0.1]))
+    return ro
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(CHECK_KINDS), st.sampled_from(["rewarded", "generated", "reserved"])
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    st.booleans(),
+)
+def test_batch_record_checks_equal_single(rows: list[tuple[str, str]], threaded: bool) -> None:
+    """The batch's record checks (each field read over the whole batch, each distinct value
+    judged once, flagged rows re-checked one by one) give every rollout exactly the
+    decision the single path gives it, each check failing alone or behind another, and
+    look up the registry for the versions of rewarded rollouts only."""
+    registry = {v: f"hash-v{v}" for v in range(8) if v != 3}
+    looked: list[int] = []
+
+    def lookup(v: int) -> str | None:
+        looked.append(v)
+        return registry.get(v)
+
+    g = AdmissionGate(
+        GatePolicy(
+            max_lag=2, max_drift=0.2, conditions=make_rollout("a", 5, [0.0], [True]).conditions
+        ),
+        registry=lookup,
+    )
+    ros = [_checked_rollout(kind, state, i) for i, (kind, state) in enumerate(rows)]
+    cur = np.full((len(ros), 2), -0.15)
+    current: Any = torch.from_numpy(cur) if threaded else cur
+    batch = g.assess_batch(ros, current, 5)
+    batch_looked = set(looked)
+    assert batch_looked == {
+        r.behavior.version for r in ros if r.status and r.status.state == "rewarded"
+    }
+    singles = [g.assess(ro, [-0.15, -0.15], 5) for ro in ros]
+    for a, b in zip(batch, singles, strict=True):
+        assert type(a) is AdmissionDecision
+        assert (a.drift is None) == (b.drift is None)
+        if a.drift is not None and b.drift is not None:
+            assert a.drift == pytest.approx(b.drift, rel=1e-12)
+        same = attrs.evolve(a, drift=b.drift)
+        assert same == b and hash(same) == hash(b)
 
 
 def test_stamp_keeps_the_decision() -> None:
