@@ -393,7 +393,7 @@ class _Unit(SqlUnit):
         """Compare-and-set every pair in ONE statement; the ids that won."""
         if len(pairs) == 1:
             b, a = pairs[0]
-            args = (a.state, a.revision, a.reserved_by, a.lease_expires_at, self.dump(a))
+            args = (a.state, a.revision, a.reserved_by, a.lease_expires_at, self.dump_after(b, a))
             row = self.conn.execute(_CAS_ONE, (*args, a.rollout_id, b.revision)).fetchone()
             return set() if row is None else {a.rollout_id}
         columns = (
@@ -403,7 +403,7 @@ class _Unit(SqlUnit):
             [a.revision for _, a in pairs],
             [a.reserved_by for _, a in pairs],
             [a.lease_expires_at for _, a in pairs],
-            [self.dump(a) for _, a in pairs],
+            [self.dump_after(b, a) for b, a in pairs],
         )
         return {str(r[0]) for r in self.conn.execute(_CAS_MANY, columns).fetchall()}
 
@@ -522,7 +522,7 @@ class PostgresStore:
             "revision": after.revision,
             "reserved_by": after.reserved_by,
             "lease": after.lease_expires_at,
-            "entry": unit.dump(after),
+            "entry": unit.dump_after(before, after),
             "rollout_id": after.rollout_id,
             "expected": before.revision,
             "n": len(changes),
