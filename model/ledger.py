@@ -1307,7 +1307,7 @@ class StoreLedger:
                 [("reserve", entry, new, update_id)],
                 self.clock(),
                 {"writes": 1, "reservations": 1},
-                Step("reserve", premise=True),
+                _RESERVE,
                 seen,
             )
             if got == "won":

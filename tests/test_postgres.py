@@ -229,14 +229,10 @@ def test_schema_option_isolates_two_ledgers_in_one_database(postgres_url: str) -
 # ---- the batch is set-based -----------------------------------------------------------------
 
 
-def test_batch_reservation_is_one_compare_and_set_statement(
-    postgres_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """However many rollouts a batch names, ONE UPDATE writes them, in one transaction."""
+def _record_statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every statement psycopg sends from now on, in order (the list fills as they go)."""
     import psycopg
 
-    led = _ledger(postgres_url)
-    add_rewarded(led, ids(600))
     seen: list[str] = []
     real = psycopg.Connection.execute
 
@@ -245,6 +241,16 @@ def test_batch_reservation_is_one_compare_and_set_statement(
         return real(self, query, *args, **kwargs)
 
     monkeypatch.setattr(psycopg.Connection, "execute", recording)
+    return seen
+
+
+def test_batch_reservation_is_one_compare_and_set_statement(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However many rollouts a batch names, ONE UPDATE writes them, in one transaction."""
+    led = _ledger(postgres_url)
+    add_rewarded(led, ids(600))
+    seen = _record_statements(monkeypatch)
     counts = []
     for size, start in ((10, 0), (500, 10)):
         seen.clear()
@@ -267,21 +273,13 @@ def test_single_reservation_is_two_round_trips(
     """A winning single reservation sends two statements: one read of the row with the
     premise, and ONE call of the server-side write (premise lock, guard, compare-and-set,
     events, counters and commit mark); no BEGIN, no COMMIT, nothing else."""
-    import psycopg
 
     with open_backend(postgres_url) as b:
         coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY)
         _activate(coord, 1)
         add_rewarded(b.ledger, ["a", "b", "c"])
         assert b.ledger.reserve("a", 0, "u", stamp()).reserved  # pool and registry warmed
-        seen: list[str] = []
-        real = psycopg.Connection.execute
-
-        def recording(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
-            seen.append(str(query))
-            return real(self, query, *args, **kwargs)
-
-        monkeypatch.setattr(psycopg.Connection, "execute", recording)
+        seen = _record_statements(monkeypatch)
         for rid in ("b", "c"):
             seen.clear()
             assert b.ledger.reserve(rid, 0, "u", stamp()).reserved
