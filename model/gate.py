@@ -665,9 +665,15 @@ def _numpy_viewable(torch: Any) -> tuple[Any, ...]:
 
 _WIDE = ("torch.float32", "torch.float64")  # dtypes compared by name: no torch import here
 _HALF = ("torch.bfloat16", "torch.float16")
-# elements per block when float16 is widened by torch's copy with several torch threads:
-# under torch's grain size (32768), so torch runs it inline, no OpenMP fork/join per block
-_HALF_BLOCK = (1 << 15) - _PARTIAL
+# torch runs an element-wise op on the calling thread below this many elements (its grain
+# size), with no OpenMP fork/join: float16 is widened by torch's copy in pieces this small
+_TORCH_INLINE = (1 << 15) - 1
+# torch threads from which CPU tensors are split across Python threads. After every torch
+# op, torch's OpenMP workers spin for milliseconds (measured: 6-8 ms of CPU each time) on
+# the cores a second Python thread would need; on two torch threads the split was slower
+# than one thread in every case of the bench (docs/benchmarks, e.g. bf16 1024 x 1024 5.3 vs
+# 2.0 ms, fp16 1024 x 4096 23.5 vs 10.6 ms), so up to two the kernel runs on this thread.
+_SPLIT_FROM_THREADS = 3
 
 
 class _HostReader:
@@ -676,7 +682,8 @@ class _HostReader:
 
     bfloat16 is the top half of a float32: a 16-bit shift of its int16 view (numpy has no
     bfloat16). float16 goes through torch's vectorised copy (numpy's float16 cast is
-    several times slower), a block small enough that torch runs it on the calling thread.
+    several times slower); with several torch threads in pieces under torch's grain size,
+    so that torch runs each on the calling thread, without an OpenMP fork/join.
     """
 
     def __init__(self, torch: Any, x: Any) -> None:
@@ -686,6 +693,7 @@ class _HostReader:
         self.narrow = kind in _HALF
         self.array: npt.NDArray[Any] | None = None
         self.bits: npt.NDArray[np.uint16] | None = None
+        self.piece = _TORCH_INLINE if torch.get_num_threads() > 1 else 0
         if kind == "torch.bfloat16":
             self.bits = x.view(torch.int16).numpy().view(np.uint16)
         elif not self.narrow:
@@ -697,8 +705,18 @@ class _HostReader:
             return self.array[r0:r1, c0:c1]
         if self.bits is not None:
             np.left_shift(self.bits[r0:r1, c0:c1], 16, out=out.view(np.uint32), dtype=np.uint32)
-        else:
-            self.torch.from_numpy(out).copy_(self.x[r0:r1, c0:c1])
+            return out
+        dst, src = self.torch.from_numpy(out), self.x[r0:r1, c0:c1]
+        n, k = out.shape
+        if not self.piece or n * k <= self.piece:
+            dst.copy_(src)
+        elif k <= self.piece:  # whole rows, as many as fit in a piece
+            step = self.piece // k
+            for j in range(0, n, step):
+                dst[j : j + step].copy_(src[j : j + step])
+        else:  # a column chunk of one row, wider than a piece
+            for j in range(0, k, self.piece):
+                dst[:, j : j + self.piece].copy_(src[:, j : j + self.piece])
         return out
 
 
@@ -730,11 +748,8 @@ def _half_array_sums(
         np.subtract(c, o, out=d, dtype=dtype)
         return mask[r0:r1, c0:c1]
 
-    block = _CPU_BLOCK
-    if torch.float16 in (old_t.dtype, cur_t.dtype) and threads > 1:
-        block = min(block, _HALF_BLOCK)  # torch's copy stays on this thread
     sums, counts = _np_sums(
-        diff_into, b, t, dtype, mask.dtype != np.bool_, threads, block, _HALF_THREADS_FROM
+        diff_into, b, t, dtype, mask.dtype != np.bool_, threads, _CPU_BLOCK, _HALF_THREADS_FROM
     )
     _recheck(sums, _torch_exact_rows(torch, old_t, cur_t, mask_t))
     return sums, counts
@@ -779,10 +794,12 @@ def _torch_array_sums(
         raise GateConfigError("log-probs must be floating-point tensors")
     viewable = _numpy_viewable(torch)
     if device.type == "cpu" and mask.dtype in viewable:
-        # CPU tensors are host memory: numpy's kernel on zero-copy views, on as many threads
-        # as torch would use. torch's own CPU kernels pay a thread barrier per call, which a
-        # busy machine turns into a scheduler time slice per call.
+        # CPU tensors are host memory: numpy's kernel on zero-copy views, on this thread or,
+        # from _SPLIT_FROM_THREADS torch threads, on as many as torch would use. torch's own
+        # CPU kernels pay a thread barrier per call, which a busy machine turns into a
+        # scheduler time slice per call.
         threads = torch.get_num_threads()
+        threads = threads if threads >= _SPLIT_FROM_THREADS else 1
         kinds = {str(old.dtype), str(cur.dtype)}
         if kinds <= {*_WIDE} and old.dtype in viewable and cur.dtype in viewable:
             return _np_array_sums(old.numpy(), cur.numpy(), mask.numpy(), threads=threads)

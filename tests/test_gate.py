@@ -761,7 +761,7 @@ NARROW_PAIRS = [
 
 @pytest.mark.parametrize(("old_dtype", "cur_dtype"), NARROW_PAIRS)
 @pytest.mark.parametrize("block", [None, 5, 64])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_narrow_tensors_agree_with_the_torch_kernel_and_python(
     old_dtype: str, cur_dtype: str, block: int | None, threads: int
 ) -> None:
@@ -821,3 +821,36 @@ def test_narrow_tensors_nonfinite_and_int_masks(dtype: str) -> None:
     ints[3, 7] = 1
     res = assess_arrays(old, cur, ints, np.zeros(4, np.int64), 0, 0, 0.1)
     assert res.reasons == ("ok",) * 4 and res.drift.tolist() == [0.0] * 4
+
+
+@pytest.mark.parametrize(("piece", "block"), [(None, None), (200, None), (7, None), (40, 64)])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_float16_widened_in_pieces_is_the_one_thread_result(
+    piece: int | None, block: int | None, threads: int
+) -> None:
+    """With several torch threads float16 is widened by torch's copy in pieces small enough
+    to run on the calling thread (whole rows, or column chunks of a row wider than a
+    piece): the very same sums as one thread's single copy per block, masked garbage too."""
+    rng = np.random.default_rng(11)
+    b, t = 13, 90
+    old = rng.normal(-2, 1, (b, t))
+    cur = old + rng.normal(0, 0.08, (b, t))
+    mask = rng.random((b, t)) < 0.6
+    o, c = (torch.from_numpy(a).to(torch.float16) for a in (old, cur))
+    m = torch.from_numpy(mask)
+    bvs = np.zeros(b, np.int64)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with block_size(block):
+            want = assess_arrays(o, c, m, bvs, 0, 0, 0.05)
+        torch.set_num_threads(threads)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(block_size(block, threads_from=1))
+            if piece is not None:
+                stack.enter_context(mock.patch.object(gate_mod, "_TORCH_INLINE", piece))
+            got = assess_arrays(o, c, m, bvs, 0, 0, 0.05)
+    finally:
+        torch.set_num_threads(before)
+    np.testing.assert_array_equal(got.drift, want.drift)
+    assert got.reasons == want.reasons
