@@ -276,11 +276,12 @@ def _np_sums(
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
     """Masked |cur - old| row sums and action counts, block by block (numpy).
 
-    With `threads` > 1 (torch tensors on the CPU: as many as torch's own intra-op threads)
-    that many threads, each with its own scratch, claim ranges of blocks in turn (a few
-    per thread) until none is left; numpy releases the GIL inside every call. A thread
-    the scheduler parks on a busy machine so delays the call by one range, not by its
-    whole share, as a static split would (torch's per-op barrier is what this avoids).
+    With `threads` > 1 (torch tensors on the CPU from _SPLIT_FROM_THREADS torch threads:
+    as many as torch's own intra-op threads; the records path) that many threads, each
+    with its own scratch, claim ranges of blocks in turn (a few per thread) until none is
+    left; numpy releases the GIL inside every call. A thread the scheduler parks on a busy
+    machine so delays the call by one range, not by its whole share, as a static split
+    would (torch's per-op barrier is what this avoids).
     """
     block = _CPU_BLOCK if block is None else block
     rows, _ = _tiles(b, t, block)
