@@ -553,7 +553,13 @@ def _decide(
     max_drift: float,
 ) -> BatchAssessment:
     """Per-row decisions from the sums, in the contract's order; vectorised over B."""
-    bv = _to_host(behavior_versions)
+    try:
+        bv = _to_host(behavior_versions)
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        # numpy refuses e.g. a list nested deeper than 64 levels or ragged nesting
+        raise GateConfigError(
+            f"behavior_versions must be a vector of B non-negative integers: {exc}"
+        ) from None
     if bv.ndim != 1 or bv.shape[0] != sums.shape[0]:
         raise GateConfigError(
             f"behavior_versions must be a vector of length B={sums.shape[0]}, got shape {bv.shape}"

@@ -854,3 +854,21 @@ def test_float16_widened_in_pieces_is_the_one_thread_result(
         torch.set_num_threads(before)
     np.testing.assert_array_equal(got.drift, want.drift)
     assert got.reasons == want.reasons
+
+
+def _nested(depth: int) -> Any:
+    v: Any = [0]
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+@pytest.mark.parametrize("versions", [_nested(70), [[1], [1, 2]]], ids=["too-deep", "ragged"])
+def test_behavior_versions_numpy_cannot_read_are_a_typed_error(versions: Any) -> None:
+    """Versions numpy itself refuses (nested past 64 levels, ragged) are a GateConfigError
+    naming behavior_versions, not numpy's bare ValueError (found by test_boundary_fuzz)."""
+    b = 1 if len(versions) == 1 else 2
+    with pytest.raises(GateConfigError, match="behavior_versions must be a vector"):
+        assess_arrays(
+            np.zeros((b, 3)), np.zeros((b, 3)), np.ones((b, 3), bool), versions, 1, 1, 0.2
+        )
