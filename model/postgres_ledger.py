@@ -139,10 +139,10 @@ _CAS_ONE = (
 # rows whose revision still matches, in rollout_id order (deadlock-free against any other
 # batch), re-checking the revision of rows that changed while it waited; the UPDATE then
 # writes exactly those rows and returns their ids: the winners. `locked` finds the rows by
-# the ids array (the last parameter, the first column again) through the primary key: a
-# join with `v` alone is planned as a hash over the whole table, and the UPDATE joins
-# `locked` itself, whose generic plan (psycopg prepares a statement run five times) stays
-# an index loop where an `IN (SELECT ...)` became 3x slower.
+# the ids array (the last parameter, the first column again) through the primary key (a
+# join with `v` alone was planned as a hash over the whole table: every batch cost as much
+# as the table was big), and the UPDATE joins `locked` itself (with the ids array, an
+# `IN (SELECT ...)` got a generic plan 3x slower; psycopg prepares a statement run 5 times).
 _CAS_MANY = """
 WITH v AS (
     SELECT * FROM unnest(%b::text[], %b::bigint[], %b::text[], %b::bigint[], %b::text[],
@@ -263,7 +263,10 @@ BEGIN
     IF v_n > 0 THEN
         PERFORM pg_advisory_xact_lock({K_EVENTS}, hashtext(current_schema()));
         v_txn := nextval('events_txn');
-        v_first := setval('events_seq', nextval('events_seq') + v_n - 1) - v_n + 1;
+        v_first := nextval('events_seq');
+        IF v_n > 1 THEN  -- setval writes WAL every time: only when a step has several events
+            PERFORM setval('events_seq', v_first + v_n - 1);
+        END IF;
         SELECT last_hash INTO v_hash FROM events_chain WHERE id = 1 FOR UPDATE;
         v_hash := coalesce(v_hash, {ZERO_HASH});
         FOR i IN 1..v_n LOOP
