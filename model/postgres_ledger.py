@@ -143,6 +143,7 @@ _CAS_ONE = (
 # join with `v` alone was planned as a hash over the whole table: every batch cost as much
 # as the table was big), and the UPDATE joins `locked` itself (with the ids array, an
 # `IN (SELECT ...)` got a generic plan 3x slower; psycopg prepares a statement run 5 times).
+# The UPDATE names the locked rows `v` again: they are the batch's rows, now locked.
 _CAS_MANY = """
 WITH v AS (
     SELECT * FROM unnest(%b::text[], %b::bigint[], %b::text[], %b::bigint[], %b::text[],
@@ -154,10 +155,10 @@ WITH v AS (
     ORDER BY r.rollout_id
     FOR UPDATE OF r
 )
-UPDATE rollouts r SET state = l.state, revision = l.revision, reserved_by = l.reserved_by,
-    lease_expires_at = l.lease, entry = l.entry
-FROM locked l
-WHERE r.rollout_id = l.rollout_id AND r.revision = l.expected
+UPDATE rollouts r SET state = v.state, revision = v.revision, reserved_by = v.reserved_by,
+    lease_expires_at = v.lease, entry = v.entry
+FROM locked v
+WHERE r.rollout_id = v.rollout_id AND r.revision = v.expected
 RETURNING r.rollout_id
 """
 
