@@ -852,6 +852,17 @@ def _prefixed(text: str) -> str:
     return f"int8send(octet_length({raw})::bigint) || {raw}"
 
 
+def chain_message(seq: str, txn: str, kind: str, subject: str, payload: str) -> str:
+    """SQL for one event's hashed message, as `model.events.chain_hash` builds it (its hash
+    is ``sha256(prev || message)``): every server-side link of the chain uses this one."""
+    return f"int8send({seq}) || int8send({txn}) || " + " || ".join(
+        _prefixed(c) for c in (kind, subject, payload)
+    )
+
+
+ZERO_HASH = "decode(repeat('00', 32), 'hex')"  # the chain's start (model.events)
+
+
 # K_EVENTS first, then the head's row lock: under READ COMMITTED, FOR UPDATE returns the
 # head as the last appender committed it (not as this statement's snapshot saw it), so each
 # step chains onto the step committed right before it. `ch` links the step's events in
@@ -870,14 +881,16 @@ WITH lk AS (
 ), hd AS (
     SELECT c.last_hash FROM lk, events_chain c WHERE c.id = 1 FOR UPDATE OF c
 ), msg AS (
-    SELECT array_agg(int8send(t.last - %(n)s + e.ord) || int8send(t.txn) || """
-    + " || ".join(_prefixed(f"e.{c}") for c in ("kind", "subject", "payload"))
+    SELECT array_agg("""
+    + chain_message("t.last - %(n)s + e.ord", "t.txn", "e.kind", "e.subject", "e.payload")
     + """ ORDER BY e.ord) AS m
     FROM t, e
 ), ch AS (
     SELECT l.ord, l.prev_hash, l.hash
     FROM msg, events_chain_link(
-        COALESCE((SELECT last_hash FROM hd), decode(repeat('00', 32), 'hex')), msg.m) AS l
+        COALESCE((SELECT last_hash FROM hd), """
+    + ZERO_HASH
+    + """), msg.m) AS l
 ), ins AS (
     INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
     SELECT t.last - %(n)s + e.ord, t.txn, e.kind, e.subject, e.payload, ch.prev_hash, ch.hash

@@ -73,11 +73,12 @@ from rollout_lifecycle.model.postgres_common import (
     K_EVENTS,
     K_PREMISE,
     K_SCHEMA,
+    ZERO_HASH,
     Conn,
     OneStatement,
     PostgresDatabase,
     append_events,
-    append_statement,
+    chain_message,
     event_columns,
     has_table,
     lock_sql,
@@ -137,23 +138,27 @@ _CAS_ONE = (
 # ONE statement compare-and-sets a whole set of rows: `locked` takes the row locks of the
 # rows whose revision still matches, in rollout_id order (deadlock-free against any other
 # batch), re-checking the revision of rows that changed while it waited; the UPDATE then
-# writes exactly those rows and returns their ids: the winners.
+# writes exactly those rows and returns their ids: the winners. `locked` finds the rows by
+# the ids array (the last parameter, the first column again) through the primary key (a
+# join with `v` alone was planned as a hash over the whole table: every batch cost as much
+# as the table was big), and the UPDATE joins `locked` itself (with the ids array, an
+# `IN (SELECT ...)` got a generic plan 3x slower; psycopg prepares a statement run 5 times).
+# The UPDATE names the locked rows `v` again: they are the batch's rows, now locked.
 _CAS_MANY = """
 WITH v AS (
     SELECT * FROM unnest(%b::text[], %b::bigint[], %b::text[], %b::bigint[], %b::text[],
                          %b::float8[], %b::text[])
         AS v(rollout_id, expected, state, revision, reserved_by, lease, entry)
 ), locked AS (
-    SELECT r.rollout_id FROM rollouts r JOIN v ON r.rollout_id = v.rollout_id
-    WHERE r.revision = v.expected
+    SELECT v.* FROM rollouts r JOIN v ON r.rollout_id = v.rollout_id
+    WHERE r.rollout_id = ANY(%b::text[]) AND r.revision = v.expected
     ORDER BY r.rollout_id
     FOR UPDATE OF r
 )
 UPDATE rollouts r SET state = v.state, revision = v.revision, reserved_by = v.reserved_by,
     lease_expires_at = v.lease, entry = v.entry
-FROM v
+FROM locked v
 WHERE r.rollout_id = v.rollout_id AND r.revision = v.expected
-    AND r.rollout_id IN (SELECT rollout_id FROM locked)
 RETURNING r.rollout_id
 """
 
@@ -202,11 +207,15 @@ _PEEK_BARE = (
 # autocommit statement (one round trip) with its plans cached by the server: the premise
 # lock (shared, taken first: the statements after it see every switch committed before),
 # the guard (the premise is still what the plan was judged on: an equality of facts, no
-# rule), the compare-and-set, the events and counters (the very statement `append_events`
-# sends), and the commit mark, inserted only when the row was written. Under READ
-# COMMITTED each statement of the function reads what committed before it started.
+# rule), the compare-and-set, the events, their chain and the counters, and the commit
+# mark, inserted only when the row was written. Under READ COMMITTED each statement of the
+# function reads what committed before it started.
 # p_guard: 0 no premise (no lock), 1 a premise read with no registry, 2 a registry premise.
-WRITE_ONE = "ledger_write_one_v1"  # a changed body gets a new name
+# The append is the steps of `append_events`'s statement, one plain statement each, in the
+# same order (K_EVENTS, txn and seq numbers, the head's row lock, each event linked with
+# `chain_message`, the head, the counters): v1 ran that statement itself, whose CTEs, set
+# function and JSON counters cost more than the UPDATE for a step's one or two events.
+WRITE_ONE = "ledger_write_one_v2"  # a changed body gets a new name (v1: see above)
 _WRITE_ONE_ARGS = (
     ("p_guard", "integer"),
     ("p_premise", "text"),
@@ -217,29 +226,23 @@ _WRITE_ONE_ARGS = (
     ("p_entry", "text"),
     ("p_rollout_id", "text"),
     ("p_expected", "bigint"),
-    ("p_n", "bigint"),
     ("p_kinds", "text[]"),
     ("p_subjects", "text[]"),
     ("p_payloads", "text[]"),
-    ("p_counters", "text"),
+    ("p_names", "text[]"),
+    ("p_counts", "bigint[]"),
     ("p_token", "text"),
 )
 _WRITE_ONE_SIGNATURE = f"{WRITE_ONE}({', '.join(t for _, t in _WRITE_ONE_ARGS)})"
-_APPEND_IN_FUNCTION = (
-    append_statement(counted=True, result="txn INTO v_txn FROM t")
-    .replace("%(key)s", str(K_EVENTS))
-    .replace("%(n)s", "p_n")
-    .replace("%(kinds)b", "p_kinds")
-    .replace("%(subjects)b", "p_subjects")
-    .replace("%(payloads)b", "p_payloads")
-    .replace("%(counters)s", "p_counters")
-    .replace("%%", "%")
-)
 _WRITE_ONE_DDL = f"""
 CREATE OR REPLACE FUNCTION {WRITE_ONE}({", ".join(f"{n} {t}" for n, t in _WRITE_ONE_ARGS)})
 RETURNS text LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
+    v_n integer := coalesce(cardinality(p_kinds), 0);
     v_txn bigint;
+    v_first bigint;
+    v_prev bytea;
+    v_hash bytea;
 BEGIN
     IF p_guard > 0 THEN
         PERFORM pg_advisory_xact_lock_shared({K_PREMISE}, hashtext(current_schema()));
@@ -258,7 +261,34 @@ BEGIN
     IF NOT FOUND THEN
         RETURN 'lost';
     END IF;
-    {_APPEND_IN_FUNCTION.strip()};
+    IF v_n > 0 THEN
+        PERFORM pg_advisory_xact_lock({K_EVENTS}, hashtext(current_schema()));
+        v_txn := nextval('events_txn');
+        v_first := nextval('events_seq');
+        IF v_n > 1 THEN  -- setval writes WAL every time: only when a step has several events
+            PERFORM setval('events_seq', v_first + v_n - 1);
+        END IF;
+        SELECT last_hash INTO v_hash FROM events_chain WHERE id = 1 FOR UPDATE;
+        v_hash := coalesce(v_hash, {ZERO_HASH});
+        FOR i IN 1..v_n LOOP
+            v_prev := v_hash;
+            v_hash := sha256(v_prev || {
+    chain_message("v_first + i - 1", "v_txn", "p_kinds[i]", "p_subjects[i]", "p_payloads[i]")
+});
+            INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
+            VALUES (v_first + i - 1, v_txn, p_kinds[i], p_subjects[i], p_payloads[i], v_prev,
+                    v_hash);
+        END LOOP;
+        INSERT INTO events_chain(id, base_seq, base_count, last_seq, last_hash)
+        VALUES (1, 0, 0, v_first + v_n - 1, v_hash)
+        ON CONFLICT (id) DO UPDATE
+            SET last_seq = excluded.last_seq, last_hash = excluded.last_hash;
+    END IF;
+    INSERT INTO ledger_counters(name, shard, n)
+    SELECT c.name, pg_backend_pid() % {COUNTER_SHARDS}, c.n
+    FROM unnest(p_names, p_counts) AS c(name, n)
+    ORDER BY c.name
+    ON CONFLICT (name, shard) DO UPDATE SET n = ledger_counters.n + excluded.n;
     INSERT INTO commit_marks(token) VALUES (p_token);
     RETURN 'won';
 END
@@ -267,7 +297,9 @@ $fn$;
 _WRITE_ONE_CALL = (
     f"SELECT {WRITE_ONE}("
     + ", ".join(
-        f"%({n[2:]})b" if t.endswith("[]") else f"%({n[2:]})s" + ("::float8" if t[0] == "d" else "")
+        f"%({n[2:]})b::{t}"
+        if t.endswith("[]")
+        else f"%({n[2:]})s" + ("::float8" if t[0] == "d" else "")
         for n, t in _WRITE_ONE_ARGS
     )
     + ")"
@@ -295,8 +327,21 @@ def _opt_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+_LAST_PREMISE: list[tuple[str, ActivationPremise]] = []  # the last one parsed, by its text
+
+
 def _premise(text: str) -> ActivationPremise:
-    """The premise from `_PREMISE`'s text."""
+    """The premise from `_PREMISE`'s text. The premise changes only with a registry step,
+    so the text is nearly always the last one: its (immutable) premise is reused."""
+    last = _LAST_PREMISE[-1:]
+    if last and last[0][0] == text:
+        return last[0][1]
+    found = _parse_premise(text)
+    _LAST_PREMISE[:] = [(text, found)]
+    return found
+
+
+def _parse_premise(text: str) -> ActivationPremise:
     pointer, was, pol, rolled = json.loads(text)
     return ActivationPremise(
         None if pointer is None else int(pointer),
@@ -405,7 +450,8 @@ class _Unit(SqlUnit):
             [a.lease_expires_at for _, a in pairs],
             [self.dump_after(b, a) for b, a in pairs],
         )
-        return {str(r[0]) for r in self.conn.execute(_CAS_MANY, columns).fetchall()}
+        # the ids again, for `locked`'s index scan (a join alone hashes the whole table)
+        return {str(r[0]) for r in self.conn.execute(_CAS_MANY, (*columns, columns[0])).fetchall()}
 
     def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
         rows = sorted((k, v) for k, v in counts.items() if v)
@@ -515,6 +561,7 @@ class PostgresStore:
             if not isinstance(token, _Seen):
                 raise LedgerError(f"{step.what}: a guarded write needs the premise it peeked")
             guard, premise = (1, None) if token.premise is None else (2, token.premise)
+        bumps = sorted((k, v) for k, v in counts.items() if v)
         params: dict[str, Any] = {
             "guard": guard,
             "premise": premise,
@@ -525,9 +572,9 @@ class PostgresStore:
             "entry": unit.dump_after(before, after),
             "rollout_id": after.rollout_id,
             "expected": before.revision,
-            "n": len(changes),
             **event_columns(entry_events(changes, at), unit.payload),
-            "counters": json.dumps([{"name": k, "n": v} for k, v in sorted(counts.items()) if v]),
+            "names": [k for k, v in bumps],
+            "counts": [v for k, v in bumps],
         }
         return self.atomic(OneStatement(_WRITE_ONE_CALL, params, _won, "won"), step)
 

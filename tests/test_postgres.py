@@ -267,6 +267,36 @@ def test_batch_reservation_is_one_compare_and_set_statement(
     led.close()
 
 
+@pytest.mark.parametrize("plans", ["auto", "force_generic_plan"])
+def test_batch_compare_and_set_reaches_its_rows_by_key(postgres_url: str, plans: str) -> None:
+    """The batch compare-and-set locks and writes its rows through the primary key, in the
+    plan the server makes for it and in the generic plan of a prepared statement: locked by
+    a join alone, it hashed the whole table, so every batch cost as much as the table."""
+    import psycopg
+
+    from rollout_lifecycle.model.postgres_ledger import _CAS_MANY
+
+    led = _ledger(postgres_url)
+    add_rewarded(led, ids(3000))
+    led.close()
+    batch = ids(3000)[1000:1250]
+    columns = (batch, [0] * 250, ["reserved"] * 250, [1] * 250, ["u"] * 250, [1.0] * 250)
+    parts = _CAS_MANY.split("%b")
+    prepared = parts[0] + "".join(f"${i}{part}" for i, part in enumerate(parts[1:], 1))
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute("ANALYZE rollouts")
+        conn.execute(f"SET plan_cache_mode = {plans}")
+        conn.execute(f"PREPARE cas AS {prepared}")
+        conn.execute("BEGIN")
+        marks = ", ".join(["%s"] * (len(parts) - 1))
+        with psycopg.ClientCursor(conn) as cur:  # EXECUTE takes no protocol parameters
+            cur.execute(f"EXPLAIN EXECUTE cas({marks})", (*columns, ["{}"] * 250, batch))
+            text = "\n".join(str(r[0]) for r in cur.fetchall())
+        conn.execute("ROLLBACK")
+    assert "Seq Scan on rollouts" not in text, text
+    assert "rollouts_pkey" in text, text
+
+
 def test_single_reservation_is_two_round_trips(
     postgres_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
