@@ -79,12 +79,15 @@ _CHAIN_START = (
 )
 # the next txn, the last seq ever handed out (AUTOINCREMENT's own counter, so a seq is never
 # reused), and the chain's head hash: read under the caller's write lock
-_NEXT = (
-    "SELECT (SELECT COALESCE(MAX(txn), 0) + 1 FROM events), "
+# (its three columns: a caller may read them in one statement with something else it reads
+# under the same lock, and hand them to `append_events` as `head`)
+NEXT_COLUMNS = (
+    "(SELECT COALESCE(MAX(txn), 0) + 1 FROM events), "
     "MAX(COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0), "
     "COALESCE((SELECT MAX(seq) FROM events), 0)), "
     "(SELECT last_hash FROM events_chain WHERE id = 1)"
 )
+_NEXT = f"SELECT {NEXT_COLUMNS}"
 _APPEND = (
     "INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash) "
     "VALUES (?, ?, ?, ?, ?, ?, ?)"
@@ -308,6 +311,7 @@ def append_events(
     payload_of: Payload = stored_payload,
     *,
     stamped: bool = True,
+    head: Sequence[Any] | None = None,
 ) -> list[TraceEvent]:
     """Append one atomic step's events inside the caller's open transaction (BEGIN
     IMMEDIATE), each chained by hash to its predecessor, and move the chain's head.
@@ -316,11 +320,12 @@ def append_events(
     the chain has no forks. A head that is missing restarts the chain from GENESIS: the
     audit then names the break instead of every later write being refused. Returns the
     events with their seq and txn (none when not `stamped`: a caller that drops them need
-    not pay for copies).
+    not pay for copies). `head`: the `NEXT_COLUMNS` the caller read in this same
+    transaction (under the same write lock, after its last append), saving that statement.
     """
     if not events:
         return []
-    row = conn.execute(_NEXT).fetchone()
+    row = conn.execute(_NEXT).fetchone() if head is None else head
     txn, last = int(row[0]), int(row[1])
     prev = row[2] if isinstance(row[2], bytes) else GENESIS
     rows = []
@@ -332,7 +337,10 @@ def append_events(
         if stamped:
             out.append(attrs.evolve(ev, seq=seq, txn=txn))
         prev = h
-    conn.executemany(_APPEND, rows)
+    if len(rows) == 1:
+        conn.execute(_APPEND, rows[0])
+    else:
+        conn.executemany(_APPEND, rows)
     conn.execute(_HEAD, (last + len(events), prev))
     return out
 

@@ -11,8 +11,9 @@ import os
 import sqlite3
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from rollout_lifecycle.model.errors import LedgerError
 from rollout_lifecycle.model.sqlite_common import (
@@ -23,6 +24,8 @@ from rollout_lifecycle.model.sqlite_common import (
     write_failed,
 )
 from rollout_lifecycle.model.sqlite_files import FileGuard, hand_back, read_file_id
+
+T = TypeVar("T")
 
 
 class _Handle:
@@ -114,9 +117,9 @@ class Connections:
             self._guard.opened()  # the -wal may be a new one: mark it as this file's
         return conn
 
-    @contextlib.contextmanager
-    def write(self) -> Iterator[sqlite3.Connection]:
-        """One BEGIN IMMEDIATE ... COMMIT; any exception rolls everything back."""
+    def write(self, body: Callable[[sqlite3.Connection], T]) -> T:
+        """`body` in one BEGIN IMMEDIATE ... COMMIT; any exception rolls everything back.
+        (A plain call rather than a context manager: every write of the ledger runs it.)"""
         if self.read_only:
             raise LedgerError(f"ledger {self.path} was opened read-only; nothing was written")
         conn = self.conn()
@@ -129,7 +132,7 @@ class Connections:
             raise LedgerError(f"{self.path}: cannot start a write ({exc})") from exc
         try:
             self.check_file()
-            yield conn
+            out = body(conn)
             conn.execute("COMMIT")
         except BaseException as exc:
             with contextlib.suppress(sqlite3.Error):
@@ -137,6 +140,7 @@ class Connections:
             if isinstance(exc, sqlite3.Error):
                 raise write_failed(str(self.path), exc) from exc
             raise
+        return out
 
     @contextlib.contextmanager
     def read(self) -> Iterator[sqlite3.Connection]:

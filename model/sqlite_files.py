@@ -250,6 +250,7 @@ class FileGuard:
         self, path: Path, what: str, file_id: int, on_lost: LostHandler, *, writer: bool
     ) -> None:
         self.path = Path(path)
+        self._str_path = os.fspath(self.path)
         self.name = os.path.realpath(self.path)
         self.what = what
         self._on_lost: Callable[[], LostHandler | None] = (
@@ -300,7 +301,8 @@ class FileGuard:
         if self.released:
             return  # the owner was closed: its own "closed" error is the true one
         try:
-            now = file_identity(self.path)
+            st = os.stat(self._str_path)  # a str: no Path conversion on every use
+            now = st.st_dev, st.st_ino
         except FileNotFoundError:
             self._lose(Finding("deleted"))
         except OSError as exc:

@@ -19,7 +19,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from rollout_lifecycle.model.clocks import sqlite_host_clock
 from rollout_lifecycle.model.errors import DuplicateRollout, LedgerError, brief
@@ -44,7 +44,12 @@ from rollout_lifecycle.model.records import (
 )
 from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES, retired_from_rows
 from rollout_lifecycle.model.sql_unit import SqlUnit, read_bad
-from rollout_lifecycle.model.sqlite_common import append_events, read_events, read_stored
+from rollout_lifecycle.model.sqlite_common import (
+    NEXT_COLUMNS,
+    append_events,
+    read_events,
+    read_stored,
+)
 from rollout_lifecycle.model.sqlite_conns import Connections
 
 T = TypeVar("T")
@@ -94,6 +99,13 @@ _BUMP = (
     "INSERT INTO ledger_counters(name, n) VALUES (?, ?) "
     "ON CONFLICT(name) DO UPDATE SET n = n + excluded.n"
 )
+# a step's premise read, with what `append_events` reads next (NEXT_COLUMNS) in the same
+# statement: both under the step's write lock, and nothing appends events in between
+_PROBE_NEXT = (
+    f"SELECT EXISTS (SELECT 1 FROM schema_meta WHERE component = 'registry'), {NEXT_COLUMNS}"
+)
+_POINTER_NEXT = f"SELECT (SELECT version FROM registry_pointer WHERE id = 1), {NEXT_COLUMNS}"
+_FIND = "SELECT entry FROM rollouts WHERE rollout_id = ?"
 _INSERT = (
     "INSERT INTO rollouts(rollout_id, state, revision, reserved_by, lease_expires_at, "
     "behavior_version, entry) VALUES (?, ?, ?, ?, ?, ?, ?)"
@@ -107,12 +119,27 @@ def _marks(n: int) -> str:
     return ",".join("?" * n)
 
 
+def _bump_sql(n: int) -> str:
+    """`_BUMP` for `n` counters in one statement (rows in the order given, as executemany
+    would insert them: a new counter's rowid is the same)."""
+    sql = _BUMPS.get(n)
+    if sql is None:
+        values = ", ".join(["(?, ?)"] * n)
+        sql = _BUMPS[n] = _BUMP.replace("VALUES (?, ?)", f"VALUES {values}")
+    return sql
+
+
+_BUMPS: dict[int, str] = {}
+
+
 class _Unit(SqlUnit):
     """One step's access to the file, inside its BEGIN IMMEDIATE transaction."""
 
     def __init__(self, store: SQLiteStore, conn: sqlite3.Connection) -> None:
         super().__init__(conn)
         self.store = store
+        # NEXT_COLUMNS as read with the premise, for the next append (used once)
+        self.head: Sequence[Any] | None = None
         found = store.found  # a single reservation plans on the entry `find` just read
         if found is not None:
             self.texts[id(found[0])] = found
@@ -121,7 +148,8 @@ class _Unit(SqlUnit):
         return self.store.rows(self.conn, rollout_ids, self.load)
 
     def read_premise(self) -> ActivationPremise:
-        return self.store.premise(self.conn)
+        premise, self.head = self.store.premise(self.conn)
+        return premise
 
     def server_now(self) -> float | None:
         return None  # the ledger's clock (the host's, as the file records it)
@@ -173,10 +201,12 @@ class _Unit(SqlUnit):
 
     def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
         if changes:
-            append_events(self.conn, entry_events(changes, at), self.payload, stamped=False)
-        rows = [(k, v) for k, v in counts.items() if v]
-        if rows:
-            self.conn.executemany(_BUMP, rows)
+            head, self.head = self.head, None
+            events = entry_events(changes, at)
+            append_events(self.conn, events, self.payload, stamped=False, head=head)
+        args = [x for k, v in counts.items() if v for x in (k, v)]
+        if args:
+            self.conn.execute(_bump_sql(len(args) // 2), args)
 
 
 class SQLiteStore:
@@ -201,8 +231,7 @@ class SQLiteStore:
 
     def atomic(self, body: Callable[[UnitOfWork], T], step: Step) -> T:
         """One BEGIN IMMEDIATE transaction: the file's write lock covers every read."""
-        with self.conns.write() as conn:
-            return body(_Unit(self, conn))
+        return self.conns.write(lambda conn: body(_Unit(self, conn)))
 
     def view(self, body: Callable[[StoreView], T], what: str) -> T:
         """One read transaction (a WAL snapshot): no write lock, fine on a read-only file."""
@@ -233,21 +262,20 @@ class SQLiteStore:
             self.found = (entry, text)
         return entry
 
-    def premise(self, conn: sqlite3.Connection) -> ActivationPremise:
-        """The active pointer and ever-active versions, read inside the caller's transaction.
+    def premise(self, conn: sqlite3.Connection) -> tuple[ActivationPremise, Sequence[Any]]:
+        """The active pointer and ever-active versions, read inside the caller's transaction,
+        and the events' NEXT_COLUMNS read with them (see `append_events`).
 
         Ledger and registry share the file, so under this transaction's write lock no
         pointer switch can land between this read and the reservation's write. A file
         without registry tables (a ledger on its own) gives NO_REGISTRY.
         """
         if not self._registry_seen:
-            row = conn.execute("SELECT 1 FROM schema_meta WHERE component = 'registry'").fetchone()
-            if row is None:
-                return NO_REGISTRY
+            found, *head = conn.execute(_PROBE_NEXT).fetchone()
+            if not found:
+                return NO_REGISTRY, head
             self._registry_seen = True  # a registry, once created, never goes away
-        (pointer,) = conn.execute(
-            "SELECT (SELECT version FROM registry_pointer WHERE id = 1)"
-        ).fetchone()
+        pointer, *head = conn.execute(_POINTER_NEXT).fetchone()
         # by name: a registry not yet migrated to the pacing columns reads them as None
         cur = conn.execute("SELECT * FROM registry_policy WHERE id = 1")
         found = cur.fetchone()
@@ -258,7 +286,7 @@ class SQLiteStore:
             f"WHERE state IN ({_WAS_ACTIVE_MARKS})",
             _WAS_ACTIVE,
         ).fetchall()
-        return ActivationPremise(
+        premise = ActivationPremise(
             None if pointer is None else int(pointer),
             frozenset(int(r[0]) for r in was),
             None
@@ -271,15 +299,17 @@ class SQLiteStore:
             ),
             retired_from_rows((r[0], r[2]) for r in was if r[1] == "rolled_back"),
         )
+        return premise, head
 
     # ---- reads outside a step -----------------------------------------------------------
 
     def find(self, rollout_id: str) -> LedgerEntry | None:
         self.conns.check_file()
         try:
-            return self.rows(self.conns.conn(), [rollout_id], self._load_found).get(rollout_id)
+            row = self.conns.conn().execute(_FIND, (rollout_id,)).fetchone()
         except sqlite3.Error as exc:
             raise LedgerError(f"{self.path}: read failed ({exc})") from exc
+        return None if row is None else self._load_found(row[0])
 
     def reserved_by(self, update_id: str) -> list[str]:
         with self.conns.read() as conn:

@@ -306,6 +306,40 @@ def test_lost_cas_in_transition_raises(tmp_path: Path, monkeypatch: pytest.Monke
     other.close()
 
 
+def test_a_single_reservation_is_eight_statements(tmp_path: Path) -> None:
+    """The read outside the step, then one transaction: the registry probe and the events'
+    next txn/seq/head in ONE statement, the compare-and-set, the event, the chain head, both
+    counters in ONE statement, COMMIT. The events still chain and the counters still add."""
+    led = SQLiteLedger(tmp_path / "l.db")
+    add_rewarded(led, ["a", "b"])
+    seen: list[str] = []
+    led._conn().set_trace_callback(seen.append)
+    assert led.reserve("a", 0, "u", stamp()).reserved
+    led._conn().set_trace_callback(None)
+    heads = [" ".join(s.split()[:3]) for s in seen]
+    assert heads == [
+        "SELECT entry FROM",
+        "BEGIN IMMEDIATE",
+        "SELECT EXISTS (SELECT",
+        "UPDATE rollouts SET",
+        "INSERT INTO events(seq,",
+        "INSERT INTO events_chain(id,",
+        "INSERT INTO ledger_counters(name,",
+        "COMMIT",
+    ], seen
+    assert led.reserve("b", 0, "u", stamp()).reserved
+    evs = entries_of(led)
+    assert [(e.event, e.rollout_id) for e in evs][-2:] == [("reserve", "a"), ("reserve", "b")]
+    assert len({e.txn for e in evs[-2:]}) == 2 and evs[-1].seq == evs[-2].seq + 1
+    st = led.statistics()
+    assert (st.writes, st.reservations) == (4, 2)
+    rows = led.stored_rows()
+    assert rows.head is not None and rows.head.last_seq == evs[-1].seq
+    assert rows.events[-1].hash == rows.head.last_hash
+    assert rows.events[-1].prev_hash == rows.events[-2].hash
+    led.close()
+
+
 # ---- 8 threads and 4 processes ---------------------------------------------------------
 
 
