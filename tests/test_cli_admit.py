@@ -178,15 +178,21 @@ def test_chunking_does_not_change_decisions(tmp_path: Path) -> None:
 
 
 def test_uses_the_vectorised_batch_gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rollouts go through AdmissionGate.assess_batch, one call per chunk."""
+    """Rollouts go through the batch gate (assess_batch over records, or assess_columns
+    where a chunk is valid throughout), one call per chunk."""
     calls: list[int] = []
-    original = AdmissionGate.assess_batch
+    batch, columns = AdmissionGate.assess_batch, AdmissionGate.assess_columns
 
     def spy(self: AdmissionGate, rollouts: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(len(rollouts))
-        return original(self, rollouts, *args, **kwargs)
+        return batch(self, rollouts, *args, **kwargs)
+
+    def spy_columns(self: AdmissionGate, cols: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(cols.rollout_ids))
+        return columns(self, cols, *args, **kwargs)
 
     monkeypatch.setattr(AdmissionGate, "assess_batch", spy)
+    monkeypatch.setattr(AdmissionGate, "assess_columns", spy_columns)
     inp = write_jsonl(tmp_path / "in.jsonl", MIXED)
     assert run(admit_args(inp, tmp_path / "o.jsonl", "--chunk-size", "3")).exit_code == 0
     assert calls == [3, 3, 1]
@@ -361,16 +367,19 @@ def test_failed_forced_run_keeps_the_old_output(tmp_path: Path) -> None:
 
 def test_interrupt_midway_leaves_no_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C after the first chunk was written leaves neither output nor temp file."""
-    original = AdmissionGate.assess_batch
     calls = []
 
-    def interrupted(self: AdmissionGate, *args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return original(self, *args, **kwargs)
+    def interrupting(original: Any) -> Any:
+        def interrupted(self: AdmissionGate, *args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(AdmissionGate, "assess_batch", interrupted)
+        return interrupted
+
+    for name in ("assess_batch", "assess_columns"):  # records or columns: whichever runs
+        monkeypatch.setattr(AdmissionGate, name, interrupting(getattr(AdmissionGate, name)))
     inp = write_jsonl(tmp_path / "in.jsonl", [row("a"), row("b"), row("c")])
     out = tmp_path / "o.jsonl"
     res = run(admit_args(inp, out, "--chunk-size", "1"))
