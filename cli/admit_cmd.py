@@ -386,6 +386,8 @@ def _decision_lines(decisions: Sequence[AdmissionDecision]) -> str:
             f'"lag":{int(d.lag)!r},"current_version":{int(d.current_version)!r}}}\n'
         )
     return "".join(out)
+
+
 # one encoder for every line (json.dumps with options builds a new one per call)
 _ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
