@@ -2,8 +2,11 @@
 
 Why it is built this way:
 
-* Rollouts are read, validated and gated in chunks with `AdmissionGate.assess_batch`, so
-  lag and drift are computed vectorised and memory stays flat for any input size.
+* Rollouts are read, validated and gated in chunks, so lag and drift are computed
+  vectorised and memory stays flat for any input size. A chunk is checked column by column
+  and handed to the gate as columns (`AdmissionGate.assess_columns`): no record is built
+  per line. A chunk the column checks doubt goes line by line instead (records and
+  `assess_batch`, as always), so every error names the same line with the same message.
 * Decisions go to a hidden temp file beside `--out` and are renamed into place only after
   the last line: an error on line 90,000, or Ctrl-C, leaves no half-written decisions that a
   trainer could mistake for a complete admission.
