@@ -2,8 +2,11 @@
 
 Why it is built this way:
 
-* Rollouts are read, validated and gated in chunks with `AdmissionGate.assess_batch`, so
-  lag and drift are computed vectorised and memory stays flat for any input size.
+* Rollouts are read, validated and gated in chunks, so lag and drift are computed
+  vectorised and memory stays flat for any input size. A chunk is checked column by column
+  and handed to the gate as columns (`AdmissionGate.assess_columns`): no record is built
+  per line. A chunk the column checks doubt goes line by line instead (records and
+  `assess_batch`, as always), so every error names the same line with the same message.
 * Decisions go to a hidden temp file beside `--out` and are renamed into place only after
   the last line: an error on line 90,000, or Ctrl-C, leaves no half-written decisions that a
   trainer could mistake for a complete admission.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import math
 import operator
@@ -54,11 +58,13 @@ from rollout_lifecycle.model.gate import (
     AdmissionDecision,
     AdmissionGate,
     GatePolicy,
+    RecordColumns,
     Registry,
     check_bounds,
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.records import (
+    MAX_ID_LENGTH,
     ActionEvidence,
     BehaviorPolicy,
     GenerationConditions,
@@ -66,6 +72,7 @@ from rollout_lifecycle.model.records import (
     Rollout,
     RolloutIdentity,
     from_jsonable,
+    text_problem,
 )
 from rollout_lifecycle.model.registry import activated_hash
 
@@ -355,6 +362,35 @@ def _decision_line(d: AdmissionDecision) -> str:
 
 
 _OUTPUT_VALUES = operator.attrgetter(*OUTPUT_FIELDS)
+# the encoder's own string encoding (ensure_ascii), so a line built field by field is the
+# line `_ENCODE` writes, byte for byte
+_STR = json.encoder.encode_basestring_ascii
+_BOOL = {True: "true", False: "false"}
+
+
+def _decision_lines(decisions: Sequence[AdmissionDecision]) -> str:
+    """`_decision_line` of every decision, each followed by a newline: the same bytes, the
+    fields formatted straight into one template per line instead of a dict encoded."""
+    out = []
+    for d in decisions:
+        drift = d.drift
+        if drift is None:
+            tail = "null"
+        elif math.isfinite(drift):
+            tail = repr(float(drift))
+        else:
+            out.append(_decision_line(d) + "\n")
+            continue
+        fresh = d.freshness
+        out.append(
+            f'{{"rollout_id":{_STR(d.rollout_id)},"accepted":{_BOOL[d.accepted]},'
+            f'"reason":{_STR(d.reason)},"route":{_STR(d.route)},'
+            f'"freshness":{"null" if fresh is None else _STR(fresh)},"drift":{tail},'
+            f'"lag":{int(d.lag)!r},"current_version":{int(d.current_version)!r}}}\n'
+        )
+    return "".join(out)
+
+
 # one encoder for every line (json.dumps with options builds a new one per call)
 _ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
@@ -563,42 +599,248 @@ def _run(
         _progress(input_path.stat().st_size, quiet) as advance,
         _atomic_output(out, force) as sink,
     ):
-        for chunk in _chunks(_lines(f, advance), parser, chunk_size):
-            decisions: list[AdmissionDecision | None] = [None] * len(chunk)
-            groups = list(_by_width(chunk))
-            errors = []
-            for rows in groups:  # every group first: the file's FIRST bad line is reported
-                part = [chunk[i] for i in rows]
-                try:
-                    _check_finite(part)
-                except InputLineError as exc:
-                    errors.append(exc)
-            if errors:
-                raise min(errors, key=lambda e: e.lineno)
-            for rows in groups:
-                part = [chunk[i] for i in rows]
-                cur = _current_matrix(part)
-                got = gate.assess_batch(
-                    [p.rollout for p in part], cur, current_version, [p.entry for p in part]
-                )
-                for i, d in zip(rows, got, strict=True):
-                    decisions[i] = d
-            done = [d for d in decisions if d is not None]
-            sink.write("".join(_decision_line(d) + "\n" for d in done))
+        for lines in _raw_chunks(_lines(f, advance), parser, chunk_size):
+            fast = _fast_chunk(lines, parser)
+            if fast is not None:
+                done = _gate_columns(fast, gate, current_version)
+            else:  # line by line: every problem found and named exactly as always
+                done = []
+                for chunk in _chunks(iter(lines), parser, len(lines)):
+                    done = _gate_parsed(chunk, gate, current_version)
+            sink.write(_decision_lines(done))
             summary.add(done)
     return summary
+
+
+def _raw_chunks(
+    lines: Iterator[tuple[int, bytes]], parser: LineParser, size: int
+) -> Iterator[list[tuple[int, bytes]]]:
+    """The input's non-blank lines, `size` at a time. A line too long to read ends the
+    input where it stands: the lines before it are parsed first, one by one, so a bad line
+    among them is still the error reported, as when each line was parsed as it was read."""
+    chunk: list[tuple[int, bytes]] = []
+    try:
+        for item in lines:
+            chunk.append(item)
+            if len(chunk) >= size:
+                yield chunk
+                chunk = []
+    except InputLineError:
+        for _ in _chunks(iter(chunk), parser, len(chunk) + 1):
+            pass
+        raise
+    if chunk:
+        yield chunk
+
+
+def _gate_parsed(
+    chunk: Sequence[ParsedLine], gate: AdmissionGate, current_version: int
+) -> list[AdmissionDecision]:
+    """One chunk of parsed lines through the gate, group by group of similar width."""
+    decisions: list[AdmissionDecision | None] = [None] * len(chunk)
+    groups = list(_by_width([len(p.current) for p in chunk]))
+    errors = []
+    for rows in groups:  # every group first: the file's FIRST bad line is reported
+        part = [chunk[i] for i in rows]
+        try:
+            _check_finite(part)
+        except InputLineError as exc:
+            errors.append(exc)
+    if errors:
+        raise min(errors, key=lambda e: e.lineno)
+    for rows in groups:
+        part = [chunk[i] for i in rows]
+        cur = _current_matrix(part)
+        got = gate.assess_batch(
+            [p.rollout for p in part], cur, current_version, [p.entry for p in part]
+        )
+        for i, d in zip(rows, got, strict=True):
+            decisions[i] = d
+    return [d for d in decisions if d is not None]
+
+
+# ---- the column path: a chunk that is valid throughout, never a record per line -------------
+
+_FAST_FIELDS = (
+    "rollout_id",
+    "prompt_id",
+    "dataset",
+    "sample_index",
+    "behavior_version",
+    "artifact_hash",
+    "conditions",
+    "response_token_ids",
+    "action_mask",
+    "behavior_log_probs",
+    "current_log_probs",
+)
+_FAST_GET = operator.itemgetter(*_FAST_FIELDS)
+_STATES = frozenset(LIFECYCLE.states)
+_INT64_MAX = 2**63 - 1
+_FLAT = itertools.chain.from_iterable
+
+
+@attrs.frozen
+class _FastChunk:
+    """A chunk of lines that passed every check of `LineParser.parse` and `_check_finite`,
+    as columns: the arrays concatenated in line order, `starts` each line's offset."""
+
+    ids: list[str]
+    states: list[str]
+    versions: list[int]
+    hashes: list[str]
+    conditions: list[GenerationConditions]
+    token_counts: list[int]
+    lengths: npt.NDArray[np.int64]
+    starts: npt.NDArray[np.int64]
+    old: npt.NDArray[np.float64]
+    current: npt.NDArray[np.float64]
+    mask: npt.NDArray[np.bool_]
+
+
+def _texts_ok(values: list[Any]) -> bool:
+    """Whether every value is an id the records accept (`text_problem`), in a few C-level
+    passes over the column; a non-ASCII column is judged value by value."""
+    if set(map(type, values)) != {str} or "" in values:
+        return False
+    joined = "".join(values)
+    if max(map(len, values)) > MAX_ID_LENGTH or "\x00" in joined:
+        return False
+    return joined.isascii() or all(text_problem(v) is None for v in values)
+
+
+def _counts_ok(values: list[Any]) -> bool:
+    """Whether every value is an int in [0, 2**63 - 1] (`check_int64`)."""
+    return set(map(type, values)) == {int} and min(values) >= 0 and max(values) <= _INT64_MAX
+
+
+def _fast_chunk(lines: Sequence[tuple[int, bytes]], parser: LineParser) -> _FastChunk | None:
+    """The chunk as columns when every line is valid and every action position finite,
+    checked column by column (one C-level pass per check, not one Python call per line or
+    value); None at the first doubt, and the chunk then goes line by line, which names the
+    problem exactly as always. Accepts only what `LineParser.parse` accepts, with the same
+    values (the same conversions), and records the ids as seen only when it accepts."""
+    try:
+        objs = [json.loads(raw) for _, raw in lines]
+    except Exception:  # whatever it is, the line-by-line path names it
+        return None
+    if set(map(type, objs)) != {dict}:
+        return None
+    keys = list(map(dict.keys, objs))
+    if not all(map(operator.le, itertools.repeat(_REQUIRED_SET), keys)) or not all(
+        map(operator.le, keys, itertools.repeat(_INPUT_SET))
+    ):
+        return None
+    states = [o.get("state", "rewarded") for o in objs]
+    if set(map(type, states)) != {str} or not set(states) <= _STATES:
+        return None
+    ids, prompts, datasets, sample_index, versions, hashes, raw_conds, tokens, masks, olds, curs = (
+        map(list, zip(*map(_FAST_GET, objs), strict=True))
+    )
+    if not all(set(map(type, col)) == {list} for col in (tokens, masks, olds, curs)):
+        return None
+    if not (all(map(_texts_ok, (ids, prompts, datasets, hashes))) and _counts_ok(sample_index)):
+        return None
+    if not _counts_ok(versions):
+        return None
+    if not (
+        set(map(type, _FLAT(curs))) <= _NUMBER_TYPES
+        and set(map(type, _FLAT(olds))) <= _NUMBER_TYPES
+        and set(map(type, _FLAT(tokens))) <= _INTS
+        and set(map(type, _FLAT(masks))) <= {bool}
+    ):
+        return None
+    lengths = list(map(len, olds))
+    if list(map(len, curs)) != lengths or list(map(len, masks)) != lengths:
+        return None  # misaligned rows: the line-by-line path keeps them out of the finite check
+    token_counts = list(map(len, tokens))
+    total = sum(lengths)
+    try:
+        current = np.fromiter(_FLAT(curs), np.float64, total)
+        old = np.fromiter(_FLAT(olds), np.float64, total)
+        np.fromiter(_FLAT(tokens), np.int64, sum(token_counts))  # every id fits in int64
+    except (OverflowError, ValueError, TypeError):
+        return None
+    mask = np.fromiter(_FLAT(masks), np.bool_, total)
+    with np.errstate(invalid="ignore"):
+        if (mask & ~(np.isfinite(old) & np.isfinite(current))).any():
+            return None
+    seen = parser._seen
+    if len(set(ids)) != len(ids) or not seen.keys().isdisjoint(ids):
+        return None
+    try:
+        conditions = [
+            parser._conditions_of(raw, lineno)
+            for raw, (lineno, _) in zip(raw_conds, lines, strict=True)
+        ]
+    except InputLineError:
+        return None
+    seen.update(zip(ids, (lineno for lineno, _ in lines), strict=True))
+    sizes = np.array(lengths, np.int64)
+    return _FastChunk(
+        ids,
+        states,
+        versions,
+        hashes,
+        conditions,
+        token_counts,
+        sizes,
+        np.cumsum(sizes) - sizes,
+        old,
+        current,
+        mask,
+    )
+
+
+def _gate_columns(
+    fast: _FastChunk, gate: AdmissionGate, current_version: int
+) -> list[AdmissionDecision]:
+    """A valid chunk through the gate's column path, in the same groups as the
+    line-by-line path (so each row is padded to the same width: the same figures)."""
+    decisions: list[AdmissionDecision | None] = [None] * len(fast.ids)
+    for rows in _by_width(fast.lengths.tolist()):
+        g = np.array(rows, np.intp)
+        lens = fast.lengths[g]
+        t = int(lens.max()) if len(rows) else 0
+        # each row's values, in the group's order, gathered from the flat columns
+        offsets = np.cumsum(lens) - lens
+        src = np.repeat(fast.starts[g] - offsets, lens) + np.arange(int(lens.sum()))
+        valid = np.arange(t) < lens[:, None]
+        cur = np.zeros((len(rows), t), np.float64)
+        old = np.zeros((len(rows), t), np.float64)
+        mask = np.zeros((len(rows), t), np.bool_)
+        cur[valid] = fast.current[src]
+        old[valid] = fast.old[src]
+        mask[valid] = fast.mask[src]
+        n = lens.tolist()
+        columns = RecordColumns(
+            rollout_ids=[fast.ids[i] for i in rows],
+            states=[fast.states[i] for i in rows],
+            behavior_versions=[fast.versions[i] for i in rows],
+            artifact_hashes=[fast.hashes[i] for i in rows],
+            conditions=[fast.conditions[i] for i in rows],
+            token_counts=[fast.token_counts[i] for i in rows],
+            mask_counts=n,
+            log_prob_counts=n,
+            old_log_probs=old,
+            action_mask=mask,
+        )
+        got = gate.assess_columns(columns, cur, current_version)
+        for i, d in zip(rows, got, strict=True):
+            decisions[i] = d
+    return [d for d in decisions if d is not None]
 
 
 MAX_CELLS = 1 << 20  # padded B x T cells per gate call: memory stays near the input's size
 
 
-def _by_width(chunk: Sequence[ParsedLine]) -> Iterator[list[int]]:
+def _by_width(widths: Sequence[int]) -> Iterator[list[int]]:
     """Row groups of similar length whose padded B x T stays within MAX_CELLS (a row longer
     than that goes alone), so one length outlier never pads the whole chunk to its width."""
-    order = sorted(range(len(chunk)), key=lambda i: len(chunk[i].current))
+    order = sorted(range(len(widths)), key=widths.__getitem__)
     group: list[int] = []
     for i in order:
-        width = len(chunk[i].current)
+        width = widths[i]
         if group and (len(group) + 1) * max(width, 1) > MAX_CELLS:
             yield group
             group = []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import itertools
 import math
 import operator
@@ -844,7 +845,9 @@ def _records_sums(
     """
     b = len(olds)
     lp_dtype: np.dtype[Any] = np.dtype(np.float32)
-    if any(a is not None and a.dtype != np.float32 for a in olds):
+    # each row's dtype in one C-level pass; a failed row's None has no dtype
+    kinds = set(map(_DTYPE, filter(_NOT_NONE, olds)))
+    if kinds - {np.dtype(np.float32)}:
         lp_dtype = np.dtype(np.float64)
     torch = sys.modules.get("torch") if _is_torch(current_log_probs) else None
     cur: Any
@@ -858,19 +861,7 @@ def _records_sums(
             # an accelerator (or bfloat16): build the two arrays on the host once, then the
             # tensor path does the rest where the tensors live
             old_h, mask_h = _records_rows(olds, masks, range(b), t, lp_dtype)
-            old_t = torch.as_tensor(old_h, device=cur_t.device)
-            mask_t = torch.as_tensor(mask_h, device=cur_t.device)
-            rows, cols = _torch_block(torch, cur_t.device, b, t)
-            dtype = _torch_compute_dtype(torch, old_t.dtype, cur_t.dtype)
-            d = torch.empty((rows, cols), dtype=dtype, device=cur_t.device)
-
-            def diff_dev(r0: int, r1: int, c0: int, c1: int, dd: Any) -> Any:
-                _torch_subtract(torch, cur_t[r0:r1, c0:c1], old_t[r0:r1, c0:c1], dd)
-                return mask_t[r0:r1, c0:c1]
-
-            sums, counts = _torch_sums(torch, diff_dev, b, t, d, False)
-            _recheck(sums, _torch_exact_rows(torch, old_t, cur_t, mask_t), ids)
-            return sums, counts
+            return _device_sums(torch, cur_t, old_h, mask_h, ids)
         # a CPU tensor is host memory: a zero-copy numpy view, and numpy's kernel, whose
         # calls per row cost far less than torch's (and leave torch's worker threads idle);
         # as many threads as torch would use: filling a block's rows is Python work (the
@@ -919,6 +910,77 @@ def _records_sums(
     def exact(rows_idx: npt.NDArray[np.intp]) -> tuple[Any, Any]:
         o, m = _records_rows(olds, masks, rows_idx.tolist(), t, lp_dtype)
         return _np_exact_rows(o, cur[rows_idx], m)(np.arange(len(rows_idx)))
+
+    _recheck(sums, exact, ids)
+    return sums, counts
+
+
+def _device_sums(
+    torch: Any,
+    cur_t: Any,
+    old_h: npt.NDArray[Any],
+    mask_h: npt.NDArray[np.bool_],
+    ids: Sequence[str],
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """The records' right-padded host arrays against current log-probs on an accelerator
+    (or in bfloat16): moved there once, then torch's block kernel."""
+    b, t = int(cur_t.shape[0]), int(cur_t.shape[1])
+    old_t = torch.as_tensor(old_h, device=cur_t.device)
+    mask_t = torch.as_tensor(mask_h, device=cur_t.device)
+    rows, cols = _torch_block(torch, cur_t.device, b, t)
+    dtype = _torch_compute_dtype(torch, old_t.dtype, cur_t.dtype)
+    d = torch.empty((rows, cols), dtype=dtype, device=cur_t.device)
+
+    def diff_dev(r0: int, r1: int, c0: int, c1: int, dd: Any) -> Any:
+        _torch_subtract(torch, cur_t[r0:r1, c0:c1], old_t[r0:r1, c0:c1], dd)
+        return mask_t[r0:r1, c0:c1]
+
+    sums, counts = _torch_sums(torch, diff_dev, b, t, d, False)
+    _recheck(sums, _torch_exact_rows(torch, old_t, cur_t, mask_t), ids)
+    return sums, counts
+
+
+def _padded_sums(
+    old: npt.NDArray[Any],
+    mask: npt.NDArray[np.bool_],
+    current_log_probs: Any,
+    ids: Sequence[str],
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """`_records_sums` over rows already laid out as right-padded B x T arrays (zeros and
+    False past each row's length, a failed row all False): the same kernel, blocks, dtypes
+    and threads, so the same figures to the bit, one ufunc call per block instead of two
+    per row."""
+    b, t = old.shape
+    if old.dtype not in (np.float32, np.float64):
+        raise GateConfigError(f"old log-probs must be float32 or float64, got {old.dtype}")
+    lp_dtype = old.dtype
+    torch = sys.modules.get("torch") if _is_torch(current_log_probs) else None
+    cur: Any
+    threads = 1
+    if torch is not None:
+        cur_t = current_log_probs.detach()
+        if not cur_t.dtype.is_floating_point:
+            raise GateConfigError("current log-probs must be a floating-point tensor")
+        if cur_t.device.type != "cpu" or cur_t.dtype not in (torch.float32, torch.float64):
+            return _device_sums(torch, cur_t, old, mask, ids)
+        cur = cur_t.numpy()
+        threads = torch.get_num_threads()
+    else:
+        cur = np.asarray(current_log_probs)
+        if not np.issubdtype(cur.dtype, np.floating):
+            raise GateConfigError(f"current log-probs must be floating-point, got {cur.dtype}")
+    dtype = _np_compute_dtype(lp_dtype, cur.dtype)
+
+    def diff_into(r0: int, r1: int, c0: int, c1: int, d: Any, _m: Any) -> Any:
+        np.subtract(cur[r0:r1, c0:c1], old[r0:r1, c0:c1], out=d, dtype=dtype)
+        return mask[r0:r1, c0:c1]
+
+    sums, counts = _np_sums(diff_into, b, t, dtype, False, threads)
+
+    def exact(rows_idx: npt.NDArray[np.intp]) -> tuple[Any, Any]:
+        return _np_exact_rows(old[rows_idx], cur[rows_idx], mask[rows_idx])(
+            np.arange(len(rows_idx))
+        )
 
     _recheck(sums, exact, ids)
     return sums, counts
@@ -1016,10 +1078,16 @@ _VERSION = operator.attrgetter("version")
 _HASH = operator.attrgetter("artifact_hash")
 _CONDITIONS = operator.attrgetter("conditions")
 _EVIDENCE = operator.attrgetter("evidence")
+_STATUS = operator.attrgetter("status")
+_OLD_LOG_PROBS = operator.attrgetter("behavior_log_probs")
+_ACTION_MASK = operator.attrgetter("action_mask")
+_DTYPE = operator.attrgetter("dtype")
 _ROLLOUT_ID = operator.attrgetter("identity.rollout_id")
 _EVIDENCE_SIZES = ("response_token_ids.size", "action_mask.size", "behavior_log_probs.size")
 _SIZES = operator.attrgetter(*_EVIDENCE_SIZES)
 _LENGTHS = tuple(map(operator.attrgetter, _EVIDENCE_SIZES))
+_SIZE = operator.attrgetter("size")
+_NOT_NONE = functools.partial(operator.is_not, None)
 
 
 Registry = Mapping[int, str] | Callable[[int], str | None]
@@ -1039,6 +1107,33 @@ def _registered_hash(registry: Registry | None, version: int) -> tuple[bool, str
     if h is not None and not isinstance(h, str):
         raise GateConfigError(f"the registry must give an artifact hash or None, got {brief(h)}")
     return True, h
+
+
+def _batch_width(current_log_probs: Any, b: int) -> int:
+    """T of the B x T current log-probs; GateConfigError for any other shape."""
+    shape = tuple(getattr(current_log_probs, "shape", ()))
+    if len(shape) != 2 or shape[0] != b:
+        raise GateConfigError(f"current log-probs must be {b} x T, got shape {shape}")
+    return int(shape[1])
+
+
+@attrs.frozen
+class RecordColumns:
+    """B rollouts as columns (`AdmissionGate.assess_columns`): per row its id, ledger state,
+    behaviour version and artifact hash, generation conditions, and its evidence's token,
+    mask and log-prob counts; its behaviour log-probs and action mask as B x T arrays,
+    right-padded (zeros and False past each row's length)."""
+
+    rollout_ids: Sequence[str]
+    states: Sequence[str]
+    behavior_versions: Sequence[int]
+    artifact_hashes: Sequence[str]
+    conditions: Sequence[GenerationConditions]
+    token_counts: Sequence[int]
+    mask_counts: Sequence[int]
+    log_prob_counts: Sequence[int]
+    old_log_probs: npt.NDArray[np.floating[Any]]
+    action_mask: npt.NDArray[np.bool_]
 
 
 class LedgerReader(Protocol):
@@ -1088,6 +1183,10 @@ class AdmissionGate:
                     "add them before admitting them"
                 )
         else:
+            # no entries: every state is the record's own status, read in one C-level pass
+            statuses = list(map(_STATUS, rollouts))
+            if not any(map(operator.is_, statuses, itertools.repeat(None))):
+                return statuses
             given = [None] * b
         out: list[LedgerEntry] = []
         unknown: list[str] = []
@@ -1118,12 +1217,34 @@ class AdmissionGate:
         current_version: int,
         memo: dict[Any, Any] | None = None,
     ) -> str | None:
-        """Reasons that do not need log-probs, in order; None when all pass.
+        """Reasons that do not need log-probs, in order; None when all pass."""
+        ev = rollout.evidence
+        return self._checks(
+            entry.state,
+            rollout.behavior.version,
+            rollout.behavior.artifact_hash,
+            rollout.conditions,
+            None if ev is None else _SIZES(ev),
+            current_version,
+            {} if memo is None else memo,
+        )
+
+    def _checks(
+        self,
+        state: str,
+        bv: int,
+        artifact_hash: str,
+        cond: GenerationConditions,
+        sizes: tuple[int, int, int] | None,
+        current_version: int,
+        memo: dict[Any, Any],
+    ) -> str | None:
+        """`_record_checks` on one rollout's fields; `sizes` are its evidence's token, mask
+        and log-prob counts (None: no evidence).
 
         `memo` caches registry lookups per version and conditions comparisons per object
         within one batch (thousands of rollouts share a handful of each).
         """
-        state = entry.state
         if state != "rewarded":
             if state in ("dispatched", "generated"):
                 return "not_finished"
@@ -1132,10 +1253,6 @@ class AdmissionGate:
             if state == "consumed":
                 return "already_consumed"
             return "terminal_state"
-        behavior = rollout.behavior
-        bv = behavior.version
-        if memo is None:
-            memo = {}
         key = ("v", bv)
         looked = memo.get(key)
         if looked is None:
@@ -1145,23 +1262,20 @@ class AdmissionGate:
             return "future_policy"
         if known and registered is None:
             return "unregistered_version"
-        if known and registered != behavior.artifact_hash:
+        if known and registered != artifact_hash:
             return "artifact_hash_mismatch"
         expected = self.policy.conditions
-        if expected is not None:
-            cond = rollout.conditions
-            if cond is not expected:
-                ckey = ("c", id(cond))
-                same = memo.get(ckey)
-                if same is None:
-                    same = memo[ckey] = (cond == expected, cond)  # keep cond alive: id stays
-                if not same[0]:
-                    return "conditions_mismatch"
-        ev = rollout.evidence
-        if ev is None:
+        if expected is not None and cond is not expected:
+            ckey = ("c", id(cond))
+            same = memo.get(ckey)
+            if same is None:
+                same = memo[ckey] = (cond == expected, cond)  # keep cond alive: id stays
+            if not same[0]:
+                return "conditions_mismatch"
+        if sizes is None:
             return "missing_evidence"
-        n = ev.response_token_ids.size
-        if ev.action_mask.size != n or ev.behavior_log_probs.size != n:
+        n, n_mask, n_lp = sizes
+        if n_mask != n or n_lp != n:
             return "evidence_misaligned"
         return None
 
@@ -1245,25 +1359,42 @@ class AdmissionGate:
         to the record's status), else from `ledger`, else from each `rollout.status`; a
         rollout whose state nobody gives raises GateConfigError. Record checks read each
         field of the whole batch in one C-level pass and judge each distinct value once
-        (`_batch_checks`); lag and drift run vectorised over the whole batch, reading the
+        (`_column_checks`); lag and drift run vectorised over the whole batch, reading the
         records' stored arrays block by block (no B x T copies, no Python work per token).
         """
         _check_version("current_version", current_version)
         b = len(rollouts)
         states = self._states(rollouts, entries, ledger)
-        shape = tuple(getattr(current_log_probs, "shape", ()))
-        if len(shape) != 2 or shape[0] != b:
-            raise GateConfigError(f"current log-probs must be {b} x T, got shape {shape}")
-        t = shape[1]
-        early, evidence = self._batch_checks(rollouts, states, current_version)
+        t = _batch_width(current_log_probs, b)
+        behaviors = list(map(_BEHAVIOR, rollouts))
+        bvs = list(map(_VERSION, behaviors))
+        hashes = list(map(_HASH, behaviors))
+        evidence: list[ActionEvidence | None] = list(map(_EVIDENCE, rollouts))
+        # by identity: `None in evidence` would call ActionEvidence.__eq__ once per record
+        missing = any(map(operator.is_, evidence, itertools.repeat(None)))
+        if missing:
+            sizes = [[None if ev is None else get(ev) for ev in evidence] for get in _LENGTHS]
+        else:
+            sizes = [list(map(get, evidence)) for get in _LENGTHS]
+        # conditions are read only where the policy sets some, as the per-row checks do
+        conds = list(map(_CONDITIONS, rollouts)) if self.policy.conditions is not None else None
+        early = self._column_checks(
+            list(map(_STATE, states)), bvs, hashes, conds, sizes, current_version
+        )
         failed = b - early.count(None)
+        olds: list[npt.NDArray[Any] | None]
+        masks: list[npt.NDArray[np.bool_] | None]
         if failed:
             evidence = [
                 None if why is not None else ev for ev, why in zip(evidence, early, strict=True)
             ]
-        olds = [None if ev is None else ev.behavior_log_probs for ev in evidence]
-        masks = [None if ev is None else ev.action_mask for ev in evidence]
-        widest = max((lp.size for lp in olds if lp is not None), default=0)
+            olds = [None if ev is None else ev.behavior_log_probs for ev in evidence]
+            masks = [None if ev is None else ev.action_mask for ev in evidence]
+            widest = max((lp.size for lp in olds if lp is not None), default=0)
+        else:  # every row has evidence: one C-level pass per field
+            olds = list(map(_OLD_LOG_PROBS, evidence))
+            masks = list(map(_ACTION_MASK, evidence))
+            widest = max(map(_SIZE, olds), default=0)
         if widest > t:
             i = next(i for i, lp in enumerate(olds) if lp is not None and lp.size > t)
             raise GateConfigError(
@@ -1272,7 +1403,62 @@ class AdmissionGate:
             )
         ids = list(map(_ROLLOUT_ID, rollouts))
         sums, counts = _records_sums(olds, masks, current_log_probs, ids)
-        bvs = list(map(_VERSION, map(_BEHAVIOR, rollouts)))
+        return self._column_decisions(ids, bvs, early, failed, sums, counts, current_version)
+
+    def assess_columns(
+        self, columns: RecordColumns, current_log_probs: Any, current_version: int
+    ) -> list[AdmissionDecision]:
+        """`assess_batch` over B rollouts given as columns, for callers that hold their
+        fields rather than Rollout and LedgerEntry records (e.g. rows read from a file):
+        the same checks, reasons, figures and errors, without building a record per row.
+
+        `current_log_probs` is B x T, right-padded, like `columns.old_log_probs`.
+        """
+        _check_version("current_version", current_version)
+        cols = columns
+        b = len(cols.rollout_ids)
+        t = _batch_width(current_log_probs, b)
+        old, mask = cols.old_log_probs, cols.action_mask
+        fields = (cols.states, cols.behavior_versions, cols.artifact_hashes, cols.conditions)
+        lengths = (cols.token_counts, cols.mask_counts, cols.log_prob_counts)
+        if (
+            any(len(c) != b for c in (*fields, *lengths))
+            or old.shape != (b, t)
+            or (mask.shape != (b, t) or mask.dtype != np.bool_)
+        ):
+            raise GateConfigError(
+                f"columns must all hold {b} rows, and old log-probs and mask be {b} x {t} "
+                f"(mask bool), got {old.shape} and {mask.shape} {mask.dtype}"
+            )
+        early = self._column_checks(
+            list(cols.states),
+            list(cols.behavior_versions),
+            list(cols.artifact_hashes),
+            cols.conditions,
+            [list(c) for c in lengths],
+            current_version,
+        )
+        failed = b - early.count(None)
+        if failed:  # a row that failed a check counts no action position (a copy: ours)
+            mask = mask.copy()
+            mask[[i for i, why in enumerate(early) if why is not None]] = False
+        ids = list(cols.rollout_ids)
+        sums, counts = _padded_sums(old, mask, current_log_probs, ids)
+        bvs = list(cols.behavior_versions)
+        return self._column_decisions(ids, bvs, early, failed, sums, counts, current_version)
+
+    def _column_decisions(
+        self,
+        ids: list[str],
+        bvs: list[int],
+        early: list[str | None],
+        failed: int,
+        sums: npt.NDArray[np.float64],
+        counts: npt.NDArray[np.int64],
+        current_version: int,
+    ) -> list[AdmissionDecision]:
+        """The batch's decisions from its row sums and the record checks' reasons."""
+        b = len(ids)
         versions = np.array(bvs, np.int64) if b else np.zeros(0, np.int64)
         pol = self.policy
         res = _decide(sums, counts, versions, current_version, pol.max_lag, pol.max_drift)
@@ -1304,26 +1490,32 @@ class AdmissionGate:
             b,
         )
 
-    def _batch_checks(
-        self, rollouts: Sequence[Rollout], states: Sequence[LedgerEntry], current_version: int
-    ) -> tuple[list[str | None], list[ActionEvidence | None]]:
-        """`_record_checks` of every rollout, and every rollout's evidence.
+    def _column_checks(
+        self,
+        kinds: list[str],
+        bvs: list[int],
+        hashes: list[str],
+        conditions: Sequence[GenerationConditions] | None,
+        sizes: Sequence[Sequence[int | None]],
+        current_version: int,
+    ) -> list[str | None]:
+        """`_record_checks` of every row, from the batch's columns: states, behaviour
+        versions and hashes, conditions (or the rollouts, whose `conditions` are read only
+        when the policy sets some) and the evidence's token, mask and log-prob counts (None:
+        no evidence).
 
-        Each check reads its field of every record in one C-level pass (attrgetter over the
-        batch) and judges each distinct value once: states, (version, hash) pairs,
-        conditions objects, evidence lengths. Only rows that some check flags go through
-        `_record_checks`, which names the first failing reason in the contract's order;
-        every other row passes every check. Lookups happen for the versions of rewarded
-        rows only, as the per-row checks do.
+        Each check reads its column in one C-level pass and judges each distinct value
+        once: states, (version, hash) pairs, conditions objects, evidence lengths. Only
+        rows that some check flags go through `_checks`, which names the first failing
+        reason in the contract's order; every other row passes every check. Lookups happen
+        for the versions of rewarded rows only, as the per-row checks do.
         """
-        b = len(rollouts)
+        b = len(kinds)
         flagged: set[int] = set()
-        kinds = list(map(_STATE, states))
         rewarded = kinds.count("rewarded") == b
         if not rewarded:
             flagged.update(i for i, k in enumerate(kinds) if k != "rewarded")
-        behaviors = list(map(_BEHAVIOR, rollouts))
-        pairs = list(zip(map(_VERSION, behaviors), map(_HASH, behaviors), strict=True))
+        pairs = list(zip(bvs, hashes, strict=True))
         memo: dict[Any, Any] = {}
         live = (
             pairs if rewarded else [p for p, k in zip(pairs, kinds, strict=True) if k == "rewarded"]
@@ -1332,26 +1524,31 @@ class AdmissionGate:
         if bad:
             flagged.update(i for i, p in enumerate(pairs) if p in bad)
         expected = self.policy.conditions
+        conds: Sequence[Any] = [None] * b if conditions is None else conditions
         if expected is not None:
-            conds = list(map(_CONDITIONS, rollouts))
             distinct = dict(zip(map(id, conds), conds, strict=True))
             odd = {k for k, c in distinct.items() if c is not expected and c != expected}
             if odd:
                 flagged.update(i for i, c in enumerate(conds) if id(c) in odd)
-        evidence: list[ActionEvidence | None] = list(map(_EVIDENCE, rollouts))
-        if None in evidence:
-            flagged.update(i for i, ev in enumerate(evidence) if ev is None)
-        present = [ev for ev in evidence if ev is not None] if flagged else evidence
-        lengths = [list(map(get, present)) for get in _LENGTHS]
-        if not (lengths[0] == lengths[1] == lengths[2]):
+        tokens, in_mask, in_lp = sizes
+        if not (tokens == in_mask == in_lp) or None in tokens:
             flagged.update(
-                i for i, ev in enumerate(evidence) if ev is not None and len(set(_SIZES(ev))) != 1
+                i for i, n in enumerate(tokens) if n is None or n != in_mask[i] or n != in_lp[i]
             )
         early: list[str | None] = [None] * b
-        check = self._record_checks
+        check = self._checks
         for i in flagged:
-            early[i] = check(rollouts[i], states[i], current_version, memo)
-        return early, evidence
+            n = tokens[i]
+            early[i] = check(
+                kinds[i],
+                bvs[i],
+                hashes[i],
+                conds[i],
+                None if n is None else (n, in_mask[i], in_lp[i]),  # type: ignore[arg-type]
+                current_version,
+                memo,
+            )
+        return early
 
     def _pair_ok(self, pair: tuple[int, str], current_version: int, memo: dict[Any, Any]) -> bool:
         """Whether a (behaviour version, artifact hash) pair passes the version checks

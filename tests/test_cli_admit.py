@@ -178,15 +178,21 @@ def test_chunking_does_not_change_decisions(tmp_path: Path) -> None:
 
 
 def test_uses_the_vectorised_batch_gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rollouts go through AdmissionGate.assess_batch, one call per chunk."""
+    """Rollouts go through the batch gate (assess_batch over records, or assess_columns
+    where a chunk is valid throughout), one call per chunk."""
     calls: list[int] = []
-    original = AdmissionGate.assess_batch
+    batch, columns = AdmissionGate.assess_batch, AdmissionGate.assess_columns
 
     def spy(self: AdmissionGate, rollouts: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(len(rollouts))
-        return original(self, rollouts, *args, **kwargs)
+        return batch(self, rollouts, *args, **kwargs)
+
+    def spy_columns(self: AdmissionGate, cols: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(cols.rollout_ids))
+        return columns(self, cols, *args, **kwargs)
 
     monkeypatch.setattr(AdmissionGate, "assess_batch", spy)
+    monkeypatch.setattr(AdmissionGate, "assess_columns", spy_columns)
     inp = write_jsonl(tmp_path / "in.jsonl", MIXED)
     assert run(admit_args(inp, tmp_path / "o.jsonl", "--chunk-size", "3")).exit_code == 0
     assert calls == [3, 3, 1]
@@ -361,16 +367,19 @@ def test_failed_forced_run_keeps_the_old_output(tmp_path: Path) -> None:
 
 def test_interrupt_midway_leaves_no_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C after the first chunk was written leaves neither output nor temp file."""
-    original = AdmissionGate.assess_batch
     calls = []
 
-    def interrupted(self: AdmissionGate, *args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return original(self, *args, **kwargs)
+    def interrupting(original: Any) -> Any:
+        def interrupted(self: AdmissionGate, *args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(AdmissionGate, "assess_batch", interrupted)
+        return interrupted
+
+    for name in ("assess_batch", "assess_columns"):  # records or columns: whichever runs
+        monkeypatch.setattr(AdmissionGate, name, interrupting(getattr(AdmissionGate, name)))
     inp = write_jsonl(tmp_path / "in.jsonl", [row("a"), row("b"), row("c")])
     out = tmp_path / "o.jsonl"
     res = run(admit_args(inp, out, "--chunk-size", "1"))
@@ -459,3 +468,123 @@ def test_many_chunks_write_every_line_once(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert [d["rollout_id"] for d in read_out(out)] == [f"r{i}" for i in range(50)]
     assert json.loads(res.stdout)["by_freshness"]["stale"] == 16
+
+
+def _varied_rows(n: int) -> list[dict[str, Any]]:
+    """Rows of many widths, states, versions and reasons (some with more token ids than
+    log-probs, one with a longer mask, non-ASCII ids, conditions mismatches), for comparing
+    the two paths."""
+    import random
+
+    rng = random.Random(7)
+    rows = []
+    for i in range(n):
+        k = rng.choice([0, 1, 3, 7, 64, 300])
+        old = [round(-3 * rng.random(), 6) for _ in range(k)]
+        r = row(
+            f"r{i}-\u00e9" if i % 9 == 0 else f"r{i}",
+            rng.randint(0, 4),
+            response_token_ids=list(range(k + (1 if i % 17 == 4 else 0))),
+            action_mask=[rng.random() < 0.7 for _ in range(k)],
+            behavior_log_probs=old,
+            current_log_probs=[o + rng.gauss(0, 0.3) for o in old],
+        )
+        if i % 11 == 5:
+            r["state"] = rng.choice(["reserved", "consumed", "generated", "quarantined"])
+        if i % 13 == 6:
+            r["conditions"] = {**CONDITIONS, "top_p": 0.5}
+        rows.append(r)
+    rows[-10]["action_mask"] = [True] * (len(rows[-10]["behavior_log_probs"]) + 1)
+    return rows
+
+
+def test_column_path_writes_what_the_line_path_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk that is valid throughout goes to the gate as columns; its decisions are the
+    line-by-line path's to the byte, across chunks and width groups (small MAX_CELLS)."""
+    from rollout_lifecycle.cli import admit_cmd
+
+    monkeypatch.setattr(admit_cmd, "MAX_CELLS", 2000)
+    inp = write_jsonl(tmp_path / "in.jsonl", _varied_rows(240))
+    cond = tmp_path / "cond.json"
+    cond.write_text(json.dumps(CONDITIONS))
+    extra = ("--chunk-size", "50", "--conditions-json", str(cond), "--json")
+    fast_out, slow_out = tmp_path / "fast.jsonl", tmp_path / "slow.jsonl"
+    taken: list[bool] = []
+    fast_chunk = admit_cmd._fast_chunk
+
+    def spy(*args: Any) -> Any:
+        got = fast_chunk(*args)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(admit_cmd, "_fast_chunk", spy)
+    fast = run(admit_args(inp, fast_out, *extra))
+    assert fast.exit_code == 0, fast.output
+    assert taken == [True] * 4 + [False]  # the last chunk holds a mask of another length
+    monkeypatch.setattr(admit_cmd, "_fast_chunk", lambda *_: None)
+    slow = run(admit_args(inp, slow_out, *extra))
+    assert slow.exit_code == 0, slow.output
+    assert fast_out.read_bytes() == slow_out.read_bytes()
+    summaries = [json.loads(r.stdout) for r in (fast, slow)]
+    for summary, out in zip(summaries, (fast_out, slow_out), strict=True):
+        assert summary.pop("elapsed_s") >= 0 and summary.pop("output") == str(out)
+    assert summaries[0] == summaries[1]
+    reasons = {d["reason"] for d in read_out(fast_out)}
+    assert {"ok", "already_reserved", "conditions_mismatch", "empty_action_mask"} <= reasons
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"current_log_probs": [0.1, True, 0.2, 0.3]},
+        {"behavior_log_probs": [-0.5, "-1", -1.5, -2.0]},
+        {"response_token_ids": [1, 2.0, 3, 4]},
+        {"response_token_ids": [1, 2**63, 3, 4]},
+        {"action_mask": [0, 1, 1, 1]},
+        {"sample_index": -1},
+        {"behavior_version": True},
+        {"dataset": ""},
+        {"prompt_id": "a\x00b"},
+        {"rollout_id": "x" * 1025},
+        {"state": "nope"},
+        {"current_log_probs": [0.1, 0.2, 0.3]},
+        {"behavior_log_probs": [-0.5, float("nan"), -1.5, -2.0]},
+        {"rollout_id": "dup"},
+    ],
+)
+def test_a_bad_line_in_a_valid_looking_chunk_is_named_as_always(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: dict[str, Any]
+) -> None:
+    """Whatever the column checks doubt sends the chunk line by line: the error (line and
+    message) is the one the line-by-line path gives."""
+    from rollout_lifecycle.cli import admit_cmd
+
+    rows = [row("dup"), *(row(f"r{i}") for i in range(5))]
+    rows[3] = {**rows[3], **bad}
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    first = run(admit_args(inp, tmp_path / "a.jsonl"))
+    monkeypatch.setattr(admit_cmd, "_fast_chunk", lambda *_: None)
+    second = run(admit_args(inp, tmp_path / "b.jsonl"))
+    assert (first.exit_code, first.output) == (second.exit_code, second.output)
+    assert first.exit_code == 2 and "line 4" in first.output
+
+
+def test_decision_lines_are_the_encoder_s_bytes() -> None:
+    """The field-by-field line is the JSON encoder's line, overflowed drifts included."""
+    from rollout_lifecycle.cli import admit_cmd
+    from rollout_lifecycle.model.gate import AdmissionDecision
+
+    decisions = [
+        AdmissionDecision(rid, ok, reason, route, fresh, drift, lag, 7, 7 - lag, 2, 0.2)
+        for rid, ok, reason, route, fresh, drift, lag in [
+            ("a", True, "ok", "train", "fresh", 0.012345678901234567, 0),
+            ('q"\\\u00e9\U0001f600', False, "policy_drift", "reject", "tolerated", 1e300, 2),
+            ("e", False, "empty_action_mask", "reject", None, None, 1),
+            ("o", False, "policy_drift", "reject", "fresh", float("inf"), 0),
+            ("n", False, "stale_policy", "reject", "stale", -0.0, 5),
+        ]
+    ]
+    want = "".join(admit_cmd._decision_line(d) + "\n" for d in decisions)
+    assert admit_cmd._decision_lines(decisions) == want

@@ -22,6 +22,7 @@ from rollout_lifecycle.model.gate import (
     AdmissionGate,
     BatchAssessment,
     GatePolicy,
+    RecordColumns,
     assess_arrays,
     classify_lag,
     lag_drift_decision,
@@ -374,6 +375,62 @@ def test_batch_record_checks_equal_single(rows: list[tuple[str, str]], threaded:
             assert a.drift == pytest.approx(b.drift, rel=1e-12)
         same = attrs.evolve(a, drift=b.drift)
         assert same == b and hash(same) == hash(b)
+    kept = [ro for ro in ros if ro.evidence is not None]  # columns always carry evidence
+    looked.clear()
+    by_records = g.assess_batch(kept, current[: len(kept)], 5)
+    records_looked = list(looked)
+    looked.clear()
+    assert g.assess_columns(_columns_of(kept, 2), current[: len(kept)], 5) == by_records
+    assert looked == records_looked
+
+
+def _columns_of(ros: list[Rollout], t: int) -> RecordColumns:
+    """Rollouts (with evidence and status) as the gate's columns, arrays padded to T."""
+    old = np.zeros((len(ros), t))
+    mask = np.zeros((len(ros), t), np.bool_)
+    for i, ro in enumerate(ros):
+        assert ro.evidence is not None and ro.status is not None
+        lp, m = ro.evidence.behavior_log_probs, ro.evidence.action_mask
+        old[i, : lp.size], mask[i, : m.size] = lp, m
+    return RecordColumns(
+        rollout_ids=[ro.rollout_id for ro in ros],
+        states=[ro.status.state for ro in ros if ro.status is not None],
+        behavior_versions=[ro.behavior.version for ro in ros],
+        artifact_hashes=[ro.behavior.artifact_hash for ro in ros],
+        conditions=[ro.conditions for ro in ros],
+        token_counts=[ro.evidence.response_token_ids.size for ro in ros if ro.evidence],
+        mask_counts=[ro.evidence.action_mask.size for ro in ros if ro.evidence],
+        log_prob_counts=[ro.evidence.behavior_log_probs.size for ro in ros if ro.evidence],
+        old_log_probs=old,
+        action_mask=mask,
+    )
+
+
+def test_columns_give_the_records_figures_to_the_bit() -> None:
+    """assess_columns over right-padded arrays gives every decision of assess_batch over
+    the same rows, drift to the bit (same kernel, blocks and dtypes), float32 and float64,
+    numpy and torch current log-probs; columns of another length are refused."""
+    rng = np.random.default_rng(3)
+    g = gate()
+    for dtype in (np.float32, np.float64):
+        lengths = rng.integers(0, 300, 50)
+        ros = [
+            make_rollout(
+                f"r{i}",
+                int(rng.integers(0, 4)),
+                rng.normal(-1, 0.5, n).astype(dtype),
+                rng.random(n) < 0.8,
+            )
+            for i, n in enumerate(lengths.tolist())
+        ]
+        t = int(lengths.max())
+        cur = rng.normal(-1, 0.5, (len(ros), t)).astype(dtype)
+        cols = _columns_of(ros, t)
+        cols = attrs.evolve(cols, old_log_probs=cols.old_log_probs.astype(dtype))
+        for current in (cur, torch.from_numpy(cur)):
+            assert g.assess_columns(cols, current, 3) == g.assess_batch(ros, current, 3)
+    with pytest.raises(GateConfigError, match="columns must all hold"):
+        g.assess_columns(attrs.evolve(cols, states=cols.states[:-1]), cur, 3)
 
 
 def test_stamp_keeps_the_decision() -> None:
