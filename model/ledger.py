@@ -314,9 +314,7 @@ def check_requests(requests: object) -> list[ReserveRequest]:
     if ids is None:  # judged item by item, so the first bad item is the one refused
         for r in out:
             if not isinstance(r, ReserveRequest):
-                raise InvalidLedgerArgument(
-                    f"a batch holds ReserveRequest items, got {brief(r)}"
-                )
+                raise InvalidLedgerArgument(f"a batch holds ReserveRequest items, got {brief(r)}")
             check_id(r.rollout_id)
             check_revision(r.expected_revision)
             if r.admission is not None and not isinstance(r.admission, AdmissionStamp):
@@ -591,48 +589,55 @@ def plan_reserves(
     it has not passed, and runs the record's post-init check).
     """
     check_update_id(update_id)
-    precheck = reserve_precheck
-    outcome = _make_outcome
+    precheck, outcome = reserve_precheck, _make_outcome
     get = entries.get
     outcomes: list[ReserveOutcome] = []
+    add = outcomes.append
     planned: dict[str, tuple[LedgerEntry, LedgerEntry]] = {}
     # (id of the stamp, behaviour version) -> refusal: the requests hold every stamp, so no
-    # id is reused while this runs; a batch mostly carries one stamp and one version
+    # id is reused while this runs; a batch mostly carries one stamp and one version, so
+    # the last one judged is kept at hand as well
     judged: dict[tuple[int, int], tuple[str, str] | None] = {}
+    last_stamp: object = judged  # no request's stamp
+    last_version, refusal = -1, None
     dests: dict[str, str] = {}
+    kind: type[Any] | None = None  # the class `evolve` builds
+    evolve: Callable[..., LedgerEntry] | None = None
     for r in requests:
         rid = r.rollout_id
         entry = get(rid)
         if entry is None:
-            outcomes.append(outcome(rid, False, MISSING, None))
+            add(outcome(rid, False, MISSING, None))
             continue
         state = entry.state
         why = precheck(state, entry.revision, entry.reserved_by, r.expected_revision, update_id)
         if why is not None:
-            outcomes.append(outcome(rid, why == IDEMPOTENT, why, entry))
+            add(outcome(rid, why == IDEMPOTENT, why, entry))
             continue
         admission, version = r.admission, entry.behavior_version
-        key = (id(admission), version)
-        if key in judged:
-            refusal = judged[key]
-        else:
-            refusal = judged[key] = premise.refusal(admission, version)
+        if admission is not last_stamp or version != last_version:
+            key = (id(admission), version)
+            if key in judged:
+                refusal = judged[key]
+            else:
+                refusal = judged[key] = premise.refusal(admission, version)
+            last_stamp, last_version = admission, version
         if refusal is not None:
-            outcomes.append(outcome(rid, False, refusal[0], entry, refusal[1]))
+            add(outcome(rid, False, refusal[0], entry, refusal[1]))
             continue
         dest = dests.get(state)
         if dest is None:
             dest = dests[state] = transition_dest(state, "reserve")
-        evolve = _RESERVE_EVOLVERS.get(type(entry))
-        if evolve is None:
-            evolve = _RESERVE_EVOLVERS[type(entry)] = _evolver(
-                type(entry), frozenset(_RESERVED_FIELDS), _RESERVED_FIELDS
-            )
-        new: LedgerEntry = evolve(
-            entry, dest, entry.revision + 1, update_id, lease_expires_at, admission
-        )
+        if type(entry) is not kind or evolve is None:
+            kind = type(entry)
+            evolve = _RESERVE_EVOLVERS.get(kind)
+            if evolve is None:
+                evolve = _RESERVE_EVOLVERS[kind] = _evolver(
+                    kind, frozenset(_RESERVED_FIELDS), _RESERVED_FIELDS
+                )
+        new = evolve(entry, dest, entry.revision + 1, update_id, lease_expires_at, admission)
         planned[rid] = (entry, new)
-        outcomes.append(outcome(rid, True, RESERVED, new))
+        add(outcome(rid, True, RESERVED, new))
     return outcomes, planned
 
 
@@ -1744,10 +1749,15 @@ class MemoryStore:
 
     def _index_many(self, writes: Iterable[tuple[LedgerEntry | None, LedgerEntry]]) -> None:
         """Index writes that are already stored, in their order, each (the entry it replaced
-        or None, the entry now stored). One pass: the owner's set is looked up once for a
-        run of rows of one owner (a batch's), and the lease heap is checked for bloat once."""
+        or None, the entry now stored). One pass: the counts by state and version move once
+        per kind of move (a batch's rows mostly make one), the owner's set is looked up once
+        per run of rows of one owner, and the lease heap is checked for bloat once."""
         versions, owners, chains = self.versions, self.owners, self.chains
         leases, push = self.leases, heapq.heappush
+        # (state, version) before (None: an insert) and after -> how many rows moved so
+        shifts: dict[tuple[str | None, int, str, int], int] = {}
+        key: tuple[str | None, int, str, int]
+        held_now = self._held
         owner: str | None = None  # the owner whose set `held` is, while it is in `owners`
         held: set[str] = set()
         for before, after in writes:
@@ -1755,40 +1765,47 @@ class MemoryStore:
             if before is None:
                 if after.chain is not None:
                     chains.setdefault(after.chain, []).append(rid)
-            elif before.state == state and before.behavior_version == version:
-                pass  # counts by state and version unchanged
+                key = (None, -1, state, version)
+                shifts[key] = shifts.get(key, 0) + 1
             else:
-                was = versions.get(before.state)
-                old = before.behavior_version
-                if was is not None and was.get(old, 0) > 0:
-                    if was[old] == 1:
-                        del was[old]
-                    else:
-                        was[old] -= 1
-            if before is None or before.state != state or before.behavior_version != version:
-                now = versions.get(state)
-                if now is None:
-                    now = versions[state] = Counter()
-                now[version] = now.get(version, 0) + 1
-            if before is not None and before.reserved_by is not None:
-                gone = owners.get(before.reserved_by)
-                if gone is not None and before.rollout_id in gone:
-                    gone.discard(before.rollout_id)
-                    self._held -= 1
-                    if not gone:
-                        del owners[before.reserved_by]
-                        owner = None  # its set may be the one `held` names
-            if after.reserved_by is None:
+                if before.state != state or before.behavior_version != version:
+                    key = (before.state, before.behavior_version, state, version)
+                    shifts[key] = shifts.get(key, 0) + 1
+                gone_from = before.reserved_by
+                if gone_from is not None:
+                    gone = owners.get(gone_from)
+                    if gone is not None and before.rollout_id in gone:
+                        gone.discard(before.rollout_id)
+                        held_now -= 1
+                        if not gone:
+                            del owners[gone_from]
+                            owner = None  # its set may be the one `held` names
+            taker = after.reserved_by
+            if taker is None:
                 continue
-            if after.reserved_by is not owner:
-                owner = after.reserved_by
-                held = owners.setdefault(owner, set())
+            if taker is not owner:
+                owner = taker
+                held = owners.setdefault(taker, set())
             if rid not in held:
                 held.add(rid)
-                self._held += 1
+                held_now += 1
             if after.lease_expires_at is not None:
                 push(leases, (after.lease_expires_at, rid))
-        if len(leases) > 1024 and len(leases) > 4 * self._held:
+        self._held = held_now
+        # moving the counts kind by kind, in the order each kind first came, ends where
+        # moving them row by row would: each row leaves a (state, version) it is counted in
+        for (old_state, old_version, state, version), n in shifts.items():
+            was = None if old_state is None else versions.get(old_state)
+            if was is not None and was.get(old_version, 0) > 0:
+                if was[old_version] <= n:
+                    del was[old_version]
+                else:
+                    was[old_version] -= n
+            now = versions.get(state)
+            if now is None:
+                now = versions[state] = Counter()
+            now[version] = now.get(version, 0) + n
+        if len(leases) > 1024 and len(leases) > 4 * held_now:
             # mostly deadlines of reservations that ended: rebuild from what is held now
             # (every write indexed here is stored already, so none loses its deadline)
             self.leases = [

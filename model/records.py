@@ -74,9 +74,7 @@ def texts_pass(values: Sequence[object], *, max_length: int | None = MAX_ID_LENG
     if set(map(type, values)) != {str}:
         return False
     texts: Sequence[str] = values  # type: ignore[assignment]
-    if min(map(len, texts)) == 0 or (
-        max_length is not None and max(map(len, texts)) > max_length
-    ):
+    if min(map(len, texts)) == 0 or (max_length is not None and max(map(len, texts)) > max_length):
         return False
     joined = "".join(texts)
     return joined.isascii() and "\x00" not in joined
@@ -847,7 +845,7 @@ def plain_maker(cls: type[T]) -> Callable[..., T]:
     validator, converter, factory default, pre- or post-init): each field positional in
     declaration order, defaults as declared, stored through its slot. TypeError for a class
     whose __init__ does more, so a check added to it later is never skipped."""
-    fields = attrs.fields(cls)
+    fields = attrs.fields(cls)  # type: ignore[arg-type]
     does_more = [
         a.name
         for a in fields
