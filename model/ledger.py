@@ -1741,7 +1741,7 @@ class MemoryStore:
         self._held = 0
         self.chains: dict[str, list[str]] = {}
         self.versions: dict[str, Counter[int]] = {}  # state -> behaviour version -> entries
-        self._index_many([(None, e) for e in self.entries.values()])
+        self._index_many((None, e) for e in self.entries.values())
 
     def _index(self, before: LedgerEntry | None, after: LedgerEntry) -> None:
         """Index one write, already stored (`before` None: an insert)."""
@@ -1906,7 +1906,7 @@ class MemoryStore:
             seen.add(e.rollout_id)
         for e in entries:
             self.entries[e.rollout_id] = e
-        self._index_many([(None, e) for e in entries])
+        self._index_many((None, e) for e in entries)
 
     def write(self, pairs: Sequence[tuple[LedgerEntry, LedgerEntry]]) -> set[str]:
         entries = self.entries

@@ -199,8 +199,8 @@ def entry_problems(e: LedgerEntry) -> list[str]:
 
 def _judged(e: LedgerEntry) -> tuple[object, ...]:
     """What of an entry decides whether `entry_problems` finds anything: its state, whether
-    it has an owner and a reward, its disposition and stamp (the objects: the caller holds
-    them, so their ids stay theirs) and its behaviour version."""
+    it has an owner and a reward, its disposition and stamp (by identity: whoever keeps the
+    key keeps the objects too, so no other object takes their ids) and its version."""
     return (
         type(e),
         e.state,
