@@ -1759,7 +1759,7 @@ class MemoryStore:
         key: tuple[str | None, int, str, int]
         held_now = self._held
         owner: str | None = None  # the owner whose set `held` is, while it is in `owners`
-        held: set[str] = set()
+        held: set[str]  # bound with `owner`, before its first use
         for before, after in writes:
             rid, state, version = after.rollout_id, after.state, after.behavior_version
             if before is None:
