@@ -28,6 +28,7 @@ from rollout_lifecycle.model.records import (
     LedgerEntry,
     WorkerAck,
     from_jsonable,
+    plain_maker,
     to_jsonable,
 )
 
@@ -50,10 +51,14 @@ class EntryChanged:
     kind: str = "entry"
 
 
+_make_entry_changed = plain_maker(EntryChanged)  # EntryChanged(...), once per written row
+
+
 def entry_events(changes: Sequence[Change], at: float) -> list[EntryChanged]:
     """A ledger step's events before a store numbers them (seq and txn 0: the durable
     stores stamp both as they append, under their events lock)."""
-    return [EntryChanged(0, 0, at, a.rollout_id, ev, b, a, u) for ev, b, a, u in changes]
+    make = _make_entry_changed
+    return [make(0, 0, at, a.rollout_id, ev, b, a, u) for ev, b, a, u in changes]
 
 
 @attrs.frozen
@@ -405,8 +410,9 @@ class EventLog:
         with self._lock:
             self._txn += 1
             txn, base = self._txn, len(self._events)
+            make = _make_entry_changed
             self._events.extend(
-                EntryChanged(base + i, txn, at, after.rollout_id, event, before, after, update)
+                make(base + i, txn, at, after.rollout_id, event, before, after, update)
                 for i, (event, before, after, update) in enumerate(changes, 1)
             )
 

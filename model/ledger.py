@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import operator
 import threading
 import time
 from collections import Counter
@@ -55,7 +56,10 @@ from rollout_lifecycle.model.records import (
     Reward,
     Rollout,
     from_jsonable,
+    plain_maker,
+    slot_setter,
     text_problem,
+    texts_pass,
     to_jsonable,
 )
 
@@ -204,27 +208,6 @@ class ActivationPremise:
 NO_REGISTRY = ActivationPremise(None, None)
 
 
-@attrs.frozen
-class _JudgedOnce(ActivationPremise):
-    """A premise that judges each (stamp, version) once per step: a batch's requests mostly
-    carry one stamp, and the premise cannot change inside the step that read it."""
-
-    # keyed by the stamp object's identity (hashing a stamp costs more than judging it
-    # twice); the stamp is kept in the value, so its id cannot be reused within the step
-    judged: dict[tuple[int, int], tuple[AdmissionStamp | None, tuple[str, str] | None]] = (
-        attrs.field(factory=dict, eq=False, repr=False)
-    )
-
-    def refusal(
-        self, admission: AdmissionStamp | None, behavior_version: int
-    ) -> tuple[str, str] | None:
-        key = (id(admission), behavior_version)
-        found = self.judged.get(key)
-        if found is None or found[0] is not admission:
-            found = self.judged[key] = (admission, super().refusal(admission, behavior_version))
-        return found[1]
-
-
 class ActivationSource(Protocol):
     """A registry a ledger reads inside its own atomic step (the memory registry)."""
 
@@ -244,7 +227,7 @@ class WriteRefused(LedgerError, ValueError):
 
 def enforce(afters: Iterable[LedgerEntry]) -> None:
     """Refuse a step whose records break a per-record rule (model.rules.entry_problems)."""
-    problems = [m for e in afters for m in rules.entry_problems(e)]
+    problems = rules.entries_problems(afters)
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise WriteRefused("refused, nothing written: " + "; ".join(problems[:5]) + more)
@@ -327,20 +310,47 @@ def check_requests(requests: object) -> list[ReserveRequest]:
             f"a batch is a list of ReserveRequest, got {type(requests).__name__}"
         )
     out = list(requests)
-    for r in out:
-        if not isinstance(r, ReserveRequest):
-            raise InvalidLedgerArgument(f"a batch holds ReserveRequest items, got {brief(r)}")
-        check_id(r.rollout_id)
-        check_revision(r.expected_revision)
-        if r.admission is not None and not isinstance(r.admission, AdmissionStamp):
-            raise InvalidLedgerArgument(
-                f"admission must be an AdmissionStamp or None, got {brief(r.admission)}"
-            )
-    if len({r.rollout_id for r in out}) != len(out):
-        seen = Counter(r.rollout_id for r in out)
+    ids = _plain_batch_ids(out)
+    if ids is None:  # judged item by item, so the first bad item is the one refused
+        for r in out:
+            if not isinstance(r, ReserveRequest):
+                raise InvalidLedgerArgument(f"a batch holds ReserveRequest items, got {brief(r)}")
+            check_id(r.rollout_id)
+            check_revision(r.expected_revision)
+            if r.admission is not None and not isinstance(r.admission, AdmissionStamp):
+                raise InvalidLedgerArgument(
+                    f"admission must be an AdmissionStamp or None, got {brief(r.admission)}"
+                )
+        ids = [r.rollout_id for r in out]
+    if len(set(ids)) != len(out):
+        seen = Counter(ids)
         dups = [k for k, n in seen.items() if n > 1]
         raise InvalidLedgerArgument(f"a batch names rollouts more than once: {sorted(dups)[:5]}")
     return out
+
+
+_REQUEST_COLUMNS = operator.attrgetter("rollout_id", "expected_revision", "admission")
+_STAMP_TYPES = frozenset({AdmissionStamp, type(None)})
+
+
+def _plain_batch_ids(requests: list[Any]) -> list[str] | None:
+    """The ids of a batch whose every item passes `check_requests`'s item checks, judged a
+    column at a time (exact types, ASCII ids, revisions in range); None when some item
+    needs judging one by one (it may still pass)."""
+    if not requests:
+        return []
+    if set(map(type, requests)) != {ReserveRequest}:
+        return None
+    ids, revisions, stamps = zip(*map(_REQUEST_COLUMNS, requests), strict=True)
+    if (
+        set(map(type, revisions)) != {int}
+        or min(revisions) < 0
+        or max(revisions) > 2**63 - 1
+        or not set(map(type, stamps)) <= _STAMP_TYPES
+        or not texts_pass(ids)
+    ):
+        return None
+    return list(ids)
 
 
 def dispatch_entry(rollout: object, chain: object) -> LedgerEntry:
@@ -379,42 +389,62 @@ _VALUE_VALIDATED: frozenset[type[Any]] = frozenset({LedgerEntry})
 _IMMUTABLE = (str, int, float, type(None))
 
 
-def _evolver(cls: type[Any], changed: frozenset[str]) -> Callable[..., Any]:
+def _put_line(cls: type[Any], i: int, name: str, value: str, scope: dict[str, Any]) -> str:
+    """A line of generated code that stores `value` in field `name` of the new record `o`:
+    through the field's slot when it has one, else through object.__setattr__ (`put`)."""
+    setter = slot_setter(cls, name)
+    if setter is None:
+        return f"    put(o, {name!r}, {value})"
+    scope[f"s{i}"] = setter
+    return f"    s{i}(o, {value})"
+
+
+def _evolver(
+    cls: type[Any], changed: frozenset[str], order: Sequence[str] | None = None
+) -> Callable[..., Any]:
     """attrs.evolve for one class and one set of changed fields, written out once.
 
     The fields left as they were passed their validators when the record was built, so only
     the changed ones are validated again (see `_VALUE_VALIDATED`), then the class's
     post-init check runs, as in __init__. A class with converters or non-init fields is
-    built by its __init__ instead.
+    built by its __init__ instead. The evolver takes the changes as a dict (`evolve(e, c)`),
+    or, given `order`, as positional arguments in that order (`evolve(e, *values)`: a
+    batch planner calls it per row without building a dict).
     """
     every = list(attrs.fields(cls))
     fields = [a for a in every if a.init]
     unknown = changed - {a.alias for a in fields}
     if unknown:
         raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    if order is not None and (len(order) != len(changed) or set(order) != changed):
+        raise TypeError(f"the order {list(order)} names other fields than {sorted(changed)}")
     scope: dict[str, Any] = {
         "cls": cls,
         "new": object.__new__,
         "put": object.__setattr__,
         "immutable": _IMMUTABLE,
     }
+    # where each changed value comes from: the dict, or the positional arguments
+    value = {n: f"c[{n!r}]" if order is None else f"a_{n}" for n in changed}
+    params = "c" if order is None else ", ".join(f"a_{n}" for n in order) or "*_"
     memo = cls in _VALUE_VALIDATED
     if len(fields) != len(every) or any(a.converter is not None for a in fields):
         args = ", ".join(
             (f"{a.alias}=" if a.kw_only else "")  # positional where __init__ allows it
-            + (f"c[{a.alias!r}]" if a.alias in changed else f"e.{a.name}")
+            + (value[a.alias] if a.alias in changed else f"e.{a.name}")
             for a in fields
         )
-        exec(f"def evolve(e, c):\n    return cls({args})\n", scope)
+        exec(f"def evolve(e, {params}):\n    return cls({args})\n", scope)
     else:
         # the helpers bound as defaults: locals, not a global lookup per field
-        lines = ["def evolve(e, c, cls=cls, new=new, put=put):", "    o = new(cls)"]
+        head = f"def evolve(e, {params}, cls=cls, new=new, put=put"
+        lines = ["    o = new(cls)"]
         for i, a in enumerate(fields):
             if a.alias not in changed:
-                lines.append(f"    put(o, {a.name!r}, e.{a.name})")
+                lines.append(_put_line(cls, i, a.name, f"e.{a.name}", scope))
                 continue
-            lines.append(f"    x = c[{a.alias!r}]")
-            lines.append(f"    put(o, {a.name!r}, x)")
+            lines.append(f"    x = {value[a.alias]}")
+            lines.append(_put_line(cls, i, a.name, "x", scope))
             if a.validator is None:
                 continue
             scope[f"f{i}"], scope[f"v{i}"] = a, a.validator
@@ -433,7 +463,8 @@ def _evolver(cls: type[Any], changed: frozenset[str]) -> Callable[..., Any]:
         if hasattr(cls, "__attrs_post_init__"):
             lines.append("    o.__attrs_post_init__()")
         lines.append("    return o")
-        exec("\n".join(lines) + "\n", scope)
+        setters = "".join(f", s{i}=s{i}" for i in range(len(fields)) if f"s{i}" in scope)
+        exec("\n".join([head + setters + "):", *lines]) + "\n", scope)
     fn: Callable[..., Any] = scope["evolve"]
     return fn
 
@@ -458,10 +489,19 @@ def plan_transition(
     """The entry after `event`, per the declared machine; revision + 1. Raises IllegalTransition."""
     dest = None if guards else _DESTS.get((entry.state, event))
     if dest is None:
-        dest = LIFECYCLE.resolve(entry.state, event, guards).dest
-        if not guards:
-            _DESTS[(entry.state, event)] = dest
+        dest = transition_dest(entry.state, event, guards)
     return _evolve(entry, state=dest, revision=entry.revision + 1, **changes)
+
+
+def transition_dest(state: str, event: str, guards: Mapping[str, bool] | None = None) -> str:
+    """Where `event` takes a record in `state`, per the declared machine (IllegalTransition
+    when it cannot); the unguarded edges' destinations are looked up once each."""
+    dest = None if guards else _DESTS.get((state, event))
+    if dest is None:
+        dest = LIFECYCLE.resolve(state, event, guards).dest
+        if not guards:
+            _DESTS[(state, event)] = dest
+    return dest
 
 
 # (state, event) -> destination of the unguarded edge: the declared machine never changes
@@ -522,6 +562,83 @@ def plan_reserve(
         admission=admission,
     )
     return ReserveOutcome(rollout_id, True, RESERVED, new), new
+
+
+_make_outcome = plain_maker(ReserveOutcome)  # ReserveOutcome(...), built once per row
+# the fields a reservation changes, in the order the batch planner's evolvers take them
+_RESERVED_FIELDS = ("state", "revision", "reserved_by", "lease_expires_at", "admission")
+_RESERVE_EVOLVERS: dict[type[Any], Callable[..., Any]] = {}  # entry class -> its evolver
+
+
+def plan_reserves(
+    entries: Mapping[str, LedgerEntry],
+    requests: Sequence[ReserveRequest],
+    update_id: str,
+    *,
+    premise: ActivationPremise,
+    lease_expires_at: float | None,
+) -> tuple[list[ReserveOutcome], dict[str, tuple[LedgerEntry, LedgerEntry]]]:
+    """`plan_reserve` of each request of a checked batch (`check_requests`) against the rows
+    its step read: the same outcomes, in order, and the (before, after) of each row to
+    write, by id.
+
+    What the rows share is worked out once per batch, not per row: the update id and the
+    revisions were checked with the batch, the premise judges each (stamp, version) once,
+    each state's destination is looked up once, and each new entry is built by an evolver
+    of the reservation's fields that takes them as arguments (it still validates a value
+    it has not passed, and runs the record's post-init check).
+    """
+    check_update_id(update_id)
+    precheck, outcome = reserve_precheck, _make_outcome
+    get = entries.get
+    outcomes: list[ReserveOutcome] = []
+    add = outcomes.append
+    planned: dict[str, tuple[LedgerEntry, LedgerEntry]] = {}
+    # (id of the stamp, behaviour version) -> refusal: the requests hold every stamp, so no
+    # id is reused while this runs; a batch mostly carries one stamp and one version, so
+    # the last one judged is kept at hand as well
+    judged: dict[tuple[int, int], tuple[str, str] | None] = {}
+    last_stamp: object = judged  # no request's stamp
+    last_version, refusal = -1, None
+    dests: dict[str, str] = {}
+    kind: type[Any] | None = None  # the class `evolve` builds
+    evolve: Callable[..., LedgerEntry] | None = None
+    for r in requests:
+        rid = r.rollout_id
+        entry = get(rid)
+        if entry is None:
+            add(outcome(rid, False, MISSING, None))
+            continue
+        state = entry.state
+        why = precheck(state, entry.revision, entry.reserved_by, r.expected_revision, update_id)
+        if why is not None:
+            add(outcome(rid, why == IDEMPOTENT, why, entry))
+            continue
+        admission, version = r.admission, entry.behavior_version
+        if admission is not last_stamp or version != last_version:
+            key = (id(admission), version)
+            if key in judged:
+                refusal = judged[key]
+            else:
+                refusal = judged[key] = premise.refusal(admission, version)
+            last_stamp, last_version = admission, version
+        if refusal is not None:
+            add(outcome(rid, False, refusal[0], entry, refusal[1]))
+            continue
+        dest = dests.get(state)
+        if dest is None:
+            dest = dests[state] = transition_dest(state, "reserve")
+        if type(entry) is not kind or evolve is None:
+            kind = type(entry)
+            evolve = _RESERVE_EVOLVERS.get(kind)
+            if evolve is None:
+                evolve = _RESERVE_EVOLVERS[kind] = _evolver(
+                    kind, frozenset(_RESERVED_FIELDS), _RESERVED_FIELDS
+                )
+        new = evolve(entry, dest, entry.revision + 1, update_id, lease_expires_at, admission)
+        planned[rid] = (entry, new)
+        add(outcome(rid, True, RESERVED, new))
+    return outcomes, planned
 
 
 def replan_lost(
@@ -832,15 +949,18 @@ def _builder(cls: type[Any], defaults: Mapping[str, Any]) -> Callable[[dict[str,
     """A record of `cls` from a decoded dict of one exact shape, its left-out fields at
     `defaults`: written out once per shape, with no validator (see above)."""
     scope: dict[str, Any] = {"cls": cls, "new": object.__new__, "put": object.__setattr__}
-    lines = ["def build(d, cls=cls, new=new, put=put):", "    o = new(cls)"]
-    for i, a in enumerate(attrs.fields(cls)):
+    lines = ["    o = new(cls)"]
+    fields = attrs.fields(cls)
+    for i, a in enumerate(fields):
         if a.name in defaults:
             scope[f"d{i}"] = defaults[a.name]
-            lines.append(f"    put(o, {a.name!r}, d{i})")
+            lines.append(_put_line(cls, i, a.name, f"d{i}", scope))
         else:
-            lines.append(f"    put(o, {a.name!r}, d[{a.name!r}])")
+            lines.append(_put_line(cls, i, a.name, f"d[{a.name!r}]", scope))
     lines.append("    return o")
-    exec("\n".join(lines) + "\n", scope)
+    setters = "".join(f", s{i}=s{i}" for i in range(len(fields)) if f"s{i}" in scope)
+    head = f"def build(d, cls=cls, new=new, put=put{setters}):"
+    exec("\n".join([head, *lines]) + "\n", scope)
     fn: Callable[[dict[str, Any]], Any] = scope["build"]
     return fn
 
@@ -1368,27 +1488,15 @@ class StoreLedger:
         requests = check_requests(requests)
         if not requests:
             return []
+        ids = [r.rollout_id for r in requests]
 
         def body(uow: UnitOfWork, local: Counter[str]) -> list[ReserveOutcome]:
-            premise = _JudgedOnce(**attrs.asdict(uow.read_premise(), recurse=False))
+            premise = uow.read_premise()
             lease = self._now(uow) + self.lease_seconds
-            entries = uow.read_rows([r.rollout_id for r in requests])
-            outcomes: list[ReserveOutcome] = []
-            planned: dict[str, tuple[LedgerEntry, LedgerEntry]] = {}
-            for r in requests:
-                entry = entries.get(r.rollout_id)
-                out, new = plan_reserve(
-                    entry,
-                    r.rollout_id,
-                    r.expected_revision,
-                    update_id,
-                    r.admission,
-                    premise=premise,
-                    lease_expires_at=lease,
-                )
-                if new is not None and entry is not None:
-                    planned[r.rollout_id] = (entry, new)
-                outcomes.append(out)
+            entries = uow.read_rows(ids)
+            outcomes, planned = plan_reserves(
+                entries, requests, update_id, premise=premise, lease_expires_at=lease
+            )
             enforce(a for _, a in planned.values())
             won = uow.write(list(planned.values())) if planned else set()
             changes: list[Change]
@@ -1633,52 +1741,79 @@ class MemoryStore:
         self._held = 0
         self.chains: dict[str, list[str]] = {}
         self.versions: dict[str, Counter[int]] = {}  # state -> behaviour version -> entries
-        for e in self.entries.values():
-            self._index(None, e)
+        self._index_many((None, e) for e in self.entries.values())
 
     def _index(self, before: LedgerEntry | None, after: LedgerEntry) -> None:
-        version = after.behavior_version
-        if before is None:
-            if after.chain is not None:
-                self.chains.setdefault(after.chain, []).append(after.rollout_id)
-        elif before.state == after.state and before.behavior_version == version:
-            pass  # counts by state and version unchanged
-        else:
-            was = self.versions.get(before.state)
-            old = before.behavior_version
-            if was is not None and was.get(old, 0) > 0:
-                if was[old] == 1:
-                    del was[old]
+        """Index one write, already stored (`before` None: an insert)."""
+        self._index_many(((before, after),))
+
+    def _index_many(self, writes: Iterable[tuple[LedgerEntry | None, LedgerEntry]]) -> None:
+        """Index writes that are already stored, in their order, each (the entry it replaced
+        or None, the entry now stored). One pass: the counts by state and version move once
+        per kind of move (a batch's rows mostly make one), the owner's set is looked up once
+        per run of rows of one owner, and the lease heap is checked for bloat once."""
+        versions, owners, chains = self.versions, self.owners, self.chains
+        leases, push = self.leases, heapq.heappush
+        # (state, version) before (None: an insert) and after -> how many rows moved so
+        shifts: dict[tuple[str | None, int, str, int], int] = {}
+        key: tuple[str | None, int, str, int]
+        held_now = self._held
+        owner: str | None = None  # the owner whose set `held` is, while it is in `owners`
+        held: set[str]  # bound with `owner`, before its first use
+        for before, after in writes:
+            rid, state, version = after.rollout_id, after.state, after.behavior_version
+            if before is None:
+                if after.chain is not None:
+                    chains.setdefault(after.chain, []).append(rid)
+                key = (None, -1, state, version)
+                shifts[key] = shifts.get(key, 0) + 1
+            else:
+                if before.state != state or before.behavior_version != version:
+                    key = (before.state, before.behavior_version, state, version)
+                    shifts[key] = shifts.get(key, 0) + 1
+                gone_from = before.reserved_by
+                if gone_from is not None:
+                    gone = owners.get(gone_from)
+                    if gone is not None and before.rollout_id in gone:
+                        gone.discard(before.rollout_id)
+                        held_now -= 1
+                        if not gone:
+                            del owners[gone_from]
+                            owner = None  # its set may be the one `held` names
+            taker = after.reserved_by
+            if taker is None:
+                continue
+            if taker is not owner:
+                owner = taker
+                held = owners.setdefault(taker, set())
+            if rid not in held:
+                held.add(rid)
+                held_now += 1
+            if after.lease_expires_at is not None:
+                push(leases, (after.lease_expires_at, rid))
+        self._held = held_now
+        # moving the counts kind by kind, in the order each kind first came, ends where
+        # moving them row by row would: each row leaves a (state, version) it is counted in
+        for (old_state, old_version, state, version), n in shifts.items():
+            was = None if old_state is None else versions.get(old_state)
+            if was is not None and was.get(old_version, 0) > 0:
+                if was[old_version] <= n:
+                    del was[old_version]
                 else:
-                    was[old] -= 1
-        if before is None or before.state != after.state or before.behavior_version != version:
-            now = self.versions.get(after.state)
+                    was[old_version] -= n
+            now = versions.get(state)
             if now is None:
-                now = self.versions[after.state] = Counter()
-            now[version] = now.get(version, 0) + 1
-        if before is not None and before.reserved_by is not None:
-            held = self.owners.get(before.reserved_by)
-            if held is not None and before.rollout_id in held:
-                held.discard(before.rollout_id)
-                self._held -= 1
-                if not held:
-                    del self.owners[before.reserved_by]
-        if after.reserved_by is None:
-            return
-        held = self.owners.setdefault(after.reserved_by, set())
-        if after.rollout_id not in held:
-            held.add(after.rollout_id)
-            self._held += 1
-        if after.lease_expires_at is not None:
-            heapq.heappush(self.leases, (after.lease_expires_at, after.rollout_id))
-            if len(self.leases) > 1024 and len(self.leases) > 4 * self._held:
-                # mostly deadlines of reservations that ended: rebuild from what is held
-                self.leases = [
-                    (e.lease_expires_at, e.rollout_id)
-                    for e in (self.entries.get(r) for s in self.owners.values() for r in s)
-                    if e is not None and e.lease_expires_at is not None
-                ]
-                heapq.heapify(self.leases)
+                now = versions[state] = Counter()
+            now[version] = now.get(version, 0) + n
+        if len(leases) > 1024 and len(leases) > 4 * held_now:
+            # mostly deadlines of reservations that ended: rebuild from what is held now
+            # (every write indexed here is stored already, so none loses its deadline)
+            self.leases = [
+                (e.lease_expires_at, e.rollout_id)
+                for e in (self.entries.get(r) for s in owners.values() for r in s)
+                if e is not None and e.lease_expires_at is not None
+            ]
+            heapq.heapify(self.leases)
 
     # ---- the step: the store is its own unit of work, under its lock ---------------------
 
@@ -1771,16 +1906,21 @@ class MemoryStore:
             seen.add(e.rollout_id)
         for e in entries:
             self.entries[e.rollout_id] = e
-            self._index(None, e)
+        self._index_many((None, e) for e in entries)
 
     def write(self, pairs: Sequence[tuple[LedgerEntry, LedgerEntry]]) -> set[str]:
+        entries = self.entries
+        get = entries.get
         won: set[str] = set()
+        written: list[tuple[LedgerEntry | None, LedgerEntry]] = []
         for before, after in pairs:
-            now = self.entries.get(after.rollout_id)
+            rid = after.rollout_id
+            now = get(rid)
             if now is not None and now.revision == before.revision:
-                self._index(now, after)
-                self.entries[after.rollout_id] = after
-                won.add(after.rollout_id)
+                entries[rid] = after
+                written.append((now, after))
+                won.add(rid)
+        self._index_many(written)
         return won
 
     def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
@@ -1870,8 +2010,9 @@ class MemoryLedger(StoreLedger):
         enforce(after for _, _, after, _ in changes)
         with self.store.lock:
             for _, _, after, _ in changes:
-                self.store._index(self.store.entries.get(after.rollout_id), after)
+                before = self.store.entries.get(after.rollout_id)
                 self.store.entries[after.rollout_id] = after
+                self.store._index(before, after)
             self.store.append(changes, self.clock(), {"writes": len(changes)})
 
     @property

@@ -10,6 +10,7 @@ a crash in the middle of a batch.
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -62,6 +63,21 @@ def text_problem(value: object, *, max_length: int | None = MAX_ID_LENGTH) -> st
             "stored), decode its bytes with errors='replace' first"
         )
     return None
+
+
+def texts_pass(values: Sequence[object], *, max_length: int | None = MAX_ID_LENGTH) -> bool:
+    """True when `text_problem` finds nothing wrong with any of `values`, judged a column at
+    a time (a batch's ids): all plain non-empty ASCII strings, none too long, no NUL. False
+    means only that some value needs `text_problem`'s judgement one by one."""
+    if not values:
+        return True
+    if set(map(type, values)) != {str}:
+        return False
+    texts: Sequence[str] = values  # type: ignore[assignment]
+    if min(map(len, texts)) == 0 or (max_length is not None and max(map(len, texts)) > max_length):
+        return False
+    joined = "".join(texts)
+    return joined.isascii() and "\x00" not in joined
 
 
 def check_int64(value: object, what: str) -> int:
@@ -804,3 +820,59 @@ def from_jsonable(cls: type[T], data: Any) -> T:
         return cls(**kwargs)
     except TypeError as exc:
         raise InvalidRecord(f"{cls.__name__}: {exc}") from None
+
+
+# ---- building records without attrs' per-call work ------------------------------------------
+# A ledger step builds a few records per row it writes; these build them the way attrs'
+# __init__ does, minus the per-call look-up of each field's name on the class.
+
+
+def slot_setter(cls: type[Any], name: str) -> Callable[[Any, Any], None] | None:
+    """The `__set__` of `cls`'s slot for field `name` (what `object.__setattr__` ends up
+    calling, without looking the name up on every call); None when the field is no slot."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            found = vars(klass)[name]
+            if type(found) is types.MemberDescriptorType:
+                setter: Callable[[Any, Any], None] = found.__set__
+                return setter
+            return None
+    return None
+
+
+def plain_maker(cls: type[T]) -> Callable[..., T]:
+    """`cls(*values)` for an attrs class whose __init__ only stores its arguments (no
+    validator, converter, factory default, pre- or post-init): each field positional in
+    declaration order, defaults as declared, stored through its slot. TypeError for a class
+    whose __init__ does more, so a check added to it later is never skipped."""
+    fields = attrs.fields(cls)  # type: ignore[arg-type]
+    does_more = [
+        a.name
+        for a in fields
+        if a.validator is not None
+        or a.converter is not None
+        or not a.init
+        or isinstance(a.default, attrs.Factory)  # type: ignore[arg-type]
+    ]
+    hooks = [h for h in ("__attrs_pre_init__", "__attrs_post_init__") if hasattr(cls, h)]
+    if does_more or hooks:
+        raise TypeError(f"{cls.__name__}'s __init__ does more than store: {does_more + hooks}")
+    scope: dict[str, Any] = {"cls": cls, "new": object.__new__, "put": object.__setattr__}
+    params, lines = [], ["    o = new(cls)"]
+    for i, a in enumerate(fields):
+        if a.default is attrs.NOTHING:
+            params.append(a.name)
+        else:
+            scope[f"d{i}"] = a.default
+            params.append(f"{a.name}=d{i}")
+        setter = slot_setter(cls, a.name)
+        if setter is None:
+            lines.append(f"    put(o, {a.name!r}, {a.name})")
+        else:
+            scope[f"s{i}"] = setter
+            lines.append(f"    s{i}(o, {a.name})")
+    bound = "".join(f", s{i}=s{i}" for i in range(len(fields)) if f"s{i}" in scope)
+    head = f"def make({', '.join(params)}, *, cls=cls, new=new, put=put{bound}):"
+    exec("\n".join([head, *lines, "    return o"]) + "\n", scope)
+    fn: Callable[..., T] = scope["make"]
+    return fn

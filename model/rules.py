@@ -189,8 +189,47 @@ def stage_problems(e: LedgerEntry) -> list[str]:
 
 
 def entry_problems(e: LedgerEntry) -> list[str]:
-    """Every per-record rule on one entry: what a write path refuses to store."""
+    """Every per-record rule on one entry: what a write path refuses to store.
+
+    The rules read no more of an entry than `_judged` gives (the id only names the entry in
+    a message); a rule that reads more must add it there, or `entries_problems` would
+    pass an entry by the verdict on another."""
     return [*ownership_problems(e), *reward_problems(e), *admission_problems(e), *stage_problems(e)]
+
+
+def _judged(e: LedgerEntry) -> tuple[object, ...]:
+    """What of an entry decides whether `entry_problems` finds anything: its state, whether
+    it has an owner and a reward, its disposition and stamp (by identity: whoever keeps the
+    key keeps the objects too, so no other object takes their ids) and its version."""
+    return (
+        type(e),
+        e.state,
+        e.reserved_by is None,
+        e.reward is None,
+        id(e.disposition),
+        id(e.admission),
+        e.behavior_version,
+    )
+
+
+def entries_problems(entries: Iterable[LedgerEntry]) -> list[str]:
+    """`entry_problems` of each entry, in order: a step's rows mostly agree on all that the
+    rules read (`_judged`), so an entry that agrees with one that passed passes too, and
+    only the others are judged one by one."""
+    if type(entries) is list and len(entries) == 1:  # a single write: nothing to share
+        return entry_problems(entries[0])
+    passed: dict[tuple[object, ...], tuple[object, object]] = {}
+    out: list[str] = []
+    for e in entries:
+        key = _judged(e)
+        if key in passed:
+            continue
+        found = entry_problems(e)
+        if found:
+            out += found
+        else:  # the objects whose ids are in the key, held so no id is reused meanwhile
+            passed[key] = (e.disposition, e.admission)
+    return out
 
 
 def artifact_stage_problems(a: ArtifactRecord) -> list[str]:

@@ -177,7 +177,7 @@ def crash_child(path: str, update_id: str, n: int, stop_after: int | None, signa
     # ignore frames without a commit record rather than find nothing to ignore.
     ledger._conn().execute("PRAGMA cache_size = 8")
     if stop_after is not None:
-        real = ml.plan_reserve
+        real = ml.reserve_precheck  # judged per item by the single and the batch planner
         calls = 0
 
         def stalling(*args: Any, **kwargs: Any) -> Any:
@@ -189,7 +189,7 @@ def crash_child(path: str, update_id: str, n: int, stop_after: int | None, signa
             return real(*args, **kwargs)
 
         # the ledger (model.ledger.StoreLedger) looks the planner up in its module globals
-        vars(ml)["plan_reserve"] = stalling
+        vars(ml)["reserve_precheck"] = stalling
     ledger.reserve_batch(update_id, [ReserveRequest(r, 0, stamp()) for r in ids(n)])
     _signal(signal, "committed")
     time.sleep(600)

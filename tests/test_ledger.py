@@ -3,6 +3,7 @@ and the ownership lookups never scan."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -96,7 +97,22 @@ def test_index_answers_as_a_scan_does(ops: list[tuple[Any, ...]]) -> None:
             )
         for u in UPDATES:
             assert led.reserved_by(u) == scan_owned(led, u)
+        assert_counts_are_a_scan(led)
     assert scan_due(led, clock()) == [e.rollout_id for e in led.expire_leases()]
+
+
+def assert_counts_are_a_scan(led: MemoryLedger) -> None:
+    """The store's counts by state and version, and of held reservations, equal a scan."""
+    entries = led.snapshot().values()
+    by_state: dict[str, Counter[int]] = {}
+    for e in entries:
+        by_state.setdefault(e.state, Counter())[e.behavior_version] += 1
+    kept = {s: dict(c) for s, c in led.store.versions.items() if c}
+    assert kept == {s: dict(c) for s, c in by_state.items()}
+    assert led.store._held == sum(e.reserved_by is not None for e in entries)
+    assert {u: sorted(held) for u, held in led.store.owners.items()} == {
+        u: scan_owned(led, u) for u in {e.reserved_by for e in entries} - {None}
+    }
 
 
 class _NoScan(dict[str, LedgerEntry]):
@@ -145,3 +161,23 @@ def test_lease_heap_stays_bounded() -> None:
         assert out[0].reserved
         led.abort(f"u{k}")
     assert len(led._leases) <= 1025
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_reservation_that_rebuilds_the_lease_heap_keeps_its_deadline(batch: bool) -> None:
+    """The write whose deadline tips the heap into a rebuild is in the rebuilt heap: a
+    crashed learner's reservation made at that moment is still returned when it expires."""
+    clock = ManualClock()
+    led = MemoryLedger(clock=clock, lease_seconds=5.0, recovery=RecoveryRule(max_releases=10**6))
+    led.add(rewarded("r"))
+    led.add(rewarded("x"))
+    for k in range(1024):  # 1024 deadlines of ended reservations: the next push rebuilds
+        assert led.reserve_batch(f"u{k}", [ReserveRequest("r", 2 * k, STAMP)])[0].reserved
+        led.abort(f"u{k}")
+    if batch:
+        assert led.reserve_batch("crashed", [ReserveRequest("x", 0, STAMP)])[0].reserved
+    else:
+        assert led.reserve("x", 0, "crashed", STAMP).reserved
+    assert len(led._leases) == 1  # rebuilt from what is held
+    clock.advance(5.0)
+    assert [e.rollout_id for e in led.expire_leases()] == ["x"]
