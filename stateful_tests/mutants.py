@@ -149,6 +149,52 @@ def _buggy_reserve(
     return plan
 
 
+def _buggy_reserves(
+    plan: Callable[..., tuple[ReserveOutcome, LedgerEntry | None]],
+) -> Callable[..., tuple[list[ReserveOutcome], dict[str, tuple[LedgerEntry, LedgerEntry]]]]:
+    """The batch planner (`plan_reserves`) with the same bug: each request planned by the
+    buggy single `plan`, so a mutant reaches `reserve_batch` as well as `reserve`."""
+
+    def plans(
+        entries: Any,
+        requests: Any,
+        update_id: str,
+        *,
+        premise: Any,
+        lease_expires_at: float | None,
+    ) -> tuple[list[ReserveOutcome], dict[str, tuple[LedgerEntry, LedgerEntry]]]:
+        outcomes: list[ReserveOutcome] = []
+        planned: dict[str, tuple[LedgerEntry, LedgerEntry]] = {}
+        for r in requests:
+            before = entries.get(r.rollout_id)
+            out, new = plan(
+                before,
+                r.rollout_id,
+                r.expected_revision,
+                update_id,
+                r.admission,
+                premise=premise,
+                lease_expires_at=lease_expires_at,
+            )
+            outcomes.append(out)
+            if new is not None and before is not None:
+                planned[r.rollout_id] = (before, new)
+        return outcomes, planned
+
+    return plans
+
+
+def _reserve_bug(
+    refuse: Callable[[LedgerEntry, int], str | None],
+) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """One availability bug in both reservation planners, single and batch."""
+    plan = _buggy_reserve(refuse)
+    return _both(
+        _simple(ledger_mod, "plan_reserve", plan),
+        _simple(ledger_mod, "plan_reserves", _buggy_reserves(plan)),
+    )
+
+
 def _available_on_snapshot(entry: LedgerEntry, expected_revision: int) -> str | None:
     """Availability judged on the caller's snapshot, then an unconditional write (bug 1)."""
     return None if entry.state in ("rewarded", "reserved") else NOT_REWARDED
@@ -751,7 +797,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         "check-then-reserve without compare-and-set: a second learner "
         "overwrites a reservation it saw as free",
         1,
-        _simple(ledger_mod, "plan_reserve", _buggy_reserve(_available_on_snapshot)),
+        _reserve_bug(_available_on_snapshot),
     ),
     Mutant(
         "retry_not_idempotent",
@@ -763,7 +809,7 @@ CATALOGUE: tuple[Mutant, ...] = (
         "consumed_reservable",
         "'not reserved' means 'available': consumed and failed rollouts are reserved again",
         13,
-        _simple(ledger_mod, "plan_reserve", _buggy_reserve(_not_reserved_is_available)),
+        _reserve_bug(_not_reserved_is_available),
     ),
     Mutant(
         "reward_timeout_as_zero",
