@@ -447,6 +447,24 @@ def goals(report: dict[str, Any], goal: Goal) -> list[dict[str, Any]]:
             out.append(
                 goal(f"{case}: records path / array path", row["records_vs_arrays"], "<= 1.3")
             )
+    sq = (report.get("ledgers") or {}).get("sqlite")
+    if sq:
+        r = sq["ratios"]
+        vs_update = r.get("single_vs_autocommit_update")
+        out += [
+            goal(
+                f"sqlite: batch({sq['batch_size']}) / executemany of the same rows and their "
+                "event rows",
+                r.get("batch_vs_executemany_with_events"),
+                ">= 0.3",
+            ),
+            goal(
+                "sqlite: single CAS time / autocommit UPDATE time, on disk (synchronous "
+                f"{sq['baseline'].get('synchronous')})",
+                None if not vs_update else round(1 / vs_update, 3),
+                "<= 1.2",
+            ),
+        ]
     adm = report.get("admit")
     if adm:
         out.append(
