@@ -52,7 +52,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
         f"({'quick sizes, not comparable' if report['quick'] else 'full sizes'}, "
         f"{report['elapsed_s']} s).",
         "",
-        "## Goals (issue 13)",
+        "## Goals (issues 13 and 22)",
         "",
         "| goal | measured | target | met |",
         "|---|---:|---:|:---:|",

@@ -95,7 +95,7 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     written = json.loads((out / "bench.json").read_text())
     assert written == report
     md = (out / "README.md").read_text()
-    assert "## Goals (issue 13)" in md and "## Admission" in md and report["command"] in md
+    assert "## Goals (issues 13 and 22)" in md and "## Admission" in md and report["command"] in md
     png = out / "admission.png"
     try:
         import matplotlib  # noqa: F401
