@@ -64,7 +64,6 @@ from rollout_lifecycle.model.gate import (
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.records import (
-    MAX_ID_LENGTH,
     ActionEvidence,
     BehaviorPolicy,
     GenerationConditions,
@@ -72,7 +71,8 @@ from rollout_lifecycle.model.records import (
     Rollout,
     RolloutIdentity,
     from_jsonable,
-    text_problem,
+    ints64_pass,
+    texts_pass,
 )
 from rollout_lifecycle.model.registry import activated_hash
 
@@ -676,7 +676,6 @@ _FAST_FIELDS = (
 )
 _FAST_GET = operator.itemgetter(*_FAST_FIELDS)
 _STATES = frozenset(LIFECYCLE.states)
-_INT64_MAX = 2**63 - 1
 _FLAT = itertools.chain.from_iterable
 
 
@@ -696,22 +695,6 @@ class _FastChunk:
     old: npt.NDArray[np.float64]
     current: npt.NDArray[np.float64]
     mask: npt.NDArray[np.bool_]
-
-
-def _texts_ok(values: list[Any]) -> bool:
-    """Whether every value is an id the records accept (`text_problem`), in a few C-level
-    passes over the column; a non-ASCII column is judged value by value."""
-    if set(map(type, values)) != {str} or "" in values:
-        return False
-    joined = "".join(values)
-    if max(map(len, values)) > MAX_ID_LENGTH or "\x00" in joined:
-        return False
-    return joined.isascii() or all(text_problem(v) is None for v in values)
-
-
-def _counts_ok(values: list[Any]) -> bool:
-    """Whether every value is an int in [0, 2**63 - 1] (`check_int64`)."""
-    return set(map(type, values)) == {int} and min(values) >= 0 and max(values) <= _INT64_MAX
 
 
 def _fast_chunk(lines: Sequence[tuple[int, bytes]], parser: LineParser) -> _FastChunk | None:
@@ -739,9 +722,9 @@ def _fast_chunk(lines: Sequence[tuple[int, bytes]], parser: LineParser) -> _Fast
     )
     if not all(set(map(type, col)) == {list} for col in (tokens, masks, olds, curs)):
         return None
-    if not (all(map(_texts_ok, (ids, prompts, datasets, hashes))) and _counts_ok(sample_index)):
+    if not (all(map(texts_pass, (ids, prompts, datasets, hashes))) and ints64_pass(sample_index)):
         return None
-    if not _counts_ok(versions):
+    if not ints64_pass(versions):
         return None
     if not (
         set(map(type, _FLAT(curs))) <= _NUMBER_TYPES

@@ -849,31 +849,13 @@ def _records_sums(
     kinds = set(map(_DTYPE, filter(_NOT_NONE, olds)))
     if kinds - {np.dtype(np.float32)}:
         lp_dtype = np.dtype(np.float64)
-    torch = sys.modules.get("torch") if _is_torch(current_log_probs) else None
-    cur: Any
-    threads = 1
-    if torch is not None:
-        cur_t = current_log_probs.detach()
-        if not cur_t.dtype.is_floating_point:
-            raise GateConfigError("current log-probs must be a floating-point tensor")
-        t = int(cur_t.shape[1])
-        if cur_t.device.type != "cpu" or cur_t.dtype not in (torch.float32, torch.float64):
-            # an accelerator (or bfloat16): build the two arrays on the host once, then the
-            # tensor path does the rest where the tensors live
-            old_h, mask_h = _records_rows(olds, masks, range(b), t, lp_dtype)
-            return _device_sums(torch, cur_t, old_h, mask_h, ids)
-        # a CPU tensor is host memory: a zero-copy numpy view, and numpy's kernel, whose
-        # calls per row cost far less than torch's (and leave torch's worker threads idle);
-        # as many threads as torch would use: filling a block's rows is Python work (the
-        # GIL), but its kernel releases the GIL, so one thread's kernel runs while another
-        # fills its next block
-        cur = cur_t.numpy()
-        threads = torch.get_num_threads()
-    else:
-        cur = np.asarray(current_log_probs)
-        if not np.issubdtype(cur.dtype, np.floating):
-            raise GateConfigError(f"current log-probs must be floating-point, got {cur.dtype}")
-        t = int(cur.shape[1])
+    cur, cur_t, threads = _host_current(current_log_probs)
+    if cur is None:
+        # an accelerator (or bfloat16): build the two arrays on the host once, then the
+        # tensor path does the rest where the tensors live
+        old_h, mask_h = _records_rows(olds, masks, range(b), int(cur_t.shape[1]), lp_dtype)
+        return _device_sums(sys.modules["torch"], cur_t, old_h, mask_h, ids)
+    t = int(cur.shape[1])
     dtype = _np_compute_dtype(lp_dtype, cur.dtype)
     same_dtypes = lp_dtype == dtype == cur.dtype
     subtract = np.subtract
@@ -915,6 +897,29 @@ def _records_sums(
     return sums, counts
 
 
+def _host_current(current_log_probs: Any) -> tuple[Any, Any, int]:
+    """The records paths' current log-probs: (a numpy array, or None where they stay a
+    tensor (an accelerator, or bfloat16/float16), the torch tensor or None, threads).
+
+    A float32/64 CPU tensor is host memory: a zero-copy numpy view, and numpy's kernel,
+    whose calls per row cost far less than torch's (and leave torch's worker threads idle);
+    as many threads as torch would use: filling a block's rows is Python work (the GIL), but
+    its kernel releases the GIL, so one thread's kernel runs while another fills its next
+    block."""
+    torch = sys.modules.get("torch") if _is_torch(current_log_probs) else None
+    if torch is None:
+        cur = np.asarray(current_log_probs)
+        if not np.issubdtype(cur.dtype, np.floating):
+            raise GateConfigError(f"current log-probs must be floating-point, got {cur.dtype}")
+        return cur, None, 1
+    cur_t = current_log_probs.detach()
+    if not cur_t.dtype.is_floating_point:
+        raise GateConfigError("current log-probs must be a floating-point tensor")
+    if cur_t.device.type != "cpu" or cur_t.dtype not in (torch.float32, torch.float64):
+        return None, cur_t, 1
+    return cur_t.numpy(), cur_t, int(torch.get_num_threads())
+
+
 def _device_sums(
     torch: Any,
     cur_t: Any,
@@ -954,21 +959,9 @@ def _padded_sums(
     if old.dtype not in (np.float32, np.float64):
         raise GateConfigError(f"old log-probs must be float32 or float64, got {old.dtype}")
     lp_dtype = old.dtype
-    torch = sys.modules.get("torch") if _is_torch(current_log_probs) else None
-    cur: Any
-    threads = 1
-    if torch is not None:
-        cur_t = current_log_probs.detach()
-        if not cur_t.dtype.is_floating_point:
-            raise GateConfigError("current log-probs must be a floating-point tensor")
-        if cur_t.device.type != "cpu" or cur_t.dtype not in (torch.float32, torch.float64):
-            return _device_sums(torch, cur_t, old, mask, ids)
-        cur = cur_t.numpy()
-        threads = torch.get_num_threads()
-    else:
-        cur = np.asarray(current_log_probs)
-        if not np.issubdtype(cur.dtype, np.floating):
-            raise GateConfigError(f"current log-probs must be floating-point, got {cur.dtype}")
+    cur, cur_t, threads = _host_current(current_log_probs)
+    if cur is None:
+        return _device_sums(sys.modules["torch"], cur_t, old, mask, ids)
     dtype = _np_compute_dtype(lp_dtype, cur.dtype)
 
     def diff_into(r0: int, r1: int, c0: int, c1: int, d: Any, _m: Any) -> Any:

@@ -49,6 +49,7 @@ from rollout_lifecycle.model.pacing import (
     window_floor,
 )
 from rollout_lifecycle.model.records import (
+    INT64_MAX,
     AdmissionPolicy,
     AdmissionStamp,
     Disposition,
@@ -56,6 +57,7 @@ from rollout_lifecycle.model.records import (
     Reward,
     Rollout,
     from_jsonable,
+    ints64_pass,
     plain_maker,
     slot_setter,
     text_problem,
@@ -273,7 +275,7 @@ def check_limit(value: object) -> int:
 
 def check_revision(value: object, what: str = "expected_revision") -> int:
     """A revision the caller read: a non-negative int (never a bool or a float)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**63 - 1:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT64_MAX:
         raise InvalidLedgerArgument(f"{what} must be a non-negative int, got {brief(value)}")
     return value
 
@@ -312,21 +314,29 @@ def check_requests(requests: object) -> list[ReserveRequest]:
     out = list(requests)
     ids = _plain_batch_ids(out)
     if ids is None:  # judged item by item, so the first bad item is the one refused
-        for r in out:
-            if not isinstance(r, ReserveRequest):
-                raise InvalidLedgerArgument(f"a batch holds ReserveRequest items, got {brief(r)}")
-            check_id(r.rollout_id)
-            check_revision(r.expected_revision)
-            if r.admission is not None and not isinstance(r.admission, AdmissionStamp):
-                raise InvalidLedgerArgument(
-                    f"admission must be an AdmissionStamp or None, got {brief(r.admission)}"
-                )
-        ids = [r.rollout_id for r in out]
+        ids = check_request_items(out)
     if len(set(ids)) != len(out):
         seen = Counter(ids)
         dups = [k for k, n in seen.items() if n > 1]
         raise InvalidLedgerArgument(f"a batch names rollouts more than once: {sorted(dups)[:5]}")
     return out
+
+
+def check_request_items(requests: Sequence[object]) -> list[str]:
+    """`check_requests`'s checks of each item, one item at a time (the first bad one is
+    refused): a ReserveRequest with a valid id, revision and stamp. Returns the ids."""
+    ids: list[str] = []
+    for r in requests:
+        if not isinstance(r, ReserveRequest):
+            raise InvalidLedgerArgument(f"a batch holds ReserveRequest items, got {brief(r)}")
+        check_id(r.rollout_id)
+        check_revision(r.expected_revision)
+        if r.admission is not None and not isinstance(r.admission, AdmissionStamp):
+            raise InvalidLedgerArgument(
+                f"admission must be an AdmissionStamp or None, got {brief(r.admission)}"
+            )
+        ids.append(r.rollout_id)
+    return ids
 
 
 _REQUEST_COLUMNS = operator.attrgetter("rollout_id", "expected_revision", "admission")
@@ -335,7 +345,7 @@ _STAMP_TYPES = frozenset({AdmissionStamp, type(None)})
 
 def _plain_batch_ids(requests: list[Any]) -> list[str] | None:
     """The ids of a batch whose every item passes `check_requests`'s item checks, judged a
-    column at a time (exact types, ASCII ids, revisions in range); None when some item
+    column at a time (exact types, valid ids, revisions in range); None when some item
     needs judging one by one (it may still pass)."""
     if not requests:
         return []
@@ -343,9 +353,7 @@ def _plain_batch_ids(requests: list[Any]) -> list[str] | None:
         return None
     ids, revisions, stamps = zip(*map(_REQUEST_COLUMNS, requests), strict=True)
     if (
-        set(map(type, revisions)) != {int}
-        or min(revisions) < 0
-        or max(revisions) > 2**63 - 1
+        not ints64_pass(revisions)
         or not set(map(type, stamps)) <= _STAMP_TYPES
         or not texts_pass(ids)
     ):
@@ -562,6 +570,37 @@ def plan_reserve(
         admission=admission,
     )
     return ReserveOutcome(rollout_id, True, RESERVED, new), new
+
+
+def plan_each(
+    plan: Callable[..., tuple[ReserveOutcome, LedgerEntry | None]],
+    entries: Mapping[str, LedgerEntry],
+    requests: Sequence[ReserveRequest],
+    update_id: str,
+    *,
+    premise: ActivationPremise,
+    lease_expires_at: float | None,
+) -> tuple[list[ReserveOutcome], dict[str, tuple[LedgerEntry, LedgerEntry]]]:
+    """A checked batch planned request by request with `plan` (`plan_reserve`'s signature):
+    what `plan_reserves` must return, kept as its reference (the batch tests compare the
+    two; the catalogue's reservation mutants plan batches through their buggy `plan`)."""
+    outcomes: list[ReserveOutcome] = []
+    planned: dict[str, tuple[LedgerEntry, LedgerEntry]] = {}
+    for r in requests:
+        before = entries.get(r.rollout_id)
+        out, new = plan(
+            before,
+            r.rollout_id,
+            r.expected_revision,
+            update_id,
+            r.admission,
+            premise=premise,
+            lease_expires_at=lease_expires_at,
+        )
+        outcomes.append(out)
+        if new is not None and before is not None:
+            planned[r.rollout_id] = (before, new)
+    return outcomes, planned
 
 
 _make_outcome = plain_maker(ReserveOutcome)  # ReserveOutcome(...), built once per row

@@ -67,8 +67,9 @@ def text_problem(value: object, *, max_length: int | None = MAX_ID_LENGTH) -> st
 
 def texts_pass(values: Sequence[object], *, max_length: int | None = MAX_ID_LENGTH) -> bool:
     """True when `text_problem` finds nothing wrong with any of `values`, judged a column at
-    a time (a batch's ids): all plain non-empty ASCII strings, none too long, no NUL. False
-    means only that some value needs `text_problem`'s judgement one by one."""
+    a time (a batch's ids, a chunk's ids) in a few C-level passes: all plain non-empty
+    strings, none too long, no NUL; a column that is not all ASCII is judged value by value.
+    False means only that some value needs `text_problem`'s judgement one by one."""
     if not values:
         return True
     if set(map(type, values)) != {str}:
@@ -77,7 +78,20 @@ def texts_pass(values: Sequence[object], *, max_length: int | None = MAX_ID_LENG
     if min(map(len, texts)) == 0 or (max_length is not None and max(map(len, texts)) > max_length):
         return False
     joined = "".join(texts)
-    return joined.isascii() and "\x00" not in joined
+    if "\x00" in joined:
+        return False
+    return joined.isascii() or all(text_problem(v, max_length=max_length) is None for v in texts)
+
+
+def ints64_pass(values: Sequence[object]) -> bool:
+    """True when `check_int64` accepts every one of `values` (exact ints, never bools, in
+    [0, 2**63 - 1]), judged a column at a time."""
+    if not values:
+        return True
+    if set(map(type, values)) != {int}:
+        return False
+    ints: Sequence[int] = values  # type: ignore[assignment]
+    return min(ints) >= 0 and max(ints) <= INT64_MAX
 
 
 def check_int64(value: object, what: str) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import hashlib
 import importlib
 import sys
@@ -149,49 +150,15 @@ def _buggy_reserve(
     return plan
 
 
-def _buggy_reserves(
-    plan: Callable[..., tuple[ReserveOutcome, LedgerEntry | None]],
-) -> Callable[..., tuple[list[ReserveOutcome], dict[str, tuple[LedgerEntry, LedgerEntry]]]]:
-    """The batch planner (`plan_reserves`) with the same bug: each request planned by the
-    buggy single `plan`, so a mutant reaches `reserve_batch` as well as `reserve`."""
-
-    def plans(
-        entries: Any,
-        requests: Any,
-        update_id: str,
-        *,
-        premise: Any,
-        lease_expires_at: float | None,
-    ) -> tuple[list[ReserveOutcome], dict[str, tuple[LedgerEntry, LedgerEntry]]]:
-        outcomes: list[ReserveOutcome] = []
-        planned: dict[str, tuple[LedgerEntry, LedgerEntry]] = {}
-        for r in requests:
-            before = entries.get(r.rollout_id)
-            out, new = plan(
-                before,
-                r.rollout_id,
-                r.expected_revision,
-                update_id,
-                r.admission,
-                premise=premise,
-                lease_expires_at=lease_expires_at,
-            )
-            outcomes.append(out)
-            if new is not None and before is not None:
-                planned[r.rollout_id] = (before, new)
-        return outcomes, planned
-
-    return plans
-
-
 def _reserve_bug(
     refuse: Callable[[LedgerEntry, int], str | None],
 ) -> Callable[[], contextlib.AbstractContextManager[None]]:
-    """One availability bug in both reservation planners, single and batch."""
+    """One availability bug in both reservation planners: the single `plan_reserve`, and the
+    batch planner replaced by its reference form (`plan_each`) over the same buggy plan."""
     plan = _buggy_reserve(refuse)
     return _both(
         _simple(ledger_mod, "plan_reserve", plan),
-        _simple(ledger_mod, "plan_reserves", _buggy_reserves(plan)),
+        _simple(ledger_mod, "plan_reserves", functools.partial(ledger_mod.plan_each, plan)),
     )
 
 

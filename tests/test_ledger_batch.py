@@ -21,9 +21,9 @@ from rollout_lifecycle.model.ledger import (
     ReserveOutcome,
     ReserveRequest,
     _plain_batch_ids,
-    check_id,
+    check_request_items,
     check_requests,
-    check_revision,
+    plan_each,
     plan_reserve,
     plan_reserves,
 )
@@ -102,22 +102,12 @@ def test_the_batch_planner_plans_each_row_as_plan_reserve_does(
         expected = row.revision if current and row is not None else 1
         requests.append(ReserveRequest(rid, expected, STAMPS[stamp]))
     want: list[ReserveOutcome] = []
-    planned = {}
+    planned: dict[str, tuple[LedgerEntry, LedgerEntry]] = {}
     error: Exception | None = None
-    try:
-        for r in requests:
-            out, new = plan_reserve(
-                entries.get(r.rollout_id),
-                r.rollout_id,
-                r.expected_revision,
-                update_id,
-                r.admission,
-                premise=premise,
-                lease_expires_at=lease,
-            )
-            want.append(out)
-            if new is not None:
-                planned[r.rollout_id] = (entries[r.rollout_id], new)
+    try:  # the reference: each request through plan_reserve, in order
+        want, planned = plan_each(
+            plan_reserve, entries, requests, update_id, premise=premise, lease_expires_at=lease
+        )
     except InvalidRecord as exc:
         error = exc
     if error is not None:
@@ -131,18 +121,6 @@ def test_the_batch_planner_plans_each_row_as_plan_reserve_does(
     assert outcomes == want
     assert got_planned == planned and list(got_planned) == list(planned)
     assert all(a.reserved_by == update_id for _, a in got_planned.values())
-
-
-def _checked_one_by_one(requests: list[Any]) -> list[ReserveRequest]:
-    """check_requests's item checks, an item at a time (what the batch checks stand for)."""
-    for r in requests:
-        if not isinstance(r, ReserveRequest):
-            raise InvalidLedgerArgument(f"a batch holds ReserveRequest items, got {r!r}")
-        check_id(r.rollout_id)
-        check_revision(r.expected_revision)
-        if r.admission is not None and not isinstance(r.admission, AdmissionStamp):
-            raise InvalidLedgerArgument(f"admission must be an AdmissionStamp or None: {r!r}")
-    return requests
 
 
 class _Str(str):
@@ -191,7 +169,7 @@ def test_a_batch_passes_or_is_refused_as_its_items_are(items: list[Any]) -> None
     first bad item."""
     ids = _plain_batch_ids(items)
     try:
-        _checked_one_by_one(items)
+        check_request_items(items)  # what the column checks stand for
         passes = True
     except InvalidLedgerArgument:
         passes = False

@@ -13,7 +13,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rollout_lifecycle.model.errors import InvalidRecord
-from rollout_lifecycle.model.records import ActionEvidence, Rollout, from_jsonable, to_jsonable
+from rollout_lifecycle.model.records import (
+    ActionEvidence,
+    Rollout,
+    check_int64,
+    from_jsonable,
+    ints64_pass,
+    text_problem,
+    texts_pass,
+    to_jsonable,
+)
 from tests.strategies import make_rollout
 
 torch = pytest.importorskip("torch")
@@ -266,3 +275,32 @@ def test_entry_fast_jsonable_equals_the_generic_walk() -> None:
     assert _entry_jsonable(paced) == generic(paced)
     assert list(_entry_jsonable(paced)) == [f.name for f in _attrs.fields(LedgerEntry)]
     assert "chain" not in _entry_jsonable(e) and "tokens" not in _entry_jsonable(e)
+
+
+_TEXTS = st.one_of(
+    st.text(max_size=6),
+    st.text(alphabet=st.characters(), min_size=1, max_size=3),
+    st.sampled_from(["a", "\x00", "\ud800", "é", "x" * 300]),
+    st.integers(0, 3),
+    st.none(),
+)
+
+
+@given(st.lists(_TEXTS, max_size=6))
+def test_texts_pass_is_text_problem_on_every_value(values: list[Any]) -> None:
+    """The column check passes a column exactly when every value passes text_problem."""
+    assert texts_pass(values) == all(text_problem(v) is None for v in values)
+
+
+@given(st.lists(st.one_of(st.integers(-2, 2**64), st.booleans(), st.floats(0, 1)), max_size=5))
+def test_ints64_pass_is_check_int64_on_every_value(values: list[Any]) -> None:
+    """The column check passes a column exactly when check_int64 accepts every value."""
+
+    def ok(v: Any) -> bool:
+        try:
+            check_int64(v, "v")
+        except InvalidRecord:
+            return False
+        return True
+
+    assert ints64_pass(values) == all(map(ok, values))
