@@ -16,7 +16,9 @@ import attrs
 from rollout_lifecycle.model.events import (
     EntryChanged,
     TraceEvent,
+    changed_payload,
     entry_payload,
+    field_differs,
     json_scalar,
     stored_payload,
 )
@@ -97,6 +99,9 @@ class SqlUnit:
         # reuse it instead of encoding each entry again (kept with the entry: ids are reused)
         self.texts: dict[int, tuple[LedgerEntry, str]] = {}
         self.stamps: dict[int, tuple[AdmissionStamp, str]] = {}
+        # after -> before of each write `dump_after` spliced: they differ in `_SPLICED`
+        # fields only, so their event's changed fields are found among those five
+        self.spliced: dict[int, tuple[LedgerEntry, LedgerEntry]] = {}
         # (state, owner, lease) objects last encoded, with their fields (see `_fields`)
         self.shared: tuple[tuple[object, ...], tuple[str, str, str]] = ((object(),) * 3, ("",) * 3)
 
@@ -124,6 +129,7 @@ class SqlUnit:
                 text = splice_entry(found[1], self._fields(after), self._admission_json(after))
                 if text is not None:
                     self.texts[id(after)] = (after, text)
+                    self.spliced[id(after)] = (after, before)
                     return text
         return self.dump(after)
 
@@ -160,12 +166,44 @@ class SqlUnit:
         return found[1] if found is not None and found[0] is entry else None
 
     def payload(self, ev: TraceEvent, txn: int | None) -> str:
-        """An event's payload column, from the entries' stored JSON where this step has it."""
+        """An event's payload column: a creation from the entry's stored JSON where this
+        step has it, a spliced write's changed fields from the texts the splice used."""
         if isinstance(ev, EntryChanged):
-            after, before = self._text(ev.after), self._text(ev.before)
-            if after is not None and (before is not None or ev.before is None):
-                return entry_payload(ev, txn, before, after)
+            before, after = ev.before, ev.after
+            if before is None:
+                text = self._text(after)
+                if text is not None:
+                    return entry_payload(ev, txn, text)
+            else:
+                found = self.spliced.get(id(after))
+                if found is not None and found[0] is after and found[1] is before:
+                    return changed_payload(ev, txn, self._changed(before, after))
         return stored_payload(ev, txn)
+
+    def _changed(self, before: LedgerEntry, after: LedgerEntry) -> str:
+        """`entry_changes(before, after)` as compact JSON, for entries that differ in
+        `_SPLICED` fields only: from the texts `_fields` and `_admission_json` keep, so a
+        reservation's event encodes nothing of the entry again."""
+        head, revision, tail = self._fields(after)
+        state = field_differs(before.state, after.state)
+        moved = field_differs(before.revision, after.revision)
+        owner = field_differs(before.reserved_by, after.reserved_by)
+        lease = field_differs(before.lease_expires_at, after.lease_expires_at)
+        if state and moved and owner and lease:  # a reservation: one run of kept text
+            parts = [f"{head[1:]}{revision}{tail}"]
+        else:
+            parts = []
+            if state:
+                parts.append(f'"state":{json_scalar(after.state)}')
+            if moved:
+                parts.append(f'"revision":{revision}')
+            if owner:
+                parts.append(f'"reserved_by":{json_scalar(after.reserved_by)}')
+            if lease:
+                parts.append(f'"lease_expires_at":{json_scalar(after.lease_expires_at)}')
+        if field_differs(before.admission, after.admission):
+            parts.append(f'"admission":{self._admission_json(after)}')
+        return "{" + ",".join(parts) + "}"
 
     def run(self, sql: str, args: Sequence[Any] = ()) -> Any:
         """Execute `sql` (written with ``?``) with this driver's placeholder."""
