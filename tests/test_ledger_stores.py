@@ -4,6 +4,7 @@ declaration) behaves the same on every path."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import struct
@@ -244,7 +245,7 @@ def test_readers_rebuild_every_change_from_what_was_stored() -> None:
     a, b, c, d, _, f = _entries()
     chain = [a, b, c, d, f, attrs.evolve(f, tokens=None, revision=9)]
     events = [EntryChanged(0, 0, 1.0, "r1", "add", None, a, None)]
-    events += [EntryChanged(0, 0, 1.0, "r1", "x", x, y, None) for x, y in zip(chain, chain[1:])]
+    events += [EntryChanged(0, 0, 1.0, "r1", "x", x, y, None) for x, y in itertools.pairwise(chain)]
     want = [(e.before, e.after) for e in events]
     payloads = _payloads(events)
     old = json.loads(json.dumps({**payloads[2], "before": to_jsonable(b), "after": to_jsonable(c)}))
