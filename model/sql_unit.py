@@ -36,6 +36,7 @@ def read_bad(conn: Any) -> frozenset[int]:
 # "state" and "lease_expires_at", and "admission". `splice_entry` rewrites just these in a
 # stored text; every other field must be the very same object before and after.
 _SPLICED = ("state", "revision", "reserved_by", "lease_expires_at", "admission")
+_SPLICED_VALUES = operator.attrgetter(*_SPLICED)
 _KEPT = operator.attrgetter(*(a.name for a in attrs.fields(LedgerEntry) if a.name not in _SPLICED))
 
 
@@ -102,6 +103,9 @@ class SqlUnit:
         # after -> before of each write `dump_after` spliced: they differ in `_SPLICED`
         # fields only, so their event's changed fields are found among those five
         self.spliced: dict[int, tuple[LedgerEntry, LedgerEntry]] = {}
+        # the values `_changed` last worked out its texts for, and those texts
+        self.change_key: tuple[object, ...] = (object(),) * 8
+        self.change_texts = ("", "", "")
         # (state, owner, lease) objects last encoded, with their fields (see `_fields`)
         self.shared: tuple[tuple[object, ...], tuple[str, str, str]] = ((object(),) * 3, ("",) * 3)
 
@@ -182,28 +186,45 @@ class SqlUnit:
 
     def _changed(self, before: LedgerEntry, after: LedgerEntry) -> str:
         """`entry_changes(before, after)` as compact JSON, for entries that differ in
-        `_SPLICED` fields only: from the texts `_fields` and `_admission_json` keep, so a
-        reservation's event encodes nothing of the entry again."""
-        head, revision, tail = self._fields(after)
-        state = field_differs(before.state, after.state)
-        moved = field_differs(before.revision, after.revision)
-        owner = field_differs(before.reserved_by, after.reserved_by)
-        lease = field_differs(before.lease_expires_at, after.lease_expires_at)
-        if state and moved and owner and lease:  # a reservation: one run of kept text
-            parts = [f"{head[1:]}{revision}{tail}"]
-        else:
-            parts = []
-            if state:
-                parts.append(f'"state":{json_scalar(after.state)}')
-            if moved:
-                parts.append(f'"revision":{revision}')
-            if owner:
-                parts.append(f'"reserved_by":{json_scalar(after.reserved_by)}')
-            if lease:
-                parts.append(f'"lease_expires_at":{json_scalar(after.lease_expires_at)}')
-        if field_differs(before.admission, after.admission):
-            parts.append(f'"admission":{self._admission_json(after)}')
-        return "{" + ",".join(parts) + "}"
+        `_SPLICED` fields only. Which of them changed, and their texts, are worked out once
+        per step for rows that share every value but the revision (a batch's rows do), so a
+        reservation's event encodes only its revision afresh."""
+        bs, br, bo, bl, ba = _SPLICED_VALUES(before)
+        as_, ar, ao, al, aa = _SPLICED_VALUES(after)
+        # states by value (always a str; a row read from JSON has its own copy), the rest
+        # by identity, as `_fields` and `_admission_json` key theirs
+        k = self.change_key
+        if not (
+            bs == k[0]
+            and as_ == k[4]
+            and bo is k[1]
+            and bl is k[2]
+            and ba is k[3]
+            and ao is k[5]
+            and al is k[6]
+            and aa is k[7]
+        ):
+            pre = f'"state":{json_scalar(as_)}' if field_differs(bs, as_) else ""
+            post = [
+                f'"{name}":{text}'
+                for name, old, new, text in (
+                    ("reserved_by", bo, ao, json_scalar(ao)),
+                    ("lease_expires_at", bl, al, json_scalar(al)),
+                    ("admission", ba, aa, self._admission_json(after)),
+                )
+                if field_differs(old, new)
+            ]
+            joined = ",".join(post)
+            self.change_key = (bs, bo, bl, ba, as_, ao, al, aa)
+            self.change_texts = (
+                f"{{{pre}," if pre else "{",
+                f",{joined}}}" if joined else "}",
+                "{" + ",".join(t for t in (pre, joined) if t) + "}",
+            )
+        opening, closing, unmoved = self.change_texts
+        if br is ar or (type(br) is type(ar) and br == ar):
+            return unmoved
+        return f'{opening}"revision":{json_scalar(ar)}{closing}'
 
     def run(self, sql: str, args: Sequence[Any] = ()) -> Any:
         """Execute `sql` (written with ``?``) with this driver's placeholder."""

@@ -180,7 +180,15 @@ def test_an_event_payload_from_stored_texts_is_byte_for_byte_the_same(txn: int |
     created = EntryChanged(0, 0, 3, "r1", "add", None, a, None)
     assert entry_payload(created, txn, dump_entry(a)) == stored_payload(created, txn)
     unit = SqlUnit(None)
-    for before, after in [*_tricky(), (b, a), (a, attrs.evolve(a, revision=1))]:
+    five = attrs.evolve(a, lease_expires_at=5)
+    shapes = [
+        (b, a),  # a reservation undone: every spliced field back
+        (a, attrs.evolve(a, revision=1)),  # the revision alone
+        (a, attrs.evolve(a, lease_expires_at=5.0)),  # not the revision
+        (a, five),
+        (five, attrs.evolve(a, lease_expires_at=5.0)),  # an equal value of another type
+    ]
+    for before, after in [*_tricky(), *shapes, *_tricky()[:3]]:
         loaded = unit.load(dump_entry(before))
         planned = _evolve(loaded, **_reservation_of(after))
         unit.dump_after(loaded, planned)
