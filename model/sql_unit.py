@@ -105,7 +105,7 @@ class SqlUnit:
         self.spliced: dict[int, tuple[LedgerEntry, LedgerEntry]] = {}
         # the values `_changed` last worked out its texts for, and those texts
         self.change_key: tuple[object, ...] = (object(),) * 8
-        self.change_texts = ("", "", "")
+        self.change_texts = ("", "")
         # (state, owner, lease) objects last encoded, with their fields (see `_fields`)
         self.shared: tuple[tuple[object, ...], tuple[str, str, str]] = ((object(),) * 3, ("",) * 3)
 
@@ -204,27 +204,30 @@ class SqlUnit:
             and al is k[6]
             and aa is k[7]
         ):
-            pre = f'"state":{json_scalar(as_)}' if field_differs(bs, as_) else ""
-            post = [
-                f'"{name}":{text}'
-                for name, old, new, text in (
-                    ("reserved_by", bo, ao, json_scalar(ao)),
-                    ("lease_expires_at", bl, al, json_scalar(al)),
-                    ("admission", ba, aa, self._admission_json(after)),
-                )
-                if field_differs(old, new)
-            ]
-            joined = ",".join(post)
             self.change_key = (bs, bo, bl, ba, as_, ao, al, aa)
-            self.change_texts = (
-                f"{{{pre}," if pre else "{",
-                f",{joined}}}" if joined else "}",
-                "{" + ",".join(t for t in (pre, joined) if t) + "}",
-            )
-        opening, closing, unmoved = self.change_texts
-        if br is ar or (type(br) is type(ar) and br == ar):
-            return unmoved
-        return f'{opening}"revision":{json_scalar(ar)}{closing}'
+            self.change_texts = self._change_texts(before, after)
+        opening, closing = self.change_texts
+        if br is ar or (type(br) is type(ar) and br == ar):  # rare: no revision between
+            text = opening[: -len('"revision":')].rstrip(",") + closing
+            return "{" + text[2:] if text.startswith("{,") else text
+        return f"{opening}{json_scalar(ar)}{closing}"
+
+    def _change_texts(self, before: LedgerEntry, after: LedgerEntry) -> tuple[str, str]:
+        """`_changed`'s texts for rows like these two: what comes before the revision's
+        value, and what comes after it."""
+        head, _, tail = self._fields(after)  # ',"state":S,"revision":' and ',"reserved_by"...'
+        stamp = ""
+        if field_differs(before.admission, after.admission):
+            stamp = f',"admission":{self._admission_json(after)}'
+        state = field_differs(before.state, after.state)
+        owner = field_differs(before.reserved_by, after.reserved_by)
+        lease = field_differs(before.lease_expires_at, after.lease_expires_at)
+        if state and owner and lease:  # a reservation: the texts `_fields` made, as they are
+            return "{" + head[1:], f"{tail}{stamp}}}"
+        pre = f'"state":{json_scalar(after.state)},' if state else ""
+        owner_text = f',"reserved_by":{json_scalar(after.reserved_by)}' if owner else ""
+        lease_text = f',"lease_expires_at":{json_scalar(after.lease_expires_at)}' if lease else ""
+        return f'{{{pre}"revision":', f"{owner_text}{lease_text}{stamp}}}"
 
     def run(self, sql: str, args: Sequence[Any] = ()) -> Any:
         """Execute `sql` (written with ``?``) with this driver's placeholder."""
