@@ -163,6 +163,11 @@ def event_from_jsonable(data: dict[str, Any]) -> TraceEvent:
     """Inverse of `event_to_jsonable`."""
     kind = data.get("kind")
     if kind == "entry":
+        if CHANGED in data:
+            raise InvalidRecord(
+                f"entry event of {data.get('rollout_id')!r} stores only what changed: it is "
+                "read with the rollout's earlier events (EntryStates.event), not on its own"
+            )
         return EntryChanged(
             seq=int(data["seq"]),
             txn=int(data["txn"]),
@@ -304,6 +309,7 @@ CHANGED = "changed"
 
 _ENTRY_FIELDS = tuple(a.name for a in attrs.fields(LedgerEntry))
 _ENTRY_VALUES = operator.attrgetter(*_ENTRY_FIELDS)
+_ENTRY_FIELD_SET = frozenset(_ENTRY_FIELDS)
 
 
 def field_differs(a: object, b: object) -> bool:
@@ -473,9 +479,6 @@ class EntryStates:
             after,
             data.get("update_id"),
         )
-
-
-_ENTRY_FIELD_SET = frozenset(_ENTRY_FIELDS)
 
 
 Payload = Callable[[TraceEvent, "int | None"], str]

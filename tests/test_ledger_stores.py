@@ -20,6 +20,7 @@ from rollout_lifecycle.model.events import (
     EntryStates,
     chain_hash,
     entry_payload,
+    event_from_jsonable,
     stored_payload,
 )
 from rollout_lifecycle.model.ledger import (
@@ -286,6 +287,8 @@ def test_a_change_that_cannot_be_rebuilt_is_a_typed_error() -> None:
     )
     with pytest.raises(InvalidRecord, match="no earlier event of that rollout"):
         EntryStates().event(dict(reserve))
+    with pytest.raises(InvalidRecord, match="stores only what changed"):
+        event_from_jsonable(dict(reserve))  # a change is never read on its own
     for changed, match in (
         ({"colour": "red"}, r"unknown field\(s\) \['colour'\]"),
         ({"revision": "two"}, "revision"),
