@@ -69,7 +69,7 @@ def _ids(worker: int, n: int, tag: str) -> list[str]:
 def _planned(rids: list[str], update_id: str) -> tuple[list[Any], list[str]]:
     """What reserving `rids` (as `_prepare` added them) writes: the new entries and the
     events' payloads, built as the ledger builds them (outside any clock)."""
-    from rollout_lifecycle.model.events import entry_events, entry_payload
+    from rollout_lifecycle.model.events import entry_events, stored_payload
     from rollout_lifecycle.model.ledger import NO_REGISTRY, dump_entry, plan_reserve
 
     rows, payloads = [], []
@@ -82,7 +82,7 @@ def _planned(rids: list[str], update_id: str) -> tuple[list[Any], list[str]]:
         (ev,) = entry_events([("reserve", before, after, update_id)], time.time())
         text = dump_entry(after)
         rows.append((after, text))
-        payloads.append(entry_payload(ev, None, dump_entry(before), text))
+        payloads.append(stored_payload(ev, None))
     return rows, payloads
 
 

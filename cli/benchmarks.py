@@ -647,8 +647,9 @@ def _plain_sqlite(folder: Path, n: int) -> Callable[[], contextlib.AbstractConte
     reserved = attrs.evolve(entry, admission=STAMP)
     payload = json.dumps(to_jsonable(reserved))
     args = [("reserved", "u", 1e9, payload, f"r{i}", 0) for i in range(n)]
-    # the event row the ledger appends for each reservation: its stored payload (before and
-    # after entries) and 32-byte chain hashes, made before any timing
+    # the event row the ledger appends for each reservation: its stored payload (what the
+    # reservation changed, as `stored_payload` writes it) and 32-byte chain hashes, made
+    # before any timing
     before = _entries(1)[0]
     events = [
         (

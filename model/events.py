@@ -15,11 +15,12 @@ import math
 import operator
 import struct
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import attrs
 
+from rollout_lifecycle.model.errors import InvalidRecord
 from rollout_lifecycle.model.records import (
     ActivePointer,
     AdmissionPolicy,
@@ -162,6 +163,11 @@ def event_from_jsonable(data: dict[str, Any]) -> TraceEvent:
     """Inverse of `event_to_jsonable`."""
     kind = data.get("kind")
     if kind == "entry":
+        if CHANGED in data:
+            raise InvalidRecord(
+                f"entry event of {data.get('rollout_id')!r} stores only what changed: it is "
+                "read with the rollout's earlier events (EntryStates.event), not on its own"
+            )
         return EntryChanged(
             seq=int(data["seq"]),
             txn=int(data["txn"]),
@@ -270,14 +276,58 @@ _sha256 = hashlib.sha256
 def stored_payload(ev: TraceEvent, txn: int | None) -> str:
     """An event's payload column: its JSON without `seq`, compact, in field order, with
     `txn` set to the step's number (None: left out, where the store keeps txn only in a
-    column of its own)."""
-    data = event_to_jsonable(ev)
-    data.pop("seq", None)
+    column of its own). An entry event over an existing entry stores, in place of the
+    whole `before` and `after`, only what changed (`CHANGED`: see `entry_changes`)."""
+    if isinstance(ev, EntryChanged) and ev.before is not None:
+        data: dict[str, Any] = {
+            "txn": txn,
+            "at": ev.at,
+            "rollout_id": ev.rollout_id,
+            "event": ev.event,
+            CHANGED: entry_changes(ev.before, ev.after),
+            "update_id": ev.update_id,
+            "kind": ev.kind,
+        }
+    else:
+        data = event_to_jsonable(ev)
+        data.pop("seq", None)
+        data["txn"] = txn
     if txn is None:
         data.pop("txn", None)
-    else:
-        data["txn"] = txn
     return json.dumps(data, separators=(",", ":"))
+
+
+# ---- entry events that store what changed --------------------------------------------------
+# An entry event's payload holds the whole `after` only where the entry is created (`before`
+# None). Every later event of the rollout holds, under CHANGED, the top-level LedgerEntry
+# fields whose value differs from `before`, each encoded as `dump_entry` encodes it: a
+# reader rebuilds `before` from the rollout's earlier events and `after` by laying the
+# changed fields over it (`EntryStates`). Events written before this format (whole `before`
+# and `after`) are still read as they are, so one history may hold both.
+
+CHANGED = "changed"
+
+_ENTRY_FIELDS = tuple(a.name for a in attrs.fields(LedgerEntry))
+_ENTRY_VALUES = operator.attrgetter(*_ENTRY_FIELDS)
+_ENTRY_FIELD_SET = frozenset(_ENTRY_FIELDS)
+
+
+def field_differs(a: object, b: object) -> bool:
+    """Whether a field's value changed between two entries: by value, and by type too (so
+    1 and 1.0 stay apart), so that laying the change over `before` rebuilds `after` exactly."""
+    return a is not b and (type(a) is not type(b) or a != b)
+
+
+def entry_changes(before: LedgerEntry, after: LedgerEntry) -> dict[str, Any]:
+    """The fields of `after` that differ from `before`, in declaration order, each JSON-able
+    as `to_jsonable(after)` holds it."""
+    return {
+        name: to_jsonable(new)
+        for name, old, new in zip(
+            _ENTRY_FIELDS, _ENTRY_VALUES(before), _ENTRY_VALUES(after), strict=True
+        )
+        if field_differs(old, new)
+    }
 
 
 _encode_str = json.encoder.encode_basestring_ascii  # what json.dumps uses for a str
@@ -297,24 +347,35 @@ def json_scalar(value: object) -> str:
     return json.dumps(value)
 
 
-def entry_payload(ev: EntryChanged, txn: int | None, before: str | None, after: str) -> str:
-    """`stored_payload(ev, txn)` of an entry change whose entries' stored JSON texts
-    (`dump` of each, as the store keeps them) are at hand: the same bytes, without encoding
-    the entries a second time."""
+def _shared_parts(ev: EntryChanged, txn: int | None) -> tuple[str, str, str]:
+    """The text of an entry payload around its rollout id and its entries, which a step's
+    events share (its txn, time, event, update and kind): encoded once per step."""
     key = (txn, ev.at, ev.event, ev.update_id, ev.kind)
     known, parts = _PAYLOAD_PARTS[0]
     if not all(map(operator.is_, known, key)):
-        # a step's events share all but the rollout id and the entries: encode them once
         head = "{" if txn is None else f'{{"txn":{json_scalar(txn)},'
         parts = (
             f'{head}"at":{json_scalar(ev.at)},"rollout_id":',
-            f',"event":{json_scalar(ev.event)},"before":',
+            f',"event":{json_scalar(ev.event)},',
             f',"update_id":{json_scalar(ev.update_id)},"kind":{json_scalar(ev.kind)}}}',
         )
         _PAYLOAD_PARTS[0] = (key, parts)
-    start, middle, end = parts
-    before_json = "null" if before is None else before
-    return f'{start}{json_scalar(ev.rollout_id)}{middle}{before_json},"after":{after}{end}'
+    return parts
+
+
+def entry_payload(ev: EntryChanged, txn: int | None, after: str) -> str:
+    """`stored_payload(ev, txn)` of an entry's creation (`ev.before` None) whose stored JSON
+    text (`dump_entry(ev.after)`) is at hand: the same bytes, without encoding it again."""
+    start, middle, end = _shared_parts(ev, txn)
+    return f'{start}{json_scalar(ev.rollout_id)}{middle}"before":null,"after":{after}{end}'
+
+
+def changed_payload(ev: EntryChanged, txn: int | None, changed: str) -> str:
+    """`stored_payload(ev, txn)` of a change of an existing entry, from `changed`: the
+    compact JSON object of `entry_changes(ev.before, ev.after)`, made by a caller that
+    knows which fields a step can have changed."""
+    start, middle, end = _shared_parts(ev, txn)
+    return f'{start}{json_scalar(ev.rollout_id)}{middle}"{CHANGED}":{changed}{end}'
 
 
 # the last step's shared parts of entry payloads, by the identity of what they encode (the
@@ -325,6 +386,99 @@ _PAYLOAD_PARTS: list[tuple[tuple[object, ...], tuple[str, str, str]]] = [
         ("", "", ""),
     )
 ]
+
+
+class EntryStates:
+    """Each rollout's entry as the stored events read so far leave it: what turns an entry
+    payload that stores only what changed back into `EntryChanged(before, after)`.
+
+    Feed it a store's event payloads (decoded, with `seq` and `txn` set) in seq order; a
+    reader that starts after the first event gives it the earlier events of the rollouts it
+    meets first (`fold`), or keeps one across its reads. `before` of a rebuilt event is the
+    very object the rollout's previous event left as `after`.
+    """
+
+    def __init__(self) -> None:
+        # rollout id -> (its entry, or None until needed, and the entry as JSON-able dict)
+        self._last: dict[str, tuple[LedgerEntry | None, dict[str, Any]]] = {}
+
+    def unknown(self, payloads: Iterable[Mapping[str, Any]]) -> set[str]:
+        """Rollouts whose first entry event among `payloads` stores only what changed and
+        whose state this reader does not hold: their earlier events are needed first."""
+        seen: set[str] = set()
+        out: set[str] = set()
+        for data in payloads:
+            if data.get("kind") != "entry":
+                continue
+            rid = data.get("rollout_id")
+            if not isinstance(rid, str) or rid in seen:
+                continue
+            seen.add(rid)
+            if CHANGED in data and rid not in self._last:
+                out.add(rid)
+        return out
+
+    def fold(self, data: Mapping[str, Any]) -> None:
+        """Take in an earlier entry event of a rollout without building its event: only its
+        resulting entry, as JSON, is kept (decoded when a later event needs it)."""
+        rid = data.get("rollout_id")
+        if data.get("kind") != "entry" or not isinstance(rid, str):
+            return
+        self._last[rid] = (None, self._after_json(data, rid))
+
+    def _after_json(self, data: Mapping[str, Any], rid: str) -> dict[str, Any]:
+        changed = data.get(CHANGED)
+        if changed is None and CHANGED not in data:
+            after = data.get("after")
+            if not isinstance(after, dict):
+                raise InvalidRecord(f"entry event of {rid!r}: its 'after' is not a JSON object")
+            return after
+        if not isinstance(changed, dict):
+            raise InvalidRecord(
+                f"entry event of {rid!r}: {CHANGED!r} must be a JSON object of the fields "
+                f"that changed, got {type(changed).__name__}"
+            )
+        unknown = changed.keys() - _ENTRY_FIELD_SET
+        if unknown:
+            raise InvalidRecord(
+                f"entry event of {rid!r} changes unknown field(s) {sorted(unknown)}: not a "
+                "LedgerEntry field (a payload edited, or written by a newer program)"
+            )
+        base = self._last.get(rid)
+        if base is None:
+            raise InvalidRecord(
+                f"entry event of {rid!r} stores only what changed, but no earlier event of "
+                "that rollout was read to lay it over: its creation event is missing"
+            )
+        return {**base[1], **changed}
+
+    def event(self, data: dict[str, Any]) -> TraceEvent:
+        """The trace event of one stored payload (`seq` and `txn` set), rebuilding an entry
+        change from the rollout's previous state; InvalidRecord when it cannot be."""
+        if data.get("kind") != "entry" or CHANGED not in data:
+            ev = event_from_jsonable(data)
+            if isinstance(ev, EntryChanged):
+                self._last[ev.rollout_id] = (ev.after, data["after"])
+            return ev
+        rid = data.get("rollout_id")
+        if not isinstance(rid, str):
+            raise InvalidRecord(f"entry event: rollout_id must be a string, got {rid!r}")
+        after_json = self._after_json(data, rid)
+        before, before_json = self._last[rid]
+        if before is None:
+            before = from_jsonable(LedgerEntry, before_json)
+        after = from_jsonable(LedgerEntry, after_json)
+        self._last[rid] = (after, after_json)
+        return _make_entry_changed(
+            int(data["seq"]),
+            int(data["txn"]),
+            float(data["at"]),
+            rid,
+            str(data["event"]),
+            before,
+            after,
+            data.get("update_id"),
+        )
 
 
 Payload = Callable[[TraceEvent, "int | None"], str]

@@ -64,11 +64,11 @@ from rollout_lifecycle.model.errors import (
 )
 from rollout_lifecycle.model.events import (
     ChainHead,
+    EntryStates,
     Payload,
     StoredEvent,
     StoredRows,
     TraceEvent,
-    event_from_jsonable,
     event_subject,
     stored_payload,
 )
@@ -976,8 +976,13 @@ def read_events(
     *,
     after_seq: int = 0,
     exclude_kind: str | None = None,
+    states: EntryStates | None = None,
 ) -> list[TraceEvent]:
-    """Events in global order, optionally of one kind and subject, and only after `after_seq`."""
+    """Events in global order, optionally of one kind and subject, and only after `after_seq`.
+
+    Entry events that store only what changed are rebuilt from their rollout's earlier
+    events, as `sqlite_common.read_events` rebuilds them (`states`: kept by an incremental
+    reader across its reads)."""
     where = ["seq > %s"]
     args: list[str | int] = [after_seq]
     if kind is not None:
@@ -993,11 +998,22 @@ def read_events(
         "SELECT seq, txn, payload FROM events WHERE " + " AND ".join(where) + " ORDER BY seq",
         args,
     ).fetchall()
+    decoded = [(seq, txn, json.loads(payload)) for seq, txn, payload in rows]
+    known = EntryStates() if states is None else states
+    if after_seq:
+        missing = known.unknown(data for _, _, data in decoded)
+        if missing:
+            earlier = conn.execute(
+                "SELECT payload FROM events WHERE kind = 'entry' AND seq <= %s "
+                "AND subject = ANY(%s) ORDER BY seq",
+                (after_seq, sorted(missing)),
+            ).fetchall()
+            for (payload,) in earlier:
+                known.fold(json.loads(payload))
     out = []
-    for seq, txn, payload in rows:
-        data = json.loads(payload)
+    for seq, txn, data in decoded:
         data["seq"], data["txn"] = int(seq), int(txn)
-        out.append(event_from_jsonable(data))
+        out.append(known.event(data))
     return out
 
 

@@ -95,7 +95,10 @@ from rollout_lifecycle.model.sql_unit import SqlUnit, read_bad
 T = TypeVar("T")
 
 COMPONENT = "ledger"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# 1 -> 2: entry events store only the fields that changed (model.events.CHANGED); nothing
+# stored is rewritten, the bump makes an older program refuse the schema (as on SQLite)
+MIGRATIONS = {1: ""}
 
 # The indexed columns copy LedgerEntry fields that queries filter on; `entry` holds the whole
 # record. The CHECK repeats the exclusive-ownership invariant at the storage level.
@@ -679,7 +682,7 @@ class PostgresLedger(StoreLedger):
                         "creates one; check the URL's database and schema)"
                     )
             else:
-                db.ensure_schema(COMPONENT, SCHEMA_VERSION, _DDL)
+                db.ensure_schema(COMPONENT, SCHEMA_VERSION, _DDL, migrations=MIGRATIONS)
                 _ensure_write_one(db)
         except BaseException:
             self.close()

@@ -16,7 +16,9 @@ import attrs
 from rollout_lifecycle.model.events import (
     EntryChanged,
     TraceEvent,
+    changed_payload,
     entry_payload,
+    field_differs,
     json_scalar,
     stored_payload,
 )
@@ -34,6 +36,7 @@ def read_bad(conn: Any) -> frozenset[int]:
 # "state" and "lease_expires_at", and "admission". `splice_entry` rewrites just these in a
 # stored text; every other field must be the very same object before and after.
 _SPLICED = ("state", "revision", "reserved_by", "lease_expires_at", "admission")
+_SPLICED_VALUES = operator.attrgetter(*_SPLICED)
 _KEPT = operator.attrgetter(*(a.name for a in attrs.fields(LedgerEntry) if a.name not in _SPLICED))
 
 
@@ -97,6 +100,12 @@ class SqlUnit:
         # reuse it instead of encoding each entry again (kept with the entry: ids are reused)
         self.texts: dict[int, tuple[LedgerEntry, str]] = {}
         self.stamps: dict[int, tuple[AdmissionStamp, str]] = {}
+        # after -> before of each write `dump_after` spliced: they differ in `_SPLICED`
+        # fields only, so their event's changed fields are found among those five
+        self.spliced: dict[int, tuple[LedgerEntry, LedgerEntry]] = {}
+        # the values `_changed` last worked out its texts for, and those texts
+        self.change_key: tuple[object, ...] = (object(),) * 8
+        self.change_texts = ("", "")
         # (state, owner, lease) objects last encoded, with their fields (see `_fields`)
         self.shared: tuple[tuple[object, ...], tuple[str, str, str]] = ((object(),) * 3, ("",) * 3)
 
@@ -124,6 +133,7 @@ class SqlUnit:
                 text = splice_entry(found[1], self._fields(after), self._admission_json(after))
                 if text is not None:
                     self.texts[id(after)] = (after, text)
+                    self.spliced[id(after)] = (after, before)
                     return text
         return self.dump(after)
 
@@ -160,12 +170,64 @@ class SqlUnit:
         return found[1] if found is not None and found[0] is entry else None
 
     def payload(self, ev: TraceEvent, txn: int | None) -> str:
-        """An event's payload column, from the entries' stored JSON where this step has it."""
+        """An event's payload column: a creation from the entry's stored JSON where this
+        step has it, a spliced write's changed fields from the texts the splice used."""
         if isinstance(ev, EntryChanged):
-            after, before = self._text(ev.after), self._text(ev.before)
-            if after is not None and (before is not None or ev.before is None):
-                return entry_payload(ev, txn, before, after)
+            before, after = ev.before, ev.after
+            if before is None:
+                text = self._text(after)
+                if text is not None:
+                    return entry_payload(ev, txn, text)
+            else:
+                found = self.spliced.get(id(after))
+                if found is not None and found[0] is after and found[1] is before:
+                    return changed_payload(ev, txn, self._changed(before, after))
         return stored_payload(ev, txn)
+
+    def _changed(self, before: LedgerEntry, after: LedgerEntry) -> str:
+        """`entry_changes(before, after)` as compact JSON, for entries that differ in
+        `_SPLICED` fields only. Which of them changed, and their texts, are worked out once
+        per step for rows that share every value but the revision (a batch's rows do), so a
+        reservation's event encodes only its revision afresh."""
+        bs, br, bo, bl, ba = _SPLICED_VALUES(before)
+        as_, ar, ao, al, aa = _SPLICED_VALUES(after)
+        # states by value (always a str; a row read from JSON has its own copy), the rest
+        # by identity, as `_fields` and `_admission_json` key theirs
+        k = self.change_key
+        if not (
+            bs == k[0]
+            and as_ == k[4]
+            and bo is k[1]
+            and bl is k[2]
+            and ba is k[3]
+            and ao is k[5]
+            and al is k[6]
+            and aa is k[7]
+        ):
+            self.change_key = (bs, bo, bl, ba, as_, ao, al, aa)
+            self.change_texts = self._change_texts(before, after)
+        opening, closing = self.change_texts
+        if br is ar or (type(br) is type(ar) and br == ar):  # rare: no revision between
+            text = opening[: -len('"revision":')].rstrip(",") + closing
+            return "{" + text[2:] if text.startswith("{,") else text
+        return f"{opening}{json_scalar(ar)}{closing}"
+
+    def _change_texts(self, before: LedgerEntry, after: LedgerEntry) -> tuple[str, str]:
+        """`_changed`'s texts for rows like these two: what comes before the revision's
+        value, and what comes after it."""
+        head, _, tail = self._fields(after)  # ',"state":S,"revision":' and ',"reserved_by"...'
+        stamp = ""
+        if field_differs(before.admission, after.admission):
+            stamp = f',"admission":{self._admission_json(after)}'
+        state = field_differs(before.state, after.state)
+        owner = field_differs(before.reserved_by, after.reserved_by)
+        lease = field_differs(before.lease_expires_at, after.lease_expires_at)
+        if state and owner and lease:  # a reservation: the texts `_fields` made, as they are
+            return "{" + head[1:], f"{tail}{stamp}}}"
+        pre = f'"state":{json_scalar(after.state)},' if state else ""
+        owner_text = f',"reserved_by":{json_scalar(after.reserved_by)}' if owner else ""
+        lease_text = f',"lease_expires_at":{json_scalar(after.lease_expires_at)}' if lease else ""
+        return f'{{{pre}"revision":', f"{owner_text}{lease_text}{stamp}}}"
 
     def run(self, sql: str, args: Sequence[Any] = ()) -> Any:
         """Execute `sql` (written with ``?``) with this driver's placeholder."""

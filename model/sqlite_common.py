@@ -21,12 +21,12 @@ from rollout_lifecycle.model.errors import LedgerError, StorageFull
 from rollout_lifecycle.model.events import (
     GENESIS,
     ChainHead,
+    EntryStates,
     Payload,
     StoredEvent,
     StoredRows,
     TraceEvent,
     chain_hash,
-    event_from_jsonable,
     event_subject,
     stored_payload,
 )
@@ -352,9 +352,15 @@ def read_events(
     *,
     after_seq: int = 0,
     exclude_kind: str | None = None,
+    states: EntryStates | None = None,
 ) -> list[TraceEvent]:
     """Events in global order, optionally of one kind and one subject (rollout id / version),
-    and only those after `after_seq` (an incremental reader need not re-read the table)."""
+    and only those after `after_seq` (an incremental reader need not re-read the table).
+
+    Entry events that store only what changed are rebuilt from their rollout's earlier
+    events: those read here, those `states` holds (an incremental reader passes the same
+    one each time), and for any other rollout its events up to `after_seq`, read in one
+    more query."""
     sql = "SELECT seq, payload FROM events"
     args: list[str | int] = []
     where = []
@@ -373,11 +379,22 @@ def read_events(
     if where:
         sql += " WHERE " + " AND ".join(where)
     sql += " ORDER BY seq"
+    rows = [(seq, json.loads(payload)) for seq, payload in conn.execute(sql, args)]
+    known = EntryStates() if states is None else states
+    if after_seq:
+        missing = known.unknown(data for _, data in rows)
+        if missing:
+            earlier = conn.execute(
+                "SELECT payload FROM events WHERE kind = 'entry' AND seq <= ? "
+                "AND subject IN (SELECT value FROM json_each(?)) ORDER BY seq",
+                (after_seq, json.dumps(sorted(missing))),
+            )
+            for (payload,) in earlier:
+                known.fold(json.loads(payload))
     out = []
-    for seq, payload in conn.execute(sql, args):
-        data = json.loads(payload)
+    for seq, data in rows:
         data["seq"] = seq
-        out.append(event_from_jsonable(data))
+        out.append(known.event(data))
     return out
 
 

@@ -55,7 +55,11 @@ from rollout_lifecycle.model.sqlite_conns import Connections
 T = TypeVar("T")
 
 COMPONENT = "ledger"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# 1 -> 2: entry events store only the fields that changed (model.events.CHANGED). Nothing
+# stored is rewritten (the chain hashes it); the bump makes an older program, which reads
+# only whole before/after entries, refuse the file instead of misreading it.
+MIGRATIONS = {1: ""}
 
 # The indexed columns are copies of LedgerEntry fields that queries filter on; `entry` holds
 # the whole record so nothing is lost. The CHECK repeats the exclusive-ownership invariant at
@@ -226,7 +230,12 @@ class SQLiteStore:
         # the object itself is checked, by identity)
         self.found: tuple[LedgerEntry, str] | None = None
         self.conns = Connections(
-            path, read_only=read_only, component=COMPONENT, version=SCHEMA_VERSION, ddl=_DDL
+            path,
+            read_only=read_only,
+            component=COMPONENT,
+            version=SCHEMA_VERSION,
+            ddl=_DDL,
+            migrations=MIGRATIONS,
         )
 
     def atomic(self, body: Callable[[UnitOfWork], T], step: Step) -> T:

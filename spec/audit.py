@@ -35,7 +35,9 @@ import attrs
 
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 from rollout_lifecycle.model.events import (
+    CHANGED,
     ChainHead,
+    EntryChanged,
     StoredEvent,
     StoredRows,
     TraceEvent,
@@ -291,9 +293,14 @@ def _check_head(head: ChainHead | None, last: StoredEvent | None, prefix: int) -
 
 def read_trace(stored: StoredRows) -> tuple[list[TraceEvent], list[Violation]]:
     """The stored events as trace events, and one finding per event that cannot be read
-    (it is left out of the replay, which then names what it leaves unexplained)."""
+    (it is left out of the replay, which then names what it leaves unexplained).
+
+    An entry event that stores only what changed is rebuilt here, on its own: its fields
+    laid over the entry its rollout's previous readable event left (`_rebuilt`)."""
     out: list[TraceEvent] = []
     bad: list[Violation] = []
+    # rollout id -> the entry its last readable event left, and that entry as stored JSON
+    last: dict[str, tuple[LedgerEntry, dict[str, Any]]] = {}
     for ev in stored.events:
         try:
             if not isinstance(ev.payload, str):
@@ -303,7 +310,13 @@ def read_trace(stored: StoredRows) -> tuple[list[TraceEvent], list[Violation]]:
                 raise TypeError("payload is not a JSON object")
             data["seq"] = ev.seq
             data.setdefault("txn", ev.txn)  # PostgreSQL keeps txn in its column only
-            out.append(event_from_jsonable(data))
+            if data.get("kind") == "entry" and CHANGED in data:
+                event: TraceEvent = _rebuilt(data, last)
+            else:
+                event = event_from_jsonable(data)
+                if isinstance(event, EntryChanged):
+                    last[event.rollout_id] = (event.after, data["after"])
+            out.append(event)
         except (ValueError, TypeError, KeyError, RolloutLifecycleError) as exc:
             bad.append(
                 Violation(
@@ -313,6 +326,44 @@ def read_trace(stored: StoredRows) -> tuple[list[TraceEvent], list[Violation]]:
                 )
             )
     return out, bad
+
+
+_ENTRY_FIELDS = frozenset(f.name for f in attrs.fields(LedgerEntry))
+
+
+def _rebuilt(
+    data: dict[str, Any], last: dict[str, tuple[LedgerEntry, dict[str, Any]]]
+) -> EntryChanged:
+    """An entry event stored as what changed: `before` is what the rollout's previous
+    readable event left, `after` that entry's JSON with the changed fields laid over it."""
+    rid, changed = data["rollout_id"], data[CHANGED]
+    if not isinstance(rid, str):
+        raise TypeError(f"rollout_id is {type(rid).__name__}, not text")
+    if not isinstance(changed, dict):
+        raise TypeError(f"{CHANGED!r} is {type(changed).__name__}, not a JSON object")
+    unknown = sorted(changed.keys() - _ENTRY_FIELDS)
+    if unknown:
+        raise ValueError(f"it changes field(s) {unknown} that no ledger entry has")
+    base = last.get(rid)
+    if base is None:
+        raise ValueError(
+            f"it stores only what changed, but no readable earlier event of {rid!r} "
+            "(its creation) precedes it"
+        )
+    before, before_json = base
+    after_json = {**before_json, **changed}
+    after = from_jsonable(LedgerEntry, after_json)
+    last[rid] = (after, after_json)
+    return EntryChanged(
+        seq=int(data["seq"]),
+        txn=int(data["txn"]),
+        at=float(data["at"]),
+        rollout_id=rid,
+        event=str(data["event"]),
+        before=before,
+        after=after,
+        update_id=data.get("update_id"),
+    )
 
 
 # ---- 3. every stored column ----------------------------------------------------------------

@@ -37,7 +37,7 @@ import rollout_lifecycle.model.ledger as ledger_mod
 import rollout_lifecycle.model.registry as registry_mod
 import rollout_lifecycle.model.sqlite_ledger as sqlite_ledger_mod
 from rollout_lifecycle.model.backends import redact_url
-from rollout_lifecycle.model.events import EventLog, TraceEvent
+from rollout_lifecycle.model.events import EntryStates, EventLog, TraceEvent
 from rollout_lifecycle.model.ledger import Clock, Ledger
 from rollout_lifecycle.model.records import AdmissionPolicy
 from rollout_lifecycle.model.registry import RegistryStore
@@ -299,10 +299,11 @@ class SQLiteEventSource:
     def __init__(self, path: Path) -> None:
         self._conn: sqlite3.Connection = connect(path)
         self._last = 0
+        self._states = EntryStates()  # each rollout as the rows read so far leave it
 
     def new_events(self) -> list[TraceEvent]:
         """Rows with seq above the last one returned."""
-        out = read_events(self._conn, after_seq=self._last)
+        out = read_events(self._conn, after_seq=self._last, states=self._states)
         if out:
             self._last = out[-1].seq
         return out
@@ -322,6 +323,7 @@ class PostgresEventSource:
     def __init__(self, db: Any) -> None:
         self._db = db.acquire()
         self._last = 0
+        self._states = EntryStates()  # each rollout as the rows read so far leave it
         self._read_events = importlib.import_module(
             "rollout_lifecycle.model.postgres_common"
         ).read_events
@@ -330,7 +332,8 @@ class PostgresEventSource:
         """Rows with seq above the last one returned."""
         last = self._last
         out: list[TraceEvent] = self._db.read(
-            lambda conn: self._read_events(conn, after_seq=last), "reading new events"
+            lambda conn: self._read_events(conn, after_seq=last, states=self._states),
+            "reading new events",
         )
         if out:
             self._last = out[-1].seq

@@ -3,6 +3,7 @@ untouched store passes, and each edit of the issue's reproductions is named."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sqlite3
 import threading
@@ -17,7 +18,14 @@ from click.testing import CliRunner
 from rollout_lifecycle.cli.main import cli
 from rollout_lifecycle.model.backends import Backend, open_backend
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
-from rollout_lifecycle.model.events import GENESIS, StoredEvent, chain_hash
+from rollout_lifecycle.model.events import (
+    GENESIS,
+    EntryChanged,
+    EntryStates,
+    StoredEvent,
+    chain_hash,
+    event_to_jsonable,
+)
 from rollout_lifecycle.model.ledger import MemoryLedger, ReserveRequest
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
@@ -27,6 +35,8 @@ from rollout_lifecycle.model.records import (
     WorkerAck,
 )
 from rollout_lifecycle.model.registry import MemoryRegistry
+from rollout_lifecycle.model.sql_unit import SqlUnit
+from rollout_lifecycle.model.sqlite_common import read_events as sqlite_read_events
 from rollout_lifecycle.spec.audit import AuditReport, audit, row_hash
 from rollout_lifecycle.stateful_tests.backends import fresh_schema, postgres_url, with_schema
 
@@ -499,3 +509,173 @@ def test_audit_pauses_the_collector_and_restores_it(store: Store) -> None:
     finally:
         (gc.enable if was else gc.disable)()
     assert seen == [False, False]
+
+
+# ---- entry events that store what changed -------------------------------------------------
+
+
+def _whole(ev: Any, txn: int | None) -> str:
+    """An entry event's payload as this program stored it before events held only what
+    changed: the whole before and after entries."""
+    data = event_to_jsonable(ev)
+    data.pop("seq", None)
+    if txn is None:
+        data.pop("txn", None)
+    else:
+        data["txn"] = txn
+    return json.dumps(data, separators=(",", ":"))
+
+
+def _read_all(store: Store, **kw: Any) -> list[Any]:
+    """`read_events` of the store's own database (SQLite or PostgreSQL)."""
+    if store.kind == "sqlite":
+        conn = sqlite3.connect(str(store.path))
+        try:
+            return sqlite_read_events(conn, **kw)
+        finally:
+            conn.close()
+    import psycopg
+
+    from rollout_lifecycle.model.postgres_common import read_events as pg_read_events
+
+    with psycopg.connect(store.url, autocommit=True) as pg:
+        return pg_read_events(pg, **kw)
+
+
+def test_changes_store_only_what_changed_and_read_back_whole(store: Store) -> None:
+    """A creation stores the whole entry, every later entry event only its changed fields
+    (a reservation: state, revision, owner, lease, stamp); read back, each event is the
+    before/after pair the ledger wrote, and so is every read that starts mid-history."""
+    rows = [json.loads(p) for _, kind, _, p in store.event_rows() if kind == "entry"]
+    assert [r["event"] for r in rows if "after" in r] == ["add"] * len(IDS)
+    reserve = next(r for r in rows if r["event"] == "reserve")
+    assert "before" not in reserve and "after" not in reserve
+    assert list(reserve["changed"]) == [
+        "state",
+        "revision",
+        "reserved_by",
+        "lease_expires_at",
+        "admission",
+    ]
+    if store.kind == "memory":
+        return
+    full = _read_all(store)
+    history = store.backend.ledger.history(None)
+    assert [e for e in full if isinstance(e, EntryChanged)] == history
+    for rid in IDS:
+        mine = [e for e in history if e.rollout_id == rid]
+        assert mine[-1].after == store.backend.ledger.get(rid)
+        assert all(a.after == b.before for a, b in itertools.pairwise(mine))
+    seqs = [e.seq for e in full]
+    for k in range(0, len(full), 3):  # a fresh reader, and one kept across reads
+        assert _read_all(store, after_seq=seqs[k]) == full[k + 1 :]
+    states = EntryStates()
+    assert _read_all(store, after_seq=0, states=states) == full
+    store.backend.ledger.add(LedgerEntry(rollout_id="r8", behavior_version=0, artifact_hash=H0))
+    store.backend.ledger.transition("r8", "generation_done", 0)
+    new = _read_all(store, after_seq=seqs[-1], states=states)
+    assert [(e.event, e.before is None) for e in new] == [("add", True), ("generation_done", False)]
+
+
+def test_a_store_written_whole_then_by_changes_audits_clean(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ledger written while events held whole entries (schema 1), then opened by this
+    program: the schema moves to 2, nothing stored is rewritten, the new events store
+    changes over the old ones, and `ledger check` finds nothing."""
+    if store.kind == "memory":
+        pytest.skip("a memory store is never older than the program holding it")
+    store.backend.close()
+    store.sql("UPDATE schema_meta SET version = 1 WHERE component = 'ledger'")
+    with monkeypatch.context() as mp:
+        mp.setattr(SqlUnit, "payload", lambda self, ev, txn: _whole(ev, txn))
+        with open_backend(store.url) as old:
+            e = old.ledger.add(LedgerEntry(rollout_id="r5", behavior_version=0, artifact_hash=H0))
+            e = old.ledger.transition("r5", "generation_done", e.revision)
+            old.ledger.transition("r5", "reward_ready", e.revision, reward=REWARD)
+            old.ledger.reserve_batch("u2", [ReserveRequest("r2", 2, STAMP)])
+    store.sql("UPDATE schema_meta SET version = 1 WHERE component = 'ledger'")
+    before = store.event_rows()
+    with open_backend(store.url) as new:
+        new.ledger.reserve_batch("u3", [ReserveRequest("r5", 2, STAMP)])
+        new.ledger.commit("u2", ["r2"])
+        new.ledger.commit("u3", ["r5"])
+        report = audit(new.stored_rows())
+        assert report.violations == [], [str(v) for v in report.violations]
+        assert new.ledger.get("r2").state == new.ledger.get("r5").state == "consumed"
+        history = new.ledger.history("r5")
+        assert [e.event for e in history] == [
+            "add",
+            "generation_done",
+            "reward_ready",
+            "reserve",
+            "commit",
+        ]
+        assert all(a.after == b.before for a, b in itertools.pairwise(history))
+    assert store.event_rows()[: len(before)] == before  # old payloads are kept as stored
+    kinds = [
+        ("after" in json.loads(p), "changed" in json.loads(p))
+        for _, k, s, p in store.event_rows()
+        if k == "entry" and s == "r5"
+    ]
+    assert kinds == [(True, False)] * 3 + [(False, True)] * 2
+    assert store.sql("SELECT version FROM schema_meta WHERE component = 'ledger'") == [(2,)]
+
+
+def _edited(store: Store, edit: Any) -> AuditReport:
+    """The audit of the store's rows with `edit` applied to its events (row by row)."""
+    rows = store.backend.stored_rows()
+    return audit(attrs.evolve(rows, events=[e for ev in rows.events for e in edit(ev)]))
+
+
+@pytest.mark.parametrize(
+    ("changed", "why"),
+    [
+        ({"colour": "red"}, "field(s) ['colour'] that no ledger entry has"),
+        ({"revision": "four"}, "revision"),
+        ({"state": "nowhere"}, "state"),
+        ([1], "'changed' is list, not a JSON object"),
+    ],
+)
+def test_a_change_that_cannot_be_laid_over_is_unreadable(
+    store: Store, changed: Any, why: str
+) -> None:
+    """A change naming a field no entry has, or whose value does not decode: that event
+    is named unreadable (and edited, its hash no longer matching), never a traceback."""
+    (seq,) = _seqs(store, "r1", "commit")
+
+    def edit(ev: StoredEvent) -> list[StoredEvent]:
+        if ev.seq != seq:
+            return [ev]
+        data = json.loads(ev.payload)
+        return [attrs.evolve(ev, payload=json.dumps({**data, "changed": changed}))]
+
+    got = found(_edited(store, edit))
+    assert [s for s, _ in got["history_edited"]] == [seq], got
+    ((s, msg),) = got["history_unreadable"]
+    assert s == seq and why in msg, msg
+
+
+def test_a_change_without_its_creation_is_unreadable(store: Store) -> None:
+    """r2's creation event deleted: its later changes have nothing to be laid over, and
+    each is named unreadable, as well as the deletion."""
+    add, *later = _seqs(store, "r2")
+    got = found(_edited(store, lambda ev: [] if ev.seq == add else [ev]))
+    assert "history_deleted" in got, got
+    assert [s for s, _ in got["history_unreadable"]] == later
+    assert all("no readable earlier event of 'r2'" in m for _, m in got["history_unreadable"])
+
+
+def test_an_edited_change_is_flagged_and_disagrees_with_the_row(store: Store) -> None:
+    """r0's commit rewritten to leave it rewarded: the hash names the edit, and the row
+    (consumed) no longer matches what the changes replay to."""
+    (seq,) = _seqs(store, "r0", "commit")
+
+    def edit(ev: StoredEvent) -> list[StoredEvent]:
+        if ev.seq != seq:
+            return [ev]
+        return [attrs.evolve(ev, payload=ev.payload.replace('"consumed"', '"rewarded"'))]
+
+    got = found(_edited(store, edit))
+    assert [s for s, _ in got["history_edited"]] == [seq], got
+    assert any(m.startswith("r0: stored consumed") for _, m in got["stored_matches_trace"]), got

@@ -4,6 +4,7 @@ declaration) behaves the same on every path."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import struct
@@ -13,7 +14,15 @@ import attrs
 import pytest
 
 from rollout_lifecycle.model.errors import InvalidRecord
-from rollout_lifecycle.model.events import EntryChanged, chain_hash, entry_payload, stored_payload
+from rollout_lifecycle.model.events import (
+    CHANGED,
+    EntryChanged,
+    EntryStates,
+    chain_hash,
+    entry_payload,
+    event_from_jsonable,
+    stored_payload,
+)
 from rollout_lifecycle.model.ledger import (
     MemoryLedger,
     Step,
@@ -165,18 +174,131 @@ def test_the_memory_stores_counts_follow_every_write() -> None:
 
 @pytest.mark.parametrize("txn", [None, 7])
 def test_an_event_payload_from_stored_texts_is_byte_for_byte_the_same(txn: int | None) -> None:
-    """Reusing the entries' stored JSON for an event changes no byte of its payload (the hash
-    chain and `ledger check` read it)."""
+    """Reusing an entry's stored JSON for its creation event, or a splice's texts for a
+    reservation's changed fields, changes no byte of the payload (the hash chain and
+    `ledger check` read it)."""
     a, b, c, d, _, f = _entries()
+    created = EntryChanged(0, 0, 3, "r1", "add", None, a, None)
+    assert entry_payload(created, txn, dump_entry(a)) == stored_payload(created, txn)
+    unit = SqlUnit(None)
+    five = attrs.evolve(a, lease_expires_at=5)
+    shapes = [
+        (b, a),  # a reservation undone: every spliced field back
+        (a, attrs.evolve(a, revision=1)),  # the revision alone
+        (a, attrs.evolve(a, lease_expires_at=5.0)),  # not the revision
+        (a, five),
+        (five, attrs.evolve(a, lease_expires_at=5.0)),  # an equal value of another type
+    ]
+    for before, after in [*_tricky(), *shapes, *_tricky()[:3]]:
+        loaded = unit.load(dump_entry(before))
+        planned = _evolve(loaded, **_reservation_of(after))
+        unit.dump_after(loaded, planned)
+        assert unit.spliced[id(planned)] == (planned, loaded)  # the splice path, not a fallback
+        for at, event, update in ((1.5e9 + 0.25, "reserve", "u\u00e9"), (0.0, "release", None)):
+            ev = EntryChanged(0, 0, at, loaded.rollout_id, event, loaded, planned, update)
+            assert unit.payload(ev, txn) == stored_payload(ev, txn)
     for ev in (
-        EntryChanged(0, 0, 1.5e9 + 0.25, "r1", "reserve", a, b, "u\u00e9"),
-        EntryChanged(0, 0, 3, "r1", "add", None, a, None),
         EntryChanged(0, 0, 0.0, "r1", "update_failed", b, c, "u"),
         EntryChanged(0, 0, 2.0, "r1", "commit", d, f, "u"),
     ):
-        before = None if ev.before is None else dump_entry(ev.before)
-        got = entry_payload(ev, txn, before, dump_entry(ev.after))
-        assert got == stored_payload(ev, txn)
+        assert SqlUnit(None).payload(ev, txn) == stored_payload(ev, txn)
+
+
+def test_a_change_stores_only_the_fields_that_differ() -> None:
+    """An entry event over an existing entry stores the differing top-level fields (as
+    `dump_entry` encodes them) and the event's own fields; a creation stores the whole entry."""
+    a, b, c, d, _, f = _entries()
+    data = json.loads(stored_payload(EntryChanged(0, 0, 2.0, "r1", "reserve", a, b, "u"), 5))
+    assert data == {
+        "txn": 5,
+        "at": 2.0,
+        "rollout_id": "r1",
+        "event": "reserve",
+        CHANGED: {
+            "state": "reserved",
+            "revision": 2,
+            "reserved_by": "u",
+            "lease_expires_at": 1e-5,
+            "admission": to_jsonable(STAMP),
+        },
+        "update_id": "u",
+        "kind": "entry",
+    }
+    # fields left out of JSON at their defaults are stored when they change
+    data = json.loads(stored_payload(EntryChanged(0, 0, 2.0, "r1", "commit", d, f, "u"), None))
+    assert "txn" not in data
+    assert data[CHANGED] == {
+        "state": "consumed",
+        "revision": 3,
+        "chain": "p",
+        "attempt": 1,
+        "tokens": 512,
+    }
+    data = json.loads(stored_payload(EntryChanged(0, 0, 2.0, "r1", "add", None, c, None), 1))
+    assert data["before"] is None and data["after"] == to_jsonable(c) and CHANGED not in data
+
+
+def _payloads(events: list[EntryChanged]) -> list[dict[str, object]]:
+    out = []
+    for i, ev in enumerate(events, 1):
+        data = json.loads(stored_payload(ev, i))
+        data["seq"] = i
+        out.append(data)
+    return out
+
+
+def test_readers_rebuild_every_change_from_what_was_stored() -> None:
+    """Laying each stored change over the rollout's previous entry gives back the very
+    before/after pairs written, also where a change of an earlier entry was stored whole
+    (an older program's event) and where the reader starts mid-history (`fold`)."""
+    a, b, c, d, _, f = _entries()
+    chain = [a, b, c, d, f, attrs.evolve(f, tokens=None, revision=9)]
+    events = [EntryChanged(0, 0, 1.0, "r1", "add", None, a, None)]
+    events += [EntryChanged(0, 0, 1.0, "r1", "x", x, y, None) for x, y in itertools.pairwise(chain)]
+    want = [(e.before, e.after) for e in events]
+    payloads = _payloads(events)
+    old = json.loads(json.dumps({**payloads[2], "before": to_jsonable(b), "after": to_jsonable(c)}))
+    del old[CHANGED]
+    for stored in (payloads, [*payloads[:2], old, *payloads[3:]]):
+        states = EntryStates()
+        got = [states.event(dict(p)) for p in stored]
+        assert [(e.before, e.after) for e in got] == want  # type: ignore[union-attr]
+        assert all(
+            type(g.after.lease_expires_at) is type(w.lease_expires_at)  # type: ignore[union-attr]
+            for g, (_, w) in zip(got, want, strict=True)
+        )
+        late = EntryStates()
+        assert late.unknown(stored[3:]) == {"r1"}
+        for p in stored[:3]:
+            late.fold(p)
+        assert late.unknown(stored[3:]) == set()
+        assert [(e.before, e.after) for e in map(late.event, stored[3:])] == want[3:]  # type: ignore[union-attr]
+
+
+def test_a_change_that_cannot_be_rebuilt_is_a_typed_error() -> None:
+    """A change with no earlier event of its rollout, one naming a field no entry has, and
+    one whose value does not decode: InvalidRecord naming what is wrong."""
+    a, b = _entries()[:2]
+    add, reserve = _payloads(
+        [
+            EntryChanged(0, 0, 1.0, "r1", "add", None, a, None),
+            EntryChanged(0, 0, 1.0, "r1", "reserve", a, b, "u"),
+        ]
+    )
+    with pytest.raises(InvalidRecord, match="no earlier event of that rollout"):
+        EntryStates().event(dict(reserve))
+    with pytest.raises(InvalidRecord, match="stores only what changed"):
+        event_from_jsonable(dict(reserve))  # a change is never read on its own
+    for changed, match in (
+        ({"colour": "red"}, r"unknown field\(s\) \['colour'\]"),
+        ({"revision": "two"}, "revision"),
+        ({"state": "nowhere"}, "state"),
+        ([1, 2], "must be a JSON object"),
+    ):
+        states = EntryStates()
+        states.event(dict(add))
+        with pytest.raises(InvalidRecord, match=match):
+            states.event({**reserve, CHANGED: changed})
 
 
 def test_evolve_validates_what_changed_as_attrs_evolve_would() -> None:

@@ -171,6 +171,8 @@ def test_schema_newer_than_the_code_is_refused(
     postgres_server: pg_server.Server, postgres_url: str
 ) -> None:
     """A database written by a newer rollout-lifecycle: open refuses, saying to upgrade."""
+    from rollout_lifecycle.model.postgres_ledger import SCHEMA_VERSION
+
     _ledger(postgres_url).close()
     postgres_server.psql(
         "UPDATE schema_meta SET version = 99 WHERE component = 'ledger'",
@@ -179,7 +181,9 @@ def test_schema_newer_than_the_code_is_refused(
     for create in (True, False):
         with pytest.raises(BackendURLError, match="newer rollout-lifecycle; upgrade"):
             open_backend(postgres_url, create=create)
-    with pytest.raises(LedgerError, match="schema version 99, this program expects 1"):
+    with pytest.raises(
+        LedgerError, match=f"schema version 99, this program expects {SCHEMA_VERSION}"
+    ):
         _ledger(postgres_url)
 
 
