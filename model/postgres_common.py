@@ -43,7 +43,6 @@ import os
 import re
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
@@ -276,12 +275,17 @@ class Backend:
     server_started: str
 
 
+def new_token() -> str:
+    """A random commit-mark token (32 hex digits)."""
+    return os.urandom(16).hex()
+
+
 @attrs.define
 class _Attempt:
     """What a write attempt knew when its connection broke."""
 
     backend: Backend | None = None  # the server session that ran it
-    token: str = attrs.field(factory=lambda: uuid.uuid4().hex)
+    token: str = attrs.field(factory=new_token)
     committing: bool = False
     result: Any = None
 
@@ -289,20 +293,20 @@ class _Attempt:
 @attrs.frozen
 class OneStatement(Generic[T]):
     """A writing step that is ONE autocommit statement (a server-side function that takes
-    its own locks and inserts the commit mark itself, as `%(token)s`, only if it wrote):
-    one round trip, and no BEGIN or COMMIT of its own. `read` turns its row into the step's
-    result; `landed` is the result when it wrote, which is what a lost answer whose mark
-    is found returns (only a statement that wrote inserts the mark)."""
+    its own locks and inserts the commit mark itself, given as its LAST parameter, only if
+    it wrote): one round trip, and no BEGIN or COMMIT of its own. `params` are the other
+    positional parameters, in order; `read` turns its row into the step's result; `landed`
+    is the result when it wrote, which is what a lost answer whose mark is found returns
+    (only a statement that wrote inserts the mark)."""
 
     sql: str
-    params: Mapping[str, Any]
+    params: Sequence[Any]
     read: Callable[[tuple[Any, ...] | None], T]
     landed: T
 
     def __call__(self, conn: Conn) -> T:
         """The same statement inside a transaction already open (its mark a fresh token)."""
-        args = {**self.params, "token": uuid.uuid4().hex}
-        return self.read(conn.execute(self.sql, args).fetchone())
+        return self.read(conn.execute(self.sql, (*self.params, new_token())).fetchone())
 
 
 class PostgresDatabase:
@@ -563,7 +567,7 @@ class PostgresDatabase:
             conn.execute(_PRUNE_MARKS)
         attempt.result = step.landed
         attempt.committing = True
-        row = conn.execute(step.sql, {**step.params, "token": attempt.token}).fetchone()
+        row = conn.execute(step.sql, (*step.params, attempt.token)).fetchone()
         return step.read(row)
 
     def _session(self, conn: Conn) -> Backend:
