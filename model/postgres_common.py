@@ -44,7 +44,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import attrs
@@ -309,6 +309,28 @@ class OneStatement(Generic[T]):
         return self.read(conn.execute(self.sql, (*self.params, new_token())).fetchone())
 
 
+class _Checkout:
+    """`with` a connection taken from `pool`: on the way out an error rolls back what is
+    still open (as the pool's own context manager does) and the connection goes back to the
+    pool, which replaces it if it broke. Without a generator and without the pool's commit
+    of an autocommit connection: a single reservation takes two of these."""
+
+    __slots__ = ("conn", "pool")
+
+    def __init__(self, pool: ConnectionPool[Conn], conn: Conn) -> None:
+        self.pool, self.conn = pool, conn
+
+    def __enter__(self) -> Conn:
+        return self.conn
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        conn = self.conn
+        if kind is not None and not conn.closed:
+            with contextlib.suppress(Exception):  # broken: the pool replaces it
+                conn.rollback()
+        self.pool.putconn(conn)
+
+
 class PostgresDatabase:
     """One database (one schema in it) shared by a ledger and a registry.
 
@@ -433,21 +455,14 @@ class PostgresDatabase:
                 self._pool, self._pool_pid = pool, pid
             return self._pool
 
-    @contextlib.contextmanager
-    def _checkout(self) -> Iterator[Conn]:
+    def _checkout(self) -> _Checkout:
+        """A pooled connection for one step, given back when the `with` block ends."""
         pool = self._get_pool()
         try:
-            cm = pool.connection()
-            conn = cm.__enter__()
+            conn = pool.getconn()
         except PoolTimeout:
             raise self._unreachable() from None
-        try:
-            yield conn
-        except BaseException as exc:
-            cm.__exit__(type(exc), exc, exc.__traceback__)
-            raise
-        else:
-            cm.__exit__(None, None, None)
+        return _Checkout(pool, conn)
 
     def _unreachable(self) -> Exception:
         """Why no connection came: probe directly so the message names the real cause."""

@@ -515,13 +515,13 @@ class PostgresStore:
         self._check_open()
         if self.db.read_only:
             raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
+        if isinstance(body, OneStatement):  # it takes the step's locks itself
+            return self.db.write(body, step.what)
         locks = [_LOCKS[step.live]] if step.live is not None else []
         if step.bad is not None:
             locks.append(_LOCKS[step.bad])
         if step.premise:
             locks.append(_LOCKS["premise"])
-        if isinstance(body, OneStatement):  # it takes the step's locks itself
-            return self.db.write(body, step.what)
         prologue = "; ".join(locks)
         return self.db.write(lambda conn: body(_Unit(self, conn)), step.what, prologue=prologue)
 
