@@ -28,7 +28,7 @@ module only makes "check the revision and write" indivisible there:
 - A single reservation (`peek`, `write_one`: the ledger's `GuardedStore`) is two round
   trips. One autocommit read takes the row, the premise and the server's time; the ledger
   plans, judges and enforces on them; then ONE call of the server-side function
-  `ledger_write_one_v1` (created on open) takes the premise lock SHARED, checks that the
+  `ledger_write_one_v3` (created on open) takes the premise lock SHARED, checks that the
   premise is still the one the plan was judged on (an equality of the stored facts, no
   rule), compare-and-sets the row, appends the events and counters with the statement
   `append_events` sends, and inserts the commit mark only when it wrote. A premise that
