@@ -30,8 +30,9 @@ module only makes "check the revision and write" indivisible there:
   plans, judges and enforces on them; then ONE call of the server-side function
   `ledger_write_one_v3` (created on open) takes the premise lock SHARED, checks that the
   premise is still the one the plan was judged on (an equality of the stored facts, no
-  rule), compare-and-sets the row, appends the events and counters with the statement
-  `append_events` sends, and inserts the commit mark only when it wrote. A premise that
+  rule), compare-and-sets the row, appends its event and counters by the steps of the
+  statement `append_events` sends (as plain statements, in the same order), and inserts
+  the commit mark only when it wrote. A premise that
   moved sends the reservation through the step above; a row that moved is re-read.
 
 Events and counters are written last, in one statement under the events lock (see
