@@ -26,6 +26,13 @@ measures the CAS of the
 rollout_lifecycle in that checkout: every round runs each one, so two versions are
 compared against the same baselines in one run.
 
+Every mode also measures CPU time per row, which a loaded machine does not change the way
+it changes wall time: the worker process's own (`time.process_time`) and that of the
+server process serving its connection (`pg_backend_pid()`, read from /proc/<pid>/schedstat,
+or /proc/<pid>/stat in clock ticks where the kernel keeps no schedstat: 10 ms steps, so use
+a few hundred rows or more), reported with the ratio baseline CPU / CAS CPU (client plus
+server). Where the server runs on another machine its share shows as "?".
+
 Standalone and importable: `run_bench(url, ...)` returns the rows as dicts.
 """
 
@@ -34,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -98,13 +106,16 @@ def _entry(rid: str) -> Any:
     )
 
 
-# the same columns a reservation batch writes, arrays sent in binary (%b): no quoting in Python
+# the same columns a reservation batch writes, arrays sent in binary (%b): no quoting in Python;
+# the rows found through the primary key (the ids again, as the CAS does: joined with the
+# unnest alone the server hashes the whole table, a cost that grows with the table and that
+# the reservation batch does not pay)
 _SAME_UPDATE = """
 UPDATE rollouts r SET state = u.state, revision = u.revision, reserved_by = u.reserved_by,
     lease_expires_at = u.lease, entry = u.entry
 FROM unnest(%b::text[], %b::text[], %b::bigint[], %b::text[], %b::float8[], %b::text[])
     AS u(rollout_id, state, revision, reserved_by, lease, entry)
-WHERE r.rollout_id = u.rollout_id
+WHERE r.rollout_id = u.rollout_id AND r.rollout_id = ANY(%b::text[])
 """
 _SAME_EVENTS = """
 INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
@@ -112,6 +123,29 @@ SELECT nextval('events_seq'), t.txn, 'entry', u.subject, u.payload, u.h, u.h
 FROM (SELECT nextval('events_txn') AS txn) t,
     unnest(%b::text[], %b::text[], %b::bytea[]) AS u(subject, payload, h)
 """
+
+
+def _cpu_of(pid: int | None) -> float | None:
+    """CPU seconds (user + system) the process `pid` has used so far: /proc/<pid>/schedstat
+    (nanoseconds) where the kernel fills it in, else /proc/<pid>/stat (clock ticks); None
+    when the server's processes are not visible here (a server on another machine)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/schedstat") as fh:
+            ns = int(fh.read().split()[0])
+        if ns > 0:
+            return ns / 1e9
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _backend_pid(conn: Any) -> int:
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    return int(row[0])
 
 
 def _worker(
@@ -141,7 +175,12 @@ def _worker(
         same = _planned(rids, f"u{worker}") if mode == "same-batch" else ([], [])
         led = PostgresLedger(url, schema=schema, pool_size=1)
         conn = psycopg.connect(url, autocommit=True, options=f"-c search_path={schema}")
+        # the server process doing this mode's work: the ledger's one pooled connection for
+        # the CAS modes, the plain connection for the baselines
+        uses_ledger = mode.startswith("cas") or mode == "mixed-single"
+        pid = led.db.read(_backend_pid) if uses_ledger else _backend_pid(conn)
         barrier.wait(timeout=300)
+        server0, client0 = _cpu_of(pid), time.process_time()
         t0 = time.perf_counter()
         won = 0
         split = [0.0, 0.0]  # mode mixed-single: seconds in reservations, in plain UPDATEs
@@ -193,12 +232,17 @@ def _worker(
                 )
                 hashes = [bytes(32)] * len(part)
                 with conn.transaction():
-                    cur = conn.execute(_SAME_UPDATE, cols)
+                    cur = conn.execute(_SAME_UPDATE, (*cols, cols[0]))
                     conn.execute(_SAME_EVENTS, (cols[0], payloads[i : i + chunk], hashes))
                 won += cur.rowcount
         else:
             raise ValueError(mode)
         elapsed = time.perf_counter() - t0
+        client_s, server1 = time.process_time() - client0, _cpu_of(pid)
+        same_pid = (led.db.read(_backend_pid) if uses_ledger else _backend_pid(conn)) == pid
+        server_s = None
+        if server0 is not None and server1 is not None and same_pid:
+            server_s = server1 - server0
         conn.close()
         led.close()
         import rollout_lifecycle
@@ -211,6 +255,7 @@ def _worker(
                 "t1": t0 + elapsed,
                 "code": str(Path(rollout_lifecycle.__file__).resolve().parents[1]),
                 "split": split,
+                "cpu": [client_s, server_s],
             }
         )
     except BaseException as exc:
@@ -282,11 +327,50 @@ def _run(
     done = sum(g["done"] for g in got)
     wall = max(g["t1"] for g in got) - min(g["t0"] for g in got)
     cas_s, plain_s = (sum(g["split"][i] for g in got) for i in (0, 1))
-    return {"done": done, "wall_s": wall, "per_s": done / wall, "split": [cas_s, plain_s]}
+    server = [g["cpu"][1] for g in got]
+    cpu = {
+        "client_ms": 1e3 * sum(g["cpu"][0] for g in got) / done,
+        "server_ms": None if None in server else 1e3 * sum(server) / done,
+    }
+    return {
+        "done": done,
+        "wall_s": wall,
+        "per_s": done / wall,
+        "split": [cas_s, plain_s],
+        "cpu": cpu,
+    }
 
 
 def _median(values: list[float]) -> float:
     return float(statistics.median(values))
+
+
+def _cpu_total(cpu: dict[str, float | None]) -> float | None:
+    client, server = cpu["client_ms"], cpu["server_ms"]
+    return None if client is None or server is None else client + server
+
+
+def _fmt_cpu(cpu: dict[str, float | None]) -> str:
+    client, server = cpu["client_ms"], cpu["server_ms"]
+    return f"{client:.3f}+" + ("?" if server is None else f"{server:.3f}")
+
+
+def _cpu_row(cpus: list[dict[str, Any]], cas: str, base: str) -> dict[str, Any]:
+    """Medians over the rounds of the CAS's CPU per row (client, server, both) and of the
+    per-round ratio `base` CPU / CAS CPU (client plus server where the server's processes
+    are visible, else None): like the throughput ratios, 1.0 means as cheap as `base`."""
+    out: dict[str, Any] = {}
+    if base == "plain":
+        for part in ("client_ms", "server_ms"):
+            got = [r[cas][part] for r in cpus]
+            out[f"cpu_{part}"] = None if None in got else round(_median(got), 4)
+    totals = [(_cpu_total(r[cas]), _cpu_total(r[base])) for r in cpus]
+    if any(t is None or b is None or t <= 0 for t, b in totals):
+        out[f"cpu_{base}_ms"], out[f"cpu_cas_vs_{base}"] = None, None
+        return out
+    out[f"cpu_{base}_ms"] = round(_median([b for _, b in totals]), 4)  # type: ignore[misc]
+    out[f"cpu_cas_vs_{base}"] = round(_median([b / t for t, b in totals]), 3)  # type: ignore[operator]
+    return out
 
 
 def run_bench(
@@ -322,6 +406,7 @@ def run_bench(
             say(f"preparing {mode} x{k}: {k * n * len(tags)} rollouts")
             _prepare(url, schema, k, n, tags)
             rounds: list[dict[str, Any]] = []
+            cpus: list[dict[str, dict[str, float | None]]] = []  # per round: CPU ms per row
             for rep in range(repeats):
                 got: dict[str, Any] = {}
                 for c, code in enumerate(codes):
@@ -338,6 +423,7 @@ def run_bench(
                         )
                 assert all(g["done"] == k * n for g in got.values()), got
                 rounds.append({key: g["per_s"] for key, g in got.items()})
+                cpus.append({key: g["cpu"] for key, g in got.items()})
                 for key, g in got.items():
                     if key.startswith("mixed"):  # plain UPDATE time / reservation time
                         rounds[-1][key] = g["split"][1] / g["split"][0]
@@ -346,6 +432,12 @@ def run_bench(
                     + "  ".join(
                         f"{key} {v:.3f}" if key.startswith("mixed") else f"{key} {v:,.0f}/s"
                         for key, v in rounds[-1].items()
+                    )
+                    + "  CPU ms/row (client+server): "
+                    + "  ".join(
+                        f"{key} {_fmt_cpu(c)}"
+                        for key, c in cpus[-1].items()
+                        if not key.startswith("mixed")
                     )
                 )
             for c, code in enumerate(codes):
@@ -365,7 +457,9 @@ def run_bench(
                 if mode == "single":
                     calls = [r[f"mixed{c}"] for r in rounds]
                     row["interleaved_cas_vs_plain"] = round(_median(calls), 3)
+                row.update(_cpu_row(cpus, f"cas{c}", "plain"))
                 if mode == "batch":
+                    row.update(_cpu_row(cpus, f"cas{c}", "same"))
                     row["same_update_per_s"] = round(_median([r["same"] for r in rounds]))
                     row["cas_vs_same"] = round(
                         _median([r[f"cas{c}"] / r["same"] for r in rounds]), 3
@@ -401,6 +495,34 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{r['plain_update_per_s']:,} | {r['cas_vs_plain']:.2f} | "
             + (f"{r['interleaved_cas_vs_plain']:.2f}" if "interleaved_cas_vs_plain" in r else "-")
             + f" | {same} |"
+        )
+    return "\n".join(lines)
+
+
+def _cpu_table(rows: list[dict[str, Any]]) -> str:
+    """CPU per row (this client process and its server backend), medians of the rounds."""
+
+    def ms(v: float | None) -> str:
+        return "?" if v is None else f"{v:.3f}"
+
+    def ratio(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    head = (
+        "| code | mode | client CPU ms | server CPU ms | plain UPDATE CPU ms | plain / CAS "
+        "| same-columns CPU ms | same / CAS |"
+    )
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        mode = f"batch ({r['chunk']}/stmt)" if r["mode"] == "batch" else "single"
+        lines.append(
+            f"| {r['code']} | {mode} | {ms(r['cpu_client_ms'])} | {ms(r['cpu_server_ms'])} | "
+            f"{ms(r['cpu_plain_ms'])} | {ratio(r['cpu_cas_vs_plain'])} | "
+            + (
+                f"{ms(r['cpu_same_ms'])} | {ratio(r['cpu_cas_vs_same'])} |"
+                if "cpu_same_ms" in r
+                else "- | - |"
+            )
         )
     return "\n".join(lines)
 
@@ -449,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
             server.remove()
     print()
     print(_table(rows))
+    print()
+    print(_cpu_table(rows))
     if args.json is not None:
         from rollout_lifecycle.model.atomic import atomic_write
 

@@ -43,9 +43,8 @@ import os
 import re
 import threading
 import time
-import uuid
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import attrs
@@ -276,12 +275,17 @@ class Backend:
     server_started: str
 
 
+def new_token() -> str:
+    """A random commit-mark token (32 hex digits)."""
+    return os.urandom(16).hex()
+
+
 @attrs.define
 class _Attempt:
     """What a write attempt knew when its connection broke."""
 
     backend: Backend | None = None  # the server session that ran it
-    token: str = attrs.field(factory=lambda: uuid.uuid4().hex)
+    token: str = attrs.field(factory=new_token)
     committing: bool = False
     result: Any = None
 
@@ -289,20 +293,42 @@ class _Attempt:
 @attrs.frozen
 class OneStatement(Generic[T]):
     """A writing step that is ONE autocommit statement (a server-side function that takes
-    its own locks and inserts the commit mark itself, as `%(token)s`, only if it wrote):
-    one round trip, and no BEGIN or COMMIT of its own. `read` turns its row into the step's
-    result; `landed` is the result when it wrote, which is what a lost answer whose mark
-    is found returns (only a statement that wrote inserts the mark)."""
+    its own locks and inserts the commit mark itself, given as its LAST parameter, only if
+    it wrote): one round trip, and no BEGIN or COMMIT of its own. `params` are the other
+    positional parameters, in order; `read` turns its row into the step's result; `landed`
+    is the result when it wrote, which is what a lost answer whose mark is found returns
+    (only a statement that wrote inserts the mark)."""
 
     sql: str
-    params: Mapping[str, Any]
+    params: Sequence[Any]
     read: Callable[[tuple[Any, ...] | None], T]
     landed: T
 
     def __call__(self, conn: Conn) -> T:
         """The same statement inside a transaction already open (its mark a fresh token)."""
-        args = {**self.params, "token": uuid.uuid4().hex}
-        return self.read(conn.execute(self.sql, args).fetchone())
+        return self.read(conn.execute(self.sql, (*self.params, new_token())).fetchone())
+
+
+class _Checkout:
+    """`with` a connection taken from `pool`: on the way out an error rolls back what is
+    still open (as the pool's own context manager does) and the connection goes back to the
+    pool, which replaces it if it broke. Without a generator and without the pool's commit
+    of an autocommit connection: a single reservation takes two of these."""
+
+    __slots__ = ("conn", "pool")
+
+    def __init__(self, pool: ConnectionPool[Conn], conn: Conn) -> None:
+        self.pool, self.conn = pool, conn
+
+    def __enter__(self) -> Conn:
+        return self.conn
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        conn = self.conn
+        if kind is not None and not conn.closed:
+            with contextlib.suppress(Exception):  # broken: the pool replaces it
+                conn.rollback()
+        self.pool.putconn(conn)
 
 
 class PostgresDatabase:
@@ -429,21 +455,14 @@ class PostgresDatabase:
                 self._pool, self._pool_pid = pool, pid
             return self._pool
 
-    @contextlib.contextmanager
-    def _checkout(self) -> Iterator[Conn]:
+    def _checkout(self) -> _Checkout:
+        """A pooled connection for one step, given back when the `with` block ends."""
         pool = self._get_pool()
         try:
-            cm = pool.connection()
-            conn = cm.__enter__()
+            conn = pool.getconn()
         except PoolTimeout:
             raise self._unreachable() from None
-        try:
-            yield conn
-        except BaseException as exc:
-            cm.__exit__(type(exc), exc, exc.__traceback__)
-            raise
-        else:
-            cm.__exit__(None, None, None)
+        return _Checkout(pool, conn)
 
     def _unreachable(self) -> Exception:
         """Why no connection came: probe directly so the message names the real cause."""
@@ -563,7 +582,7 @@ class PostgresDatabase:
             conn.execute(_PRUNE_MARKS)
         attempt.result = step.landed
         attempt.committing = True
-        row = conn.execute(step.sql, {**step.params, "token": attempt.token}).fetchone()
+        row = conn.execute(step.sql, (*step.params, attempt.token)).fetchone()
         return step.read(row)
 
     def _session(self, conn: Conn) -> Backend:

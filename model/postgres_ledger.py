@@ -28,10 +28,11 @@ module only makes "check the revision and write" indivisible there:
 - A single reservation (`peek`, `write_one`: the ledger's `GuardedStore`) is two round
   trips. One autocommit read takes the row, the premise and the server's time; the ledger
   plans, judges and enforces on them; then ONE call of the server-side function
-  `ledger_write_one_v1` (created on open) takes the premise lock SHARED, checks that the
+  `ledger_write_one_v3` (created on open) takes the premise lock SHARED, checks that the
   premise is still the one the plan was judged on (an equality of the stored facts, no
-  rule), compare-and-sets the row, appends the events and counters with the statement
-  `append_events` sends, and inserts the commit mark only when it wrote. A premise that
+  rule), compare-and-sets the row, appends its event and counters by the steps of the
+  statement `append_events` sends (as plain statements, in the same order), and inserts
+  the commit mark only when it wrote. A premise that
   moved sends the reservation through the step above; a row that moved is re-read.
 
 Events and counters are written last, in one statement under the events lock (see
@@ -41,6 +42,7 @@ Events and counters are written last, in one statement under the events lock (se
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -79,7 +81,6 @@ from rollout_lifecycle.model.postgres_common import (
     PostgresDatabase,
     append_events,
     chain_message,
-    event_columns,
     has_table,
     lock_sql,
     read_events,
@@ -210,15 +211,17 @@ _PEEK_BARE = (
 # autocommit statement (one round trip) with its plans cached by the server: the premise
 # lock (shared, taken first: the statements after it see every switch committed before),
 # the guard (the premise is still what the plan was judged on: an equality of facts, no
-# rule), the compare-and-set, the events, their chain and the counters, and the commit
+# rule), the compare-and-set, the event, its chain link and the counters, and the commit
 # mark, inserted only when the row was written. Under READ COMMITTED each statement of the
 # function reads what committed before it started.
 # p_guard: 0 no premise (no lock), 1 a premise read with no registry, 2 a registry premise.
 # The append is the steps of `append_events`'s statement, one plain statement each, in the
-# same order (K_EVENTS, txn and seq numbers, the head's row lock, each event linked with
-# `chain_message`, the head, the counters): v1 ran that statement itself, whose CTEs, set
-# function and JSON counters cost more than the UPDATE for a step's one or two events.
-WRITE_ONE = "ledger_write_one_v2"  # a changed body gets a new name (v1: see above)
+# same order (K_EVENTS, txn and seq numbers, the head's row lock, the event linked with
+# `chain_message`, the head, the counters). A single compare-and-set writes one row and so
+# one event, whose subject is the row's id: v3 takes it as scalars (v2 took arrays of
+# events and looped), the counters as two arrays the client sends as constant text, and
+# moves the head with a plain UPDATE of the row it locked (v2: INSERT ... ON CONFLICT).
+WRITE_ONE = "ledger_write_one_v3"  # a changed body gets a new name (v1, v2: see above)
 _WRITE_ONE_ARGS = (
     ("p_guard", "integer"),
     ("p_premise", "text"),
@@ -229,9 +232,8 @@ _WRITE_ONE_ARGS = (
     ("p_entry", "text"),
     ("p_rollout_id", "text"),
     ("p_expected", "bigint"),
-    ("p_kinds", "text[]"),
-    ("p_subjects", "text[]"),
-    ("p_payloads", "text[]"),
+    ("p_kind", "text"),
+    ("p_payload", "text"),
     ("p_names", "text[]"),
     ("p_counts", "bigint[]"),
     ("p_token", "text"),
@@ -241,9 +243,8 @@ _WRITE_ONE_DDL = f"""
 CREATE OR REPLACE FUNCTION {WRITE_ONE}({", ".join(f"{n} {t}" for n, t in _WRITE_ONE_ARGS)})
 RETURNS text LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
-    v_n integer := coalesce(cardinality(p_kinds), 0);
     v_txn bigint;
-    v_first bigint;
+    v_seq bigint;
     v_prev bytea;
     v_hash bytea;
 BEGIN
@@ -264,28 +265,23 @@ BEGIN
     IF NOT FOUND THEN
         RETURN 'lost';
     END IF;
-    IF v_n > 0 THEN
-        PERFORM pg_advisory_xact_lock({K_EVENTS}, hashtext(current_schema()));
-        v_txn := nextval('events_txn');
-        v_first := nextval('events_seq');
-        IF v_n > 1 THEN  -- setval writes WAL every time: only when a step has several events
-            PERFORM setval('events_seq', v_first + v_n - 1);
-        END IF;
-        SELECT last_hash INTO v_hash FROM events_chain WHERE id = 1 FOR UPDATE;
-        v_hash := coalesce(v_hash, {ZERO_HASH});
-        FOR i IN 1..v_n LOOP
-            v_prev := v_hash;
-            v_hash := sha256(v_prev || {
-    chain_message("v_first + i - 1", "v_txn", "p_kinds[i]", "p_subjects[i]", "p_payloads[i]")
+    PERFORM pg_advisory_xact_lock({K_EVENTS}, hashtext(current_schema()));
+    v_txn := nextval('events_txn');
+    v_seq := nextval('events_seq');
+    SELECT last_hash INTO v_prev FROM events_chain WHERE id = 1 FOR UPDATE;
+    v_hash := sha256(coalesce(v_prev, {ZERO_HASH}) || {
+    chain_message("v_seq", "v_txn", "p_kind", "p_rollout_id", "p_payload")
 });
-            INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
-            VALUES (v_first + i - 1, v_txn, p_kinds[i], p_subjects[i], p_payloads[i], v_prev,
-                    v_hash);
-        END LOOP;
+    INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
+    VALUES (v_seq, v_txn, p_kind, p_rollout_id, p_payload, coalesce(v_prev, {ZERO_HASH}),
+            v_hash);
+    IF v_prev IS NULL THEN  -- no head row yet (the chain's DDL makes one: never, in practice)
         INSERT INTO events_chain(id, base_seq, base_count, last_seq, last_hash)
-        VALUES (1, 0, 0, v_first + v_n - 1, v_hash)
+        VALUES (1, 0, 0, v_seq, v_hash)
         ON CONFLICT (id) DO UPDATE
             SET last_seq = excluded.last_seq, last_hash = excluded.last_hash;
+    ELSE
+        UPDATE events_chain SET last_seq = v_seq, last_hash = v_hash WHERE id = 1;
     END IF;
     INSERT INTO ledger_counters(name, shard, n)
     SELECT c.name, pg_backend_pid() % {COUNTER_SHARDS}, c.n
@@ -297,16 +293,30 @@ BEGIN
 END
 $fn$;
 """
-_WRITE_ONE_CALL = (
-    f"SELECT {WRITE_ONE}("
-    + ", ".join(
-        f"%({n[2:]})b::{t}"
-        if t.endswith("[]")
-        else f"%({n[2:]})s" + ("::float8" if t[0] == "d" else "")
-        for n, t in _WRITE_ONE_ARGS
-    )
-    + ")"
-)
+# positional parameters, the token last (`OneStatement` appends it); scalars travel as
+# text, the counters' arrays as array literals, cached per set of counters (`_counters`)
+_WRITE_ONE_CALL = f"SELECT {WRITE_ONE}({', '.join(['%s'] * len(_WRITE_ONE_ARGS))})"
+_COUNTER_TEXTS: dict[tuple[tuple[str, int], ...], tuple[str, str]] = {}
+
+
+def _counters(counts: Mapping[str, int]) -> tuple[str, str]:
+    """The counters a write bumps as the text of two arrays (names, increments), by name:
+    a step's counters come from a handful of constant sets, so each is formatted once."""
+    key = tuple(sorted((k, v) for k, v in counts.items() if v))
+    found = _COUNTER_TEXTS.get(key)
+    if found is None:
+        if not all(_COUNTER_NAME.fullmatch(k) for k, _ in key):
+            raise LedgerError(f"counter names must be lowercase words, got {sorted(counts)}")
+        found = (
+            "{" + ",".join(k for k, _ in key) + "}",
+            "{" + ",".join(str(int(v)) for _, v in key) + "}",
+        )
+        if len(_COUNTER_TEXTS) < 256:  # a bound, in case a caller makes up increments
+            _COUNTER_TEXTS[key] = found
+    return found
+
+
+_COUNTER_NAME = re.compile(r"(?!null$)[a-z_]+")  # an array literal's bare word, not NULL
 
 
 def _won(row: tuple[Any, ...] | None) -> WriteOutcome:
@@ -509,13 +519,13 @@ class PostgresStore:
         self._check_open()
         if self.db.read_only:
             raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
+        if isinstance(body, OneStatement):  # it takes the step's locks itself
+            return self.db.write(body, step.what)
         locks = [_LOCKS[step.live]] if step.live is not None else []
         if step.bad is not None:
             locks.append(_LOCKS[step.bad])
         if step.premise:
             locks.append(_LOCKS["premise"])
-        if isinstance(body, OneStatement):  # it takes the step's locks itself
-            return self.db.write(body, step.what)
         prologue = "; ".join(locks)
         return self.db.write(lambda conn: body(_Unit(self, conn)), step.what, prologue=prologue)
 
@@ -552,9 +562,13 @@ class PostgresStore:
         step: Step,
         seen: Peeked | None,
     ) -> WriteOutcome:
-        """The premise lock and guard (`step.premise`), the compare-and-set, the events, the
-        counters and the commit mark: ONE call of the server-side function, one round trip."""
+        """The premise lock and guard (`step.premise`), the compare-and-set, the event, the
+        counters and the commit mark: ONE call of the server-side function, one round trip.
+        One row's compare-and-set has exactly one change, the row's own."""
         before, after = pair
+        events = entry_events(changes, at)
+        if len(events) != 1 or events[0].rollout_id != after.rollout_id:
+            raise LedgerError(f"{step.what}: a single write records one change, of its own row")
         unit = SqlUnit(None)  # its JSON and event payloads, without a unit of work
         token = seen.token if seen is not None else None
         if isinstance(token, _Seen) and token.entry is not None:
@@ -564,21 +578,21 @@ class PostgresStore:
             if not isinstance(token, _Seen):
                 raise LedgerError(f"{step.what}: a guarded write needs the premise it peeked")
             guard, premise = (1, None) if token.premise is None else (2, token.premise)
-        bumps = sorted((k, v) for k, v in counts.items() if v)
-        params: dict[str, Any] = {
-            "guard": guard,
-            "premise": premise,
-            "state": after.state,
-            "revision": after.revision,
-            "reserved_by": after.reserved_by,
-            "lease": after.lease_expires_at,
-            "entry": unit.dump_after(before, after),
-            "rollout_id": after.rollout_id,
-            "expected": before.revision,
-            **event_columns(entry_events(changes, at), unit.payload),
-            "names": [k for k, v in bumps],
-            "counts": [v for k, v in bumps],
-        }
+        entry = unit.dump_after(before, after)
+        params = (
+            guard,
+            premise,
+            after.state,
+            after.revision,
+            after.reserved_by,
+            after.lease_expires_at,
+            entry,
+            after.rollout_id,
+            before.revision,
+            events[0].kind,
+            unit.payload(events[0], None),
+            *_counters(counts),
+        )
         return self.atomic(OneStatement(_WRITE_ONE_CALL, params, _won, "won"), step)
 
     def view(self, body: Callable[[StoreView], T], what: str) -> T:

@@ -1208,3 +1208,39 @@ def test_a_schema_without_commit_marks_gets_the_table_on_open(postgres_url: str)
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM commit_marks").fetchone()[0] >= 1
     again.close()
+
+
+def test_a_database_without_the_current_write_function_gets_it_on_open(
+    postgres_url: str,
+) -> None:
+    """A database made by an older version lacks the current single-write function (its
+    body changed, so its name did: v3 now): the first writer that opens it creates it, and
+    single reservations and transitions through it land with their events, counters and
+    chain intact, next to rows and events the older function wrote."""
+    import psycopg
+
+    from rollout_lifecycle.model import postgres_ledger as pl
+
+    with open_backend(postgres_url) as b:
+        coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY)
+        _activate(coord, 1)
+        add_rewarded(b.ledger, ["a", "b", "c"])
+        assert b.ledger.reserve("a", 0, "u0", stamp()).reserved
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"DROP FUNCTION {pl._WRITE_ONE_SIGNATURE}")
+        found = conn.execute("SELECT to_regprocedure(%s)", (pl._WRITE_ONE_SIGNATURE,))
+        assert found.fetchone() == (None,)
+    with open_backend(postgres_url) as b:
+        assert b.ledger.reserve("b", 0, "u1", stamp()).reserved
+        assert b.ledger.reserve("b", 0, "u1", stamp()).reason == "idempotent_retry"
+        assert b.ledger.reserve("a", 0, "u1", stamp()).reason == "revision_conflict"
+        assert b.ledger.transition("c", "quarantine", 0).state == "quarantined"
+        assert [e.event for e in b.ledger.history("b")] == ["add", "reserve"]
+        stats = b.ledger.statistics()
+        assert (stats.reservations, stats.writes) == (2, 3 + 2 + 1)
+        report = check_trace(b.trace(), with_registry=True)
+        assert report.ok, [str(v) for v in report.violations[:5]]
+        assert compare_with_store(report.final, stored_world(b.ledger, b.registry)) == []
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        found = conn.execute("SELECT to_regprocedure(%s)", (pl._WRITE_ONE_SIGNATURE,))
+        assert found.fetchone() != (None,)
