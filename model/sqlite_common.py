@@ -1,7 +1,7 @@
 """What the SQLite ledger and the SQLite registry share: connections, schema versions, events.
 
 Both live in one database file so that their events share one global order (the `events`
-table's autoincrement `seq`), which the spec's trace replay needs to judge, for example,
+table's `seq`, never reused: see `NEXT_COLUMNS`), which the spec's trace replay needs to judge, for example,
 that a reservation was admitted against the version active at that moment.
 """
 
@@ -50,7 +50,7 @@ BUSY_TIMEOUT_MS = 30_000  # well above the 5 s default: 8 threads and 4 processe
 
 _EVENTS_DDL = """
 CREATE TABLE IF NOT EXISTS events (
-    seq     INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq     INTEGER PRIMARY KEY,
     txn     INTEGER NOT NULL,
     kind    TEXT NOT NULL,
     subject TEXT NOT NULL,
@@ -59,7 +59,6 @@ CREATE TABLE IF NOT EXISTS events (
     hash      BLOB
 );
 CREATE INDEX IF NOT EXISTS events_subject ON events(kind, subject);
-CREATE INDEX IF NOT EXISTS events_txn ON events(txn);
 """
 
 # The hash chain's head (see model.events): one row, updated in every appending transaction.
@@ -77,13 +76,17 @@ _CHAIN_START = (
     "INSERT INTO events_chain(id, base_seq, base_count, last_seq, last_hash) "
     "SELECT 1, COALESCE(MAX(seq), 0), COUNT(*), COALESCE(MAX(seq), 0), ? FROM events"
 )
-# the next txn, the last seq ever handed out (AUTOINCREMENT's own counter, so a seq is never
-# reused), and the chain's head hash: read under the caller's write lock
-# (its three columns: a caller may read them in one statement with something else it reads
-# under the same lock, and hand them to `append_events` as `head`)
+# the next txn, the last seq ever handed out and the chain's head hash: read under the
+# caller's write lock (its three columns: a caller may read them in one statement with
+# something else it reads under the same lock, and hand them to `append_events` as `head`).
+# Every step appends with a higher seq and a higher txn than the one before, so the event
+# of the highest seq carries the highest txn: one descent of the table's own b-tree, no index
+# on txn to update with every append. The head's last_seq is every seq ever handed out, even
+# when the last events were deleted since (AUTOINCREMENT's counter did that before: one more
+# page written per commit); MAX(seq) covers a head that was deleted.
 NEXT_COLUMNS = (
-    "(SELECT COALESCE(MAX(txn), 0) + 1 FROM events), "
-    "MAX(COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0), "
+    "COALESCE((SELECT txn FROM events ORDER BY seq DESC LIMIT 1), 0) + 1, "
+    "MAX(COALESCE((SELECT last_seq FROM events_chain WHERE id = 1), 0), "
     "COALESCE((SELECT MAX(seq) FROM events), 0)), "
     "(SELECT last_hash FROM events_chain WHERE id = 1)"
 )
@@ -290,7 +293,8 @@ def ensure_schema(
 
 
 def _ensure_chain(conn: sqlite3.Connection) -> None:
-    """Give an events table written before the hash chain its two columns and a head.
+    """Give an events table written before the hash chain its two columns and a head, and
+    an older file the events' current layout.
 
     Its events stay unchained (the audit reports them as an unchained prefix, and how many
     there were); the chain starts with the next event appended.
@@ -300,9 +304,29 @@ def _ensure_chain(conn: sqlite3.Connection) -> None:
         if col not in cols:
             conn.execute(f"ALTER TABLE events ADD COLUMN {col} BLOB")
     conn.execute(_CHAIN_DDL)
+    # no query looks events up by txn (see NEXT_COLUMNS): the index of files written before
+    # is one more page written with every append, for nothing
+    conn.execute("DROP INDEX IF EXISTS events_txn")
     # counted once, when the chain begins (not on every open: COUNT scans the table)
     if conn.execute("SELECT 1 FROM events_chain WHERE id = 1").fetchone() is None:
         conn.execute(_CHAIN_START, (GENESIS,))
+    _raise_last_seq(conn)
+
+
+def _raise_last_seq(conn: sqlite3.Connection) -> None:
+    """A file whose events table numbers with AUTOINCREMENT (written before
+    `NEXT_COLUMNS` read the last seq off the head) may have handed out seqs past the head's
+    last_seq: events deleted before the chain began. The head takes AUTOINCREMENT's counter
+    while the chain holds no event yet (from its first event on, the head is the highest seq
+    ever handed out), so no seq is handed out twice; the audit reads no last_seq then."""
+    if conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'sqlite_sequence'"
+    ).fetchone():
+        conn.execute(
+            "UPDATE events_chain SET last_seq = s.seq FROM (SELECT seq FROM sqlite_sequence "
+            "WHERE name = 'events') AS s WHERE id = 1 AND last_hash = ? AND last_seq < s.seq",
+            (GENESIS,),
+        )
 
 
 def append_events(

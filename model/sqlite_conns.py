@@ -11,7 +11,7 @@ import os
 import sqlite3
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -54,7 +54,14 @@ class Connections:
     write lock plus the revision compare-and-set are what make writes exclusive."""
 
     def __init__(
-        self, path: Path, *, read_only: bool, component: str, version: int, ddl: str
+        self,
+        path: Path,
+        *,
+        read_only: bool,
+        component: str,
+        version: int,
+        ddl: str,
+        migrations: Mapping[int, str] | None = None,
     ) -> None:
         self.path = path
         self.read_only = read_only
@@ -69,7 +76,7 @@ class Connections:
             if read_only:
                 self._check_readable(self.conn(), component, version)
             else:
-                ensure_schema(self.conn(), component, version, ddl)
+                ensure_schema(self.conn(), component, version, ddl, migrations=migrations)
             self._guard = FileGuard(
                 self.path, "ledger", read_file_id(self.conn()), self._lost, writer=not read_only
             )

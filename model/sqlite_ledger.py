@@ -55,12 +55,15 @@ from rollout_lifecycle.model.sqlite_conns import Connections
 T = TypeVar("T")
 
 COMPONENT = "ledger"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# 2: events numbered without AUTOINCREMENT and no index on txn (see sqlite_common
+#    NEXT_COLUMNS; `ensure_schema` drops an older file's index): a program of version 1
+#    could not append to a file this version creates, and is refused
+MIGRATIONS = {1: ""}
 
 # The indexed columns are copies of LedgerEntry fields that queries filter on; `entry` holds
 # the whole record so nothing is lost. The CHECK repeats the exclusive-ownership invariant at
 # the storage level, so a buggy raw write fails loudly instead of corrupting the file.
-# `events_txn` makes append_events' MAX(txn) an index lookup instead of a table scan.
 _DDL = """
 CREATE TABLE IF NOT EXISTS rollouts (
     rollout_id       TEXT PRIMARY KEY,
@@ -87,7 +90,6 @@ CREATE TABLE IF NOT EXISTS ledger_counters (
     name TEXT PRIMARY KEY,
     n    INTEGER NOT NULL
 );
-CREATE INDEX IF NOT EXISTS events_txn ON events(txn);
 """
 
 # THE compare-and-set: a conditional UPDATE whose rowcount says whether the revision held
@@ -226,7 +228,12 @@ class SQLiteStore:
         # the object itself is checked, by identity)
         self.found: tuple[LedgerEntry, str] | None = None
         self.conns = Connections(
-            path, read_only=read_only, component=COMPONENT, version=SCHEMA_VERSION, ddl=_DDL
+            path,
+            read_only=read_only,
+            component=COMPONENT,
+            version=SCHEMA_VERSION,
+            ddl=_DDL,
+            migrations=MIGRATIONS,
         )
 
     def atomic(self, body: Callable[[UnitOfWork], T], step: Step) -> T:
