@@ -1,8 +1,8 @@
 """What the SQLite ledger and the SQLite registry share: connections, schema versions, events.
 
 Both live in one database file so that their events share one global order (the `events`
-table's `seq`, never reused: see `NEXT_COLUMNS`), which the spec's trace replay needs to judge, for example,
-that a reservation was admitted against the version active at that moment.
+table's `seq`, never reused: see `NEXT_COLUMNS`), which the spec's trace replay needs to
+judge, for example, that a reservation was admitted against the version active at that moment.
 """
 
 from __future__ import annotations
