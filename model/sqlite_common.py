@@ -61,14 +61,20 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_subject ON events(kind, subject);
 """
 
+# The ledger's durable counters (model.ledger.statistics_from): columns of the chain's head
+# row, which every appending step writes anyway, so counting adds no page to a commit (a
+# table of its own was one more page, and one more statement, per step)
+HEAD_COUNTERS = ("writes", "reservations", "expirations", "commits", "aborts")
+_COUNTER_COLUMNS = "".join(f",\n    {c} INTEGER NOT NULL DEFAULT 0" for c in HEAD_COUNTERS)
+
 # The hash chain's head (see model.events): one row, updated in every appending transaction.
-_CHAIN_DDL = """
+_CHAIN_DDL = f"""
 CREATE TABLE IF NOT EXISTS events_chain (
     id         INTEGER PRIMARY KEY CHECK (id = 1),
     base_seq   INTEGER NOT NULL,
     base_count INTEGER NOT NULL,
     last_seq   INTEGER NOT NULL,
-    last_hash  BLOB NOT NULL
+    last_hash  BLOB NOT NULL{_COUNTER_COLUMNS}
 )
 """
 # a file whose events predate the chain: they stay as an unchained prefix, counted here
@@ -100,6 +106,45 @@ _HEAD = (
     "VALUES (1, 0, 0, ?, ?) ON CONFLICT(id) DO UPDATE SET "
     "last_seq = excluded.last_seq, last_hash = excluded.last_hash"
 )
+
+
+def _head_sql(names: tuple[str, ...]) -> str:
+    """`_HEAD` that also adds to the counters `names` (one value each, after the head's)."""
+    sql = _HEADS.get(names)
+    if sql is None:
+        unknown = set(names) - set(HEAD_COUNTERS)
+        if unknown:
+            raise LedgerError(f"no stored counter is named {sorted(unknown)}")
+        cols = "".join(f", {c}" for c in names)
+        marks = ", ?" * len(names)
+        adds = "".join(f", {c} = {c} + excluded.{c}" for c in names)
+        sql = _HEADS[names] = (
+            f"INSERT INTO events_chain(id, base_seq, base_count, last_seq, last_hash{cols}) "
+            f"VALUES (1, 0, 0, ?, ?{marks}) ON CONFLICT(id) DO UPDATE SET "
+            f"last_seq = excluded.last_seq, last_hash = excluded.last_hash{adds}"
+        )
+    return sql
+
+
+_HEADS: dict[tuple[str, ...], str] = {(): _HEAD}
+
+
+def count_sql(names: tuple[str, ...]) -> str:
+    """The statement that adds to the counters `names` (one value each) in the head row, for
+    a step that appends no event. A head that was deleted stays missing (the audit names
+    that); its counts are then lost, as a counter table's would be with the table."""
+    sql = _COUNTS.get(names)
+    if sql is None:
+        unknown = set(names) - set(HEAD_COUNTERS)
+        if unknown:
+            raise LedgerError(f"no stored counter is named {sorted(unknown)}")
+        adds = ", ".join(f"{c} = {c} + ?" for c in names)
+        sql = _COUNTS[names] = f"UPDATE events_chain SET {adds} WHERE id = 1"
+    return sql
+
+
+_COUNTS: dict[tuple[str, ...], str] = {}
+
 # bookkeeping, not deployment state: the audit reads events and head on their own
 _NOT_STATE = ("events", "events_chain", "schema_meta")
 
@@ -304,6 +349,10 @@ def _ensure_chain(conn: sqlite3.Connection) -> None:
         if col not in cols:
             conn.execute(f"ALTER TABLE events ADD COLUMN {col} BLOB")
     conn.execute(_CHAIN_DDL)
+    cols = {str(r[1]) for r in conn.execute("PRAGMA table_info(events_chain)")}
+    for col in HEAD_COUNTERS:
+        if col not in cols:  # the ledger's migration moves its counters table here
+            conn.execute(f"ALTER TABLE events_chain ADD COLUMN {col} INTEGER NOT NULL DEFAULT 0")
     # no query looks events up by txn (see NEXT_COLUMNS): the index of files written before
     # is one more page written with every append, for nothing
     conn.execute("DROP INDEX IF EXISTS events_txn")
@@ -336,6 +385,7 @@ def append_events(
     *,
     stamped: bool = True,
     head: Sequence[Any] | None = None,
+    counts: Mapping[str, int] | None = None,
 ) -> list[TraceEvent]:
     """Append one atomic step's events inside the caller's open transaction (BEGIN
     IMMEDIATE), each chained by hash to its predecessor, and move the chain's head.
@@ -346,6 +396,7 @@ def append_events(
     events with their seq and txn (none when not `stamped`: a caller that drops them need
     not pay for copies). `head`: the `NEXT_COLUMNS` the caller read in this same
     transaction (under the same write lock, after its last append), saving that statement.
+    `counts`: the ledger's counters to add to (`HEAD_COUNTERS`), in the head's statement.
     """
     if not events:
         return []
@@ -365,7 +416,10 @@ def append_events(
         conn.execute(_APPEND, rows[0])
     else:
         conn.executemany(_APPEND, rows)
-    conn.execute(_HEAD, (last + len(events), prev))
+    if counts:
+        conn.execute(_head_sql(tuple(counts)), (last + len(events), prev, *counts.values()))
+    else:
+        conn.execute(_HEAD, (last + len(events), prev))
     return out
 
 
@@ -434,6 +488,12 @@ def read_stored(conn: sqlite3.Connection) -> StoredRows:
         ).fetchone()
         head = None if found is None else ChainHead(*found)
     tables: dict[str, list[dict[str, Any]]] = {}
+    if "ledger_counters" not in names and _stores_counters(conn, names):
+        # not compared (they count calls), but listed as before they moved into the head
+        row = conn.execute(f"SELECT {', '.join(HEAD_COUNTERS)} FROM events_chain").fetchone()
+        tables["ledger_counters"] = [
+            {"name": c, "n": n} for c, n in zip(HEAD_COUNTERS, row or (), strict=False) if n
+        ]
     for name in names:
         if name in _NOT_STATE:
             continue
@@ -442,3 +502,23 @@ def read_stored(conn: sqlite3.Connection) -> StoredRows:
         columns = [str(d[0]) for d in cur.description]
         tables[name] = [dict(zip(columns, r, strict=True)) for r in cur]
     return StoredRows(events=events, head=head, tables=tables, chained=chained)
+
+
+def _stores_counters(conn: sqlite3.Connection, names: Sequence[str]) -> bool:
+    """Whether the file holds a ledger whose counters are columns of the chain's head."""
+    if "events_chain" not in names or "schema_meta" not in names:
+        return False
+    cols = {str(r[1]) for r in conn.execute("PRAGMA table_info(events_chain)")}
+    return set(HEAD_COUNTERS) <= cols and has_component(conn, "ledger") is not None
+
+
+def read_counters(conn: sqlite3.Connection) -> dict[str, int]:
+    """The ledger's durable counters: the head's columns, or the table of a file of ledger
+    schema 1 opened read-only (never migrated)."""
+    found = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'ledger_counters'"
+    ).fetchone()
+    if found is not None:
+        return {str(k): int(n) for k, n in conn.execute("SELECT name, n FROM ledger_counters")}
+    row = conn.execute(f"SELECT {', '.join(HEAD_COUNTERS)} FROM events_chain").fetchone()
+    return {} if row is None else dict(zip(HEAD_COUNTERS, row, strict=True))

@@ -93,6 +93,9 @@ def test_an_old_file_is_migrated_and_audits_clean_after_new_writes(tmp_path: Pat
     assert "events_txn" not in _indexes(path)
     data = _check(path)
     assert data["violations"] == [], data["violations"]
+    # the counters moved into the head's row; the report still lists them as before
+    assert data["not_compared"] == before["not_compared"]
+    assert "ledger_counters" in data["not_compared"]
     conn = sqlite3.connect(path)
     versions = dict(conn.execute("SELECT component, version FROM schema_meta").fetchall())
     rows = conn.execute("SELECT seq, txn FROM events WHERE seq > ? ORDER BY seq", (last_seq,))
@@ -129,8 +132,9 @@ def test_a_deleted_tail_before_the_chain_is_not_numbered_again(tmp_path: Path) -
 
 
 def test_a_new_file_has_the_new_layout(tmp_path: Path) -> None:
-    """Events numbered without AUTOINCREMENT (no sqlite_sequence page per commit) and no
-    index on txn; the head's last_seq is the last event's."""
+    """Events numbered without AUTOINCREMENT (no sqlite_sequence page per commit), no index
+    on txn, no counters table (the head's columns); `ledger check` lists what it does not
+    compare as for a migrated file."""
     path = tmp_path / "new.db"
     _write_more(_old_file(tmp_path / "x.db"))  # any content; the new file gets its own
     with open_backend(f"sqlite:///{path}") as b:
@@ -142,8 +146,9 @@ def test_a_new_file_has_the_new_layout(tmp_path: Path) -> None:
     txns = conn.execute("SELECT seq, txn FROM events ORDER BY seq").fetchall()
     conn.close()
     assert "AUTOINCREMENT" not in sql and "sqlite_sequence" not in tables
-    assert "events_txn" not in _indexes(path)
+    assert "events_txn" not in _indexes(path) and "ledger_counters" not in tables
     assert txns == [(1, 1), (2, 2)]
+    assert _check(path)["not_compared"] == _check(tmp_path / "x.db")["not_compared"]
 
 
 def _old_code(tmp_path: Path) -> Path:
