@@ -85,10 +85,11 @@ def test_an_old_file_is_migrated_and_audits_clean_after_new_writes(tmp_path: Pat
     conn = sqlite3.connect(path)
     last_seq, last_txn = conn.execute("SELECT MAX(seq), MAX(txn) FROM events").fetchone()
     conn.close()
-    led = SQLiteLedger(path)
-    old_stats = led.statistics()
-    assert (old_stats.writes, old_stats.reservations, old_stats.aborts) == (21, 3, 1)
-    led.close()
+    for read_only in (True, False):  # read-only: the old table, unmigrated; then migrated
+        with SQLiteLedger(path, read_only=read_only) as led:
+            old_stats = led.statistics()
+        assert (old_stats.writes, old_stats.reservations, old_stats.aborts) == (21, 3, 1)
+        assert ("events_txn" in _indexes(path)) is read_only
     _write_more(path)
     assert "events_txn" not in _indexes(path)
     data = _check(path)
