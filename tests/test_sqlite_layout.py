@@ -12,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -47,7 +48,7 @@ def _indexes(path: Path) -> set[str]:
     return {str(r[0]) for r in rows}
 
 
-def _check(path: Path) -> dict[str, object]:
+def _check(path: Path) -> dict[str, Any]:
     res = CliRunner().invoke(cli, ["ledger", "check", "--backend", f"sqlite:///{path}", "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
