@@ -597,11 +597,10 @@ _PLAIN_DDL = (
     "CREATE INDEX rollouts_version ON rollouts(behavior_version, state);"
     # the ledger's events table (model.sqlite_common), for the baseline that also appends
     # each write's event row as the ledger does
-    "CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, txn INTEGER NOT NULL, "
+    "CREATE TABLE events (seq INTEGER PRIMARY KEY, txn INTEGER NOT NULL, "
     "kind TEXT NOT NULL, subject TEXT NOT NULL, payload TEXT NOT NULL, prev_hash BLOB, "
     "hash BLOB);"
     "CREATE INDEX events_subject ON events(kind, subject);"
-    "CREATE INDEX events_txn ON events(txn);"
 )
 _PLAIN_EVENT = (
     "INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash) "

@@ -194,9 +194,14 @@ class ActivationPremise:
     retired: frozenset[int] = frozenset()
 
     def refusal(
-        self, admission: AdmissionStamp | None, behavior_version: int
+        self,
+        admission: AdmissionStamp | None,
+        behavior_version: int,
+        *,
+        stamp_passed: bool = False,
     ) -> tuple[str, str] | None:
-        """(reason, detail) when the reservation may not land now; None when it may."""
+        """(reason, detail) when the reservation may not land now; None when it may
+        (`stamp_passed`: see rules.reservation_refusal)."""
         return rules.reservation_refusal(
             admission,
             behavior_version,
@@ -204,6 +209,7 @@ class ActivationPremise:
             self.was_active,
             self.policy,
             self.retired,
+            stamp_passed=stamp_passed,
         )
 
 
@@ -1486,8 +1492,14 @@ class StoreLedger:
         planned, fresh, version = out, new, entry.behavior_version
 
         def body(uow: UnitOfWork, local: Counter[str]) -> ReserveOutcome:
-            premise = uow.read_premise()  # planning judged the stamp alone already
-            refusal = None if premise is NO_REGISTRY else premise.refusal(admission, version)
+            # planning judged the stamp alone already (it passed: else no step runs); under
+            # this step's lock the premise is judged, with the stamp as the request it is
+            premise = uow.read_premise()
+            refusal = (
+                None
+                if premise is NO_REGISTRY
+                else premise.refusal(admission, version, stamp_passed=True)
+            )
             if refusal is not None:
                 local["refused"] += 1
                 return ReserveOutcome(rollout_id, False, refusal[0], entry, refusal[1])

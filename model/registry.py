@@ -65,7 +65,9 @@ COMPONENT = "registry"
 # 2: the durable required worker set (registry_membership); worker reports in the trace
 # 3: the durable admission policy (registry_policy)
 # 4: the policy's pacing bounds (batch_size, max_attempts)
-SCHEMA_VERSION = 4
+# 5: the file's events are numbered without AUTOINCREMENT (sqlite_common.NEXT_COLUMNS): a
+#    registry this version creates could not be appended to by an older program
+SCHEMA_VERSION = 5
 # 1 -> 2 only adds a table, which the DDL creates if missing; 2 -> 3 adds tables and the
 # artifacts' lineage column
 MIGRATIONS = {
@@ -73,6 +75,7 @@ MIGRATIONS = {
     2: "ALTER TABLE registry_artifacts ADD COLUMN trained_by TEXT",
     3: "ALTER TABLE registry_policy ADD COLUMN batch_size INTEGER ;"
     "ALTER TABLE registry_policy ADD COLUMN max_attempts INTEGER ",
+    4: "",
 }
 
 

@@ -273,6 +273,8 @@ def reservation_refusal(
     was_active: frozenset[int] | None,
     policy: AdmissionPolicy | None = None,
     retired: frozenset[int] = frozenset(),
+    *,
+    stamp_passed: bool = False,
 ) -> tuple[str, str] | None:
     """Why a reservation may not land NOW, or None: (reason, detail).
 
@@ -283,16 +285,22 @@ def reservation_refusal(
     stamp is a request, never the premise: it may be stricter than the recorded policy,
     never looser; the lag is recomputed from the pointer of this moment and bounded by
     the policy; a version rolled back (retired) is never reserved.
+
+    `stamp_passed`: this very stamp passed this function for `behavior_version` already
+    (a plan judged it a moment before; a stamp is frozen and its verdict depends on nothing
+    else), so only what the premise adds is judged: the same verdict, without judging the
+    stamp's own figures twice.
     """
     if stamp is None:
         return NOT_ADMITTED, "no admission stamp"
-    contradictions = stamp_contradictions(stamp)
-    if contradictions:
-        problems = [] if _malformed(stamp) else stamp_problems(stamp, behavior_version)
-        return STAMP_CONTRADICTS, "; ".join(contradictions + problems)
-    problems = stamp_problems(stamp, behavior_version)
-    if problems:
-        return NOT_ADMITTED, "; ".join(problems)
+    if not stamp_passed:
+        contradictions = stamp_contradictions(stamp)
+        if contradictions:
+            problems = [] if _malformed(stamp) else stamp_problems(stamp, behavior_version)
+            return STAMP_CONTRADICTS, "; ".join(contradictions + problems)
+        problems = stamp_problems(stamp, behavior_version)
+        if problems:
+            return NOT_ADMITTED, "; ".join(problems)
     if was_active is None:
         return None
     if policy is None:

@@ -1,8 +1,8 @@
 """What the SQLite ledger and the SQLite registry share: connections, schema versions, events.
 
 Both live in one database file so that their events share one global order (the `events`
-table's autoincrement `seq`), which the spec's trace replay needs to judge, for example,
-that a reservation was admitted against the version active at that moment.
+table's `seq`, never reused: see `NEXT_COLUMNS`), which the spec's trace replay needs to
+judge, for example, that a reservation was admitted against the version active at that moment.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ BUSY_TIMEOUT_MS = 30_000  # well above the 5 s default: 8 threads and 4 processe
 
 _EVENTS_DDL = """
 CREATE TABLE IF NOT EXISTS events (
-    seq     INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq     INTEGER PRIMARY KEY,
     txn     INTEGER NOT NULL,
     kind    TEXT NOT NULL,
     subject TEXT NOT NULL,
@@ -59,17 +59,22 @@ CREATE TABLE IF NOT EXISTS events (
     hash      BLOB
 );
 CREATE INDEX IF NOT EXISTS events_subject ON events(kind, subject);
-CREATE INDEX IF NOT EXISTS events_txn ON events(txn);
 """
 
+# The ledger's durable counters (model.ledger.statistics_from): columns of the chain's head
+# row, which every appending step writes anyway, so counting adds no page to a commit (a
+# table of its own was one more page, and one more statement, per step)
+HEAD_COUNTERS = ("writes", "reservations", "expirations", "commits", "aborts")
+_COUNTER_COLUMNS = "".join(f",\n    {c} INTEGER NOT NULL DEFAULT 0" for c in HEAD_COUNTERS)
+
 # The hash chain's head (see model.events): one row, updated in every appending transaction.
-_CHAIN_DDL = """
+_CHAIN_DDL = f"""
 CREATE TABLE IF NOT EXISTS events_chain (
     id         INTEGER PRIMARY KEY CHECK (id = 1),
     base_seq   INTEGER NOT NULL,
     base_count INTEGER NOT NULL,
     last_seq   INTEGER NOT NULL,
-    last_hash  BLOB NOT NULL
+    last_hash  BLOB NOT NULL{_COUNTER_COLUMNS}
 )
 """
 # a file whose events predate the chain: they stay as an unchained prefix, counted here
@@ -77,13 +82,17 @@ _CHAIN_START = (
     "INSERT INTO events_chain(id, base_seq, base_count, last_seq, last_hash) "
     "SELECT 1, COALESCE(MAX(seq), 0), COUNT(*), COALESCE(MAX(seq), 0), ? FROM events"
 )
-# the next txn, the last seq ever handed out (AUTOINCREMENT's own counter, so a seq is never
-# reused), and the chain's head hash: read under the caller's write lock
-# (its three columns: a caller may read them in one statement with something else it reads
-# under the same lock, and hand them to `append_events` as `head`)
+# the next txn, the last seq ever handed out and the chain's head hash: read under the
+# caller's write lock (its three columns: a caller may read them in one statement with
+# something else it reads under the same lock, and hand them to `append_events` as `head`).
+# Every step appends with a higher seq and a higher txn than the one before, so the event
+# of the highest seq carries the highest txn: one descent of the table's own b-tree, no index
+# on txn to update with every append. The head's last_seq is every seq ever handed out, even
+# when the last events were deleted since (AUTOINCREMENT's counter did that before: one more
+# page written per commit); MAX(seq) covers a head that was deleted.
 NEXT_COLUMNS = (
-    "(SELECT COALESCE(MAX(txn), 0) + 1 FROM events), "
-    "MAX(COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0), "
+    "COALESCE((SELECT txn FROM events ORDER BY seq DESC LIMIT 1), 0) + 1, "
+    "MAX(COALESCE((SELECT last_seq FROM events_chain WHERE id = 1), 0), "
     "COALESCE((SELECT MAX(seq) FROM events), 0)), "
     "(SELECT last_hash FROM events_chain WHERE id = 1)"
 )
@@ -97,6 +106,45 @@ _HEAD = (
     "VALUES (1, 0, 0, ?, ?) ON CONFLICT(id) DO UPDATE SET "
     "last_seq = excluded.last_seq, last_hash = excluded.last_hash"
 )
+
+
+def _head_sql(names: tuple[str, ...]) -> str:
+    """`_HEAD` that also adds to the counters `names` (one value each, after the head's)."""
+    sql = _HEADS.get(names)
+    if sql is None:
+        unknown = set(names) - set(HEAD_COUNTERS)
+        if unknown:
+            raise LedgerError(f"no stored counter is named {sorted(unknown)}")
+        cols = "".join(f", {c}" for c in names)
+        marks = ", ?" * len(names)
+        adds = "".join(f", {c} = {c} + excluded.{c}" for c in names)
+        sql = _HEADS[names] = (
+            f"INSERT INTO events_chain(id, base_seq, base_count, last_seq, last_hash{cols}) "
+            f"VALUES (1, 0, 0, ?, ?{marks}) ON CONFLICT(id) DO UPDATE SET "
+            f"last_seq = excluded.last_seq, last_hash = excluded.last_hash{adds}"
+        )
+    return sql
+
+
+_HEADS: dict[tuple[str, ...], str] = {(): _HEAD}
+
+
+def count_sql(names: tuple[str, ...]) -> str:
+    """The statement that adds to the counters `names` (one value each) in the head row, for
+    a step that appends no event. A head that was deleted stays missing (the audit names
+    that); its counts are then lost, as a counter table's would be with the table."""
+    sql = _COUNTS.get(names)
+    if sql is None:
+        unknown = set(names) - set(HEAD_COUNTERS)
+        if unknown:
+            raise LedgerError(f"no stored counter is named {sorted(unknown)}")
+        adds = ", ".join(f"{c} = {c} + ?" for c in names)
+        sql = _COUNTS[names] = f"UPDATE events_chain SET {adds} WHERE id = 1"
+    return sql
+
+
+_COUNTS: dict[tuple[str, ...], str] = {}
+
 # bookkeeping, not deployment state: the audit reads events and head on their own
 _NOT_STATE = ("events", "events_chain", "schema_meta")
 
@@ -290,7 +338,8 @@ def ensure_schema(
 
 
 def _ensure_chain(conn: sqlite3.Connection) -> None:
-    """Give an events table written before the hash chain its two columns and a head.
+    """Give an events table written before the hash chain its two columns and a head, and
+    an older file the events' current layout.
 
     Its events stay unchained (the audit reports them as an unchained prefix, and how many
     there were); the chain starts with the next event appended.
@@ -300,9 +349,33 @@ def _ensure_chain(conn: sqlite3.Connection) -> None:
         if col not in cols:
             conn.execute(f"ALTER TABLE events ADD COLUMN {col} BLOB")
     conn.execute(_CHAIN_DDL)
+    cols = {str(r[1]) for r in conn.execute("PRAGMA table_info(events_chain)")}
+    for col in HEAD_COUNTERS:
+        if col not in cols:  # the ledger's migration moves its counters table here
+            conn.execute(f"ALTER TABLE events_chain ADD COLUMN {col} INTEGER NOT NULL DEFAULT 0")
+    # no query looks events up by txn (see NEXT_COLUMNS): the index of files written before
+    # is one more page written with every append, for nothing
+    conn.execute("DROP INDEX IF EXISTS events_txn")
     # counted once, when the chain begins (not on every open: COUNT scans the table)
     if conn.execute("SELECT 1 FROM events_chain WHERE id = 1").fetchone() is None:
         conn.execute(_CHAIN_START, (GENESIS,))
+    _raise_last_seq(conn)
+
+
+def _raise_last_seq(conn: sqlite3.Connection) -> None:
+    """A file whose events table numbers with AUTOINCREMENT (written before
+    `NEXT_COLUMNS` read the last seq off the head) may have handed out seqs past the head's
+    last_seq: events deleted before the chain began. The head takes AUTOINCREMENT's counter
+    while the chain holds no event yet (from its first event on, the head is the highest seq
+    ever handed out), so no seq is handed out twice; the audit reads no last_seq then."""
+    if conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'sqlite_sequence'"
+    ).fetchone():
+        conn.execute(
+            "UPDATE events_chain SET last_seq = s.seq FROM (SELECT seq FROM sqlite_sequence "
+            "WHERE name = 'events') AS s WHERE id = 1 AND last_hash = ? AND last_seq < s.seq",
+            (GENESIS,),
+        )
 
 
 def append_events(
@@ -312,6 +385,7 @@ def append_events(
     *,
     stamped: bool = True,
     head: Sequence[Any] | None = None,
+    counts: Mapping[str, int] | None = None,
 ) -> list[TraceEvent]:
     """Append one atomic step's events inside the caller's open transaction (BEGIN
     IMMEDIATE), each chained by hash to its predecessor, and move the chain's head.
@@ -322,6 +396,7 @@ def append_events(
     events with their seq and txn (none when not `stamped`: a caller that drops them need
     not pay for copies). `head`: the `NEXT_COLUMNS` the caller read in this same
     transaction (under the same write lock, after its last append), saving that statement.
+    `counts`: the ledger's counters to add to (`HEAD_COUNTERS`), in the head's statement.
     """
     if not events:
         return []
@@ -341,7 +416,10 @@ def append_events(
         conn.execute(_APPEND, rows[0])
     else:
         conn.executemany(_APPEND, rows)
-    conn.execute(_HEAD, (last + len(events), prev))
+    if counts:
+        conn.execute(_head_sql(tuple(counts)), (last + len(events), prev, *counts.values()))
+    else:
+        conn.execute(_HEAD, (last + len(events), prev))
     return out
 
 
@@ -427,6 +505,12 @@ def read_stored(conn: sqlite3.Connection) -> StoredRows:
         ).fetchone()
         head = None if found is None else ChainHead(*found)
     tables: dict[str, list[dict[str, Any]]] = {}
+    if "ledger_counters" not in names and _stores_counters(conn, names):
+        # not compared (they count calls), but listed as before they moved into the head
+        row = conn.execute(f"SELECT {', '.join(HEAD_COUNTERS)} FROM events_chain").fetchone()
+        tables["ledger_counters"] = [
+            {"name": c, "n": n} for c, n in zip(HEAD_COUNTERS, row or (), strict=False) if n
+        ]
     for name in names:
         if name in _NOT_STATE:
             continue
@@ -435,3 +519,23 @@ def read_stored(conn: sqlite3.Connection) -> StoredRows:
         columns = [str(d[0]) for d in cur.description]
         tables[name] = [dict(zip(columns, r, strict=True)) for r in cur]
     return StoredRows(events=events, head=head, tables=tables, chained=chained)
+
+
+def _stores_counters(conn: sqlite3.Connection, names: Sequence[str]) -> bool:
+    """Whether the file holds a ledger whose counters are columns of the chain's head."""
+    if "events_chain" not in names or "schema_meta" not in names:
+        return False
+    cols = {str(r[1]) for r in conn.execute("PRAGMA table_info(events_chain)")}
+    return set(HEAD_COUNTERS) <= cols and has_component(conn, "ledger") is not None
+
+
+def read_counters(conn: sqlite3.Connection) -> dict[str, int]:
+    """The ledger's durable counters: the head's columns, or the table of a file of ledger
+    schema 1 opened read-only (never migrated)."""
+    found = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'ledger_counters'"
+    ).fetchone()
+    if found is not None:
+        return {str(k): int(n) for k, n in conn.execute("SELECT name, n FROM ledger_counters")}
+    row = conn.execute(f"SELECT {', '.join(HEAD_COUNTERS)} FROM events_chain").fetchone()
+    return {} if row is None else dict(zip(HEAD_COUNTERS, row, strict=True))

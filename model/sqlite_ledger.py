@@ -8,8 +8,9 @@ the transaction; its conditional ``UPDATE ... WHERE rollout_id = ? AND revision 
 decides who won. A batch is a constant number of statements (``executemany`` in the one
 transaction), not a statement per row.
 
-Counters live in a table updated in the same transaction as the write they count, so
-statistics stay right across processes and restarts.
+Counters live in the chain head's row (sqlite_common.HEAD_COUNTERS), updated in the same
+transaction (and statement) as the write they count, so statistics stay right across
+processes and restarts.
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ from rollout_lifecycle.model.records import (
 from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES, retired_from_rows
 from rollout_lifecycle.model.sql_unit import SqlUnit, read_bad
 from rollout_lifecycle.model.sqlite_common import (
+    HEAD_COUNTERS,
     NEXT_COLUMNS,
     append_events,
+    count_sql,
+    read_counters,
     read_events,
     read_stored,
 )
@@ -56,15 +60,28 @@ T = TypeVar("T")
 
 COMPONENT = "ledger"
 SCHEMA_VERSION = 2
-# 1 -> 2: entry events store only the fields that changed (model.events.CHANGED). Nothing
-# stored is rewritten (the chain hashes it); the bump makes an older program, which reads
-# only whole before/after entries, refuse the file instead of misreading it.
-MIGRATIONS = {1: ""}
+# 1 -> 2, two changes in one step:
+# - entry events store only the fields that changed (model.events.CHANGED); nothing stored is
+#   rewritten (the chain hashes it), and a program of version 1, which reads only whole
+#   before/after entries, would misread the new ones;
+# - events are numbered without AUTOINCREMENT and with no index on txn (see sqlite_common
+#   NEXT_COLUMNS; `ensure_schema` drops an older file's index); the counters are columns
+#   of the chain's head (sqlite_common.HEAD_COUNTERS), which `ensure_schema` adds before
+#   this migration moves the table's counts there: a program of version 1 could not append
+#   to a file this version writes.
+# Either is reason enough for version 1 to refuse the file, which the bump makes it do.
+MIGRATIONS = {
+    1: "UPDATE events_chain SET "
+    + ", ".join(
+        f"{c} = {c} + COALESCE((SELECT n FROM ledger_counters WHERE name = '{c}'), 0)"
+        for c in HEAD_COUNTERS
+    )
+    + " WHERE id = 1; DROP TABLE ledger_counters"
+}
 
 # The indexed columns are copies of LedgerEntry fields that queries filter on; `entry` holds
 # the whole record so nothing is lost. The CHECK repeats the exclusive-ownership invariant at
 # the storage level, so a buggy raw write fails loudly instead of corrupting the file.
-# `events_txn` makes append_events' MAX(txn) an index lookup instead of a table scan.
 _DDL = """
 CREATE TABLE IF NOT EXISTS rollouts (
     rollout_id       TEXT PRIMARY KEY,
@@ -87,21 +104,12 @@ CREATE TABLE IF NOT EXISTS ledger_bad_versions (
     version INTEGER PRIMARY KEY,
     reason  TEXT NOT NULL
 );
-CREATE TABLE IF NOT EXISTS ledger_counters (
-    name TEXT PRIMARY KEY,
-    n    INTEGER NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_txn ON events(txn);
 """
 
 # THE compare-and-set: a conditional UPDATE whose rowcount says whether the revision held
 _CAS = (
     "UPDATE rollouts SET state = ?, revision = ?, reserved_by = ?, lease_expires_at = ?, "
     "entry = ? WHERE rollout_id = ? AND revision = ?"
-)
-_BUMP = (
-    "INSERT INTO ledger_counters(name, n) VALUES (?, ?) "
-    "ON CONFLICT(name) DO UPDATE SET n = n + excluded.n"
 )
 # a step's premise read, with what `append_events` reads next (NEXT_COLUMNS) in the same
 # statement: both under the step's write lock, and nothing appends events in between
@@ -121,19 +129,6 @@ _WAS_ACTIVE_MARKS = ",".join("?" * len(_WAS_ACTIVE))
 
 def _marks(n: int) -> str:
     return ",".join("?" * n)
-
-
-def _bump_sql(n: int) -> str:
-    """`_BUMP` for `n` counters in one statement (rows in the order given, as executemany
-    would insert them: a new counter's rowid is the same)."""
-    sql = _BUMPS.get(n)
-    if sql is None:
-        values = ", ".join(["(?, ?)"] * n)
-        sql = _BUMPS[n] = _BUMP.replace("VALUES (?, ?)", f"VALUES {values}")
-    return sql
-
-
-_BUMPS: dict[int, str] = {}
 
 
 class _Unit(SqlUnit):
@@ -204,13 +199,13 @@ class _Unit(SqlUnit):
         raise LedgerError(f"{self.store.path}: rows changed under the write lock")
 
     def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
-        if changes:
+        counted = {k: v for k, v in counts.items() if v}
+        if changes:  # the counters ride in the chain head's statement
             head, self.head = self.head, None
             events = entry_events(changes, at)
-            append_events(self.conn, events, self.payload, stamped=False, head=head)
-        args = [x for k, v in counts.items() if v for x in (k, v)]
-        if args:
-            self.conn.execute(_bump_sql(len(args) // 2), args)
+            append_events(self.conn, events, self.payload, stamped=False, head=head, counts=counted)
+        elif counted:
+            self.conn.execute(count_sql(tuple(counted)), tuple(counted.values()))
 
 
 class SQLiteStore:
@@ -345,7 +340,7 @@ class SQLiteStore:
             by_state = dict(
                 conn.execute("SELECT state, COUNT(*) FROM rollouts GROUP BY state").fetchall()
             )
-            counters = dict(conn.execute("SELECT name, n FROM ledger_counters").fetchall())
+            counters = read_counters(conn)
             return by_state, counters, read_bad(conn), _Unit(self, conn).pacing_rows()
 
     def stored_rows(self) -> StoredRows:

@@ -410,7 +410,11 @@ def _stamp_patch() -> Iterator[None]:
 
 
 def _stamp_only(
-    self: ledger_mod.ActivationPremise, admission: Any, behavior_version: int
+    self: ledger_mod.ActivationPremise,
+    admission: Any,
+    behavior_version: int,
+    *,
+    stamp_passed: bool = False,  # judged here all the same
 ) -> tuple[str, str] | None:
     """The reservation judges the stamp it is given, never the pointer of its own step."""
     problems = (
@@ -420,7 +424,11 @@ def _stamp_only(
 
 
 def _trust_accepted(
-    self: ledger_mod.ActivationPremise, admission: Any, behavior_version: int
+    self: ledger_mod.ActivationPremise,
+    admission: Any,
+    behavior_version: int,
+    *,
+    stamp_passed: bool = False,  # judged here all the same
 ) -> tuple[str, str] | None:
     """The reservation trusts a stamp's `accepted` flag, not its own figures."""
     if admission is None or not admission.accepted:
@@ -436,7 +444,11 @@ def _trust_accepted(
 
 
 def _stamp_bounds_trusted(
-    self: ledger_mod.ActivationPremise, admission: Any, behavior_version: int
+    self: ledger_mod.ActivationPremise,
+    admission: Any,
+    behavior_version: int,
+    *,
+    stamp_passed: bool = False,  # judged here all the same
 ) -> tuple[str, str] | None:
     """The reservation judges lag and drift with the bounds the stamp says it was judged
     with, not the deployment's recorded policy (a learner with max_lag 1000 trains on
@@ -654,8 +666,8 @@ def _both(
 
 
 def _negative_lag(refusal: Any) -> Any:
-    def check(stamp: Any, bv: int, pv: Any, was_active: Any, *rest: Any) -> Any:
-        r = refusal(stamp, bv, pv, was_active, *rest)
+    def check(stamp: Any, bv: int, pv: Any, was_active: Any, *rest: Any, **kw: Any) -> Any:
+        r = refusal(stamp, bv, pv, was_active, *rest, **kw)
         if r is not None and r[0] == rules_mod.POINTER_MOVED and pv is not None and pv < bv:
             return None  # the bound read as lag <= max_lag only
         return r
@@ -681,15 +693,17 @@ def _nan_drift_passes() -> Iterator[None]:
 
 
 def _looser_drift(refusal: Any) -> Any:
-    def check(stamp: Any, bv: int, pv: Any, was_active: Any, policy: Any = None, *r: Any) -> Any:
-        out = refusal(stamp, bv, pv, was_active, policy, *r)
+    def check(
+        stamp: Any, bv: int, pv: Any, was_active: Any, policy: Any = None, *r: Any, **kw: Any
+    ) -> Any:
+        out = refusal(stamp, bv, pv, was_active, policy, *r, **kw)
         if (
             out is not None
             and out[0] == rules_mod.LOOSER_THAN_POLICY
             and stamp.max_lag <= policy.max_lag
         ):  # only max_lag compared with the policy: the stamp's own max_drift believed
             looser = attrs.evolve(policy, max_drift=stamp.max_drift)
-            return refusal(stamp, bv, pv, was_active, looser, *r)
+            return refusal(stamp, bv, pv, was_active, looser, *r, **kw)
         return out
 
     return check

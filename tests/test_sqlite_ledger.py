@@ -306,10 +306,11 @@ def test_lost_cas_in_transition_raises(tmp_path: Path, monkeypatch: pytest.Monke
     other.close()
 
 
-def test_a_single_reservation_is_eight_statements(tmp_path: Path) -> None:
+def test_a_single_reservation_is_seven_statements(tmp_path: Path) -> None:
     """The read outside the step, then one transaction: the registry probe and the events'
-    next txn/seq/head in ONE statement, the compare-and-set, the event, the chain head, both
-    counters in ONE statement, COMMIT. The events still chain and the counters still add."""
+    next txn/seq/head in ONE statement, the compare-and-set, the event, the chain head with
+    both counters (its columns) in ONE statement, COMMIT. The events still chain and the
+    counters still add."""
     led = SQLiteLedger(tmp_path / "l.db")
     add_rewarded(led, ["a", "b"])
     seen: list[str] = []
@@ -324,7 +325,6 @@ def test_a_single_reservation_is_eight_statements(tmp_path: Path) -> None:
         "UPDATE rollouts SET",
         "INSERT INTO events(seq,",
         "INSERT INTO events_chain(id,",
-        "INSERT INTO ledger_counters(name,",
         "COMMIT",
     ], seen
     assert led.reserve("b", 0, "u", stamp()).reserved
@@ -338,6 +338,37 @@ def test_a_single_reservation_is_eight_statements(tmp_path: Path) -> None:
     assert rows.events[-1].hash == rows.head.last_hash
     assert rows.events[-1].prev_hash == rows.events[-2].hash
     led.close()
+
+
+def test_a_single_reservation_judges_the_stamp_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a registry, the plan judges the stamp's own figures and the step, under its
+    lock, only what the premise adds; a premise that moved since is still refused there."""
+    from rollout_lifecycle.model import rules
+    from rollout_lifecycle.model.backends import open_backend
+    from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, Reward
+    from tests.data.old_layout_builder import build
+
+    path = tmp_path / "l.db"
+    build(str(path))  # v0 active, r3 rewarded
+    calls: list[object] = []
+    real = rules.stamp_contradictions
+
+    def counted(a: AdmissionStamp) -> list[str]:
+        calls.append(a)
+        return real(a)
+
+    monkeypatch.setattr(rules, "stamp_contradictions", counted)
+    good = AdmissionStamp(0, 0, 1, 0.2, 0.0, "fresh", "ok", True)
+    with open_backend(f"sqlite:///{path}") as b:
+        assert b.ledger.reserve("r3", 2, "u", good).reserved
+        assert calls == [good]
+        # a stamp looser than the recorded policy (max_lag 1) is a premise refusal, in-step
+        loose = AdmissionStamp(0, 0, 5, 0.2, 0.0, "fresh", "ok", True)
+        b.ledger.add(LedgerEntry("x", 0, "h", state="rewarded", reward=Reward("f", "1", 1.0)))
+        out = b.ledger.reserve("x", 0, "u", loose)
+        assert not out.reserved and out.reason == "looser_than_policy", out
 
 
 # ---- 8 threads and 4 processes ---------------------------------------------------------
