@@ -1267,6 +1267,7 @@ _EVIDENCE = operator.attrgetter("evidence")
 _STATUS = operator.attrgetter("status")
 _OLD_LOG_PROBS = operator.attrgetter("behavior_log_probs")
 _ACTION_MASK = operator.attrgetter("action_mask")
+_TOKEN_IDS = operator.attrgetter("response_token_ids")
 _DTYPE = operator.attrgetter("dtype")
 _ROLLOUT_ID = operator.attrgetter("identity.rollout_id")
 _EVIDENCE_SIZES = ("response_token_ids.size", "action_mask.size", "behavior_log_probs.size")
@@ -1558,18 +1559,21 @@ class AdmissionGate:
         evidence: list[ActionEvidence | None] = list(map(_EVIDENCE, rollouts))
         # by identity: `None in evidence` would call ActionEvidence.__eq__ once per record
         missing = any(map(operator.is_, evidence, itertools.repeat(None)))
+        olds: list[npt.NDArray[Any] | None]
+        masks: list[npt.NDArray[np.bool_] | None]
         if missing:
             sizes = [[None if ev is None else get(ev) for ev in evidence] for get in _LENGTHS]
-        else:
-            sizes = [list(map(get, evidence)) for get in _LENGTHS]
+        else:  # the arrays, then their sizes: the gate reads the arrays anyway
+            olds = list(map(_OLD_LOG_PROBS, evidence))
+            masks = list(map(_ACTION_MASK, evidence))
+            tokens = map(_TOKEN_IDS, evidence)
+            sizes = [list(map(_SIZE, arrays)) for arrays in (tokens, masks, olds)]
         # conditions are read only where the policy sets some, as the per-row checks do
         conds = list(map(_CONDITIONS, rollouts)) if self.policy.conditions is not None else None
         early = self._column_checks(
             list(map(_STATE, states)), bvs, hashes, conds, sizes, current_version
         )
         failed = b - early.count(None)
-        olds: list[npt.NDArray[Any] | None]
-        masks: list[npt.NDArray[np.bool_] | None]
         if failed:
             evidence = [
                 None if why is not None else ev for ev, why in zip(evidence, early, strict=True)
@@ -1580,10 +1584,8 @@ class AdmissionGate:
                 0 if n is None or why is not None else n
                 for n, why in zip(sizes[2], early, strict=True)
             ]
-        else:  # every row has evidence: one C-level pass per field
-            olds = list(map(_OLD_LOG_PROBS, evidence))
-            masks = list(map(_ACTION_MASK, evidence))
-            lengths = cast("list[int]", sizes[2])  # no None: every row has evidence
+        else:  # every row passed, so every row has evidence (read above)
+            lengths = cast("list[int]", sizes[2])
         widest = max(lengths, default=0)
         if widest > t:
             i = next(i for i, lp in enumerate(olds) if lp is not None and lp.size > t)
@@ -1700,17 +1702,22 @@ class AdmissionGate:
         rewarded = kinds.count("rewarded") == b
         if not rewarded:
             flagged.update(i for i, k in enumerate(kinds) if k != "rewarded")
-        pairs = list(zip(bvs, hashes, strict=True))
         memo: dict[Any, Any] = {}
-        live = (
-            pairs if rewarded else [p for p, k in zip(pairs, kinds, strict=True) if k == "rewarded"]
-        )
-        bad = {p for p in dict.fromkeys(live) if not self._pair_ok(p, current_version, memo)}
+        if rewarded:  # distinct pairs in order of first appearance: the lookups' order
+            live = dict.fromkeys(zip(bvs, hashes, strict=True))
+        else:
+            live = dict.fromkeys(
+                p
+                for p, k in zip(zip(bvs, hashes, strict=True), kinds, strict=True)
+                if k == "rewarded"
+            )
+        bad = {p for p in live if not self._pair_ok(p, current_version, memo)}
         if bad:
-            flagged.update(i for i, p in enumerate(pairs) if p in bad)
+            flagged.update(i for i, p in enumerate(zip(bvs, hashes, strict=True)) if p in bad)
         expected = self.policy.conditions
         conds: Sequence[Any] = [None] * b if conditions is None else conditions
-        if expected is not None:
+        # all the very object the policy holds (rollouts built with it): nothing to compare
+        if expected is not None and not all(map(operator.is_, conds, itertools.repeat(expected))):
             distinct = dict(zip(map(id, conds), conds, strict=True))
             odd = {k for k, c in distinct.items() if c is not expected and c != expected}
             if odd:
