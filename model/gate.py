@@ -212,7 +212,8 @@ class BatchAssessment:
 # never a full-size temporary. Per block:
 #   d = cur - old        in the compute dtype: float64 when either input is float64, else
 #                        float32 (float16 / bfloat16 inputs widen exactly). The records path
-#                        writes each row of d straight from the record's stored array.
+#                        lays each block's rows out from the records' stored arrays by
+#                        one C-level call per field (`_block_rows`), then subtracts.
 #   bits(d) *= m         an integer multiply of d's bit pattern by the 0/1 mask: a masked
 #                        position becomes +0.0 whatever it held, NaN and inf included (a float
 #                        multiply would keep them: NaN * 0 = NaN; a select is branchy and
@@ -278,11 +279,11 @@ def _np_sums(
     """Masked |cur - old| row sums and action counts, block by block (numpy).
 
     With `threads` > 1 (torch tensors on the CPU from _SPLIT_FROM_THREADS torch threads:
-    as many as torch's own intra-op threads; the records path) that many threads, each
-    with its own scratch, claim ranges of blocks in turn (a few per thread) until none is
-    left; numpy releases the GIL inside every call. A thread the scheduler parks on a busy
-    machine so delays the call by one range, not by its whole share, as a static split
-    would (torch's per-op barrier is what this avoids).
+    as many as torch's own intra-op threads, on the array and the records paths) that
+    many threads, each with its own scratch, claim ranges of blocks in turn (a few per
+    thread) until none is left; numpy releases the GIL inside every call. A thread the
+    scheduler parks on a busy machine so delays the call by one range, not by its whole
+    share, as a static split would (torch's per-op barrier is what this avoids).
     """
     block = _CPU_BLOCK if block is None else block
     rows, _ = _tiles(b, t, block)
@@ -1547,7 +1548,12 @@ class AdmissionGate:
         rollout whose state nobody gives raises GateConfigError. Record checks read each
         field of the whole batch in one C-level pass and judge each distinct value once
         (`_column_checks`); lag and drift run vectorised over the whole batch, reading the
-        records' stored arrays block by block (no B x T copies, no Python work per token).
+        records' stored arrays block by block (no B x T copies, no Python call per row or
+        token: `_records_sums`).
+
+        The result is an `AdmissionDecisions`: a read-only Sequence[AdmissionDecision] held
+        as columns, whose objects are built when read (building B of them cost more than
+        the array path's whole per-row work); list() it where a mutable list is needed.
         """
         _check_version("current_version", current_version)
         b = len(rollouts)
@@ -1604,7 +1610,8 @@ class AdmissionGate:
         fields rather than Rollout and LedgerEntry records (e.g. rows read from a file):
         the same checks, reasons, figures and errors, without building a record per row.
 
-        `current_log_probs` is B x T, right-padded, like `columns.old_log_probs`.
+        `current_log_probs` is B x T, right-padded, like `columns.old_log_probs`. The
+        result is an `AdmissionDecisions`, as from `assess_batch`.
         """
         _check_version("current_version", current_version)
         cols = columns
@@ -1649,7 +1656,8 @@ class AdmissionGate:
         counts: npt.NDArray[np.int64],
         current_version: int,
     ) -> AdmissionDecisions:
-        """The batch's decisions from its row sums and the record checks' reasons."""
+        """The batch's decisions from its row sums and the record checks' reasons, as
+        columns (`AdmissionDecisions`): no AdmissionDecision is built here."""
         b = len(ids)
         versions = np.array(bvs, np.int64) if b else np.zeros(0, np.int64)
         pol = self.policy
