@@ -956,9 +956,9 @@ def _host_current(current_log_probs: Any) -> tuple[Any, Any, int]:
     A float32/64 CPU tensor is host memory: a zero-copy numpy view, and numpy's kernel,
     whose calls per row cost far less than torch's (and leave torch's worker threads idle);
     threads as the array path uses them (from _SPLIT_FROM_THREADS torch threads, as many as
-    torch would use, else one): on two, the second thread's share was slower than running
-    it here (B=4096, T=1024: 18.7 vs 13.0 ms, 21 vs 13 ms of CPU), its block filling holding
-    the GIL while torch's workers spin on the other core."""
+    torch would use, else one): on two, splitting was slower than one thread (B=4096,
+    T=1024: 18.7 vs 13.0 ms, 21 vs 13 ms of CPU); filling a block holds the GIL, and after
+    a torch op torch's own workers spin on the other core (see _SPLIT_FROM_THREADS)."""
     torch = sys.modules.get("torch") if _is_torch(current_log_probs) else None
     if torch is None:
         cur = np.asarray(current_log_probs)
@@ -1038,7 +1038,7 @@ def _zero_pads(t: int, itemsize: int) -> tuple[memoryview, ...]:
     """pads[n]: the zero bytes that fill a row of n items (of `itemsize` bytes) up to t.
 
     Views of one zero buffer, made once per row width and item size (a gate sees the same
-    few in every call): making them per call cost ~7% of a B=256, T=1024 batch."""
+    few in every call): making them per call took 7% of a B=256, T=1024 batch (cProfile)."""
     zero = memoryview(bytes(t * itemsize))
     return tuple(zero[n * itemsize :] for n in range(t + 1))
 
@@ -1251,7 +1251,7 @@ class AdmissionDecisions(Sequence[AdmissionDecision]):
             return self._all() == other
         return NotImplemented
 
-    __hash__ = None  # type: ignore[assignment]  # mutable-list semantics: == without a hash
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable as they are
 
     def __add__(self, other: object) -> list[AdmissionDecision]:
         if isinstance(other, AdmissionDecisions | list):
