@@ -923,10 +923,10 @@ def _block_rows(
     parts: list[Any] = [None] * (2 * len(arrays))
     # by identity: `None in arrays` would compare arrays with None elementwise
     has_none = any(map(operator.is_, arrays, itertools.repeat(None)))
-    pad: Sequence[Any] | dict[int, Any]
+    pad: dict[int, Any]
     empty: Any
     if same_dtype:
-        pad, empty = _zero_pads(t, dtype.itemsize), b""
+        pad, empty = _zero_pads(t, dtype.itemsize, lengths), b""
     else:
         zeros = np.zeros(t, dtype)
         pad, empty = {n: zeros[n:] for n in set(lengths)}, zeros[:0]
@@ -1033,14 +1033,29 @@ def _padded_sums(
     return sums, counts
 
 
-@functools.lru_cache(maxsize=8)
-def _zero_pads(t: int, itemsize: int) -> tuple[memoryview, ...]:
-    """pads[n]: the zero bytes that fill a row of n items (of `itemsize` bytes) up to t.
+# (T, item size) -> a zero buffer of T items and its views by row length: see _zero_pads
+_PADS: dict[tuple[int, int], tuple[memoryview, dict[int, memoryview]]] = {}
+_PADS_KEPT = 8  # row widths and item sizes remembered (a gate sees the same few)
 
-    Views of one zero buffer, made once per row width and item size (a gate sees the same
-    few in every call): making them per call took 7% of a B=256, T=1024 batch (cProfile)."""
-    zero = memoryview(bytes(t * itemsize))
-    return tuple(zero[n * itemsize :] for n in range(t + 1))
+
+def _zero_pads(t: int, itemsize: int, lengths: Iterable[int]) -> dict[int, memoryview]:
+    """pads[n]: the zero bytes that fill a row of n items (of `itemsize` bytes) up to t,
+    for every n in `lengths`.
+
+    Views of one zero buffer per (T, item size), kept between calls, each made the first
+    time its length is seen: making them per call took 7% of a B=256, T=1024 batch
+    (cProfile), and a gate sees the same few widths and lengths call after call. At most
+    one view per length seen (<= T + 1 per width), for at most _PADS_KEPT widths."""
+    key = (t, itemsize)
+    kept = _PADS.get(key)
+    if kept is None:
+        if len(_PADS) >= _PADS_KEPT:
+            _PADS.clear()
+        kept = _PADS[key] = (memoryview(bytes(t * itemsize)), {})
+    zero, pads = kept
+    for n in set(lengths).difference(pads):  # another thread may add the same: harmless
+        pads[n] = zero[n * itemsize :]
+    return pads
 
 
 def _records_rows(

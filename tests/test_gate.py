@@ -1064,3 +1064,18 @@ def test_decisions_read_one_by_one_equal_the_iterated_ones() -> None:
     cols = attrs.evolve(cols, old_log_probs=cols.old_log_probs.astype(np.float32))
     lazily = g.assess_columns(cols, cur[: len(kept)], 5)
     assert [lazily[i] for i in range(len(kept))] == list(lazily)
+
+
+def test_records_pads_are_kept_for_a_few_widths_only() -> None:
+    """The zero pads the records path keeps between calls stay bounded (a few row widths,
+    one view per length seen) and give the same decisions as a fresh start."""
+    gate_mod._PADS.clear()
+    ros = [make_rollout(f"r{i}", 5, [-0.1] * (i + 1), [True] * (i + 1)) for i in range(3)]
+    g = gate()
+    first = None
+    for t in range(3, 3 + 2 * gate_mod._PADS_KEPT):
+        got = g.assess_batch(ros, np.full((3, t), -0.15, np.float32), 5)
+        first = first or got
+        assert got == first
+        assert len(gate_mod._PADS) <= gate_mod._PADS_KEPT
+        assert all(len(pads) <= t + 1 for _, pads in gate_mod._PADS.values())
