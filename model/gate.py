@@ -1039,6 +1039,7 @@ def _padded_sums(
 # (T, item size) -> a zero buffer of T items and its views by row length: see _zero_pads
 _PADS: dict[tuple[int, int], tuple[memoryview, dict[int, memoryview]]] = {}
 _PADS_KEPT = 8  # row widths and item sizes remembered (a gate sees the same few)
+_PAD_VIEWS_KEPT = 4096  # views kept per width, beyond which they start again (~0.75 MB)
 
 
 def _zero_pads(t: int, itemsize: int, lengths: Iterable[int]) -> dict[int, memoryview]:
@@ -1048,7 +1049,8 @@ def _zero_pads(t: int, itemsize: int, lengths: Iterable[int]) -> dict[int, memor
     Views of one zero buffer per (T, item size), kept between calls, each made the first
     time its length is seen: making them per call took 7% of a B=256, T=1024 batch
     (cProfile), and a gate sees the same few widths and lengths call after call. At most
-    one view per length seen (<= T + 1 per width), for at most _PADS_KEPT widths."""
+    _PAD_VIEWS_KEPT views per width (more only while one call needs them), for at most
+    _PADS_KEPT widths."""
     key = (t, itemsize)
     kept = _PADS.get(key)
     if kept is None:
@@ -1056,6 +1058,8 @@ def _zero_pads(t: int, itemsize: int, lengths: Iterable[int]) -> dict[int, memor
             _PADS.clear()
         kept = _PADS[key] = (memoryview(bytes(t * itemsize)), {})
     zero, pads = kept
+    if len(pads) > _PAD_VIEWS_KEPT:
+        pads.clear()
     for n in set(lengths).difference(pads):  # another thread may add the same: harmless
         pads[n] = zero[n * itemsize :]
     return pads
