@@ -841,12 +841,15 @@ def _records_sums(
 
     Each block of whole rows is laid out right-padded from the records' arrays by one
     C-level call per field (`_block_rows`), then the rest runs on the whole block, as on
-    the array path. Columns past a row's length are masked out, so whatever they hold
-    never counts (the bit multiply makes it +0.0), and a None row (it failed a record
-    check) is all padding. The block therefore holds what `_padded_sums` reads from a
-    padded B x T copy: the figures are that kernel's, to the bit. A row wider than a block
-    is read in column chunks, straight from its record. `lengths`, when given, are the
-    rows' log-prob counts (0 for a None row).
+    the array path. Rows of _ROWLOOP_FROM tokens or more on average instead have
+    `cur - old` written row by row straight from each record (one pass over long rows
+    instead of a copy and a subtraction), only the mask laid out joined. Columns past a
+    row's length are masked out, so whatever they hold never counts (the bit multiply
+    makes it +0.0), and a None row (it failed a record check) is all padding. The block
+    therefore holds what `_padded_sums` reads from a padded B x T copy: the figures are
+    that kernel's, to the bit. A row wider than a block is read in column chunks,
+    straight from its record. `lengths`, when given, are the rows' log-prob counts (0 for
+    a None row).
     """
     b = len(olds)
     # a None row has length 0: only then is an identity pass needed to find one
@@ -867,7 +870,29 @@ def _records_sums(
         return _device_sums(sys.modules["torch"], cur_t, old_h, mask_h, ids)
     dtype = _np_compute_dtype(lp_dtype, cur.dtype)
     _, cols = _tiles(b, t, _CPU_BLOCK)
-    if cols == t:  # whole rows per block (the usual case)
+    if cols == t and sum(lengths) >= _ROWLOOP_FROM * max(b, 1):
+        # long rows: cur - old straight from each record's array into its row of the block
+        # (one pass; a call per row is cheap next to a long row), the mask laid out joined
+        read_mask = _block_rows(masks, lengths, t, np.dtype(np.bool_), True, has_none)
+        subtract = np.subtract
+        same_dtypes = lp_dtype == dtype == cur.dtype
+
+        def diff_into(r0: int, r1: int, c0: int, c1: int, d: Any, m: Any) -> Any:
+            # d may have more rows than this (last) block: zip stops at the shortest
+            rows_in = zip(olds[r0:r1], cur[r0:r1], d, strict=False)
+            if same_dtypes:  # positional out, no dtype: the cheapest ufunc call
+                for lp, cr, dr in rows_in:
+                    if lp is not None:
+                        n = lp.size
+                        subtract(cr[:n], lp, dr[:n])
+            else:
+                for lp, cr, dr in rows_in:
+                    if lp is not None:
+                        n = lp.size
+                        subtract(cr[:n], lp, out=dr[:n], dtype=dtype)
+            return read_mask(r0, r1)
+
+    elif cols == t:  # whole rows per block (the usual case)
         read_old = _block_rows(olds, lengths, t, lp_dtype, kinds <= {lp_dtype}, has_none)
         read_mask = _block_rows(masks, lengths, t, np.dtype(np.bool_), True, has_none)
         subtract = np.subtract
@@ -1038,6 +1063,13 @@ def _padded_sums(
 
 # (T, item size) -> a zero buffer of T items and its views by row length: see _zero_pads
 _PADS: dict[tuple[int, int], tuple[memoryview, dict[int, memoryview]]] = {}
+# mean tokens per row from which the records path subtracts row by row straight from the
+# records instead of laying the block out first: in `rollout-lifecycle bench --part gate`
+# (records run after the bare torch expression has evicted them from the caches), at T=4096
+# (mean 3072) the records path took 7.5 / 27.3 ms that way against 10.1 / 30.1 ms joined
+# (B=1024 / 4096, 1 thread); at T=1024 (mean 768) joining wins (in-process, B=4096: the
+# block filling 3.8 ms against 5.0 ms row by row)
+_ROWLOOP_FROM = 2048
 _PADS_KEPT = 8  # row widths and item sizes remembered (a gate sees the same few)
 _PAD_VIEWS_KEPT = 4096  # views kept per width, beyond which they start again (~0.75 MB)
 

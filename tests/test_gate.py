@@ -959,12 +959,14 @@ def _ragged_rollouts(seed: int, dtypes: tuple[Any, ...], n: int = 40) -> list[Ro
 )
 @pytest.mark.parametrize("block", [None, 1, 300, 1000])
 @pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("row_by_row", [False, True], ids=["joined", "row-by-row"])
 def test_records_blocks_give_the_padded_figures_to_the_bit(
-    dtypes: tuple[Any, ...], block: int | None, split: bool
+    dtypes: tuple[Any, ...], block: int | None, split: bool, row_by_row: bool
 ) -> None:
     """However the records' blocks are laid out (bytes.join of one dtype, np.concatenate of
-    mixed dtypes, rows wider than a block in column chunks, failed rows as padding, on one
-    thread or split across several), assess_batch's figures are those of the same kernel
+    mixed dtypes, long rows subtracted row by row, rows wider than a block in column
+    chunks, failed rows as padding, on one thread or split across several), assess_batch's
+    figures are those of the same kernel
     over the rows padded by hand (`_padded_sums`, the column path's), to the bit, and the
     plain-Python figures within rounding."""
     ros = _ragged_rollouts(len(dtypes) + (block or 0), dtypes)
@@ -975,6 +977,8 @@ def test_records_blocks_give_the_padded_figures_to_the_bit(
     for cur in (cur64, cur64.astype(np.float32), torch.from_numpy(cur64.astype(np.float32))):
         with contextlib.ExitStack() as stack:
             stack.enter_context(block_size(block, threads_from=1))
+            if row_by_row:  # as rows of _ROWLOOP_FROM tokens and more are
+                stack.enter_context(mock.patch.object(gate_mod, "_ROWLOOP_FROM", 0))
             if split:  # several Python threads whatever torch's own thread count
                 stack.enter_context(mock.patch.object(gate_mod, "_SPLIT_FROM_THREADS", 1))
                 stack.enter_context(mock.patch.object(torch, "get_num_threads", lambda: 3))
