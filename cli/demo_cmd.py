@@ -39,7 +39,12 @@ from rollout_lifecycle.model.backends import Backend, open_backend, sqlite_path
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.errors import BackendUnavailable, RolloutLifecycleError
 from rollout_lifecycle.model.events import EntryChanged
-from rollout_lifecycle.model.gate import AdmissionDecision, AdmissionGate, GatePolicy
+from rollout_lifecycle.model.gate import (
+    AdmissionDecision,
+    AdmissionDecisions,
+    AdmissionGate,
+    GatePolicy,
+)
 from rollout_lifecycle.model.ledger import Ledger, ReserveRequest
 from rollout_lifecycle.model.records import (
     ActionEvidence,
@@ -224,7 +229,7 @@ class _Demo:
             out[i, : old.size] = old + self.rng.normal(0, noise, old.size)
         return out
 
-    def admit(self, ids: Sequence[str]) -> list[AdmissionDecision]:
+    def admit(self, ids: Sequence[str]) -> AdmissionDecisions:
         pointer = self.coordinator.pointer()
         assert pointer is not None
         cv = pointer.version

@@ -29,6 +29,7 @@ from rollout_lifecycle.model.gate import (
     ROUTE_OFFLINE,
     ROUTE_QUARANTINE,
     AdmissionDecision,
+    AdmissionDecisions,
     AdmissionGate,
     GatePolicy,
 )
@@ -251,7 +252,7 @@ class RunProtocol:
         rollouts: Sequence[FrozenRollout],
         conditions: GenerationConditions,
         current_log_probs: Any,
-    ) -> list[AdmissionDecision]:
+    ) -> AdmissionDecisions:
         """The project's gate against the version active now (B x T current log-probs)."""
         pointer = self.pointer()
         if pointer is None:

@@ -23,8 +23,8 @@ import math
 import operator
 import sys
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, cast, overload
 
 import attrs
 import numpy as np
@@ -212,7 +212,8 @@ class BatchAssessment:
 # never a full-size temporary. Per block:
 #   d = cur - old        in the compute dtype: float64 when either input is float64, else
 #                        float32 (float16 / bfloat16 inputs widen exactly). The records path
-#                        writes each row of d straight from the record's stored array.
+#                        lays each block's rows out from the records' stored arrays by
+#                        one C-level call per field (`_block_rows`), then subtracts.
 #   bits(d) *= m         an integer multiply of d's bit pattern by the 0/1 mask: a masked
 #                        position becomes +0.0 whatever it held, NaN and inf included (a float
 #                        multiply would keep them: NaN * 0 = NaN; a select is branchy and
@@ -278,11 +279,11 @@ def _np_sums(
     """Masked |cur - old| row sums and action counts, block by block (numpy).
 
     With `threads` > 1 (torch tensors on the CPU from _SPLIT_FROM_THREADS torch threads:
-    as many as torch's own intra-op threads; the records path) that many threads, each
-    with its own scratch, claim ranges of blocks in turn (a few per thread) until none is
-    left; numpy releases the GIL inside every call. A thread the scheduler parks on a busy
-    machine so delays the call by one range, not by its whole share, as a static split
-    would (torch's per-op barrier is what this avoids).
+    as many as torch's own intra-op threads, on the array and the records paths) that
+    many threads, each with its own scratch, claim ranges of blocks in turn (a few per
+    thread) until none is left; numpy releases the GIL inside every call. A thread the
+    scheduler parks on a busy machine so delays the call by one range, not by its whole
+    share, as a static split would (torch's per-op barrier is what this avoids).
     """
     block = _CPU_BLOCK if block is None else block
     rows, _ = _tiles(b, t, block)
@@ -834,67 +835,146 @@ def _records_sums(
     masks: Sequence[npt.NDArray[np.bool_] | None],
     current_log_probs: Any,
     ids: Sequence[str],
+    lengths: Sequence[int] | None = None,
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
     """The batch core over records' stored arrays, without B x T copies of them.
 
-    Row by row, `cur - old` is written from the record's own array straight into the
-    block's scratch and its mask copied beside it (two calls per row, none per token);
-    the rest runs on the whole block. Columns past a row's length are masked out, so
-    whatever the scratch holds there never counts. A None row (it failed a record check)
-    is all masked.
+    Each block of whole rows is laid out right-padded from the records' arrays by one
+    C-level call per field (`_block_rows`), then the rest runs on the whole block, as on
+    the array path. Rows of _ROWLOOP_FROM tokens or more on average instead have
+    `cur - old` written row by row straight from each record (one pass over long rows
+    instead of a copy and a subtraction), only the mask laid out joined. Columns past a
+    row's length are masked out, so whatever they hold never counts (the bit multiply
+    makes it +0.0), and a None row (it failed a record check) is all padding. The block
+    therefore holds what `_padded_sums` reads from a padded B x T copy: the figures are
+    that kernel's, to the bit. A row wider than a block is read in column chunks,
+    straight from its record. `lengths`, when given, are the rows' log-prob counts (0 for
+    a None row).
     """
     b = len(olds)
-    lp_dtype: np.dtype[Any] = np.dtype(np.float32)
+    # a None row has length 0: only then is an identity pass needed to find one
+    has_none = (lengths is None or 0 in lengths) and any(
+        map(operator.is_, olds, itertools.repeat(None))
+    )
     # each row's dtype in one C-level pass; a failed row's None has no dtype
-    kinds = set(map(_DTYPE, filter(_NOT_NONE, olds)))
-    if kinds - {np.dtype(np.float32)}:
-        lp_dtype = np.dtype(np.float64)
+    kinds = set(map(_DTYPE, filter(_NOT_NONE, olds) if has_none else olds))
+    lp_dtype = np.dtype(np.float64 if kinds - {np.dtype(np.float32)} else np.float32)
     cur, cur_t, threads = _host_current(current_log_probs)
+    t = int(cur.shape[1]) if cur is not None else int(cur_t.shape[1])
+    if lengths is None:
+        lengths = [0 if lp is None else lp.size for lp in olds]
     if cur is None:
         # an accelerator (or bfloat16): build the two arrays on the host once, then the
         # tensor path does the rest where the tensors live
-        old_h, mask_h = _records_rows(olds, masks, range(b), int(cur_t.shape[1]), lp_dtype)
+        old_h, mask_h = _records_rows(olds, masks, range(b), t, lp_dtype, lengths)
         return _device_sums(sys.modules["torch"], cur_t, old_h, mask_h, ids)
-    t = int(cur.shape[1])
     dtype = _np_compute_dtype(lp_dtype, cur.dtype)
-    same_dtypes = lp_dtype == dtype == cur.dtype
-    subtract = np.subtract
+    _, cols = _tiles(b, t, _CPU_BLOCK)
+    if cols == t and sum(lengths) >= _ROWLOOP_FROM * max(b, 1):
+        # long rows: cur - old straight from each record's array into its row of the block
+        # (one pass; a call per row is cheap next to a long row), the mask laid out joined
+        read_mask = _block_rows(masks, lengths, t, np.dtype(np.bool_), True, has_none)
+        subtract = np.subtract
+        same_dtypes = lp_dtype == dtype == cur.dtype
 
-    def diff_into(r0: int, r1: int, c0: int, c1: int, d: Any, m: Any) -> Any:
-        m.fill(False)
-        if c0 == 0 and c1 == t:  # whole rows (the usual case): a tight loop
-            # d and m may have more rows than this (last) block: zip stops at the shortest
-            rows_in = zip(olds[r0:r1], masks[r0:r1], cur[r0:r1], d, m, strict=False)
+        def diff_into(r0: int, r1: int, c0: int, c1: int, d: Any, m: Any) -> Any:
+            # d may have more rows than this (last) block: zip stops at the shortest
+            rows_in = zip(olds[r0:r1], cur[r0:r1], d, strict=False)
             if same_dtypes:  # positional out, no dtype: the cheapest ufunc call
-                for lp, mask, cr, dr, mr in rows_in:
+                for lp, cr, dr in rows_in:
                     if lp is not None:
                         n = lp.size
                         subtract(cr[:n], lp, dr[:n])
-                        mr[:n] = mask
-                return m
-            for lp, mask, cr, dr, mr in rows_in:
-                if lp is not None:
-                    n = lp.size
-                    subtract(cr[:n], lp, out=dr[:n], dtype=dtype)
-                    mr[:n] = mask
+            else:
+                for lp, cr, dr in rows_in:
+                    if lp is not None:
+                        n = lp.size
+                        subtract(cr[:n], lp, out=dr[:n], dtype=dtype)
+            return read_mask(r0, r1)
+
+    elif cols == t:  # whole rows per block (the usual case)
+        read_old = _block_rows(olds, lengths, t, lp_dtype, kinds <= {lp_dtype}, has_none)
+        read_mask = _block_rows(masks, lengths, t, np.dtype(np.bool_), True, has_none)
+        subtract = np.subtract
+        same_dtypes = lp_dtype == dtype == cur.dtype
+
+        def diff_into(r0: int, r1: int, c0: int, c1: int, d: Any, m: Any) -> Any:
+            if same_dtypes:  # positional out, no dtype: the cheapest ufunc call
+                subtract(cur[r0:r1], read_old(r0, r1), d)
+            else:
+                subtract(cur[r0:r1], read_old(r0, r1), out=d, dtype=dtype)
+            return read_mask(r0, r1)
+
+    else:  # one row per block, in column chunks: the per-row calls are not what costs
+
+        def diff_into(r0: int, r1: int, c0: int, c1: int, d: Any, m: Any) -> Any:
+            m.fill(False)
+            for j in range(r1 - r0):
+                lp, mask = olds[r0 + j], masks[r0 + j]
+                if lp is None or mask is None or lp.size <= c0:
+                    continue
+                e = min(lp.size, c1)
+                np.subtract(cur[r0 + j, c0:e], lp[c0:e], out=d[j, : e - c0], dtype=dtype)
+                m[j, : e - c0] = mask[c0:e]
             return m
-        for j in range(r1 - r0):
-            lp, mask = olds[r0 + j], masks[r0 + j]
-            if lp is None or mask is None or lp.size <= c0:
-                continue
-            e = min(lp.size, c1)
-            subtract(cur[r0 + j, c0:e], lp[c0:e], out=d[j, : e - c0], dtype=dtype)
-            m[j, : e - c0] = mask[c0:e]
-        return m
 
     sums, counts = _np_sums(diff_into, b, t, dtype, False, threads)
 
     def exact(rows_idx: npt.NDArray[np.intp]) -> tuple[Any, Any]:
-        o, m = _records_rows(olds, masks, rows_idx.tolist(), t, lp_dtype)
+        o, m = _records_rows(olds, masks, rows_idx.tolist(), t, lp_dtype, lengths)
         return _np_exact_rows(o, cur[rows_idx], m)(np.arange(len(rows_idx)))
 
     _recheck(sums, exact, ids)
     return sums, counts
+
+
+def _block_rows(
+    arrays: Sequence[npt.NDArray[Any] | None],
+    lengths: Sequence[int],
+    t: int,
+    dtype: np.dtype[Any],
+    same_dtype: bool,
+    has_none: bool = True,
+) -> Callable[[int, int], npt.NDArray[Any]]:
+    """read(r0, r1): rows r0..r1 of `arrays` as an (r1 - r0) x t array of `dtype`, each row
+    right-padded with zeros (a None row: all zeros).
+
+    The rows' arrays are interleaved once with padding views (`parts`: row i's array,
+    then the t - n_i zero items that fill its row), so a block is one C-level call over
+    2 (r1 - r0) parts instead of Python calls per row, which on rows of a few hundred
+    tokens cost more than the whole kernel. When every array already has `dtype` (the
+    records' arrays are C-contiguous: their converters make them so), that call is
+    bytes.join over their buffers, about twice as fast as np.concatenate (B=4096, T=1024:
+    1.3 vs 2.8 ms for both fields); np.concatenate casts mixed dtypes. `has_none` False
+    says that no row is None (the caller knows), sparing a pass that looks.
+    """
+    parts: list[Any] = [None] * (2 * len(arrays))
+    # by identity: `None in arrays` would compare arrays with None elementwise
+    has_none = has_none and any(map(operator.is_, arrays, itertools.repeat(None)))
+    pad: dict[int, Any]
+    empty: Any
+    if same_dtype:
+        pad, empty = _zero_pads(t, dtype.itemsize, lengths), b""
+    else:
+        zeros = np.zeros(t, dtype)
+        pad, empty = {n: zeros[n:] for n in set(lengths)}, zeros[:0]
+    parts[0::2] = [empty if a is None else a for a in arrays] if has_none else arrays
+    parts[1::2] = map(pad.__getitem__, lengths)
+    if same_dtype:
+        join = b"".join
+
+        def read(r0: int, r1: int) -> npt.NDArray[Any]:
+            flat = np.frombuffer(join(parts[2 * r0 : 2 * r1]), dtype)
+            return flat.reshape(r1 - r0, t)
+
+        return read
+
+    def read_cast(r0: int, r1: int) -> npt.NDArray[Any]:
+        if r1 == r0:  # np.concatenate needs at least one part
+            return np.zeros((0, t), dtype)
+        return np.concatenate(parts[2 * r0 : 2 * r1], dtype=dtype).reshape(r1 - r0, t)
+
+    return read_cast
 
 
 def _host_current(current_log_probs: Any) -> tuple[Any, Any, int]:
@@ -903,9 +983,10 @@ def _host_current(current_log_probs: Any) -> tuple[Any, Any, int]:
 
     A float32/64 CPU tensor is host memory: a zero-copy numpy view, and numpy's kernel,
     whose calls per row cost far less than torch's (and leave torch's worker threads idle);
-    as many threads as torch would use: filling a block's rows is Python work (the GIL), but
-    its kernel releases the GIL, so one thread's kernel runs while another fills its next
-    block."""
+    threads as the array path uses them (from _SPLIT_FROM_THREADS torch threads, as many as
+    torch would use, else one): on two, splitting was slower than one thread (B=4096,
+    T=1024: 18.7 vs 13.0 ms, 21 vs 13 ms of CPU); filling a block holds the GIL, and after
+    a torch op torch's own workers spin on the other core (see _SPLIT_FROM_THREADS)."""
     torch = sys.modules.get("torch") if _is_torch(current_log_probs) else None
     if torch is None:
         cur = np.asarray(current_log_probs)
@@ -917,7 +998,8 @@ def _host_current(current_log_probs: Any) -> tuple[Any, Any, int]:
         raise GateConfigError("current log-probs must be a floating-point tensor")
     if cur_t.device.type != "cpu" or cur_t.dtype not in (torch.float32, torch.float64):
         return None, cur_t, 1
-    return cur_t.numpy(), cur_t, int(torch.get_num_threads())
+    threads = int(torch.get_num_threads())
+    return cur_t.numpy(), cur_t, threads if threads >= _SPLIT_FROM_THREADS else 1
 
 
 def _device_sums(
@@ -979,22 +1061,56 @@ def _padded_sums(
     return sums, counts
 
 
+# (T, item size) -> a zero buffer of T items and its views by row length: see _zero_pads
+_PADS: dict[tuple[int, int], tuple[memoryview, dict[int, memoryview]]] = {}
+# mean tokens per row from which the records path subtracts row by row straight from the
+# records instead of laying the block out first: in `rollout-lifecycle bench --part gate`
+# (records run after the bare torch expression has evicted them from the caches), at T=4096
+# (mean 3072) the records path took 7.5 / 27.3 ms that way against 10.1 / 30.1 ms joined
+# (B=1024 / 4096, 1 thread); at T=1024 (mean 768) joining wins (in-process, B=4096: the
+# block filling 3.8 ms against 5.0 ms row by row)
+_ROWLOOP_FROM = 2048
+_PADS_KEPT = 8  # row widths and item sizes remembered (a gate sees the same few)
+_PAD_VIEWS_KEPT = 4096  # views kept per width, beyond which they start again (~0.75 MB)
+
+
+def _zero_pads(t: int, itemsize: int, lengths: Iterable[int]) -> dict[int, memoryview]:
+    """pads[n]: the zero bytes that fill a row of n items (of `itemsize` bytes) up to t,
+    for every n in `lengths`.
+
+    Views of one zero buffer per (T, item size), kept between calls, each made the first
+    time its length is seen: making them per call took 7% of a B=256, T=1024 batch
+    (cProfile), and a gate sees the same few widths and lengths call after call. At most
+    _PAD_VIEWS_KEPT views per width (more only while one call needs them), for at most
+    _PADS_KEPT widths."""
+    key = (t, itemsize)
+    kept = _PADS.get(key)
+    if kept is None:
+        if len(_PADS) >= _PADS_KEPT:
+            _PADS.clear()
+        kept = _PADS[key] = (memoryview(bytes(t * itemsize)), {})
+    zero, pads = kept
+    if len(pads) > _PAD_VIEWS_KEPT:
+        pads.clear()
+    for n in set(lengths).difference(pads):  # another thread may add the same: harmless
+        pads[n] = zero[n * itemsize :]
+    return pads
+
+
 def _records_rows(
     olds: Sequence[npt.NDArray[Any] | None],
     masks: Sequence[npt.NDArray[np.bool_] | None],
     rows: Sequence[int],
     t: int,
     dtype: np.dtype[Any],
+    lengths: Sequence[int],
 ) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]:
-    """Some records' arrays as R x T arrays, right-padded (zeros, masked out)."""
-    old = np.zeros((len(rows), t), dtype)
-    mask = np.zeros((len(rows), t), np.bool_)
-    for j, i in enumerate(rows):
-        lp, m = olds[i], masks[i]
-        if lp is not None and m is not None:
-            old[j, : lp.size] = lp
-            mask[j, : m.size] = m
-    return old, mask
+    """Some records' arrays as R x T arrays, right-padded (zeros, masked out); `lengths`
+    are all rows' log-prob counts (0 for a None row)."""
+    n = [lengths[i] for i in rows]
+    read_old = _block_rows([olds[i] for i in rows], n, t, dtype, False)
+    read_mask = _block_rows([masks[i] for i in rows], n, t, np.dtype(np.bool_), False)
+    return read_old(0, len(n)), read_mask(0, len(n))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1065,6 +1181,146 @@ def _decisions(columns: Sequence[Iterable[Any]], b: int) -> list[AdmissionDecisi
     return out
 
 
+class AdmissionDecisions(Sequence[AdmissionDecision]):
+    """A batch's decisions, one per rollout in the rollouts' order, held as columns.
+
+    It is a read-only `Sequence[AdmissionDecision]` (len, index, slice, iteration, `in`,
+    equality with a list of the same decisions, `+` with a list gives a list) whose
+    AdmissionDecision objects are built only when they are read: building B of them cost
+    more than the batch kernel itself (B=4096: ~2.4 ms, more than the array path's whole
+    per-row cost), and a caller that acts on a few rows (the admitted ones) or reads one
+    field needs no object for the rest. Iterating builds all of them at once, by the
+    columnar `_decisions`, and keeps them: a second pass reads the same objects. Call
+    list() on it where a mutable list is needed.
+    """
+
+    __slots__ = (
+        "_bvs",
+        "_cv",
+        "_drift",
+        "_freshness",
+        "_ids",
+        "_items",
+        "_lags",
+        "_max_drift",
+        "_max_lag",
+        "_reasons",
+    )
+
+    def __init__(
+        self,
+        ids: list[str],
+        reasons: list[str],
+        freshness: list[str | None],
+        drift: list[float | None],
+        lags: list[int],
+        behavior_versions: list[int],
+        current_version: int,
+        max_lag: int,
+        max_drift: float,
+    ) -> None:
+        self._ids = ids
+        self._reasons = reasons
+        self._freshness = freshness
+        self._drift = drift
+        self._lags = lags
+        self._bvs = behavior_versions
+        self._cv = current_version
+        self._max_lag = max_lag
+        self._max_drift = max_drift
+        self._items: list[AdmissionDecision] | None = None
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @overload
+    def __getitem__(self, i: int) -> AdmissionDecision: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> AdmissionDecisions: ...
+
+    def __getitem__(self, i: int | slice) -> AdmissionDecision | AdmissionDecisions:
+        if isinstance(i, slice):
+            return AdmissionDecisions(
+                self._ids[i],
+                self._reasons[i],
+                self._freshness[i],
+                self._drift[i],
+                self._lags[i],
+                self._bvs[i],
+                self._cv,
+                self._max_lag,
+                self._max_drift,
+            )
+        if self._items is not None:
+            return self._items[i]
+        reason = self._reasons[i]  # IndexError / TypeError as a list gives them
+        return AdmissionDecision(
+            self._ids[i],
+            reason == "ok",
+            reason,
+            REASON_ROUTE[reason],
+            self._freshness[i],
+            self._drift[i],
+            self._lags[i],
+            self._cv,
+            self._bvs[i],
+            self._max_lag,
+            self._max_drift,
+        )
+
+    def _all(self) -> list[AdmissionDecision]:
+        items = self._items
+        if items is None:
+            b = len(self._ids)
+            reasons = self._reasons
+            items = self._items = _decisions(
+                (
+                    self._ids,
+                    map("ok".__eq__, reasons),
+                    reasons,
+                    map(REASON_ROUTE.__getitem__, reasons),
+                    self._freshness,
+                    self._drift,
+                    self._lags,
+                    itertools.repeat(self._cv, b),
+                    self._bvs,
+                    itertools.repeat(self._max_lag, b),
+                    itertools.repeat(self._max_drift, b),
+                ),
+                b,
+            )
+        return items
+
+    def __iter__(self) -> Iterator[AdmissionDecision]:
+        return iter(self._all())
+
+    def __reversed__(self) -> Iterator[AdmissionDecision]:
+        return reversed(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, AdmissionDecisions):
+            return self._all() == other._all()
+        if isinstance(other, list):
+            return self._all() == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable as they are
+
+    def __add__(self, other: object) -> list[AdmissionDecision]:
+        if isinstance(other, AdmissionDecisions | list):
+            return [*self._all(), *other]
+        return NotImplemented
+
+    def __radd__(self, other: object) -> list[AdmissionDecision]:
+        if isinstance(other, list):
+            return [*other, *self._all()]
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"AdmissionDecisions({self._all()!r})"
+
+
 _STATE = operator.attrgetter("state")
 _BEHAVIOR = operator.attrgetter("behavior")
 _VERSION = operator.attrgetter("version")
@@ -1074,12 +1330,12 @@ _EVIDENCE = operator.attrgetter("evidence")
 _STATUS = operator.attrgetter("status")
 _OLD_LOG_PROBS = operator.attrgetter("behavior_log_probs")
 _ACTION_MASK = operator.attrgetter("action_mask")
+_TOKEN_IDS = operator.attrgetter("response_token_ids")
 _DTYPE = operator.attrgetter("dtype")
 _ROLLOUT_ID = operator.attrgetter("identity.rollout_id")
 _EVIDENCE_SIZES = ("response_token_ids.size", "action_mask.size", "behavior_log_probs.size")
 _SIZES = operator.attrgetter(*_EVIDENCE_SIZES)
 _LENGTHS = tuple(map(operator.attrgetter, _EVIDENCE_SIZES))
-_SIZE = operator.attrgetter("size")
 _NOT_NONE = functools.partial(operator.is_not, None)
 
 
@@ -1345,7 +1601,7 @@ class AdmissionGate:
         entries: Sequence[LedgerEntry | None] | None = None,
         *,
         ledger: LedgerReader | None = None,
-    ) -> list[AdmissionDecision]:
+    ) -> AdmissionDecisions:
         """Admit B rollouts; `current_log_probs` is B x T (numpy or torch), right-padded.
 
         Each rollout's state comes from `entries` (in the rollouts' order; a None falls back
@@ -1353,7 +1609,12 @@ class AdmissionGate:
         rollout whose state nobody gives raises GateConfigError. Record checks read each
         field of the whole batch in one C-level pass and judge each distinct value once
         (`_column_checks`); lag and drift run vectorised over the whole batch, reading the
-        records' stored arrays block by block (no B x T copies, no Python work per token).
+        records' stored arrays block by block (no B x T copies, no Python call per row or
+        token: `_records_sums`).
+
+        The result is an `AdmissionDecisions`: a read-only Sequence[AdmissionDecision] held
+        as columns, whose objects are built when read (building B of them cost more than
+        the array path's whole per-row work); list() it where a mutable list is needed.
         """
         _check_version("current_version", current_version)
         b = len(rollouts)
@@ -1365,29 +1626,35 @@ class AdmissionGate:
         evidence: list[ActionEvidence | None] = list(map(_EVIDENCE, rollouts))
         # by identity: `None in evidence` would call ActionEvidence.__eq__ once per record
         missing = any(map(operator.is_, evidence, itertools.repeat(None)))
+        olds: list[npt.NDArray[Any] | None]
+        masks: list[npt.NDArray[np.bool_] | None]
         if missing:
             sizes = [[None if ev is None else get(ev) for ev in evidence] for get in _LENGTHS]
-        else:
-            sizes = [list(map(get, evidence)) for get in _LENGTHS]
+        else:  # the arrays, then their sizes: the gate reads the arrays anyway
+            olds = list(map(_OLD_LOG_PROBS, evidence))
+            masks = list(map(_ACTION_MASK, evidence))
+            tokens = map(_TOKEN_IDS, evidence)
+            # len: the converters make every evidence array 1-D (and len is cheaper)
+            sizes = [list(map(len, arrays)) for arrays in (tokens, masks, olds)]
         # conditions are read only where the policy sets some, as the per-row checks do
         conds = list(map(_CONDITIONS, rollouts)) if self.policy.conditions is not None else None
         early = self._column_checks(
             list(map(_STATE, states)), bvs, hashes, conds, sizes, current_version
         )
         failed = b - early.count(None)
-        olds: list[npt.NDArray[Any] | None]
-        masks: list[npt.NDArray[np.bool_] | None]
         if failed:
             evidence = [
                 None if why is not None else ev for ev, why in zip(evidence, early, strict=True)
             ]
             olds = [None if ev is None else ev.behavior_log_probs for ev in evidence]
             masks = [None if ev is None else ev.action_mask for ev in evidence]
-            widest = max((lp.size for lp in olds if lp is not None), default=0)
-        else:  # every row has evidence: one C-level pass per field
-            olds = list(map(_OLD_LOG_PROBS, evidence))
-            masks = list(map(_ACTION_MASK, evidence))
-            widest = max(map(_SIZE, olds), default=0)
+            lengths = [
+                0 if n is None or why is not None else n
+                for n, why in zip(sizes[2], early, strict=True)
+            ]
+        else:  # every row passed, so every row has evidence (read above)
+            lengths = cast("list[int]", sizes[2])
+        widest = max(lengths, default=0)
         if widest > t:
             i = next(i for i, lp in enumerate(olds) if lp is not None and lp.size > t)
             raise GateConfigError(
@@ -1395,17 +1662,18 @@ class AdmissionGate:
                 f"T={t} wide"
             )
         ids = list(map(_ROLLOUT_ID, rollouts))
-        sums, counts = _records_sums(olds, masks, current_log_probs, ids)
+        sums, counts = _records_sums(olds, masks, current_log_probs, ids, lengths)
         return self._column_decisions(ids, bvs, early, failed, sums, counts, current_version)
 
     def assess_columns(
         self, columns: RecordColumns, current_log_probs: Any, current_version: int
-    ) -> list[AdmissionDecision]:
+    ) -> AdmissionDecisions:
         """`assess_batch` over B rollouts given as columns, for callers that hold their
         fields rather than Rollout and LedgerEntry records (e.g. rows read from a file):
         the same checks, reasons, figures and errors, without building a record per row.
 
-        `current_log_probs` is B x T, right-padded, like `columns.old_log_probs`.
+        `current_log_probs` is B x T, right-padded, like `columns.old_log_probs`. The
+        result is an `AdmissionDecisions`, as from `assess_batch`.
         """
         _check_version("current_version", current_version)
         cols = columns
@@ -1449,8 +1717,9 @@ class AdmissionGate:
         sums: npt.NDArray[np.float64],
         counts: npt.NDArray[np.int64],
         current_version: int,
-    ) -> list[AdmissionDecision]:
-        """The batch's decisions from its row sums and the record checks' reasons."""
+    ) -> AdmissionDecisions:
+        """The batch's decisions from its row sums and the record checks' reasons, as
+        columns (`AdmissionDecisions`): no AdmissionDecision is built here."""
         b = len(ids)
         versions = np.array(bvs, np.int64) if b else np.zeros(0, np.int64)
         pol = self.policy
@@ -1466,21 +1735,16 @@ class AdmissionGate:
             for i, why in enumerate(early):
                 if why is not None:
                     reasons[i], freshness[i], drift[i] = why, _FRESHNESS_CODES[fresh_all[i]], None
-        return _decisions(
-            (
-                ids,
-                map("ok".__eq__, reasons),
-                reasons,
-                map(REASON_ROUTE.__getitem__, reasons),
-                freshness,
-                drift,
-                res.lag.tolist(),
-                itertools.repeat(current_version, b),
-                bvs,
-                itertools.repeat(pol.max_lag, b),
-                itertools.repeat(pol.max_drift, b),
-            ),
-            b,
+        return AdmissionDecisions(
+            ids,
+            reasons,
+            freshness,
+            drift,
+            res.lag.tolist(),
+            bvs,
+            current_version,
+            pol.max_lag,
+            pol.max_drift,
         )
 
     def _column_checks(
@@ -1508,17 +1772,22 @@ class AdmissionGate:
         rewarded = kinds.count("rewarded") == b
         if not rewarded:
             flagged.update(i for i, k in enumerate(kinds) if k != "rewarded")
-        pairs = list(zip(bvs, hashes, strict=True))
         memo: dict[Any, Any] = {}
-        live = (
-            pairs if rewarded else [p for p, k in zip(pairs, kinds, strict=True) if k == "rewarded"]
-        )
-        bad = {p for p in dict.fromkeys(live) if not self._pair_ok(p, current_version, memo)}
+        if rewarded:  # distinct pairs in order of first appearance: the lookups' order
+            live = dict.fromkeys(zip(bvs, hashes, strict=True))
+        else:
+            live = dict.fromkeys(
+                p
+                for p, k in zip(zip(bvs, hashes, strict=True), kinds, strict=True)
+                if k == "rewarded"
+            )
+        bad = {p for p in live if not self._pair_ok(p, current_version, memo)}
         if bad:
-            flagged.update(i for i, p in enumerate(pairs) if p in bad)
+            flagged.update(i for i, p in enumerate(zip(bvs, hashes, strict=True)) if p in bad)
         expected = self.policy.conditions
         conds: Sequence[Any] = [None] * b if conditions is None else conditions
-        if expected is not None:
+        # all the very object the policy holds (rollouts built with it): nothing to compare
+        if expected is not None and not all(map(operator.is_, conds, itertools.repeat(expected))):
             distinct = dict(zip(map(id, conds), conds, strict=True))
             odd = {k for k, c in distinct.items() if c is not expected and c != expected}
             if odd:

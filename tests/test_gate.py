@@ -929,3 +929,157 @@ def test_behavior_versions_numpy_cannot_read_are_a_typed_error(versions: Any) ->
         assess_arrays(
             np.zeros((b, 3)), np.zeros((b, 3)), np.ones((b, 3), bool), versions, 1, 1, 0.2
         )
+
+
+# ---- the records path's blocks and its columnar result ---------------------------------------
+
+
+def _ragged_rollouts(seed: int, dtypes: tuple[Any, ...], n: int = 40) -> list[Rollout]:
+    """Rollouts of 0..300 tokens, log-probs of the given dtypes in turn, some of them
+    failing a record check (stale, not finished, misaligned, no evidence)."""
+    rng = np.random.default_rng(seed)
+    ros = []
+    for i in range(n):
+        k = int(rng.integers(0, 300))
+        lp: Any = rng.normal(-1, 0.5, k).astype(dtypes[i % len(dtypes)])
+        m: Any = rng.random(k) < 0.8
+        ro = make_rollout(f"r{i}", int(rng.integers(2, 6)), lp, m)
+        if i % 7 == 3:
+            ro = make_rollout(f"r{i}", 5, lp, m, state="generated")
+        elif i % 11 == 5:
+            ro = attrs.evolve(ro, evidence=None)
+        elif i % 13 == 6:
+            ro = attrs.evolve(ro, evidence=ActionEvidence([1, 2], [True], [-0.1, -0.1]))
+        ros.append(ro)
+    return ros
+
+
+@pytest.mark.parametrize(
+    "dtypes", [(np.float32,), (np.float64,), (np.float32, np.float64)], ids=["f32", "f64", "mixed"]
+)
+@pytest.mark.parametrize("block", [None, 1, 300, 1000])
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("row_by_row", [False, True], ids=["joined", "row-by-row"])
+def test_records_blocks_give_the_padded_figures_to_the_bit(
+    dtypes: tuple[Any, ...], block: int | None, split: bool, row_by_row: bool
+) -> None:
+    """However the records' blocks are laid out (bytes.join of one dtype, np.concatenate of
+    mixed dtypes, long rows subtracted row by row, rows wider than a block in column
+    chunks, failed rows as padding, on one thread or split across several), assess_batch's
+    figures are those of the same kernel
+    over the rows padded by hand (`_padded_sums`, the column path's), to the bit, and the
+    plain-Python figures within rounding."""
+    ros = _ragged_rollouts(len(dtypes) + (block or 0), dtypes)
+    g = gate(registry=None, max_drift=0.45, max_lag=2)
+    rng = np.random.default_rng(7)
+    b, t = len(ros), 300
+    cur64 = rng.normal(-1, 0.5, (b, t))
+    for cur in (cur64, cur64.astype(np.float32), torch.from_numpy(cur64.astype(np.float32))):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(block_size(block, threads_from=1))
+            if row_by_row:  # as rows of _ROWLOOP_FROM tokens and more are
+                stack.enter_context(mock.patch.object(gate_mod, "_ROWLOOP_FROM", 0))
+            if split:  # several Python threads whatever torch's own thread count
+                stack.enter_context(mock.patch.object(gate_mod, "_SPLIT_FROM_THREADS", 1))
+                stack.enter_context(mock.patch.object(torch, "get_num_threads", lambda: 3))
+            got = g.assess_batch(ros, cur, 5)
+            kept = [i for i, d in enumerate(got) if d.drift is not None]
+            assert len(kept) > b // 2
+            wide = np.float64 in dtypes
+            old = np.zeros((b, t), np.float64 if wide else np.float32)
+            mask = np.zeros((b, t), np.bool_)
+            for i in kept:
+                ev = ros[i].evidence
+                assert ev is not None
+                n = ev.behavior_log_probs.size
+                old[i, :n], mask[i, :n] = ev.behavior_log_probs, ev.action_mask
+            sums, counts = gate_mod._padded_sums(old, mask, cur, [r.rollout_id for r in ros])
+        assert [got[i].drift for i in kept] == (sums[kept] / counts[kept]).tolist()
+        host = np.asarray(cur, np.float64)
+        for i in kept:
+            n = int(counts[i] and ros[i].evidence.behavior_log_probs.size)  # type: ignore[union-attr]
+            want = g.assess(ros[i], host[i, :n].tolist(), 5)
+            assert got[i].drift == pytest.approx(want.drift, rel=4e-7)
+            assert got[i].reason == want.reason or abs(want.drift - 0.45) < 1e-6  # type: ignore[operator]
+
+
+def test_decisions_are_a_sequence_built_when_read() -> None:
+    """assess_batch returns a read-only Sequence[AdmissionDecision]: len, index, slice,
+    iteration, `in`, reversed, index/count, equality with the list of the same decisions
+    (either side), `+` with a list, stamps; no AdmissionDecision exists before one is read."""
+    ros = [
+        make_rollout("a", 5, [-0.1, -0.2], [True, True]),
+        make_rollout("b", 2, [-0.1], [True]),
+        make_rollout("c", 5, [-0.1], [True], state="generated"),
+        make_rollout("d", 5, [-3.0], [True]),
+    ]
+    cur = np.full((4, 2), -0.15)
+    g = gate(max_lag=1)
+    singles = [g.assess(ro, [-0.15] * ro.evidence.behavior_log_probs.size, 5) for ro in ros]  # type: ignore[union-attr]
+    built: list[Any] = []
+    real_init = AdmissionDecision.__init__
+
+    def counting(self: Any, *a: Any, **kw: Any) -> None:
+        built.append(self)
+        real_init(self, *a, **kw)
+
+    with mock.patch.object(AdmissionDecision, "__init__", counting):
+        got = g.assess_batch(ros, cur, 5)
+        assert built == [] and len(got) == 4
+        assert got[1] == singles[1] and got[-1] == singles[3] and len(built) == 2
+    assert isinstance(got, gate_mod.AdmissionDecisions) and not isinstance(got, list)
+    assert [d.reason for d in got] == ["ok", "stale_policy", "not_finished", "policy_drift"]
+    for a, b in zip(got, singles, strict=True):
+        assert a.drift == pytest.approx(b.drift) if b.drift is not None else a.drift is None
+        assert attrs.evolve(a, drift=b.drift) == b
+        assert a.stamp() == attrs.evolve(b, drift=a.drift).stamp()
+    same = [attrs.evolve(a) for a in got]
+    assert got == same and same == got
+    assert not got != same  # noqa: SIM202  (__ne__ from __eq__)
+    assert got != same[:3] and got != tuple(same) and got != "abcd"
+    first = next(iter(got))
+    assert next(iter(got)) is first  # iterated once, kept
+    assert got[1:3] == same[1:3] and isinstance(got[1:3], gate_mod.AdmissionDecisions)
+    assert got[::-1] == same[::-1] == list(reversed(got))
+    assert got[10:] == [] and len(got[10:]) == 0
+    assert same[2] in got and got.index(same[2]) == 2 and got.count(same[0]) == 1
+    assert got + same[:1] == [*same, same[0]] and same[:1] + got == [same[0], *same]
+    assert isinstance(got + [], list) and got + got == same + same  # noqa: RUF005
+    with pytest.raises(IndexError):
+        got[4]
+    with pytest.raises(TypeError):
+        hash(got)
+    with pytest.raises(TypeError):
+        got[0] = same[0]  # type: ignore[index]
+    assert repr(got).startswith("AdmissionDecisions([AdmissionDecision(rollout_id='a'")
+    assert g.assess_batch([], np.zeros((0, 3)), 5) == []
+
+
+def test_decisions_read_one_by_one_equal_the_iterated_ones() -> None:
+    """An item read by index before any iteration equals the one iteration builds, for
+    every field, on the column path too."""
+    ros = _ragged_rollouts(5, (np.float32,), n=25)
+    cur = np.random.default_rng(2).normal(-1, 0.5, (25, 300)).astype(np.float32)
+    g = gate(max_lag=2, max_drift=0.45)
+    one_by_one = [g.assess_batch(ros, cur, 5)[i] for i in range(25)]
+    assert one_by_one == list(g.assess_batch(ros, cur, 5))
+    kept = [ro for ro in ros if ro.evidence is not None and ro.status.state == "rewarded"]  # type: ignore[union-attr]
+    cols = _columns_of(kept, 300)
+    cols = attrs.evolve(cols, old_log_probs=cols.old_log_probs.astype(np.float32))
+    lazily = g.assess_columns(cols, cur[: len(kept)], 5)
+    assert [lazily[i] for i in range(len(kept))] == list(lazily)
+
+
+def test_records_pads_are_kept_for_a_few_widths_only() -> None:
+    """The zero pads the records path keeps between calls stay bounded (a few row widths,
+    one view per length seen) and give the same decisions as a fresh start."""
+    gate_mod._PADS.clear()
+    ros = [make_rollout(f"r{i}", 5, [-0.1] * (i + 1), [True] * (i + 1)) for i in range(3)]
+    g = gate()
+    first = None
+    for t in range(3, 3 + 2 * gate_mod._PADS_KEPT):
+        got = g.assess_batch(ros, np.full((3, t), -0.15, np.float32), 5)
+        first = first or got
+        assert got == first
+        assert len(gate_mod._PADS) <= gate_mod._PADS_KEPT
+        assert all(len(pads) <= t + 1 for _, pads in gate_mod._PADS.values())

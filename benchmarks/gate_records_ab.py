@@ -1,0 +1,106 @@
+"""The gate's records path against another version of it, next to the array path.
+
+    git archive <base> | tar -x -C /tmp/base      (the version to compare with)
+    python benchmarks/gate_records_ab.py /tmp/base/model/gate.py [--repeats 7] [--cases 256x1024]
+
+On the data of `rollout-lifecycle bench --part gate` (cli/bench_speed.py: float32 B x T log-probs,
+ragged lengths T/2..T, Rollout records holding each row's arrays, CPU tensors as the current
+log-probs), for each case and 1 and 2 torch threads, it runs in turn, `--repeats` times:
+`assess_arrays` on the tensors (the array path), `AdmissionGate.assess_batch` of the given file
+("old") and of this checkout ("new"), and "new" with every decision read (its decisions are
+built when read). It prints medians of wall and CPU time (time.process_time, which other work
+on a shared machine inflates less), the records / arrays ratios, and whether old and new give
+the same decisions, figures included, to the bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rollout_lifecycle.cli import benchmarks as B
+from rollout_lifecycle.model import gate as new
+
+CASES = [(b, t) for b in (256, 1024, 4096) for t in (1024, 4096)]
+
+
+def _fields(decisions: Any) -> list[tuple[Any, ...]]:
+    return [
+        (d.rollout_id, d.accepted, d.reason, d.route, d.freshness, d.drift, d.lag)
+        for d in decisions
+    ]
+
+
+def _variants(
+    g_old: Any, g_new: Any, arrays: tuple[Any, ...], ros: list[Any]
+) -> dict[str, Callable[[], Any]]:
+    o, c, m, bvs = arrays
+    return {
+        "arrays": lambda: new.assess_arrays(o, c, m, bvs, B.CURRENT, B.MAX_LAG, B.MAX_DRIFT),
+        "old": lambda: g_old.assess_batch(ros, c, B.CURRENT),
+        "new": lambda: g_new.assess_batch(ros, c, B.CURRENT),
+        "new+read": lambda: list(g_new.assess_batch(ros, c, B.CURRENT)),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("old_gate", help="path of the gate.py to compare with")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--cases", help="e.g. 256x1024,4096x4096 (default: the bench's six)")
+    args = ap.parse_args()
+    spec = importlib.util.spec_from_file_location("gate_old", args.old_gate)
+    assert spec is not None and spec.loader is not None
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    cases = CASES
+    if args.cases:
+        cases = [(int(c.split("x")[0]), int(c.split("x")[1])) for c in args.cases.split(",")]
+    policy = (B.MAX_LAG, B.MAX_DRIFT, B.CONDITIONS)
+    g_new = new.AdmissionGate(new.GatePolicy(*policy), registry=B.REGISTRY)
+    g_old = old.AdmissionGate(old.GatePolicy(*policy), registry=B.REGISTRY)
+    before = torch.get_num_threads()
+    try:
+        for b, t in cases:
+            data = B._batch(b, t)
+            ros = B._records(data)
+            o, c, m = (torch.from_numpy(data[k]) for k in ("old", "cur", "mask"))
+            bvs = data["bvs"]
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                variants = _variants(g_old, g_new, (o, c, m, bvs), ros)
+                same = _fields(variants["old"]()) == _fields(variants["new"]())
+                for fn in variants.values():  # warm up
+                    fn()
+                wall: dict[str, list[float]] = {k: [] for k in variants}
+                cpu: dict[str, list[float]] = {k: [] for k in variants}
+                for _ in range(args.repeats):
+                    for k, fn in variants.items():
+                        w0, c0 = time.perf_counter(), time.process_time()
+                        fn()
+                        cpu[k].append(time.process_time() - c0)
+                        wall[k].append(time.perf_counter() - w0)
+                mw = {k: statistics.median(v) * 1e3 for k, v in wall.items()}
+                mc = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
+                print(
+                    f"B={b:5d} T={t:5d} threads={threads} same={same} | wall ms: arrays "
+                    f"{mw['arrays']:.2f} old {mw['old']:.2f} new {mw['new']:.2f} new+read "
+                    f"{mw['new+read']:.2f}; records/arrays {mw['old'] / mw['arrays']:.2f} -> "
+                    f"{mw['new'] / mw['arrays']:.2f} | cpu ms: arrays {mc['arrays']:.2f} old "
+                    f"{mc['old']:.2f} new {mc['new']:.2f} new+read {mc['new+read']:.2f}; "
+                    f"records/arrays {mc['old'] / mc['arrays']:.2f} -> "
+                    f"{mc['new'] / mc['arrays']:.2f}",
+                    flush=True,
+                )
+    finally:
+        torch.set_num_threads(before)
+
+
+if __name__ == "__main__":
+    main()
