@@ -677,6 +677,12 @@ _FAST_FIELDS = (
 _FAST_GET = operator.itemgetter(*_FAST_FIELDS)
 _STATES = frozenset(LIFECYCLE.states)
 _FLAT = itertools.chain.from_iterable
+# Lines parsed and checked at a time. Checking a part's values while the objects json just
+# made are still in the CPU cache, and dropping them before the next part is parsed, costs
+# about a third less than checking a 1024-line chunk's values after all of it is parsed
+# (measured on the bench's input; the allocator also reuses the freed memory). Any size
+# gives the same result; 16 to 128 measured alike.
+_PART = 32
 
 
 @attrs.frozen
@@ -699,10 +705,45 @@ class _FastChunk:
 
 def _fast_chunk(lines: Sequence[tuple[int, bytes]], parser: LineParser) -> _FastChunk | None:
     """The chunk as columns when every line is valid and every action position finite,
-    checked column by column (one C-level pass per check, not one Python call per line or
-    value); None at the first doubt, and the chunk then goes line by line, which names the
-    problem exactly as always. Accepts only what `LineParser.parse` accepts, with the same
-    values (the same conversions), and records the ids as seen only when it accepts."""
+    checked `_PART` lines at a time, column by column (one C-level pass per check, not one
+    Python call per line or value); None at the first doubt, and the chunk then goes line by
+    line, which names the problem exactly as always. Accepts only what `LineParser.parse`
+    accepts, with the same values (the same conversions), and records the ids as seen only
+    when it accepts the whole chunk."""
+    parts = []
+    for at in range(0, len(lines), _PART):
+        part = _fast_part(lines[at : at + _PART], parser)
+        if part is None:
+            return None
+        parts.append(part)
+    if not parts:
+        return None
+    ids = list(_FLAT(p.ids for p in parts))
+    seen = parser._seen
+    if len(set(ids)) != len(ids) or not seen.keys().isdisjoint(ids):
+        return None
+    seen.update(zip(ids, (lineno for lineno, _ in lines), strict=True))
+    if len(parts) == 1:
+        return parts[0]
+    sizes = np.concatenate([p.lengths for p in parts])
+    return _FastChunk(
+        ids,
+        list(_FLAT(p.states for p in parts)),
+        list(_FLAT(p.versions for p in parts)),
+        list(_FLAT(p.hashes for p in parts)),
+        list(_FLAT(p.conditions for p in parts)),
+        list(_FLAT(p.token_counts for p in parts)),
+        sizes,
+        np.cumsum(sizes) - sizes,
+        np.concatenate([p.old for p in parts]),
+        np.concatenate([p.current for p in parts]),
+        np.concatenate([p.mask for p in parts]),
+    )
+
+
+def _fast_part(lines: Sequence[tuple[int, bytes]], parser: LineParser) -> _FastChunk | None:
+    """`_fast_chunk`'s checks of a few lines, all but the ids' uniqueness across the chunk
+    and against the lines before it; the parsed objects are dropped on return."""
     try:
         objs = [json.loads(raw) for _, raw in lines]
     except Exception:  # whatever it is, the line-by-line path names it
@@ -720,6 +761,7 @@ def _fast_chunk(lines: Sequence[tuple[int, bytes]], parser: LineParser) -> _Fast
     ids, prompts, datasets, sample_index, versions, hashes, raw_conds, tokens, masks, olds, curs = (
         map(list, zip(*map(_FAST_GET, objs), strict=True))
     )
+    del objs
     if not all(set(map(type, col)) == {list} for col in (tokens, masks, olds, curs)):
         return None
     if not (all(map(texts_pass, (ids, prompts, datasets, hashes))) and ints64_pass(sample_index)):
@@ -748,9 +790,6 @@ def _fast_chunk(lines: Sequence[tuple[int, bytes]], parser: LineParser) -> _Fast
     with np.errstate(invalid="ignore"):
         if (mask & ~(np.isfinite(old) & np.isfinite(current))).any():
             return None
-    seen = parser._seen
-    if len(set(ids)) != len(ids) or not seen.keys().isdisjoint(ids):
-        return None
     try:
         conditions = [
             parser._conditions_of(raw, lineno)
@@ -758,7 +797,6 @@ def _fast_chunk(lines: Sequence[tuple[int, bytes]], parser: LineParser) -> _Fast
         ]
     except InputLineError:
         return None
-    seen.update(zip(ids, (lineno for lineno, _ in lines), strict=True))
     sizes = np.array(lengths, np.int64)
     return _FastChunk(
         ids,
