@@ -16,6 +16,7 @@ Why it is built this way:
 
 from __future__ import annotations
 
+import array
 import contextlib
 import functools
 import itertools
@@ -768,25 +769,15 @@ def _fast_part(lines: Sequence[tuple[int, bytes]], parser: LineParser) -> _FastC
         return None
     if not ints64_pass(versions):
         return None
-    if not (
-        set(map(type, _FLAT(curs))) <= _NUMBER_TYPES
-        and set(map(type, _FLAT(olds))) <= _NUMBER_TYPES
-        and set(map(type, _FLAT(tokens))) <= _INTS
-        and set(map(type, _FLAT(masks))) <= {bool}
-    ):
-        return None
     lengths = list(map(len, olds))
     if list(map(len, curs)) != lengths or list(map(len, masks)) != lengths:
         return None  # misaligned rows: the line-by-line path keeps them out of the finite check
     token_counts = list(map(len, tokens))
-    total = sum(lengths)
-    try:
-        current = np.fromiter(_FLAT(curs), np.float64, total)
-        old = np.fromiter(_FLAT(olds), np.float64, total)
-        np.fromiter(_FLAT(tokens), np.int64, sum(token_counts))  # every id fits in int64
-    except (OverflowError, ValueError, TypeError):
+    current = _number_column(curs)
+    old = _number_column(olds)
+    mask = _bool_column(masks)
+    if current is None or old is None or mask is None or not _int64_column(tokens):
         return None
-    mask = np.fromiter(_FLAT(masks), np.bool_, total)
     with np.errstate(invalid="ignore"):
         if (mask & ~(np.isfinite(old) & np.isfinite(current))).any():
             return None
@@ -811,6 +802,58 @@ def _fast_part(lines: Sequence[tuple[int, bytes]], parser: LineParser) -> _FastC
         current,
         mask,
     )
+
+
+def _number_column(rows: list[list[Any]]) -> npt.NDArray[np.float64] | None:
+    """The rows' values, concatenated, as the float64 array `np.array(values, np.float64)`
+    makes of them; None unless every value is an int or a float (never a bool) that a
+    float holds.
+
+    One C-level pass converts and checks at once: array('d') takes exactly ints, floats
+    and bools of what json makes (a string, None, a list or an object is a TypeError, an
+    int beyond a float's range an OverflowError), and a bool can only have become 0.0 or
+    1.0, so only the values equal to those are looked at again for bools."""
+    values = array.array("d")
+    try:
+        for row in rows:
+            values.fromlist(row)
+    except (TypeError, OverflowError):
+        return None
+    arr = np.frombuffer(values, np.float64)
+    if not _bools_absent(rows, np.flatnonzero((arr == 0.0) | (arr == 1.0))):
+        return None
+    return arr
+
+
+def _int64_column(rows: list[list[Any]]) -> bool:
+    """True when every value is an int (never a bool) that fits in int64, as the record's
+    int64 array needs: array('q') takes exactly ints and bools in that range of what json
+    makes, and a bool is 0 or 1, so only those values are looked at again."""
+    values = array.array("q")
+    try:
+        for row in rows:
+            values.fromlist(row)
+    except (TypeError, OverflowError):
+        return False
+    arr = np.frombuffer(values, np.int64)
+    return _bools_absent(rows, np.flatnonzero((arr == 0) | (arr == 1)))
+
+
+def _bools_absent(rows: list[list[Any]], at: npt.NDArray[np.intp]) -> bool:
+    """True when none of the rows' values at the flat positions `at` is a bool."""
+    if not at.size:
+        return True
+    flat = list(_FLAT(rows))
+    return bool not in set(map(type, map(flat.__getitem__, at.tolist())))
+
+
+def _bool_column(rows: list[list[Any]]) -> npt.NDArray[np.bool_] | None:
+    """The rows' values, concatenated, as a bool array; None unless every one is a bool
+    (the input schema's mask; 0 and 1 are refused, as `_booleans` refuses them)."""
+    if not set(map(type, _FLAT(rows))) <= {bool}:
+        return None
+    # bytes() of bools is their 0/1 bytes, the bool dtype's own representation
+    return np.frombuffer(b"".join(map(bytes, rows)), np.bool_)
 
 
 def _gate_columns(
