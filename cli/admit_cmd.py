@@ -538,7 +538,7 @@ def _lines(f: IO[bytes], advance: Callable[[int], None]) -> Iterator[tuple[int, 
                 lineno, f"line longer than {MAX_LINE_BYTES // 2**20} MiB; one rollout per line"
             )
         advance(len(raw))
-        if raw.strip():
+        if not raw.isspace():  # the blank lines raw.strip() empties, without copying the line
             yield lineno, raw
 
 
