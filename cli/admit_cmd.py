@@ -20,6 +20,7 @@ import contextlib
 import functools
 import itertools
 import json
+import marshal
 import math
 import operator
 import os
@@ -857,13 +858,31 @@ def _bools_absent(rows: list[list[Any]], at: npt.NDArray[np.intp]) -> bool:
     return bool not in set(map(type, map(flat.__getitem__, at.tolist())))
 
 
+# marshal writes a list as a 5-byte header and then its items, each starting with its type
+# byte; True and False are the one bytes b"T" and b"F", and no other value has those type
+# bytes. Checked here: where this Python writes them otherwise, the mask's values are
+# judged type by type.
+_MARSHAL_BOOLS = marshal.dumps([True, False, True])[5:] == b"TFT"
+
+
 def _bool_column(rows: list[list[Any]]) -> npt.NDArray[np.bool_] | None:
     """The rows' values, concatenated, as a bool array; None unless every one is a bool
-    (the input schema's mask; 0 and 1 are refused, as `_booleans` refuses them)."""
-    if not set(map(type, _FLAT(rows))) <= {bool}:
+    (the input schema's mask; 0 and 1 are refused, as `_booleans` refuses them).
+
+    marshal.dumps writes each row in one C pass, about three times cheaper than looking at
+    each value's type: the rows hold only bools when their items are all b"T" or b"F" (any
+    other value adds at least its own type byte)."""
+    if not _MARSHAL_BOOLS:
+        if not set(map(type, _FLAT(rows))) <= {bool}:
+            return None
+        return np.array(list(_FLAT(rows)), np.bool_)
+    try:
+        items = b"".join([d[5:] for d in map(marshal.dumps, rows)])
+    except ValueError:  # nested too deeply to marshal: not a bool
         return None
-    # bytes() of bools is their 0/1 bytes, the bool dtype's own representation
-    return np.frombuffer(b"".join(map(bytes, rows)), np.bool_)
+    if items.count(b"T") + items.count(b"F") != len(items):
+        return None
+    return np.frombuffer(items, np.uint8) == ord("T")
 
 
 def _gate_columns(

@@ -648,14 +648,19 @@ def test_int64_column_is_the_type_check_and_the_int64_fit(rows: list[list[Any]])
     assert admit_cmd._int64_column(rows) is want
 
 
+@pytest.mark.parametrize("by_marshal", [True, False])
 @settings(max_examples=300, deadline=None)
-@given(_ROWS)
-def test_bool_column_takes_only_bools(rows: list[list[Any]]) -> None:
-    """The mask column: bools only (0, 1, 0.0 refused), as np.fromiter's bool array."""
+@given(rows=_ROWS)
+def test_bool_column_takes_only_bools(by_marshal: bool, rows: list[list[Any]]) -> None:
+    """The mask column: bools only (0, 1, 0.0, None refused), as np.fromiter's bool array;
+    by marshal's bytes, and value by value where marshal writes bools otherwise."""
     from rollout_lifecycle.cli import admit_cmd
 
+    assert admit_cmd._MARSHAL_BOOLS  # CPython writes them as b"T" and b"F"
     values = [v for r in rows for v in r]
-    got = admit_cmd._bool_column(rows)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(admit_cmd, "_MARSHAL_BOOLS", by_marshal)
+        got = admit_cmd._bool_column(rows)
     if {type(v) for v in values} <= {bool}:
         assert got is not None and got.tolist() == values and got.dtype == np.bool_
     else:
