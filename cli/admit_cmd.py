@@ -882,7 +882,8 @@ def _bool_column(rows: list[list[Any]]) -> npt.NDArray[np.bool_] | None:
         return None
     if items.count(b"T") + items.count(b"F") != len(items):
         return None
-    return np.frombuffer(items, np.uint8) == ord("T")
+    mask: npt.NDArray[np.bool_] = np.frombuffer(items, np.uint8) == ord("T")
+    return mask
 
 
 def _gate_columns(
