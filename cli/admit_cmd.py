@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import attrs
 import click
@@ -682,6 +682,7 @@ _FAST_FIELDS = (
 _FAST_GET = operator.itemgetter(*_FAST_FIELDS)
 _STATES = frozenset(LIFECYCLE.states)
 _FLAT = itertools.chain.from_iterable
+_T = TypeVar("_T", bound=np.generic)
 # Lines parsed and checked at a time. Checking a part's values while the objects json just
 # made are still in the CPU cache, and dropping them before the next part is parsed, costs
 # about a third less than checking a 1024-line chunk's values after all of it is parsed
@@ -902,16 +903,21 @@ def _gate_columns(
         g = np.array(rows, np.intp)
         lens = fast.lengths[g]
         t = int(lens.max()) if len(rows) else 0
-        # each row's values, in the group's order, gathered from the flat columns
-        offsets = np.cumsum(lens) - lens
-        src = np.repeat(fast.starts[g] - offsets, lens) + np.arange(int(lens.sum()))
-        valid = np.arange(t) < lens[:, None]
-        cur = np.zeros((len(rows), t), np.float64)
-        old = np.zeros((len(rows), t), np.float64)
-        mask = np.zeros((len(rows), t), np.bool_)
-        cur[valid] = fast.current[src]
-        old[valid] = fast.old[src]
-        mask[valid] = fast.mask[src]
+        if len(rows) == len(fast.ids):
+            # the whole chunk in one group (the usual case): padded in line order straight
+            # from the flat columns, then the rows put in the group's order
+            valid = np.arange(t) < fast.lengths[:, None]
+            cur = _padded(fast.current, valid)[g]
+            old = _padded(fast.old, valid)[g]
+            mask = _padded(fast.mask, valid)[g]
+        else:
+            # each row's values, in the group's order, gathered from the flat columns
+            offsets = np.cumsum(lens) - lens
+            src = np.repeat(fast.starts[g] - offsets, lens) + np.arange(int(lens.sum()))
+            valid = np.arange(t) < lens[:, None]
+            cur = _padded(fast.current[src], valid)
+            old = _padded(fast.old[src], valid)
+            mask = _padded(fast.mask[src], valid)
         n = lens.tolist()
         columns = RecordColumns(
             rollout_ids=[fast.ids[i] for i in rows],
@@ -929,6 +935,14 @@ def _gate_columns(
         for i, d in zip(rows, got, strict=True):
             decisions[i] = d
     return [d for d in decisions if d is not None]
+
+
+def _padded(values: npt.NDArray[_T], valid: npt.NDArray[np.bool_]) -> npt.NDArray[_T]:
+    """`values`, row after row, in a zero-padded matrix shaped like `valid` (True where a
+    row has a value)."""
+    out = np.zeros(valid.shape, values.dtype)
+    out[valid] = values
+    return out
 
 
 MAX_CELLS = 1 << 20  # padded B x T cells per gate call: memory stays near the input's size

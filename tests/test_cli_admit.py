@@ -501,14 +501,17 @@ def _varied_rows(n: int) -> list[dict[str, Any]]:
     return rows
 
 
+@pytest.mark.parametrize("max_cells", [2000, None])
 def test_column_path_writes_what_the_line_path_writes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_cells: int | None
 ) -> None:
     """A chunk that is valid throughout goes to the gate as columns; its decisions are the
-    line-by-line path's to the byte, across chunks and width groups (small MAX_CELLS)."""
+    line-by-line path's to the byte, across chunks, in several width groups (small
+    MAX_CELLS) or one group of the whole chunk."""
     from rollout_lifecycle.cli import admit_cmd
 
-    monkeypatch.setattr(admit_cmd, "MAX_CELLS", 2000)
+    if max_cells is not None:
+        monkeypatch.setattr(admit_cmd, "MAX_CELLS", max_cells)
     inp = write_jsonl(tmp_path / "in.jsonl", _varied_rows(240))
     cond = tmp_path / "cond.json"
     cond.write_text(json.dumps(CONDITIONS))
