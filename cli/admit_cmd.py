@@ -599,15 +599,16 @@ def _run(
 ) -> Summary:
     summary = Summary()
     parser = LineParser()
+    scratch = _Scratch()  # the column path's flat and padded arrays, chunk after chunk
     with (
         input_path.open("rb", buffering=READ_BUFFER) as f,
         _progress(input_path.stat().st_size, quiet) as advance,
         _atomic_output(out, force) as sink,
     ):
         for lines in _raw_chunks(_lines(f, advance), parser, chunk_size):
-            fast = _fast_chunk(lines, parser)
+            fast = _fast_chunk(lines, parser, scratch)
             if fast is not None:
-                done = _gate_columns(fast, gate, current_version)
+                done = _gate_columns(fast, gate, current_version, scratch)
             else:  # line by line: every problem found and named exactly as always
                 done = []
                 for chunk in _chunks(iter(lines), parser, len(lines)):
@@ -709,13 +710,17 @@ class _FastChunk:
     mask: npt.NDArray[np.bool_]
 
 
-def _fast_chunk(lines: Sequence[tuple[int, bytes]], parser: LineParser) -> _FastChunk | None:
+def _fast_chunk(
+    lines: Sequence[tuple[int, bytes]], parser: LineParser, scratch: _Scratch | None = None
+) -> _FastChunk | None:
     """The chunk as columns when every line is valid and every action position finite,
     checked `_PART` lines at a time, column by column (one C-level pass per check, not one
     Python call per line or value); None at the first doubt, and the chunk then goes line by
     line, which names the problem exactly as always. Accepts only what `LineParser.parse`
     accepts, with the same values (the same conversions), and records the ids as seen only
-    when it accepts the whole chunk."""
+    when it accepts the whole chunk. The flat columns of several parts live in `scratch`
+    until the next chunk's."""
+    scratch = _Scratch() if scratch is None else scratch
     parts = []
     for at in range(0, len(lines), _PART):
         part = _fast_part(lines[at : at + _PART], parser)
@@ -732,6 +737,7 @@ def _fast_chunk(lines: Sequence[tuple[int, bytes]], parser: LineParser) -> _Fast
         fast = parts[0]
     else:
         sizes = np.concatenate([p.lengths for p in parts])
+        total = (int(sizes.sum()),)
         fast = _FastChunk(
             ids,
             list(_FLAT(p.states for p in parts)),
@@ -741,9 +747,15 @@ def _fast_chunk(lines: Sequence[tuple[int, bytes]], parser: LineParser) -> _Fast
             list(_FLAT(p.token_counts for p in parts)),
             sizes,
             np.cumsum(sizes) - sizes,
-            np.concatenate([p.old for p in parts]),
-            np.concatenate([p.current for p in parts]),
-            np.concatenate([p.mask for p in parts]),
+            np.concatenate(
+                [p.old for p in parts], out=scratch.array("flat old", total, np.float64)
+            ),
+            np.concatenate(
+                [p.current for p in parts], out=scratch.array("flat current", total, np.float64)
+            ),
+            np.concatenate(
+                [p.mask for p in parts], out=scratch.array("flat mask", total, np.bool_)
+            ),
         )
     with np.errstate(invalid="ignore"):  # once per chunk: numpy's cost is per call
         if (fast.mask & ~(np.isfinite(fast.old) & np.isfinite(fast.current))).any():
@@ -894,10 +906,15 @@ def _bool_column(rows: list[list[Any]]) -> npt.NDArray[np.bool_] | None:
 
 
 def _gate_columns(
-    fast: _FastChunk, gate: AdmissionGate, current_version: int
+    fast: _FastChunk,
+    gate: AdmissionGate,
+    current_version: int,
+    scratch: _Scratch | None = None,
 ) -> list[AdmissionDecision]:
     """A valid chunk through the gate's column path, in the same groups as the
-    line-by-line path (so each row is padded to the same width: the same figures)."""
+    line-by-line path (so each row is padded to the same width: the same figures). The
+    padded matrices live in `scratch` until the next chunk's."""
+    scratch = _Scratch() if scratch is None else scratch
     decisions: list[AdmissionDecision | None] = [None] * len(fast.ids)
     for rows in _by_width(fast.lengths.tolist()):
         g = np.array(rows, np.intp)
@@ -907,9 +924,9 @@ def _gate_columns(
             # the whole chunk in one group (the usual case): padded in line order straight
             # from the flat columns, then the rows put in the group's order
             valid = np.arange(t) < fast.lengths[:, None]
-            cur = _padded(fast.current, valid)[g]
-            old = _padded(fast.old, valid)[g]
-            mask = _padded(fast.mask, valid)[g]
+            cur = _padded_rows(fast.current, valid, g, scratch, "gate current")
+            old = _padded_rows(fast.old, valid, g, scratch, "gate old")
+            mask = _padded_rows(fast.mask, valid, g, scratch, "gate mask")
         else:
             # each row's values, in the group's order, gathered from the flat columns
             offsets = np.cumsum(lens) - lens
@@ -943,6 +960,41 @@ def _padded(values: npt.NDArray[_T], valid: npt.NDArray[np.bool_]) -> npt.NDArra
     out = np.zeros(valid.shape, values.dtype)
     out[valid] = values
     return out
+
+
+def _padded_rows(
+    values: npt.NDArray[_T],
+    valid: npt.NDArray[np.bool_],
+    order: npt.NDArray[np.intp],
+    scratch: _Scratch,
+    name: str,
+) -> npt.NDArray[_T]:
+    """`_padded(values, valid)[order]`, built in `scratch`'s arrays."""
+    lines = scratch.array(f"line order {values.dtype}", valid.shape, values.dtype.type)
+    lines.fill(0)
+    lines[valid] = values
+    out = scratch.array(name, valid.shape, values.dtype.type)
+    np.take(lines, order, axis=0, out=out)
+    return out
+
+
+class _Scratch:
+    """Arrays reused from one chunk to the next. A fresh array of a few MiB per chunk is
+    page-faulted in anew each time (the allocator gives freed memory that large back to
+    the system): on the bench's input that was most of admit's system CPU time."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, npt.NDArray[Any]] = {}
+
+    def array(self, name: str, shape: tuple[int, ...], dtype: type[_T]) -> npt.NDArray[_T]:
+        """An uninitialised array of `shape`, in the memory `name` had before if it fits;
+        what `name` gave the chunk before must no longer be in use."""
+        size = math.prod(shape)
+        have = self._arrays.get(name)
+        if have is None or have.size < size or have.dtype != dtype:
+            have = self._arrays[name] = np.empty(size, dtype)
+        out: npt.NDArray[_T] = have[:size].reshape(shape)
+        return out
 
 
 MAX_CELLS = 1 << 20  # padded B x T cells per gate call: memory stays near the input's size
