@@ -837,7 +837,7 @@ def _number_column(rows: list[list[Any]]) -> npt.NDArray[np.float64] | None:
     if packed is None:
         return None
     arr = np.frombuffer(packed, np.float64)
-    if not _bools_absent(rows, np.flatnonzero((arr == 0.0) | (arr == 1.0))):
+    if not _bools_absent(rows, (arr == 0.0) | (arr == 1.0)):
         return None
     return arr
 
@@ -850,7 +850,7 @@ def _int64_column(rows: list[list[Any]]) -> bool:
     if packed is None:
         return False
     arr = np.frombuffer(packed, np.int64)
-    return _bools_absent(rows, np.flatnonzero((arr == 0) | (arr == 1)))
+    return _bools_absent(rows, (arr == 0) | (arr == 1))
 
 
 def _packed(rows: list[list[Any]], code: str) -> bytes | None:
@@ -869,10 +869,15 @@ def _packer(code: str, n: int) -> Callable[..., bytes]:
     return struct.Struct(f"{n}{code}").pack
 
 
-def _bools_absent(rows: list[list[Any]], at: npt.NDArray[np.intp]) -> bool:
-    """True when none of the rows' values at the flat positions `at` is a bool."""
+def _bools_absent(rows: list[list[Any]], maybe: npt.NDArray[np.bool_]) -> bool:
+    """True when none of the rows' values where `maybe` (over the flat values) is True is
+    a bool; where most are in doubt (log-probs of exactly 0.0), every value's type is
+    looked at in one pass instead, which is cheaper than picking them out."""
+    at = np.flatnonzero(maybe)
     if not at.size:
         return True
+    if at.size * 8 > maybe.size:
+        return bool not in set(map(type, _FLAT(rows)))
     flat = list(_FLAT(rows))
     return bool not in set(map(type, map(flat.__getitem__, at.tolist())))
 

@@ -606,7 +606,15 @@ _JSON_SCALARS = st.one_of(
     st.booleans(),
     st.sampled_from(["1.5", "0", "nan", "", None, [1.0], [], {}, {"a": 1}]),
 )
-_ROWS = st.lists(st.lists(_JSON_SCALARS, max_size=6), max_size=5)
+# long rows of ordinary values with a few hostile ones: the 0/1 values to look at again are
+# sparse (picked out one by one), where in short mixed rows they are dense (one full pass)
+_ORDINARY = st.one_of(st.floats(-10, -0.01), st.integers(2, 10**6))
+_SPARSE = st.lists(
+    st.lists(st.one_of(*[_ORDINARY] * 12, _JSON_SCALARS), min_size=16, max_size=40),
+    min_size=1,
+    max_size=4,
+)
+_ROWS = st.one_of(st.lists(st.lists(_JSON_SCALARS, max_size=6), max_size=5), _SPARSE)
 
 
 def _numbers_reference(rows: list[list[Any]]) -> bytes | None:
