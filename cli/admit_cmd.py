@@ -11,7 +11,7 @@ Why it is built this way:
   still in the CPU cache, then freed), and each list column is checked and converted in
   one C-level pass: struct for numbers and token ids, marshal's bytes for the mask, a second
   look only at the values a bool could have become. Large arrays are reused from chunk to
-  chunk. With this the loop costs about as much as json.loads alone plus numpy.
+  chunk instead of being page-faulted in anew.
 * Decisions go to a hidden temp file beside `--out` and are renamed into place only after
   the last line: an error on line 90,000, or Ctrl-C, leaves no half-written decisions that a
   trainer could mistake for a complete admission.
