@@ -7,8 +7,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from click.testing import CliRunner, Result
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from rollout_lifecycle.cli.main import cli
 from rollout_lifecycle.model.backends import open_backend
@@ -498,14 +501,17 @@ def _varied_rows(n: int) -> list[dict[str, Any]]:
     return rows
 
 
+@pytest.mark.parametrize("max_cells", [2000, None])
 def test_column_path_writes_what_the_line_path_writes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_cells: int | None
 ) -> None:
     """A chunk that is valid throughout goes to the gate as columns; its decisions are the
-    line-by-line path's to the byte, across chunks and width groups (small MAX_CELLS)."""
+    line-by-line path's to the byte, across chunks, in several width groups (small
+    MAX_CELLS) or one group of the whole chunk."""
     from rollout_lifecycle.cli import admit_cmd
 
-    monkeypatch.setattr(admit_cmd, "MAX_CELLS", 2000)
+    if max_cells is not None:
+        monkeypatch.setattr(admit_cmd, "MAX_CELLS", max_cells)
     inp = write_jsonl(tmp_path / "in.jsonl", _varied_rows(240))
     cond = tmp_path / "cond.json"
     cond.write_text(json.dumps(CONDITIONS))
@@ -588,3 +594,155 @@ def test_decision_lines_are_the_encoder_s_bytes() -> None:
     ]
     want = "".join(admit_cmd._decision_line(d) + "\n" for d in decisions)
     assert admit_cmd._decision_lines(decisions) == want
+
+
+# ---- the column path's one-pass conversions, against the checks they replace ---------------
+
+_JSON_SCALARS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5]),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, 1, -1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**1024, -(10**400)]),
+    st.booleans(),
+    st.sampled_from(["1.5", "0", "nan", "", None, [1.0], [], {}, {"a": 1}]),
+)
+# long rows of ordinary values with a few hostile ones: the 0/1 values to look at again are
+# sparse (picked out one by one), where in short mixed rows they are dense (one full pass)
+_ORDINARY = st.one_of(st.floats(-10, -0.01), st.integers(2, 10**6))
+_SPARSE = st.lists(
+    st.lists(st.one_of(*[_ORDINARY] * 12, _JSON_SCALARS), min_size=16, max_size=40),
+    min_size=1,
+    max_size=4,
+)
+_ROWS = st.one_of(st.lists(st.lists(_JSON_SCALARS, max_size=6), max_size=5), _SPARSE)
+
+
+def _numbers_reference(rows: list[list[Any]]) -> bytes | None:
+    """What the column path accepted before: number types only, then np.array's float64."""
+    values = [v for r in rows for v in r]
+    if not {type(v) for v in values} <= {int, float}:
+        return None
+    try:
+        return np.array(values, dtype=np.float64).tobytes()
+    except OverflowError:
+        return None
+
+
+@settings(max_examples=400, deadline=None)
+@given(_ROWS)
+def test_number_column_is_the_type_check_and_np_array(rows: list[list[Any]]) -> None:
+    """array('d') plus the second look at 0.0 and 1.0 accepts exactly ints and floats (no
+    bool, string, None, list or object, no int beyond a float), with np.array's values to
+    the bit (NaN, -0.0 and rounded huge ints included)."""
+    from rollout_lifecycle.cli import admit_cmd
+
+    got = admit_cmd._number_column(rows)
+    assert (None if got is None else got.tobytes()) == _numbers_reference(rows)
+    if got is not None:
+        assert got.dtype == np.float64
+
+
+@settings(max_examples=400, deadline=None)
+@given(_ROWS)
+def test_int64_column_is_the_type_check_and_the_int64_fit(rows: list[list[Any]]) -> None:
+    """array('q') plus the second look at 0 and 1 accepts exactly ints (never a bool) that
+    np.fromiter puts in int64 without overflow."""
+    from rollout_lifecycle.cli import admit_cmd
+
+    values = [v for r in rows for v in r]
+    want = {type(v) for v in values} <= {int}
+    if want:
+        try:
+            np.fromiter(values, np.int64, len(values))
+        except OverflowError:
+            want = False
+    assert admit_cmd._int64_column(rows) is want
+
+
+@pytest.mark.parametrize("by_marshal", [True, False])
+@settings(max_examples=300, deadline=None)
+@given(rows=_ROWS)
+def test_bool_column_takes_only_bools(by_marshal: bool, rows: list[list[Any]]) -> None:
+    """The mask column: bools only (0, 1, 0.0, None refused), as np.fromiter's bool array;
+    by marshal's bytes, and value by value where marshal writes bools otherwise."""
+    from rollout_lifecycle.cli import admit_cmd
+
+    assert admit_cmd._MARSHAL_BOOLS  # CPython writes them as b"T" and b"F"
+    values = [v for r in rows for v in r]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(admit_cmd, "_MARSHAL_BOOLS", by_marshal)
+        got = admit_cmd._bool_column(rows)
+    if {type(v) for v in values} <= {bool}:
+        assert got is not None and got.tolist() == values and got.dtype == np.bool_
+    else:
+        assert got is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=6).map(lambda b: b + b"\n"), min_size=1, max_size=8))
+def test_blank_lines_are_those_strip_empties(raws: list[bytes]) -> None:
+    """`_lines` skips exactly the lines whose strip() is empty (isspace, without a copy)."""
+    import io
+
+    from rollout_lifecycle.cli import admit_cmd
+
+    data = b"".join(raws)
+    got = list(admit_cmd._lines(io.BytesIO(data), lambda _n: None))
+    want = [(i, r) for i, r in enumerate(io.BytesIO(data).readlines(), 1) if r.strip()]
+    assert got == want
+
+
+_HOSTILE = [
+    ("current_log_probs", [0.1, True, 0.2, 0.3]),
+    ("behavior_log_probs", [-0.5, False, -1.5, -2.0]),
+    ("behavior_log_probs", [-0.5, None, -1.5, -2.0]),
+    ("current_log_probs", [-0.5, "-1", -1.5, -2.0]),
+    ("current_log_probs", [-0.5, 10**400, -1.5, -2.0]),
+    ("current_log_probs", [0.0, 1.0, 0, 1]),
+    ("response_token_ids", [1, False, 3, 4]),
+    ("response_token_ids", [True, 0, 1, 4]),
+    ("response_token_ids", [0, 1, -(2**63), 2**63 - 1]),
+    ("response_token_ids", [1, 2**64, 3, 4]),
+    ("response_token_ids", [1, 2.0, 3, 4]),
+    ("action_mask", [False, True, 1, True]),
+    ("action_mask", [False, True, None, True]),
+    ("rollout_id", "r0"),
+]
+
+
+@settings(max_examples=60, deadline=None)
+@example(n=70, chunk="1024", bad=[(50, ("rollout_id", "r3"))])  # a duplicate two parts apart
+@example(n=90, chunk="64", bad=[(80, _HOSTILE[6])])  # a bool token in a later chunk's part
+@given(
+    n=st.integers(1, 90),
+    chunk=st.sampled_from(["1", "7", "33", "64", "1024"]),
+    bad=st.lists(st.tuples(st.integers(0, 89), st.sampled_from(_HOSTILE)), max_size=2),
+)
+def test_columns_and_lines_agree_across_parts(
+    tmp_path_factory: pytest.TempPathFactory, n: int, chunk: str, bad: list[tuple[int, Any]]
+) -> None:
+    """Chunks of several `_PART`-line parts, with hostile values (or a duplicate id) in any
+    part: the exit, the message and the decisions are the line-by-line path's."""
+    from rollout_lifecycle.cli import admit_cmd
+
+    tmp = tmp_path_factory.mktemp("parts")
+    rows = [row(f"r{i}", 3 - i % 3, 0.01 * (i % 25)) for i in range(n)]
+    for at, (key, value) in bad:
+        if at < n:
+            rows[at] = {**rows[at], key: value}
+    inp = write_jsonl(tmp / "in.jsonl", rows)
+    extra = ("--chunk-size", chunk, "--json", "--quiet")
+    fast = run(admit_args(inp, tmp / "fast.jsonl", *extra))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(admit_cmd, "_fast_chunk", lambda *_: None)
+        slow = run(admit_args(inp, tmp / "slow.jsonl", *extra))
+    assert fast.exit_code == slow.exit_code
+    if fast.exit_code:
+        assert fast.output == slow.output and "no decisions were written" in fast.output
+        assert not (tmp / "fast.jsonl").exists()
+        return
+    assert (tmp / "fast.jsonl").read_bytes() == (tmp / "slow.jsonl").read_bytes()
+    summaries = [json.loads(r.stdout) for r in (fast, slow)]
+    for summary in summaries:
+        del summary["elapsed_s"], summary["output"]
+    assert summaries[0] == summaries[1]
