@@ -1019,7 +1019,8 @@ _BUILDERS = {
 
 _NESTED_BUILDERS = tuple((k, _BUILDERS[cls]) for k, cls in _NESTED_IN_ENTRY.items())
 
-_scan = json.JSONDecoder().scan_once  # json.loads' own C scanner, as json.loads sets it up
+# json.loads' own scanner (C where the interpreter has it), set up as json.loads sets it up
+_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def _decode(text: str) -> Any:
