@@ -1015,13 +1015,32 @@ _BUILDERS = {
     cls: {shape: _builder(cls, defaults) for shape, defaults in shapes.items()}
     for cls, shapes in _SHAPES.items()
 }
+
+
 _NESTED_BUILDERS = tuple((k, _BUILDERS[cls]) for k, cls in _NESTED_IN_ENTRY.items())
+
+# json.loads' own scanner (C where the interpreter has it), set up as json.loads sets it up
+_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _decode(text: str) -> Any:
+    """`json.loads(text)`, less its per-call wrapper for the text a store writes (a compact
+    object, nothing before or after it): anything else, or any error, is left to
+    json.loads itself, so the value and the errors are json.loads' own."""
+    if type(text) is str:
+        try:
+            data, end = _scan(text, 0)
+        except (StopIteration, ValueError):
+            return json.loads(text)
+        if end == len(text):
+            return data
+    return json.loads(text)
 
 
 def read_entry(text: str) -> tuple[LedgerEntry, bool]:
     """An entry from the JSON a store wrote, and whether it took the trusted path (see
     above): then `text` is what `dump_entry` makes of it, and a store may reuse it."""
-    data = json.loads(text)
+    data = _decode(text)
     build = _BUILDERS[LedgerEntry].get(tuple(data)) if isinstance(data, dict) else None
     if build is not None:
         nested = []

@@ -9,6 +9,7 @@ import json
 import math
 import struct
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -26,6 +27,7 @@ from rollout_lifecycle.model.events import (
 from rollout_lifecycle.model.ledger import (
     MemoryLedger,
     Step,
+    _decode,
     _evolve,
     dump_entry,
     load_entry,
@@ -87,6 +89,41 @@ def test_every_shape_this_program_writes_takes_the_trusted_path(entry: LedgerEnt
     text = dump_entry(entry)
     loaded, trusted = read_entry(text)
     assert trusted and loaded == entry and dump_entry(loaded) == text
+
+
+def _loads_outcome(decode: Any, text: Any) -> tuple[str, Any]:
+    try:
+        return "value", decode(text)
+    except Exception as exc:  # the type and the message, to compare with json.loads'
+        return type(exc).__name__, str(exc)
+
+
+def test_stored_text_decodes_exactly_as_json_loads() -> None:
+    """The entry decoder's shortcut (json's scanner, called directly) gives json.loads'
+    value for every text, and json.loads' own error for a text that is no single JSON
+    value: space around it, a byte-order mark, trailing data, bytes, NaN, a huge int."""
+    text = dump_entry(_entries()[3])
+    texts: list[Any] = [
+        text,
+        f" {text}",
+        f"{text}\n",
+        f"\ufeff{text}",
+        f"{text} x",
+        f"{text}{text}",
+        text[:-1],
+        "",
+        "   ",
+        "[1, 2]",
+        '{"a": NaN, "b": -Infinity, "c": 1e400}',
+        '{"big": 123456789012345678901234567890}',
+        '"\\ud800"',
+        text.encode(),
+    ]
+    for t in texts:
+        ours, theirs = _loads_outcome(_decode, t), _loads_outcome(json.loads, t)
+        assert repr(ours) == repr(theirs), t
+    with pytest.raises(json.JSONDecodeError, match="Extra data"):
+        read_entry(f"{text} x")
 
 
 def test_a_pacing_shape_this_program_never_writes_is_validated() -> None:
