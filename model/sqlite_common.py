@@ -108,13 +108,18 @@ _HEAD = (
 )
 
 
+def _check_counters(names: tuple[str, ...]) -> None:
+    """Refuse a counter the head has no column for (a name is SQL text here, never data)."""
+    unknown = set(names) - set(HEAD_COUNTERS)
+    if unknown:
+        raise LedgerError(f"no stored counter is named {sorted(unknown)}")
+
+
 def _head_sql(names: tuple[str, ...]) -> str:
     """`_HEAD` that also adds to the counters `names` (one value each, after the head's)."""
     sql = _HEADS.get(names)
     if sql is None:
-        unknown = set(names) - set(HEAD_COUNTERS)
-        if unknown:
-            raise LedgerError(f"no stored counter is named {sorted(unknown)}")
+        _check_counters(names)
         cols = "".join(f", {c}" for c in names)
         marks = ", ?" * len(names)
         adds = "".join(f", {c} = {c} + excluded.{c}" for c in names)
@@ -135,9 +140,7 @@ def count_sql(names: tuple[str, ...]) -> str:
     that); its counts are then lost, as a counter table's would be with the table."""
     sql = _COUNTS.get(names)
     if sql is None:
-        unknown = set(names) - set(HEAD_COUNTERS)
-        if unknown:
-            raise LedgerError(f"no stored counter is named {sorted(unknown)}")
+        _check_counters(names)
         adds = ", ".join(f"{c} = {c} + ?" for c in names)
         sql = _COUNTS[names] = f"UPDATE events_chain SET {adds} WHERE id = 1"
     return sql
