@@ -964,10 +964,15 @@ def _gate_columns(
     return [d for d in decisions if d is not None]
 
 
-def _padded(values: npt.NDArray[_T], valid: npt.NDArray[np.bool_]) -> npt.NDArray[_T]:
+def _padded(
+    values: npt.NDArray[_T], valid: npt.NDArray[np.bool_], out: npt.NDArray[_T] | None = None
+) -> npt.NDArray[_T]:
     """`values`, row after row, in a zero-padded matrix shaped like `valid` (True where a
-    row has a value)."""
-    out = np.zeros(valid.shape, values.dtype)
+    row has a value): a new one, or `out` overwritten."""
+    if out is None:
+        out = np.zeros(valid.shape, values.dtype)
+    else:
+        out.fill(0)
     out[valid] = values
     return out
 
@@ -980,9 +985,9 @@ def _padded_rows(
     name: str,
 ) -> npt.NDArray[_T]:
     """`_padded(values, valid)[order]`, built in `scratch`'s arrays."""
-    lines = scratch.array(f"line order {values.dtype}", valid.shape, values.dtype.type)
-    lines.fill(0)
-    lines[valid] = values
+    lines = _padded(
+        values, valid, scratch.array(f"line order {values.dtype}", valid.shape, values.dtype.type)
+    )
     out = scratch.array(name, valid.shape, values.dtype.type)
     np.take(lines, order, axis=0, out=out)
     return out

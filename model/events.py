@@ -418,6 +418,19 @@ class EntryStates:
                 out.add(rid)
         return out
 
+    def catch_up(
+        self,
+        payloads: Sequence[Mapping[str, Any]],
+        earlier: Callable[[list[str]], Iterable[str]],
+    ) -> None:
+        """Before `event` reads `payloads` (a store's events after some seq): fold in the
+        earlier stored payloads, in seq order, of the rollouts `unknown` names, which
+        `earlier(ids)` reads from the store (one query, only when some are unknown)."""
+        missing = self.unknown(payloads)
+        if missing:
+            for text in earlier(sorted(missing)):
+                self.fold(json.loads(text))
+
     def fold(self, data: Mapping[str, Any]) -> None:
         """Take in an earlier entry event of a rollout without building its event: only its
         resulting entry, as JSON, is kept (decoded when a later event needs it)."""

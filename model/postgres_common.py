@@ -1020,15 +1020,17 @@ def read_events(
     decoded = [(seq, txn, json.loads(payload)) for seq, txn, payload in rows]
     known = EntryStates() if states is None else states
     if after_seq:
-        missing = known.unknown(data for _, _, data in decoded)
-        if missing:
-            earlier = conn.execute(
-                "SELECT payload FROM events WHERE kind = 'entry' AND seq <= %s "
-                "AND subject = ANY(%s) ORDER BY seq",
-                (after_seq, sorted(missing)),
-            ).fetchall()
-            for (payload,) in earlier:
-                known.fold(json.loads(payload))
+        known.catch_up(
+            [data for _, _, data in decoded],
+            lambda ids: (
+                p
+                for (p,) in conn.execute(
+                    "SELECT payload FROM events WHERE kind = 'entry' AND seq <= %s "
+                    "AND subject = ANY(%s) ORDER BY seq",
+                    (after_seq, ids),
+                ).fetchall()
+            ),
+        )
     out = []
     for seq, txn, data in decoded:
         data["seq"], data["txn"] = int(seq), int(txn)

@@ -17,6 +17,7 @@ from rollout_lifecycle.model.events import (
     EntryChanged,
     TraceEvent,
     changed_payload,
+    entry_changes,
     entry_payload,
     field_differs,
     json_scalar,
@@ -206,10 +207,9 @@ class SqlUnit:
         ):
             self.change_key = (bs, bo, bl, ba, as_, ao, al, aa)
             self.change_texts = self._change_texts(before, after)
+        if not field_differs(br, ar):  # rare: the revision did not move; the general form
+            return json.dumps(entry_changes(before, after), separators=(",", ":"))
         opening, closing = self.change_texts
-        if br is ar or (type(br) is type(ar) and br == ar):  # rare: no revision between
-            text = opening[: -len('"revision":')].rstrip(",") + closing
-            return "{" + text[2:] if text.startswith("{,") else text
         return f"{opening}{json_scalar(ar)}{closing}"
 
     def _change_texts(self, before: LedgerEntry, after: LedgerEntry) -> tuple[str, str]:

@@ -463,15 +463,17 @@ def read_events(
     rows = [(seq, json.loads(payload)) for seq, payload in conn.execute(sql, args)]
     known = EntryStates() if states is None else states
     if after_seq:
-        missing = known.unknown(data for _, data in rows)
-        if missing:
-            earlier = conn.execute(
-                "SELECT payload FROM events WHERE kind = 'entry' AND seq <= ? "
-                "AND subject IN (SELECT value FROM json_each(?)) ORDER BY seq",
-                (after_seq, json.dumps(sorted(missing))),
-            )
-            for (payload,) in earlier:
-                known.fold(json.loads(payload))
+        known.catch_up(
+            [data for _, data in rows],
+            lambda ids: (
+                p
+                for (p,) in conn.execute(
+                    "SELECT payload FROM events WHERE kind = 'entry' AND seq <= ? "
+                    "AND subject IN (SELECT value FROM json_each(?)) ORDER BY seq",
+                    (after_seq, json.dumps(ids)),
+                )
+            ),
+        )
     out = []
     for seq, data in rows:
         data["seq"] = seq
