@@ -212,3 +212,17 @@ def test_old_code_writes_then_new_code_writes_then_old_code_is_refused(tmp_path:
     )
     assert registry.returncode != 0
     assert "registry schema version 5, this program expects 4" in registry.stderr
+
+
+def test_the_head_stores_every_durable_counter_the_statistics_read() -> None:
+    """The head's counter columns are the statistics' counters that are not process-local:
+    a counter added to one and not the other would be refused on write or read as 0."""
+    import attrs
+
+    from rollout_lifecycle.model.ledger import PROCESS_LOCAL_COUNTERS, LedgerStatistics
+    from rollout_lifecycle.model.sqlite_common import HEAD_COUNTERS
+
+    counters = {f.name for f in attrs.fields(LedgerStatistics) if f.type in (int, "int")} - {
+        "entries"
+    }
+    assert set(HEAD_COUNTERS) == counters - PROCESS_LOCAL_COUNTERS
