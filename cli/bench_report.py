@@ -133,7 +133,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
             lines += [
                 "",
                 f"Memory batch reservations ({scale['batch_size']}) as the ledger grows, "
-                f"garbage collector on, CPU us per row by ledger size: {per_row}; largest / "
+                f"garbage collector on, CPU us per row by ledger size: {per_row}; most / "
+                f"least {_fmt(scale['ratios'].get('cpu_max_vs_min'))}, largest ledger / "
                 f"smallest {_fmt(scale['ratios']['cpu_largest_vs_smallest'])} (medians of "
                 f"{scale['repeats']}).",
             ]

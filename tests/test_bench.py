@@ -78,6 +78,10 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     scale = report["ledgers"]["memory"]["scale"]
     assert list(scale["cpu_us_per_row"]) == ["200", "2000"] and scale["gc"] == "on"
     assert all(map(_number, [*scale["cpu_us_per_row"].values(), *scale["ratios"].values()]))
+    # flatness is judged over every size: the most over the least per-row cost, not the ends
+    per_row = list(scale["cpu_us_per_row"].values())
+    assert scale["ratios"]["cpu_max_vs_min"] == pytest.approx(max(per_row) / min(per_row), 0.01)
+    assert scale["ratios"]["cpu_max_vs_min"] >= 1
     assert {"autocommit_update_per_s", "executemany_1000_per_s"} <= set(
         report["ledgers"]["sqlite"]["baseline"]
     )
