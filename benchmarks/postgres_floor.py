@@ -35,6 +35,11 @@ the same event rows):
                    clock (locks, premise, reading the rows, the CAS, the events with their
                    chain and counters, the commit mark): the server's share of the design
     reserve_batch  `PostgresLedger.reserve_batch`, the whole path
+
+`--statements` (throwaway server only: it loads `pg_stat_statements` with `track = all`,
+so the statements inside the PL/pgSQL function are timed too) prints instead where the
+server's execution time goes: per statement, microseconds per reservation, for real
+single reservations and real batches, each next to the backend's whole CPU per row.
 """
 
 from __future__ import annotations
@@ -113,7 +118,7 @@ def run_floor(
     import psycopg
 
     from rollout_lifecycle.model import postgres_ledger as pl
-    from rollout_lifecycle.model.events import entry_events
+    from rollout_lifecycle.model.events import entry_events, event_subject
     from rollout_lifecycle.model.ledger import ReserveRequest
     from rollout_lifecycle.model.postgres_common import K_BAD, append_events, lock_sql
     from rollout_lifecycle.model.postgres_ledger import PostgresLedger
@@ -147,6 +152,13 @@ def run_floor(
     def peek(rid: str) -> None:
         conn.execute(pl._PEEK, (rid,)).fetchone()
 
+    def pair(first: Callable[[str], None], then: Callable[[str], None]) -> Callable[[str], None]:
+        def both(rid: str) -> None:
+            first(rid)
+            then(rid)
+
+        return both
+
     def cas_fn(rid: str) -> None:
         got = conn.execute(
             "SELECT floor_cas_only(%s, %s, %s, %s, %s, %s, %s)",
@@ -176,10 +188,10 @@ def run_floor(
         ),
         "peek": (peek, cpid),
         "cas_fn": (cas_fn, cpid),
-        "peek+cas_fn": (lambda r: (peek(r), cas_fn(r)), cpid),
+        "peek+cas_fn": (pair(peek, cas_fn), cpid),
         "fn": (lambda r: fn(r, 0), cpid),
         "fn_guard": (lambda r: fn(r, 2), cpid),
-        "peek+fn_guard": (lambda r: (peek(r), fn(r, 2)), cpid),
+        "peek+fn_guard": (pair(peek, lambda r: fn(r, 2)), cpid),
         "reserve": (lambda r: led.reserve(r, 0, "u", stamp).reserved or _lost(r), lpid),
     }
 
@@ -237,12 +249,12 @@ def run_floor(
             ).fetchall()
             got = conn.execute(pl._CAS_MANY, cas).fetchall()
             assert len(got) == len(ids), len(got)
-            text = dict(zip(ids, pays, strict=True))
+            text = dict(zip(ids, pays, strict=True))  # by subject: one event per row
             append_events(
                 conn,
                 evs,
                 counters={"reservations": len(ids), "writes": len(ids)},
-                payload_of=lambda e, _: text[e.rollout_id],
+                payload_of=lambda e, _: text[event_subject(e)],
                 stamped=False,
             )
             conn.execute(
@@ -291,6 +303,92 @@ def run_floor(
     return out
 
 
+def statement_profile(
+    url: str, *, single_n: int = 2000, batch_n: int = 5000, chunk: int = 250
+) -> str:
+    """Where a reservation's server time goes: `pg_stat_statements` (which must be loaded,
+    `track = all`) over `single_n` real reservations, then over `batch_n` rows reserved in
+    batches of `chunk`; execution microseconds per row by statement, and the backend's CPU
+    per row (execution plus protocol, parse and bind, COMMIT)."""
+    import psycopg
+
+    from rollout_lifecycle.model.ledger import ReserveRequest
+    from rollout_lifecycle.model.postgres_ledger import PostgresLedger
+
+    schema = "profile"
+    _prepare(url, schema, 1, max(single_n, batch_n) + 50, ("s", "b", "x"))
+    admin = psycopg.connect(url, autocommit=True)
+    admin.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+    led = PostgresLedger(url, schema=schema, pool_size=1)
+    stamp = _stamp()
+    pid = led.db.read(_backend_pid)
+    lines = []
+    top = (
+        "SELECT calls, total_exec_time, left(regexp_replace(query, '\\s+', ' ', 'g'), 90) "
+        "FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database "
+        "WHERE datname = current_database()) ORDER BY total_exec_time DESC LIMIT 14"
+    )
+
+    def profile(what: str, body: Callable[[], int], pid: int = pid) -> None:
+        admin.execute("SELECT pg_stat_statements_reset()")
+        s0, c0 = _cpu_of(pid), time.process_time()
+        n = body()
+        client, s1 = time.process_time() - c0, _cpu_of(pid)
+        server = None if s0 is None or s1 is None else 1e6 * (s1 - s0) / n
+        lines.append(
+            f"{what}: {n} rows; CPU per row: client {1e6 * client / n:.1f} us, server backend "
+            + ("?" if server is None else f"{server:.1f} us")
+        )
+        lines.append("| calls | exec us per row | statement |")
+        lines.append("|---:|---:|---|")
+        for calls, total_ms, query in admin.execute(top).fetchall():
+            if "pg_stat_statements" not in query:
+                lines.append(f"| {calls} | {1e3 * total_ms / n:.2f} | `{query}` |")
+
+    rids = _ids(0, max(single_n, batch_n) + 50, "s")
+    for r in rids[:50]:  # warm: prepared statements, the function compiled
+        led.reserve(r, 0, "u", stamp)
+
+    def single() -> int:
+        for r in rids[50 : 50 + single_n]:
+            assert led.reserve(r, 0, "u", stamp).reserved
+        return single_n
+
+    def batch() -> int:
+        ids = _ids(0, max(single_n, batch_n) + 50, "b")[:batch_n]
+        for i in range(0, batch_n, chunk):
+            part = [ReserveRequest(r, 0, stamp) for r in ids[i : i + chunk]]
+            assert all(o.reserved for o in led.reserve_batch(f"u{i}", part))
+        return batch_n
+
+    conn = psycopg.connect(url, autocommit=True, options=f"-c search_path={schema}")
+    rows, payloads = _planned(_ids(0, max(single_n, batch_n) + 50, "x")[:batch_n], "u0")
+
+    def same() -> int:  # postgres_bench.py's same-columns baseline, the JSON built before
+        for i in range(0, batch_n, chunk):
+            part, ids = rows[i : i + chunk], [a.rollout_id for a, _ in rows[i : i + chunk]]
+            cols = (
+                ids,
+                [a.state for a, _ in part],
+                [a.revision for a, _ in part],
+                [a.reserved_by for a, _ in part],
+                [a.lease_expires_at for a, _ in part],
+                [t for _, t in part],
+            )
+            with conn.transaction():
+                conn.execute(_SAME_UPDATE, (*cols, ids))
+                conn.execute(_SAME_EVENTS, (ids, payloads[i : i + chunk], [bytes(32)] * len(ids)))
+        return batch_n
+
+    profile("single", single)
+    profile(f"batch ({chunk})", batch)
+    profile(f"same-columns baseline ({chunk})", same, _backend_pid(conn))
+    conn.close()
+    led.close()
+    admin.close()
+    return "\n".join(lines)
+
+
 def _lost(rid: str) -> bool:
     raise AssertionError(f"reservation of {rid} lost")
 
@@ -304,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-n", type=int, default=5000, help="rows per batch sequence")
     ap.add_argument("--chunk", type=int, default=250, help="rows per batch")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    ap.add_argument(
+        "--statements",
+        action="store_true",
+        help="profile the server's statements instead (pg_stat_statements; throwaway server)",
+    )
     args = ap.parse_args(argv)
     server = None
     url = args.url
@@ -311,9 +414,21 @@ def main(argv: list[str] | None = None) -> int:
         from tests.pg_server import create_server, new_database
 
         server = create_server()
+        if args.statements:
+            with (server.data / "postgresql.conf").open("a") as fh:
+                fh.write(
+                    "shared_preload_libraries = 'pg_stat_statements'\n"
+                    "pg_stat_statements.track = all\n"
+                )
+            server.restart()
         url = new_database(server, "floor")
         print(f"throwaway server on port {server.port} (fsync off, synchronous_commit on)")
+    elif args.statements:
+        ap.error("--statements starts its own server (it loads pg_stat_statements)")
     try:
+        if args.statements:
+            print(statement_profile(url, batch_n=args.batch_n, chunk=args.chunk))
+            return 0
         rows = run_floor(
             url,
             rounds=args.rounds,
