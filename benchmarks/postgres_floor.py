@@ -20,6 +20,8 @@ Single (baseline: `plain`, the autocommit UPDATE of `postgres_bench.py`'s single
                    writes (`_CAS_ONE`), autocommit: the write itself, nothing else
     peek           the reservation's first round trip (row, premise, server time)
     cas_fn         a PL/pgSQL function doing only that compare-and-set
+    cas_event_fn   one doing that and a plain INSERT of the event row (seq and txn from the
+                   sequences, zero hashes): no lock, no chain, no counters, no mark
     peek+cas_fn    the two round trips of the design with nothing else in them
     fn             `ledger_write_one_*` without the premise guard (CAS, event, chain, counters,
                    mark) and `fn_guard` with it
@@ -74,6 +76,7 @@ SINGLE = (
     "same_cols",
     "peek",
     "cas_fn",
+    "cas_event_fn",
     "peek+cas_fn",
     "fn",
     "fn_guard",
@@ -95,7 +98,24 @@ BEGIN
     END IF;
     RETURN 'won';
 END
-$$
+$$;
+CREATE OR REPLACE FUNCTION floor_cas_event(p_state text, p_revision bigint, p_reserved_by text,
+    p_lease double precision, p_entry text, p_rollout_id text, p_expected bigint,
+    p_kind text, p_payload text)
+RETURNS text LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE rollouts SET state = p_state, revision = p_revision, reserved_by = p_reserved_by,
+        lease_expires_at = p_lease, entry = p_entry
+    WHERE rollout_id = p_rollout_id AND revision = p_expected;
+    IF NOT FOUND THEN
+        RETURN 'lost';
+    END IF;
+    INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
+    VALUES (nextval('events_seq'), nextval('events_txn'), p_kind, p_rollout_id, p_payload,
+            decode(repeat('00', 32), 'hex'), decode(repeat('00', 32), 'hex'));
+    RETURN 'won';
+END
+$$;
 """
 
 
@@ -166,6 +186,13 @@ def run_floor(
         ).fetchone()
         assert got is not None and got[0] == "won", got
 
+    def cas_event_fn(rid: str) -> None:
+        got = conn.execute(
+            "SELECT floor_cas_event(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+            ("reserved", 1, "u", time.time(), entry, rid, 0, "entry", payload),
+        ).fetchone()
+        assert got is not None and got[0] == "won", got
+
     def fn(rid: str, guard: int) -> None:
         args = (guard, premise if guard else None, "reserved", 1, "u", time.time(), entry, rid)
         counters = ("{reservations,writes}", "{1,1}")
@@ -188,6 +215,7 @@ def run_floor(
         ),
         "peek": (peek, cpid),
         "cas_fn": (cas_fn, cpid),
+        "cas_event_fn": (cas_event_fn, cpid),
         "peek+cas_fn": (pair(peek, cas_fn), cpid),
         "fn": (lambda r: fn(r, 0), cpid),
         "fn_guard": (lambda r: fn(r, 2), cpid),

@@ -39,9 +39,9 @@ def test_floor_script_runs_every_sequence(tmp_path: Path, postgres_url: str) -> 
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rows = json.loads(out.read_text())
-    single = ["plain", "same_cols", "peek", "cas_fn", "peek+cas_fn", "fn", "fn_guard"]
+    single = ["plain", "same_cols", "peek", "cas_fn", "cas_event_fn", "peek+cas_fn", "fn"]
     batch = ["same", "cas", "statements", "reserve_batch"]
-    assert list(rows) == [*single, "peek+fn_guard", "reserve", *batch]
+    assert list(rows) == [*single, "fn_guard", "peek+fn_guard", "reserve", *batch]
     for name, row in rows.items():
         assert row["client_ms"] > 0 and row["server_ms"] >= 0, (name, row)
         assert row["total_ms"] > 0 and row["base_vs_total"] > 0, (name, row)
