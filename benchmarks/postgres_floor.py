@@ -140,7 +140,7 @@ def run_floor(
     from rollout_lifecycle.model import postgres_ledger as pl
     from rollout_lifecycle.model.events import entry_events, event_subject
     from rollout_lifecycle.model.ledger import ReserveRequest
-    from rollout_lifecycle.model.postgres_common import K_BAD, append_events, lock_sql
+    from rollout_lifecycle.model.postgres_common import append_events
     from rollout_lifecycle.model.postgres_ledger import PostgresLedger
 
     schema = "floor"
@@ -251,9 +251,7 @@ def run_floor(
             out.append((ids, cas, same, pays, evs))
         return out
 
-    prologue = "BEGIN; " + "; ".join(
-        [lock_sql(K_BAD, shared=True), pl._LOCKS["premise"]]
-    )  # what the batch's step takes
+    prologue = f"BEGIN; {pl._LOCKS['premise']}"  # what `reserve_batch`'s step takes
 
     def same_batch(c: Any) -> None:
         ids, _, same, pays, _ = c
