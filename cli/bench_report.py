@@ -130,13 +130,24 @@ def markdown(report: dict[str, Any], command: str) -> str:
                 f"{k}: {_fmt(v)} ({_fmt(scale['wall_us_per_row'][k])} wall)"
                 for k, v in scale["cpu_us_per_row"].items()
             )
+            plain = ""
+            if "plain_cpu_us_per_row" in scale:
+                per_plain = ", ".join(
+                    f"{k}: {_fmt(v)}" for k, v in scale["plain_cpu_us_per_row"].items()
+                )
+                plain = (
+                    " The same rows written by hand in the same run (each entry evolved, "
+                    "stored in a dict and logged as a tuple, no ledger), CPU us per row: "
+                    f"{per_plain}; most / least "
+                    f"{_fmt(scale['ratios']['plain_cpu_max_vs_min'])}."
+                )
             lines += [
                 "",
                 f"Memory batch reservations ({scale['batch_size']}) as the ledger grows, "
                 f"garbage collector on, CPU us per row by ledger size: {per_row}; most / "
                 f"least {_fmt(scale['ratios'].get('cpu_max_vs_min'))}, largest ledger / "
                 f"smallest {_fmt(scale['ratios']['cpu_largest_vs_smallest'])} (medians of "
-                f"{scale['repeats']}).",
+                f"{scale['repeats']}).{plain}",
             ]
         lines += ["", POSTGRES_NOTE]
     chk = report.get("checkers")

@@ -475,13 +475,46 @@ def _reserve_rates(
     return rates, baseline
 
 
+def _plain_rows(n: int, batch: int) -> tuple[float, float]:
+    """The floor of `_memory_scale` at n rollouts: the same rows reserved by hand, with
+    nothing of the ledger: each entry evolved to its reserved form (attrs' validators, as
+    the ledger's entries have), stored in a dict and logged as a tuple naming the old and
+    new entry, in batches of `batch`. (CPU, wall) microseconds per row, gc as the caller
+    set it. It shows what the Python heap itself costs as it grows: with the collector on,
+    its full collections traverse every live entry and logged row."""
+    entries = _entries(n)
+    rows = {e.rollout_id: e for e in entries}
+    keys = [e.rollout_id for e in entries]
+    del entries
+    log: list[tuple[str, str, LedgerEntry, LedgerEntry, str]] = []
+    evolve = attrs.evolve
+    t0, c0 = time.perf_counter(), time.process_time()
+    for k in range(0, n, batch):
+        for rid in keys[k : k + batch]:
+            e = rows[rid]
+            after = evolve(
+                e,
+                state="reserved",
+                revision=e.revision + 1,
+                reserved_by="u",
+                lease_expires_at=1e9,
+                admission=STAMP,
+            )
+            rows[rid] = after
+            log.append((rid, "reserve", e, after, "u"))
+    return (time.process_time() - c0) / n * 1e6, (time.perf_counter() - t0) / n * 1e6
+
+
 def _memory_scale(rollouts: Sequence[int], repeats: int, batch: int = 100) -> dict[str, Any]:
     """Per-row cost of batch reservations as a memory ledger and its event log grow, with
     the garbage collector on as in a trainer: every rollout of a ledger of n reserved in
     batches of `batch`. Microseconds per row of CPU time (what the ledger costs, whatever
-    else the machine runs) and of wall time, medians of `repeats`, the sizes interleaved."""
+    else the machine runs) and of wall time, medians of `repeats`, the sizes interleaved,
+    each next to `_plain_rows` at the same size (the same rows written by hand): how flat
+    the heap itself stays."""
     cpu: dict[int, list[float]] = {n: [] for n in rollouts}
     wall: dict[int, list[float]] = {n: [] for n in rollouts}
+    plain: dict[int, list[float]] = {n: [] for n in rollouts}
     was_on = gc.isenabled()
     gc.enable()
     try:
@@ -499,24 +532,29 @@ def _memory_scale(rollouts: Sequence[int], repeats: int, batch: int = 100) -> di
                 cpu[n].append((time.process_time() - c0) / n * 1e6)
                 del led, requests
                 gc.collect()
+                plain[n].append(_plain_rows(n, batch)[0])
+                gc.collect()
     finally:
         if not was_on:
             gc.disable()
     small, large = min(rollouts), max(rollouts)
     cpu_us = {n: statistics.median(v) for n, v in cpu.items()}
     wall_us = {n: statistics.median(v) for n, v in wall.items()}
+    plain_us = {n: statistics.median(v) for n, v in plain.items()}
     return {
         "batch_size": batch,
         "repeats": repeats,
         "gc": "on",
         "cpu_us_per_row": {str(n): round(v, 2) for n, v in cpu_us.items()},
         "wall_us_per_row": {str(n): round(v, 2) for n, v in wall_us.items()},
+        "plain_cpu_us_per_row": {str(n): round(v, 2) for n, v in plain_us.items()},
         "ratios": {
             "cpu_largest_vs_smallest": round(cpu_us[large] / cpu_us[small], 3),
             "wall_largest_vs_smallest": round(wall_us[large] / wall_us[small], 3),
             # flat means every size, not only the two ends: the most / the least per-row cost
             "cpu_max_vs_min": round(max(cpu_us.values()) / min(cpu_us.values()), 3),
             "wall_max_vs_min": round(max(wall_us.values()) / min(wall_us.values()), 3),
+            "plain_cpu_max_vs_min": round(max(plain_us.values()) / min(plain_us.values()), 3),
         },
     }
 

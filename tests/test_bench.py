@@ -82,6 +82,11 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     per_row = list(scale["cpu_us_per_row"].values())
     assert scale["ratios"]["cpu_max_vs_min"] == pytest.approx(max(per_row) / min(per_row), 0.01)
     assert scale["ratios"]["cpu_max_vs_min"] >= 1
+    # the hand-written floor at the same sizes, measured beside the ledger
+    plain = list(scale["plain_cpu_us_per_row"].values())
+    assert list(scale["plain_cpu_us_per_row"]) == list(scale["cpu_us_per_row"])
+    assert all(map(_number, plain))
+    assert scale["ratios"]["plain_cpu_max_vs_min"] == pytest.approx(max(plain) / min(plain), 0.01)
     assert {"autocommit_update_per_s", "executemany_1000_per_s"} <= set(
         report["ledgers"]["sqlite"]["baseline"]
     )
