@@ -677,6 +677,15 @@ _HALF = ("torch.bfloat16", "torch.float16")
 # torch runs an element-wise op on the calling thread below this many elements (its grain
 # size), with no OpenMP fork/join: float16 is widened by torch's copy in pieces this small
 _TORCH_INLINE = (1 << 15) - 1
+# With 2 torch threads (up to _SPLIT_FROM_THREADS) the numpy kernel runs on one thread,
+# while torch's bare expression runs on both cores: from _POOL_FROM to _POOL_UPTO elements
+# that lost (docs/benchmarks: float32 256 x 1024 1.07x, bfloat16 1.50x, float16 2.00x the
+# bare expression), so there `_torch_pool_sums` runs torch's own kernels on its own pool
+# (its workers, spinning after the caller's last torch op, are already there), in few
+# passes over one full-size float32 temporary (at most _POOL_UPTO * 4 bytes = 4 MiB).
+# Larger inputs are memory-bound and the one-pass numpy kernel wins on one thread.
+_POOL_FROM = 1 << 17
+_POOL_UPTO = 1 << 20
 # torch threads from which CPU tensors are split across Python threads. After every torch
 # op, torch's OpenMP workers spin for milliseconds (measured: 6-8 ms of CPU each time) on
 # the cores a second Python thread would need; on two torch threads the split was slower
@@ -808,8 +817,15 @@ def _torch_array_sums(
         # CPU kernels pay a thread barrier per call, which a busy machine turns into a
         # scheduler time slice per call.
         threads = torch.get_num_threads()
-        threads = threads if threads >= _SPLIT_FROM_THREADS else 1
         kinds = {str(old.dtype), str(cur.dtype)}
+        if (
+            1 < threads < _SPLIT_FROM_THREADS
+            and _POOL_FROM <= old.numel() <= _POOL_UPTO
+            and mask.dtype == torch.bool
+            and kinds <= {"torch.float32", *_HALF}
+        ):
+            return _torch_pool_sums(torch, old, cur, mask)
+        threads = threads if threads >= _SPLIT_FROM_THREADS else 1
         if kinds <= {*_WIDE} and old.dtype in viewable and cur.dtype in viewable:
             return _np_array_sums(old.numpy(), cur.numpy(), mask.numpy(), threads=threads)
         if kinds <= {*_WIDE, *_HALF}:
@@ -826,6 +842,39 @@ def _torch_array_sums(
         return mask[r0:r1, c0:c1]
 
     sums, counts = _torch_sums(torch, diff_into, b, t, d, mask.dtype != torch.bool)
+    _recheck(sums, _torch_exact_rows(torch, old, cur, mask))
+    return sums, counts
+
+
+def _torch_pool_sums(
+    torch: Any, old: Any, cur: Any, mask: Any
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """Float32/bfloat16/float16 CPU tensors of _POOL_FROM.._POOL_UPTO elements with a bool
+    mask, on 2 torch threads: the block kernel's steps as whole-tensor torch ops, each on
+    torch's own thread pool. The same arithmetic: cur - old in float32 of the exactly
+    widened inputs (copy_ then an in-place sub_: torch.sub of two half tensors would round
+    the difference to the half dtype), masked by an integer multiply of its bits, |d| summed
+    _PARTIAL tokens at a time in float32 and those partials in float64. Only the order of
+    the float32 additions within a partial may differ from numpy's (last bits). Each op
+    is one fork/join of torch's pool, as in the bare expression, so a busy machine delays
+    both alike."""
+    b, t = old.shape
+    d = torch.empty((b, t), dtype=torch.float32)
+    _torch_subtract(torch, cur, old, d)
+    d.view(torch.int32).mul_(mask)
+    d.abs_()
+    if t % _PARTIAL == 0:
+        s = d.view(b, t // _PARTIAL, _PARTIAL).sum(-1).sum(1, dtype=torch.float64)
+    else:
+        s = d.sum(1, dtype=torch.float64)
+    sums = s.numpy()
+    # counts on this thread (numpy, 8 bools a word): no further fork/join on torch's pool
+    m = mask.numpy()
+    popcount = getattr(np, "bitwise_count", None)  # numpy >= 2
+    if popcount is not None and t % 8 == 0 and m.flags.c_contiguous:
+        counts = np.add.reduce(popcount(m.view(np.uint64)), axis=1, dtype=np.int64)
+    else:
+        counts = np.count_nonzero(m, axis=1).astype(np.int64)
     _recheck(sums, _torch_exact_rows(torch, old, cur, mask))
     return sums, counts
 

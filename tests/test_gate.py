@@ -860,6 +860,83 @@ def test_narrow_tensors_agree_with_the_torch_kernel_and_python(
     assert got.reasons[3] == "empty_action_mask"
 
 
+POOL_PAIRS = [
+    ("float32", "float32"),
+    ("bfloat16", "bfloat16"),
+    ("float16", "float16"),
+    ("bfloat16", "float32"),
+    ("float16", "bfloat16"),
+]
+
+
+@pytest.mark.parametrize(("old_dtype", "cur_dtype"), POOL_PAIRS)
+@pytest.mark.parametrize("width", [512, 300])
+def test_two_torch_threads_use_torch_pool_and_agree_with_python(
+    old_dtype: str, cur_dtype: str, width: int
+) -> None:
+    """On 2 torch threads, mid-sized float32 / bfloat16 / float16 CPU tensors run torch's own
+    kernels on its pool (`_torch_pool_sums`): the plain-Python reference's decisions on the
+    exactly widened values, within float32 rounding, masked NaN/inf garbage and an empty
+    row included (widths a multiple of the float32 partials and not); the numpy kernel's
+    figures within float32 rounding; one thread, an int mask or float64 keep numpy's."""
+    rng = np.random.default_rng(5)
+    b = 12
+    old = rng.normal(-2, 1, (b, width))
+    cur = old + rng.normal(0, 0.08, (b, width))
+    mask = rng.random((b, width)) < 0.6
+    mask[4] = False
+    garbage = ~mask & (rng.random((b, width)) < 0.2)
+    garbage[6:] = False  # rows 6.. hold finite values at masked positions, which never count
+    old[garbage] = np.nan
+    cur[garbage & (rng.random((b, width)) < 0.5)] = np.inf
+    o = torch.from_numpy(old).to(getattr(torch, old_dtype))
+    c = torch.from_numpy(cur).to(getattr(torch, cur_dtype))
+    m = torch.from_numpy(mask)
+    bvs = rng.integers(0, 3, b)
+    pool = mock.Mock(wraps=gate_mod._torch_pool_sums)
+    before = torch.get_num_threads()
+    try:
+        with (
+            mock.patch.object(gate_mod, "_POOL_FROM", 1),
+            mock.patch.object(gate_mod, "_torch_pool_sums", pool),
+        ):
+            torch.set_num_threads(1)
+            one = assess_arrays(o, c, m, bvs, 2, 1, 0.05)
+            assert pool.call_count == 0
+            torch.set_num_threads(2)
+            got = assess_arrays(o, c, m, bvs, 2, 1, 0.05)
+            assert pool.call_count == 1
+            assess_arrays(o, c, m.to(torch.int64), bvs, 2, 1, 0.05)
+            assess_arrays(o.double(), c, m, bvs, 2, 1, 0.05)
+            assert pool.call_count == 1
+    finally:
+        torch.set_num_threads(before)
+    exact = {"old": o.double().numpy(), "cur": c.double().numpy(), "bool_mask": mask, "bvs": bvs}
+    assert_rows_agree(got, reference_rows(exact, 2, 1, 0.05), 0.05, float32=True)
+    assert got.reasons == one.reasons and got.reasons[4] == "empty_action_mask"
+    np.testing.assert_allclose(got.drift, one.drift, rtol=4e-7, equal_nan=True)
+
+
+def test_torch_pool_nonfinite_and_overflow() -> None:
+    """The torch-pool path raises on NaN/inf at an action position, naming the row, and
+    recomputes a row whose float32 difference overflowed exactly in float64."""
+    old = torch.full((4, 256), -1.0)
+    cur = old.clone()
+    mask = torch.ones(4, 256, dtype=torch.bool)
+    cur[1, 3] = math.nan
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with mock.patch.object(gate_mod, "_POOL_FROM", 1):
+            with pytest.raises(GateConfigError, match=r"row\(s\) \[1\]"):
+                assess_arrays(old, cur, mask, np.zeros(4, np.int64), 0, 0, 1e300)
+            cur[1, 3], cur[2, 0], old[2, 0] = -1.0, 3e38, -3e38
+            res = assess_arrays(old, cur, mask, np.zeros(4, np.int64), 0, 0, 1e300)
+    finally:
+        torch.set_num_threads(before)
+    assert res.drift.tolist() == [0.0, 0.0, (float(cur[2, 0]) - float(old[2, 0])) / 256, 0.0]
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_narrow_tensors_nonfinite_and_int_masks(dtype: str) -> None:
     """NaN/inf at an action position of a narrow tensor raises naming the row; an integer
