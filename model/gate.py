@@ -1382,6 +1382,8 @@ _ACTION_MASK = operator.attrgetter("action_mask")
 _TOKEN_IDS = operator.attrgetter("response_token_ids")
 _DTYPE = operator.attrgetter("dtype")
 _ROLLOUT_ID = operator.attrgetter("identity.rollout_id")
+_ENTRY_ID = operator.attrgetter("rollout_id")
+_ENTRY_VERSION = operator.attrgetter("behavior_version")
 _EVIDENCE_SIZES = ("response_token_ids.size", "action_mask.size", "behavior_log_probs.size")
 _SIZES = operator.attrgetter(*_EVIDENCE_SIZES)
 _LENGTHS = tuple(map(operator.attrgetter, _EVIDENCE_SIZES))
@@ -1669,9 +1671,18 @@ class AdmissionGate:
         b = len(rollouts)
         states = self._states(rollouts, entries, ledger)
         t = _batch_width(current_log_probs, b)
-        behaviors = list(map(_BEHAVIOR, rollouts))
-        bvs = list(map(_VERSION, behaviors))
-        hashes = list(map(_HASH, behaviors))
+        if entries is None and ledger is None:
+            # the states are the records' own statuses, which Rollout holds to its identity
+            # and behaviour (its post-init): the same id, version and hash, one attribute
+            # away instead of two (B=4096: 1.44 vs 1.63 ms for reading every field)
+            ids = list(map(_ENTRY_ID, states))
+            bvs = list(map(_ENTRY_VERSION, states))
+            hashes = list(map(_HASH, states))
+        else:
+            ids = list(map(_ROLLOUT_ID, rollouts))
+            behaviors = list(map(_BEHAVIOR, rollouts))
+            bvs = list(map(_VERSION, behaviors))
+            hashes = list(map(_HASH, behaviors))
         evidence: list[ActionEvidence | None] = list(map(_EVIDENCE, rollouts))
         # by identity: `None in evidence` would call ActionEvidence.__eq__ once per record
         missing = any(map(operator.is_, evidence, itertools.repeat(None)))
@@ -1710,7 +1721,6 @@ class AdmissionGate:
                 f"rollout {brief(rollouts[i].rollout_id)} has {widest} tokens but the batch is "
                 f"T={t} wide"
             )
-        ids = list(map(_ROLLOUT_ID, rollouts))
         sums, counts = _records_sums(olds, masks, current_log_probs, ids, lengths)
         return self._column_decisions(ids, bvs, early, failed, sums, counts, current_version)
 
