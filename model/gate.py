@@ -684,13 +684,19 @@ _TORCH_INLINE = (1 << 15) - 1
 # (its workers, spinning after the caller's last torch op, are already there), in few
 # passes over one full-size float32 temporary (at most _POOL_UPTO * 4 bytes = 4 MiB).
 # Larger inputs are memory-bound and the one-pass numpy kernel wins on one thread.
+# The price: like the bare expression, it pays one fork/join per op, which a busy machine
+# turns into a scheduler time slice each. benchmarks/gate_torch_ab.py on the shared
+# 2-core machine: 256 x 1024, gate / bare 1.41 -> 1.08 (float32), 1.77 -> 1.38 (bfloat16);
+# with a busy loop on one core, 1.1 -> 12.8 ms (float32) and 1.2 -> 56 ms (bfloat16)
+# against the bare expression's 32 / 72 ms. _POOL_UPTO = 0 turns it off.
 _POOL_FROM = 1 << 17
 _POOL_UPTO = 1 << 20
 # torch threads from which CPU tensors are split across Python threads. After every torch
 # op, torch's OpenMP workers spin for milliseconds (measured: 6-8 ms of CPU each time) on
 # the cores a second Python thread would need; on two torch threads the split was slower
 # than one thread in every case of the bench (docs/benchmarks, e.g. bf16 1024 x 1024 5.3 vs
-# 2.0 ms, fp16 1024 x 4096 23.5 vs 10.6 ms), so up to two the kernel runs on this thread.
+# 2.0 ms, fp16 1024 x 4096 23.5 vs 10.6 ms), so up to two the kernel runs on this thread
+# (or, on two and between _POOL_FROM and _POOL_UPTO elements, on torch's pool).
 _SPLIT_FROM_THREADS = 3
 
 
@@ -815,7 +821,8 @@ def _torch_array_sums(
         # CPU tensors are host memory: numpy's kernel on zero-copy views, on this thread or,
         # from _SPLIT_FROM_THREADS torch threads, on as many as torch would use. torch's own
         # CPU kernels pay a thread barrier per call, which a busy machine turns into a
-        # scheduler time slice per call.
+        # scheduler time slice per call; only mid-sized inputs on 2 torch threads take
+        # them (`_torch_pool_sums`, see _POOL_FROM).
         threads = torch.get_num_threads()
         kinds = {str(old.dtype), str(cur.dtype)}
         if (
