@@ -679,16 +679,18 @@ _HALF = ("torch.bfloat16", "torch.float16")
 _TORCH_INLINE = (1 << 15) - 1
 # With 2 torch threads (up to _SPLIT_FROM_THREADS) the numpy kernel runs on one thread,
 # while torch's bare expression runs on both cores: from _POOL_FROM to _POOL_UPTO elements
-# that lost (docs/benchmarks: float32 256 x 1024 1.07x, bfloat16 1.50x, float16 2.00x the
-# bare expression), so there `_torch_pool_sums` runs torch's own kernels on its own pool
-# (its workers, spinning after the caller's last torch op, are already there), in few
-# passes over one full-size float32 temporary (at most _POOL_UPTO * 4 bytes = 4 MiB).
-# Larger inputs are memory-bound and the one-pass numpy kernel wins on one thread.
-# The price: like the bare expression, it pays one fork/join per op, which a busy machine
-# turns into a scheduler time slice each. benchmarks/gate_torch_ab.py on the shared
-# 2-core machine: 256 x 1024, gate / bare 1.41 -> 1.08 (float32), 1.77 -> 1.38 (bfloat16);
-# with a busy loop on one core, 1.1 -> 12.8 ms (float32) and 1.2 -> 56 ms (bfloat16)
-# against the bare expression's 32 / 72 ms. _POOL_UPTO = 0 turns it off.
+# that lost for bfloat16 / float16, whose widening costs the one thread most
+# (docs/benchmarks: bfloat16 256 x 1024 1.50x, float16 2.00x the bare expression), so
+# there `_torch_pool_sums` runs torch's own kernels on its own pool (its workers, spinning
+# after the caller's last torch op, are already there), in few passes over one full-size
+# float32 temporary (at most _POOL_UPTO * 4 bytes = 4 MiB). Larger inputs are memory-bound
+# and the one-pass numpy kernel wins on one thread. The price: like the bare expression,
+# it pays one fork/join per op, which a busy machine turns into a scheduler time slice
+# each. benchmarks/gate_torch_ab.py on the shared 2-core machine, 256 x 1024, gate / bare:
+# bfloat16 1.54-1.77 -> 1.24-1.38, float16 1.64-1.83 -> 1.24-1.37 (5 runs); with a busy
+# loop on one core, bfloat16 1.2 -> 56 ms against the bare expression's 72 ms. float32
+# gained nothing that held across runs (1.11-1.41 -> 1.08-1.30; it was at or under 1 from
+# 256 x 4096 on), so it keeps the numpy kernel. _POOL_UPTO = 0 turns the pool off.
 _POOL_FROM = 1 << 17
 _POOL_UPTO = 1 << 20
 # torch threads from which CPU tensors are split across Python threads. After every torch
@@ -830,6 +832,7 @@ def _torch_array_sums(
             and _POOL_FROM <= old.numel() <= _POOL_UPTO
             and mask.dtype == torch.bool
             and kinds <= {"torch.float32", *_HALF}
+            and not kinds.isdisjoint(_HALF)
         ):
             return _torch_pool_sums(torch, old, cur, mask)
         threads = threads if threads >= _SPLIT_FROM_THREADS else 1
@@ -856,15 +859,16 @@ def _torch_array_sums(
 def _torch_pool_sums(
     torch: Any, old: Any, cur: Any, mask: Any
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
-    """Float32/bfloat16/float16 CPU tensors of _POOL_FROM.._POOL_UPTO elements with a bool
-    mask, on 2 torch threads: the block kernel's steps as whole-tensor torch ops, each on
-    torch's own thread pool. The same arithmetic: cur - old in float32 of the exactly
-    widened inputs (copy_ then an in-place sub_: torch.sub of two half tensors would round
-    the difference to the half dtype), masked by an integer multiply of its bits, |d| summed
-    _PARTIAL tokens at a time in float32 and those partials in float64. Only the order of
-    the float32 additions within a partial may differ from numpy's (last bits). Each op
-    is one fork/join of torch's pool, as in the bare expression, so a busy machine delays
-    both alike."""
+    """bfloat16 / float16 CPU tensors (one may be float32) of _POOL_FROM.._POOL_UPTO
+    elements with a bool mask, on 2 torch threads: the block kernel's steps as
+    whole-tensor torch ops, each on torch's own thread pool. The same arithmetic: cur - old
+    in float32 of the exactly widened inputs (copy_ then an in-place sub_: torch.sub of two
+    half tensors would round the difference to the half dtype), masked by an integer
+    multiply of its bits, |d| summed _PARTIAL tokens at a time in float32 and those
+    partials in float64. Only the order of the float32 additions within a partial may
+    differ from numpy's (last bits; none seen on half inputs, whose differences have few
+    significant bits). Each op is one fork/join of torch's pool, as in the bare
+    expression, so a busy machine delays both alike."""
     b, t = old.shape
     d = torch.empty((b, t), dtype=torch.float32)
     _torch_subtract(torch, cur, old, d)

@@ -861,7 +861,6 @@ def test_narrow_tensors_agree_with_the_torch_kernel_and_python(
 
 
 POOL_PAIRS = [
-    ("float32", "float32"),
     ("bfloat16", "bfloat16"),
     ("float16", "float16"),
     ("bfloat16", "float32"),
@@ -874,11 +873,12 @@ POOL_PAIRS = [
 def test_two_torch_threads_use_torch_pool_and_agree_with_python(
     old_dtype: str, cur_dtype: str, width: int
 ) -> None:
-    """On 2 torch threads, mid-sized float32 / bfloat16 / float16 CPU tensors run torch's own
-    kernels on its pool (`_torch_pool_sums`): the plain-Python reference's decisions on the
-    exactly widened values, within float32 rounding, masked NaN/inf garbage and an empty
-    row included (widths a multiple of the float32 partials and not); the numpy kernel's
-    figures within float32 rounding; one thread, an int mask or float64 keep numpy's."""
+    """On 2 torch threads, mid-sized bfloat16 / float16 CPU tensors (one may be float32) run
+    torch's own kernels on its pool (`_torch_pool_sums`): the plain-Python reference's
+    decisions on the exactly widened values, within float32 rounding, masked NaN/inf
+    garbage and an empty row included (widths a multiple of the float32 partials and not);
+    the numpy kernel's figures within float32 rounding; one thread, an int mask, float64
+    or float32 alone keep numpy's."""
     rng = np.random.default_rng(5)
     b = 12
     old = rng.normal(-2, 1, (b, width))
@@ -908,6 +908,7 @@ def test_two_torch_threads_use_torch_pool_and_agree_with_python(
             assert pool.call_count == 1
             assess_arrays(o, c, m.to(torch.int64), bvs, 2, 1, 0.05)
             assess_arrays(o.double(), c, m, bvs, 2, 1, 0.05)
+            assess_arrays(o.float(), c.float(), m, bvs, 2, 1, 0.05)
             assert pool.call_count == 1
     finally:
         torch.set_num_threads(before)
@@ -920,20 +921,25 @@ def test_two_torch_threads_use_torch_pool_and_agree_with_python(
 def test_torch_pool_nonfinite_and_overflow() -> None:
     """The torch-pool path raises on NaN/inf at an action position, naming the row, and
     recomputes a row whose float32 difference overflowed exactly in float64."""
-    old = torch.full((4, 256), -1.0)
-    cur = old.clone()
+    old = torch.full((4, 256), -1.0, dtype=torch.bfloat16)
+    cur = torch.full((4, 256), -1.0)
     mask = torch.ones(4, 256, dtype=torch.bool)
     cur[1, 3] = math.nan
+    pool = mock.Mock(wraps=gate_mod._torch_pool_sums)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        with mock.patch.object(gate_mod, "_POOL_FROM", 1):
+        with (
+            mock.patch.object(gate_mod, "_POOL_FROM", 1),
+            mock.patch.object(gate_mod, "_torch_pool_sums", pool),
+        ):
             with pytest.raises(GateConfigError, match=r"row\(s\) \[1\]"):
                 assess_arrays(old, cur, mask, np.zeros(4, np.int64), 0, 0, 1e300)
             cur[1, 3], cur[2, 0], old[2, 0] = -1.0, 3e38, -3e38
             res = assess_arrays(old, cur, mask, np.zeros(4, np.int64), 0, 0, 1e300)
     finally:
         torch.set_num_threads(before)
+    assert pool.call_count == 2
     assert res.drift.tolist() == [0.0, 0.0, (float(cur[2, 0]) - float(old[2, 0])) / 256, 0.0]
 
 
