@@ -677,28 +677,16 @@ _HALF = ("torch.bfloat16", "torch.float16")
 # torch runs an element-wise op on the calling thread below this many elements (its grain
 # size), with no OpenMP fork/join: float16 is widened by torch's copy in pieces this small
 _TORCH_INLINE = (1 << 15) - 1
-# With 2 torch threads (up to _SPLIT_FROM_THREADS) the numpy kernel runs on one thread,
-# while torch's bare expression runs on both cores: from _POOL_FROM to _POOL_UPTO elements
-# that lost for bfloat16 / float16, whose widening costs the one thread most
-# (docs/benchmarks: bfloat16 256 x 1024 1.50x, float16 2.00x the bare expression), so
-# there `_torch_pool_sums` runs torch's own kernels on its own pool (its workers, spinning
-# after the caller's last torch op, are already there), in few passes over one full-size
-# float32 temporary (at most _POOL_UPTO * 4 bytes = 4 MiB). Larger inputs are memory-bound
-# and the one-pass numpy kernel wins on one thread. The price: like the bare expression,
-# it pays one fork/join per op, which a busy machine turns into a scheduler time slice
-# each. benchmarks/gate_torch_ab.py on the shared 2-core machine, 256 x 1024, gate / bare:
-# bfloat16 1.54-1.77 -> 1.24-1.38, float16 1.64-1.83 -> 1.24-1.37 (5 runs); with a busy
-# loop on one core, bfloat16 1.2 -> 56 ms against the bare expression's 72 ms. float32
-# gained nothing that held across runs (1.11-1.41 -> 1.08-1.30; it was at or under 1 from
-# 256 x 4096 on), so it keeps the numpy kernel. _POOL_UPTO = 0 turns the pool off.
-_POOL_FROM = 1 << 17
-_POOL_UPTO = 1 << 20
 # torch threads from which CPU tensors are split across Python threads. After every torch
 # op, torch's OpenMP workers spin for milliseconds (measured: 6-8 ms of CPU each time) on
 # the cores a second Python thread would need; on two torch threads the split was slower
 # than one thread in every case of the bench (docs/benchmarks, e.g. bf16 1024 x 1024 5.3 vs
-# 2.0 ms, fp16 1024 x 4096 23.5 vs 10.6 ms), so up to two the kernel runs on this thread
-# (or, on two and between _POOL_FROM and _POOL_UPTO elements, on torch's pool).
+# 2.0 ms, fp16 1024 x 4096 23.5 vs 10.6 ms), so up to two the kernel runs on this thread.
+# Running torch's own ops on its pool there instead (widen, subtract, bit-mask, abs, float32
+# partials, for 2^17..2^20 elements; `git log -S _torch_pool_sums`, measured with
+# benchmarks/gate_torch_ab.py) brought bf16 / fp16 256 x 1024 on 2 threads from 1.3-1.8x to
+# 1.2-1.6x the bare expression in quiet runs, but on a busy machine each op's fork/join
+# became a time slice: 26-56 ms where this thread's kernel took 1.2 ms. Not kept.
 _SPLIT_FROM_THREADS = 3
 
 
@@ -823,19 +811,10 @@ def _torch_array_sums(
         # CPU tensors are host memory: numpy's kernel on zero-copy views, on this thread or,
         # from _SPLIT_FROM_THREADS torch threads, on as many as torch would use. torch's own
         # CPU kernels pay a thread barrier per call, which a busy machine turns into a
-        # scheduler time slice per call; only mid-sized inputs on 2 torch threads take
-        # them (`_torch_pool_sums`, see _POOL_FROM).
+        # scheduler time slice per call.
         threads = torch.get_num_threads()
-        kinds = {str(old.dtype), str(cur.dtype)}
-        if (
-            1 < threads < _SPLIT_FROM_THREADS
-            and _POOL_FROM <= old.numel() <= _POOL_UPTO
-            and mask.dtype == torch.bool
-            and kinds <= {"torch.float32", *_HALF}
-            and not kinds.isdisjoint(_HALF)
-        ):
-            return _torch_pool_sums(torch, old, cur, mask)
         threads = threads if threads >= _SPLIT_FROM_THREADS else 1
+        kinds = {str(old.dtype), str(cur.dtype)}
         if kinds <= {*_WIDE} and old.dtype in viewable and cur.dtype in viewable:
             return _np_array_sums(old.numpy(), cur.numpy(), mask.numpy(), threads=threads)
         if kinds <= {*_WIDE, *_HALF}:
@@ -852,40 +831,6 @@ def _torch_array_sums(
         return mask[r0:r1, c0:c1]
 
     sums, counts = _torch_sums(torch, diff_into, b, t, d, mask.dtype != torch.bool)
-    _recheck(sums, _torch_exact_rows(torch, old, cur, mask))
-    return sums, counts
-
-
-def _torch_pool_sums(
-    torch: Any, old: Any, cur: Any, mask: Any
-) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
-    """bfloat16 / float16 CPU tensors (one may be float32) of _POOL_FROM.._POOL_UPTO
-    elements with a bool mask, on 2 torch threads: the block kernel's steps as
-    whole-tensor torch ops, each on torch's own thread pool. The same arithmetic: cur - old
-    in float32 of the exactly widened inputs (copy_ then an in-place sub_: torch.sub of two
-    half tensors would round the difference to the half dtype), masked by an integer
-    multiply of its bits, |d| summed _PARTIAL tokens at a time in float32 and those
-    partials in float64. Only the order of the float32 additions within a partial may
-    differ from numpy's (last bits; none seen on half inputs, whose differences have few
-    significant bits). Each op is one fork/join of torch's pool, as in the bare
-    expression, so a busy machine delays both alike."""
-    b, t = old.shape
-    d = torch.empty((b, t), dtype=torch.float32)
-    _torch_subtract(torch, cur, old, d)
-    d.view(torch.int32).mul_(mask)
-    d.abs_()
-    if t % _PARTIAL == 0:
-        s = d.view(b, t // _PARTIAL, _PARTIAL).sum(-1).sum(1, dtype=torch.float64)
-    else:
-        s = d.sum(1, dtype=torch.float64)
-    sums = s.numpy()
-    # counts on this thread (numpy, 8 bools a word): no further fork/join on torch's pool
-    m = mask.numpy()
-    popcount = getattr(np, "bitwise_count", None)  # numpy >= 2
-    if popcount is not None and t % 8 == 0 and m.flags.c_contiguous:
-        counts = np.add.reduce(popcount(m.view(np.uint64)), axis=1, dtype=np.int64)
-    else:
-        counts = np.count_nonzero(m, axis=1).astype(np.int64)
     _recheck(sums, _torch_exact_rows(torch, old, cur, mask))
     return sums, counts
 
