@@ -8,15 +8,19 @@ ragged lengths T/2..T, Rollout records holding each row's arrays, CPU tensors as
 log-probs), for each case and 1 and 2 torch threads, it runs in turn, `--repeats` times:
 `assess_arrays` on the tensors (the array path), `AdmissionGate.assess_batch` of the given file
 ("old") and of this checkout ("new"), and "new" with every decision read (its decisions are
-built when read). It prints medians of wall and CPU time (time.process_time, which other work
-on a shared machine inflates less), the records / arrays ratios, and whether old and new give
-the same decisions, figures included, to the bit.
+built when read), and a floor: the array path plus one C-level pass per record field that the
+record checks read (statuses, states, ids, versions, hashes, conditions, evidence, its three
+arrays and their lengths), no check, no gather, no decision: what any records path that keeps
+the checks costs at least. It prints medians of wall and CPU time (time.process_time, which
+other work on a shared machine inflates less), the records / arrays ratios (floor / arrays
+too), and whether old and new give the same decisions, figures included, to the bit.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import operator
 import statistics
 import time
 from collections.abc import Callable
@@ -37,11 +41,46 @@ def _fields(decisions: Any) -> list[tuple[Any, ...]]:
     ]
 
 
+_GET = {
+    k: operator.attrgetter(k)
+    for k in (
+        "status",
+        "state",
+        "rollout_id",
+        "behavior_version",
+        "artifact_hash",
+        "conditions",
+        "evidence",
+        "behavior_log_probs",
+        "action_mask",
+        "response_token_ids",
+    )
+}
+
+
+def _read_fields(ros: list[Any]) -> None:
+    """Every field the record checks read, one C-level pass each (the floor's reads)."""
+    g = _GET
+    statuses = list(map(g["status"], ros))
+    for k in ("state", "rollout_id", "behavior_version", "artifact_hash"):
+        list(map(g[k], statuses))
+    list(map(g["conditions"], ros))
+    evidence = list(map(g["evidence"], ros))
+    for k in ("behavior_log_probs", "action_mask", "response_token_ids"):
+        list(map(len, map(g[k], evidence)))
+
+
 def _variants(
     g_old: Any, g_new: Any, arrays: tuple[Any, ...], ros: list[Any]
 ) -> dict[str, Callable[[], Any]]:
     o, c, m, bvs = arrays
+
+    def floor() -> None:
+        _read_fields(ros)
+        new.assess_arrays(o, c, m, bvs, B.CURRENT, B.MAX_LAG, B.MAX_DRIFT)
+
     return {
+        "floor": floor,
         "arrays": lambda: new.assess_arrays(o, c, m, bvs, B.CURRENT, B.MAX_LAG, B.MAX_DRIFT),
         "old": lambda: g_old.assess_batch(ros, c, B.CURRENT),
         "new": lambda: g_new.assess_batch(ros, c, B.CURRENT),
@@ -92,10 +131,11 @@ def main() -> None:
                     f"B={b:5d} T={t:5d} threads={threads} same={same} | wall ms: arrays "
                     f"{mw['arrays']:.2f} old {mw['old']:.2f} new {mw['new']:.2f} new+read "
                     f"{mw['new+read']:.2f}; records/arrays {mw['old'] / mw['arrays']:.2f} -> "
-                    f"{mw['new'] / mw['arrays']:.2f} | cpu ms: arrays {mc['arrays']:.2f} old "
+                    f"{mw['new'] / mw['arrays']:.2f}, floor {mw['floor'] / mw['arrays']:.2f} | "
+                    f"cpu ms: arrays {mc['arrays']:.2f} old "
                     f"{mc['old']:.2f} new {mc['new']:.2f} new+read {mc['new+read']:.2f}; "
                     f"records/arrays {mc['old'] / mc['arrays']:.2f} -> "
-                    f"{mc['new'] / mc['arrays']:.2f}",
+                    f"{mc['new'] / mc['arrays']:.2f}, floor {mc['floor'] / mc['arrays']:.2f}",
                     flush=True,
                 )
     finally:

@@ -682,6 +682,11 @@ _TORCH_INLINE = (1 << 15) - 1
 # the cores a second Python thread would need; on two torch threads the split was slower
 # than one thread in every case of the bench (docs/benchmarks, e.g. bf16 1024 x 1024 5.3 vs
 # 2.0 ms, fp16 1024 x 4096 23.5 vs 10.6 ms), so up to two the kernel runs on this thread.
+# Running torch's own ops on its pool there instead (widen, subtract, bit-mask, abs, float32
+# partials, for 2^17..2^20 elements; `git log -S _torch_pool_sums`, measured with
+# benchmarks/gate_torch_ab.py) brought bf16 / fp16 256 x 1024 on 2 threads from 1.3-1.8x to
+# 1.2-1.6x the bare expression in quiet runs, but on a busy machine each op's fork/join
+# became a time slice: 26-56 ms where this thread's kernel took 1.2 ms. Not kept.
 _SPLIT_FROM_THREADS = 3
 
 
@@ -1333,6 +1338,8 @@ _ACTION_MASK = operator.attrgetter("action_mask")
 _TOKEN_IDS = operator.attrgetter("response_token_ids")
 _DTYPE = operator.attrgetter("dtype")
 _ROLLOUT_ID = operator.attrgetter("identity.rollout_id")
+_ENTRY_ID = operator.attrgetter("rollout_id")
+_ENTRY_VERSION = operator.attrgetter("behavior_version")
 _EVIDENCE_SIZES = ("response_token_ids.size", "action_mask.size", "behavior_log_probs.size")
 _SIZES = operator.attrgetter(*_EVIDENCE_SIZES)
 _LENGTHS = tuple(map(operator.attrgetter, _EVIDENCE_SIZES))
@@ -1620,9 +1627,18 @@ class AdmissionGate:
         b = len(rollouts)
         states = self._states(rollouts, entries, ledger)
         t = _batch_width(current_log_probs, b)
-        behaviors = list(map(_BEHAVIOR, rollouts))
-        bvs = list(map(_VERSION, behaviors))
-        hashes = list(map(_HASH, behaviors))
+        if entries is None and ledger is None:
+            # the states are the records' own statuses, which Rollout holds to its identity
+            # and behaviour (its post-init): the same id, version and hash, one attribute
+            # away instead of two (B=4096: 1.44 vs 1.63 ms for reading every field)
+            ids = list(map(_ENTRY_ID, states))
+            bvs = list(map(_ENTRY_VERSION, states))
+            hashes = list(map(_HASH, states))
+        else:
+            ids = list(map(_ROLLOUT_ID, rollouts))
+            behaviors = list(map(_BEHAVIOR, rollouts))
+            bvs = list(map(_VERSION, behaviors))
+            hashes = list(map(_HASH, behaviors))
         evidence: list[ActionEvidence | None] = list(map(_EVIDENCE, rollouts))
         # by identity: `None in evidence` would call ActionEvidence.__eq__ once per record
         missing = any(map(operator.is_, evidence, itertools.repeat(None)))
@@ -1661,7 +1677,6 @@ class AdmissionGate:
                 f"rollout {brief(rollouts[i].rollout_id)} has {widest} tokens but the batch is "
                 f"T={t} wide"
             )
-        ids = list(map(_ROLLOUT_ID, rollouts))
         sums, counts = _records_sums(olds, masks, current_log_probs, ids, lengths)
         return self._column_decisions(ids, bvs, early, failed, sums, counts, current_version)
 
