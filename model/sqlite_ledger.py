@@ -3,10 +3,13 @@
 `SQLiteStore` is the ledger's store (see `model.ledger.Store`): every step of
 `StoreLedger` runs inside one ``BEGIN IMMEDIATE`` transaction, so "read the rows and the
 registry's premise, check revisions, write, append events, bump counters" is one atomic
-step that a crash leaves all or nothing. A single reservation is planned on a read outside
-the transaction; its conditional ``UPDATE ... WHERE rollout_id = ? AND revision = ?``
-decides who won. A batch is a constant number of statements (``executemany`` in the one
-transaction), not a statement per row.
+step that a crash leaves all or nothing. A single reservation (or transition) is planned on
+one read of the row and the registry's premise outside the transaction (`peek`: the store
+is a `GuardedStore`); its transaction reads the premise again under the write lock and
+writes only while it is what the plan was judged on (else a step judges again), and its
+conditional ``UPDATE ... WHERE rollout_id = ? AND revision = ?`` decides who won. A batch
+is a constant number of statements (``executemany`` in the one transaction), not a
+statement per row.
 
 Counters live in the chain head's row (sqlite_common.HEAD_COUNTERS), updated in the same
 transaction (and statement) as the write they count, so statistics stay right across
