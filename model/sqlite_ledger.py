@@ -172,7 +172,7 @@ class _Unit(SqlUnit):
         self.store = store
         # NEXT_COLUMNS as read with the premise, for the next append (used once)
         self.head: Sequence[Any] | None = None
-        found = store.found  # a single reservation plans on the entry `find` just read
+        found = store.found  # a step may write over the entry `find` just read
         if found is not None:
             self.texts[id(found[0])] = found
 
@@ -360,7 +360,8 @@ class SQLiteStore:
         if len(events) != 1 or events[0].rollout_id != after.rollout_id:
             raise LedgerError(f"{step.what}: a single write records one change, of its own row")
         token = seen.token if seen is not None else None
-        found = token.found if isinstance(token, _Seen) else None
+        # the row's stored text, to splice: as peeked, or as `find` read it (a transition)
+        found = token.found if isinstance(token, _Seen) else self.found
         guard = step.premise
         if guard and not isinstance(token, _Seen):
             raise LedgerError(f"{step.what}: a guarded write needs the premise it peeked")
