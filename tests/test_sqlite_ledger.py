@@ -433,6 +433,35 @@ def test_a_premise_that_moves_after_the_peek_is_judged_again_in_a_step(
     led.close()
 
 
+def test_a_registry_created_after_the_peek_is_judged_in_a_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ledger file without a registry, and a registry created on it (by another object)
+    between a reservation's peek and its write: the write sees the registry under its lock
+    and writes nothing; the step judges the premise with it (the registry records no
+    admission policy yet, so it refuses). Without that check the reservation would land."""
+    from rollout_lifecycle.model.registry import SQLiteRegistry
+
+    path = tmp_path / "l.db"
+    led = SQLiteLedger(path)
+    add_rewarded(led, ["a"])
+    real_peek = led.store.peek
+    made: list[SQLiteRegistry] = []
+
+    def peek_then_register(rollout_id: str) -> Any:
+        out = real_peek(rollout_id)
+        made.append(SQLiteRegistry(path))
+        return out
+
+    monkeypatch.setattr(led.store, "peek", peek_then_register)
+    out = led.reserve("a", 0, "u", stamp())
+    assert not out.reserved and out.reason == "no_admission_policy", out
+    assert led.get("a").state == "rewarded"
+    assert [e.event for e in entries_of(led)][-1] != "reserve"
+    made[0].close()
+    led.close()
+
+
 def test_a_registry_without_the_pacing_columns_is_judged_in_a_step(tmp_path: Path) -> None:
     """A registry whose policy table predates the pacing columns (never migrated) cannot be
     peeked in one statement: the peek reads it as the step does, and the step judges it
