@@ -288,6 +288,11 @@ class SQLiteStore:
         # makes: a step writing over that very object reuses the text (any thread's:
         # the object itself is checked, by identity)
         self.found: tuple[LedgerEntry, str] | None = None
+        # the premise values a peek read last, and the premise built of them (immutable)
+        self._premise_last: tuple[tuple[Any, ...] | None, ActivationPremise] = (
+            None,
+            NO_REGISTRY,
+        )
         self.conns = Connections(
             path,
             read_only=read_only,
@@ -339,7 +344,13 @@ class SQLiteStore:
         if text is not None:
             entry, exact = read_entry(text)
             kept = (entry, text) if exact else None
-        judged = NO_REGISTRY if premise is None else _premise_from(premise)
+        if premise is None:
+            judged = NO_REGISTRY
+        else:
+            last = self._premise_last  # the premise moves rarely: built once per values
+            if last[0] != premise:
+                last = self._premise_last = (premise, _premise_from(premise))
+            judged = last[1]
         return entry, Peeked(judged, None, _Seen(premise, kept))
 
     def write_one(
