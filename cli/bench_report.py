@@ -111,6 +111,19 @@ def markdown(report: dict[str, Any], command: str) -> str:
                 f"({x['batch_size']}) | {_fmt(x['ratios']['batch_vs_single'])} | {commits} | "
                 f"{base} |"
             )
+        tmpfs = led.get("sqlite", {}).get("tmpfs")
+        if tmpfs is not None:  # reports from before this measurement have none
+            lines += [
+                "",
+                (
+                    f"SQLite single CAS on tmpfs ({tmpfs['folder']}): "
+                    f"{_fmt(tmpfs['single_per_s'])} /s; autocommit UPDATE "
+                    f"{_fmt(tmpfs['baseline']['autocommit_update_per_s'])} /s (synchronous "
+                    f"{tmpfs['baseline']['synchronous']})."
+                    if tmpfs["measured"]
+                    else f"SQLite single CAS on tmpfs: not measured ({tmpfs['why']})."
+                ),
+            ]
         lines += [
             "",
             "Racing threads (each reads a rollout, then tries a compare-and-set on it):",

@@ -465,6 +465,18 @@ def goals(report: dict[str, Any], goal: Goal) -> list[dict[str, Any]]:
                 "<= 1.2",
             ),
         ]
+        tmpfs = sq.get("tmpfs")
+        if tmpfs is not None:  # reports from before the tmpfs measurement have none
+            vs_tmpfs = r.get("single_vs_autocommit_update_tmpfs")
+            sync = tmpfs["baseline"]["synchronous"] if tmpfs["measured"] else "FULL"
+            out.append(
+                goal(
+                    "sqlite: single CAS time / autocommit UPDATE time, on tmpfs (synchronous "
+                    f"{sync})" + ("" if tmpfs["measured"] else f": not measured, {tmpfs['why']}"),
+                    None if not vs_tmpfs else round(1 / vs_tmpfs, 3),
+                    "<= 3",
+                )
+            )
     adm = report.get("admit")
     if adm:
         out.append(

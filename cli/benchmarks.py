@@ -417,11 +417,12 @@ def _ledger(backend: str, folder: Path, entries: Sequence[LedgerEntry]) -> Itera
 
 
 def _reserve_rates(
-    backend: str, folder: Path, n: int, batch: int, repeats: int
+    backend: str, folder: Path, n: int, batch: int, repeats: int, *, batches: bool = True
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Reservations per second, one CAS at a time and in batches, each next to its plain
     baseline. The ledger and the baseline file are open side by side and take turns every
-    few operations, so a slow spell of the disk (fsync) or the CPU hits both alike."""
+    few operations, so a slow spell of the disk (fsync) or the CPU hits both alike. Without
+    `batches`, the single CAS and its baseline only."""
     entries = _entries(n)
     requests = [ReserveRequest(e.rollout_id, 0, STAMP) for e in entries]
     plain = _plain_memory(n) if backend == "memory" else _plain_sqlite(folder, n)
@@ -431,6 +432,8 @@ def _reserve_rates(
         spent = dict.fromkeys(("single", "plain_single", "batch", "plain_batch"), 0.0)
         if backend != "memory":
             spent["plain_batch_events"] = 0.0
+        if not batches:
+            spent = {"single": 0.0, "plain_single": 0.0}
         with _ledger(backend, folder, entries) as led, plain() as base:
             for k in range(0, n, turn):
                 t0 = time.perf_counter()
@@ -441,7 +444,7 @@ def _reserve_rates(
                 base.single(k, min(n, k + turn))
                 spent["plain_single"] += time.perf_counter() - t0
         with _ledger(backend, folder, entries) as led, plain() as base, plain() as logged:
-            for k in range(0, n, batch):
+            for k in range(0, n if batches else 0, batch):
                 t0 = time.perf_counter()
                 led.reserve_batch("u", requests[k : k + batch])
                 spent["batch"] += time.perf_counter() - t0
@@ -454,10 +457,14 @@ def _reserve_rates(
                     spent["plain_batch_events"] += time.perf_counter() - t0
         for name, dt in spent.items():
             totals[name] = min(totals.get(name, dt), dt)
-    rates = {
-        "single_per_s": round(n / totals["single"], 1),
-        "batch_per_s": round(n / totals["batch"], 1),
-    }
+    rates = {"single_per_s": round(n / totals["single"], 1)}
+    if not batches:
+        return rates, {
+            "autocommit_update_per_s": round(n / totals["plain_single"], 1),
+            "synchronous": _sqlite_synchronous(folder),
+            "journal_mode": "wal",
+        }
+    rates["batch_per_s"] = round(n / totals["batch"], 1)
     if backend == "memory":
         baseline: dict[str, Any] = {
             "dict_write_per_s": round(n / totals["plain_single"], 1),
@@ -770,6 +777,21 @@ def _plain_memory(n: int) -> Callable[[], contextlib.AbstractContextManager[_Pla
     return fresh
 
 
+TMPFS = Path("/dev/shm")
+
+
+def _tmpfs_single(n: int, repeats: int, progress: Progress) -> dict[str, Any]:
+    """The SQLite single CAS next to its autocommit UPDATE on tmpfs, where a commit's fsync
+    costs next to nothing, so the ratio shows what the ledger adds in CPU; or why it was
+    not measured."""
+    if not TMPFS.is_dir() or not os.access(TMPFS, os.W_OK | os.X_OK):
+        return {"folder": str(TMPFS), "measured": False, "why": f"{TMPFS} is missing here"}
+    progress(f"ledger sqlite: single reservations on tmpfs ({TMPFS}, {n} rollouts)")
+    with tempfile.TemporaryDirectory(prefix="rl-bench-", dir=TMPFS) as tmp:
+        rates, baseline = _reserve_rates("sqlite", Path(tmp), n, 1, repeats, batches=False)
+    return {"folder": str(TMPFS), "measured": True, **rates, "baseline": baseline}
+
+
 def bench_ledgers(sizes: Sizes, progress: Progress = _nothing) -> dict[str, Any]:
     """Reservation and commit rates per backend, with their plain baselines."""
     out: dict[str, Any] = {}
@@ -807,13 +829,19 @@ def bench_ledgers(sizes: Sizes, progress: Progress = _nothing) -> dict[str, Any]
                 ratios["single_vs_autocommit_update"] = _ratio(
                     single, baseline["autocommit_update_per_s"]
                 )
+                tmpfs = _tmpfs_single(n, sizes.ledger_repeats, progress)
+                ratios["single_vs_autocommit_update_tmpfs"] = (
+                    _ratio(tmpfs["single_per_s"], tmpfs["baseline"]["autocommit_update_per_s"])
+                    if tmpfs["measured"]
+                    else None
+                )
             if backend == "memory":
                 progress(f"ledger memory: per-row cost at {sizes.scale_rollouts} rollouts, gc on")
                 extra: dict[str, Any] = {
                     "scale": _memory_scale(sizes.scale_rollouts, sizes.scale_repeats)
                 }
             else:
-                extra = {}
+                extra = {"tmpfs": tmpfs}
             out[backend] = {
                 **extra,
                 "rollouts": n,

@@ -91,6 +91,24 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
         report["ledgers"]["sqlite"]["baseline"]
     )
     assert report["ledgers"]["sqlite"]["baseline"]["synchronous"] == "FULL"
+    # the single CAS is measured again on tmpfs, where there is one, with its own ratio/goal
+    sq = report["ledgers"]["sqlite"]
+    tmpfs, vs_tmpfs = sq["tmpfs"], sq["ratios"]["single_vs_autocommit_update_tmpfs"]
+    tmpfs_goals = [g for g in report["goals"] if "on tmpfs" in g["goal"]]
+    assert len(tmpfs_goals) == 1 and tmpfs_goals[0]["target"] == "<= 3"
+    if Path("/dev/shm").is_dir():
+        assert tmpfs["measured"] is True and tmpfs["folder"] == "/dev/shm"
+        assert _number(tmpfs["single_per_s"]) and tmpfs["baseline"]["synchronous"] == "FULL"
+        assert vs_tmpfs == pytest.approx(
+            tmpfs["single_per_s"] / tmpfs["baseline"]["autocommit_update_per_s"], rel=0.01
+        )
+        assert tmpfs_goals[0]["measured"] == pytest.approx(1 / vs_tmpfs, rel=0.01)
+        assert "(synchronous FULL)" in tmpfs_goals[0]["goal"]
+    else:
+        assert tmpfs["measured"] is False and vs_tmpfs is None
+        assert tmpfs_goals[0]["measured"] is None and "not measured" in tmpfs_goals[0]["goal"]
+    disk_goals = [g for g in report["goals"] if "autocommit UPDATE time, on disk" in g["goal"]]
+    assert len(disk_goals) == 1 and disk_goals[0]["target"] == "<= 1.2"
 
     fuzz = report["checkers"]["fuzz"]["memory"]
     assert set(fuzz) == set(runner.MACHINES)
