@@ -3,13 +3,10 @@
 `SQLiteStore` is the ledger's store (see `model.ledger.Store`): every step of
 `StoreLedger` runs inside one ``BEGIN IMMEDIATE`` transaction, so "read the rows and the
 registry's premise, check revisions, write, append events, bump counters" is one atomic
-step that a crash leaves all or nothing. A single reservation (or transition) is planned on
-one read of the row and the registry's premise outside the transaction (`peek`: the store
-is a `GuardedStore`); its transaction reads the premise again under the write lock and
-writes only while it is what the plan was judged on (else a step judges again), and its
-conditional ``UPDATE ... WHERE rollout_id = ? AND revision = ?`` decides who won. A batch
-is a constant number of statements (``executemany`` in the one transaction), not a
-statement per row.
+step that a crash leaves all or nothing. A single reservation is planned on a read outside
+the transaction; its conditional ``UPDATE ... WHERE rollout_id = ? AND revision = ?``
+decides who won. A batch is a constant number of statements (``executemany`` in the one
+transaction), not a statement per row.
 
 Counters live in the chain head's row (sqlite_common.HEAD_COUNTERS), updated in the same
 transaction (and statement) as the write they count, so statistics stay right across
@@ -18,15 +15,12 @@ processes and restarts.
 
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
-
-import attrs
 
 from rollout_lifecycle.model.clocks import sqlite_host_clock
 from rollout_lifecycle.model.errors import DuplicateRollout, LedgerError, brief
@@ -35,14 +29,12 @@ from rollout_lifecycle.model.ledger import (
     NO_REGISTRY,
     ActivationPremise,
     Clock,
-    Peeked,
     RecoveryRule,
     Step,
     StoreLedger,
     StoreView,
     Tallies,
     UnitOfWork,
-    WriteOutcome,
     check_lease_seconds,
     load_entry,
     read_entry,
@@ -125,39 +117,14 @@ _PROBE_NEXT = (
     f"SELECT EXISTS (SELECT 1 FROM schema_meta WHERE component = 'registry'), {NEXT_COLUMNS}"
 )
 _POINTER_NEXT = f"SELECT (SELECT version FROM registry_pointer WHERE id = 1), {NEXT_COLUMNS}"
-_WAS_ACTIVE = tuple(sorted(WAS_ACTIVE_STATES))
-_WAS_ACTIVE_MARKS = ",".join("?" * len(_WAS_ACTIVE))
-# A single reservation's premise as six values of one statement (`SQLiteStore.peek`): the
-# pointer, the policy's four columns (NULL: no policy) and the ever-active versions as JSON
-# (integers and text only, so the text is exact). `write_one` reads the same values under
-# the write lock and writes only while they are equal. Floats stay columns: SQLite's JSON
-# may round a REAL.
-_PREMISE_COLUMNS = (
-    "(SELECT version FROM registry_pointer WHERE id = 1), "
-    "pol.max_lag, pol.max_drift, pol.batch_size, pol.max_attempts, "
-    "(SELECT json_group_array(json_array(version, state, failure)) FROM registry_artifacts "
-    "WHERE state IN ({}))".format(",".join(f"'{s}'" for s in _WAS_ACTIVE))
-)
-_PEEK_BARE = (
-    "SELECT (SELECT entry FROM rollouts WHERE rollout_id = ?), "
-    "EXISTS (SELECT 1 FROM schema_meta WHERE component = 'registry')"
-)
-_PEEK = (
-    "SELECT (SELECT entry FROM rollouts WHERE rollout_id = ?), "
-    f"{_PREMISE_COLUMNS} FROM (SELECT 1) LEFT JOIN registry_policy AS pol ON pol.id = 1"
-)
-_GUARD_NEXT = (
-    f"SELECT {_PREMISE_COLUMNS}, {NEXT_COLUMNS} "
-    "FROM (SELECT 1) LEFT JOIN registry_policy AS pol ON pol.id = 1"
-)
-# NEXT_COLUMNS alone, for a write that guards no premise (a transition)
-_NEXT = f"SELECT {NEXT_COLUMNS}"
 _FIND = "SELECT entry FROM rollouts WHERE rollout_id = ?"
 _INSERT = (
     "INSERT INTO rollouts(rollout_id, state, revision, reserved_by, lease_expires_at, "
     "behavior_version, entry) VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 _IN_CHUNK = 500  # ids per IN (...) list, well under SQLite's bound-parameter limit
+_WAS_ACTIVE = tuple(sorted(WAS_ACTIVE_STATES))
+_WAS_ACTIVE_MARKS = ",".join("?" * len(_WAS_ACTIVE))
 
 
 def _marks(n: int) -> str:
@@ -172,7 +139,7 @@ class _Unit(SqlUnit):
         self.store = store
         # NEXT_COLUMNS as read with the premise, for the next append (used once)
         self.head: Sequence[Any] | None = None
-        found = store.found  # a step may write over the entry `find` just read
+        found = store.found  # a single reservation plans on the entry `find` just read
         if found is not None:
             self.texts[id(found[0])] = found
 
@@ -241,37 +208,6 @@ class _Unit(SqlUnit):
             self.conn.execute(count_sql(tuple(counted)), tuple(counted.values()))
 
 
-@attrs.frozen
-class _Seen:
-    """What `peek` read: the premise's six values (`_PREMISE_COLUMNS`; None: no registry)
-    and the row with its stored text, when that is exactly what `dump` makes (kept with the
-    entry object: ids are reused). Not `guarded`: a registry whose policy table predates the
-    pacing columns, whose premise only a step judges."""
-
-    premise: tuple[Any, ...] | None
-    found: tuple[LedgerEntry, str] | None
-    guarded: bool = True
-
-
-def _premise_from(values: Sequence[Any]) -> ActivationPremise:
-    """The premise from `_PREMISE_COLUMNS`' values (as `SQLiteStore.premise` builds it)."""
-    pointer, max_lag, max_drift, batch_size, max_attempts, was_json = values
-    was = json.loads(was_json)
-    return ActivationPremise(
-        None if pointer is None else int(pointer),
-        frozenset(int(r[0]) for r in was),
-        None
-        if max_lag is None
-        else AdmissionPolicy(
-            int(max_lag),
-            float(max_drift),
-            None if batch_size is None else int(batch_size),
-            None if max_attempts is None else int(max_attempts),
-        ),
-        retired_from_rows((r[0], r[2]) for r in was if r[1] == "rolled_back"),
-    )
-
-
 class SQLiteStore:
     """The ledger's tables in one SQLite file (WAL); see the module doc."""
 
@@ -288,11 +224,6 @@ class SQLiteStore:
         # makes: a step writing over that very object reuses the text (any thread's:
         # the object itself is checked, by identity)
         self.found: tuple[LedgerEntry, str] | None = None
-        # the premise values a peek read last, and the premise built of them (immutable)
-        self._premise_last: tuple[tuple[Any, ...] | None, ActivationPremise] = (
-            None,
-            NO_REGISTRY,
-        )
         self.conns = Connections(
             path,
             read_only=read_only,
@@ -310,111 +241,6 @@ class SQLiteStore:
         """One read transaction (a WAL snapshot): no write lock, fine on a read-only file."""
         with self.conns.read() as conn:
             return body(_Unit(self, conn))
-
-    # ---- a single compare-and-set (model.ledger.GuardedStore) ---------------------------
-
-    def peek(self, rollout_id: str) -> tuple[LedgerEntry | None, Peeked]:
-        """The row and the premise in ONE autocommit statement (one consistent read)."""
-        if self.read_only:  # what a reservation peeks for is a write
-            raise LedgerError(f"ledger {self.path} was opened read-only; nothing was written")
-        self.conns.check_file()
-        conn = self.conns.conn()
-        try:
-            premise: tuple[Any, ...] | None = None
-            if not self._registry_seen:
-                text, found = conn.execute(_PEEK_BARE, (rollout_id,)).fetchone()
-                if found:
-                    self._registry_seen = True  # a registry, once created, never goes away
-            if self._registry_seen:
-                try:
-                    text, *values = conn.execute(_PEEK, (rollout_id,)).fetchone()
-                    premise = tuple(values)
-                except sqlite3.OperationalError:
-                    # a registry's policy table without the pacing columns (never migrated):
-                    # read as the step reads it, and leave the judging to a step
-                    with self.conns.read() as c:
-                        row = c.execute(_FIND, (rollout_id,)).fetchone()
-                        old = self.premise(c)[0]
-                    found = None if row is None else load_entry(row[0])
-                    return found, Peeked(old, None, _Seen(None, None, guarded=False))
-        except sqlite3.Error as exc:
-            raise LedgerError(f"{self.path}: read failed ({exc})") from exc
-        entry: LedgerEntry | None = None
-        kept = None
-        if text is not None:
-            entry, exact = read_entry(text)
-            kept = (entry, text) if exact else None
-        if premise is None:
-            judged = NO_REGISTRY
-        else:
-            last = self._premise_last  # the premise moves rarely: built once per values
-            if last[0] != premise:
-                last = self._premise_last = (premise, _premise_from(premise))
-            judged = last[1]
-        return entry, Peeked(judged, None, _Seen(premise, kept))
-
-    def write_one(
-        self,
-        pair: tuple[LedgerEntry, LedgerEntry],
-        changes: Sequence[Change],
-        at: float,
-        counts: Mapping[str, int],
-        step: Step,
-        seen: Peeked | None,
-    ) -> WriteOutcome:
-        """One BEGIN IMMEDIATE transaction: under its write lock, with `step.premise`, the
-        premise read again and compared with `seen`'s ("moved": nothing written), then the
-        compare-and-set ("lost": nothing written), the event and the counters (in the chain
-        head's statement). Four statements between BEGIN and COMMIT."""
-        before, after = pair
-        events = entry_events(changes, at)
-        if len(events) != 1 or events[0].rollout_id != after.rollout_id:
-            raise LedgerError(f"{step.what}: a single write records one change, of its own row")
-        token = seen.token if seen is not None else None
-        # the row's stored text, to splice: as peeked, or as `find` read it (a transition)
-        found = token.found if isinstance(token, _Seen) else self.found
-        guard = step.premise
-        if guard and not isinstance(token, _Seen):
-            raise LedgerError(f"{step.what}: a guarded write needs the premise it peeked")
-        expected = token.premise if isinstance(token, _Seen) else None
-        if guard and isinstance(token, _Seen) and not token.guarded:
-            return "moved"
-        counted = {k: v for k, v in counts.items() if v}
-
-        def body(conn: sqlite3.Connection) -> WriteOutcome:
-            unit = SqlUnit(conn)
-            if found is not None:
-                unit.texts[id(found[0])] = found
-            head: Sequence[Any]
-            if not guard:
-                head = conn.execute(_NEXT).fetchone()
-            elif expected is None:
-                registry, *head = conn.execute(_PROBE_NEXT).fetchone()
-                if registry:  # a registry was created since the peek
-                    return "moved"
-            else:
-                row = conn.execute(_GUARD_NEXT).fetchone()
-                if tuple(row[:6]) != expected:
-                    return "moved"
-                head = row[6:]
-            won = conn.execute(
-                _CAS,
-                (
-                    after.state,
-                    after.revision,
-                    after.reserved_by,
-                    after.lease_expires_at,
-                    unit.dump_after(before, after),
-                    after.rollout_id,
-                    before.revision,
-                ),
-            ).rowcount
-            if won != 1:
-                return "lost"
-            append_events(conn, events, unit.payload, stamped=False, head=head, counts=counted)
-            return "won"
-
-        return self.conns.write(body)
 
     @staticmethod
     def rows(

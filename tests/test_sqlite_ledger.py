@@ -26,7 +26,6 @@ import rollout_lifecycle.model.ledger as ml
 from rollout_lifecycle.model.errors import LedgerError, RevisionConflict
 from rollout_lifecycle.model.events import EntryChanged
 from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule, ReserveRequest
-from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, Reward
 from rollout_lifecycle.model.sqlite_ledger import SCHEMA_VERSION, SQLiteLedger
 from tests.helpers_ledger import add_rewarded, drive_to, ids, race_process, race_worker, stamp
 
@@ -308,10 +307,10 @@ def test_lost_cas_in_transition_raises(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_a_single_reservation_is_seven_statements(tmp_path: Path) -> None:
-    """The peek outside the transaction (the row and the registry probe in ONE statement),
-    then one transaction: the registry probe again and the events' next txn/seq/head in ONE
-    statement, the compare-and-set, the event, the chain head with both counters (its
-    columns) in ONE statement, COMMIT. The events still chain and the counters still add."""
+    """The read outside the step, then one transaction: the registry probe and the events'
+    next txn/seq/head in ONE statement, the compare-and-set, the event, the chain head with
+    both counters (its columns) in ONE statement, COMMIT. The events still chain and the
+    counters still add."""
     led = SQLiteLedger(tmp_path / "l.db")
     add_rewarded(led, ["a", "b"])
     seen: list[str] = []
@@ -320,7 +319,7 @@ def test_a_single_reservation_is_seven_statements(tmp_path: Path) -> None:
     led._conn().set_trace_callback(None)
     heads = [" ".join(s.split()[:3]) for s in seen]
     assert heads == [
-        "SELECT (SELECT entry",
+        "SELECT entry FROM",
         "BEGIN IMMEDIATE",
         "SELECT EXISTS (SELECT",
         "UPDATE rollouts SET",
@@ -370,120 +369,6 @@ def test_a_single_reservation_judges_the_stamp_once(
         b.ledger.add(LedgerEntry("x", 0, "h", state="rewarded", reward=Reward("f", "1", 1.0)))
         out = b.ledger.reserve("x", 0, "u", loose)
         assert not out.reserved and out.reason == "looser_than_policy", out
-
-
-def test_a_single_reservation_with_a_registry_is_seven_statements(tmp_path: Path) -> None:
-    """With a registry, the peek reads the row and the whole premise in ONE statement, and
-    the transaction reads the premise again with the events' next columns in ONE statement
-    (the pointer, the policy and the ever-active versions: no statement per table)."""
-    from tests.data.old_layout_builder import build
-
-    path = tmp_path / "l.db"
-    build(str(path))  # v0 active, policy max_lag 1, r3 rewarded
-    led = SQLiteLedger(path)
-    led.add(LedgerEntry("x", 0, "h", state="rewarded", reward=Reward("f", "1", 1.0)))
-    good = AdmissionStamp(0, 0, 1, 0.2, 0.0, "fresh", "ok", True)
-    assert led.reserve("x", 0, "u", good).reserved  # the first peek finds the registry
-    seen: list[str] = []
-    led._conn().set_trace_callback(seen.append)
-    assert led.reserve("r3", 2, "u", good).reserved
-    led._conn().set_trace_callback(None)
-    heads = [" ".join(s.split()[:3]) for s in seen]
-    assert heads == [
-        "SELECT (SELECT entry",
-        "BEGIN IMMEDIATE",
-        "SELECT (SELECT version",
-        "UPDATE rollouts SET",
-        "INSERT INTO events(seq,",
-        "INSERT INTO events_chain(id,",
-        "COMMIT",
-    ], seen
-    assert [e.event for e in entries_of(led)][-2:] == ["reserve", "reserve"]
-    led.close()
-
-
-def test_a_premise_that_moves_after_the_peek_is_judged_again_in_a_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The policy tightened (by another connection) between a reservation's peek and its
-    write: the write sees, under its lock, that the premise is not the one its plan was
-    judged on and writes nothing; the step judges again and refuses. Without that check
-    the reservation would land with a stamp looser than the recorded policy."""
-    from tests.data.old_layout_builder import build
-
-    path = tmp_path / "l.db"
-    build(str(path))
-    led = SQLiteLedger(path)
-    real_peek = led.store.peek
-
-    def peek_then_tighten(rollout_id: str) -> Any:
-        out = real_peek(rollout_id)
-        other = sqlite3.connect(path, isolation_level=None)
-        other.execute("PRAGMA busy_timeout = 5000")
-        other.execute("UPDATE registry_policy SET max_lag = 0 WHERE id = 1")
-        other.close()
-        return out
-
-    monkeypatch.setattr(led.store, "peek", peek_then_tighten)
-    before = len(entries_of(led))
-    out = led.reserve("r3", 2, "u", AdmissionStamp(0, 0, 1, 0.2, 0.0, "fresh", "ok", True))
-    assert not out.reserved and out.reason == "looser_than_policy", out
-    assert led.get("r3").state == "rewarded" and len(entries_of(led)) == before
-    assert led.statistics().refused == 1
-    led.close()
-
-
-def test_a_registry_created_after_the_peek_is_judged_in_a_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A ledger file without a registry, and a registry created on it (by another object)
-    between a reservation's peek and its write: the write sees the registry under its lock
-    and writes nothing; the step judges the premise with it (the registry records no
-    admission policy yet, so it refuses). Without that check the reservation would land."""
-    from rollout_lifecycle.model.registry import SQLiteRegistry
-
-    path = tmp_path / "l.db"
-    led = SQLiteLedger(path)
-    add_rewarded(led, ["a"])
-    real_peek = led.store.peek
-    made: list[SQLiteRegistry] = []
-
-    def peek_then_register(rollout_id: str) -> Any:
-        out = real_peek(rollout_id)
-        made.append(SQLiteRegistry(path))
-        return out
-
-    monkeypatch.setattr(led.store, "peek", peek_then_register)
-    out = led.reserve("a", 0, "u", stamp())
-    assert not out.reserved and out.reason == "no_admission_policy", out
-    assert led.get("a").state == "rewarded"
-    assert [e.event for e in entries_of(led)][-1] != "reserve"
-    made[0].close()
-    led.close()
-
-
-def test_a_registry_without_the_pacing_columns_is_judged_in_a_step(tmp_path: Path) -> None:
-    """A registry whose policy table predates the pacing columns (never migrated) cannot be
-    peeked in one statement: the peek reads it as the step does, and the step judges it
-    (the policy still refuses a looser stamp, and a good one is still reserved)."""
-    from tests.data.old_layout_builder import build
-
-    path = tmp_path / "l.db"
-    build(str(path))
-    raw = sqlite3.connect(path, isolation_level=None)
-    for col in ("batch_size", "max_attempts"):
-        raw.execute(f"ALTER TABLE registry_policy DROP COLUMN {col}")
-    raw.close()
-    led = SQLiteLedger(path)
-    led.add(LedgerEntry("x", 0, "h", state="rewarded", reward=Reward("f", "1", 1.0)))
-    loose = AdmissionStamp(0, 0, 5, 0.2, 0.0, "fresh", "ok", True)
-    out = led.reserve("x", 0, "u", loose)
-    assert not out.reserved and out.reason == "looser_than_policy", out
-    assert led.reserve(
-        "r3", 2, "u", AdmissionStamp(0, 0, 1, 0.2, 0.0, "fresh", "ok", True)
-    ).reserved
-    assert [e.event for e in entries_of(led)][-1] == "reserve"
-    led.close()
 
 
 # ---- 8 threads and 4 processes ---------------------------------------------------------
