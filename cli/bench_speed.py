@@ -86,10 +86,16 @@ def _nothing(_: str) -> None:
 
 
 def interleaved_medians(variants: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median wall time (s) of each variant, the variants run in turn `repeats` times."""
+    """Median wall time (s) of each variant, the variants run in turn `repeats` times.
+
+    The order rotates each round, so every variant follows every other equally often: what
+    one leaves behind (caches it evicted, torch's worker threads still spinning on the other
+    core) weighs on all alike, not always on the one after it."""
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
+    order = list(variants.items())
+    for r in range(repeats):
+        k = r % len(order) if order else 0
+        for name, fn in order[k:] + order[:k]:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)

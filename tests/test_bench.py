@@ -210,3 +210,17 @@ def test_verl_v1_overhead_doc_is_its_result_file() -> None:
     assert f"{figures['overhead_per_step_ms']} ms more per step" in doc
     per_trajectory = figures["overhead_per_step_ms"] / figures["trajectories_per_step"]
     assert f"about\n{per_trajectory:.1f} ms per trajectory" in doc
+
+
+def test_interleaved_medians_rotate_the_order() -> None:
+    """Each round starts one variant later, so no variant always runs right after the same
+    other one (whose leftovers, evicted caches or spinning threads, would weigh on it)."""
+    from rollout_lifecycle.cli.bench_speed import interleaved_medians
+
+    ran: list[str] = []
+    variants = {k: (lambda k=k: ran.append(k)) for k in "abc"}
+    med = interleaved_medians(variants, 4)
+    assert ran == list("abcbcacababc")
+    assert set(med) == set("abc") and all(v >= 0 for v in med.values())
+    follows = {(ran[i - 1], ran[i]) for i in range(1, len(ran))}
+    assert {("a", "b"), ("c", "a"), ("b", "c"), ("a", "c"), ("c", "b")} <= follows
