@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -218,7 +219,7 @@ def test_interleaved_medians_rotate_the_order() -> None:
     from rollout_lifecycle.cli.bench_speed import interleaved_medians
 
     ran: list[str] = []
-    variants = {k: (lambda k=k: ran.append(k)) for k in "abc"}
+    variants: dict[str, Callable[[], Any]] = {k: (lambda k=k: ran.append(k)) for k in "abc"}
     med = interleaved_medians(variants, 4)
     assert ran == list("abcbcacababc")
     assert set(med) == set("abc") and all(v >= 0 for v in med.values())
