@@ -219,7 +219,11 @@ def test_interleaved_medians_rotate_the_order() -> None:
     from rollout_lifecycle.cli.bench_speed import interleaved_medians
 
     ran: list[str] = []
-    variants: dict[str, Callable[[], Any]] = {k: (lambda k=k: ran.append(k)) for k in "abc"}
+
+    def runs(name: str) -> Callable[[], None]:
+        return lambda: ran.append(name)
+
+    variants = {k: runs(k) for k in "abc"}
     med = interleaved_medians(variants, 4)
     assert ran == list("abcbcacababc")
     assert set(med) == set("abc") and all(v >= 0 for v in med.values())
