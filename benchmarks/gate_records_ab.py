@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import operator
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from rollout_lifecycle.cli import benchmarks as B
+from rollout_lifecycle.cli.bench_speed import interleaved_wall_cpu
 from rollout_lifecycle.model import gate as new
 
 CASES = [(b, t) for b in (256, 1024, 4096) for t in (1024, 4096)]
@@ -117,16 +116,9 @@ def main() -> None:
                 same = _fields(variants["old"]()) == _fields(variants["new"]())
                 for fn in variants.values():  # warm up
                     fn()
-                wall: dict[str, list[float]] = {k: [] for k in variants}
-                cpu: dict[str, list[float]] = {k: [] for k in variants}
-                for _ in range(args.repeats):
-                    for k, fn in variants.items():
-                        w0, c0 = time.perf_counter(), time.process_time()
-                        fn()
-                        cpu[k].append(time.process_time() - c0)
-                        wall[k].append(time.perf_counter() - w0)
-                mw = {k: statistics.median(v) * 1e3 for k, v in wall.items()}
-                mc = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
+                wall, cpu = interleaved_wall_cpu(variants, args.repeats)
+                mw = {k: v * 1e3 for k, v in wall.items()}
+                mc = {k: v * 1e3 for k, v in cpu.items()}
                 print(
                     f"B={b:5d} T={t:5d} threads={threads} same={same} | wall ms: arrays "
                     f"{mw['arrays']:.2f} old {mw['old']:.2f} new {mw['new']:.2f} new+read "

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +25,7 @@ import numpy as np
 import torch
 
 from rollout_lifecycle.cli import benchmarks as B
+from rollout_lifecycle.cli.bench_speed import interleaved_wall_cpu
 from rollout_lifecycle.model import gate as new
 
 CASES = [(b, t) for b in (256, 1024, 4096) for t in (1024, 4096)]
@@ -79,16 +78,9 @@ def _case(old: Any, data: dict[str, Any], b: int, t: int, threads: int, dtype: s
         rel = np.nanmax(np.abs(r_new.drift - r_old.drift) / np.abs(r_old.drift))
     for fn in variants.values():  # warm up
         fn()
-    wall: dict[str, list[float]] = {k: [] for k in variants}
-    cpu: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(n):
-        for k, fn in variants.items():
-            w0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            cpu[k].append(time.process_time() - c0)
-            wall[k].append(time.perf_counter() - w0)
-    mw = {k: statistics.median(v) * 1e3 for k, v in wall.items()}
-    mc = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
+    wall, cpu = interleaved_wall_cpu(variants, n)
+    mw = {k: v * 1e3 for k, v in wall.items()}
+    mc = {k: v * 1e3 for k, v in cpu.items()}
     print(
         f"{dtype:8s} B={b:4d} T={t:4d} threads={threads} same={same} drift_rel_diff={rel:.1e} | "
         f"wall ms old {mw['old']:.3f} bare {mw['bare_old']:.3f} new {mw['new']:.3f} bare "

@@ -85,21 +85,34 @@ def _nothing(_: str) -> None:
     return None
 
 
-def interleaved_medians(variants: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median wall time (s) of each variant, the variants run in turn `repeats` times.
+def interleaved_wall_cpu(
+    variants: dict[str, Callable[[], Any]], repeats: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall and CPU time (s; CPU: this process's, which other work on a shared
+    machine inflates less) of each variant, the variants run in turn `repeats` times.
 
     The order rotates each round, so every variant follows every other equally often: what
     one leaves behind (caches it evicted, torch's worker threads still spinning on the other
     core) weighs on all alike, not always on the one after it."""
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    wall: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     order = list(variants.items())
     for r in range(repeats):
         k = r % len(order) if order else 0
         for name, fn in order[k:] + order[:k]:
-            t0 = time.perf_counter()
+            w0, c0 = time.perf_counter(), time.process_time()
             fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            cpu[name].append(time.process_time() - c0)
+            wall[name].append(time.perf_counter() - w0)
+    return (
+        {name: statistics.median(ts) for name, ts in wall.items()},
+        {name: statistics.median(ts) for name, ts in cpu.items()},
+    )
+
+
+def interleaved_medians(variants: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median wall time (s) of each variant: `interleaved_wall_cpu`'s wall part."""
+    return interleaved_wall_cpu(variants, repeats)[0]
 
 
 def _rounded(x: float | None, digits: int = 3) -> float | None:
