@@ -388,6 +388,23 @@ _PAYLOAD_PARTS: list[tuple[tuple[object, ...], tuple[str, str, str]]] = [
 ]
 
 
+def events_where(
+    mark: str,
+    after_seq: int,
+    kind: str | None,
+    exclude_kind: str | None,
+    subject: str | None,
+) -> tuple[str, list[str | int]]:
+    """The WHERE clause and its arguments with which a store reads events: after
+    `after_seq`, optionally of one kind, not of another, of one subject (`mark`: the
+    driver's placeholder, ``?`` or ``%s``). One filter, so the stores cannot come to
+    disagree on what a read returns."""
+    terms = [("seq > ", after_seq), ("kind = ", kind), ("kind <> ", exclude_kind)]
+    terms.append(("subject = ", subject))
+    kept = [(column, value) for column, value in terms if value is not None]
+    return " AND ".join(column + mark for column, _ in kept), [value for _, value in kept]
+
+
 class EntryStates:
     """Each rollout's entry as the stored events read so far leave it: what turns an entry
     payload that stores only what changed back into `EntryChanged(before, after)`.

@@ -69,6 +69,7 @@ from rollout_lifecycle.model.events import (
     StoredRows,
     TraceEvent,
     event_subject,
+    events_where,
     stored_payload,
 )
 
@@ -1002,20 +1003,9 @@ def read_events(
     Entry events that store only what changed are rebuilt from their rollout's earlier
     events, as `sqlite_common.read_events` rebuilds them (`states`: kept by an incremental
     reader across its reads)."""
-    where = ["seq > %s"]
-    args: list[str | int] = [after_seq]
-    if kind is not None:
-        where.append("kind = %s")
-        args.append(kind)
-    if exclude_kind is not None:
-        where.append("kind <> %s")
-        args.append(exclude_kind)
-    if subject is not None:
-        where.append("subject = %s")
-        args.append(subject)
+    where, args = events_where("%s", after_seq, kind, exclude_kind, subject)
     rows = conn.execute(
-        "SELECT seq, txn, payload FROM events WHERE " + " AND ".join(where) + " ORDER BY seq",
-        args,
+        f"SELECT seq, txn, payload FROM events WHERE {where} ORDER BY seq", args
     ).fetchall()
     decoded = [(seq, txn, json.loads(payload)) for seq, txn, payload in rows]
     known = EntryStates() if states is None else states

@@ -28,6 +28,7 @@ from rollout_lifecycle.model.events import (
     TraceEvent,
     chain_hash,
     event_subject,
+    events_where,
     stored_payload,
 )
 from rollout_lifecycle.model.sqlite_files import FileReplaced as FileReplaced
@@ -442,24 +443,8 @@ def read_events(
     events: those read here, those `states` holds (an incremental reader passes the same
     one each time), and for any other rollout its events up to `after_seq`, read in one
     more query."""
-    sql = "SELECT seq, payload FROM events"
-    args: list[str | int] = []
-    where = []
-    if after_seq:
-        where.append("seq > ?")
-        args.append(after_seq)
-    if kind is not None:
-        where.append("kind = ?")
-        args.append(kind)
-    if exclude_kind is not None:
-        where.append("kind != ?")
-        args.append(exclude_kind)
-    if subject is not None:
-        where.append("subject = ?")
-        args.append(subject)
-    if where:
-        sql += " WHERE " + " AND ".join(where)
-    sql += " ORDER BY seq"
+    where, args = events_where("?", after_seq, kind, exclude_kind, subject)
+    sql = f"SELECT seq, payload FROM events WHERE {where} ORDER BY seq"
     rows = [(seq, json.loads(payload)) for seq, payload in conn.execute(sql, args)]
     known = EntryStates() if states is None else states
     if after_seq:
