@@ -6,6 +6,7 @@ They subclass ValueError where the small API (CONTRACT section 5) promises a Val
 from __future__ import annotations
 
 import reprlib
+from collections.abc import Mapping
 
 
 class RolloutLifecycleError(Exception):
@@ -103,6 +104,36 @@ _BRIEF.maxstring = 80
 _BRIEF.maxother = 80
 _BRIEF.maxlevel = 3
 _BRIEF.maxlist = _BRIEF.maxtuple = _BRIEF.maxdict = _BRIEF.maxset = 6
+
+
+def newer_schema(where: str, component: str, stored: int, version: int) -> str:
+    """The message for a schema written by a newer rollout-lifecycle."""
+    return (
+        f"{where} has {component} schema version {stored}, this program expects {version}: "
+        "it was written by a newer rollout-lifecycle; upgrade this one to use it"
+    )
+
+
+def schema_steps(
+    where: str,
+    component: str,
+    stored: int,
+    version: int,
+    migrations: Mapping[int, str] | None,
+    remedy: str,
+) -> list[str]:
+    """The migration scripts, one per version step, that take `component`'s schema from
+    `stored` up to `version`; every store refuses alike (LedgerError) a schema written by a
+    newer program and one that no migration covers (`remedy` says what to use instead)."""
+    if stored > version:
+        raise LedgerError(newer_schema(where, component, stored, version))
+    steps = migrations or {}
+    if any(v not in steps for v in range(stored, version)):
+        raise LedgerError(
+            f"{where} has {component} schema version {stored}, this program expects {version} "
+            f"and cannot migrate it; {remedy}"
+        )
+    return [steps[v] for v in range(stored, version)]
 
 
 def brief(value: object) -> str:

@@ -60,6 +60,8 @@ from rollout_lifecycle.model.errors import (
     LedgerError,
     RolloutLifecycleError,
     StorageFull,
+    newer_schema,
+    schema_steps,
 )
 from rollout_lifecycle.model.events import (
     ChainHead,
@@ -789,18 +791,12 @@ class PostgresDatabase:
                 )
                 return
             stored = int(row[0])
-            if stored > version:
-                raise LedgerError(newer_schema(self.where, component, stored, version))
-            if stored < version:
-                steps = migrations or {}
-                if any(v not in steps for v in range(stored, version)):
-                    raise LedgerError(
-                        f"{self.where} has {component} schema version {stored}, this program "
-                        f"expects {version} and cannot migrate it; use a new database or schema"
-                    )
-                for v in range(stored, version):
-                    if steps[v].strip():
-                        conn.execute(steps[v])
+            if stored != version:
+                remedy = "use a new database or schema"
+                steps = schema_steps(self.where, component, stored, version, migrations, remedy)
+                for script in steps:
+                    if script.strip():
+                        conn.execute(script)
                 conn.execute(
                     "UPDATE schema_meta SET version = %s WHERE component = %s",
                     (version, component),
@@ -842,14 +838,6 @@ class PostgresDatabase:
     def closed(self) -> bool:
         """Whether the last user released it."""
         return self._closed
-
-
-def newer_schema(where: str, component: str, stored: int, version: int) -> str:
-    """The message for a schema written by a newer rollout-lifecycle."""
-    return (
-        f"{where} has {component} schema version {stored}, this program expects {version}: "
-        "it was written by a newer rollout-lifecycle; upgrade this one to use it"
-    )
 
 
 # ---- statements shared by ledger and registry ---------------------------------------------

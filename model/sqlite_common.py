@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from rollout_lifecycle.model.errors import LedgerError, StorageFull
+from rollout_lifecycle.model.errors import LedgerError, StorageFull, schema_steps
 from rollout_lifecycle.model.events import (
     GENESIS,
     ChainHead,
@@ -311,21 +311,12 @@ def ensure_schema(
             conn.execute(
                 "INSERT INTO schema_meta(component, version) VALUES (?, ?)", (component, version)
             )
-        elif int(row[0]) > version:
-            raise LedgerError(
-                f"database has {component} schema version {row[0]}, this program expects "
-                f"{version}: the file was written by a newer rollout-lifecycle; upgrade to read it"
+        elif int(row[0]) != version:
+            steps = schema_steps(
+                "database", component, int(row[0]), version, migrations, "use a new file"
             )
-        elif int(row[0]) < version:
-            stored = int(row[0])
-            steps = migrations or {}
-            if any(v not in steps for v in range(stored, version)):
-                raise LedgerError(
-                    f"database has {component} schema version {stored}, this program expects "
-                    f"{version} and cannot migrate it; use a new file"
-                )
-            for v in range(stored, version):
-                for stmt in steps[v].split(";"):
+            for script in steps:
+                for stmt in script.split(";"):
                     if stmt.strip():
                         _migrate(conn, stmt.strip())
             conn.execute(
