@@ -33,6 +33,22 @@ from rollout_lifecycle.model import gate as new
 CASES = [(b, t) for b in (256, 1024, 4096) for t in (1024, 4096)]
 
 
+def load_gate(path: str) -> Any:
+    """Another version's model/gate.py, imported from its file as module `gate_old`."""
+    spec = importlib.util.spec_from_file_location("gate_old", path)
+    assert spec is not None and spec.loader is not None
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    return old
+
+
+def parse_cases(text: str | None) -> list[tuple[int, int]]:
+    """--cases "256x1024,4096x4096" as (B, T) pairs; None: the bench's six."""
+    if not text:
+        return CASES
+    return [(int(c.split("x")[0]), int(c.split("x")[1])) for c in text.split(",")]
+
+
 def _fields(decisions: Any) -> list[tuple[Any, ...]]:
     return [
         (d.rollout_id, d.accepted, d.reason, d.route, d.freshness, d.drift, d.lag)
@@ -93,13 +109,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--cases", help="e.g. 256x1024,4096x4096 (default: the bench's six)")
     args = ap.parse_args()
-    spec = importlib.util.spec_from_file_location("gate_old", args.old_gate)
-    assert spec is not None and spec.loader is not None
-    old = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old)
-    cases = CASES
-    if args.cases:
-        cases = [(int(c.split("x")[0]), int(c.split("x")[1])) for c in args.cases.split(",")]
+    old = load_gate(args.old_gate)
+    cases = parse_cases(args.cases)
     policy = (B.MAX_LAG, B.MAX_DRIFT, B.CONDITIONS)
     g_new = new.AdmissionGate(new.GatePolicy(*policy), registry=B.REGISTRY)
     g_old = old.AdmissionGate(old.GatePolicy(*policy), registry=B.REGISTRY)

@@ -17,18 +17,18 @@ and the largest relative difference of their drifts.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+# run as a script, this folder is on sys.path: the records A/B's loader and case parser
+from gate_records_ab import load_gate, parse_cases
+
 from rollout_lifecycle.cli import benchmarks as B
 from rollout_lifecycle.cli.bench_speed import interleaved_wall_cpu
 from rollout_lifecycle.model import gate as new
-
-CASES = [(b, t) for b in (256, 1024, 4096) for t in (1024, 4096)]
 
 
 def _bare(o: Any, c: Any, m: Any) -> Any:
@@ -43,13 +43,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16,float16")
     ap.add_argument("--threads", default="1,2")
     args = ap.parse_args()
-    spec = importlib.util.spec_from_file_location("gate_old", args.old_gate)
-    assert spec is not None and spec.loader is not None
-    old = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old)
-    cases = CASES
-    if args.cases:
-        cases = [(int(c.split("x")[0]), int(c.split("x")[1])) for c in args.cases.split(",")]
+    old = load_gate(args.old_gate)
+    cases = parse_cases(args.cases)
     before = torch.get_num_threads()
     try:
         for b, t in cases:
