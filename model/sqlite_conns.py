@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from rollout_lifecycle.model.errors import LedgerError
+from rollout_lifecycle.model.errors import LedgerError, newer_schema
 from rollout_lifecycle.model.sqlite_common import (
     FileReplaced,
     connect,
@@ -171,10 +171,7 @@ class Connections:
         if stored is None:
             raise LedgerError(f"{self.path} holds no rollout-lifecycle ledger")
         if stored > version:
-            raise LedgerError(
-                f"database has ledger schema version {stored}, this program expects "
-                f"{version}: the file was written by a newer rollout-lifecycle; upgrade"
-            )
+            raise LedgerError(newer_schema(str(self.path), component, stored, version))
 
     def _lost(self, give_back: bool) -> bool:
         """The file is gone (see sqlite_files.lose_file): if asked, fold its -wal back into
