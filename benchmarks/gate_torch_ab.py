@@ -6,12 +6,12 @@ it, each next to the bare torch expression.
         [--cases 256x1024,1024x1024] [--dtypes float32,bfloat16] [--threads 1,2]
 
 On the data of `rollout-lifecycle bench --part gate` (cli/bench_speed.py), for each case,
-thread count (torch.set_num_threads) and dtype it runs in turn, `--repeats` times: the given
-file's gate ("old"), the bare expression, this checkout's gate ("new"), the bare expression
-again (each gate right after a bare expression, as in the bench). It prints medians of wall
-and CPU time (time.process_time: all threads, so torch's spinning workers count too), each
-gate over the bare expression it follows, and whether old and new give the same reasons
-and the largest relative difference of their drifts.
+thread count (torch.set_num_threads) and dtype it runs in turn, `--repeats` times, the order
+rotating each round as in the bench: the given file's gate ("old"), this checkout's gate
+("new") and the bare expression. It prints medians of wall and CPU time (time.process_time:
+all threads, so torch's spinning workers count too), each gate over the bare expression,
+and whether old and new give the same reasons and the largest relative difference of their
+drifts.
 """
 
 from __future__ import annotations
@@ -27,12 +27,8 @@ import torch
 from gate_records_ab import load_gate, parse_cases
 
 from rollout_lifecycle.cli import benchmarks as B
-from rollout_lifecycle.cli.bench_speed import interleaved_wall_cpu
+from rollout_lifecycle.cli.bench_speed import bare_expression, interleaved_wall_cpu
 from rollout_lifecycle.model import gate as new
-
-
-def _bare(o: Any, c: Any, m: Any) -> Any:
-    return ((c - o).abs() * m).sum(1) / m.sum(1)
 
 
 def main() -> None:
@@ -63,9 +59,8 @@ def _case(old: Any, data: dict[str, Any], b: int, t: int, threads: int, dtype: s
     args = (o, c, m, data["bvs"], B.CURRENT, B.MAX_LAG, B.MAX_DRIFT)
     variants: dict[str, Callable[[], Any]] = {
         "old": lambda: old.assess_arrays(*args),
-        "bare_old": lambda: _bare(o, c, m),
         "new": lambda: new.assess_arrays(*args),
-        "bare_new": lambda: _bare(o, c, m),
+        "bare": lambda: bare_expression(o, c, m),
     }
     r_old, r_new = variants["old"](), variants["new"]()
     same = r_old.reasons == r_new.reasons
@@ -78,11 +73,10 @@ def _case(old: Any, data: dict[str, Any], b: int, t: int, threads: int, dtype: s
     mc = {k: v * 1e3 for k, v in cpu.items()}
     print(
         f"{dtype:8s} B={b:4d} T={t:4d} threads={threads} same={same} drift_rel_diff={rel:.1e} | "
-        f"wall ms old {mw['old']:.3f} bare {mw['bare_old']:.3f} new {mw['new']:.3f} bare "
-        f"{mw['bare_new']:.3f}; gate/bare {mw['old'] / mw['bare_old']:.2f} -> "
-        f"{mw['new'] / mw['bare_new']:.2f} | cpu ms old {mc['old']:.2f} bare "
-        f"{mc['bare_old']:.2f} new {mc['new']:.2f} bare {mc['bare_new']:.2f}; gate/bare "
-        f"{mc['old'] / mc['bare_old']:.2f} -> {mc['new'] / mc['bare_new']:.2f}",
+        f"wall ms old {mw['old']:.3f} new {mw['new']:.3f} bare {mw['bare']:.3f}; gate/bare "
+        f"{mw['old'] / mw['bare']:.2f} -> {mw['new'] / mw['bare']:.2f} | cpu ms old "
+        f"{mc['old']:.2f} new {mc['new']:.2f} bare {mc['bare']:.2f}; gate/bare "
+        f"{mc['old'] / mc['bare']:.2f} -> {mc['new'] / mc['bare']:.2f}",
         flush=True,
     )
 

@@ -52,7 +52,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,38 +85,50 @@ SINGLE = (
 )
 BATCH = ("same", "cas", "statements", "reserve_batch")
 
-_CAS_ONLY = """
-CREATE OR REPLACE FUNCTION floor_cas_only(p_state text, p_revision bigint, p_reserved_by text,
-    p_lease double precision, p_entry text, p_rollout_id text, p_expected bigint)
-RETURNS text LANGUAGE plpgsql AS $$
-BEGIN
-    UPDATE rollouts SET state = p_state, revision = p_revision, reserved_by = p_reserved_by,
-        lease_expires_at = p_lease, entry = p_entry
-    WHERE rollout_id = p_rollout_id AND revision = p_expected;
-    IF NOT FOUND THEN
-        RETURN 'lost';
-    END IF;
-    RETURN 'won';
-END
-$$;
-CREATE OR REPLACE FUNCTION floor_cas_event(p_state text, p_revision bigint, p_reserved_by text,
-    p_lease double precision, p_entry text, p_rollout_id text, p_expected bigint,
-    p_kind text, p_payload text)
-RETURNS text LANGUAGE plpgsql AS $$
-BEGIN
-    UPDATE rollouts SET state = p_state, revision = p_revision, reserved_by = p_reserved_by,
-        lease_expires_at = p_lease, entry = p_entry
-    WHERE rollout_id = p_rollout_id AND revision = p_expected;
-    IF NOT FOUND THEN
-        RETURN 'lost';
-    END IF;
+
+def _floor_ddl(cas_step: str, params: Sequence[tuple[str, str]]) -> str:
+    """Two functions around the ledger's own compare-and-set step (`cas_step`, the text
+    `ledger_write_one` runs, over `params`, its (name, type) parameters): the CAS alone,
+    and the CAS with a bare event INSERT (no lock, chain, counters or mark)."""
+    types = dict(params)
+
+    def declared(*names: str) -> str:
+        return ", ".join(f"{n} {types[n]}" for n in names)
+
+    cas_args = declared(
+        "p_state", "p_revision", "p_reserved_by", "p_lease", "p_entry", "p_rollout_id", "p_expected"
+    )
+    bare_event = """\
     INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
     VALUES (nextval('events_seq'), nextval('events_txn'), p_kind, p_rollout_id, p_payload,
             decode(repeat('00', 32), 'hex'), decode(repeat('00', 32), 'hex'));
-    RETURN 'won';
-END
-$$;
 """
+    return "".join(
+        f"""
+CREATE OR REPLACE FUNCTION {name}({args})
+RETURNS text LANGUAGE plpgsql AS $$
+BEGIN
+{cas_step}{then}    RETURN 'won';
+END
+$$;"""
+        for name, args, then in (
+            ("floor_cas_only", cas_args, ""),
+            ("floor_cas_event", f"{cas_args}, {declared('p_kind', 'p_payload')}", bare_event),
+        )
+    )
+
+
+def _columns(part: Sequence[tuple[Any, str]]) -> tuple[list[Any], ...]:
+    """Planned (entry, stored text) pairs as the columns a set-based write sends: ids,
+    states, revisions, owners, leases, entry texts."""
+    return (
+        [a.rollout_id for a, _ in part],
+        [a.state for a, _ in part],
+        [a.revision for a, _ in part],
+        [a.reserved_by for a, _ in part],
+        [a.lease_expires_at for a, _ in part],
+        [t for _, t in part],
+    )
 
 
 def _measure(fn: Callable[[Any], Any], items: list[Any], pid: int) -> tuple[float, float]:
@@ -156,7 +168,7 @@ def run_floor(
         for i in range(0, batch_n, 5000):
             led.add_many([_entry(r) for r in rids[i : i + 5000]])
     conn = psycopg.connect(url, autocommit=True, options=f"-c search_path={schema}")
-    conn.execute(_CAS_ONLY)
+    conn.execute(_floor_ddl(pl._CAS_STEP, pl._WRITE_ONE_ARGS))
     stamp = _stamp()
     cpid, lpid = _backend_pid(conn), led.db.read(_backend_pid)
     spare = _ids(0, single_n + 1, single_tags[0])[-1]  # one reservation for its texts
@@ -231,18 +243,9 @@ def run_floor(
         out = []
         for i in range(0, batch_n, chunk):
             part, pays = rows[i : i + chunk], payloads[i : i + chunk]
-            ids = [a.rollout_id for a, _ in part]
-            cas = (
-                ids,
-                [0] * len(part),
-                [a.state for a, _ in part],
-                [a.revision for a, _ in part],
-                [a.reserved_by for a, _ in part],
-                [a.lease_expires_at for a, _ in part],
-                [t for _, t in part],
-                ids,
-            )
-            same = (ids, *cas[2:7], ids)
+            ids, *cols = _columns(part)
+            cas = (ids, [0] * len(part), *cols, ids)
+            same = (ids, *cols, ids)
             before = [_entry(r) for r in ids]
             evs = entry_events(
                 [("reserve", b, a, "u0") for b, (a, _) in zip(before, part, strict=True)],
@@ -392,17 +395,9 @@ def statement_profile(
 
     def same() -> int:  # postgres_bench.py's same-columns baseline, the JSON built before
         for i in range(0, batch_n, chunk):
-            part, ids = rows[i : i + chunk], [a.rollout_id for a, _ in rows[i : i + chunk]]
-            cols = (
-                ids,
-                [a.state for a, _ in part],
-                [a.revision for a, _ in part],
-                [a.reserved_by for a, _ in part],
-                [a.lease_expires_at for a, _ in part],
-                [t for _, t in part],
-            )
+            ids, *cols = _columns(rows[i : i + chunk])
             with conn.transaction():
-                conn.execute(_SAME_UPDATE, (*cols, ids))
+                conn.execute(_SAME_UPDATE, (ids, *cols, ids))
                 conn.execute(_SAME_EVENTS, (ids, payloads[i : i + chunk], [bytes(32)] * len(ids)))
         return batch_n
 

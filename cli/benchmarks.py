@@ -427,13 +427,10 @@ def _reserve_rates(
     requests = [ReserveRequest(e.rollout_id, 0, STAMP) for e in entries]
     plain = _plain_memory(n) if backend == "memory" else _plain_sqlite(folder, n)
     turn = 25  # single operations per turn
+    events = batches and backend != "memory"  # the batch baseline that also logs events
     totals: dict[str, float] = {}
     for _ in range(repeats):
-        spent = dict.fromkeys(("single", "plain_single", "batch", "plain_batch"), 0.0)
-        if backend != "memory":
-            spent["plain_batch_events"] = 0.0
-        if not batches:
-            spent = {"single": 0.0, "plain_single": 0.0}
+        spent = dict.fromkeys(("single", "plain_single"), 0.0)
         with _ledger(backend, folder, entries) as led, plain() as base:
             for k in range(0, n, turn):
                 t0 = time.perf_counter()
@@ -443,50 +440,51 @@ def _reserve_rates(
                 t0 = time.perf_counter()
                 base.single(k, min(n, k + turn))
                 spent["plain_single"] += time.perf_counter() - t0
-        with _ledger(backend, folder, entries) as led, plain() as base, plain() as logged:
-            for k in range(0, n if batches else 0, batch):
-                t0 = time.perf_counter()
-                led.reserve_batch("u", requests[k : k + batch])
-                spent["batch"] += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                base.many(k, min(n, k + batch))
-                spent["plain_batch"] += time.perf_counter() - t0
-                if "plain_batch_events" in spent:
+        if batches:
+            spent.update(batch=0.0, plain_batch=0.0)
+            if events:
+                spent["plain_batch_events"] = 0.0
+            with _ledger(backend, folder, entries) as led, plain() as base, plain() as logged:
+                for k in range(0, n, batch):
                     t0 = time.perf_counter()
-                    logged.many_with_events(k, min(n, k + batch))
-                    spent["plain_batch_events"] += time.perf_counter() - t0
+                    led.reserve_batch("u", requests[k : k + batch])
+                    spent["batch"] += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    base.many(k, min(n, k + batch))
+                    spent["plain_batch"] += time.perf_counter() - t0
+                    if events:
+                        t0 = time.perf_counter()
+                        logged.many_with_events(k, min(n, k + batch))
+                        spent["plain_batch_events"] += time.perf_counter() - t0
         for name, dt in spent.items():
             totals[name] = min(totals.get(name, dt), dt)
-    rates = {"single_per_s": round(n / totals["single"], 1)}
-    if not batches:
-        return rates, {
-            "autocommit_update_per_s": round(n / totals["plain_single"], 1),
-            "synchronous": _sqlite_synchronous(folder),
-            "journal_mode": "wal",
-        }
-    rates["batch_per_s"] = round(n / totals["batch"], 1)
+
+    def per_s(name: str) -> float:
+        return round(n / totals[name], 1)
+
+    rates = {"single_per_s": per_s("single")}
+    if batches:
+        rates["batch_per_s"] = per_s("batch")
     if backend == "memory":
         baseline: dict[str, Any] = {
-            "dict_write_per_s": round(n / totals["plain_single"], 1),
-            f"dict_write_batch_{batch}_per_s": round(n / totals["plain_batch"], 1),
+            "dict_write_per_s": per_s("plain_single"),
+            f"dict_write_batch_{batch}_per_s": per_s("plain_batch"),
         }
-    else:
-        baseline = {
-            "autocommit_update_per_s": round(n / totals["plain_single"], 1),
-            f"executemany_{batch}_per_s": round(n / totals["plain_batch"], 1),
-            # the same, plus each row's event row (payload and hashes made beforehand)
-            f"executemany_with_events_{batch}_per_s": round(n / totals["plain_batch_events"], 1),
-            "synchronous": _sqlite_synchronous(folder),
-            "journal_mode": "wal",
-        }
+        return rates, baseline
+    baseline = {"autocommit_update_per_s": per_s("plain_single")}
+    if batches:
+        baseline[f"executemany_{batch}_per_s"] = per_s("plain_batch")
+        # the same, plus each row's event row (payload and hashes made beforehand)
+        baseline[f"executemany_with_events_{batch}_per_s"] = per_s("plain_batch_events")
+    baseline.update(synchronous=_sqlite_synchronous(folder), journal_mode="wal")
     return rates, baseline
 
 
-def _plain_rows(n: int, batch: int) -> tuple[float, float]:
+def _plain_rows(n: int, batch: int) -> float:
     """The floor of `_memory_scale` at n rollouts: the same rows reserved by hand, with
     nothing of the ledger: each entry evolved to its reserved form (attrs' validators, as
     the ledger's entries have), stored in a dict and logged as a tuple naming the old and
-    new entry, in batches of `batch`. (CPU, wall) microseconds per row, gc as the caller
+    new entry, in batches of `batch`. CPU microseconds per row, gc as the caller
     set it. It shows what the Python heap itself costs as it grows: with the collector on,
     its full collections traverse every live entry and logged row."""
     entries = _entries(n)
@@ -495,7 +493,7 @@ def _plain_rows(n: int, batch: int) -> tuple[float, float]:
     del entries
     log: list[tuple[str, str, LedgerEntry, LedgerEntry, str]] = []
     evolve = attrs.evolve
-    t0, c0 = time.perf_counter(), time.process_time()
+    c0 = time.process_time()
     for k in range(0, n, batch):
         for rid in keys[k : k + batch]:
             e = rows[rid]
@@ -509,7 +507,7 @@ def _plain_rows(n: int, batch: int) -> tuple[float, float]:
             )
             rows[rid] = after
             log.append((rid, "reserve", e, after, "u"))
-    return (time.process_time() - c0) / n * 1e6, (time.perf_counter() - t0) / n * 1e6
+    return (time.process_time() - c0) / n * 1e6
 
 
 def _memory_scale(rollouts: Sequence[int], repeats: int, batch: int = 100) -> dict[str, Any]:
@@ -539,7 +537,7 @@ def _memory_scale(rollouts: Sequence[int], repeats: int, batch: int = 100) -> di
                 cpu[n].append((time.process_time() - c0) / n * 1e6)
                 del led, requests
                 gc.collect()
-                plain[n].append(_plain_rows(n, batch)[0])
+                plain[n].append(_plain_rows(n, batch))
                 gc.collect()
     finally:
         if not was_on:
@@ -835,13 +833,10 @@ def bench_ledgers(sizes: Sizes, progress: Progress = _nothing) -> dict[str, Any]
                     if tmpfs["measured"]
                     else None
                 )
-            if backend == "memory":
-                progress(f"ledger memory: per-row cost at {sizes.scale_rollouts} rollouts, gc on")
-                extra: dict[str, Any] = {
-                    "scale": _memory_scale(sizes.scale_rollouts, sizes.scale_repeats)
-                }
+                extra: dict[str, Any] = {"tmpfs": tmpfs}
             else:
-                extra = {"tmpfs": tmpfs}
+                progress(f"ledger memory: per-row cost at {sizes.scale_rollouts} rollouts, gc on")
+                extra = {"scale": _memory_scale(sizes.scale_rollouts, sizes.scale_repeats)}
             out[backend] = {
                 **extra,
                 "rollouts": n,

@@ -399,8 +399,12 @@ def events_where(
     `after_seq`, optionally of one kind, not of another, of one subject (`mark`: the
     driver's placeholder, ``?`` or ``%s``). One filter, so the stores cannot come to
     disagree on what a read returns."""
-    terms = [("seq > ", after_seq), ("kind = ", kind), ("kind <> ", exclude_kind)]
-    terms.append(("subject = ", subject))
+    terms = (
+        ("seq > ", after_seq),
+        ("kind = ", kind),
+        ("kind <> ", exclude_kind),
+        ("subject = ", subject),
+    )
     kept = [(column, value) for column, value in terms if value is not None]
     return " AND ".join(column + mark for column, _ in kept), [value for _, value in kept]
 
