@@ -45,6 +45,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,19 @@ def _planned(rids: list[str], update_id: str) -> tuple[list[Any], list[str]]:
         rows.append((after, text))
         payloads.append(stored_payload(ev, None))
     return rows, payloads
+
+
+def _columns(part: Sequence[tuple[Any, str]]) -> tuple[list[Any], ...]:
+    """Planned (entry, stored text) pairs as the columns a set-based write sends: ids,
+    states, revisions, owners, leases, entry texts."""
+    return (
+        [a.rollout_id for a, _ in part],
+        [a.state for a, _ in part],
+        [a.revision for a, _ in part],
+        [a.reserved_by for a, _ in part],
+        [a.lease_expires_at for a, _ in part],
+        [t for _, t in part],
+    )
 
 
 def _entry(rid: str) -> Any:
@@ -222,14 +236,7 @@ def _worker(
             entries, payloads = same
             for i in range(0, n, chunk):
                 part = entries[i : i + chunk]
-                cols = (
-                    [a.rollout_id for a, _ in part],
-                    [a.state for a, _ in part],
-                    [a.revision for a, _ in part],
-                    [a.reserved_by for a, _ in part],
-                    [a.lease_expires_at for a, _ in part],
-                    [t for _, t in part],
-                )
+                cols = _columns(part)
                 hashes = [bytes(32)] * len(part)
                 with conn.transaction():
                     cur = conn.execute(_SAME_UPDATE, (*cols, cols[0]))

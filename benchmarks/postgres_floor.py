@@ -64,6 +64,7 @@ from benchmarks.postgres_bench import (  # noqa: E402
     _SAME_EVENTS,
     _SAME_UPDATE,
     _backend_pid,
+    _columns,
     _cpu_of,
     _ids,
     _planned,
@@ -115,19 +116,6 @@ $$;"""
             ("floor_cas_only", cas_args, ""),
             ("floor_cas_event", f"{cas_args}, {declared('p_kind', 'p_payload')}", bare_event),
         )
-    )
-
-
-def _columns(part: Sequence[tuple[Any, str]]) -> tuple[list[Any], ...]:
-    """Planned (entry, stored text) pairs as the columns a set-based write sends: ids,
-    states, revisions, owners, leases, entry texts."""
-    return (
-        [a.rollout_id for a, _ in part],
-        [a.state for a, _ in part],
-        [a.revision for a, _ in part],
-        [a.reserved_by for a, _ in part],
-        [a.lease_expires_at for a, _ in part],
-        [t for _, t in part],
     )
 
 
