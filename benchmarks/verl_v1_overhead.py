@@ -74,11 +74,13 @@ def main() -> None:
     from rollout_lifecycle.model.backends import open_backend
     from rollout_lifecycle.model.coordinator import ActivationCoordinator
     from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck
+    from rollout_lifecycle.model.registry import set_admission_policy
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
     tmp = Path(tempfile.mkdtemp(prefix="verl-v1-bench-"))
     be = open_backend(f"sqlite:///{tmp / 'ledger.db'}")
+    set_admission_policy(be.registry, AdmissionPolicy(1, 0.5), "set by the operator")
     coord = ActivationCoordinator(
         be.registry, ["rollout-0"], ledger=be.ledger, policy=AdmissionPolicy(1, 0.5)
     )

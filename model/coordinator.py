@@ -57,6 +57,7 @@ from rollout_lifecycle.model.registry import (
     WorkerReport,
     activated_hash,
     activation_decision,
+    backend_url,
     check_membership,
     check_policy,
     counted_acks,
@@ -64,9 +65,13 @@ from rollout_lifecycle.model.registry import (
     distribution_refusal,
     reconcile_membership,
     required_set,
-    set_admission_policy,
 )
-from rollout_lifecycle.model.rules import ROLLBACK_KEPT, ROLLBACK_RETIRED, retired_versions
+from rollout_lifecycle.model.rules import (
+    ROLLBACK_KEPT,
+    ROLLBACK_RETIRED,
+    retired_versions,
+    set_policy_command,
+)
 
 R = TypeVar("R")
 
@@ -266,6 +271,26 @@ def _text(v: object, what: str, *, free: bool = False) -> str:
     return v
 
 
+def check_expected_policy(registry: RegistryStore, expected: AdmissionPolicy) -> None:
+    """Refuse (ActivationError) unless `registry` records exactly `expected`; the message
+    gives the operator's command that records it, naming this registry's database."""
+    stored = registry.policy()
+    if stored == expected:
+        return
+    command = set_policy_command(backend_url(registry), expected)
+    if stored is None:
+        raise ActivationError(
+            f"the registry records no admission policy, and a coordinator never sets it "
+            f"(this one expects {expected!r}): the policy is the operator's. If that is the "
+            f"deployment's policy, the operator records it first with: {command}"
+        )
+    raise ActivationError(
+        f"the registry records admission policy {stored!r}; this coordinator expects "
+        f"{expected!r}. Run it with the deployment's policy (or without policy=); if the "
+        f"deployment's policy must change, the operator records it with: {command}"
+    )
+
+
 def _get(view: RegistryView, version: int) -> ArtifactRecord:
     rec = view.artifact(_version(version))
     if rec is None:
@@ -292,8 +317,14 @@ class ActivationCoordinator:
         change). On a registry that has one, `required_workers` may be omitted, and if
         given must equal it: a second coordinator with another set is refused, so it can
         never move the pointer on a partial worker set. Change the set explicitly with
-        `change_membership`. `policy` works the same way for the deployment's admission
-        policy (recorded if none is; refused if another one is; `set_policy` changes it).
+        `change_membership`.
+
+        `policy` is what this coordinator EXPECTS the deployment's admission policy to be;
+        it is never written (the policy is the operator's alone: `rollout-lifecycle
+        deployment set-policy`, or `set_admission_policy`). When the registry records no
+        policy, or another one, construction is refused with ActivationError naming the
+        command that records it on this very database, so a misconfigured process that
+        starts first can neither set the deployment's policy nor run under another one.
         `new_token(version, attempt, worker_id)` makes attempt tokens: random by default; a
         deterministic source is for exhaustive exploration only.
         """
@@ -306,6 +337,9 @@ class ActivationCoordinator:
         )
         self.new_token = new_token
         wanted = None if required_workers is None else check_membership(required_workers)
+        expected = None if policy is None else check_policy(policy)
+        if expected is not None:  # before any write: a refused coordinator records nothing
+            check_expected_policy(registry, expected)
 
         def plan(view: RegistryView) -> tuple[RegistryStep, None]:
             initial = reconcile_membership(view.required_workers(), wanted)
@@ -317,26 +351,6 @@ class ActivationCoordinator:
             return step, None
 
         self._step(plan)
-        if policy is not None:
-            wanted_policy = check_policy(policy)
-
-            def plan_policy(view: RegistryView) -> tuple[RegistryStep, None]:
-                stored = view.policy()
-                if stored is None:
-                    step = RegistryStep(
-                        self.clock(), policy=wanted_policy, policy_reason="initial policy"
-                    )
-                    return step, None
-                if stored != wanted_policy:
-                    raise ActivationError(
-                        f"the registry records admission policy max_lag {stored.max_lag}, "
-                        f"max_drift {stored.max_drift}; this coordinator was given max_lag "
-                        f"{wanted_policy.max_lag}, max_drift {wanted_policy.max_drift}: omit "
-                        "policy, or change it explicitly with set_policy()"
-                    )
-                return RegistryStep(self.clock()), None
-
-            self._step(plan_policy)
         self._acks: Counter[str] = Counter()
         self._attempts: Counter[str] = Counter()
         self._counter_lock = threading.Lock()
@@ -659,10 +673,6 @@ class ActivationCoordinator:
             # a version that failed once and then activated on a retry is good from now on
             self.ledger.clear_bad_version(version)
         return result
-
-    def set_policy(self, policy: AdmissionPolicy, reason: str) -> AdmissionPolicy:
-        """Record the deployment's admission policy (see registry.set_admission_policy)."""
-        return set_admission_policy(self.registry, policy, reason, at=self.clock())
 
     def policy(self) -> AdmissionPolicy | None:
         """The deployment's recorded admission policy (None until one is set)."""

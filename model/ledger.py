@@ -1364,6 +1364,14 @@ class StoreLedger:
         uow.append(changes, self.clock(), {"writes": len(changes), **counts})
         return afters
 
+    def _located(self, out: ReserveOutcome) -> ReserveOutcome:
+        """A `no_admission_policy` refusal names this ledger's database in its hint: a bare
+        `deployment set-policy` would record the policy in a new ./rollout-lifecycle.db."""
+        url = getattr(self.store, "url", None)
+        if out.reason != NO_POLICY or not isinstance(url, str):
+            return out
+        return attrs.evolve(out, detail=rules.no_policy_detail(url))
+
     # ---- protocol --------------------------------------------------------------------------
 
     def add(self, rollout: Rollout | LedgerEntry) -> LedgerEntry:
@@ -1483,7 +1491,7 @@ class StoreLedger:
         )
         if new is None or entry is None:
             self._count_local({counter_of(out.reason): 1})
-            return out
+            return self._located(out)
         if guarded is not None:
             enforce([new])
             got = guarded.write_one(
@@ -1521,7 +1529,9 @@ class StoreLedger:
             )
             if refusal is not None:
                 local["refused"] += 1
-                return ReserveOutcome(rollout_id, False, refusal[0], entry, refusal[1])
+                return self._located(
+                    ReserveOutcome(rollout_id, False, refusal[0], entry, refusal[1])
+                )
             now, done, lease = uow.server_now(), planned, fresh
             if now is not None:  # the deadline is the server's, not this client's
                 lease = _evolve(fresh, lease_expires_at=now + self.lease_seconds)
@@ -1590,7 +1600,7 @@ class StoreLedger:
             durable = {k: v for k, v in counts.items() if k not in PROCESS_LOCAL_COUNTERS}
             local.update({k: v for k, v in counts.items() if k in PROCESS_LOCAL_COUNTERS})
             uow.append(changes, self.clock(), {"writes": len(changes), **durable})
-            return outcomes
+            return [self._located(o) for o in outcomes]
 
         return self._step(body, _RESERVE_BATCH)
 

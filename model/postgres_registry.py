@@ -238,6 +238,11 @@ class PostgresRegistry:
             raise
 
     @property
+    def backend_url(self) -> str:
+        """This database as a backend URL (password masked) an operator's command names."""
+        return self.db.backend_url
+
+    @property
     def where(self) -> str:
         """host:port/dbname of the server, for messages."""
         return self.db.where

@@ -55,6 +55,7 @@ from rollout_lifecycle.model.sqlite_common import (
     ensure_schema,
     has_component,
     read_events,
+    sqlite_url,
     write_failed,
 )
 from rollout_lifecycle.model.sqlite_files import FileGuard, hand_back, read_file_id
@@ -190,6 +191,13 @@ def check_policy(policy: object) -> AdmissionPolicy:
             f"an admission policy is an AdmissionPolicy(max_lag, max_drift), got {brief(policy)}"
         )
     return policy
+
+
+def backend_url(store: object) -> str | None:
+    """The backend URL an operator's `--backend` must name to reach `store`'s deployment
+    (password masked), or None for a registry that has none (memory: one process)."""
+    url = getattr(store, "backend_url", None)
+    return url if isinstance(url, str) else None
 
 
 def set_admission_policy(
@@ -1184,6 +1192,11 @@ class SQLiteRegistry(_ViewReads):
         self._pid = os.getpid()
         # steps are dated by the ledger file's clock, like the ledger's events (model.clocks)
         self.clock = sqlite_host_clock(self._conn, read_only=read_only)
+
+    @property
+    def backend_url(self) -> str:
+        """This file as the backend URL (absolute) an operator's command names."""
+        return sqlite_url(self.path)
 
     def _lost(self, give_back: bool) -> bool:
         """The file is gone (see sqlite_files.lose_file): if asked, fold its -wal back into

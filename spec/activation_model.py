@@ -181,6 +181,7 @@ class ActivationModel:
         log = EventLog()
         reg = registry_mod.MemoryRegistry(log)
         led = ledger_mod.MemoryLedger(event_log=log, clock=lambda: 0.0, activation=reg)
+        registry_mod.set_admission_policy(reg, self.policy, "the operator's", at=0.0)
         co = coord_mod.ActivationCoordinator(
             reg,
             self.worker_ids,

@@ -479,6 +479,7 @@ class SeamsModel:
         log = EventLog()
         reg = registry_mod.MemoryRegistry(log)
         led = ledger_mod.MemoryLedger(event_log=log, clock=lambda: 0.0, activation=reg)
+        registry_mod.set_admission_policy(reg, POLICY, "the operator's", at=0.0)
         c = coord_mod.ActivationCoordinator(
             reg, WORKERS, ledger=led, policy=POLICY, new_token=attempt_token
         )

@@ -860,8 +860,10 @@ def _stored() -> StoredRows:
     (built once per `run_checker_checks`, under whatever patch that run is in: every
     audit case edits a copy, never these rows)."""
     from rollout_lifecycle.model.coordinator import ActivationCoordinator
+    from rollout_lifecycle.model.registry import set_admission_policy
 
     b = open_backend("memory://")
+    set_admission_policy(b.registry, AdmissionPolicy(1, 0.2), "set by the operator")
     coord = ActivationCoordinator(
         b.registry, WORKERS, ledger=b.ledger, policy=AdmissionPolicy(1, 0.2)
     )

@@ -45,6 +45,7 @@ import rollout_lifecycle.model.gate as gate_mod
 from rollout_lifecycle.model.errors import GateConfigError
 from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule, ReserveRequest
 from rollout_lifecycle.model.records import AdmissionPolicy, Disposition, LedgerEntry, Rollout
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.spec.invariants import OPEN_STATES, Violation
 from rollout_lifecycle.stateful_tests.backends import (
     Stack,
@@ -280,7 +281,9 @@ class EndToEndMachine(RuleBasedStateMachine):
         """Record a pacing policy per example: a small budget of (MAX_LAG + 1) x batch_size
         live rollouts and a small attempt bound, so both refusals are reached."""
         self.policy = AdmissionPolicy(MAX_LAG, MAX_DRIFT, batch_size, max_attempts)
-        self.coord.set_policy(self.policy, "pacing for this example")
+        set_admission_policy(
+            self.stack.registry, self.policy, "pacing for this example", at=self.clock()
+        )
 
     def _admit_batch(self, *, tensors: bool = False) -> None:
         """Admit up to BATCH rewarded rollouts at once; cross-check every row; reserve."""

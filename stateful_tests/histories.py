@@ -427,6 +427,7 @@ def served_history(restart_first: bool) -> list[TraceEvent]:
         Rollout,
         RolloutIdentity,
     )
+    from rollout_lifecycle.model.registry import set_admission_policy
 
     h = "ab" * 32
 
@@ -435,6 +436,7 @@ def served_history(restart_first: bool) -> list[TraceEvent]:
         return Rollout(RolloutIdentity(rid, "p", "d", 0), BehaviorPolicy(0, h), cond)
 
     with open_backend("memory://") as be:
+        set_admission_policy(be.registry, POLICY, "set by the operator")
         coord = ActivationCoordinator(be.registry, WORKERS, ledger=be.ledger, policy=POLICY)
         coord.prepare(0)
         coord.commit_artifact(0, h)
@@ -459,6 +461,7 @@ def paced_history() -> list[TraceEvent]:
     runs on v2; the budget of (1 + 1) x 1 live rollouts is full at the end."""
     from rollout_lifecycle.model.backends import open_backend
     from rollout_lifecycle.model.coordinator import ActivationCoordinator
+    from rollout_lifecycle.model.registry import set_admission_policy
 
     def activate(coord: ActivationCoordinator, v: int) -> None:
         h = f"{v:x}".rjust(64, "c")
@@ -476,6 +479,7 @@ def paced_history() -> list[TraceEvent]:
 
     with open_backend("memory://") as be:
         led = be.ledger
+        set_admission_policy(be.registry, PACED, "set by the operator")
         coord = ActivationCoordinator(be.registry, WORKERS, ledger=led, policy=PACED)
         activate(coord, 0)
         for rid, chain in (("a1", "p1"), ("b1", "p2")):

@@ -68,6 +68,7 @@ from rollout_lifecycle.model.records import (
     from_jsonable,
     to_jsonable,
 )
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.spec.invariants import (
     OPEN_STATES,
     PacingIndex,
@@ -324,11 +325,12 @@ def _churn(
         stats["membership_changed"] += 1
     policy = coord.policy()
     if policy is not None and policy.max_lag != max_lag:  # restored after one turn
-        coord.set_policy(attrs.evolve(policy, max_lag=max_lag), "race churn: restored")
+        restored = attrs.evolve(policy, max_lag=max_lag)
+        set_admission_policy(coord.registry, restored, "race churn: restored", at=coord.clock())
         stats["policy_changed"] += 1
     elif policy is not None and turn % 3 == 1 and max_lag > 0:
         tight = attrs.evolve(policy, max_lag=0)  # the pacing bounds are kept
-        coord.set_policy(tight, "race churn: max_lag tightened to 0")
+        set_admission_policy(coord.registry, tight, "race churn: max_lag 0", at=coord.clock())
         stats["policy_changed"] += 1
 
 
@@ -539,6 +541,8 @@ class RaceReport:
 def prepare(cfg: RaceConfig) -> None:
     """A fresh database with the worker set recorded and v0 active."""
     with open_backend(cfg.url) as b:
+        # the operator's step: coordinators and learners never write the policy
+        set_admission_policy(b.registry, cfg.policy(), "race: set by the operator")
         coord = ActivationCoordinator(
             b.registry,
             WORKERS,

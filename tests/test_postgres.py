@@ -39,6 +39,7 @@ from rollout_lifecycle.model.errors import (
 from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, WorkerReported
 from rollout_lifecycle.model.ledger import RecoveryRule, ReserveRequest
 from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.spec.invariants import check_trace, compare_with_store, stored_world
 from tests import pg_server
 from tests.helpers_ledger import add_rewarded, ids, rewarded, stamp
@@ -309,6 +310,7 @@ def test_single_reservation_is_two_round_trips(
     events, counters and commit mark); no BEGIN, no COMMIT, nothing else."""
 
     with open_backend(postgres_url) as b:
+        set_admission_policy(b.registry, POLICY, "set by the operator")
         coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY)
         _activate(coord, 1)
         add_rewarded(b.ledger, ["a", "b", "c"])
@@ -361,6 +363,7 @@ def test_single_reservation_rejudges_a_premise_that_moved_after_its_read(
     from rollout_lifecycle.model.postgres_ledger import PostgresStore
 
     with open_backend(postgres_url) as b:
+        set_admission_policy(b.registry, POLICY, "set by the operator")
         coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY)
         _activate(coord, 0)
         add_rewarded(b.ledger, ["a", "b", "c", "d"], version=0)
@@ -405,6 +408,7 @@ def test_four_processes_of_eight_threads_race_for_10000_rollouts(postgres_url: s
     consumed once by the update that reserved it, counters add up, `ledger check` is clean."""
     n, procs_n, threads_n = 10_000, 4, 8
     with open_backend(postgres_url) as b:  # v1 active: every reservation is judged by it
+        set_admission_policy(b.registry, POLICY, "set by the operator")
         _activate(
             ActivationCoordinator(b.registry, ["w0", "w1"], ledger=b.ledger, policy=POLICY), 1
         )
@@ -527,6 +531,7 @@ def test_reservations_never_land_past_a_concurrent_pointer_switch(postgres_url: 
     pointer inside its own atomic step), and the ones refused say pointer_moved."""
     n = 1200
     with open_backend(postgres_url) as b:
+        set_admission_policy(b.registry, POLICY, "set by the operator")
         coord = ActivationCoordinator(b.registry, ["w0", "w1"], ledger=b.ledger, policy=POLICY)
         _activate(coord, 0)
         add_rewarded(b.ledger, ids(n), version=0)
@@ -604,6 +609,7 @@ def test_two_coordinators_race_while_acks_arrive(postgres_url: str) -> None:
     attempt matches its version and hash."""
     workers = ("w0", "w1", "w2")
     with open_backend(postgres_url) as b:
+        set_admission_policy(b.registry, POLICY, "set by the operator")
         _activate(ActivationCoordinator(b.registry, workers, ledger=b.ledger, policy=POLICY), 0)
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -1222,6 +1228,7 @@ def test_a_database_without_the_current_write_function_gets_it_on_open(
     from rollout_lifecycle.model import postgres_ledger as pl
 
     with open_backend(postgres_url) as b:
+        set_admission_policy(b.registry, POLICY, "set by the operator")
         coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY)
         _activate(coord, 1)
         add_rewarded(b.ledger, ["a", "b", "c"])

@@ -48,7 +48,7 @@ from rollout_lifecycle.model.records import (
     RolloutIdentity,
     WorkerAck,
 )
-from rollout_lifecycle.model.registry import activated_hash, set_admission_policy
+from rollout_lifecycle.model.registry import activated_hash, backend_url, set_admission_policy
 from rollout_lifecycle.spec.invariants import check_trace
 from rollout_lifecycle.stateful_tests.backends import durable_url
 
@@ -117,8 +117,14 @@ def good_stamp(bv: int, cv: int, **over: Any) -> AdmissionStamp:
     return AdmissionStamp(**base)
 
 
+def operated(b: Backend) -> ActivationCoordinator:
+    """The operator records POLICY; the coordinator, built expecting it, never writes it."""
+    set_admission_policy(b.registry, POLICY, "set by the operator")
+    return ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+
+
 def at_v10(b: Backend) -> ActivationCoordinator:
-    coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+    coord = operated(b)
     for v in range(11):
         activate(coord, v)
     return coord
@@ -188,7 +194,7 @@ def test_self_contradicting_stamps_are_refused(kind: str, tmp_path: Path) -> Non
     rejection reason, a freshness the lag does not give: refused with a typed reason
     (and the record's validators refuse them at construction already)."""
     with deployment(kind, tmp_path) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         rev = rewarded(b, rollout("r", 0))
         ok = good_stamp(0, 0)
@@ -226,12 +232,59 @@ def test_no_recorded_policy_admits_nothing(kind: str, tmp_path: Path) -> None:
         rev = rewarded(b, ro)
         out = b.ledger.reserve("r", rev, "u", good_stamp(0, 0))
         assert (out.reserved, out.reason) == (False, "no_admission_policy")
-        assert "set-policy" in out.detail
-        with pytest.raises(GateConfigError, match="no admission policy"):
+        where = backend_url(b.registry)
+        if where is None:  # memory: the library call, in this process
+            assert "set_admission_policy" in out.detail
+        else:  # the command names this very database, never the default file
+            assert f"set-policy --backend {where} " in out.detail, out.detail
+        with pytest.raises(GateConfigError, match="no admission policy") as err:
             admit_and_reserve(b.ledger, b.registry, "u", [ro], np.full((1, 3), -0.5))
-        coord.set_policy(POLICY, "the operator sets it")
+        assert where is None or f"--backend {where} " in str(err.value)
+        set_admission_policy(b.registry, POLICY, "the operator sets it")
         assert b.ledger.reserve("r", rev, "u", good_stamp(0, 0)).reserved
         assert [e.kind for e in b.registry.trace()].count("policy") == 1
+        assert_clean(b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_misconfigured_coordinator_started_first_sets_no_policy(
+    kind: str, tmp_path: Path
+) -> None:
+    """Issue 31 item 1: a coordinator built with AdmissionPolicy(1000, 1e9) before the
+    operator acted records nothing (no policy, no membership) and is refused with the
+    command naming this database; the operator's policy is then the one that judges, and a
+    lag-10 rollout admitted by the loose configuration is refused."""
+    loose = AdmissionPolicy(1000, 1e9)
+    with deployment(kind, tmp_path) as b:
+        with pytest.raises(ActivationError, match="records no admission policy") as err:
+            ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=loose)
+        where = backend_url(b.registry)
+        if where is not None:
+            wanted = f"set-policy --backend {where} --max-lag 1000 --max-drift 1000000000.0"
+            assert wanted in str(err.value), str(err.value)
+            assert "rollout-lifecycle.db" not in str(err.value)
+        else:
+            assert "set_admission_policy(registry, AdmissionPolicy(1000, " in str(err.value)
+        assert b.registry.policy() is None and b.registry.required_workers() is None
+        assert b.registry.trace() == []
+        coord = at_v10(b)  # the operator records POLICY (lag 1), then the coordinator runs
+        with pytest.raises(ActivationError, match="records admission policy") as err:
+            ActivationCoordinator(b.registry, ledger=b.ledger, policy=loose)
+        assert where is None or f"--backend {where} --max-lag 1000 " in str(err.value)
+        assert b.registry.policy() == POLICY
+        ro = rollout("old", 0)
+        rev = rewarded(b, ro)
+        gate = AdmissionGate(
+            GatePolicy(1000, 1e9), registry=lambda v: activated_hash(b.registry, v)
+        )
+        (d,) = gate.assess_batch([ro], np.full((1, 3), -0.5), 10, ledger=b.ledger)
+        assert d.accepted and d.lag == 10
+        out = b.ledger.reserve("old", rev, "u1", d.stamp())
+        assert (out.reserved, out.reason) == (False, "looser_than_policy")
+        got = admit_and_reserve(b.ledger, b.registry, "u2", [ro], np.full((1, 3), -0.5))
+        assert got.reserved == [] and got.refused == {"old": "stale_policy"}
+        assert [e.after for e in b.registry.trace() if e.kind == "policy"] == [POLICY]
+        assert coord.policy() == POLICY
         assert_clean(b)
 
 
@@ -242,7 +295,7 @@ def test_policy_changes_are_recorded_steps_judged_at_each_reservation(
     """Tightening the recorded policy refuses a stamp that passed under the old one; a
     second coordinator given another policy is refused; the trace holds each change."""
     with deployment(kind, tmp_path) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         activate(coord, 1)
         rev = rewarded(b, rollout("r", 0))
@@ -250,9 +303,9 @@ def test_policy_changes_are_recorded_steps_judged_at_each_reservation(
         set_admission_policy(b.registry, AdmissionPolicy(0, 0.2), "tighten after a blow-up")
         out = b.ledger.reserve("r", rev, "u", stamp)
         assert (out.reserved, out.reason) == (False, "looser_than_policy")
-        with pytest.raises(ActivationError, match="set_policy"):
+        with pytest.raises(ActivationError, match="records admission policy"):
             ActivationCoordinator(b.registry, policy=POLICY)
-        coord.set_policy(POLICY, "relax again")
+        set_admission_policy(b.registry, POLICY, "relax again")
         assert b.ledger.reserve("r", rev, "u", stamp).reserved
         pols = [e for e in b.registry.trace() if e.kind == "policy"]
         assert [p.after for p in pols] == [POLICY, AdmissionPolicy(0, 0.2), POLICY]
@@ -265,7 +318,7 @@ def test_admit_and_reserve_computes_drift_from_evidence(kind: str, tmp_path: Pat
     """The one call reads policy and pointer from the registry and drift from the
     log-probs: a rollout whose real drift is 6.0 is refused whatever a stamp would claim."""
     with deployment(kind, tmp_path) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         activate(coord, 1)
         good, far, behind = rollout("good", 1), rollout("far", 1, old=-6.5), rollout("b", 0)
@@ -295,7 +348,7 @@ def test_rollback_retires_the_rolled_back_version(kind: str, tmp_path: Path) -> 
     """After rolling v2 back to v1, v2 rollouts are quarantined on arrival and never
     reserved, not even once v3 is active (lag 1); keep_rollouts=True is recorded."""
     with deployment(kind, tmp_path) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         for v in (0, 1, 2):
             activate(coord, v)
         open_rev = rewarded(b, rollout("before", 2))
@@ -325,7 +378,7 @@ def test_rollback_keeping_rollouts_is_an_explicit_recorded_choice(
 ) -> None:
     """keep_rollouts=True keeps v2's rollouts trainable and records the choice."""
     with deployment(kind, tmp_path) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         for v in (0, 1, 2):
             activate(coord, v)
         rev = rewarded(b, rollout("kept", 2))
@@ -406,7 +459,7 @@ def test_a_learner_700s_behind_gets_a_full_lease(kind: str, tmp_path: Path) -> N
     second update can take the rollout while the first one trains."""
     url = durable_url(kind, tmp_path)
     with open_backend(url) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         rev = rewarded(b, rollout("r", 0))
     reason, deadline, learner_now = _run_skewed("-700s", url, "r", str(rev))
@@ -427,7 +480,7 @@ def test_a_janitor_whose_clock_jumps_ahead_expires_nothing_early(kind: str, tmp_
     leases stay live, and a crashed learner's lease ends 600 s after it was taken."""
     url = durable_url(kind, tmp_path)
     with open_backend(url) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         rev = rewarded(b, rollout("r", 0))
     _, deadline, _ = _run_skewed("+3600s", url, "r", str(rev))
@@ -468,7 +521,7 @@ def test_a_version_trained_by_an_update_whose_commit_did_not_land_is_refused(
     a forged record that names A is refused again at commit and at activation."""
     url = "memory://" if kind == "memory" else durable_url(kind, tmp_path)
     with open_backend(url, lease_seconds=0.3) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         rev = _lose_the_lease(b, coord)
         time.sleep(0.6)
@@ -502,7 +555,7 @@ def test_lineage_of_a_version_is_shown(tmp_path: Path) -> None:
     rollouts it consumed; an unknown version is a clean error."""
     url = f"sqlite:///{tmp_path / 'd.db'}"
     with open_backend(url) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         rev = rewarded(b, rollout("r", 0))
         assert b.ledger.reserve("r", rev, "update-1", good_stamp(0, 0)).reserved
@@ -528,7 +581,7 @@ def test_a_long_update_renews_its_leases(kind: str, tmp_path: Path) -> None:
     clock = ManualClock(1000.0)
     url = "memory://" if kind == "memory" else durable_url(kind, tmp_path)
     with open_backend(url, clock=clock, lease_seconds=10) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         revs = {rid: rewarded(b, rollout(rid, 0)) for rid in ("a", "b")}
         for rid, rev in revs.items():
@@ -551,7 +604,7 @@ def test_postgres_renews_on_the_server_clock(postgres_url: str, tmp_path: Path) 
     learner whose process clock is far behind still gets a full lease."""
     url = durable_url("postgresql", tmp_path)
     with open_backend(url, lease_seconds=600) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         rev = rewarded(b, rollout("r", 0))
         assert b.ledger.reserve("r", rev, "u", good_stamp(0, 0)).reserved

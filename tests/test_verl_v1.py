@@ -39,6 +39,7 @@ from rollout_lifecycle.gpu_check.verl_v1 import (  # noqa: E402
 from rollout_lifecycle.model.backends import Backend, open_backend  # noqa: E402
 from rollout_lifecycle.model.coordinator import ActivationCoordinator  # noqa: E402
 from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck  # noqa: E402
+from rollout_lifecycle.model.registry import set_admission_policy  # noqa: E402
 
 ROLLOUT_CFG = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "response_length": 8}
 REWARD = RewardIdentity("gsm8k-rule", "1")
@@ -75,6 +76,7 @@ def deployment(
 ) -> tuple[Backend, ActivationCoordinator]:
     """A SQLite ledger + registry with v0..v{versions-1} activated by one worker's acks."""
     be = open_backend(f"sqlite:///{path}")
+    set_admission_policy(be.registry, AdmissionPolicy(max_lag, 0.5), "set by the operator")
     coord = ActivationCoordinator(
         be.registry, ["rollout-0"], ledger=be.ledger, policy=AdmissionPolicy(max_lag, 0.5)
     )
