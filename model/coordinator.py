@@ -291,6 +291,11 @@ def check_expected_policy(registry: RegistryStore, expected: AdmissionPolicy) ->
     )
 
 
+def _detail(v: object) -> str:
+    """A failure's detail: free text, or empty (refused typed like every other text)."""
+    return "" if v == "" else _text(v, "detail", free=True)
+
+
 def _get(view: RegistryView, version: int) -> ArtifactRecord:
     rec = view.artifact(_version(version))
     if rec is None:
@@ -525,7 +530,7 @@ class ActivationCoordinator:
 
     def fail_commit(self, version: int, cause: str, detail: str = "") -> ArtifactRecord:
         """The artifact never became complete: stage 'artifact'; its rollouts are quarantined."""
-        d = Disposition("artifact", _text(cause, "cause", free=True), detail)
+        d = Disposition("artifact", _text(cause, "cause", free=True), _detail(detail))
         rec = self._move(version, "fail_commit", lambda _r: {"failure": d})
         self._quarantine(version, f"artifact v{version} failed to commit: {cause}")
         return rec
@@ -550,14 +555,14 @@ class ActivationCoordinator:
 
     def fail_distribution(self, version: int, cause: str, detail: str = "") -> ArtifactRecord:
         """Loading failed on some worker: stage 'distribution', pointer unchanged, quarantine."""
-        d = Disposition("distribution", _text(cause, "cause", free=True), detail)
+        d = Disposition("distribution", _text(cause, "cause", free=True), _detail(detail))
         rec = self._move(version, "fail_distribution", lambda _r: {"failure": d})
         self._quarantine(version, f"distribution of v{version} failed: {cause}")
         return rec
 
     def abandon(self, version: int, cause: str, detail: str = "") -> ArtifactRecord:
         """Give the version up for good (stage 'distribution': it never got to all workers)."""
-        d = Disposition("distribution", _text(cause, "cause", free=True), detail)
+        d = Disposition("distribution", _text(cause, "cause", free=True), _detail(detail))
         rec = self._move(version, "abandon", lambda _r: {"failure": d})
         self._quarantine(version, f"v{version} abandoned: {cause}")
         return rec

@@ -273,9 +273,12 @@ _LIVE = frozenset(LIVE_STATES)
 
 
 def check_limit(value: object) -> int:
-    """A result limit: a non-negative int."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidLedgerArgument(f"limit must be a non-negative int, got {brief(value)}")
+    """A result limit: a non-negative int under the 64-bit bound every backend's LIMIT takes
+    (PostgreSQL refuses a larger one, SQLite's driver overflows: refused alike, typed)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT64_MAX:
+        raise InvalidLedgerArgument(
+            f"limit must be a non-negative int of at most 2**63 - 1, got {brief(value)}"
+        )
     return value
 
 

@@ -38,6 +38,7 @@ from rollout_lifecycle.model.events import (
 )
 from rollout_lifecycle.model.ledger import ActivationPremise
 from rollout_lifecycle.model.records import (
+    INT64_MAX,
     ActivePointer,
     AdmissionPolicy,
     ArtifactRecord,
@@ -185,12 +186,28 @@ class RegistryStore(Protocol):
 
 
 def check_policy(policy: object) -> AdmissionPolicy:
-    """An admission policy to record: an AdmissionPolicy (its fields are validated there)."""
+    """An admission policy to record: an AdmissionPolicy (its fields are validated there)
+    whose integers fit the signed 64-bit columns of every backend (PostgreSQL refuses a
+    larger one, SQLite's driver overflows: refused here alike, before any write)."""
     if not isinstance(policy, AdmissionPolicy):
         raise ActivationError(
             f"an admission policy is an AdmissionPolicy(max_lag, max_drift), got {brief(policy)}"
         )
+    for name in ("max_lag", "batch_size", "max_attempts"):
+        value = getattr(policy, name)
+        if value is not None and value > INT64_MAX:
+            raise ActivationError(f"{name} must be at most 2**63 - 1, got {brief(value)}")
     return policy
+
+
+def check_reason(reason: object, what: str = "reason") -> str:
+    """Free text the registry stores (a reason, a path): non-empty, storable on every
+    backend (no NUL: PostgreSQL text cannot hold one, and the JSON of an event would)."""
+    problem = text_problem(reason, max_length=None)
+    if problem is not None:
+        raise ActivationError(f"{what} {problem}")
+    assert isinstance(reason, str)
+    return reason
 
 
 def backend_url(store: object) -> str | None:
@@ -210,8 +227,7 @@ def set_admission_policy(
     stricter, never looser. Setting the same policy again writes nothing.
     """
     new = check_policy(policy)
-    if not isinstance(reason, str) or not reason:
-        raise ActivationError(f"reason must be a non-empty string, got {brief(reason)}")
+    reason = check_reason(reason)
     clock = getattr(registry, "clock", time.time)
     now = clock() if at is None else at
 
@@ -380,10 +396,15 @@ def check_step(view: RegistryView, step: RegistryStep) -> None:
             raise ActivationError("an admission policy change is a step of its own")
         if not step.policy_reason:
             raise ActivationError("an admission policy change records its reason")
+        check_reason(step.policy_reason)
+    if not isinstance(step.membership, _Unchanged):
+        check_reason(step.membership_reason, "membership reason")
     for ch in step.artifacts:
         v = ch.after.version
         if v in seen:
             raise ActivationError(f"one step changes artifact v{v} twice")
+        if ch.after.path is not None:
+            check_reason(ch.after.path, f"artifact v{v} path")
         seen.add(v)
         if ch.before is not None and ch.before.version != v:
             raise ActivationError(f"change of v{v} carries a before-image of v{ch.before.version}")

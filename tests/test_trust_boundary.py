@@ -34,6 +34,7 @@ from rollout_lifecycle.model.errors import (
     CommitMismatch,
     GateConfigError,
     InvalidRecord,
+    LedgerError,
 )
 from rollout_lifecycle.model.gate import AdmissionGate, GatePolicy
 from rollout_lifecycle.model.ledger import ManualClock, ReserveRequest
@@ -402,9 +403,10 @@ def test_deployment_cli_sets_and_shows_the_policy(tmp_path: Path) -> None:
     runner = CliRunner()
     res = runner.invoke(cli, ["deployment", "show", "--backend", url])
     assert res.exit_code == 2 and "no such file" in res.output
-    res = runner.invoke(
-        cli, ["deployment", "set-policy", "--backend", url, "--max-lag", "1", "--max-drift", "0.2"]
-    )
+    args = ["deployment", "set-policy", "--backend", url, "--max-lag", "1", "--max-drift", "0.2"]
+    res = runner.invoke(cli, args)
+    assert res.exit_code == 2 and "add --create" in res.output, res.output
+    res = runner.invoke(cli, [*args, "--create"])
     assert res.exit_code == 0, res.output
     assert "policy recorded: max_lag 1, max_drift 0.2 (was: none)" in res.output
     for bad in (
@@ -611,3 +613,118 @@ def test_postgres_renews_on_the_server_clock(postgres_url: str, tmp_path: Path) 
         b.ledger.clock = lambda: 0.0  # the process clock only dates events now
         (e,) = b.ledger.renew_leases("u")
         assert e.lease_expires_at is not None and e.lease_expires_at > time.time() + 590
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_set_policy_never_creates_a_deployment_by_mistake(tmp_path: Path) -> None:
+    """Issue 31 item 9: `set-policy` on a missing file, an empty file or another
+    application's SQLite database exits 2 and creates nothing (no file, no table, no
+    -wal); --create starts a new file only where none exists."""
+    import sqlite3
+
+    foreign = tmp_path / "other.db"
+    conn = sqlite3.connect(foreign)
+    conn.execute("CREATE TABLE notes(x TEXT)")
+    conn.commit()
+    conn.close()
+    (tmp_path / "empty.db").write_bytes(b"")
+    before = _files(tmp_path)
+    runner = CliRunner()
+    policy = ["--max-lag", "1", "--max-drift", "0.2"]
+    for name, create in (
+        ("missing.db", False),
+        ("empty.db", False),
+        ("other.db", False),
+        ("empty.db", True),
+        ("other.db", True),
+    ):
+        url = f"sqlite:///{tmp_path / name}"
+        extra = ["--create"] if create else []
+        res = runner.invoke(cli, ["deployment", "set-policy", "--backend", url, *policy, *extra])
+        assert res.exit_code == 2, (name, create, res.output)
+        assert "Traceback" not in res.output
+        assert _files(tmp_path) == before, (name, create)
+    res = runner.invoke(cli, ["deployment", "set-policy", "--backend", "memory://", *policy])
+    assert res.exit_code == 2 and "one process" in res.output
+    new = f"sqlite:///{tmp_path / 'new.db'}"
+    res = runner.invoke(cli, ["deployment", "set-policy", "--backend", new, *policy, "--create"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(cli, ["deployment", "show", "--backend", new])
+    assert "admission policy: max_lag 1, max_drift 0.2" in res.output
+
+
+@pytest.mark.postgres
+def test_set_policy_on_a_postgres_database_without_a_ledger_creates_nothing(
+    tmp_path: Path,
+) -> None:
+    """Issue 31 item 9 on PostgreSQL: an empty schema is refused (exit 2) and stays empty
+    without --create; with it, the tables are created and the policy recorded."""
+    import psycopg
+
+    url = durable_url("postgresql", tmp_path)
+    runner = CliRunner()
+    args = ["deployment", "set-policy", "--backend", url, "--max-lag", "1", "--max-drift", "0.2"]
+    res = runner.invoke(cli, args)
+    assert res.exit_code == 2 and "holds no rollout-lifecycle ledger" in res.output, res.output
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = current_schema()"
+        ).fetchone()
+    assert row == (0,)
+    res = runner.invoke(cli, [*args, "--create"])
+    assert res.exit_code == 0, res.output
+    with open_backend(url, create=False) as b:
+        assert b.registry.policy() == AdmissionPolicy(1, 0.2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_out_of_range_policies_and_limits_are_refused_typed(kind: str, tmp_path: Path) -> None:
+    """Issue 31 item 9: batch_size 2**63, max_attempts 2**64 and oldest_admissible(2**63)
+    raise the same typed errors on every backend (ActivationError, a LedgerError), never an
+    OverflowError; nothing is recorded."""
+    with deployment(kind, tmp_path) as b:
+        for pol in (AdmissionPolicy(1, 0.2, 2**63, None), AdmissionPolicy(1, 0.2, None, 2**64)):
+            with pytest.raises(ActivationError, match="at most 2\\*\\*63 - 1"):
+                set_admission_policy(b.registry, pol, "too big")
+        with pytest.raises(LedgerError, match="at most 2\\*\\*63 - 1"):
+            b.ledger.oldest_admissible(2**63)
+        assert b.ledger.oldest_admissible(2**63 - 1) == []
+        assert b.registry.policy() is None and b.registry.trace() == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_nul_in_free_text_is_refused_typed_on_every_backend(kind: str, tmp_path: Path) -> None:
+    """Issue 31 item 9: a NUL in a policy-change reason, a membership reason, a failure's
+    cause or detail, a rollback reason or an artifact path is refused with ActivationError
+    before anything is written (PostgreSQL would store it escaped in an event's JSON)."""
+    with deployment(kind, tmp_path) as b:
+        with pytest.raises(ActivationError, match="NUL"):
+            set_admission_policy(b.registry, POLICY, "set\x00by me")
+        coord = operated(b)
+        activate(coord, 0)
+        activate(coord, 1)
+        coord.prepare(2)
+        with pytest.raises(ActivationError, match="NUL"):
+            coord.commit_artifact(2, H[2], path="/weights/v2\x00.bin")
+        coord.commit_artifact(2, H[2], path="/weights/v2")
+        coord.distribute(2)
+        calls = (
+            lambda: coord.change_membership(["gen-0"], "shrink\x00"),
+            lambda: coord.fail_distribution(2, "timeout\x00"),
+            lambda: coord.fail_distribution(2, "timeout", "on gen-1\x00"),
+            lambda: coord.abandon(2, "gave up", "\x00"),
+            lambda: set_admission_policy(b.registry, AdmissionPolicy(0, 0.1), "\x00"),
+        )
+        trace = b.registry.trace()
+        for call in calls:
+            with pytest.raises(ActivationError, match="NUL"):
+                call()
+        coord.fail_distribution(2, "timeout", "on gen-1")
+        with pytest.raises(ActivationError, match="NUL"):
+            coord.rollback(reason="bad eval\x00")
+        assert b.registry.trace()[: len(trace)] == trace
+        assert b.registry.policy() == POLICY and coord.required_workers == tuple(WORKERS)
+        assert_clean(b)
