@@ -69,7 +69,9 @@ COMPONENT = "registry"
 # 4: the policy's pacing bounds (batch_size, max_attempts)
 # 5: the file's events are numbered without AUTOINCREMENT (sqlite_common.NEXT_COLUMNS): a
 #    registry this version creates could not be appended to by an older program
-SCHEMA_VERSION = 5
+# 6: an attempt's ack deadline (registry_artifacts.ack_deadline) and spent attempt tokens
+#    (registry_attempt_tokens.spent)
+SCHEMA_VERSION = 6
 # 1 -> 2 only adds a table, which the DDL creates if missing; 2 -> 3 adds tables and the
 # artifacts' lineage column
 MIGRATIONS = {
@@ -78,6 +80,9 @@ MIGRATIONS = {
     3: "ALTER TABLE registry_policy ADD COLUMN batch_size INTEGER ;"
     "ALTER TABLE registry_policy ADD COLUMN max_attempts INTEGER ",
     4: "",
+    5: "ALTER TABLE registry_artifacts ADD COLUMN ack_deadline REAL ;"
+    "ALTER TABLE registry_attempt_tokens ADD COLUMN spent INTEGER NOT NULL DEFAULT 0 "
+    "CHECK (spent IN (0, 1))",
 }
 
 
@@ -468,13 +473,16 @@ def _check_tokens(view: RegistryView, step: RegistryStep) -> None:
     Tokens are issued only by a distribution attempt (a fresh one to every required worker)
     or by a membership change (to a worker joining while a version awaits acks); a worker
     that leaves loses its tokens and its stored ack in that same step; a stored ack carries
-    a token only if it is the current one of its worker, version and attempt.
+    a token only if it is the current one of its worker, version and attempt, and only
+    once: an ack echoing a spent token is never stored again.
     """
     required = view.required_workers() or ()
     issued: dict[tuple[int, str], AttemptToken] = {}
     stored: dict[int, dict[str, AttemptToken]] = {}
     for t in step.tokens:
         key = (t.version, t.worker_id)
+        if t.spent:
+            raise ActivationError(f"v{t.version}: a token is issued unspent ({t.worker_id!r})")
         if key in issued:
             raise ActivationError(f"one step issues v{t.version} two tokens for {t.worker_id!r}")
         issued[key] = t
@@ -529,6 +537,11 @@ def _check_tokens(view: RegistryView, step: RegistryStep) -> None:
             raise ActivationError(
                 f"{w.worker_id!r}'s ack of v{a.version} is stored with a token that is not the "
                 "current attempt's; only an ack echoing it may be stored with one"
+            )
+        if cur.spent:
+            raise ActivationError(
+                f"{w.worker_id!r}'s ack of v{a.version} echoes a token already counted once; "
+                "a token counts once (a later report voided that ack)"
             )
 
 
@@ -833,6 +846,10 @@ class MemoryRegistry(_ViewReads):
                 del self._tokens[key]
             for t in step.tokens:
                 self._tokens[(t.version, t.worker_id)] = t
+            for v, worker, token in spent_by(step):
+                held = self._tokens.get((v, worker))
+                if held is not None and held.token == token:
+                    self._tokens[(v, worker)] = attrs.evolve(held, spent=True)
             stamped = self.log.record(events) if events else []
             return result, _artifact_events(stamped)
 
@@ -864,7 +881,8 @@ CREATE TABLE IF NOT EXISTS registry_artifacts (
     path             TEXT,
     failure          TEXT,
     attempts         INTEGER NOT NULL CHECK (attempts >= 0),
-    trained_by       TEXT
+    trained_by       TEXT,
+    ack_deadline     REAL
 );
 CREATE TABLE IF NOT EXISTS registry_pointer (
     id            INTEGER PRIMARY KEY CHECK (id = 1),
@@ -892,6 +910,7 @@ CREATE TABLE IF NOT EXISTS registry_attempt_tokens (
     worker_id TEXT NOT NULL,
     attempt   INTEGER NOT NULL CHECK (attempt >= 0),
     token     TEXT NOT NULL CHECK (token != ''),
+    spent     INTEGER NOT NULL DEFAULT 0 CHECK (spent IN (0, 1)),
     PRIMARY KEY (version, worker_id)
 )
 """
@@ -911,14 +930,22 @@ _TRIGGERS = (
 
 _ART_COLS = (
     "version, artifact_hash, parent_version, rollback_version, state, path, failure, attempts, "
-    "trained_by"
+    "trained_by, ack_deadline"
 )
+# the columns a schema-5 (or older) registry lacks, read as NULL / false by a read-only open
+_LATER_COLUMNS = {("registry_artifacts", "ack_deadline"), ("registry_attempt_tokens", "spent")}
 
 
 def _int(x: object) -> int:
     if not isinstance(x, int):
         raise ActivationError(f"registry database holds {brief(x)} where an integer belongs")
     return x
+
+
+def _float(x: object) -> float:
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        raise ActivationError(f"registry database holds {brief(x)} where a number belongs")
+    return float(x)
 
 
 def _opt_int(x: object) -> int | None:
@@ -930,7 +957,7 @@ def _opt_str(x: object) -> str | None:
 
 
 def _row_to_record(row: Sequence[object]) -> ArtifactRecord:
-    version, h, parent, rollback, state, path, failure, attempts, trained_by = row
+    version, h, parent, rollback, state, path, failure, attempts, trained_by, deadline = row
     return ArtifactRecord(
         version=_int(version),
         artifact_hash=_opt_str(h),
@@ -941,6 +968,7 @@ def _row_to_record(row: Sequence[object]) -> ArtifactRecord:
         failure=None if failure is None else from_jsonable(Disposition, json.loads(str(failure))),
         attempts=_int(attempts),
         trained_by=() if trained_by is None else tuple(json.loads(str(trained_by))),
+        ack_deadline=None if deadline is None else _float(deadline),
     )
 
 
@@ -956,6 +984,7 @@ def _record_to_row(r: ArtifactRecord) -> tuple[object, ...]:
         failure,
         r.attempts,
         json.dumps(list(r.trained_by)) if r.trained_by else None,
+        r.ack_deadline,
     )
 
 
@@ -976,20 +1005,38 @@ class SqlView:
     """
 
     PARAM = "?"
+    COLUMN_SQL = "SELECT 1 FROM pragma_table_info(?) WHERE name = ?"
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, columns: dict[tuple[str, str], bool] | None = None) -> None:
         self._conn = conn
+        # which later columns the stored schema has (a read-only open of an older registry
+        # lacks them; a writer migrated them in): asked once per store, kept by the caller
+        self._columns = {} if columns is None else columns
+
+    def _column(self, table: str, column: str, default: str) -> str:
+        """`column`, or a literal `default` where an older schema opened read-only lacks it."""
+        key = (table, column)
+        if key not in _LATER_COLUMNS:
+            return column
+        if key not in self._columns:
+            found = self._conn.execute(self.COLUMN_SQL, key).fetchone()
+            self._columns[key] = found is not None
+        return column if self._columns[key] else f"{default} AS {column}"
+
+    def _art_cols(self) -> str:
+        deadline = self._column("registry_artifacts", "ack_deadline", "NULL")
+        return _ART_COLS.replace("ack_deadline", deadline)
 
     def artifact(self, version: int) -> ArtifactRecord | None:
         row = self._conn.execute(
-            f"SELECT {_ART_COLS} FROM registry_artifacts WHERE version = {self.PARAM}",
+            f"SELECT {self._art_cols()} FROM registry_artifacts WHERE version = {self.PARAM}",
             (version,),
         ).fetchone()
         return None if row is None else _row_to_record(row)
 
     def artifacts(self) -> list[ArtifactRecord]:
         rows = self._conn.execute(
-            f"SELECT {_ART_COLS} FROM registry_artifacts ORDER BY version"
+            f"SELECT {self._art_cols()} FROM registry_artifacts ORDER BY version"
         ).fetchall()
         return [_row_to_record(r) for r in rows]
 
@@ -1061,31 +1108,53 @@ class SqlView:
             self._has_tokens = found.fetchone() is not None
             if not self._has_tokens:
                 return []
-        sql = "SELECT version, worker_id, attempt, token FROM registry_attempt_tokens"
+        spent = self._column("registry_attempt_tokens", "spent", "0")
+        sql = f"SELECT version, worker_id, attempt, token, {spent} FROM registry_attempt_tokens"
         args: tuple[object, ...] = ()
         if version is not None:
             sql += f" WHERE version = {self.PARAM}"
             args = (version,)
         rows = self._conn.execute(sql + " ORDER BY version, worker_id", args).fetchall()
-        return [AttemptToken(_int(r[0]), str(r[1]), _int(r[2]), str(r[3])) for r in rows]
+        return [
+            AttemptToken(_int(r[0]), str(r[1]), _int(r[2]), str(r[3]), bool(r[4])) for r in rows
+        ]
+
+
+def spent_by(step: RegistryStep) -> list[tuple[int, str, str]]:
+    """(version, worker, token) of every ack a checked step stores with a token: that token
+    is spent from now on (it counts once; storing a kept ack again changes nothing)."""
+    return [
+        (a.version, w.worker_id, a.token)
+        for w in step.workers
+        if (a := w.ack) is not None and a.token is not None
+    ]
 
 
 def token_statements(step: RegistryStep, param: str) -> list[tuple[str, tuple[object, ...]]]:
     """The SQL that writes a checked step's attempt tokens (the same on SQLite and PostgreSQL,
-    up to the parameter marker): withdraw the leavers' tokens, then store the issued ones."""
+    up to the parameter marker): withdraw the leavers' tokens, store the issued ones, then
+    mark spent the tokens the step's stored acks echo."""
     out: list[tuple[str, tuple[object, ...]]] = [
         (f"DELETE FROM registry_attempt_tokens WHERE worker_id = {param}", (w,))
         for w in step.revoked
     ]
-    marks = ", ".join([param] * 4)
+    marks = ", ".join([param] * 5)
     out.extend(
         (
-            "INSERT INTO registry_attempt_tokens(version, worker_id, attempt, token) "
+            "INSERT INTO registry_attempt_tokens(version, worker_id, attempt, token, spent) "
             f"VALUES ({marks}) ON CONFLICT (version, worker_id) DO UPDATE SET "
-            "attempt = excluded.attempt, token = excluded.token",
-            (t.version, t.worker_id, t.attempt, t.token),
+            "attempt = excluded.attempt, token = excluded.token, spent = excluded.spent",
+            (t.version, t.worker_id, t.attempt, t.token, t.spent),
         )
         for t in step.tokens
+    )
+    out.extend(
+        (
+            f"UPDATE registry_attempt_tokens SET spent = {param} WHERE version = {param} "
+            f"AND worker_id = {param} AND token = {param}",
+            (True, v, w, token),
+        )
+        for v, w, token in spent_by(step)
     )
     return out
 
@@ -1183,7 +1252,9 @@ class SQLiteRegistry(_ViewReads):
             self._conn = connect(self.path, read_only=read_only)
         except sqlite3.Error as exc:
             raise _unusable(self.path, exc) from None
-        view: RegistryView = SqlView(self._conn)
+        # a writer migrates every later column in; a reader asks once which ones it has
+        known = None if read_only else dict.fromkeys(_LATER_COLUMNS, True)
+        view: RegistryView = SqlView(self._conn, known)
         try:
             if read_only:
                 version = has_component(self._conn, COMPONENT)
@@ -1257,14 +1328,14 @@ class SQLiteRegistry(_ViewReads):
                     if ch.before is None:
                         conn.execute(
                             f"INSERT INTO registry_artifacts({_ART_COLS}) "
-                            "VALUES (?,?,?,?,?,?,?,?,?)",
+                            "VALUES (?,?,?,?,?,?,?,?,?,?)",
                             row,
                         )
                     else:
                         conn.execute(
                             "UPDATE registry_artifacts SET artifact_hash=?, parent_version=?, "
                             "rollback_version=?, state=?, path=?, failure=?, attempts=?, "
-                            "trained_by=? WHERE version=?",
+                            "trained_by=?, ack_deadline=? WHERE version=?",
                             (*row[1:], row[0]),
                         )
                 if not isinstance(step.pointer, _Unchanged):

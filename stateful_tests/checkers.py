@@ -67,6 +67,7 @@ from rollout_lifecycle.stateful_tests.histories import (
     HandRegistry,
     churned_history,
     correct_history,
+    deadline_history,
     dispatched_event,
     flagged,
     forge,
@@ -77,6 +78,7 @@ from rollout_lifecycle.stateful_tests.histories import (
     issued,
     paced_history,
     random_history,
+    recounted_history,
     reserved_after_rollback,
     restamped,
     rewarded,
@@ -386,6 +388,31 @@ def spec_cases() -> list[CheckerCase]:
         "acks_bound_to_attempt",
         "leaving the set voids nothing",
         _trace(lambda: churned_history(void=False, fresh=True)),
+    )
+    add(
+        "acks_bound_to_attempt",
+        "a duplicate of a voided ack counted again",
+        _trace(lambda: recounted_history(recount=True)),
+    )
+    add(
+        None,
+        "an ack voided by a later report, not counted again",
+        _trace(lambda: recounted_history(recount=False)),
+    )
+    add(
+        "ack_deadline_respected",
+        "an attempt failed for its deadline before the deadline",
+        _trace(lambda: deadline_history(failed_at=50.0)),
+    )
+    add(
+        "ack_deadline_respected",
+        "an attempt whose deadline is before the attempt",
+        _trace(lambda: deadline_history(failed_at=150.0, deadline=5.0)),
+    )
+    add(
+        None,
+        "an attempt failed once its deadline passed",
+        _trace(lambda: deadline_history(failed_at=100.0)),
     )
     add(
         "distributed_newer_than_active",
@@ -944,7 +971,9 @@ _AUDITED = (
 
 
 def _edited(value: Any, rng: random.Random) -> Any:
-    if isinstance(value, bool) or value is None:
+    if isinstance(value, bool):  # True == 1: an edit to 1 would read the same
+        return rng.choice((not value, "x"))
+    if value is None:
         return rng.choice((1, "x"))
     if isinstance(value, int | float):
         return value + rng.choice((1, 2, -1))

@@ -103,8 +103,9 @@ class HandRegistry:
         new_ptr: Any = "same",
         acks: tuple[WorkerAck, ...] = (),
         tokens: tuple[AttemptToken, ...] = (),
+        at: float = 0.0,
     ) -> None:
-        """One registry step: these artifact changes, and the pointer after it."""
+        """One registry step at time `at`: these artifact changes, and the pointer after it."""
         evs: list[TraceEvent] = []
         pb = self.pointer
         pa = pb if new_ptr == "same" else new_ptr
@@ -113,7 +114,7 @@ class HandRegistry:
                 ArtifactChanged(
                     seq=0,
                     txn=0,
-                    at=0.0,
+                    at=at,
                     version=v,
                     event=ev,
                     before=self.arts.get(v),
@@ -412,6 +413,48 @@ def churned_history(void: bool, fresh: bool) -> list[TraceEvent]:
         (0, "supersede", attrs.evolve(reg.arts[0], state="superseded")),
     ]
     reg.emit(changes, ActivePointer(1, "h1"), acks)
+    return log.events()
+
+
+def recounted_history(recount: bool) -> list[TraceEvent]:
+    """v1 distributed; both workers ack it (w0's ack counted, its token spent); w0 then
+    reports it restored v0; with `recount` a network duplicate of w0's v1 ack is stored
+    again (counted a second time) and v1 activates on it while w0 holds v0."""
+    log = EventLog()
+    reg = HandRegistry(log)
+    reg.activate(0)
+    reg.stage(1)
+    reg.report(1, "h1")
+    w0 = WORKERS[0]
+    first = WorkerAck(w0, 1, "h1", 0, reg.seq, 1, token(1, 1, w0))
+    log.record([WorkerReported(0, 0, 0.0, w0, 0, WorkerAck(w0, 0, "h0", 0, reg.seq + 1))])
+    if recount:
+        again = attrs.evolve(first, seq=reg.seq + 2)  # numbered by arrival: a "newer" report
+        log.record([WorkerReported(0, 0, 0.0, w0, 0, again)])
+        acks = (again, *(WorkerAck(w, 1, "h1", 0, reg.seq, 1, token(1, 1, w)) for w in WORKERS[1:]))
+        changes = [
+            (1, "activate", attrs.evolve(reg.arts[1], state="active")),
+            (0, "supersede", attrs.evolve(reg.arts[0], state="superseded")),
+        ]
+        reg.emit(changes, ActivePointer(1, "h1"), acks)
+    return log.events()
+
+
+def deadline_history(*, failed_at: float, deadline: float = 100.0) -> list[TraceEvent]:
+    """v1 distributed at time 10 with ack deadline `deadline`; no ack arrives; the attempt
+    is failed for a passed deadline ('ack_deadline_passed') at `failed_at`."""
+    log = EventLog()
+    reg = HandRegistry(log)
+    reg.activate(0)
+    reg.emit([(1, "register", ArtifactRecord(version=1, artifact_hash=None, rollback_version=0))])
+    reg.emit(
+        [(1, "commit_artifact", attrs.evolve(reg.arts[1], state="committed", artifact_hash="h1"))]
+    )
+    staged = attrs.evolve(reg.arts[1], state="awaiting_acks", attempts=1, ack_deadline=deadline)
+    reg.emit([(1, "distribute", staged)], tokens=issued(1, 1), at=10.0)
+    failure = Disposition("distribution", "ack_deadline_passed", "no ack by the deadline")
+    failed = attrs.evolve(reg.arts[1], state="distribution_failed", failure=failure)
+    reg.emit([(1, "fail_distribution", failed)], at=failed_at)
     return log.events()
 
 

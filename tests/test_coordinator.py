@@ -308,14 +308,16 @@ def test_ack_ordering_reasons(coord: ActivationCoordinator) -> None:
     assert coord.record_ack(answer(coord, "w0", 1, h=BAD, seq=3)).reason == "conflicting_report"
     assert coord.record_ack(answer(coord, "w0", 1, seq=2)).reason == "out_of_order"
     assert coord.record_ack(ack("w9", 1)).reason == "not_required"
-    assert coord.record_ack(answer(coord, "w0", 1, inc=1, seq=0)).reason == "counted"
-    assert coord.reports() == {"w0": answer(coord, "w0", 1, inc=1, seq=0), "w9": ack("w9", 1)}
+    # a token counts once: a new incarnation's ack of this attempt needs a fresh one (retry)
+    assert coord.record_ack(answer(coord, "w0", 1, inc=1, seq=0)).reason == "spent_attempt_token"
+    assert coord.reports() == {"w0": answer(coord, "w0", 1, seq=3), "w9": ack("w9", 1)}
     assert coord.statistics().acks == {
-        "counted": 2,
+        "counted": 1,
         "duplicate": 1,
         "conflicting_report": 1,
         "out_of_order": 1,
         "not_required": 1,
+        "spent_attempt_token": 1,
     }
 
 
@@ -335,7 +337,14 @@ def test_ack_from_previous_incarnation_after_restart_does_not_count(
     assert (late.counted, late.reason) == (False, "stale_incarnation")
     assert not coord.try_activate(2).activated
     assert coord.pointer() == ActivePointer(1, H[1])
-    assert coord.record_ack(answer(coord, "w1", 2, inc=1, seq=0)).counted
+    # the new incarnation reloads, but this attempt's token counted once already: it takes a
+    # new attempt (whose fresh tokens every worker acks) for w1's reload to count
+    again = coord.record_ack(answer(coord, "w1", 2, inc=1, seq=0))
+    assert (again.counted, again.reason) == (False, "spent_attempt_token")
+    coord.fail_distribution(2, "w1 restarted")
+    coord.retry(2)
+    assert coord.record_ack(answer(coord, "w0", 2, seq=2)).counted
+    assert coord.record_ack(answer(coord, "w1", 2, inc=1, seq=1)).counted
     assert coord.try_activate(2).activated
 
 
@@ -582,7 +591,12 @@ def test_restart_mid_activation_resumes_and_completes(open_registry: Opener) -> 
     assert c2.artifact(3).state == "commit_failed"
     assert pending.quarantined_versions == (3,)
     assert c2.record_ack(answer(c2, "w1", 2, inc=0, seq=5)).reason == "stale_incarnation"
-    assert c2.record_ack(answer(c2, "w1", 2, inc=1, seq=0)).counted
+    # w1's token of this attempt counted once already: its new incarnation needs a retry
+    assert c2.record_ack(answer(c2, "w1", 2, inc=1, seq=0)).reason == "spent_attempt_token"
+    c2.fail_distribution(2, "w1 restarted")
+    c2.retry(2)
+    assert c2.record_ack(answer(c2, "w0", 2, seq=2)).counted
+    assert c2.record_ack(answer(c2, "w1", 2, inc=1, seq=1)).counted
     assert c2.try_activate(2).activated
     assert c2.pointer() == ActivePointer(2, H[2])
     assert_trace_ok(c2)
