@@ -8,7 +8,8 @@ API and the coordinator cannot disagree on when a pointer may flip.
 
 Worker reports are ordered by (incarnation, seq): a late or duplicated ack never replaces a
 newer one, and a restart voids everything the previous incarnation said (bugs 11 and 12 of
-the field notes). Each distribution attempt issues every required worker a random token
+the field notes). A token counts once, so a network duplicate of an ack the worker has
+since replaced never counts, even when `seq` is numbered by arrival. Each distribution attempt issues every required worker a random token
 (`attempt_token`); an ack of the version awaiting acks counts only if it echoes its
 worker's token of the CURRENT attempt, so a delayed ack of a failed attempt, or one sent
 before the worker left and re-joined the worker set, is refused with a typed reason instead
@@ -18,7 +19,14 @@ of a version not awaiting acks ("I restored v0"), and every report of a non-memb
 stored as what the worker holds: they can block an activation, never help one.
 
 A failed activation quarantines that version's rollouts in the ledger after the registry
-step commits; `resume` re-applies it, so a crash in between is healed.
+step commits; `resume` re-applies it, so a crash in between is healed. Each distribution
+attempt has an ack deadline on the deployment's clock; `settle` (run first by distribute,
+retry, rollback, try_activate of another version and resume) activates an attempt whose
+acks are all in and fails one past its deadline, so a killed activator never stalls the
+deployment.
+
+The admission policy is never written here: `policy=` is an expectation checked at
+construction (the operator records it: `deployment set-policy`, `set_admission_policy`).
 """
 
 from __future__ import annotations
@@ -695,7 +703,10 @@ class ActivationCoordinator:
         or a worker outside the required set) is stored without its token as what the
         worker holds ('reported', 'not_required'): it can block an activation, never help.
         Reports are ordered by (incarnation, seq); `seq` may be left unset (numbered by
-        arrival), and a report older than the stored one is refused.
+        arrival), and a report older than the stored one is refused. A token counts once:
+        counting an ack spends its token in the same step, and a later ack echoing it is a
+        'duplicate' while the counted one still stands, else 'spent_attempt_token' (the
+        worker reported something else since: a duplicate of a voided ack never counts).
         """
 
         if not isinstance(ack, WorkerAck):

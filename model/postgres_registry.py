@@ -68,9 +68,14 @@ MIGRATIONS = {
     1: "ALTER TABLE registry_artifacts ADD COLUMN IF NOT EXISTS trained_by text",
     2: "ALTER TABLE registry_policy ADD COLUMN IF NOT EXISTS batch_size bigint, "
     "ADD COLUMN IF NOT EXISTS max_attempts bigint",
+    # a token some stored ack already echoed counted once: spent, as the history says
     3: "ALTER TABLE registry_artifacts ADD COLUMN IF NOT EXISTS ack_deadline double precision;"
     "ALTER TABLE registry_attempt_tokens ADD COLUMN IF NOT EXISTS spent boolean NOT NULL "
-    "DEFAULT false",
+    "DEFAULT false;"
+    "UPDATE registry_attempt_tokens t SET spent = true WHERE EXISTS (SELECT 1 FROM events e "
+    "WHERE e.kind = 'worker' AND e.subject = t.worker_id "
+    "AND (e.payload::jsonb -> 'ack' ->> 'version')::bigint = t.version "
+    "AND e.payload::jsonb -> 'ack' ->> 'token' = t.token)",
 }
 
 _DDL = """

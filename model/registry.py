@@ -80,9 +80,14 @@ MIGRATIONS = {
     3: "ALTER TABLE registry_policy ADD COLUMN batch_size INTEGER ;"
     "ALTER TABLE registry_policy ADD COLUMN max_attempts INTEGER ",
     4: "",
+    # a token some stored ack already echoed counted once: spent, as the history says
     5: "ALTER TABLE registry_artifacts ADD COLUMN ack_deadline REAL ;"
     "ALTER TABLE registry_attempt_tokens ADD COLUMN spent INTEGER NOT NULL DEFAULT 0 "
-    "CHECK (spent IN (0, 1))",
+    "CHECK (spent IN (0, 1)) ;"
+    "UPDATE registry_attempt_tokens SET spent = 1 WHERE EXISTS (SELECT 1 FROM events "
+    "WHERE kind = 'worker' AND subject = registry_attempt_tokens.worker_id "
+    "AND json_extract(payload, '$.ack.version') = registry_attempt_tokens.version "
+    "AND json_extract(payload, '$.ack.token') = registry_attempt_tokens.token)",
 }
 
 

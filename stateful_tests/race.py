@@ -118,6 +118,10 @@ class RaceConfig:
     batch_size: int = 8
     max_attempts: int = 3
     chains: int = 32
+    # each distribution attempt's ack deadline: an attempt left awaiting acks (its
+    # try_activate refused after a membership change) is failed by the next distribute
+    # once it passes, so an activator never stalls for the rest of the run
+    ack_timeout: float = 2.0
 
     def policy(self) -> AdmissionPolicy:
         """The deployment's admission policy this race records."""
@@ -260,7 +264,7 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
     stats: Counter[str] = Counter()
     try:
         with open_backend(cfg.url) as b:
-            coord = ActivationCoordinator(b.registry, ledger=b.ledger)
+            coord = ActivationCoordinator(b.registry, ledger=b.ledger, ack_timeout=cfg.ack_timeout)
             serving = coord.pointer()
             n = 0
             while time.time() < deadline:
