@@ -155,8 +155,8 @@ class Ask(NamedTuple):
 def _lag_ok(a: Ask) -> bool:
     assert a.row is not None and a.stamp is not None and a.view.policy is not None
     assert a.view.pointer is not None
-    bound = min(a.stamp.max_lag, a.view.policy[0])
-    return 0 <= a.view.pointer - a.row.version <= bound
+    bound: int = min(a.stamp.max_lag, a.view.policy[0])
+    return bool(0 <= a.view.pointer - a.row.version <= bound)
 
 
 def _looser(a: Ask) -> bool:
@@ -476,7 +476,7 @@ def _attach(reg: Registry, args: Mapping[str, Any], out: Outcome) -> Registry | 
         return reg if _err(out, "ActivationError") else None
     if reg.members is not None and wanted is not None and set(wanted) != set(reg.members):
         return reg if _err(out, "ActivationError") else None
-    new = reg if reg.members is not None else reg._replace(members=tuple(wanted))
+    new = reg if reg.members is not None else reg._replace(members=tuple(wanted or ()))
     if pol is not None and new.policy is not None and new.policy != pol:
         # the worker set was recorded in a step of its own before the policy was refused
         return new if _err(out, "ActivationError") else None

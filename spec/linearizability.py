@@ -527,7 +527,7 @@ def _same(st: State) -> State:
 
 
 def _put(rows: tuple[Row | None, ...], k: int, row: Row | None) -> tuple[Row | None, ...]:
-    return rows[:k] + (row,) + rows[k + 1 :]
+    return (*rows[:k], row, *rows[k + 1 :])
 
 
 def _add_step(ix: dict[str, int], docs: list[dict[str, Any]], out: Outcome, n: int) -> Step:

@@ -404,10 +404,10 @@ def generated_history(seed: int, steps: int = 120) -> list[Line]:
                     ledger.retire_stale()
                 elif k < 0.97 and n:
                     rid = f"r{rng.randrange(n)}"
-                    e = ledger.find(rid)
-                    if e is not None:
+                    found = ledger.find(rid)
+                    if found is not None:
                         event = rng.choice(("quarantine", "retire_stale", "reward_ready"))
-                        ledger.transition(rid, event, e.revision + rng.choice((0, 0, 1)))
+                        ledger.transition(rid, event, found.revision + rng.choice((0, 0, 1)))
                 else:
                     ledger.oldest_admissible(3)
                     ledger.get(f"r{rng.randrange(max(n, 1))}")
@@ -461,3 +461,61 @@ def _reserve_some(
         held[update] = won
         if rng.random() < 0.3:
             ledger.reserve_batch(update, [r for r in requests if r.rollout_id in won])
+
+
+def many_reads_one_impossible(n: int) -> list[Line]:
+    """`n` overlapping reads of one rollout, each valid in any order, and one that sees a
+    revision the rollout never had and returns before them: the search must try every
+    subset of the reads before it can say no (a time limit makes that 'unknown')."""
+    s = Script().setup()
+    for i in range(n):
+        s.call(f"p{i}", "get", {"id": "r"}, 1.0 + i * 1e-4, 3.0, row("r", "rewarded", 0))
+    return s.call("late", "get", {"id": "r"}, 1.5, 2.0, row("r", "rewarded", 99)).lines
+
+
+_SWAPPABLE = (
+    "reserved",
+    "idempotent_retry",
+    "revision_conflict",
+    "not_rewarded",
+    "version_not_active",
+    "looser_than_policy",
+    "pointer_moved",
+    "missing_rollout",
+)
+
+
+def corrupted(lines: Sequence[Line], rng: random.Random) -> list[Line] | None:
+    """A sequential history with one answer changed to another the code could give: a
+    reservation's reason, a pointer read's version, a read's revision. Calls of a
+    sequential history do not overlap, so each answer is the only true one; None when
+    the history has no answer to change."""
+    out = [dict(line) for line in lines]
+    spots: list[tuple[int, int | None]] = []
+    for i, line in enumerate(out):
+        if "result" not in line or line.get("result") is None:
+            continue
+        op = line["op"]
+        if op == "reserve" and line["result"]["reason"] in _SWAPPABLE:
+            spots.append((i, None))
+        elif op == "reserve_batch":
+            spots.extend((i, j) for j, o in enumerate(line["result"]) if o["reason"] in _SWAPPABLE)
+        elif op in ("pointer", "get"):
+            spots.append((i, None))
+    if not spots:
+        return None
+    i, j = spots[rng.randrange(len(spots))]
+    line = out[i]
+    if line["op"] == "pointer":
+        v, _hh = line["result"]
+        line["result"] = [v + 1, h(v + 1)]
+    elif line["op"] == "get":
+        line["result"] = {**line["result"], "rev": line["result"]["rev"] + 1}
+    else:
+        outs = [line["result"]] if j is None else list(line["result"])
+        k = 0 if j is None else j
+        old = outs[k]["reason"]
+        new = rng.choice([r for r in _SWAPPABLE if r != old])
+        outs[k] = {**outs[k], "reason": new, "reserved": new in ("reserved", "idempotent_retry")}
+        line["result"] = outs[0] if j is None else outs
+    return out

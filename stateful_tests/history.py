@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from rollout_lifecycle.model.coordinator import (
     CURRENT_POINTER,
@@ -33,7 +33,7 @@ from rollout_lifecycle.model.coordinator import (
     ActivationResult,
 )
 from rollout_lifecycle.model.errors import RolloutLifecycleError
-from rollout_lifecycle.model.ledger import ReserveOutcome, ReserveRequest
+from rollout_lifecycle.model.ledger import Ledger, LedgerStatistics, ReserveOutcome, ReserveRequest
 from rollout_lifecycle.model.pacing import DispatchOutcome
 from rollout_lifecycle.model.records import (
     ActivePointer,
@@ -44,6 +44,7 @@ from rollout_lifecycle.model.records import (
     WorkerAck,
     to_jsonable,
 )
+from rollout_lifecycle.model.registry import RegistryStore
 
 SCHEMA = "rollout-lifecycle/call-history/1"
 T = TypeVar("T")
@@ -187,7 +188,7 @@ def _request_json(r: ReserveRequest) -> dict[str, Any]:
 class RecordingLedger:
     """A ledger whose every call is recorded in `log` (anything else passes through)."""
 
-    def __init__(self, ledger: Any, log: CallLog) -> None:
+    def __init__(self, ledger: Ledger, log: CallLog) -> None:
         self._ledger, self._log = ledger, log
 
     def __getattr__(self, name: str) -> Any:
@@ -205,7 +206,7 @@ class RecordingLedger:
         return self._log.call(
             "add_many",
             {"entries": [new_entry_json(r) for r in rollouts]},
-            lambda: self._ledger.add_many(rollouts),
+            lambda: cast(Any, self._ledger).add_many(rollouts),
             entries_json,
         )
 
@@ -329,7 +330,7 @@ class RecordingLedger:
             entries_json,
         )
 
-    def statistics(self) -> Any:
+    def statistics(self) -> LedgerStatistics:
         return self._log.call(
             "statistics", {}, self._ledger.statistics, lambda s: {"by_state": dict(s.by_state)}
         )
@@ -338,7 +339,7 @@ class RecordingLedger:
 class RecordingRegistry:
     """A registry whose reads are recorded (its steps are the coordinator's, recorded there)."""
 
-    def __init__(self, registry: Any, log: CallLog) -> None:
+    def __init__(self, registry: RegistryStore, log: CallLog) -> None:
         self._registry, self._log = registry, log
 
     def __getattr__(self, name: str) -> Any:

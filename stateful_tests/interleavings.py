@@ -13,13 +13,14 @@ reserves and aborts the rollout (revision 0 -> 2), the pointer moves to v2 (lag 
 instant of the call makes `pointer_moved` true: while the row was at revision 0 the answer
 was `reserved`, once the pointer reached v2 the row was at revision 2 (`revision_conflict`).
 
-    problems = run_interleavings("sqlite:///scratch.db")   # [] when every answer is right
+    problems = run_interleavings("sqlite", workdir)   # {scenario: []} when all are right
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -34,6 +35,7 @@ from rollout_lifecycle.model.records import (
     Reward,
     WorkerAck,
 )
+from rollout_lifecycle.stateful_tests.backends import DB_NAME, durable_url
 
 WORKERS = ("w0",)
 POLICY = AdmissionPolicy(max_lag=1, max_drift=0.2)
@@ -245,6 +247,14 @@ def run_scenario(url: str, scenario: Scenario) -> list[str]:
         return []
 
 
-def run_interleavings(fresh_url: Callable[[str], str]) -> dict[str, list[str]]:
-    """Every scenario, each on fresh state (`fresh_url(scenario name)`): problems by name."""
-    return {s.name: run_scenario(fresh_url(s.name), s) for s in SCENARIOS}
+def run_interleavings(backend: str, workdir: Path) -> dict[str, list[str]]:
+    """Every scenario on `backend` ('sqlite' or PostgreSQL), each on fresh state under
+    `workdir`: the problems, by scenario (all empty when every answer was right)."""
+    out = {}
+    for s in SCENARIOS:
+        where = workdir / s.name
+        where.mkdir(parents=True, exist_ok=True)
+        for old in where.glob(f"{DB_NAME}*"):
+            old.unlink()  # an earlier run's file
+        out[s.name] = run_scenario(durable_url(backend, where), s)
+    return out

@@ -301,7 +301,7 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                             for i in range(BATCH)
                         ]
                         n += BATCH
-                        b.ledger.add_many(entries)  # type: ignore[attr-defined]
+                        b.ledger.add_many(entries)
                         stats["generated"] += BATCH
                 try:
                     top = coord.registry.max_version() or 0
@@ -558,6 +558,7 @@ class RaceReport:
     violations: tuple[Violation, ...]
     errors: tuple[str, ...]
     linearizability: LinReport | None = None
+    history: str | None = None  # where the recorded calls were written (JSON lines)
 
     @property
     def ok(self) -> bool:
@@ -590,7 +591,7 @@ class RaceReport:
             "errors": list(self.errors),
             "linearizability": None
             if self.linearizability is None
-            else self.linearizability.to_json(),
+            else {**self.linearizability.to_json(), "history": self.history},
         }
 
 
@@ -688,6 +689,17 @@ def run_race(
         violations=(*report.violations, *store, *history, *lin_violations(lin)),
         errors=errors,
         linearizability=lin,
+        history=None if history_path is None else str(history_path),
+    )
+
+
+def lin_line(lin: LinReport, history: str | None = None) -> str:
+    """The linearizability check in one line, for a console."""
+    where = f"; history in {history}" if history else ""
+    return (
+        f"linearizability: {lin.verdict} ({lin.calls:,} calls, {lin.checked_calls:,} checked, "
+        f"{lin.partitions:,} partitions, the largest {lin.max_partition:,} calls, "
+        f"{lin.seconds:.1f}s){where}"
     )
 
 
