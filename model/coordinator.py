@@ -812,12 +812,19 @@ class ActivationCoordinator:
         return self.registry.trace()
 
     def statistics(self) -> CoordinatorStatistics:
-        """Counts by state, which required workers hold the active version, and counters."""
-        arts = self.registry.artifacts()
-        pointer = self.registry.pointer()
-        reports = self.reports()
+        """Counts by state, which required workers hold the active version, and counters
+        (the registry read in one step: the figures are of one instant)."""
+
+        def plan(view: RegistryView) -> tuple[RegistryStep, tuple[Any, ...]]:
+            read = (view.artifacts(), view.pointer(), view.workers())
+            return RegistryStep(self.clock()), (*read, view.required_workers(), view.max_version())
+
+        arts, pointer, workers, stored, top = self._step(plan)[0]
+        if stored is None:
+            raise ActivationError("the registry records no required workers")
+        required: tuple[str, ...] = stored
+        reports = {w: r.ack for w, r in workers.items() if r.ack is not None}
         by_state = Counter(a.state for a in arts)
-        required = self.required_workers
         in_sync = tuple(
             w
             for w in required
@@ -829,7 +836,7 @@ class ActivationCoordinator:
             artifacts=len(arts),
             by_state={s: by_state.get(s, 0) for s in ACTIVATION.states},
             pointer=pointer,
-            max_version=self.registry.max_version(),
+            max_version=top,
             required_workers=required,
             workers_in_sync=in_sync,
             workers_out_of_sync=tuple(w for w in required if w not in in_sync),
