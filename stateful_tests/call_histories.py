@@ -211,6 +211,16 @@ def stale_row_refusal(answer: str = "pointer_moved") -> list[Line]:
     return s.lines
 
 
+def refusal_reason(answer: str = "pointer_moved") -> list[Line]:
+    """A reservation of a row that moved on (revision 0 -> 2) while the pointer stayed
+    where the stamp was admitted: its answer, with the row as it is, is a conflict; any
+    other refusal (the same row, another reason) is untrue."""
+    s = Script().setup()
+    s.reserve("other", "r", 0, "u2", 1.0, 1.1, "reserved", row("r", "reserved", 1, by="u2"))
+    s.call("other", "abort", {"update": "u2"}, 1.2, 1.3, [row("r", "rewarded", 2)])
+    return s.reserve("learner", "r", 0, "u1", 1.4, 1.5, answer, row("r", "rewarded", 2)).lines
+
+
 def double_reserve(second: str = "reserved") -> list[Line]:
     """Two updates both told 'reserved' for the same revision of one rollout."""
     s = Script().setup()

@@ -881,6 +881,7 @@ def linearizability_cases(seed: int, generated: int) -> list[CheckerCase]:
     name = "linearizable"
     pairs: list[tuple[str, Callable[..., Any], Any, Any]] = [
         ("stale-row refusal (issue 33)", H.stale_row_refusal, "pointer_moved", "revision_conflict"),
+        ("a refusal for another reason", H.refusal_reason, "pointer_moved", "revision_conflict"),
         ("double reservation", H.double_reserve, "reserved", "revision_conflict"),
         ("lost commit", H.lost_commit, "reserved", "consumed"),
         (

@@ -809,6 +809,32 @@ def _stale_row_refusal(reserve: Any) -> Any:
     return stale
 
 
+_REFUSALS = frozenset(
+    {
+        "missing_rollout",
+        "revision_conflict",
+        "not_rewarded",
+        "not_admitted",
+        "stamp_contradicts_itself",
+        "no_admission_policy",
+        "looser_than_policy",
+        "version_not_active",
+        "version_retired",
+        "pointer_moved",
+    }
+)
+
+
+def _any_refusal(answer: Any) -> Any:
+    """The model's reservation answer, any refusal standing for any other."""
+
+    def loose(ask: Any) -> Any:
+        reasons, held = answer(ask)
+        return (_REFUSALS, held) if not held else (reasons, held)
+
+    return loose
+
+
 _PACING = "rollout_lifecycle.model.pacing"
 
 
@@ -1115,6 +1141,26 @@ CATALOGUE += (
         "`ledger check` takes each event's stored hash as its own: an edited event passes",
         None,
         _wrap("rollout_lifecycle.spec.audit", "row_hash", lambda f: lambda ev: ev.hash),
+        reach=("checkers",),
+        klass="checker",
+    ),
+    Mutant(
+        "linearizability_any_refusal",
+        "the linearizability model takes any refusal of a reservation for the true one, as "
+        "long as the reservation was refused at that instant",
+        None,
+        _wrap("rollout_lifecycle.spec.call_model", "reserve_answer", _any_refusal),
+        reach=("checkers",),
+        klass="checker",
+    ),
+    Mutant(
+        "linearizability_no_common_instant",
+        "the linearizability check skips its consistency pass: each rollout alone is "
+        "explained, a batch seen half applied passes",
+        None,
+        _wrap(
+            "rollout_lifecycle.spec.linearizability", "_consistent", lambda f: lambda *a: (0, [])
+        ),
         reach=("checkers",),
         klass="checker",
     ),

@@ -30,6 +30,7 @@ from tests.helpers_ledger import rewarded, stamp
 
 PAIRS: list[tuple[str, Callable[..., Any], Any, Any]] = [
     ("stale_row_refusal", H.stale_row_refusal, "pointer_moved", "revision_conflict"),
+    ("refusal_reason", H.refusal_reason, "pointer_moved", "revision_conflict"),
     ("double_reserve", H.double_reserve, "reserved", "revision_conflict"),
     ("lost_commit", H.lost_commit, "reserved", "consumed"),
     ("retry", H.retry_answered_differently, "revision_conflict", "idempotent_retry"),
