@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import resource
 import sys
 import threading
 import time
@@ -227,6 +228,7 @@ def measure(
         "cpu_s": round(cpu, 2),
         "us_per_call": round(1e6 * wall / max(got.calls, 1), 1),
         "cpu_us_per_call": round(1e6 * cpu / max(got.calls, 1), 1),
+        "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }
 
 

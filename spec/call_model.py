@@ -170,14 +170,21 @@ def _looser(a: Ask) -> bool:
     )
 
 
+def _hash_differs(a: Ask) -> bool | None:
+    """None ("maybe") when the row's hash is not the one its version activated with."""
+    if not a.view.attached or a.row is None or a.row.hash is None:
+        return False
+    if a.row.version not in a.view.ever or (a.row.version, a.row.hash) in a.view.hashes:
+        return False
+    return None
+
+
 # (reasons any of which answers the check, whether the row is then held, the check).
-# Checks run in order on the state at one instant; the first that holds is the answer.
-# Where the ledger adds a refusal, it is one entry here, at its place in the order:
-#   update_poisoned: after not_rewarded, before the stamp (needs the update's poison in
-#     the model: see spec/linearizability.py, "extending the model");
-#   artifact_hash_mismatch: after version_not_active, before version_retired (the row's
-#     hash against `View.hashes`).
-RESERVE_ORDER: tuple[tuple[frozenset[str], bool, Callable[[Ask], bool]], ...] = (
+# Checks run in order on the state at one instant; the first that holds is the answer. A
+# check may answer None, "maybe": a fact this model does not hold (yet); its refusal is
+# then one possible answer and the order goes on. Where the ledger adds a refusal, it is
+# one entry here, at its place in the order (docs/trust-boundary.md's table).
+RESERVE_ORDER: tuple[tuple[frozenset[str], bool, Callable[[Ask], bool | None]], ...] = (
     (frozenset({"missing_rollout"}), False, lambda a: a.row is None),
     (
         frozenset({"idempotent_retry"}),
@@ -194,6 +201,10 @@ RESERVE_ORDER: tuple[tuple[frozenset[str], bool, Callable[[Ask], bool]], ...] = 
         False,
         lambda a: a.row is not None and lifecycle_dest(a.row.state, "reserve") is None,
     ),
+    # an update whose commit failed or whose lease ran out is poisoned (another change of
+    # the ledger): whether it is, no rollout's partition knows yet, so "maybe" once the
+    # row itself would take the reservation; make it exact by modelling the poison
+    (frozenset({"update_poisoned"}), False, lambda a: None),
     (frozenset({"not_admitted"}), False, lambda a: a.stamp is None),
     (
         STAMP_REFUSALS,
@@ -214,6 +225,9 @@ RESERVE_ORDER: tuple[tuple[frozenset[str], bool, Callable[[Ask], bool]], ...] = 
         False,
         lambda a: a.view.attached and a.row is not None and a.row.version not in a.view.ever,
     ),
+    # a rollout whose artifact hash is not the one its version activated with (another
+    # change of the ledger refuses it here): "maybe" until that lands, then exact
+    (frozenset({"artifact_hash_mismatch"}), False, _hash_differs),
     (
         frozenset({"version_retired"}),
         False,
@@ -235,14 +249,20 @@ RESERVE_ORDER: tuple[tuple[frozenset[str], bool, Callable[[Ask], bool]], ...] = 
 )
 
 
-def reserve_answer(a: Ask) -> tuple[frozenset[str], bool]:
-    """The answers the documented order allows at this instant, and whether the rollout is
-    held by the update after it (reserved or idempotent retry); ({'reserved'}, True) when
-    every check passes (the row is then written)."""
+def reserve_answer(a: Ask) -> frozenset[tuple[str, bool]]:
+    """The answers the documented order allows at this instant, each with whether the
+    rollout is held by the update after it (reserved or idempotent retry);
+    ('reserved', True) when every check passes (the row is then written)."""
+    out: set[tuple[str, bool]] = set()
     for reasons, held, check in RESERVE_ORDER:
-        if check(a):
-            return reasons, held
-    return frozenset({"reserved"}), True
+        verdict = check(a)
+        if verdict is False:
+            continue
+        out.update((r, held) for r in reasons)
+        if verdict:
+            return frozenset(out)
+    out.add(("reserved", True))
+    return frozenset(out)
 
 
 def reserve(
@@ -250,8 +270,8 @@ def reserve(
 ) -> Row | bool | None:
     """The row after a reservation answered `got` ({reserved, reason, entry}); False when
     that answer is not true at this instant."""
-    reasons, held = reserve_answer(Ask(row, expected, update, stamp, view))
-    if got["reason"] not in reasons or bool(got["reserved"]) != held:
+    allowed = reserve_answer(Ask(row, expected, update, stamp, view))
+    if (got["reason"], bool(got["reserved"])) not in allowed:
         return False
     if got["reason"] == "reserved":
         assert row is not None
@@ -391,6 +411,7 @@ class Registry(NamedTuple):
     tokens: tuple[tuple[tuple[int, str], tuple[int, str | None]], ...] = ()
     policy: tuple[int, float, int | None, int | None] | None = None
     bad: frozenset[int] = frozenset()
+    spent: frozenset[str] = frozenset()  # tokens a counted ack already echoed
 
     def art(self, v: Any) -> Art | None:
         """The artifact of version v, or None."""
@@ -585,6 +606,10 @@ def _record_ack(reg: Registry, args: Mapping[str, Any], out: Outcome) -> Registr
             judged = "stale_attempt_token"
         if judged is not None:
             return reg if (reason, counted) == (judged, False) else None
+        if (reason, counted) == ("spent_attempt_token", False) and token in reg.spent:
+            # an ack counts once (a change of the coordinator refuses its token's reuse;
+            # before it, the reuse is counted again: both are allowed here for now)
+            return reg
         stored_token = token
     else:
         stored_token = None
@@ -605,7 +630,8 @@ def _record_ack(reg: Registry, args: Mapping[str, Any], out: Outcome) -> Registr
     new = Report(inc, seq, v, args["hash"], stored_token)
     reports = dict(reg.reports)
     reports[w] = new
-    return reg.with_tokens(bind)._replace(reports=tuple(sorted(reports.items())))
+    spent = reg.spent | {token} if answers and token is not None else reg.spent
+    return reg.with_tokens(bind)._replace(reports=tuple(sorted(reports.items())), spent=spent)
 
 
 def _try_activate(reg: Registry, args: Mapping[str, Any], out: Outcome) -> Registry | None:

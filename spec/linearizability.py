@@ -228,7 +228,7 @@ def linearize(entries: Sequence[Entry], init: State, deadline: float) -> Searche
             if q != -1:
                 prv[q] = e
 
-    cache: set[tuple[int, State]] = set()
+    cache: set[tuple[int, int, State]] = set()
     stack: list[tuple[int, State, int]] = []
     state, lin, done = init, 0, 0
     entry = nxt[head]
@@ -242,11 +242,15 @@ def linearize(entries: Sequence[Entry], init: State, deadline: float) -> Searche
             s = shared[i]
             new = steps[i](state) if s is None or s == done else None
             if new is not None:
-                key = (lin | 1 << i, new)
+                grown = lin | 1 << i
+                # the set as (first call not linearized, the bits above it): a search runs
+                # mostly in order, so the key stays small however long the history
+                low = ((grown + 1) & ~grown).bit_length() - 1
+                key = (low, grown >> low, new)
                 if key not in cache:
                     cache.add(key)
                     stack.append((i, state, done))
-                    state, lin = new, lin | 1 << i
+                    state, lin = new, grown
                     done += s is not None
                     lift(i)
                     entry = nxt[head]
@@ -273,6 +277,7 @@ class Partition:
 
     key: str
     ids: list[str] = attrs.field(factory=list)
+    index: dict[str, int] = attrs.field(factory=dict)  # id -> its place in `ids`
     # global call index -> this partition's step of that call
     subs: dict[int, Step] = attrs.field(factory=dict)
     own: list[int] = attrs.field(factory=list)  # calls of its own (not replayed changes)
@@ -344,22 +349,35 @@ class _Builder:
         self.asked: dict[str, set[str]] = defaultdict(set)
         self.windows: dict[int, tuple[float, float]] = {}  # registry calls' narrowed windows
         self.rank: dict[int, int] = {}  # a registry change -> its place in the registry's order
+        named: set[str] = set()  # rollouts some call other than a refused dispatch names
+        refused: set[str] = set()
         for c in calls:
             if c.op == "dispatch":
-                self.key_of[c.args["entry"]["id"]] = f"chain:{c.args['chain']}"
+                rid = c.args["entry"]["id"]
+                self.key_of[rid] = f"chain:{c.args['chain']}"
+                if c.out.error is None and not c.out.result.get("dispatched"):
+                    refused.add(rid)
+                    continue
             elif c.op == "reserve":
                 self.asked[c.args["update"]].add(c.args["id"])
             elif c.op == "reserve_batch":
                 self.asked[c.args["update"]].update(r["id"] for r in c.args["requests"])
+            named.update(_ids_in(c.args))
+            named.update(_ids_in(c.out.result))
+        # a refused attempt that nothing else names never existed: its chain needs no row
+        # for it (a chain's partition would otherwise grow a row per refusal)
+        self.rowless = refused - named
 
     # -- plumbing
 
-    def part(self, rid: str) -> Partition:
+    def part(self, rid: str, *, row: bool = True) -> Partition:
+        """The partition of rollout `rid`, with a row for it (unless `row` is False)."""
         key = self.key_of.get(rid) or f"rollout:{rid}"
         p = self.parts.get(key)
         if p is None:
             p = self.parts[key] = Partition(key)
-        if rid not in p.ids:
+        if row and rid not in p.index:
+            p.index[rid] = len(p.ids)
             p.ids.append(rid)
         return p
 
@@ -367,11 +385,13 @@ class _Builder:
         """Give call `ci` a step in the partition of each of `rids` (one per partition)."""
         by: dict[str, list[str]] = defaultdict(list)
         for rid in dict.fromkeys(rids):
-            by[self.part(rid).key].append(rid)
+            p = self.part(rid, row=rid not in self.rowless)
+            by[p.key].append(rid)
         for key, members in by.items():
             p = self.parts[key]
             p.own.append(ci)
-            p.subs[ci] = _Local(p, members, make).step
+            ix = {rid: p.index[rid] for rid in members if rid in p.index}
+            p.subs[ci] = make(ix)
 
     # -- the calls
 
@@ -479,7 +499,7 @@ class _Builder:
             hi = max([hi, *(self.calls[ci].ret for ci in reaching)])
             k = _bisect_below(settled, lo)  # the first k changes ended before it began
             p.init = (tuple(None for _ in p.ids), views[k])
-            ix = {rid: n for n, rid in enumerate(p.ids)}
+            ix = dict(p.index)
             for ci in changes[k:]:
                 c = self.calls[ci]
                 if c.inv > hi:
@@ -511,15 +531,24 @@ def _bisect_below(sorted_max: Sequence[float], lo: float) -> int:
     return a
 
 
-class _Local:
-    """A call's step inside one partition: it sees the rows it touches by local index."""
-
-    def __init__(self, p: Partition, members: list[str], make: Callable[[dict[str, int]], Step]):
-        self.ix = {rid: p.ids.index(rid) for rid in members}
-        self.inner = make(self.ix)
-
-    def step(self, st: State) -> State | None:
-        return self.inner(st)
+def _ids_in(obj: Any) -> Iterable[str]:
+    """The rollout ids a call's arguments or result name ('id' fields, 'ids' lists)."""
+    if isinstance(obj, Mapping):
+        rid = obj.get("id")
+        if isinstance(rid, str):
+            yield rid
+        ids = obj.get("ids")
+        if isinstance(ids, list):
+            yield from (i for i in ids if isinstance(i, str))
+        for v in obj.values():
+            if isinstance(v, Mapping | list):
+                yield from _ids_in(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            if isinstance(v, Mapping | list):
+                yield from _ids_in(v)
+            elif isinstance(v, str):
+                yield v  # reserved_by's answer: a list of ids
 
 
 def _same(st: State) -> State:
@@ -619,7 +648,9 @@ def _held_step(
     def step(st: State) -> State | None:
         rows, view = st
         if out.error is not None:
-            if op == "commit" and out.is_a("CommitMismatch") and single:
+            # exact where it touches one partition; a subclass (a poisoned update's
+            # refusal, another change of the ledger) says more than a mismatch
+            if op == "commit" and out.error.get("type") == "CommitMismatch" and single:
                 held = {rid for rid, k in local if _held(rows[k], update)}
                 return st if held != set(listed) else None
             return st
@@ -669,15 +700,15 @@ def _expire_step(ix: dict[str, int], got: Sequence[Mapping[str, Any]], max_relea
 
 
 def _dispatch_step(ix: dict[str, int], rid: str, a: Mapping[str, Any], out: Outcome) -> Step:
-    k, doc = ix[rid], a["entry"]
+    k, doc = ix.get(rid), a["entry"]  # no row: a refused attempt nothing else names
 
     def step(st: State) -> State | None:
         rows, view = st
         if out.error is not None:
             if out.is_a("DuplicateRollout"):
-                return st if rows[k] is not None else None
+                return st if k is not None and rows[k] is not None else None
             return st
-        if rows[k] is not None:
+        if k is not None and rows[k] is not None:
             return None
         chain = [r for r in rows if r is not None]
         got = out.result
@@ -687,6 +718,8 @@ def _dispatch_step(ix: dict[str, int], rid: str, a: Mapping[str, Any], out: Outc
             return None
         if not got["dispatched"]:
             return st
+        if k is None:
+            return None
         row = cm.new_row(doc, view)
         return (_put(rows, k, row), view) if cm.entry_matches(row, got["entry"]) else None
 

@@ -829,8 +829,10 @@ def _any_refusal(answer: Any) -> Any:
     """The model's reservation answer, any refusal standing for any other."""
 
     def loose(ask: Any) -> Any:
-        reasons, held = answer(ask)
-        return (_REFUSALS, held) if not held else (reasons, held)
+        allowed = answer(ask)
+        if any(held for _, held in allowed):
+            return allowed
+        return allowed | {(r, False) for r in _REFUSALS}
 
     return loose
 

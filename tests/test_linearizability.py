@@ -92,11 +92,12 @@ def test_refusal_order_is_the_documented_one() -> None:
     """The model's reservation order: the contract's four (missing, idempotent retry,
     revision, state) before the stamp, the stamp before the registry's facts."""
     reasons = [sorted(r)[0] for r, _, _ in cm.RESERVE_ORDER]
-    assert reasons[:4] == [
+    assert reasons[:5] == [
         "missing_rollout",
         "idempotent_retry",
         "revision_conflict",
         "not_rewarded",
+        "update_poisoned",  # 'maybe' until the model holds the poison
     ]
     assert reasons.index("no_admission_policy") > reasons.index("not_admitted")
     assert reasons[-1] == "pointer_moved"
@@ -105,9 +106,11 @@ def test_refusal_order_is_the_documented_one() -> None:
     )
     row = cm.Row("rewarded", 2, None, 1, 0, None)
     st = cm.stamp_of(H.stamp(1, 2))
-    assert cm.reserve_answer(cm.Ask(row, 2, "u", st, view)) == (frozenset({"pointer_moved"}), False)
+    poisoned = ("update_poisoned", False)
+    got = cm.reserve_answer(cm.Ask(row, 2, "u", st, view))
+    assert got == {poisoned, ("pointer_moved", False)}
     moved = row._replace(rev=4)  # the row moved on too: the revision comes first
-    assert cm.reserve_answer(cm.Ask(moved, 2, "u", st, view))[0] == {"revision_conflict"}
+    assert cm.reserve_answer(cm.Ask(moved, 2, "u", st, view)) == {("revision_conflict", False)}
 
 
 def test_recorder_passes_answers_and_errors_through(tmp_path: Path) -> None:
