@@ -78,8 +78,10 @@ def race(
     report_path: Path | None,
     quiet: bool,
 ) -> None:
-    """Race activators against learners running the README pattern; judge everything:
-    the trace, the stored rows, and every recorded call for linearizability."""
+    """Race activators against learners running the README pattern; judge everything.
+
+    The trace and the stored rows are judged by the spec, and every recorded call of every
+    process is checked for linearizability (`--history FILE` keeps the calls)."""
     check_report_path(report_path)
     if history_path is not None:
         try:
