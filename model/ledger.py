@@ -1468,6 +1468,8 @@ class StoreLedger:
         conditional write whose outcome decides who won. A `GuardedStore` reads the premise
         with the row, so it is judged with the plan, and writes only while the premise it
         was judged on still holds under the premise lock (else the step judges it again).
+        Every answer is true at one instant inside the call: a refusal the step's premise
+        gives is paired with the row the step itself reads (issue 33).
         """
         check_update_id(update_id)
         guarded, seen, start = self._guarded, None, None
