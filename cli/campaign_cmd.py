@@ -4,10 +4,13 @@ Stages, in order: every checker shown its known-bad and known-good histories and
 enforcing rules compared with the spec (stateful_tests/checkers.py, seconds); the stateful
 machines on the chosen backend (SQLite by default: the embedded default a user runs without
 a server; a postgresql:// URL runs them on that server); the verl adapter fuzzed against the
-reference gate (when verl is installed); the explorer at the README bounds; real processes
-racing on the same backend (SQLite file, or a fresh PostgreSQL schema). It writes into
-`--out` the reports, the merged coverage JSON (the format `rollout-lifecycle diagram
---coverage` reads), and coverage-annotated diagrams. Exit 1 on any violation; exit 5 when
+reference gate (when verl is installed); the explorer at the README bounds; scripted
+interleavings of two connections on the same backend, each answer judged at the instant of
+its step (stateful_tests/interleavings.py); real processes racing on the same backend
+(SQLite file, or a fresh PostgreSQL schema), every call recorded and the whole history
+checked for linearizability. It writes into `--out` the reports, the merged coverage JSON
+(the format `rollout-lifecycle diagram --coverage` reads), the race's call history, and
+coverage-annotated diagrams. Exit 1 on any violation; exit 5 when
 nothing was violated but a coverage goal was missed (the report names the budget that
 reaches it).
 """
@@ -41,8 +44,9 @@ from rollout_lifecycle.spec.coverage import merge_coverage, uncovered
 from rollout_lifecycle.spec.diagrams import DiagramError, render
 from rollout_lifecycle.stateful_tests.backends import DB_NAME, durable_url
 from rollout_lifecycle.stateful_tests.checkers import run_checker_checks
+from rollout_lifecycle.stateful_tests.interleavings import run_interleavings
 from rollout_lifecycle.stateful_tests.profiles import selected_profile_name
-from rollout_lifecycle.stateful_tests.race import RaceConfig, run_race
+from rollout_lifecycle.stateful_tests.race import RaceConfig, lin_line, run_race
 from rollout_lifecycle.stateful_tests.runner import MACHINES as FUZZ_MACHINES
 from rollout_lifecycle.stateful_tests.runner import (
     PROFILES,
@@ -181,7 +185,23 @@ def campaign(
         write_json_atomic(out_dir / "explore-report.json", ex)
         docs.append(ex)
         violations += ex["violations"]
+    scripted = None
+    if backend != "memory":
+        console.rule("interleavings")
+        try:
+            scripted = run_interleavings(backend, out_dir / "interleavings")
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        wrong = [p for problems in scripted.values() for p in problems]
+        console.print(
+            f"interleavings: {len(scripted)} scripted gaps between two connections, "
+            f"{len(wrong)} answers untrue at the instant of their step"
+        )
+        for w in wrong[:20]:
+            console.print(f"[red]{w}[/]")
+        violations += len(wrong)
     race_json = None
+    lin_undecided: list[str] = []
     if race_seconds > 0 and backend == "memory":
         console.print(
             "race skipped: memory:// lives in one process; the race needs state shared by "
@@ -204,6 +224,7 @@ def campaign(
                 churn=True,
             ),
             progress=tick,
+            history_path=out_dir / "race" / "history.jsonl",
         )
         tick("done", True)
         race_json = raced.to_json()
@@ -216,6 +237,14 @@ def campaign(
             f"{totals.get('reserve:looser_than_policy', 0):,} as looser_than_policy, "
             f"{race_json['violation_count']} violations"
         )
+        if raced.linearizability is not None:
+            console.print(lin_line(raced.linearizability, raced.history))
+            lin_undecided = [
+                key
+                for f in raced.linearizability.findings
+                if f.verdict == "unknown"
+                for key in f.partitions
+            ]
         for v in raced.violations[:20]:
             console.print(f"[red]{v}[/]")
         for e in raced.errors[:5]:
@@ -232,6 +261,8 @@ def campaign(
     _draw(coverage, out_dir, console)
     console.print(f"reports, coverage.json and diagrams written to {out_dir}/")
     goals = campaign_goals(fuzz_json, docs[1] if len(docs) > 1 else None)
+    if lin_undecided:  # a search past its time limit is no pass: name what it left open
+        goals["linearizability undecided (a search ran out of time)"] = lin_undecided
     missed = sum(len(v) for v in goals.values())
     hints = budget_hints(
         [g for names in goals.values() for g in names],
@@ -253,6 +284,7 @@ def campaign(
         "explore": docs[1] if len(docs) > 1 else None,
         "coverage": coverage,
         "race": race_json,
+        "interleavings": scripted,
         "checkers": checkers_json,
         "adapter": adapter_json,
         "goals_missed": goals,

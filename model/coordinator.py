@@ -750,27 +750,38 @@ class ActivationCoordinator:
         or `WorkerLoader.load(..., token=...)`). ActivationError when `version` is not
         registered or not awaiting acks (a report of it needs no token).
         """
-        rec = self.artifact(version)
-        if rec.state != "awaiting_acks":
-            raise ActivationError(
-                f"v{version} is {rec.state}, not awaiting acks: no distribution attempt of it "
-                "is open, so there is no token to echo (a worker reports what it holds "
-                "without one; distribute or retry the version to open an attempt)"
-            )
-        tokens = {t.worker_id: t for t in self.registry.attempt_tokens(version)}
-        required = self.required_workers
-        out = {
-            w: t.token
-            for w in required
-            if (t := tokens.get(w)) is not None and t.attempt == rec.attempts
-        }
-        missing = [w for w in required if w not in out]
-        if missing:
-            raise ActivationError(
-                f"no token is stored for {missing} on v{version} attempt {rec.attempts} (the "
-                "registry changed meanwhile?); read again, or retry the distribution"
-            )
-        return out
+        _version(version)
+
+        def plan(view: RegistryView) -> tuple[RegistryStep, dict[str, str]]:
+            # one read of the record, the tokens and the worker set: the answer (tokens, or
+            # why there are none) is true at one instant (issue 33)
+            rec = view.artifact(version)
+            if rec is None:
+                raise ActivationError(f"artifact v{version} is not registered")
+            if rec.state != "awaiting_acks":
+                raise ActivationError(
+                    f"v{version} is {rec.state}, not awaiting acks: no distribution attempt of "
+                    "it is open, so there is no token to echo (a worker reports what it holds "
+                    "without one; distribute or retry the version to open an attempt)"
+                )
+            tokens = {t.worker_id: t for t in view.attempt_tokens(version)}
+            required = view.required_workers()
+            if required is None:
+                raise ActivationError("the registry records no required workers")
+            out = {
+                w: t.token
+                for w in required
+                if (t := tokens.get(w)) is not None and t.attempt == rec.attempts
+            }
+            missing = [w for w in required if w not in out]
+            if missing:
+                raise ActivationError(
+                    f"no token is stored for {missing} on v{version} attempt {rec.attempts}; "
+                    "retry the distribution"
+                )
+            return RegistryStep(self.clock()), out
+
+        return self._step(plan)[0]
 
     def attempt_token(self, worker_id: str, version: int) -> str:
         """The token `worker_id` must echo to ack `version`'s current distribution attempt.
@@ -801,12 +812,19 @@ class ActivationCoordinator:
         return self.registry.trace()
 
     def statistics(self) -> CoordinatorStatistics:
-        """Counts by state, which required workers hold the active version, and counters."""
-        arts = self.registry.artifacts()
-        pointer = self.registry.pointer()
-        reports = self.reports()
+        """Counts by state, which required workers hold the active version, and counters
+        (the registry read in one step: the figures are of one instant)."""
+
+        def plan(view: RegistryView) -> tuple[RegistryStep, tuple[Any, ...]]:
+            read = (view.artifacts(), view.pointer(), view.workers())
+            return RegistryStep(self.clock()), (*read, view.required_workers(), view.max_version())
+
+        arts, pointer, workers, stored, top = self._step(plan)[0]
+        if stored is None:
+            raise ActivationError("the registry records no required workers")
+        required: tuple[str, ...] = stored
+        reports = {w: r.ack for w, r in workers.items() if r.ack is not None}
         by_state = Counter(a.state for a in arts)
-        required = self.required_workers
         in_sync = tuple(
             w
             for w in required
@@ -818,7 +836,7 @@ class ActivationCoordinator:
             artifacts=len(arts),
             by_state={s: by_state.get(s, 0) for s in ACTIVATION.states},
             pointer=pointer,
-            max_version=self.registry.max_version(),
+            max_version=top,
             required_workers=required,
             workers_in_sync=in_sync,
             workers_out_of_sync=tuple(w for w in required if w not in in_sync),

@@ -908,6 +908,10 @@ class Ledger(Protocol):
 
     def oldest_admissible(self, limit: int) -> list[LedgerEntry]: ...
 
+    def premise_and_rows(
+        self, rollout_ids: Sequence[str]
+    ) -> tuple[ActivationPremise, dict[str, LedgerEntry]]: ...
+
     def snapshot(self) -> dict[str, LedgerEntry]: ...
 
     def history(self, rollout_id: str | None = None) -> list[EntryChanged]: ...
@@ -1132,6 +1136,10 @@ class StoreView(Protocol):
         bound on that side), the first in `model.pacing.oldest_first`'s order."""
         ...
 
+    def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+        """The stored entries of these ids (absent ids are left out)."""
+        ...
+
 
 class UnitOfWork(StoreView, Protocol):
     """What a step's body may do inside its store's atomic step.
@@ -1141,10 +1149,6 @@ class UnitOfWork(StoreView, Protocol):
     `before`'s revision, so it returns the ids that won. Rows read back from the store were
     validated when written; stores need not validate them again.
     """
-
-    def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
-        """The stored entries of these ids (absent ids are left out)."""
-        ...
 
     def owned(self, update_id: str) -> list[LedgerEntry]:
         """The entries `update_id` holds, by rollout id."""
@@ -1464,6 +1468,8 @@ class StoreLedger:
         conditional write whose outcome decides who won. A `GuardedStore` reads the premise
         with the row, so it is judged with the plan, and writes only while the premise it
         was judged on still holds under the premise lock (else the step judges it again).
+        Every answer is true at one instant inside the call: a refusal the step's premise
+        gives is paired with the row the step itself reads (issue 33).
         """
         check_update_id(update_id)
         guarded, seen, start = self._guarded, None, None
@@ -1520,8 +1526,17 @@ class StoreLedger:
                 else premise.refusal(admission, version, stamp_passed=True)
             )
             if refusal is not None:
+                # an answer is true at one instant: this step's premise goes with this
+                # step's row, not the one read before it (the earlier checks come first)
+                row = uow.read_rows([rollout_id]).get(rollout_id)
+                if row is None or row.revision != entry.revision:
+                    again = replan_lost(
+                        row, rollout_id, expected_revision, update_id, admission, None
+                    )
+                    local[counter_of(again.reason)] += 1
+                    return again
                 local["refused"] += 1
-                return ReserveOutcome(rollout_id, False, refusal[0], entry, refusal[1])
+                return ReserveOutcome(rollout_id, False, refusal[0], row, refusal[1])
             now, done, lease = uow.server_now(), planned, fresh
             if now is not None:  # the deadline is the server's, not this client's
                 lease = _evolve(fresh, lease_expires_at=now + self.lease_seconds)
@@ -1748,6 +1763,18 @@ class StoreLedger:
             return oldest_first(view.rewarded_between(floor, act.pointer_version, limit))
 
         return self.store.view(body, "oldest_admissible")
+
+    def premise_and_rows(
+        self, rollout_ids: Sequence[str]
+    ) -> tuple[ActivationPremise, dict[str, LedgerEntry]]:
+        """The registry's premise and these rows from ONE consistent view (nothing is
+        written): what admission judges them on was true at one instant."""
+        ids = [check_id(r) for r in rollout_ids]
+
+        def body(view: StoreView) -> tuple[ActivationPremise, dict[str, LedgerEntry]]:
+            return view.read_premise(), view.read_rows(ids)
+
+        return self.store.view(body, "premise_and_rows")
 
     def snapshot(self) -> dict[str, LedgerEntry]:
         """A consistent copy of every entry (records are frozen, so sharing them is safe)."""

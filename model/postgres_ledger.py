@@ -600,8 +600,9 @@ class PostgresStore:
         return self.atomic(OneStatement(_WRITE_ONE_CALL, params, _won, "won"), step)
 
     def view(self, body: Callable[[StoreView], T], what: str) -> T:
-        """One read-only transaction (READ COMMITTED: each statement sees what committed)."""
-        return self._read(lambda conn: body(_Unit(self, conn)), what)
+        """One read-only REPEATABLE READ snapshot: the body's statements (the premise, then
+        the rows) see one instant, so what it answers was true at that instant."""
+        return self._read(lambda conn: body(_Unit(self, conn)), what, snapshot=True)
 
     def _read(self, body: Callable[[Conn], T], what: str, *, snapshot: bool = False) -> T:
         self._check_open()

@@ -11,6 +11,9 @@ the campaign. Cases:
   history (stateful_tests/histories.py) with one thing broken, named by that invariant;
 * `spec:generated`: random correct histories with one random, targeted corruption each;
 * `race`: recorded reserve calls whose claimed outcome the trace contradicts;
+* `linearizability`: call histories no single order explains, each beside a good twin, a
+  search past its time limit (it must say 'unknown'), and generated sequential workloads
+  through the real code with and without one answer changed;
 * `audit`: stored rows edited behind the store's back (`ledger check`);
 * `differential`: generated reservation premises (hostile stamps wrong in one figure,
   negative lags after rollbacks, NaN drift, retired versions), judged by the write path's
@@ -60,6 +63,8 @@ from rollout_lifecycle.spec.invariants import (
     check_quiescent,
     check_world,
 )
+from rollout_lifecycle.spec.linearizability import check_history
+from rollout_lifecycle.stateful_tests import call_histories as H
 from rollout_lifecycle.stateful_tests.histories import (
     POLICY,
     REWARD,
@@ -851,6 +856,72 @@ def race_cases() -> list[CheckerCase]:
     ]
 
 
+# ---- the linearizability check of recorded call histories -----------------------------------
+
+
+def _lin(lines: Sequence[dict[str, Any]], time_limit: float = 5.0) -> Run:
+    """What the linearizability check flags: 'linearizable' on a violation,
+    'linearizable:unknown' when it ran out of time (never a pass)."""
+
+    def run() -> set[str]:
+        got = check_history(lines, time_limit=time_limit)
+        if got.verdict == "violation":
+            return {"linearizable"}
+        return {"linearizable:unknown"} if got.verdict == "unknown" else set()
+
+    return run
+
+
+def linearizability_cases(seed: int, generated: int) -> list[CheckerCase]:
+    """Histories no single order explains (issue 33's stale-row refusal, a double
+    reservation, a lost commit, a retry answered differently, a batch half applied, a
+    pointer that goes back), each beside its good twin; a search too big for its time
+    limit ('unknown', never 'ok'); sequential workloads through the real code (the model
+    must explain every answer) and the same with one answer changed."""
+    name = "linearizable"
+    pairs: list[tuple[str, Callable[..., Any], Any, Any]] = [
+        ("stale-row refusal (issue 33)", H.stale_row_refusal, "pointer_moved", "revision_conflict"),
+        ("a refusal for another reason", H.refusal_reason, "pointer_moved", "revision_conflict"),
+        ("double reservation", H.double_reserve, "reserved", "revision_conflict"),
+        ("lost commit", H.lost_commit, "reserved", "consumed"),
+        (
+            "retry answered differently",
+            H.retry_answered_differently,
+            "revision_conflict",
+            "idempotent_retry",
+        ),
+        ("batch half applied", H.batch_half_applied, "rewarded", "reserved"),
+        ("pointer goes back", H.pointer_goes_back, 0, 1),
+    ]
+    cases = []
+    for what, build, bad, good in pairs:
+        cases.append(CheckerCase("linearizability", what, name, _lin(build(bad))))
+        cases.append(CheckerCase("linearizability", f"{what}: good twin", None, _lin(build(good))))
+    cases.append(
+        CheckerCase(
+            "linearizability",
+            "a search past its time limit",
+            "linearizable:unknown",
+            _lin(H.many_reads_one_impossible(40), time_limit=0.05),
+        )
+    )
+    rng = random.Random(seed)
+    for i in range(generated):
+        lines = H.generated_history(seed * 1000 + i, steps=120)
+        cases.append(CheckerCase("linearizability:generated", f"workload {i}", None, _lin(lines)))
+        bad_lines = H.corrupted(lines, rng)
+        if bad_lines is not None:
+            cases.append(
+                CheckerCase(
+                    "linearizability:generated",
+                    f"workload {i}, one answer changed",
+                    name,
+                    _lin(bad_lines),
+                )
+            )
+    return cases
+
+
 # ---- ledger check (the audit of stored rows) ----------------------------------------------
 
 
@@ -1229,6 +1300,7 @@ def all_cases(seed: int = 0, generated: int = 30, differential: int = 400) -> li
         *spec_cases(),
         *generated_cases(seed, generated),
         *race_cases(),
+        *linearizability_cases(seed, max(generated // 5, 1) if generated else 0),
         *audit_cases(),
         *audit_generated_cases(seed, max(generated // 2, 1) if generated else 0),
         *differential_cases(seed, differential),

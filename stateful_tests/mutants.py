@@ -17,6 +17,7 @@ import contextvars
 import functools
 import hashlib
 import importlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -99,7 +100,8 @@ class Mutant:
     patch: Callable[[], contextlib.AbstractContextManager[None]]
     # which checkers can reach it: 'fuzz', 'explore', 'race' (real processes, each with its
     # own connection), 'checkers' (the known-bad histories and the differential stage),
-    # 'adapter' (the verl adapter fuzz), with which machine / model
+    # 'adapter' (the verl adapter fuzz), 'interleavings' (scripted gaps between two
+    # connections, stateful_tests/interleavings.py), with which machine / model
     reach: tuple[str, ...] = ("fuzz", "explore")
     explorer_model: str = "ledger"
     fuzz_machine: str = "ledger"
@@ -752,6 +754,89 @@ def _strict_expiry() -> Iterator[None]:
         yield
 
 
+class _RowsAsPeeked:
+    """A unit of work whose `read_rows` answers with the rows read before the step."""
+
+    def __init__(self, uow: Any, peeked: dict[str, Any]) -> None:
+        self._uow, self._peeked = uow, peeked
+
+    def read_rows(self, rollout_ids: Any) -> dict[str, Any]:
+        got: dict[str, Any] = self._uow.read_rows(rollout_ids)
+        got.update({r: self._peeked[r] for r in rollout_ids if self._peeked.get(r) is not None})
+        return got
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._uow, name)
+
+
+def _stale_row_refusal(reserve: Any) -> Any:
+    """StoreLedger.reserve whose step judges the row as read before the step (issue 33):
+    the premise's refusal is built on that earlier read, as it was."""
+
+    @functools.wraps(reserve)
+    def stale(self: Any, rollout_id: str, *args: Any, **kwargs: Any) -> Any:
+        store = self.store
+        peeked: dict[str, Any] = {}
+        real_find, real_peek, real_atomic = store.find, getattr(store, "peek", None), store.atomic
+
+        def find(rid: str) -> Any:
+            peeked[rid] = got = real_find(rid)
+            return got
+
+        def peek(rid: str) -> Any:
+            assert real_peek is not None
+            got = real_peek(rid)
+            peeked[rid] = got[0]
+            return got
+
+        def atomic(body: Any, step: Any) -> Any:
+            if step.what != "reserve" or not inspect.isfunction(body):
+                return real_atomic(body, step)  # (a one-statement write is not a body)
+            return real_atomic(lambda uow: body(_RowsAsPeeked(uow, peeked)), step)
+
+        names = ("find", "atomic", "peek")
+        own = {n: vars(store)[n] for n in names if n in vars(store)}  # a test's own hooks
+        store.find, store.atomic = find, atomic
+        if real_peek is not None:
+            store.peek = peek
+        try:
+            return reserve(self, rollout_id, *args, **kwargs)
+        finally:
+            for name in names:
+                vars(store).pop(name, None)
+            vars(store).update(own)
+
+    return stale
+
+
+_REFUSALS = frozenset(
+    {
+        "missing_rollout",
+        "revision_conflict",
+        "not_rewarded",
+        "not_admitted",
+        "stamp_contradicts_itself",
+        "no_admission_policy",
+        "looser_than_policy",
+        "version_not_active",
+        "version_retired",
+        "pointer_moved",
+    }
+)
+
+
+def _any_refusal(answer: Any) -> Any:
+    """The model's reservation answer, any refusal standing for any other."""
+
+    def loose(ask: Any) -> Any:
+        allowed = answer(ask)
+        if any(held for _, held in allowed):
+            return allowed
+        return allowed | {(r, False) for r in _REFUSALS}
+
+    return loose
+
+
 _PACING = "rollout_lifecycle.model.pacing"
 
 
@@ -1061,6 +1146,26 @@ CATALOGUE += (
         reach=("checkers",),
         klass="checker",
     ),
+    Mutant(
+        "linearizability_any_refusal",
+        "the linearizability model takes any refusal of a reservation for the true one, as "
+        "long as the reservation was refused at that instant",
+        None,
+        _wrap("rollout_lifecycle.spec.call_model", "reserve_answer", _any_refusal),
+        reach=("checkers",),
+        klass="checker",
+    ),
+    Mutant(
+        "linearizability_no_common_instant",
+        "the linearizability check skips its consistency pass: each rollout alone is "
+        "explained, a batch seen half applied passes",
+        None,
+        _wrap(
+            "rollout_lifecycle.spec.linearizability", "_consistent", lambda f: lambda *a: (0, [])
+        ),
+        reach=("checkers",),
+        klass="checker",
+    ),
     # ---- class 3: rules that a spec sharing them would be blind to
     Mutant(
         "negative_lag_admitted",
@@ -1140,6 +1245,14 @@ CATALOGUE += (
         reach=("fuzz", "explore", "race"),
         fuzz_machine="e2e",
         explorer_model="pacing",
+    ),
+    Mutant(
+        "stale_row_refusal",
+        "a single reservation's step refuses on the premise of its own moment but with the "
+        "row read before the step: an answer no instant of the call makes true (issue 33)",
+        None,
+        _wrap(ledger_mod.__name__, "StoreLedger.reserve", _stale_row_refusal),
+        reach=("interleavings", "race"),
     ),
     # ---- class 5: a boundary a small budget rarely reaches
     Mutant(

@@ -21,6 +21,7 @@ from rollout_lifecycle.spec.bounds import CI_MODELS, EXPLORER_MODELS, README_MOD
 from rollout_lifecycle.spec.explorer import explore
 from rollout_lifecycle.stateful_tests.backends import durable_url
 from rollout_lifecycle.stateful_tests.checkers import CaseFailure, run_checker_checks
+from rollout_lifecycle.stateful_tests.interleavings import run_interleavings
 from rollout_lifecycle.stateful_tests.mutants import CATALOGUE, Mutant
 from rollout_lifecycle.stateful_tests.race import RaceConfig, run_race
 from rollout_lifecycle.stateful_tests.runner import (
@@ -195,7 +196,8 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
     """Whether the README campaign, exactly as `make campaign` runs it, kills the mutant.
 
     Its stages run in the campaign's order, the first that fails kills it: the checker
-    stage (known-bad histories, the differential of rules and spec); the verl adapter fuzz
+    stage (known-bad histories, the differential of rules and spec); the scripted
+    interleavings of two connections (on the mutant's backend); the verl adapter fuzz
     (when verl is installed); the race (real processes, each patched, on the mutant's
     backend: SQLite, or a fresh schema on `postgres_url` for PostgreSQL code); the fuzz
     stage (every machine, README seed and examples, on the mutant's backend, its own
@@ -222,6 +224,11 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
     if verdicts:
         n = checked.bad_cases + checked.good_cases
         return _stage_kill("checkers", n, "cases", t0, str(verdicts[0]))
+    with mutant():  # the scripted interleavings run in this process, on the backend
+        scripted = run_interleavings(backend, workdir / "interleavings")
+    wrong = [p for problems in scripted.values() for p in problems]
+    if wrong:
+        return _stage_kill("interleavings", len(scripted), "scenarios", t0, wrong[0])
     adapter = _adapter_fuzz()
     if adapter is not None:
         with mutant():

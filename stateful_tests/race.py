@@ -38,7 +38,6 @@ import attrs
 import numpy as np
 
 from rollout_lifecycle.model.backends import open_backend, redact_url
-from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.errors import (
     ActivationError,
     BackendURLError,
@@ -76,6 +75,17 @@ from rollout_lifecycle.spec.invariants import (
     compare_with_store,
     stored_world,
     violated_names,
+)
+from rollout_lifecycle.spec.linearizability import LinReport, check_calls
+from rollout_lifecycle.spec.linearizability import parse as parse_calls
+from rollout_lifecycle.stateful_tests.history import (
+    CallLog,
+    RecordingLedger,
+    RecordingRegistry,
+    attach,
+    entries_json,
+    history_header,
+    write_history,
 )
 
 WORKERS = ("gen-0", "gen-1")
@@ -176,9 +186,11 @@ def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
     started: list[str] = []  # dispatched by this process, not yet rewarded or ended
     opened = deadline - cfg.seconds  # the race's start, as _start set it
     n = 0
+    log = CallLog(f"dispatcher-{index}")
     try:
-        with open_backend(cfg.url) as b:
-            clock: Callable[[], float] = getattr(b.ledger, "clock", time.time)
+        with open_backend(cfg.url) as raw:
+            b = _recorded(raw, log)
+            clock: Callable[[], float] = getattr(raw.ledger, "clock", time.time)
             while time.time() < deadline:
                 time.sleep(rng.uniform(0.005, 0.03))  # a generator's pace, not a busy loop
                 pointer = b.registry.pointer()
@@ -217,13 +229,23 @@ def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                     started.append(rid)
                 if rng.random() < 0.05:
                     stats["retired_stale"] += len(b.ledger.retire_stale())
-        out.put({"role": f"dispatcher-{index}", "stats": dict(stats), "calls": calls})
+                if rng.random() < 0.05:  # a learner's pick of what to train next
+                    b.ledger.oldest_admissible(8)
+        out.put(
+            {
+                "role": f"dispatcher-{index}",
+                "stats": dict(stats),
+                "calls": calls,
+                "history": log.calls,
+            }
+        )
     except Exception as exc:  # reported with the calls made so far, which are judged too
         out.put(
             {
                 "role": f"dispatcher-{index}",
                 "stats": dict(stats),
                 "calls": calls,
+                "history": log.calls,
                 "error": repr(exc),
             }
         )
@@ -257,9 +279,11 @@ def _advance_attempt(
 def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
     rng = random.Random(cfg.seed * 7919 + index)
     stats: Counter[str] = Counter()
+    log = CallLog(f"activator-{index}")
     try:
-        with open_backend(cfg.url) as b:
-            coord = ActivationCoordinator(b.registry, ledger=b.ledger)
+        with open_backend(cfg.url) as raw:
+            b = _recorded(raw, log)
+            coord = attach(log, raw.registry, ledger=b.ledger)
             serving = coord.pointer()
             n = 0
             while time.time() < deadline:
@@ -277,7 +301,7 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                             for i in range(BATCH)
                         ]
                         n += BATCH
-                        b.ledger.add_many(entries)  # type: ignore[attr-defined]
+                        b.ledger.add_many(entries)
                         stats["generated"] += BATCH
                 try:
                     top = coord.registry.max_version() or 0
@@ -297,14 +321,19 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                 except ActivationError as exc:
                     stats[f"refused:{type(exc).__name__}"] += 1
                 time.sleep(rng.uniform(0.02, 0.2))
-        out.put({"role": f"activator-{index}", "stats": dict(stats)})
+        out.put({"role": f"activator-{index}", "stats": dict(stats), "history": log.calls})
     except Exception as exc:  # the parent reports why a child failed (no child traceback)
-        out.put({"role": f"activator-{index}", "stats": dict(stats), "error": repr(exc)})
+        out.put(
+            {
+                "role": f"activator-{index}",
+                "stats": dict(stats),
+                "history": log.calls,
+                "error": repr(exc),
+            }
+        )
 
 
-def _churn(
-    coord: ActivationCoordinator, rng: random.Random, stats: Counter[str], max_lag: int
-) -> None:
+def _churn(coord: Any, rng: random.Random, stats: Counter[str], max_lag: int) -> None:
     """Every few activations roll back (the rolled-back version's rollouts are retired,
     or kept, while learners hold stamps admitted against it), shrink or restore the
     required worker set, and tighten or restore the admission policy: registry moves
@@ -337,20 +366,22 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
     stats: Counter[str] = Counter()
     calls: list[dict[str, Any]] = []
     update = 0
+    log = CallLog(f"learner-{index}")
     try:
-        with open_backend(cfg.url) as b:
+        with open_backend(cfg.url) as raw:
+            b = _recorded(raw, log)
             hostile = index < cfg.hostile
-            clock: Callable[[], float] = getattr(b.ledger, "clock", time.time)
+            clock: Callable[[], float] = getattr(raw.ledger, "clock", time.time)
             gate = AdmissionGate(
                 GatePolicy(max_lag=10**6, max_drift=1e9)
                 if hostile
                 else GatePolicy(max_lag=cfg.max_lag, max_drift=cfg.max_drift),
-                registry=_hashes(b.registry),
+                registry=_hashes(raw.registry),
             )
             reader = _reader(cfg.url)
             while time.time() < deadline:
                 pointer = b.registry.pointer()
-                entries = _waiting(reader, rng)
+                entries = _waiting(reader, rng, log)
                 if pointer is None or not entries:
                     time.sleep(0.01)
                     continue
@@ -401,14 +432,33 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
                     outs = [*outs, *retried]
                 for o in outs:
                     stats[f"reserve:{o.reason}"] += 1
-                if won:
+                if won and rng.random() < 0.1:  # a long update's heartbeat
+                    b.ledger.renew_leases(update_id)
+                if won and rng.random() < 0.08:  # the update failed: its rollouts go back
+                    stats["aborted"] += len(b.ledger.abort(update_id))
+                elif won:
                     b.ledger.commit(update_id, won)
                     stats["committed"] += len(won)
+                if rng.random() < 0.05:  # a reaper's sweep (leases run 600 s: rarely due)
+                    b.ledger.expire_leases()
             reader.close()
-        out.put({"role": f"learner-{index}", "stats": dict(stats), "calls": calls})
+        out.put(
+            {
+                "role": f"learner-{index}",
+                "stats": dict(stats),
+                "calls": calls,
+                "history": log.calls,
+            }
+        )
     except Exception as exc:  # reported with the calls made so far, which are judged too
         out.put(
-            {"role": f"learner-{index}", "stats": dict(stats), "calls": calls, "error": repr(exc)}
+            {
+                "role": f"learner-{index}",
+                "stats": dict(stats),
+                "calls": calls,
+                "history": log.calls,
+                "error": repr(exc),
+            }
         )
 
 
@@ -478,8 +528,10 @@ def _reader(url: str) -> _Reader:
     return _Reader(url)
 
 
-def _waiting(reader: _Reader, rng: random.Random) -> list[LedgerEntry]:
-    entries = reader.rewarded(64)
+def _waiting(reader: _Reader, rng: random.Random, log: CallLog) -> list[LedgerEntry]:
+    entries = log.call(
+        "in_state", {"state": "rewarded", "limit": 64}, lambda: reader.rewarded(64), entries_json
+    )
     rng.shuffle(entries)
     return entries[: rng.randint(1, BATCH)]
 
@@ -505,11 +557,15 @@ class RaceReport:
     calls: int
     violations: tuple[Violation, ...]
     errors: tuple[str, ...]
+    linearizability: LinReport | None = None
+    history: str | None = None  # where the recorded calls were written (JSON lines)
 
     @property
     def ok(self) -> bool:
-        """No violation and no process failed."""
-        return not self.violations and not self.errors
+        """No violation and no process failed (an 'unknown' linearizability verdict is not
+        a pass either: the report says so, apart from a violation)."""
+        lin_ok = self.linearizability is None or self.linearizability.verdict == "ok"
+        return not self.violations and not self.errors and lin_ok
 
     def totals(self) -> dict[str, int]:
         """Counters summed over every process."""
@@ -533,31 +589,48 @@ class RaceReport:
             "by_invariant": dict(violated_names(self.violations)),
             "violations": [attrs.asdict(v) for v in self.violations[:200]],
             "errors": list(self.errors),
+            "linearizability": None
+            if self.linearizability is None
+            else {**self.linearizability.to_json(), "history": self.history},
         }
 
 
-def prepare(cfg: RaceConfig) -> None:
-    """A fresh database with the worker set recorded and v0 active."""
-    with open_backend(cfg.url) as b:
-        coord = ActivationCoordinator(
-            b.registry,
-            WORKERS,
-            ledger=b.ledger,
-            policy=cfg.policy(),
-        )
+def prepare(cfg: RaceConfig) -> list[dict[str, Any]]:
+    """A fresh database with the worker set recorded and v0 active; the calls it made (the
+    history starts from an empty deployment)."""
+    log = CallLog("setup")
+    with open_backend(cfg.url) as raw:
+        b = _recorded(raw, log)
+        coord = attach(log, raw.registry, WORKERS, ledger=b.ledger, policy=cfg.policy())
         if coord.pointer() is None:
             coord.prepare(0)
             coord.commit_artifact(0, version_hash(0))
             coord.distribute(0)
-            for w in WORKERS:
-                coord.record_ack(WorkerAck(w, 0, version_hash(0), token=coord.attempt_token(w, 0)))
+            for w, token in coord.attempt_tokens(0).items():
+                coord.record_ack(WorkerAck(w, 0, version_hash(0), token=token))
             coord.try_activate(0)
+    return log.calls
 
 
-def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> RaceReport:
-    """Race the processes for `cfg.seconds`, then judge the trace, the rows and every call."""
+def _recorded(b: Any, log: CallLog) -> Any:
+    """The backend's ledger and registry, every call recorded in `log`."""
+    return attrs.evolve(
+        b, ledger=RecordingLedger(b.ledger, log), registry=RecordingRegistry(b.registry, log)
+    )
+
+
+def run_race(
+    cfg: RaceConfig,
+    progress: Callable[[str], None] | None = None,
+    *,
+    history_path: Path | None = None,
+    lin_time_limit: float = 10.0,
+) -> RaceReport:
+    """Race the processes for `cfg.seconds`, then judge the trace, the rows and every call:
+    each answer against the trace, and the whole recorded history for linearizability
+    (written to `history_path` as JSON lines when given)."""
     say = progress or (lambda _t: None)
-    prepare(cfg)
+    setup = prepare(cfg)
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     started = time.time()
@@ -601,15 +674,38 @@ def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> 
     calls = [c for c in every if c.get("kind") != "dispatch"]
     dispatches = [c for c in every if c.get("kind") == "dispatch"]
     history = [*judge_calls(trace, calls), *judge_dispatches(trace, dispatches)]
+    recorded = [*setup, *(c for r in reports for c in r.get("history", []))]
+    header = history_header(max_releases=3, registry=True)
+    if history_path is not None:
+        write_history(history_path, recorded, header)
+    say(f"checking {len(recorded):,} recorded calls for linearizability")
+    lin = check_calls(header, parse_calls(recorded)[1], time_limit=lin_time_limit)
     return RaceReport(
         config=cfg,
         elapsed_s=elapsed,
         stats={r["role"]: r.get("stats", {}) for r in reports},
         events=len(trace),
         calls=len(every),
-        violations=(*report.violations, *store, *history),
+        violations=(*report.violations, *store, *history, *lin_violations(lin)),
         errors=errors,
+        linearizability=lin,
+        history=None if history_path is None else str(history_path),
     )
+
+
+def lin_line(lin: LinReport, history: str | None = None) -> str:
+    """The linearizability check in one line, for a console."""
+    where = f"; history in {history}" if history else ""
+    return (
+        f"linearizability: {lin.verdict} ({lin.calls:,} calls, {lin.checked_calls:,} checked, "
+        f"{lin.partitions:,} partitions, the largest {lin.max_partition:,} calls, "
+        f"{lin.seconds:.1f}s){where}"
+    )
+
+
+def lin_violations(lin: LinReport) -> list[Violation]:
+    """The linearizability check's violations, named for the report."""
+    return [Violation("linearizable", f.message) for f in lin.findings if f.verdict == "violation"]
 
 
 def judge_calls(trace: Sequence[TraceEvent], calls: Sequence[dict[str, Any]]) -> list[Violation]:

@@ -20,7 +20,8 @@ def test_every_checker_passes_its_catalogue() -> None:
     """The shipped checkers flag every known-bad input and pass every known-good one."""
     rep = run_checker_checks(seed=3)
     assert rep.ok, [str(f) for f in rep.failures[:10]]
-    assert set(rep.cases) == {"spec", "race", "audit", "differential"}
+    assert set(rep.cases) == {"spec", "race", "linearizability", "audit", "differential"}
+    assert rep.cases["linearizability"] >= 13 + 12  # known histories, twins, generated
     assert rep.bad_cases >= 60 and rep.good_cases >= 400
 
 

@@ -74,6 +74,16 @@ def test_campaign_kills_checker_rule_and_adapter_mutants(name: str, tmp_path: Pa
     assert kill.detail.split(":")[0] in ("checkers", "adapter"), kill.detail
 
 
+def test_campaign_kills_the_stale_row_refusal_with_its_scripted_interleavings(
+    tmp_path: Path,
+) -> None:
+    """Issue 33's bug brought back: the campaign's scripted interleavings of two
+    connections kill it, before any race (a random schedule hits that gap rarely)."""
+    kill = campaign_kill(BY_NAME["stale_row_refusal"], workdir=tmp_path)
+    assert kill.killed, kill.detail
+    assert kill.detail.startswith("interleavings"), kill.detail
+
+
 def test_postgres_mutant_needs_a_server_and_is_not_counted_without_one(tmp_path: Path) -> None:
     """Without a PostgreSQL server a mutant of PostgreSQL code is not reached (None), never
     reported as killed or survived."""

@@ -141,20 +141,36 @@ def test_admit_and_race_reports(tmp_path: Path) -> None:
             ]
         )
     )
-    validate(
-        run_json(
-            [
-                "race",
-                "--backend",
-                f"sqlite:///{tmp_path / 'r.db'}",
-                "--seconds",
-                "2",
-                "--learners",
-                "1",
-                "--quiet",
-            ]
-        )
+    history = tmp_path / "history.jsonl"
+    raced = run_json(
+        [
+            "race",
+            "--backend",
+            f"sqlite:///{tmp_path / 'r.db'}",
+            "--seconds",
+            "2",
+            "--learners",
+            "1",
+            "--history",
+            str(history),
+            "--quiet",
+        ]
     )
+    validate(raced)
+    lin = raced["linearizability"]
+    assert lin["verdict"] == "ok" and lin["history"] == str(history), lin
+    # every line of the history it wrote matches the call-history schema
+    (schema,) = [
+        doc
+        for f in SCHEMAS.glob("*.schema.json")
+        if (doc := json.loads(f.read_text()))["$id"] == "urn:rollout-lifecycle:call-history:1"
+    ]
+    check = Draft202012Validator(schema)
+    lines = [json.loads(line) for line in history.read_text().splitlines()]
+    assert lines[0]["schema"] == "rollout-lifecycle/call-history/1"
+    assert len(lines) - 1 == lin["calls"] > 0
+    for line in lines:
+        check.validate(line)
 
 
 def test_version_demo_and_diagram_reports(tmp_path: Path) -> None:
