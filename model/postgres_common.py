@@ -779,6 +779,10 @@ class PostgresDatabase:
                 f"{self.where}: {what} failed, nothing was written: the server's storage is "
                 f"full ({first}); free space on the server and retry"
             )
+        if isinstance(exc, psycopg.errors.UndefinedTable) and "events_chain" in first:
+            return tampered(
+                self.where, "has no head (its events_chain table was dropped)", self.url
+            )
         if isinstance(exc, psycopg.errors.UndefinedTable):
             return error(
                 f"{self.where}: tables are missing during {what} ({first}); open it with "
@@ -825,6 +829,10 @@ class PostgresDatabase:
             lambda conn: has_table(conn, "commit_marks") and has_chain(conn) and _sealed(conn),
             "looking for commit_marks, the event chain and its seal",
         ):
+            # no DDL, but no writer starts on an edited history either (HistoryTampered):
+            # the head's row lock, held by every append while it inserts, makes the check
+            # see a head and a newest event that belong together
+            self.read(lambda conn: conn.execute(f"SELECT {CHAIN_PREV}()").fetchone(), "opening")
             return
 
         def body(conn: Conn) -> None:

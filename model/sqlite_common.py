@@ -48,6 +48,10 @@ def write_failed(where: str, exc: sqlite3.Error) -> LedgerError:
     """The typed error of a failed write, the same for the ledger and the registry: a full
     disk is StorageFull (nothing written, free space and retry), anything else LedgerError."""
     code = getattr(exc, "sqlite_errorcode", None)
+    if "no such table: events_chain" in str(exc):  # dropped under an open writer
+        return tampered(
+            where, "has no head (its events_chain table was dropped)", f"sqlite:///{where}"
+        )
     if code == sqlite3.SQLITE_FULL or "disk is full" in str(exc):
         return StorageFull(
             f"{where}: write failed, nothing written: the database's disk is full ({exc}); "

@@ -811,7 +811,7 @@ def _if_sealed(replay: Replay) -> str | None:
 # counters a ledger stores, by what their history says: exact (each counts recorded writes
 # of one kind) or a floor (each counts calls, and a commit or abort of nothing writes none)
 _EXACT_COUNTERS = {"writes": None, "reservations": "reserve", "expirations": "expire_lease"}
-_FLOOR_COUNTERS = {"commits": "commit", "aborts": "abort"}
+_FLOOR_COUNTERS = {"commits": ("commit", "committed"), "aborts": ("abort", "aborted")}
 
 
 def _counters(
@@ -844,7 +844,7 @@ def _counters(
                     f"ledger counter {name}: stored {got}, the history records {want}",
                 )
             )
-    for name, event in _FLOOR_COUNTERS.items():
+    for name, (event, done) in _FLOOR_COUNTERS.items():
         want = replay.steps.get(event, 0)
         got = sums.pop(name, 0)
         if got < want:
@@ -852,7 +852,7 @@ def _counters(
                 Violation(
                     "stored_matches_trace",
                     f"ledger counter {name}: stored {got}, but the history holds {want} steps "
-                    f"that {event}ed rollouts",
+                    f"that {done} rollouts",
                 )
             )
     for name in sums:
