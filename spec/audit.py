@@ -219,8 +219,8 @@ def verify_history(stored: StoredRows, anchors: Sequence[Anchor] = ()) -> Histor
     required = chain_required(stored)
     if not stored.chained and stored.head is None and required is None:
         # written by a program that predates the chain, and no writer has opened it since
-        out = [_unanchorable(a, "the store has no hash chain") for a in anchors]
-        return HistoryReport(tuple(out), 0, len(events), None, False, None, None, len(anchors))
+        lost = tuple(_unanchorable(a, "the store has no hash chain") for a in anchors)
+        return HistoryReport(lost, 0, len(events), None, False, None, None, len(anchors))
     out: list[Violation] = []
     if not stored.chained:
         out.append(

@@ -1011,9 +1011,9 @@ def _replaced(i: int, *, head: bool) -> Callable[[StoredRows], StoredRows]:
         evs = list(r.events)
         evs[i] = attrs.evolve(evs[i], payload=_later(evs[i].payload))
         evs = _rechained(evs, i)
-        new_head = r.head
-        if head and r.head is not None:
-            new_head = attrs.evolve(r.head, last_hash=evs[-1].hash)
+        new_head, forged = r.head, evs[-1].hash
+        if head and new_head is not None and forged is not None:
+            new_head = attrs.evolve(new_head, last_hash=forged)
         return attrs.evolve(r, events=evs, head=new_head)
 
     return edit
