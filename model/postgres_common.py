@@ -869,6 +869,10 @@ class PostgresDatabase:
                     (version, component),
                 )
                 recorded.append(_schema_event(component, version, f"migrated from {stored}"))
+            # the events lock before the head's row lock, as every append takes them (after
+            # the DDL's table locks: K_EVENTS is the last lock a step takes)
+            lock(conn, K_EVENTS)
+            self._check_chain(conn)
             append_events(conn, _seal(conn) or recorded, stamped=False)
 
         self.write(body, f"creating the {component} schema")
@@ -876,8 +880,9 @@ class PostgresDatabase:
     def _ensure_chain(self, conn: Conn) -> None:
         """The chain's columns, head and functions where missing (a database whose events
         predate the chain: they stay an unchained prefix), inside the schema step; refused
-        (HistoryTampered) where the schema had a chain and lost part of it, or where its
-        head does not name its newest event: starting a chain over it would bless the edit."""
+        (HistoryTampered) where the schema had a chain and lost part of it: starting a chain
+        over it would bless the edit (`_check_chain` then holds the head to its newest
+        event)."""
         if not has_chain(conn):
             empty = conn.execute("SELECT NOT EXISTS (SELECT 1 FROM events)").fetchone()
             if empty is not None and not empty[0]:
@@ -885,8 +890,11 @@ class PostgresDatabase:
                 if why is not None and not (has_table(conn, "events_chain") and _has_hashes(conn)):
                     raise tampered(self.where, f"is incomplete although {why}", self.url)
             conn.execute(_CHAIN_DDL)  # also adds a function a database made before it lacks
+
+    def _check_chain(self, conn: Conn) -> None:
+        """HistoryTampered unless the head exists and names the newest stored event."""
         try:
-            conn.execute(f"SELECT {CHAIN_PREV}()")  # under no lock: a check, not an append
+            conn.execute(f"SELECT {CHAIN_PREV}()")
         except psycopg.Error as exc:
             if _state(exc) == TAMPERED:
                 raise tampered(self.where, _primary(exc), self.url) from None
