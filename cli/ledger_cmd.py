@@ -429,7 +429,9 @@ def _history_line(h: HistoryReport) -> str:
         line += " (no head: see the findings)"
     else:
         line += f"\nhead: seq {h.head_seq}, hash {h.head_hash.hex()}"
-    if h.unchained_prefix:
+    if h.unchained_prefix and h.head_hash is None:
+        line += f"\n{h.unchained_prefix} events carry no hash (see the findings)"
+    elif h.unchained_prefix:
         line += (
             f"\n{h.unchained_prefix} events before the chain began (an unchained prefix, "
             "not a violation)"

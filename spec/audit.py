@@ -281,7 +281,8 @@ def verify_history(stored: StoredRows, anchors: Sequence[Anchor] = ()) -> Histor
         last = ev
     out.extend(_classify_breaks(events, broken))
     if head is None and not head_edited and (events or stored.chained):
-        out.append(
+        out.insert(  # first: what the findings about single events follow from
+            int(not stored.chained),
             Violation(
                 "history_missing",
                 f"the chain's head is missing although {required or 'the store has a chain'}"
@@ -291,7 +292,7 @@ def verify_history(stored: StoredRows, anchors: Sequence[Anchor] = ()) -> Histor
                     if last is not None
                     else ": deleted with the hashes, or never written by a writer of this program"
                 ),
-            )
+            ),
         )
     elif not head_edited:
         out.extend(_check_head(head, last, prefix))
