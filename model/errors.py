@@ -29,6 +29,23 @@ class LedgerError(RolloutLifecycleError):
     """A ledger operation that cannot be carried out as asked; nothing was written."""
 
 
+class HistoryTampered(LedgerError):
+    """The store's hash-chained history was edited (its head missing, its hashes stripped, or
+    its last event not the one the head names): nothing was written, and no writer ever
+    starts the chain again over such a history (that would bless the edit)."""
+
+
+def tampered(where: str, what: str, url: str | None = None) -> HistoryTampered:
+    """The HistoryTampered of a store at `where` whose chain shows `what`, saying what to do."""
+    backend = url or "URL"
+    return HistoryTampered(
+        f"{where}: the event history's hash chain {what}; nothing was written. A writer never "
+        "restarts the chain over an edited history: run `rollout-lifecycle ledger check "
+        f"--backend {backend}` to see what was changed, then restore the store from a backup "
+        "(compare it with your anchors: `ledger check --anchor FILE`)"
+    )
+
+
 class UnknownRollout(LedgerError, KeyError):
     """The rollout id is not in the ledger."""
 

@@ -32,7 +32,7 @@ from rollout_lifecycle.model.errors import (
     UnknownRollout,
     brief,
 )
-from rollout_lifecycle.model.events import Change, EntryChanged, EventLog
+from rollout_lifecycle.model.events import Change, EntryChanged, EventLog, row_event
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.pacing import (
     LIVE_STATES,
@@ -1694,7 +1694,12 @@ class StoreLedger:
         Rollouts already quarantined stay quarantined (terminal states absorb).
         """
         check_version(version)
-        self._step(lambda uow, _: uow.clear_bad(version), Step("clear_bad_version", bad="change"))
+
+        def body(uow: UnitOfWork, _: Counter[str]) -> None:
+            uow.clear_bad(version)
+            uow.append([], self.clock(), {})  # the lifted mark's recorded row, if one was lifted
+
+        self._step(body, Step("clear_bad_version", bad="change"))
 
     @property
     def bad_versions(self) -> frozenset[int]:
@@ -1990,10 +1995,15 @@ class MemoryStore:
         return None
 
     def mark_bad(self, version: int, reason: str) -> None:
-        self.bad.add(version)
+        if version not in self.bad:  # a second mark keeps the first: nothing to record
+            self.bad.add(version)
+            row = {"version": version, "reason": reason}
+            self.log.record([row_event("ledger_bad_versions", version, row, "marked bad")])
 
     def clear_bad(self, version: int) -> None:
-        self.bad.discard(version)
+        if version in self.bad:
+            self.bad.discard(version)
+            self.log.record([row_event("ledger_bad_versions", version, None, "mark lifted")])
 
     def insert(self, entries: Sequence[LedgerEntry]) -> None:
         seen: set[str] = set()

@@ -28,7 +28,7 @@ module only makes "check the revision and write" indivisible there:
 - A single reservation (`peek`, `write_one`: the ledger's `GuardedStore`) is two round
   trips. One autocommit read takes the row, the premise and the server's time; the ledger
   plans, judges and enforces on them; then ONE call of the server-side function
-  `ledger_write_one_v3` (created on open) takes the premise lock SHARED, checks that the
+  `ledger_write_one_v4` (created on open) takes the premise lock SHARED, checks that the
   premise is still the one the plan was judged on (an equality of the stored facts, no
   rule), compare-and-sets the row, appends its event and counters by the steps of the
   statement `append_events` sends (as plain statements, in the same order), and inserts
@@ -69,13 +69,13 @@ from rollout_lifecycle.model.ledger import (
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.postgres_common import (
+    CHAIN_PREV,
     COUNTER_SHARDS,
     K_BAD,
     K_DISPATCH,
     K_EVENTS,
     K_PREMISE,
     K_SCHEMA,
-    ZERO_HASH,
     Conn,
     OneStatement,
     PostgresDatabase,
@@ -221,7 +221,9 @@ _PEEK_BARE = (
 # one event, whose subject is the row's id: v3 takes it as scalars (v2 took arrays of
 # events and looped), the counters as two arrays the client sends as constant text, and
 # moves the head with a plain UPDATE of the row it locked (v2: INSERT ... ON CONFLICT).
-WRITE_ONE = "ledger_write_one_v3"  # a changed body gets a new name (v1, v2: see above)
+# v4 chains through CHAIN_PREV (the head checked against the newest event: a write onto an
+# edited history is refused), where v3 read the head row itself and started a missing one.
+WRITE_ONE = "ledger_write_one_v4"  # a changed body gets a new name (v1-v3: see above)
 _WRITE_ONE_ARGS = (
     ("p_guard", "integer"),
     ("p_premise", "text"),
@@ -272,21 +274,13 @@ BEGIN
 {_CAS_STEP}    PERFORM pg_advisory_xact_lock({K_EVENTS}, hashtext(current_schema()));
     v_txn := nextval('events_txn');
     v_seq := nextval('events_seq');
-    SELECT last_hash INTO v_prev FROM events_chain WHERE id = 1 FOR UPDATE;
-    v_hash := sha256(coalesce(v_prev, {ZERO_HASH}) || {
+    v_prev := {CHAIN_PREV}();
+    v_hash := sha256(v_prev || {
     chain_message("v_seq", "v_txn", "p_kind", "p_rollout_id", "p_payload")
 });
     INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
-    VALUES (v_seq, v_txn, p_kind, p_rollout_id, p_payload, coalesce(v_prev, {ZERO_HASH}),
-            v_hash);
-    IF v_prev IS NULL THEN  -- no head row yet (the chain's DDL makes one: never, in practice)
-        INSERT INTO events_chain(id, base_seq, base_count, last_seq, last_hash)
-        VALUES (1, 0, 0, v_seq, v_hash)
-        ON CONFLICT (id) DO UPDATE
-            SET last_seq = excluded.last_seq, last_hash = excluded.last_hash;
-    ELSE
-        UPDATE events_chain SET last_seq = v_seq, last_hash = v_hash WHERE id = 1;
-    END IF;
+    VALUES (v_seq, v_txn, p_kind, p_rollout_id, p_payload, v_prev, v_hash);
+    UPDATE events_chain SET last_seq = v_seq, last_hash = v_hash WHERE id = 1;
     INSERT INTO ledger_counters(name, shard, n)
     SELECT c.name, pg_backend_pid() % {COUNTER_SHARDS}, c.n
     FROM unnest(p_names, p_counts) AS c(name, n)
@@ -472,10 +466,11 @@ class _Unit(SqlUnit):
 
     def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
         rows = sorted((k, v) for k, v in counts.items() if v)
-        if changes:  # counters ride in the events' statement
+        recorded = self.recorded_events(at)
+        if changes or recorded:  # counters ride in the events' statement
             append_events(
                 self.conn,
-                entry_events(changes, at),
+                [*entry_events(changes, at), *recorded],
                 counters=dict(rows),
                 payload_of=self.payload,
                 stamped=False,

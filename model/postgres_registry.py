@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from rollout_lifecycle.model.errors import ActivationError
-from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, TraceEvent
+from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, RowRecorded, TraceEvent
 from rollout_lifecycle.model.postgres_common import (
     K_PREMISE,
     K_REGISTRY,
@@ -325,12 +325,13 @@ class PostgresRegistry:
         return [e for e in evs if isinstance(e, ArtifactChanged)]
 
     def trace(self) -> list[TraceEvent]:
-        """Every registry event (artifacts, membership, worker reports) in global order."""
+        """Every registry event (artifacts, membership, worker reports) in global order
+        (the rows recorded for `ledger check`, RowRecorded, are not registry events)."""
         self._check_open()
         if self._empty:
             return []
         evs = self.db.read(lambda c: read_events(c, exclude_kind="entry"), "trace")
-        return [e for e in evs if not isinstance(e, EntryChanged)]
+        return [e for e in evs if not isinstance(e, EntryChanged | RowRecorded)]
 
     def close(self) -> None:
         """Release this registry's hold on the pool; the data stays. Idempotent."""

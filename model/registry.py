@@ -33,6 +33,7 @@ from rollout_lifecycle.model.events import (
     EventLog,
     MembershipChanged,
     PolicyChanged,
+    RowRecorded,
     TraceEvent,
     WorkerReported,
 )
@@ -816,8 +817,9 @@ class MemoryRegistry(_ViewReads):
         ]
 
     def trace(self) -> list[TraceEvent]:
-        """Every registry event (artifacts, membership, worker reports) in global order."""
-        return [e for e in self.log.events() if not isinstance(e, EntryChanged)]
+        """Every registry event (artifacts, membership, worker reports) in global order
+        (the rows recorded for `ledger check`, RowRecorded, are not registry events)."""
+        return [e for e in self.log.events() if not isinstance(e, EntryChanged | RowRecorded)]
 
     def close(self) -> None:
         """Nothing to release; protocol parity with SQLite."""
@@ -1300,10 +1302,11 @@ class SQLiteRegistry(_ViewReads):
         return [e for e in evs if isinstance(e, ArtifactChanged)]
 
     def trace(self) -> list[TraceEvent]:
-        """Every registry event (artifacts, membership, worker reports) in global order."""
+        """Every registry event (artifacts, membership, worker reports) in global order
+        (the rows recorded for `ledger check`, RowRecorded, are not registry events)."""
         with self._lock:
             evs = read_events(self._conn, exclude_kind="entry")
-        return [e for e in evs if not isinstance(e, EntryChanged)]
+        return [e for e in evs if not isinstance(e, EntryChanged | RowRecorded)]
 
     def close(self) -> None:
         """Close the connection; the file stays for the next coordinator."""

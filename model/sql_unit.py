@@ -15,12 +15,14 @@ import attrs
 
 from rollout_lifecycle.model.events import (
     EntryChanged,
+    RowRecorded,
     TraceEvent,
     changed_payload,
     entry_changes,
     entry_payload,
     field_differs,
     json_scalar,
+    row_event,
     stored_payload,
 )
 from rollout_lifecycle.model.ledger import dump_entry, read_entry
@@ -109,6 +111,9 @@ class SqlUnit:
         self.change_texts = ("", "")
         # (state, owner, lease) objects last encoded, with their fields (see `_fields`)
         self.shared: tuple[tuple[object, ...], tuple[str, str, str]] = ((object(),) * 3, ("",) * 3)
+        # rows of recorded tables (bad versions) this step wrote, for its events (see
+        # model.events.RECORDED_TABLES)
+        self.recorded: list[RowRecorded] = []
 
     def load(self, text: str) -> LedgerEntry:
         """An entry read in this step (its text kept when it is exactly what dump makes)."""
@@ -288,11 +293,23 @@ class SqlUnit:
         return read_bad(self.conn)
 
     def mark_bad(self, version: int, reason: str) -> None:
-        self.run(
+        cur = self.run(
             "INSERT INTO ledger_bad_versions(version, reason) VALUES (?, ?) "
             "ON CONFLICT (version) DO NOTHING",
             (version, reason),
         )
+        if cur.rowcount == 1:  # a second mark keeps the first reason: nothing to record
+            row = {"version": version, "reason": reason}
+            self.recorded.append(row_event("ledger_bad_versions", version, row, "marked bad"))
 
     def clear_bad(self, version: int) -> None:
-        self.run("DELETE FROM ledger_bad_versions WHERE version = ?", (version,))
+        cur = self.run("DELETE FROM ledger_bad_versions WHERE version = ?", (version,))
+        if cur.rowcount == 1:
+            self.recorded.append(row_event("ledger_bad_versions", version, None, "mark lifted"))
+
+    def recorded_events(self, at: float) -> list[TraceEvent]:
+        """The rows this step wrote to recorded tables (RowRecorded, dated `at`), taken: the
+        store appends them with the step's entry events, in its one events statement."""
+        out: list[TraceEvent] = [attrs.evolve(ev, at=at) for ev in self.recorded]
+        self.recorded.clear()
+        return out

@@ -200,9 +200,10 @@ class _Unit(SqlUnit):
 
     def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
         counted = {k: v for k, v in counts.items() if v}
-        if changes:  # the counters ride in the chain head's statement
+        recorded = self.recorded_events(at)
+        if changes or recorded:  # the counters ride in the chain head's statement
             head, self.head = self.head, None
-            events = entry_events(changes, at)
+            events = [*entry_events(changes, at), *recorded]
             append_events(self.conn, events, self.payload, stamped=False, head=head, counts=counted)
         elif counted:
             self.conn.execute(count_sql(tuple(counted)), tuple(counted.values()))

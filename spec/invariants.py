@@ -35,6 +35,7 @@ from rollout_lifecycle.model.events import (
     EntryChanged,
     MembershipChanged,
     PolicyChanged,
+    RowRecorded,
     TraceEvent,
     WorkerReported,
 )
@@ -190,6 +191,8 @@ class World:
                 if ev.event == "commit" and ev.update_id is not None:
                     landed.add(ev.update_id)
                 continue
+            if isinstance(ev, RowRecorded):
+                continue  # bookkeeping rows: spec.audit replays them against their tables
             if artifacts is None:
                 artifacts = {}
             tokens = next_tokens(tokens, ev, required)
@@ -1378,6 +1381,8 @@ class Replayer:
                 if ev.event == "commit" and ev.update_id is not None:
                     commits.append(ev.update_id)
                 continue
+            if isinstance(ev, RowRecorded):
+                continue  # bookkeeping rows: spec.audit replays them against their tables
             registry = True
             tokens = next_tokens(tokens, ev, required)
             voided = next_voided(voided, ev, required, ChainMap(w_ch, self.workers))
@@ -1565,7 +1570,7 @@ def check_trace(
     """
     evs = list(events)
     if with_registry is None:
-        with_registry = any(not isinstance(e, EntryChanged) for e in evs)
+        with_registry = any(not isinstance(e, EntryChanged | RowRecorded) for e in evs)
     world = initial or World(artifacts={} if with_registry else None)
     if with_registry and world.artifacts is None:
         world = attrs.evolve(world, artifacts={})

@@ -14,7 +14,10 @@ the campaign. Cases:
 * `linearizability`: call histories no single order explains, each beside a good twin, a
   search past its time limit (it must say 'unknown'), and generated sequential workloads
   through the real code with and without one answer changed;
-* `audit`: stored rows edited behind the store's back (`ledger check`);
+* `audit`: stored rows edited behind the store's back (`ledger check`), the chain stripped,
+  and tampering that keeps the sequence (every event replaced in place with the chain
+  recomputed after it, the last included; payloads swapped; a forged head against an
+  anchor taken before);
 * `differential`: generated reservation premises (hostile stamps wrong in one figure,
   negative lags after rollbacks, NaN drift, retired versions), judged by the write path's
   model/rules.py and by the spec's own restatement: they must agree.
@@ -23,6 +26,7 @@ the campaign. Cases:
 from __future__ import annotations
 
 import functools
+import json
 import math
 import random
 import time
@@ -35,14 +39,17 @@ import attrs
 from rollout_lifecycle.model import rules
 from rollout_lifecycle.model.backends import open_backend
 from rollout_lifecycle.model.events import (
+    GENESIS,
     ArtifactChanged,
     EntryChanged,
     EventLog,
     MembershipChanged,
     PolicyChanged,
+    StoredEvent,
     StoredRows,
     TraceEvent,
     WorkerReported,
+    chain_hash,
 )
 from rollout_lifecycle.model.ledger import ManualClock, MemoryLedger
 from rollout_lifecycle.model.records import (
@@ -56,7 +63,7 @@ from rollout_lifecycle.model.records import (
     WorkerAck,
     to_jsonable,
 )
-from rollout_lifecycle.spec.audit import audit
+from rollout_lifecycle.spec.audit import Anchor, audit
 from rollout_lifecycle.spec.invariants import (
     INVARIANTS,
     World,
@@ -960,6 +967,17 @@ def audit_cases() -> list[CheckerCase]:
     def audited(edit: Callable[[StoredRows], StoredRows]) -> Run:
         return lambda: {v.invariant for v in audit(edit(_stored())).violations}
 
+    def anchored(
+        edit: Callable[[StoredRows], StoredRows], anchors: Callable[[StoredRows], list[Anchor]]
+    ) -> Run:
+        """The audit of the edited rows against anchors taken from the rows before the edit."""
+
+        def run() -> set[str]:
+            rows = _stored()
+            return {v.invariant for v in audit(edit(rows), anchors=anchors(rows)).violations}
+
+        return run
+
     def drop(i: int) -> Callable[[StoredRows], StoredRows]:
         return lambda r: attrs.evolve(r, events=[e for k, e in enumerate(r.events) if k != i])
 
@@ -996,12 +1014,147 @@ def audit_cases() -> list[CheckerCase]:
             audited(lambda r: attrs.evolve(r, events=list(r.events)[:-1])),
         ),
         CheckerCase("audit", "an event's payload edited", "history_edited", audited(edit_payload)),
+        CheckerCase(
+            "audit",
+            "the head deleted with every hash",
+            "history_missing",
+            audited(lambda r: attrs.evolve(r, head=None, events=_stripped(r.events))),
+        ),
+        CheckerCase(
+            "audit",
+            "a bad-version mark inserted by hand",
+            "stored_matches_trace",
+            audited(lambda r: _with_rows(r, "ledger_bad_versions", [{"version": 9}])),
+        ),
+        CheckerCase(
+            "audit",
+            "an anchor of the head as stored",
+            None,
+            anchored(lambda r: r, lambda r: [_anchor_of(r, len(r.events) - 1)]),
+        ),
+        *_sequence_keeping_cases(audited, anchored),
     ]
 
 
-# the audited tables whose every column the replayed trace determines (the counters are
-# statistics, not protocol state, and are not compared)
+# ---- tampering that keeps the sequence (issue 37): no seq is cut, added or moved ------------
+
+
+def _stripped(events: Sequence[StoredEvent]) -> list[StoredEvent]:
+    return [attrs.evolve(ev, prev_hash=None, hash=None) for ev in events]
+
+
+def _with_rows(rows: StoredRows, table: str, extra: list[dict[str, Any]]) -> StoredRows:
+    return attrs.evolve(rows, tables={**rows.tables, table: [*rows.tables.get(table, ()), *extra]})
+
+
+def _anchor_of(rows: StoredRows, i: int) -> Anchor:
+    ev = rows.events[i]
+    assert ev.hash is not None
+    return Anchor(ev.seq, ev.hash, line=1)
+
+
+def _later(payload: str) -> str:
+    """The same event one second later: a payload edit that changes no replayed record, so
+    the chain (its hashes and head, or an anchor) is all that can see it."""
+    data = json.loads(payload)
+    data["at"] = float(data["at"]) + 1.0
+    return json.dumps(data, separators=(",", ":"))
+
+
+def _rechained(events: Sequence[StoredEvent], start: int) -> list[StoredEvent]:
+    """The events with every hash from `start` on computed again, as a forger does (the
+    head left as stored unless the caller moves it too)."""
+    out = list(events[:start])
+    prev = out[-1].hash if out else GENESIS
+    for ev in events[start:]:
+        assert prev is not None
+        h = chain_hash(prev, ev.seq, ev.txn, ev.kind, ev.subject, ev.payload)
+        out.append(attrs.evolve(ev, prev_hash=prev, hash=h))
+        prev = h
+    return out
+
+
+def _replaced(i: int, *, head: bool) -> Callable[[StoredRows], StoredRows]:
+    """Event i edited in place and the chain recomputed after it; with `head`, the head
+    moved to the forged last hash as well (then only an anchor can tell)."""
+
+    def edit(r: StoredRows) -> StoredRows:
+        evs = list(r.events)
+        evs[i] = attrs.evolve(evs[i], payload=_later(evs[i].payload))
+        evs = _rechained(evs, i)
+        new_head, forged = r.head, evs[-1].hash
+        if head and new_head is not None and forged is not None:
+            new_head = attrs.evolve(new_head, last_hash=forged)
+        return attrs.evolve(r, events=evs, head=new_head)
+
+    return edit
+
+
+def _swapped(i: int, j: int, *, rechain: bool) -> Callable[[StoredRows], StoredRows]:
+    """Events i and j with their payloads swapped (seqs, kinds and subjects kept), the chain
+    recomputed after them when `rechain`."""
+
+    def edit(r: StoredRows) -> StoredRows:
+        evs = list(r.events)
+        a, b = evs[i], evs[j]
+        evs[i], evs[j] = attrs.evolve(a, payload=b.payload), attrs.evolve(b, payload=a.payload)
+        return attrs.evolve(r, events=_rechained(evs, min(i, j)) if rechain else evs)
+
+    return edit
+
+
+def _sequence_keeping_cases(
+    audited: Callable[[Callable[[StoredRows], StoredRows]], Run],
+    anchored: Callable[
+        [Callable[[StoredRows], StoredRows], Callable[[StoredRows], list[Anchor]]], Run
+    ],
+) -> list[CheckerCase]:
+    """For EVERY position, the last included (a head compared by seq only misses it): the
+    event replaced in place with the chain recomputed after it (the head's hash names the
+    forgery), and the same with the head moved too, against an anchor taken before (the
+    anchor names it). Then two events' payloads swapped, as stored and re-chained."""
+    n = len(_stored().events)
+    out = []
+    for i in range(n):
+        where = "the last" if i == n - 1 else f"#{i}"
+        out.append(
+            CheckerCase(
+                "audit",
+                f"{where} event replaced in place, the chain recomputed after it",
+                "history_rewritten",
+                audited(_replaced(i, head=False)),
+            )
+        )
+        out.append(
+            CheckerCase(
+                "audit",
+                f"{where} event replaced, chain and head recomputed, an older anchor given",
+                "history_anchor",
+                anchored(_replaced(i, head=True), lambda r: [_anchor_of(r, n - 1)]),
+            )
+        )
+    first, last = 0, n - 1
+    out += [
+        CheckerCase(
+            "audit",
+            "two events' payloads swapped",
+            "history_edited",
+            audited(_swapped(first, last, rechain=False)),
+        ),
+        CheckerCase(
+            "audit",
+            "two events' payloads swapped, the chain recomputed",
+            "history_rewritten",
+            audited(_swapped(first, last, rechain=True)),
+        ),
+    ]
+    return out
+
+
+# the audited tables whose every column the replayed trace determines (the counters: the
+# counts of recorded writes)
 _AUDITED = (
+    "ledger_counters",
     "rollouts",
     "registry_artifacts",
     "registry_workers",
@@ -1010,6 +1163,11 @@ _AUDITED = (
     "registry_membership",
     "registry_policy",
 )
+
+
+# counters the history fixes exactly (commits and aborts count calls: a commit of nothing
+# counts and writes nothing, so the history only bounds them from below)
+_EXACT_COUNTERS = ("writes", "reservations", "expirations")
 
 
 def _edited(value: Any, rng: random.Random) -> Any:
@@ -1031,8 +1189,13 @@ def audit_generated_cases(seed: int, n: int) -> list[CheckerCase]:
     out = []
     for k in range(n):
         table = rng.choice([t for t in _AUDITED if rows.tables.get(t)])
-        row = rng.randrange(len(rows.tables[table]))
-        column = rng.choice(sorted(rows.tables[table][row]))
+        if table == "ledger_counters":  # the counts of recorded writes, which are exact
+            cells = rows.tables[table]
+            row = rng.choice([i for i, c in enumerate(cells) if c["name"] in _EXACT_COUNTERS])
+            column = "n"
+        else:
+            row = rng.randrange(len(rows.tables[table]))
+            column = rng.choice(sorted(rows.tables[table][row]))
         value = _edited(rows.tables[table][row][column], rng)
 
         def edit(

@@ -1166,6 +1166,20 @@ CATALOGUE += (
         reach=("checkers",),
         klass="checker",
     ),
+    Mutant(
+        "audit_head_by_seq_only",
+        "`ledger check` compares the chain's head with the last event by seq only: a last "
+        "event replaced in place with its hash recomputed (or any event, with the chain "
+        "recomputed after it) passes",
+        None,
+        _wrap(
+            "rollout_lifecycle.spec.audit",
+            "head_matches",
+            lambda f: lambda head, last: head.last_seq == last.seq,
+        ),
+        reach=("checkers",),
+        klass="checker",
+    ),
     # ---- class 3: rules that a spec sharing them would be blind to
     Mutant(
         "negative_lag_admitted",

@@ -84,6 +84,16 @@ def test_campaign_kills_the_stale_row_refusal_with_its_scripted_interleavings(
     assert kill.detail.startswith("interleavings"), kill.detail
 
 
+def test_campaign_checker_stage_kills_the_head_compared_by_seq_only(tmp_path: Path) -> None:
+    """Issue 37's chain-head class: an audit that compares the head by seq only passes every
+    tampering that changes the sequence; the campaign's checker stage kills it with the
+    generators that keep the sequence (an event replaced in place, the chain recomputed)."""
+    kill = campaign_kill(BY_NAME["audit_head_by_seq_only"], workdir=tmp_path)
+    assert kill.killed, kill.detail
+    assert kill.detail.startswith("checkers: audit: bad input"), kill.detail
+    assert "replaced in place" in kill.detail and "history_rewritten" in kill.detail
+
+
 def test_postgres_mutant_needs_a_server_and_is_not_counted_without_one(tmp_path: Path) -> None:
     """Without a PostgreSQL server a mutant of PostgreSQL code is not reached (None), never
     reported as killed or survived."""

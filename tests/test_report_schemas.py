@@ -120,6 +120,19 @@ def test_ledger_reports(demo_url: str) -> None:
     validate(run_json(["ledger", "check", "--backend", demo_url]))
 
 
+def test_ledger_anchor_reports(demo_url: str, tmp_path: Path) -> None:
+    """ledger anchor and ledger check --anchor print reports that match their schemas."""
+    anchors = tmp_path / "anchors.jsonl"
+    anchored = run_json(["ledger", "anchor", "--backend", demo_url, "--to", str(anchors)])
+    validate(anchored)
+    assert anchored["anchors"] == 1 and len(anchored["hash"]) == 64
+    checked = run_json(["ledger", "check", "--backend", demo_url, "--anchor", str(anchors)])
+    validate(checked)
+    assert checked["history"]["anchors_checked"] == 1
+    assert checked["history"]["head_hash"] == anchored["hash"]
+    assert "history_anchor" in checked["checked"]
+
+
 def test_admit_and_race_reports(tmp_path: Path) -> None:
     """admit's summary and a short race's report match their schemas."""
     inp = tmp_path / "in.jsonl"
