@@ -81,6 +81,7 @@ from rollout_lifecycle.stateful_tests.histories import (
     restamped,
     rewarded,
     served_history,
+    served_trace,
     stamp,
     tamper,
     token,
@@ -99,6 +100,9 @@ class CheckerCase:
     name: str
     expect: str | None
     run: Run
+    # the bad state was produced by the real code whose failure it models (which may
+    # already prevent it): such a case never counts as the invariant's known-bad history
+    real_code: bool = False
 
     def judge(self) -> tuple[bool, set[str]]:
         """(passed, what the checker flagged)."""
@@ -148,8 +152,8 @@ def spec_cases() -> list[CheckerCase]:
     evs = _events
     c: list[CheckerCase] = []
 
-    def add(expect: str | None, name: str, run: Run) -> None:
-        c.append(CheckerCase(f"spec:{expect or 'good'}", name, expect, run))
+    def add(expect: str | None, name: str, run: Run, real_code: bool = False) -> None:
+        c.append(CheckerCase(f"spec:{expect or 'good'}", name, expect, run, real_code))
 
     add(None, "correct history, quiescent", _trace(evs, quiescent=True))
     add(None, "legacy history without attempt tokens", _trace(lambda: _legacy(evs())))
@@ -445,11 +449,22 @@ def spec_cases() -> list[CheckerCase]:
         ),
     )
     add(None, "a worker serving what it acked", _trace(lambda: served_history(False)))
+    # built through the real coordinator, which voids a restarted worker's ack: it shows
+    # the checker only the state the code already prevents (nothing stored at all), so the
+    # hand-written traces below carry the states it must flag on its own
     add(
         "served_after_sync",
-        "a restarted worker serving before it resynced",
+        "a restarted worker serving before it resynced (real coordinator)",
         _trace(lambda: served_history(True)),
+        real_code=True,
     )
+    add(None, "a restarted worker serving after it resynced", _trace(lambda: served_trace("synced")))
+    for case, label in (
+        ("stale_ack_kept", "an ack of a previous incarnation served after a restart"),
+        ("no_restart_recorded", "a new incarnation serving on its previous one's ack"),
+        ("other_version", "a worker serving a version it never acked"),
+    ):
+        add("served_after_sync", label, _trace(functools.partial(served_trace, case)))
     pending = _reserved(stamp(0, 0)).entries
     add("reservations_resolve", "a reservation left at quiescence", _rest(World(entries=pending)))
     add(
@@ -1259,8 +1274,10 @@ def run_checker_checks(
 
 
 def invariants_without_bad_case() -> list[str]:
-    """Spec invariants the hand-written catalogue never shows a bad history."""
-    covered = {c.expect for c in spec_cases()}
+    """Spec invariants the hand-written catalogue never shows a bad history of its own: a
+    case whose bad state the real code produced (`real_code`) does not count, since that
+    code may already prevent the very state the checker must flag."""
+    covered = {c.expect for c in spec_cases() if not c.real_code}
     return [inv.name for inv in INVARIANTS if inv.name not in covered]
 
 

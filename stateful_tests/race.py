@@ -314,9 +314,18 @@ def _churn(
     turn = stats["churn_turns"]
     if turn % 5 == 3 or rng.random() < 0.05:
         keep = rng.random() < 0.3  # the operator keeps the rolled-back version's rollouts
+        rolled = coord.pointer()
         coord.rollback(keep_rollouts=keep)
         stats["rolled_back"] += 1
         stats["rolled_back_kept"] += keep
+        # the recorded choice, read back: what every later premise and reader goes by
+        cause = None if rolled is None else coord.artifact(rolled.version).failure
+        want = "rolled_back_kept" if keep else "rolled_back"
+        if cause is None or cause.cause != want:  # not an ActivationError: no refusal
+            raise RuntimeError(
+                f"v{rolled and rolled.version} rolled back with keep_rollouts={keep}, but its "
+                f"record says {cause}"
+            )
     if turn % 4 == 2 or rng.random() < 0.05:
         now = coord.required_workers
         new = WORKERS[:1] if len(now) == len(WORKERS) else WORKERS
