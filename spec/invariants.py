@@ -1679,6 +1679,8 @@ SOMETIMES: dict[str, str] = {
     "abort_released": "an aborted update returned a rollout to rewarded",
     "abort_quarantined": "the recovery rule quarantined a returned reservation",
     "lease_expired": "a lease ran out and the reservation was returned",
+    "renewed_then_expired": "a lease renewed by a heartbeat ran out later, after time passed "
+    "its old deadline and then the renewed one, and the reservation was returned",
     "reward_timeout": "a reward timeout was recorded as its own failure",
     "stale_retired": "a stale rollout was retired into the offline buffer",
     "activation_failed": "an activation attempt failed and kept the old pointer",

@@ -458,7 +458,9 @@ def spec_cases() -> list[CheckerCase]:
         _trace(lambda: served_history(True)),
         real_code=True,
     )
-    add(None, "a restarted worker serving after it resynced", _trace(lambda: served_trace("synced")))
+    add(
+        None, "a restarted worker serving after it resynced", _trace(lambda: served_trace("synced"))
+    )
     for case, label in (
         ("stale_ack_kept", "an ack of a previous incarnation served after a restart"),
         ("no_restart_recorded", "a new incarnation serving on its previous one's ack"),

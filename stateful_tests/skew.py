@@ -246,11 +246,15 @@ def judge_client(got: dict[str, Any]) -> list[str]:
             may = {r for r, lease in c["held"].items() if lease is not None and lease <= c["t1"]}
             returned = set(c["returned"])
             if not must <= returned:
-                out.append(f"{c['op']}: {sorted(must - returned)} ran out on the server's clock "
-                           "but were not expired")
+                out.append(
+                    f"{c['op']}: {sorted(must - returned)} ran out on the server's clock "
+                    "but were not expired"
+                )
             if not returned <= may:
-                out.append(f"{c['op']}: expired {sorted(returned - may)} before their deadline "
-                           "on the server's clock")
+                out.append(
+                    f"{c['op']}: expired {sorted(returned - may)} before their deadline "
+                    "on the server's clock"
+                )
     return out
 
 
