@@ -268,9 +268,9 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
     for name, stage in STAGES.items():  # the targeted stages this mutant's code is on
         if name not in mutant.reach or not stage.applies_to(backend):
             continue
-        rep = run_stage(name, StageContext(backend, workdir / name, README_SEED, mutant.name))
-        if rep.failures:
-            return _stage_kill(name, 1, "runs", t0, rep.failures[0])
+        staged = run_stage(name, StageContext(backend, workdir / name, README_SEED, mutant.name))
+        if staged.failures:
+            return _stage_kill(name, 1, "runs", t0, staged.failures[0])
     order = [mutant.fuzz_machine, *(m for m in FUZZ_MACHINES if m != mutant.fuzz_machine)]
     examples = 0
     for machine in order:
