@@ -314,11 +314,7 @@ def run_targeted_stages(
             continue
         console.rule(name)
         tick = Progress(name, quiet=quiet)
-        try:
-            work = _stage_dir(backend, out_dir, name)
-        except ValueError as exc:
-            raise click.UsageError(str(exc)) from None
-        rep = run_stage(name, StageContext(backend, work, seed, progress=tick))
+        rep = run_stage(name, StageContext(backend, _stage_dir(out_dir, name), seed, progress=tick))
         tick("done", True)
         data = rep.to_json()
         write_json_atomic(out_dir / f"stage-{name}-report.json", data)
@@ -333,7 +329,7 @@ def run_targeted_stages(
     return out
 
 
-def _stage_dir(backend: str, out_dir: Path, name: str) -> Path:
+def _stage_dir(out_dir: Path, name: str) -> Path:
     """A fresh work directory for one stage (an earlier run's files removed)."""
     work = out_dir / "stages" / name
     if work.exists():

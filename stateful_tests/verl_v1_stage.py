@@ -27,6 +27,7 @@ as a hang, named, instead of blocking the campaign.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -171,7 +172,9 @@ def _buffer(be: Backend, refills: list[int]) -> Any:
 
     from rollout_lifecycle.gpu_check import verl_v1
 
-    cls = load_extern_type(verl_v1.SAMPLER_PATH, verl_v1.SAMPLER_NAME)
+    with warnings.catch_warnings():  # verl 0.9.1 deprecates the loader its trainer calls
+        warnings.simplefilter("ignore", FutureWarning)
+        cls = load_extern_type(verl_v1.SAMPLER_PATH, verl_v1.SAMPLER_NAME)
     return cls(
         trainer_mode="separate_async",
         trainer_config={},
