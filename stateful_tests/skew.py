@@ -227,8 +227,6 @@ def judge_client(got: dict[str, Any]) -> list[str]:
     if "error" in got:
         return [str(got["error"])]
     out = []
-    if "commit" in got:
-        out.append(f"committing the long-lease update was refused: {got['commit']}")
     for c in got["calls"]:
         if "leases" in c:
             low = c["t0"] + c["lease_seconds"] - TOLERANCE_S
@@ -255,6 +253,8 @@ def judge_client(got: dict[str, Any]) -> list[str]:
                     f"{c['op']}: expired {sorted(returned - may)} before their deadline "
                     "on the server's clock"
                 )
+    if "commit" in got:  # the consequence, after its causes
+        out.append(f"committing the long-lease update was refused: {got['commit']}")
     return out
 
 
