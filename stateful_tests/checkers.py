@@ -8,7 +8,11 @@ the catalogue's checker mutants: break a checker and a known-bad case passes, wh
 the campaign. Cases:
 
 * `spec:<invariant>`: hand-written bad histories, one or more per invariant, each a correct
-  history (stateful_tests/histories.py) with one thing broken, named by that invariant;
+  history (stateful_tests/histories.py) with one thing broken, named by that invariant; a
+  bad state produced by the real code whose failure it models is marked `real_code` and
+  never counts as the invariant's known-bad history (that code may already prevent the
+  state: the real coordinator voids a restarted worker's ack, so only a hand-written trace
+  shows `served_after_sync` an ack of a previous incarnation);
 * `spec:generated`: random correct histories with one random, targeted corruption each;
 * `race`: recorded reserve calls whose claimed outcome the trace contradicts;
 * `audit`: stored rows edited behind the store's back (`ledger check`);
