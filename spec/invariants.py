@@ -981,6 +981,19 @@ def _accounted_for(e: LedgerEntry, _w: World) -> list[str]:
     return []
 
 
+def _holds(rep: WorkerReport, incarnation: int, e: LedgerEntry) -> bool:
+    """Whether a worker's stored report says that this incarnation of it holds what `e` was
+    generated with: an ack of this same incarnation, not below the restart floor, of the
+    rollout's (version, hash)."""
+    ack = rep.ack
+    return (
+        ack is not None
+        and incarnation >= rep.floor
+        and ack.incarnation == incarnation
+        and (ack.version, ack.artifact_hash) == (e.behavior_version, e.artifact_hash)
+    )
+
+
 def _served_after_sync(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
     """A worker serves only what it reported holding in its current incarnation: a rollout
     it adds must carry the (version, hash) of its stored report, of that same incarnation,
@@ -999,13 +1012,7 @@ def _served_after_sync(before: World, events: Sequence[TraceEvent], _after: Worl
         rep = before.workers.get(worker)
         ack = None if rep is None else rep.ack
         e = ev.after
-        if (
-            rep is not None
-            and ack is not None
-            and inc >= rep.floor
-            and ack.incarnation == inc
-            and (ack.version, ack.artifact_hash) == (e.behavior_version, e.artifact_hash)
-        ):
+        if rep is not None and _holds(rep, inc, e):
             continue
         held = "nothing" if ack is None else f"v{ack.version} (incarnation {ack.incarnation})"
         floor = 0 if rep is None else rep.floor
@@ -1677,6 +1684,8 @@ SOMETIMES: dict[str, str] = {
     "abort_released": "an aborted update returned a rollout to rewarded",
     "abort_quarantined": "the recovery rule quarantined a returned reservation",
     "lease_expired": "a lease ran out and the reservation was returned",
+    "renewed_then_expired": "a lease renewed by a heartbeat ran out later, after time passed "
+    "its old deadline and then the renewed one, and the reservation was returned",
     "reward_timeout": "a reward timeout was recorded as its own failure",
     "stale_retired": "a stale rollout was retired into the offline buffer",
     "activation_failed": "an activation attempt failed and kept the old pointer",

@@ -325,7 +325,12 @@ class LedgerRaceModel:
                     )
             elif kind == "expire_leases":
                 clock.advance(LEASE)
-                led.expire_leases()
+                returned = {e.rollout_id for e in led.expire_leases()}
+                # a heartbeat's lease outlived: learner 0 renewed what it held, and time
+                # passed the renewed deadline (every lease is due at the next expiry)
+                renewer = state.learners[0]
+                if renewer.renewed and returned & set(renewer.held):
+                    self.observed["lease_expired_after_renewal"] += 1
             elif ln is not None and kind == "read":
                 snap = tuple(
                     (e.rollout_id, e.revision)

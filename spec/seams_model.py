@@ -235,8 +235,18 @@ class Composition:
     def _rollback(self, keep: int) -> None:
         """The operator rolls the active version back (1: keeping its rollouts), possibly
         between a learner's admission and its reservation."""
+        rolled = self.coord_a.pointer()
         self.coord_a.rollback(keep_rollouts=bool(keep), reason="seams rollback")
         self.observed["rolled_back_kept" if keep else "rolled_back"] += 1
+        # read back the recorded choice: the cause is what later premises and readers go by
+        assert rolled is not None  # rollback refuses with nothing active
+        got = self.coord_a.artifact(rolled.version).failure
+        want = ("activation", "rolled_back_kept" if keep else "rolled_back", "seams rollback")
+        if got is None or (got.stage, got.cause, got.detail) != want:
+            self.problems.append(
+                f"recorded choice: v{rolled.version} rolled back with keep={bool(keep)}, but its "
+                f"record says {got}"
+            )
 
     def _fail(self, _who: int) -> None:
         awaiting = [a.version for a in self.coord_a.artifacts() if a.state == "awaiting_acks"]

@@ -449,6 +449,39 @@ def served_history(restart_first: bool) -> list[TraceEvent]:
         return be.trace()
 
 
+SERVED_CASES = ("synced", "stale_ack_kept", "no_restart_recorded", "other_version")
+
+
+def served_trace(case: str) -> list[TraceEvent]:
+    """A serving history written event by event, no coordinator in the way: v0 active, w1
+    (naming itself `w1@<incarnation>/<n>` in its rollout ids) acked v0 as incarnation 0,
+    then restarted as incarnation 1 and adds a rollout of v0.
+
+    `synced`: after the restart w1 reloaded v0 and acked it as incarnation 1 (good).
+    `stale_ack_kept`: the restart raised w1's floor to 1 but its stored ack is still the
+    incarnation-0 ack (a coordinator that forgot to void it; the real one always does):
+    incarnation 1 serves on an ack of a previous incarnation. `no_restart_recorded`: the
+    restart was never reported, the incarnation-0 ack is stored, incarnation 1 serves.
+    `other_version`: incarnation 0 serves v1, a version it never acked.
+    """
+    if case not in SERVED_CASES:
+        raise ValueError(f"case must be one of {SERVED_CASES}, got {case!r}")
+    log = EventLog()
+    reg = HandRegistry(log)
+    reg.activate(0)
+    w1 = WORKERS[0]
+    old = WorkerAck(w1, 0, "h0", 0, reg.seq, 1, token(0, 1, w1))
+    if case == "synced":
+        log.record([WorkerReported(0, 0, 0.0, w1, 1, None)])
+        log.record([WorkerReported(0, 0, 0.0, w1, 1, WorkerAck(w1, 0, "h0", 1, reg.seq + 1))])
+    elif case == "stale_ack_kept":
+        log.record([WorkerReported(0, 0, 0.0, w1, 1, old)])
+    inc, v = (0, 1) if case == "other_version" else (1, 0)
+    added = LedgerEntry(rollout_id=f"{w1}@{inc}/0", behavior_version=v, artifact_hash=f"h{v}")
+    log.record([EntryChanged(0, 0, 0.0, added.rollout_id, "add", None, added)])
+    return log.events()
+
+
 PACED = AdmissionPolicy(max_lag=1, max_drift=0.2, batch_size=1, max_attempts=2)
 
 

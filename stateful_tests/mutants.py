@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import functools
 import hashlib
 import importlib
@@ -87,6 +88,14 @@ CLASSES: dict[str, str] = {
     "input": "a bug only inputs nobody generated expose (NaN, empty masks, one-figure lies, "
     "conflicting acks, a rollback between admission and reservation)",
     "budget": "a bug found only at a boundary a small budget rarely reaches",
+    # issue 37's classes of what the campaign could still not see
+    "integration": "an integration the campaign never ran (verl's v1 replay buffer on a real "
+    "TransferQueue: steps, a resume that redoes a step, eviction and refill)",
+    "time": "an order of events in time no run made (a lease renewed, then outlived)",
+    "skew": "a client clock off by minutes against the server's, with the server clock on",
+    "recorded": "a recorded choice no run read back (a rollback's kept or retired cause)",
+    "window": "a race window too narrow for a timed race to hit (the premise lock between "
+    "a write's guard and its compare-and-set)",
 }
 
 
@@ -106,8 +115,12 @@ class Mutant:
     explorer_model: str = "ledger"
     fuzz_machine: str = "ledger"
     klass: str = "protocol"
-    # the backend whose code it breaks: its campaign runs there ('postgresql' needs a server)
+    # the backend whose code it breaks: its campaign runs there ('postgresql' needs a server,
+    # 'memory' is the in-process store the default campaign never runs)
     backend: str = "sqlite"
+    # a module the patched code needs (an optional extra): without it the mutant is not
+    # reached, never counted as killed
+    needs: str | None = None
 
     def __call__(self) -> contextlib.AbstractContextManager[None]:
         return self.patch()
@@ -1077,7 +1090,7 @@ CATALOGUE += (
             _wrap(_PG, "PostgresStore.atomic", _skip_premise),
             _wrap(_PG, "PostgresStore.write_one", _write_one_skips_premise),
         ),
-        reach=("race",),
+        reach=("race", "premise-window"),
         klass="unloaded",
         backend="postgresql",
     ),
@@ -1277,6 +1290,185 @@ CATALOGUE += (
         reach=("fuzz",),
         fuzz_machine="ledger",
         klass="budget",
+    ),
+)
+
+# ---- issue 37: what the campaign could still not see ---------------------------------------
+
+_VERL_V1 = "rollout_lifecycle.gpu_check.verl_v1"
+
+
+def _settles_redone_step_as_landed(settle: Any) -> Any:
+    """The buffer settles as if `global_steps` itself had landed (`<=` for `<`): a resumed
+    trainer consumes the reservations of the step it is about to redo, made by the process
+    that died before that step's update landed."""
+
+    def settled(self: Any, global_steps: int) -> Any:
+        return settle(self, global_steps + 1)
+
+    return settled
+
+
+def _forget_renewed_deadline(index_many: Any) -> Any:
+    """The memory store's lease heap is not told the renewed deadline (a renewal keeps its
+    owner, so the index takes it for a write that changes nothing it indexes): the old
+    deadline surfaces, finds the lease not yet due and is dropped, and the renewed lease
+    never expires."""
+
+    def index(self: Any, writes: Any) -> Any:
+        def forget(before: Any, after: Any) -> Any:
+            if (
+                before is not None
+                and before.state == after.state == "reserved"
+                and before.reserved_by == after.reserved_by
+            ):
+                after = copy.copy(after)
+                object.__setattr__(after, "lease_expires_at", None)
+            return before, after
+
+        return index_many(self, (forget(b, a) for b, a in writes))
+
+    return index
+
+
+def _batch_lease_from_client_clock(reserve_batch: Any) -> Any:
+    """A batch reservation's lease deadline is the CLIENT's clock plus the lease length,
+    not the deployment's (the server's, on PostgreSQL); single reservations, renewals and
+    expiry keep the server's clock."""
+
+    def batch(self: Any, update_id: str, requests: Any) -> Any:
+        self._now = lambda _uow: self.clock()
+        try:
+            return reserve_batch(self, update_id, requests)
+        finally:
+            del self._now
+
+    return batch
+
+
+_PREMISE_LOCK = "PERFORM pg_advisory_xact_lock_shared({lock}, hashtext(current_schema()));"
+
+
+@contextlib.contextmanager
+def _write_one_without_premise_lock() -> Iterator[None]:
+    """The single reservation's server-side write keeps its guard (the premise is still
+    the one its plan was judged on) but no longer takes the premise lock first: a pointer
+    switch that commits between the guard and the compare-and-set goes unseen. (The
+    function is created under another name, so a correct one already in the schema does
+    not hide the bug.)"""
+    pg = importlib.import_module(_PG)
+    common = importlib.import_module("rollout_lifecycle.model.postgres_common")
+    lock = _PREMISE_LOCK.format(lock=common.K_PREMISE)
+    if lock not in pg._WRITE_ONE_DDL:
+        raise AssertionError("the write-one function no longer takes the premise lock this way")
+    with write_one_variant("_nolock", lambda ddl: ddl.replace(lock, "NULL;")):
+        yield
+
+
+@contextlib.contextmanager
+def write_one_variant(suffix: str, edit: Callable[[str], str]) -> Iterator[None]:
+    """`write_one`'s server-side function rebuilt as `edit` of its DDL, under its name plus
+    `suffix` (variants compose: each renames what the last one made)."""
+    pg = importlib.import_module(_PG)
+    name = pg.WRITE_ONE
+    new = name + suffix
+    with contextlib.ExitStack() as stack:
+        for attr, value in (
+            ("_WRITE_ONE_DDL", edit(pg._WRITE_ONE_DDL).replace(name, new)),
+            ("_WRITE_ONE_SIGNATURE", pg._WRITE_ONE_SIGNATURE.replace(name, new)),
+            ("_WRITE_ONE_CALL", pg._WRITE_ONE_CALL.replace(name, new)),
+            ("WRITE_ONE", new),
+        ):
+            stack.enter_context(patch_everywhere(pg, attr, value))
+        yield
+
+
+def _rollback_recorded_as_kept(change: Any) -> Any:
+    """A rollback that retires its version's rollouts (and quarantines them) records the
+    cause 'rolled_back_kept': the record says the operator kept them."""
+
+    def recorded(rec: Any, event: str, guards: Any = None, **kw: Any) -> Any:
+        failure = kw.get("failure")
+        if event == "roll_back" and failure is not None and failure.cause == "rolled_back":
+            kw["failure"] = attrs.evolve(failure, cause="rolled_back_kept")
+        return change(rec, event, guards, **kw)
+
+    return recorded
+
+
+def _ignores_incarnation(holds: Any) -> Any:
+    """The served_after_sync checker compares the version and hash of the stored ack with
+    the rollout's, never the incarnation: an ack of a previous incarnation still counts."""
+
+    def lenient(rep: Any, incarnation: int, e: Any) -> bool:
+        ack = rep.ack
+        return ack is not None and (ack.version, ack.artifact_hash) == (
+            e.behavior_version,
+            e.artifact_hash,
+        )
+
+    return lenient
+
+
+CATALOGUE += (
+    Mutant(
+        "verl_v1_resume_commits_redone_step",
+        "verl v1 buffer: a resumed trainer settles the step it redoes as if it had landed, "
+        "consuming the dead process's reservations of it (before, only a hang in one unit test)",
+        13,
+        _wrap(_VERL_V1, "LedgerReplayBuffer.settle", _settles_redone_step_as_landed),
+        reach=("verl-v1",),
+        klass="integration",
+        needs="transfer_queue",
+    ),
+    Mutant(
+        "memory_renewal_forgets_deadline",
+        "the memory store's expiry index never learns a renewed deadline: a renewed lease "
+        "whose old deadline already surfaced never expires",
+        10,
+        _wrap(ledger_mod.__name__, "MemoryStore._index_many", _forget_renewed_deadline),
+        reach=("fuzz",),
+        fuzz_machine="ledger",
+        klass="time",
+        backend="memory",
+    ),
+    Mutant(
+        "pg_batch_lease_from_client_clock",
+        "a batch reservation takes its lease deadline from the client's clock, not the "
+        "server's: a learner minutes behind holds leases a janitor expires at once",
+        10,
+        _wrap(ledger_mod.__name__, "StoreLedger.reserve_batch", _batch_lease_from_client_clock),
+        reach=("clock-skew",),
+        klass="skew",
+        backend="postgresql",
+    ),
+    Mutant(
+        "pg_write_one_drops_premise_lock",
+        "PostgreSQL's single-reservation write checks its premise but without the premise "
+        "lock: a pointer switch committed between that guard and the write goes unseen",
+        None,
+        _write_one_without_premise_lock,
+        reach=("premise-window",),
+        klass="window",
+        backend="postgresql",
+    ),
+    Mutant(
+        "rollback_recorded_as_kept",
+        "a rollback that retires its version's rollouts records the cause 'kept'",
+        None,
+        _wrap(coord_mod.__name__, "_change", _rollback_recorded_as_kept),
+        explorer_model="seams",
+        fuzz_machine="activation",
+        klass="recorded",
+    ),
+    Mutant(
+        "served_check_ignores_incarnation",
+        "the served_after_sync checker accepts an ack of a previous incarnation: a restarted "
+        "worker serving before it resynced passes",
+        11,
+        _wrap("rollout_lifecycle.spec.invariants", "_holds", _ignores_incarnation),
+        reach=("checkers",),
+        klass="checker",
     ),
 )
 

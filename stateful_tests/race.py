@@ -343,9 +343,18 @@ def _churn(coord: Any, rng: random.Random, stats: Counter[str], max_lag: int) ->
     turn = stats["churn_turns"]
     if turn % 5 == 3 or rng.random() < 0.05:
         keep = rng.random() < 0.3  # the operator keeps the rolled-back version's rollouts
-        coord.rollback(keep_rollouts=keep)
+        reason = f"race churn {turn}.{rng.getrandbits(32):08x}"  # names this rollback
+        coord.rollback(keep_rollouts=keep, reason=reason)
         stats["rolled_back"] += 1
         stats["rolled_back_kept"] += keep
+        # the recorded choice, read back: what every later premise and reader goes by
+        # (found by its reason: another activator may have moved the pointer meanwhile)
+        want = "rolled_back_kept" if keep else "rolled_back"
+        got = [a.failure for a in coord.artifacts() if a.failure and a.failure.detail == reason]
+        if [f.cause for f in got] != [want]:  # not an ActivationError: that is a refusal
+            raise RuntimeError(
+                f"rolled back with keep_rollouts={keep}, but the record says {got or 'nothing'}"
+            )
     if turn % 4 == 2 or rng.random() < 0.05:
         now = coord.required_workers
         new = WORKERS[:1] if len(now) == len(WORKERS) else WORKERS

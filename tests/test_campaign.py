@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from rollout_lifecycle.cli.campaign_cmd import README_SEED
 from rollout_lifecycle.cli.main import cli
 from tests.test_report_schemas import validate
+
+# a known-long module: a larger limit than the suite's default (pyproject.toml)
+pytestmark = pytest.mark.timeout(1800)
 
 
 def test_campaign_fuzz_covers_everything(tmp_path: Path) -> None:
@@ -21,6 +25,8 @@ def test_campaign_fuzz_covers_everything(tmp_path: Path) -> None:
         [
             "campaign",
             "--no-explore",
+            "--stage",
+            "none",
             "--backend",
             "memory",
             "--seed",
@@ -59,6 +65,8 @@ def test_campaign_explore_subset(tmp_path: Path) -> None:
             "5",
             "--model",
             "activation-2v",
+            "--stage",
+            "none",
             "--out",
             str(out),
             "--quiet",
@@ -129,6 +137,35 @@ def test_budget_hints_name_the_examples_that_reach_a_goal() -> None:
     assert "--examples" in budget_hints([edge])[edge]
 
 
+def test_campaign_stages_report_and_say_where_they_do_not_run(tmp_path: Path) -> None:
+    """A PostgreSQL stage asked for on memory is skipped saying so; the report lists the
+    stages that ran (here none) under "stages"."""
+    out = tmp_path / "camp"
+    res = CliRunner().invoke(
+        cli,
+        [
+            "campaign",
+            "--no-explore",
+            "--backend",
+            "memory",
+            "--examples",
+            "1",
+            "--stage",
+            "clock-skew",
+            "--stage",
+            "premise-window",
+            "--out",
+            str(out),
+            "--report",
+            str(tmp_path / "summary.json"),
+        ],
+    )
+    assert res.exit_code in (0, 5), res.output
+    assert "clock-skew stage skipped" in res.output and "postgresql" in res.output
+    assert "premise-window stage skipped" in res.output
+    assert json.loads((tmp_path / "summary.json").read_text())["stages"] == []
+
+
 def test_campaign_on_sqlite_runs_the_interleavings_and_checks_the_race_history(
     tmp_path: Path,
 ) -> None:
@@ -147,6 +184,8 @@ def test_campaign_on_sqlite_runs_the_interleavings_and_checks_the_race_history(
             "1",
             "--race-seconds",
             "2",
+            "--stage",
+            "none",
             "--out",
             str(out),
             "--report",

@@ -18,7 +18,8 @@ from rollout_lifecycle.stateful_tests.race import (
     run_race,
 )
 
-pytestmark = pytest.mark.slow
+# a known-long module: a larger limit than the suite's default (pyproject.toml)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def _race(

@@ -31,6 +31,9 @@ from rollout_lifecycle.stateful_tests.runner import (
 )
 from rollout_lifecycle.stateful_tests.seams_machine import make_seams_machine
 
+# a known-long module: a larger limit than the suite's default (pyproject.toml)
+pytestmark = pytest.mark.timeout(1200)
+
 
 def _active() -> settings:
     """The loaded profile (conftest selects it)."""
