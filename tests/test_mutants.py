@@ -264,7 +264,10 @@ def test_campaign_kills_postgres_issue_37_mutant_every_time(
     the stage even where the timed race misses it)."""
     kill = campaign_kill(BY_NAME[name], workdir=tmp_path, postgres_url=postgres_url)
     assert kill.killed, kill.detail
-    assert kill.stage in (ISSUE_37.get(name, "premise-window"), "race"), kill.detail
+    # the scripted interleavings (issue 33) run before these stages and may kill it first
+    assert kill.stage in (ISSUE_37.get(name, "premise-window"), "interleavings", "race"), (
+        kill.detail
+    )
 
 
 def test_a_mutant_whose_extra_is_missing_is_not_reached(monkeypatch: pytest.MonkeyPatch) -> None:
