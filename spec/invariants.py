@@ -36,6 +36,7 @@ from rollout_lifecycle.model.events import (
     MembershipChanged,
     PolicyChanged,
     TraceEvent,
+    UpdateChanged,
     WorkerReported,
 )
 from rollout_lifecycle.model.ledger import Ledger
@@ -46,6 +47,7 @@ from rollout_lifecycle.model.records import (
     ArtifactRecord,
     AttemptToken,
     LedgerEntry,
+    UpdateRecord,
 )
 from rollout_lifecycle.model.registry import RegistryStore, WorkerReport
 
@@ -112,6 +114,14 @@ def next_voided(
     return voided
 
 
+def _lost_lease(ev: EntryChanged) -> str | None:
+    """The update an `expire_lease` event took a rollout from (it is poisoned: it may have
+    trained on a rollout another update will consume), or None."""
+    if ev.event == "expire_lease" and ev.before is not None:
+        return ev.before.reserved_by
+    return None
+
+
 def _live_voided(voided: frozenset[str], workers: Mapping[str, WorkerReport]) -> frozenset[str]:
     """The voided workers that still have a stored ack (the rest have nothing to void)."""
     return frozenset(w for w in voided if (r := workers.get(w)) is not None and r.ack is not None)
@@ -170,6 +180,12 @@ class World:
     # a replayer's views share its live set, so this is only read, never kept
     # (derived from the history, not a stored row: worlds compare equal without it)
     landed: AbstractSet[str] = attrs.field(default=frozenset(), eq=False)
+    # updates the spec holds poisoned, derived from the history on its own: a lease of a
+    # rollout it held expired, or the ledger recorded it poisoned (a refused commit writes
+    # nothing else); like `landed`, derived, not a stored row
+    poisoned: AbstractSet[str] = attrs.field(default=frozenset(), eq=False)
+    # the ledger's update records, as replayed (a stored table: compared with the store)
+    updates: Mapping[str, UpdateRecord] = attrs.field(factory=dict)
     # the replayer's tally of `entries` for dispatch_paced (None: count from `entries`)
     pacing: PacingIndex | None = attrs.field(default=None, eq=False)
 
@@ -184,11 +200,21 @@ class World:
         tokens: Mapping[TokenKey, AttemptToken] = self.tokens
         voided, legacy = self.voided, self.legacy
         landed = set(self.landed)
+        poisoned = set(self.poisoned)
+        updates = dict(self.updates)
         for ev in events:
             if isinstance(ev, EntryChanged):
                 entries[ev.rollout_id] = ev.after
                 if ev.event == "commit" and ev.update_id is not None:
                     landed.add(ev.update_id)
+                lost = _lost_lease(ev)
+                if lost is not None:
+                    poisoned.add(lost)
+                continue
+            if isinstance(ev, UpdateChanged):
+                updates[ev.update_id] = ev.after
+                if ev.after.status == "poisoned":
+                    poisoned.add(ev.update_id)
                 continue
             if artifacts is None:
                 artifacts = {}
@@ -215,6 +241,8 @@ class World:
             voided=_live_voided(voided, workers),
             legacy=legacy,
             landed=frozenset(landed),
+            poisoned=frozenset(poisoned),
+            updates=updates,
         )
 
     @property
@@ -1321,6 +1349,8 @@ class Replayer:
         self.voided = w.voided
         self.legacy = w.legacy
         self.landed: set[str] = set(w.landed)
+        self.poisoned: set[str] = set(w.poisoned)
+        self.updates: dict[str, UpdateRecord] = dict(w.updates)
         self.pacing = PacingIndex(self.entries.values())
         self.steps = 0
         self.events = 0
@@ -1339,6 +1369,8 @@ class Replayer:
             voided=self.voided,
             legacy=self.legacy,
             landed=self.landed,
+            poisoned=self.poisoned,
+            updates=self.updates,
             pacing=self.pacing,
         )
 
@@ -1355,6 +1387,8 @@ class Replayer:
             voided=self.voided,
             legacy=self.legacy,
             landed=frozenset(self.landed),
+            poisoned=frozenset(self.poisoned),
+            updates=dict(self.updates),
         )
 
     def feed(self, events: Iterable[TraceEvent]) -> list[Violation]:
@@ -1372,11 +1406,21 @@ class Replayer:
         pointer, required, policy, registry = self.pointer, self.required, self.policy, False
         tokens, voided, legacy = self.tokens, self.voided, self.legacy
         commits: list[str] = []
+        u_ch: dict[str, UpdateRecord] = {}
+        poisons: list[str] = []
         for ev in step:
             if isinstance(ev, EntryChanged):
                 e_ch[ev.rollout_id] = ev.after
                 if ev.event == "commit" and ev.update_id is not None:
                     commits.append(ev.update_id)
+                lost = _lost_lease(ev)
+                if lost is not None:
+                    poisons.append(lost)
+                continue
+            if isinstance(ev, UpdateChanged):
+                u_ch[ev.update_id] = ev.after
+                if ev.after.status == "poisoned":
+                    poisons.append(ev.update_id)
                 continue
             registry = True
             tokens = next_tokens(tokens, ev, required)
@@ -1407,6 +1451,8 @@ class Replayer:
             voided=voided,
             legacy=legacy,
             landed=self.landed.union(commits) if commits else self.landed,
+            poisoned=self.poisoned.union(poisons) if poisons else self.poisoned,
+            updates=ChainMap(u_ch, self.updates) if u_ch else self.updates,
         )
         seq = step[0].seq if step else None
         out = [
@@ -1418,6 +1464,8 @@ class Replayer:
             self.pacing.apply(self.entries.get(rid), e)
         self.entries.update(e_ch)
         self.landed.update(commits)
+        self.poisoned.update(poisons)
+        self.updates.update(u_ch)
         if registry:
             if self.artifacts is None:
                 self.artifacts = {}
@@ -1565,7 +1613,7 @@ def check_trace(
     """
     evs = list(events)
     if with_registry is None:
-        with_registry = any(not isinstance(e, EntryChanged) for e in evs)
+        with_registry = any(not isinstance(e, EntryChanged | UpdateChanged) for e in evs)
     world = initial or World(artifacts={} if with_registry else None)
     if with_registry and world.artifacts is None:
         world = attrs.evolve(world, artifacts={})
