@@ -444,6 +444,12 @@ _TABLES: tuple[_Table, ...] = (
     ),
     _Table("registry_policy", ("id",), lambda w: _one(w.policy), lambda _: "admission policy"),
     _Table(
+        "ledger_updates",
+        ("update_id",),
+        lambda w: {u: _fields(r) for u, r in w.updates.items()},
+        lambda u: f"update {u!r}",
+    ),
+    _Table(
         "registry_attempt_tokens",
         ("version", "worker_id"),
         lambda w: {k: _fields(t) for k, t in w.tokens.items()},

@@ -894,7 +894,8 @@ def audit_cases() -> list[CheckerCase]:
 
     def edit_payload(r: StoredRows) -> StoredRows:
         evs = list(r.events)
-        evs[-1] = attrs.evolve(evs[-1], payload=evs[-1].payload.replace('"consumed"', '"rewarded"'))
+        i = max(k for k, e in enumerate(evs) if e.kind == "entry")  # the commit's event
+        evs[i] = attrs.evolve(evs[i], payload=evs[i].payload.replace('"consumed"', '"rewarded"'))
         return attrs.evolve(r, events=evs)
 
     return [
@@ -917,6 +918,12 @@ def audit_cases() -> list[CheckerCase]:
             "stored_matches_trace",
             audited(lambda r: _edit_table(r, "registry_pointer", "version", 7)),
         ),
+        CheckerCase(
+            "audit",
+            "a landed update's record set back to open",
+            "stored_matches_trace",
+            audited(lambda r: _edit_table(r, "ledger_updates", "status", "open")),
+        ),
         CheckerCase("audit", "an event deleted mid-chain", "history_deleted", audited(drop(3))),
         CheckerCase(
             "audit",
@@ -932,6 +939,7 @@ def audit_cases() -> list[CheckerCase]:
 # statistics, not protocol state, and are not compared)
 _AUDITED = (
     "rollouts",
+    "ledger_updates",
     "registry_artifacts",
     "registry_workers",
     "registry_attempt_tokens",

@@ -33,9 +33,13 @@ from rollout_lifecycle.model.records import (
     AdmissionStamp,
     ArtifactRecord,
     AttemptToken,
+    BehaviorPolicy,
     Disposition,
+    GenerationConditions,
     LedgerEntry,
     Reward,
+    Rollout,
+    RolloutIdentity,
     WorkerAck,
 )
 from rollout_lifecycle.spec.invariants import check_trace
@@ -469,9 +473,11 @@ def paced_history() -> list[TraceEvent]:
             coord.record_ack(WorkerAck(w, v, h, token=coord.attempt_token(w, v)))
         assert coord.try_activate(v).activated
 
-    def entry(rid: str, v: int) -> LedgerEntry:
-        return LedgerEntry(
-            rollout_id=rid, behavior_version=v, artifact_hash=f"{v:x}".rjust(64, "c")
+    def ro(rid: str, v: int, prompt: str) -> Rollout:
+        return Rollout(
+            RolloutIdentity(rid, prompt, "d", 0),
+            BehaviorPolicy(v, f"{v:x}".rjust(64, "c")),
+            GenerationConditions("tok", 1.0, 1.0, -1, 8),
         )
 
     with open_backend("memory://") as be:
@@ -479,7 +485,7 @@ def paced_history() -> list[TraceEvent]:
         coord = ActivationCoordinator(be.registry, WORKERS, ledger=led, policy=PACED)
         activate(coord, 0)
         for rid, chain in (("a1", "p1"), ("b1", "p2")):
-            assert led.dispatch(entry(rid, 0), chain=chain).dispatched
+            assert led.dispatch(ro(rid, 0, chain)).dispatched
             led.transition(rid, "generation_done", 0, tokens=5 if rid == "a1" else 40)
             led.transition(rid, "reward_ready", 1, reward=REWARD)
         assert led.reserve("a1", 2, "u1", stamp(0, 0)).reserved
@@ -487,19 +493,26 @@ def paced_history() -> list[TraceEvent]:
         activate(coord, 1)
         activate(coord, 2)
         assert [e.rollout_id for e in led.retire_stale()] == ["b1"]
-        assert led.dispatch(entry("b2", 2), chain="p2").attempt == 2
-        assert led.dispatch(entry("c1", 2), chain="p3").dispatched
-        assert led.dispatch(entry("d1", 2), chain="p4").reason == "no_capacity"
+        assert led.dispatch(ro("b2", 2, "p2")).attempt == 2
+        assert led.dispatch(ro("c1", 2, "p3")).dispatched
+        assert led.dispatch(ro("d1", 2, "p4")).reason == "no_capacity"
         return be.trace()
 
 
-def dispatched_event(rid: str, v: int, chain: str, attempt: int) -> EntryChanged:
-    """A dispatch as a ledger would record it, for appending to a history by hand."""
+def prompt_chain(prompt: str) -> str:
+    """The attempt chain the paced history's prompt `prompt` is counted on: its identity's
+    (dataset 'd', sample 0), written out here as the ledger keys it (a JSON list)."""
+    return f'["d", "{prompt}", 0]'
+
+
+def dispatched_event(rid: str, v: int, prompt: str, attempt: int) -> EntryChanged:
+    """A dispatch of `prompt` as a ledger would record it, for appending to a history by
+    hand."""
     after = LedgerEntry(
         rollout_id=rid,
         behavior_version=v,
         artifact_hash=f"{v:x}".rjust(64, "c"),
-        chain=chain,
+        chain=prompt_chain(prompt),
         attempt=attempt,
     )
     return EntryChanged(10_000, 10_000, 0.0, rid, "add", None, after)
