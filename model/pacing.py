@@ -134,7 +134,7 @@ def plan_dispatch(
 ) -> tuple[DispatchOutcome, LedgerEntry | None]:
     """Decide a dispatch from what the step read: (outcome, entry to insert or None).
 
-    Order: the behaviour version (active, not retired, not stale), then the chain (one live
+    Order: the behaviour version (not retired, active, not stale), then the chain (one live
     attempt at a time, none after a trained one, at most max_attempts), then the budget.
     Not `chained` (an add under chain_key 'caller'): no chain rule, no chain written.
     """
@@ -152,10 +152,10 @@ def plan_dispatch(
 
     v = entry.behavior_version
     if premise.was_active is not None:
+        if v in premise.retired:  # before the pointer: a rollback leaves it above the pointer
+            return refuse(VERSION_RETIRED, f"v{v} was rolled back; its rollouts are retired")
         if pointer is None or v > pointer or v not in premise.was_active:
             return refuse(NOT_ACTIVE, f"v{v} is not a version that was active (pointer {pointer})")
-        if v in premise.retired:
-            return refuse(VERSION_RETIRED, f"v{v} was rolled back; its rollouts are retired")
         if policy is not None and pointer - v > policy.max_lag:
             return refuse(
                 STALE, f"v{v} is {pointer - v} behind the pointer v{pointer} > {policy.max_lag}"

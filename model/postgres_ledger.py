@@ -84,6 +84,7 @@ from rollout_lifecycle.model.postgres_common import (
     K_EVENTS,
     K_PREMISE,
     K_SCHEMA,
+    K_UPDATE,
     ZERO_HASH,
     Conn,
     OneStatement,
@@ -302,10 +303,14 @@ BEGIN
             RETURN 'moved';
         END IF;
     END IF;
-    IF p_update IS NOT NULL AND NOT EXISTS (
-        SELECT 1 FROM ledger_updates WHERE update_id = p_update AND status <> 'poisoned'
-    ) THEN
-        RETURN 'moved';
+    IF p_update IS NOT NULL THEN  -- shared: a step that poisons it waits for this write
+        PERFORM pg_advisory_xact_lock_shared(
+            {K_UPDATE}, hashtext(current_schema() || '/' || p_update));
+        IF NOT EXISTS (
+            SELECT 1 FROM ledger_updates WHERE update_id = p_update AND status <> 'poisoned'
+        ) THEN
+            RETURN 'moved';
+        END IF;
     END IF;
 {_CAS_STEP}    PERFORM pg_advisory_xact_lock({K_EVENTS}, hashtext(current_schema()));
     v_txn := nextval('events_txn');
@@ -470,6 +475,20 @@ class _Unit(SqlUnit):
         assert row is not None
         self.now = float(row[0])
         return _premise(row[1])
+
+    def read_updates(self, update_ids: Sequence[str]) -> dict[str, UpdateRecord]:
+        """The records, each update's lock held exclusively first (in id order: unnest keeps
+        the sorted array's), so a
+        reservation, a commit and a poisoning of one update land one after the other, in
+        the events' order too (a single reservation's write shares the lock)."""
+        ids = sorted(set(update_ids))
+        if ids:
+            self.conn.execute(
+                f"SELECT pg_advisory_xact_lock({K_UPDATE}, "
+                "hashtext(current_schema() || '/' || u)) FROM unnest(%s::text[]) AS u",
+                (ids,),
+            )
+        return super().read_updates(ids)
 
     def server_now(self) -> float | None:
         if not self.store.server_clock:

@@ -116,7 +116,9 @@ def next_voided(
 
 def _lost_lease(ev: EntryChanged) -> str | None:
     """The update an `expire_lease` event took a rollout from (it is poisoned: it may have
-    trained on a rollout another update will consume), or None."""
+    trained on a rollout another update will consume), or None. The spec holds it poisoned
+    where the history records the update (a history written before update records existed
+    is judged as it was then)."""
     if ev.event == "expire_lease" and ev.before is not None:
         return ev.before.reserved_by
     return None
@@ -208,7 +210,7 @@ class World:
                 if ev.event == "commit" and ev.update_id is not None:
                     landed.add(ev.update_id)
                 lost = _lost_lease(ev)
-                if lost is not None:
+                if lost is not None and lost in updates:
                     poisoned.add(lost)
                 continue
             if isinstance(ev, UpdateChanged):
@@ -528,7 +530,8 @@ def _reserved_against_current_version(
     Stated on its own (no call into the enforcing rules): the recorded admission policy of
     that moment bounds the stamp (never looser) and the lag from the pointer of that
     moment; the rollout's version and the version it was admitted against were active at
-    some time, and the rollout's version was not retired by a rollback.
+    some time, the rollout carries the hash the registry holds for its version, and the
+    rollout's version was not retired by a rollback.
     """
     if before.artifacts is None:
         return []
@@ -570,6 +573,12 @@ def _reserved_against_current_version(
             out.append(f"{rid}: reserved although v{v} never became the active version")
         elif _retired(arts.get(v)):
             out.append(f"{rid}: reserved although v{v} was rolled back (retired)")
+        registered = arts.get(v)
+        if ever(v) and registered is not None and registered.artifact_hash != ev.after.artifact_hash:
+            out.append(
+                f"{rid}: reserved stamped v{v} with hash {ev.after.artifact_hash!r}, but the "
+                f"registry's v{v} is {registered.artifact_hash!r}"
+            )
         if not ever(stamp.current_version):
             out.append(
                 f"{rid}: admitted against v{stamp.current_version}, never the active version"
@@ -585,11 +594,15 @@ def _reserved_against_current_version(
 
 
 def _lineage_fenced(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
-    """A version names its lineage once, and it is registered, committed and activated
-    only while every update of its lineage has a landed commit in the replayed history
-    (so every rollout that reached it was consumed, exactly once, by an update it names)."""
+    """A version names its lineage once; unless the recorded policy opts out (lineage
+    'off'), it is registered, committed and activated only while every update of its
+    lineage has a landed commit in the replayed history, was never poisoned (as the spec
+    derives it: a lost lease, a recorded poisoning), and is in no other version's lineage
+    (so every rollout that reached it was consumed, exactly once, by an update it names,
+    and no rollout is in two versions' lineage)."""
     out = []
     arts: ChainMap[int, ArtifactRecord] = _overlay(before.artifacts or {})
+    fenced = before.policy is None or before.policy.lineage != "off"
     for ev in events:
         if not isinstance(ev, ArtifactChanged):
             continue
@@ -598,13 +611,120 @@ def _lineage_fenced(before: World, events: Sequence[TraceEvent], _after: World) 
         arts[ev.version] = ev.after
         if prior is not None and prior.trained_by != lineage:
             out.append(f"artifact v{ev.version}: lineage changed on {ev.event!r}")
-        if ev.event in ("register", "commit_artifact", "activate"):
-            missing = sorted(u for u in lineage if u not in before.landed)
-            if missing:
-                out.append(
-                    f"artifact v{ev.version}: {ev.event} although update(s) {missing} of its "
-                    "lineage have no landed commit"
-                )
+        if not fenced or ev.event not in ("register", "commit_artifact", "activate"):
+            continue
+        missing = sorted(u for u in lineage if u not in before.landed)
+        if missing:
+            out.append(
+                f"artifact v{ev.version}: {ev.event} although update(s) {missing} of its "
+                "lineage have no landed commit"
+            )
+        poisoned = sorted(u for u in lineage if u in before.poisoned)
+        if poisoned:
+            out.append(
+                f"artifact v{ev.version}: {ev.event} although update(s) {poisoned} of its "
+                "lineage are poisoned"
+            )
+        twice = sorted(
+            f"{u} (also v{v})"
+            for v, a in arts.items()
+            if v != ev.version
+            for u in a.trained_by
+            if u in lineage
+        )
+        if twice:
+            out.append(
+                f"artifact v{ev.version}: {ev.event} although update(s) {twice} are in "
+                "another version's lineage"
+            )
+    return out
+
+
+_UPDATE_MOVES = {
+    # event -> (statuses it may start from (None: unrecorded), the status it leaves)
+    "open": ((None,), "open"),
+    "land": ((None, "open"), "landed"),
+    "poison": ((None, "open", "landed"), "poisoned"),
+}
+
+
+def _update_status_follows(
+    before: World, events: Sequence[TraceEvent], _after: World
+) -> list[str]:
+    """An update's record changes only as the history says it must: recorded at its first
+    reservation, landed by a commit that consumed rollouts, poisoned for good (a lost lease
+    poisons its holder in the same step); never changed otherwise. Judged once the history
+    records updates at all."""
+    out: list[str] = []
+    recs: ChainMap[str, UpdateRecord] = _overlay(before.updates)
+    reserved: set[str] = set()
+    committed: set[str] = set()
+    lost: dict[str, list[str]] = {}
+    tracked = bool(before.updates)
+    for ev in events:
+        if isinstance(ev, EntryChanged):
+            owner = ev.after.reserved_by
+            if ev.event == "reserve" and ev.after.state == "reserved" and owner is not None:
+                reserved.add(owner)
+            if ev.event == "commit" and ev.update_id is not None and ev.after.state == "consumed":
+                committed.add(ev.update_id)
+            holder = _lost_lease(ev)
+            if holder is not None:
+                lost.setdefault(holder, []).append(ev.rollout_id)
+            continue
+        if not isinstance(ev, UpdateChanged):
+            continue
+        tracked = True
+        u, prev, a = ev.update_id, recs.get(ev.update_id), ev.after
+        if ev.before != prev or a.update_id != u:
+            out.append(f"update {u!r}: {ev.event} over a record that is not the replayed one")
+        start, status = _UPDATE_MOVES.get(ev.event, ((), ""))
+        was = None if prev is None else prev.status
+        if was not in start or a.status != status:
+            out.append(f"update {u!r}: {was} --{ev.event}--> {a.status} is not a legal move")
+        if ev.event == "open" and u not in reserved:
+            out.append(f"update {u!r}: recorded in a step where it reserved nothing")
+        if ev.event == "land" and u not in committed:
+            out.append(f"update {u!r}: landed in a step where it consumed nothing")
+        recs[u] = a
+    if not tracked:
+        return out
+    for u, rids in sorted(lost.items()):
+        rec = recs.get(u)
+        if rec is None or rec.status != "poisoned":
+            out.append(f"update {u!r}: lost the lease of {rids[:3]} but is not poisoned")
+    for u in sorted(committed):
+        rec = recs.get(u)
+        if rec is None or rec.status != "landed":
+            out.append(f"update {u!r}: a commit of it landed but it is recorded {rec}")
+    for u in sorted(reserved - recs.keys()):
+        out.append(f"update {u!r}: reserved without the ledger recording it")
+    return out
+
+
+def _poisoned_update_never_lands(
+    before: World, events: Sequence[TraceEvent], _after: World
+) -> list[str]:
+    """No poisoned update (as the spec derives it) reserves or consumes anything, and no
+    commit consumes a rollout of a version retired by a rollback at that moment."""
+    out: list[str] = []
+    arts: ChainMap[int, ArtifactRecord] = _overlay(before.artifacts or {})
+    for ev in events:
+        if isinstance(ev, ArtifactChanged):
+            arts[ev.version] = ev.after
+            continue
+        if not isinstance(ev, EntryChanged) or ev.before is None:
+            continue
+        owner = ev.after.reserved_by
+        if ev.event == "reserve" and ev.after.state == "reserved" and owner in before.poisoned:
+            out.append(f"{ev.rollout_id}: reserved by {owner!r}, a poisoned update")
+        if ev.event != "commit" or ev.after.state != "consumed":
+            continue
+        if ev.update_id in before.poisoned:
+            out.append(f"{ev.rollout_id}: consumed by {ev.update_id!r}, a poisoned update")
+        v = ev.after.behavior_version
+        if before.artifacts is not None and _retired(arts.get(v)):
+            out.append(f"{ev.rollout_id}: consumed although v{v} was rolled back (retired)")
     return out
 
 
@@ -934,67 +1054,89 @@ def _reservations_resolve(w: World) -> list[str]:
 _SERVED_BY = re.compile(r"^(?P<worker>[^@/\s]+)@(?P<incarnation>[0-9]+)/")
 
 
-def _dispatches(events: Sequence[TraceEvent]) -> list[LedgerEntry]:
-    """The entries a step dispatched: new entries that carry an attempt chain."""
-    return [
-        ev.after
-        for ev in events
-        if isinstance(ev, EntryChanged) and ev.before is None and ev.after.chain is not None
-    ]
+def _creations(events: Sequence[TraceEvent]) -> list[tuple[LedgerEntry, LedgerEntry]]:
+    """The entries a step created, each with the entry it is at the end of the step (one
+    quarantined on arrival is not live)."""
+    last: dict[str, LedgerEntry] = {}
+    born: list[LedgerEntry] = []
+    for ev in events:
+        if isinstance(ev, EntryChanged):
+            if ev.before is None:
+                born.append(ev.after)
+            last[ev.rollout_id] = ev.after
+    return [(e, last[e.rollout_id]) for e in born]
 
 
 def _paced_dispatch(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
-    """Stated over the replayed history, apart from model.pacing: at each dispatch the
-    deployment's pointer and policy of that moment bound the version, the chain and the
-    number of live rollouts that can still be trained."""
-    new = _dispatches(events)
+    """Stated over the replayed history, apart from model.pacing: at each dispatch (a new
+    entry with an attempt chain) the deployment's pointer and policy of that moment bound
+    the version (active or was, not rolled back, within max_lag), the chain and its
+    attempts; with a budget recorded, every new entry that is live (dispatched or added)
+    counts against the live rollouts that can still be trained; and under the policy's
+    chain_key 'identity', every new entry of a paced deployment is counted on a chain."""
+    new = _creations(events)
     if not new:
         return []
     out: list[str] = []
     index = before.pacing if before.pacing is not None else PacingIndex(before.entries.values())
     chains: dict[str, list[LedgerEntry]] = {}
-    for e in new:
+    for e, _ in new:
         if e.chain is not None and e.chain not in chains:
             chains[e.chain] = [before.entries[r] for r in index.chains.get(e.chain, ())]
     pol, ptr = before.policy, before.pointer
     paced = before.artifacts is not None and pol is not None and ptr is not None
+    arts = before.artifacts or {}
     live = 0
     if paced and pol is not None and ptr is not None and pol.batch_size is not None:
         live = index.live_from(ptr.version - pol.max_lag)
-    for e in new:
-        earlier = chains.setdefault(e.chain or "", [])
-        if e.attempt != len(earlier) + 1:
-            out.append(
-                f"{e.rollout_id}: attempt {e.attempt} of chain {e.chain!r}, which had "
-                f"{len(earlier)} attempt(s) before"
-            )
-        busy = [x.rollout_id for x in earlier if x.state in OPEN_STATES or x.state == "consumed"]
-        if busy:
-            out.append(
-                f"{e.rollout_id}: dispatched while chain {e.chain!r} had a live or trained "
-                f"attempt ({', '.join(busy[:3])})"
-            )
-        if paced and pol is not None and ptr is not None:
-            v, p = e.behavior_version, ptr.version
+    for e, end in new:
+        if e.chain is not None:
+            earlier = chains.setdefault(e.chain, [])
+            if e.attempt != len(earlier) + 1:
+                out.append(
+                    f"{e.rollout_id}: attempt {e.attempt} of chain {e.chain!r}, which had "
+                    f"{len(earlier)} attempt(s) before"
+                )
+            busy = [
+                x.rollout_id for x in earlier if x.state in OPEN_STATES or x.state == "consumed"
+            ]
+            if busy:
+                out.append(
+                    f"{e.rollout_id}: dispatched while chain {e.chain!r} had a live or trained "
+                    f"attempt ({', '.join(busy[:3])})"
+                )
+            earlier.append(e)
+        if not paced or pol is None or ptr is None:
+            continue
+        v, p = e.behavior_version, ptr.version
+        if e.chain is not None:
             if v > p or v not in before.ever_active or p - v > pol.max_lag:
                 out.append(
                     f"{e.rollout_id}: dispatched on v{v} with the pointer at v{p} "
                     f"(max_lag {pol.max_lag}): not a version that can still be trained"
                 )
+            elif _retired(arts.get(v)):
+                out.append(f"{e.rollout_id}: dispatched on v{v}, which was rolled back")
             if pol.max_attempts is not None and e.attempt > pol.max_attempts:
                 out.append(
                     f"{e.rollout_id}: attempt {e.attempt} of chain {e.chain!r} exceeds "
                     f"max_attempts {pol.max_attempts}"
                 )
-            if pol.batch_size is not None:
-                budget = (pol.max_lag + 1) * pol.batch_size
-                if live >= budget:
-                    out.append(
-                        f"{e.rollout_id}: dispatched with {live} live rollouts within "
-                        f"max_lag of v{p}, the budget being {budget}"
-                    )
-                live += 1
-        earlier.append(e)
+        elif pol.chain_key == "identity" and (
+            pol.batch_size is not None or pol.max_attempts is not None
+        ):
+            out.append(
+                f"{e.rollout_id}: entered a paced deployment on no attempt chain (its "
+                "prompt's attempts go uncounted)"
+            )
+        if pol.batch_size is not None and end.state in OPEN_STATES and v >= p - pol.max_lag:
+            budget = (pol.max_lag + 1) * pol.batch_size
+            if live >= budget:
+                out.append(
+                    f"{e.rollout_id}: entered with {live} live rollouts within max_lag of "
+                    f"v{p}, the budget being {budget}"
+                )
+            live += 1
     return out
 
 
@@ -1107,8 +1249,27 @@ INVARIANTS: tuple[Invariant, ...] = (
         "step",
         "activation",
         "A version is registered, committed and activated only while every update it "
-        "records as its lineage has a landed commit; its lineage never changes.",
+        "records as its lineage has a landed commit, was never poisoned and is in no other "
+        "version's lineage (unless the recorded policy turns lineage off); its lineage "
+        "never changes.",
         step_check=_lineage_fenced,
+    ),
+    Invariant(
+        "update_status_follows",
+        "step",
+        "ledger",
+        "An update is recorded at its first reservation, landed by a commit that consumed "
+        "rollouts, poisoned for good (a lost lease poisons its holder in the same step), "
+        "and its record changes no other way.",
+        step_check=_update_status_follows,
+    ),
+    Invariant(
+        "poisoned_update_never_lands",
+        "step",
+        "ledger",
+        "A poisoned update (a refused commit, a lost lease) never reserves or consumes "
+        "again, and no commit consumes a rollout of a version retired by a rollback.",
+        step_check=_poisoned_update_never_lands,
     ),
     Invariant(
         "policy_explicit",
@@ -1232,9 +1393,11 @@ INVARIANTS: tuple[Invariant, ...] = (
         "step",
         "ledger",
         "A rollout is dispatched only on a version that can still be trained (active or "
-        "was, within max_lag of the pointer), while fewer than (max_lag + 1) x batch_size "
-        "live rollouts can still be trained, as its chain's next attempt (numbered "
-        "1, 2, ...), with no live or trained attempt of the chain, at most max_attempts.",
+        "was, not rolled back, within max_lag of the pointer), as its chain's next attempt "
+        "(numbered 1, 2, ...), with no live or trained attempt of the chain, at most "
+        "max_attempts; every new live rollout (dispatched or added) enters while fewer "
+        "than (max_lag + 1) x batch_size live rollouts can still be trained; under "
+        "chain_key 'identity' every new entry of a paced deployment is on a chain.",
         step_check=_paced_dispatch,
     ),
     Invariant(
@@ -1414,7 +1577,7 @@ class Replayer:
                 if ev.event == "commit" and ev.update_id is not None:
                     commits.append(ev.update_id)
                 lost = _lost_lease(ev)
-                if lost is not None:
+                if lost is not None and (lost in self.updates or lost in u_ch):
                     poisons.append(lost)
                 continue
             if isinstance(ev, UpdateChanged):
