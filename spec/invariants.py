@@ -1909,6 +1909,8 @@ SOMETIMES: dict[str, str] = {
     "worker left or re-joined), with acks in flight",
     "non_member_report_recorded": "a report from a worker outside the required set was "
     "recorded as what it holds, and counted for nothing",
+    "update_poisoned": "an update was poisoned (a lease of its rollout expired, or a commit "
+    "of it was refused): no later commit of it lands",
 }
 
 
@@ -1917,6 +1919,8 @@ def sometimes_from_events(events: Iterable[TraceEvent]) -> set[str]:
     hit: set[str] = set()
     for ev in events:
         if isinstance(ev, EntryChanged):
+            if _lost_lease(ev) is not None:
+                hit.add("update_poisoned")
             if ev.event in ("abort", "expire_lease"):
                 if ev.after.state == "rewarded":
                     hit.add("abort_released" if ev.event == "abort" else "lease_expired")
@@ -1937,4 +1941,6 @@ def sometimes_from_events(events: Iterable[TraceEvent]) -> set[str]:
                 hit.add("activated")
         elif isinstance(ev, MembershipChanged) and ev.before is not None:
             hit.add("membership_churn")
+        elif isinstance(ev, UpdateChanged) and ev.after.status == "poisoned":
+            hit.add("update_poisoned")
     return hit
