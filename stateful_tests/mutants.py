@@ -413,6 +413,7 @@ def _stamp_only(
     self: ledger_mod.ActivationPremise,
     admission: Any,
     behavior_version: int,
+    artifact_hash: str | None = None,
     *,
     stamp_passed: bool = False,  # judged here all the same
 ) -> tuple[str, str] | None:
@@ -427,6 +428,7 @@ def _trust_accepted(
     self: ledger_mod.ActivationPremise,
     admission: Any,
     behavior_version: int,
+    artifact_hash: str | None = None,
     *,
     stamp_passed: bool = False,  # judged here all the same
 ) -> tuple[str, str] | None:
@@ -447,6 +449,7 @@ def _stamp_bounds_trusted(
     self: ledger_mod.ActivationPremise,
     admission: Any,
     behavior_version: int,
+    artifact_hash: str | None = None,
     *,
     stamp_passed: bool = False,  # judged here all the same
 ) -> tuple[str, str] | None:
@@ -461,6 +464,8 @@ def _stamp_bounds_trusted(
         self.was_active,
         loose if self.policy is not None else None,
         self.retired,
+        artifact_hash,
+        self.hashes,
     )
 
 
