@@ -250,7 +250,8 @@ def lineage(version: int, url: str, as_json: bool, report_path: Path | None, qui
     for u, ids in consumed.items():
         shown = ", ".join(ids[:10]) + (f" (+{len(ids) - 10} more)" if len(ids) > 10 else "")
         click.echo(
-            f"  {u} ({statuses[u]}): " + (f"{len(ids)} rollouts: {shown}" if ids else "NO landed commit")
+            f"  {u} ({statuses[u]}): "
+            + (f"{len(ids)} rollouts: {shown}" if ids else "NO landed commit")
         )
 
 

@@ -10,6 +10,7 @@ transaction (model.sqlite_ledger), a PostgreSQL transaction (model.postgres_ledg
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import math
@@ -1035,38 +1036,6 @@ def _check_id_list(rollout_ids: Sequence[str]) -> list[str]:
     return ids
 
 
-def _check_ids(rollout_ids: Sequence[str]) -> list[str]:
-    if isinstance(rollout_ids, str | bytes) or not isinstance(rollout_ids, Sequence):
-        raise InvalidLedgerArgument(
-            f"rollout ids must be a list of strings, got {type(rollout_ids).__name__}"
-        )
-    ids = list(rollout_ids)
-    for rid in ids:
-        check_id(rid, "rollout id")
-    dup = [k for k, n in Counter(ids).items() if n > 1]
-    if dup:
-        raise CommitMismatch(f"rollout ids listed more than once: {sorted(dup)[:5]}")
-    return ids
-
-
-def commit_plan(
-    update_id: str, rollout_ids: Sequence[str], owned: Sequence[LedgerEntry]
-) -> list[LedgerEntry]:
-    """New entries for a commit, only if `rollout_ids` is exactly what `update_id` reserved."""
-    check_update_id(update_id)
-    ids = set(_check_ids(rollout_ids))
-    held = {e.rollout_id for e in owned}
-    if ids != held:
-        missing = sorted(held - ids)
-        extra = sorted(ids - held)
-        raise CommitMismatch(
-            f"update {brief(update_id)} must commit exactly what it reserved: "
-            f"{len(missing)} reserved but not listed {missing[:5]}, "
-            f"{len(extra)} listed but not reserved by it {extra[:5]}; nothing was committed"
-        )
-    return [plan_transition(e, "commit", reserved_by=None, lease_expires_at=None) for e in owned]
-
-
 def commit_mismatch(
     update_id: str, rollout_ids: Sequence[str], owned: Sequence[LedgerEntry]
 ) -> str | None:
@@ -1631,7 +1600,7 @@ class StoreLedger:
         while True:
             step = Step("add", premise=True, bad="read", live="count" if exclusive else "add")
             try:
-                return self._step(lambda uow, c: body(uow, c, exclusive), step)
+                return self._step(functools.partial(body, exclusive=exclusive), step)
             except _CountFirst:
                 exclusive = self._adds_count = True
 
@@ -1905,9 +1874,7 @@ class StoreLedger:
         check_update_id(update_id)
         ids = _check_id_list(rollout_ids)
 
-        def body(
-            uow: UnitOfWork, _: Counter[str]
-        ) -> list[LedgerEntry] | CommitMismatch:
+        def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry] | CommitMismatch:
             act = uow.read_premise()
             owned = uow.owned(update_id)
             record = uow.read_updates([update_id]).get(update_id)
@@ -2411,10 +2378,7 @@ class MemoryStore:
                 self.updates[after.update_id] = after
             self.log.record(
                 [
-                    *(
-                        EntryChanged(0, 0, at, a.rollout_id, ev, b, a, u)
-                        for ev, b, a, u in changes
-                    ),
+                    *(EntryChanged(0, 0, at, a.rollout_id, ev, b, a, u) for ev, b, a, u in changes),
                     *(UpdateChanged(0, 0, at, a.update_id, ev, b, a) for ev, b, a in updates),
                 ]
             )

@@ -231,8 +231,7 @@ _UPDATE_TEXT = (
     "WHERE update_id = %s)::text"
 )
 _PEEK = (
-    f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}, "
-    f"{_PREMISE}"
+    f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}, {_PREMISE}"
 )
 _PEEK_BARE = (
     f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}, "
@@ -662,7 +661,9 @@ class PostgresStore:
         def body(conn: Conn) -> list[Any]:
             if only is None:
                 return conn.execute(sql + " ORDER BY update_id").fetchall()
-            return conn.execute(sql + " WHERE update_id = ANY(%s::text[])", (list(only),)).fetchall()
+            return conn.execute(
+                sql + " WHERE update_id = ANY(%s::text[])", (list(only),)
+            ).fetchall()
 
         return {str(r[0]): update_from_row(r) for r in self._read(body, "updates")}
 

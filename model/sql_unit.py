@@ -15,8 +15,8 @@ import attrs
 
 from rollout_lifecycle.model.events import (
     EntryChanged,
-    UpdateChange,
     TraceEvent,
+    UpdateChange,
     changed_payload,
     entry_changes,
     entry_payload,
@@ -27,7 +27,6 @@ from rollout_lifecycle.model.events import (
 from rollout_lifecycle.model.ledger import dump_entry, read_entry, update_from_row
 from rollout_lifecycle.model.pacing import PacingRow, rows_from_columns
 from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, UpdateRecord, to_jsonable
-
 
 # the ledger's update records (issue 31): the same table on SQLite and PostgreSQL
 UPDATE_COLUMNS = "update_id, status, cause, detail"

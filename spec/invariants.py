@@ -574,7 +574,11 @@ def _reserved_against_current_version(
         elif _retired(arts.get(v)):
             out.append(f"{rid}: reserved although v{v} was rolled back (retired)")
         registered = arts.get(v)
-        if ever(v) and registered is not None and registered.artifact_hash != ev.after.artifact_hash:
+        if (
+            ever(v)
+            and registered is not None
+            and registered.artifact_hash != ev.after.artifact_hash
+        ):
             out.append(
                 f"{rid}: reserved stamped v{v} with hash {ev.after.artifact_hash!r}, but the "
                 f"registry's v{v} is {registered.artifact_hash!r}"
@@ -648,9 +652,7 @@ _UPDATE_MOVES = {
 }
 
 
-def _update_status_follows(
-    before: World, events: Sequence[TraceEvent], _after: World
-) -> list[str]:
+def _update_status_follows(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
     """An update's record changes only as the history says it must: recorded at its first
     reservation, landed by a commit that consumed rollouts, poisoned for good (a lost lease
     poisons its holder in the same step); never changed otherwise. Judged once the history
@@ -1679,11 +1681,13 @@ STORE_INVARIANTS: dict[str, str] = {
 
 
 def stored_world(ledger: Ledger, registry: RegistryStore | None = None) -> World:
-    """The stored rows as a World: the ledger's entries and the registry's durable state."""
+    """The stored rows as a World: the ledger's entries and update records, and the
+    registry's durable state."""
     if registry is None:
-        return World(entries=ledger.snapshot())
+        return World(entries=ledger.snapshot(), updates=ledger.updates())
     return World(
         entries=ledger.snapshot(),
+        updates=ledger.updates(),
         artifacts={a.version: a for a in registry.artifacts()},
         pointer=registry.pointer(),
         required_workers=registry.required_workers(),
@@ -1713,6 +1717,13 @@ def compare_with_store(replayed: World, stored: World) -> list[Violation]:
                     f"rev {want.revision}",
                 )
             )
+    if dict(replayed.updates) != dict(stored.updates):
+        diff = sorted(
+            u
+            for u in set(replayed.updates) | set(stored.updates)
+            if replayed.updates.get(u) != stored.updates.get(u)
+        )
+        out.append(Violation(name, f"update records: stored differ from the trace at {diff[:5]}"))
     if stored.artifacts is not None:
         want_a = replayed.artifacts or {}
         for v in sorted(set(want_a) | set(stored.artifacts)):

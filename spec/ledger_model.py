@@ -80,6 +80,7 @@ def prompt_chain(prompt: str) -> str:
     ledger keys a rollout identity (the model's own reading, not the ledger's function)."""
     return f'["d", "{prompt}", 0]'
 
+
 # what the budget counts: the lifecycle's non-terminal states, read off the machine
 LIVE = OPEN_STATES
 
@@ -338,9 +339,7 @@ class LedgerRaceModel:
                 chain = prompt_chain(action.outcome)
                 want = expected_dispatch(state.entries, chain, self.registry.policy)
                 identity = RolloutIdentity(rid, action.outcome, "d", 0)
-                paced = led.dispatch(
-                    Rollout(identity, BehaviorPolicy(VERSION, HASH), CONDITIONS)
-                )
+                paced = led.dispatch(Rollout(identity, BehaviorPolicy(VERSION, HASH), CONDITIONS))
                 self.observed[f"dispatch:{paced.reason}"] += 1
                 if (paced.reason, paced.attempt) != want:
                     outcome_viol.append(

@@ -456,8 +456,10 @@ class EndToEndMachine(RuleBasedStateMachine):
         owned = set(led.reserved_by(self.update_id))
         retired = self._retired()
         snap = led.snapshot()
-        if outcome == "commit" and owned == self.held and any(
-            snap[r].behavior_version in retired for r in owned
+        if (
+            outcome == "commit"
+            and owned == self.held
+            and any(snap[r].behavior_version in retired for r in owned)
         ):
             # a rollback retired what it holds (issue 31): the commit is refused, nothing
             # consumed, the update poisoned; it returns what it holds
@@ -912,7 +914,7 @@ class EndToEndMachine(RuleBasedStateMachine):
         )
         snap = self.stack.ledger.snapshot()
         reg = self.stack.registry
-        world = world_of(snap, reg.artifacts(), reg.pointer(), reg)
+        world = world_of(snap, reg.artifacts(), reg.pointer(), reg, self.stack.ledger)
         raise_violations(rec, "stores", check_snapshot(rec, world))
         rec.checked(["trace_matches_store"])
         if self.checker.world != world:

@@ -43,9 +43,9 @@ from rollout_lifecycle.model.errors import (
     ActivationError,
     BackendURLError,
     DispatchRefused,
-    UpdatePoisoned,
     RevisionConflict,
     RolloutLifecycleError,
+    UpdatePoisoned,
 )
 from rollout_lifecycle.model.events import (
     ArtifactChanged,

@@ -18,13 +18,13 @@ import pytest
 
 from rollout_lifecycle.model.errors import (
     CommitMismatch,
-    UpdatePoisoned,
     DuplicateRollout,
     IllegalTransition,
     InvalidLedgerArgument,
     LedgerError,
     RevisionConflict,
     UnknownRollout,
+    UpdatePoisoned,
 )
 from rollout_lifecycle.model.events import EntryChanged
 from rollout_lifecycle.model.ledger import (

@@ -312,7 +312,6 @@ def test_rollback_retires_the_rolled_back_version(kind: str, tmp_path: Path) -> 
         # the mark lifted (a ledger that missed it): a late v2 rollout is still quarantined
         # on arrival (retirement is read from the registry in the add's own step), and one
         # that was never quarantined (forged into the store) is refused by the reservation
-        ghost_rev = 0
         b.ledger.clear_bad_version(2)
         b.ledger.add(rollout("late", 2))
         assert b.ledger.get("late").state == "quarantined"
