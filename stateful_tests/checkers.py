@@ -1110,6 +1110,8 @@ class Premise:
     policy: AdmissionPolicy | None
     retired: frozenset[int]
     kept: frozenset[int]
+    # the hash the rollout is stamped with (its version's is f"h{version}")
+    artifact_hash: str | None = None
 
 
 def _gen_premise(rng: random.Random) -> Premise:
@@ -1193,7 +1195,8 @@ def _gen_premise(rng: random.Random) -> Premise:
         ever = ever | {pv + 1}  # a newer version that was active, then rolled back
     rolled = frozenset(v for v in ever if v > pv)
     kept = frozenset(v for v in rolled if rng.random() < 0.4)
-    return Premise(st, bv, pv, ever, policy, rolled - kept, kept)
+    digest = f"h{bv}" if rng.random() < 0.9 else "h-never"  # a hash its version never had
+    return Premise(st, bv, pv, ever, policy, rolled - kept, kept, digest)
 
 
 def _spec_refuses(p: Premise) -> bool:
@@ -1226,7 +1229,7 @@ def _spec_refuses(p: Premise) -> bool:
     before = LedgerEntry(
         rollout_id="x",
         behavior_version=p.behavior_version,
-        artifact_hash=f"h{p.behavior_version}",
+        artifact_hash=p.artifact_hash or f"h{p.behavior_version}",
         state="rewarded",
         revision=2,
         reward=REWARD,
@@ -1267,7 +1270,14 @@ def _spec_refuses(p: Premise) -> bool:
 def _rules_refuse(p: Premise) -> bool:
     return (
         rules.reservation_refusal(
-            p.stamp, p.behavior_version, p.pointer, p.was_active, p.policy, p.retired
+            p.stamp,
+            p.behavior_version,
+            p.pointer,
+            p.was_active,
+            p.policy,
+            p.retired,
+            p.artifact_hash or f"h{p.behavior_version}",
+            {v: f"h{v}" for v in p.was_active},
         )
         is not None
     )
