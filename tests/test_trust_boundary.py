@@ -360,7 +360,8 @@ def test_deployment_cli_sets_and_shows_the_policy(tmp_path: Path) -> None:
         cli, ["deployment", "set-policy", "--backend", url, "--max-lag", "1", "--max-drift", "0.2"]
     )
     assert res.exit_code == 0, res.output
-    assert "policy recorded: max_lag 1, max_drift 0.2 (was: none)" in res.output
+    described = "max_lag 1, max_drift 0.2, lineage ledger, chain_key identity"
+    assert f"policy recorded: {described} (was: none)" in res.output
     for bad in (
         ["--max-lag", "-1", "--max-drift", "0.2"],
         ["--max-lag", "1", "--max-drift", "nan"],
@@ -369,9 +370,36 @@ def test_deployment_cli_sets_and_shows_the_policy(tmp_path: Path) -> None:
         assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     res = runner.invoke(cli, ["deployment", "show", "--backend", url, "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["policy"] == {"max_lag": 1, "max_drift": 0.2}
+    shown = {"max_lag": 1, "max_drift": 0.2, "lineage": "ledger", "chain_key": "identity"}
+    assert json.loads(res.output)["policy"] == shown  # the modes shown at their defaults too
     res = runner.invoke(cli, ["deployment", "show", "--backend", url])
-    assert "admission policy: max_lag 1, max_drift 0.2" in res.output
+    assert f"admission policy: {described}" in res.output
+    # the recorded opt-outs (issue 31) are set by the operator and shown
+    opted = ["--lineage", "off", "--chain-key", "caller", "--reason", "tracked elsewhere"]
+    res = runner.invoke(
+        cli,
+        ["deployment", "set-policy", "--backend", url, "--max-lag", "1", "--max-drift", "0.2"]
+        + opted,
+    )
+    assert res.exit_code == 0 and "lineage off, chain_key caller" in res.output, res.output
+    res = runner.invoke(cli, ["deployment", "show", "--backend", url, "--json"])
+    assert json.loads(res.output)["policy"] == {**shown, "lineage": "off", "chain_key": "caller"}
+    res = runner.invoke(
+        cli,
+        [
+            "deployment",
+            "set-policy",
+            "--backend",
+            url,
+            "--max-lag",
+            "1",
+            "--max-drift",
+            "0.2",
+            "--lineage",
+            "maybe",
+        ],
+    )
+    assert res.exit_code == 2 and "Traceback" not in res.output
     res = runner.invoke(cli, ["ledger", "check", "--backend", url])
     assert res.exit_code == 0, res.output
 
@@ -661,7 +689,7 @@ def test_lineage_of_a_version_is_shown(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     assert [c["version"] for c in data["chain"]] == [1, 0]
-    assert data["updates"] == {"update-1": {"landed": True, "rollouts": ["r"]}}
+    assert data["updates"] == {"update-1": {"landed": True, "rollouts": ["r"], "status": "landed"}}
     res = runner.invoke(cli, ["deployment", "lineage", "1", "--backend", url])
     assert "v1 (prepared): trained by update-1" in res.output and "1 rollouts: r" in res.output
     res = runner.invoke(cli, ["deployment", "lineage", "7", "--backend", url])
