@@ -434,6 +434,41 @@ class _Seen:
     entry: str | None
 
 
+def _lock_updates(conn: Conn, update_ids: Sequence[str]) -> list[str]:
+    """Take each update's lock exclusively, in id order (unnest keeps the sorted array's),
+    so a reservation, a commit and a poisoning of one update land one after the other, in
+    the events' order too (a single reservation's guarded write shares the lock). Returns
+    the ids, sorted."""
+    ids = sorted(set(update_ids))
+    if ids:
+        conn.execute(
+            f"SELECT pg_advisory_xact_lock({K_UPDATE}, "
+            "hashtext(current_schema() || '/' || u)) FROM unnest(%s::text[]) AS u",
+            (ids,),
+        )
+    return ids
+
+
+def _row_and_update(
+    conn: Conn, rollout_id: str, update_id: str
+) -> tuple[LedgerEntry | None, UpdateRecord | None]:
+    """A row and an update's record from one statement (one snapshot)."""
+    sql = f"SELECT (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}"
+    row = conn.execute(sql, (rollout_id, update_id)).fetchone()
+    assert row is not None
+    return (None if row[0] is None else load_entry(row[0])), _update(row[1])
+
+
+def _updates(conn: Conn, only: Sequence[str] | None) -> dict[str, UpdateRecord]:
+    """The ledger's update records (of `only`'s ids), by id."""
+    sql = f"SELECT {UPDATE_COLUMNS} FROM ledger_updates"
+    if only is None:
+        rows = conn.execute(sql + " ORDER BY update_id").fetchall()
+    else:
+        rows = conn.execute(sql + " WHERE update_id = ANY(%s::text[])", (list(only),)).fetchall()
+    return {str(r[0]): update_from_row(r) for r in rows}
+
+
 def _rows(
     conn: Conn, rollout_ids: Sequence[str], load: Callable[[str], LedgerEntry] = load_entry
 ) -> dict[str, LedgerEntry]:
@@ -476,18 +511,8 @@ class _Unit(SqlUnit):
         return _premise(row[1])
 
     def read_updates(self, update_ids: Sequence[str]) -> dict[str, UpdateRecord]:
-        """The records, each update's lock held exclusively first (in id order: unnest keeps
-        the sorted array's), so a
-        reservation, a commit and a poisoning of one update land one after the other, in
-        the events' order too (a single reservation's write shares the lock)."""
-        ids = sorted(set(update_ids))
-        if ids:
-            self.conn.execute(
-                f"SELECT pg_advisory_xact_lock({K_UPDATE}, "
-                "hashtext(current_schema() || '/' || u)) FROM unnest(%s::text[]) AS u",
-                (ids,),
-            )
-        return super().read_updates(ids)
+        """The records, each update's lock held first (see `_lock_updates`)."""
+        return super().read_updates(_lock_updates(self.conn, update_ids))
 
     def server_now(self) -> float | None:
         if not self.store.server_clock:
@@ -643,29 +668,13 @@ class PostgresStore:
     def find_with_update(
         self, rollout_id: str, update_id: str
     ) -> tuple[LedgerEntry | None, UpdateRecord | None]:
-        sql = f"SELECT (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}"
-
-        def body(conn: Conn) -> tuple[LedgerEntry | None, UpdateRecord | None]:
-            row = conn.execute(sql, (rollout_id, update_id)).fetchone()
-            assert row is not None
-            return (None if row[0] is None else load_entry(row[0])), _update(row[1])
-
-        return self._read(body, "find")
+        return self._read(lambda c: _row_and_update(c, rollout_id, update_id), "find")
 
     def find_update(self, update_id: str) -> UpdateRecord | None:
         return self.all_updates([update_id]).get(update_id)
 
     def all_updates(self, only: Sequence[str] | None = None) -> dict[str, UpdateRecord]:
-        sql = f"SELECT {UPDATE_COLUMNS} FROM ledger_updates"
-
-        def body(conn: Conn) -> list[Any]:
-            if only is None:
-                return conn.execute(sql + " ORDER BY update_id").fetchall()
-            return conn.execute(
-                sql + " WHERE update_id = ANY(%s::text[])", (list(only),)
-            ).fetchall()
-
-        return {str(r[0]): update_from_row(r) for r in self._read(body, "updates")}
+        return self._read(lambda c: _updates(c, only), "updates")
 
     def write_one(
         self,

@@ -129,6 +129,7 @@ def _buggy_reserve(
         *,
         premise: Any,
         lease_expires_at: float | None,
+        poisoned: bool = False,  # the update's record: not what this bug is about
     ) -> tuple[ReserveOutcome, LedgerEntry | None]:
         if entry is None:
             return ReserveOutcome(rollout_id, False, MISSING, None), None
@@ -762,17 +763,19 @@ _PACING = "rollout_lifecycle.model.pacing"
 
 def _budget_ignored(plan: Any) -> Any:
     """plan_dispatch as if nothing were live: the budget never refuses."""
-    return lambda entry, chain, premise: plan(entry, chain, attrs.evolve(premise, live_window=0))
+    return lambda entry, chain, premise, **kw: plan(
+        entry, chain, attrs.evolve(premise, live_window=0), **kw
+    )
 
 
 def _attempts_unbounded(plan: Any) -> Any:
     """plan_dispatch with the policy's max_attempts dropped: a chain is requeued forever."""
 
-    def planned(entry: Any, chain: str, premise: Any) -> Any:
+    def planned(entry: Any, chain: str, premise: Any, **kw: Any) -> Any:
         pol = premise.policy
         if pol is not None:
             premise = attrs.evolve(premise, policy=attrs.evolve(pol, max_attempts=None))
-        return plan(entry, chain, premise)
+        return plan(entry, chain, premise, **kw)
 
     return planned
 
