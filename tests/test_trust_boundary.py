@@ -378,8 +378,17 @@ def test_deployment_cli_sets_and_shows_the_policy(tmp_path: Path) -> None:
     opted = ["--lineage", "off", "--chain-key", "caller", "--reason", "tracked elsewhere"]
     res = runner.invoke(
         cli,
-        ["deployment", "set-policy", "--backend", url, "--max-lag", "1", "--max-drift", "0.2"]
-        + opted,
+        [
+            "deployment",
+            "set-policy",
+            "--backend",
+            url,
+            "--max-lag",
+            "1",
+            "--max-drift",
+            "0.2",
+            *opted,
+        ],
     )
     assert res.exit_code == 0 and "lineage off, chain_key caller" in res.output, res.output
     res = runner.invoke(cli, ["deployment", "show", "--backend", url, "--json"])
