@@ -150,6 +150,7 @@ def memory_rows(ledger: MemoryLedger, registry: MemoryRegistry) -> StoredRows:
                 for w in registry.workers().values()
             ],
             "registry_attempt_tokens": [attrs.asdict(t) for t in registry.attempt_tokens()],
+            "ledger_updates": [attrs.asdict(u) for u in ledger.updates().values()],
         }
         pointer, members, policy = (
             registry.pointer(),
@@ -174,6 +175,8 @@ def memory_rows(ledger: MemoryLedger, registry: MemoryRegistry) -> StoredRows:
                 "max_drift": policy.max_drift,
                 "batch_size": policy.batch_size,
                 "max_attempts": policy.max_attempts,
+                "lineage": policy.lineage,
+                "chain_key": policy.chain_key,
             }
         ]
     )

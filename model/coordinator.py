@@ -61,7 +61,9 @@ from rollout_lifecycle.model.registry import (
     check_policy,
     counted_acks,
     current_tokens,
+    default_lineage,
     distribution_refusal,
+    lineage_fenced,
     reconcile_membership,
     required_set,
     set_admission_policy,
@@ -440,24 +442,30 @@ class ActivationCoordinator:
         parent_version: int | None = None,
         rollback_version: int | Literal[_Default.CURRENT_POINTER] | None = CURRENT_POINTER,
         *,
-        trained_by: Iterable[str] = (),
+        trained_by: Iterable[str] | None = None,
     ) -> ArtifactRecord:
         """Register a new version in 'prepared'; it must exceed every version ever registered.
 
         The rollback pointer defaults to the version active now, so an explicit rollback
-        later returns exactly there; pass None to record that there is none. `trained_by`
-        records the version's lineage, the updates whose gradients it contains: an update
-        whose commit did not land in the ledger (its lease was lost, its commit refused)
-        fences the version, which is then refused here, at commit and at activation.
+        later returns exactly there; pass None to record that there is none. The version's
+        lineage (the updates whose gradients it contains) is read from the ledger that
+        shares the registry, inside this step: its landed updates that no version claims
+        yet (each is claimed by at most one). `trained_by` names them instead; each must
+        have landed, never been poisoned (a refused commit, a lost lease, a retired
+        version) and be claimed by no other version, here, at commit and at activation.
+        A deployment whose recorded policy says `lineage="off"` records only what it is
+        given, unfenced.
         """
-        if isinstance(trained_by, str) or not isinstance(trained_by, Iterable):
-            raise ActivationError(
-                f"trained_by must be a list of update ids, got {brief(trained_by)}"
-            )
-        try:
-            lineage = ArtifactRecord(0, None, trained_by=tuple(trained_by)).trained_by
-        except InvalidRecord as exc:
-            raise ActivationError(str(exc)) from None
+        named: tuple[str, ...] | None = None
+        if trained_by is not None:
+            if isinstance(trained_by, str) or not isinstance(trained_by, Iterable):
+                raise ActivationError(
+                    f"trained_by must be a list of update ids, got {brief(trained_by)}"
+                )
+            try:
+                named = ArtifactRecord(0, None, trained_by=tuple(trained_by)).trained_by
+            except InvalidRecord as exc:
+                raise ActivationError(str(exc)) from None
         _version(version)
         if parent_version is not None:
             _version(parent_version, "parent_version")
@@ -488,6 +496,10 @@ class ActivationCoordinator:
                 raise ActivationError(
                     f"rollback pointer v{rb} must be a registered version older than v{version}"
                 )
+            if named is not None:
+                lineage = named
+            else:
+                lineage = default_lineage(view) if lineage_fenced(view) else ()
             rec = ArtifactRecord(
                 version=version,
                 artifact_hash=None,

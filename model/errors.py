@@ -87,6 +87,27 @@ class CommitMismatch(LedgerError, ValueError):
     """A commit named a set of rollouts other than exactly what its update reserved."""
 
 
+class UpdatePoisoned(CommitMismatch):
+    """A commit of an update the ledger recorded as poisoned (a commit of it was refused, a
+    lease of one of its rollouts expired, or it held a rollout of a retired version): it may
+    have trained on a rollout another update consumes, so nothing of it is consumed, now or
+    later. Abort it (its rollouts return) and train a new update on fresh reservations."""
+
+    def __init__(self, message: str, *, update_id: str, cause: str) -> None:
+        self.update_id, self.cause = update_id, cause
+        super().__init__(message)
+
+
+class DispatchRefused(LedgerError, ValueError):
+    """An `add` that the deployment's recorded pacing policy refuses (over the live budget,
+    or its prompt's attempt chain is live, trained or exhausted): nothing was written. The
+    `reason` is the one `ledger.dispatch` would return; dispatch waits for capacity."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
 class NotOwner(LedgerError, ValueError):
     """An operation on a reservation held by another update (or by none)."""
 

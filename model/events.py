@@ -28,6 +28,7 @@ from rollout_lifecycle.model.records import (
     ArtifactRecord,
     AttemptToken,
     LedgerEntry,
+    UpdateRecord,
     WorkerAck,
     from_jsonable,
     plain_maker,
@@ -210,6 +211,34 @@ def recorded_rows(conn: Any, present: set[str], why: str) -> list[TraceEvent]:
     return out
 
 
+@attrs.frozen
+class UpdateChanged:
+    """An update's status in the ledger changed, or it was first recorded (`before` None).
+
+    `event` is `open` (its first reservation), `land` (a commit of it consumed rollouts) or
+    `poison` (with the record's cause). Written in the ledger step that caused it, so the
+    spec replays every update's status from the trace.
+    """
+
+    seq: int
+    txn: int
+    at: float
+    update_id: str
+    event: str
+    before: UpdateRecord | None
+    after: UpdateRecord
+    kind: str = "update"
+
+
+# One update's change in a ledger step: (event, before, after).
+UpdateChange = tuple[str, UpdateRecord | None, UpdateRecord]
+
+
+def update_events(changes: Sequence[UpdateChange], at: float) -> list[UpdateChanged]:
+    """A ledger step's update events before a store numbers them (seq and txn 0)."""
+    return [UpdateChanged(0, 0, at, a.update_id, ev, b, a) for ev, b, a in changes]
+
+
 TraceEvent = (
     EntryChanged
     | ArtifactChanged
@@ -217,6 +246,7 @@ TraceEvent = (
     | WorkerReported
     | PolicyChanged
     | RowRecorded
+    | UpdateChanged
 )
 
 
@@ -297,6 +327,17 @@ def event_from_jsonable(data: dict[str, Any]) -> TraceEvent:
             reason=str(data.get("reason", "")),
             tokens=_tokens_from(data),
         )
+    if kind == "update":
+        before = data.get("before")
+        return UpdateChanged(
+            seq=int(data["seq"]),
+            txn=int(data["txn"]),
+            at=float(data["at"]),
+            update_id=str(data["update_id"]),
+            event=str(data["event"]),
+            before=None if before is None else from_jsonable(UpdateRecord, before),
+            after=from_jsonable(UpdateRecord, data["after"]),
+        )
     if kind == "policy":
         before = data.get("before")
         return PolicyChanged(
@@ -324,8 +365,8 @@ def event_from_jsonable(data: dict[str, Any]) -> TraceEvent:
 
 
 def event_subject(ev: TraceEvent) -> str:
-    """The indexed subject of an event: rollout id, artifact version, worker id, 'policy',
-    'membership', or table/key of a recorded row."""
+    """The indexed subject of an event: rollout id, artifact version, worker id, update id,
+    'policy', 'membership', or table/key of a recorded row."""
     if isinstance(ev, EntryChanged):
         return ev.rollout_id
     if isinstance(ev, ArtifactChanged):
@@ -336,6 +377,8 @@ def event_subject(ev: TraceEvent) -> str:
         return "policy"
     if isinstance(ev, RowRecorded):
         return f"{ev.table}/{ev.key}"
+    if isinstance(ev, UpdateChanged):
+        return ev.update_id
     return "membership"
 
 

@@ -96,6 +96,9 @@ K_REGISTRY = _BASE + 3
 K_PREMISE = _BASE + 4
 K_EVENTS = _BASE + 5
 K_DISPATCH = _BASE + 6  # a dispatch exclusively (counts, then writes); adds shared
+# one update's record: a ledger step reading it holds it exclusively, a single reservation's
+# guarded write shares it (its second key hashes the schema and the update id)
+K_UPDATE = _BASE + 7
 
 COUNTER_SHARDS = 16  # counter rows per name, so racing connections rarely share one row
 

@@ -17,6 +17,7 @@ from rollout_lifecycle.model.events import (
     EntryChanged,
     RowRecorded,
     TraceEvent,
+    UpdateChange,
     changed_payload,
     entry_changes,
     entry_payload,
@@ -25,9 +26,17 @@ from rollout_lifecycle.model.events import (
     row_event,
     stored_payload,
 )
-from rollout_lifecycle.model.ledger import dump_entry, read_entry
+from rollout_lifecycle.model.ledger import dump_entry, read_entry, update_from_row
 from rollout_lifecycle.model.pacing import PacingRow, rows_from_columns
-from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, to_jsonable
+from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, UpdateRecord, to_jsonable
+
+# the ledger's update records (issue 31): the same table on SQLite and PostgreSQL
+UPDATE_COLUMNS = "update_id, status, cause, detail"
+_UPDATE_UPSERT = (
+    f"INSERT INTO ledger_updates({UPDATE_COLUMNS}) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (update_id) DO UPDATE SET status = excluded.status, "
+    "cause = excluded.cause, detail = excluded.detail"
+)
 
 
 def read_bad(conn: Any) -> frozenset[int]:
@@ -291,6 +300,18 @@ class SqlUnit:
 
     def bad_versions(self) -> frozenset[int]:
         return read_bad(self.conn)
+
+    def read_updates(self, update_ids: Sequence[str]) -> dict[str, UpdateRecord]:
+        if not update_ids:
+            return {}
+        marks = ",".join("?" * len(update_ids))
+        sql = f"SELECT {UPDATE_COLUMNS} FROM ledger_updates WHERE update_id IN ({marks})"
+        return {str(r[0]): update_from_row(r) for r in self.run(sql, list(update_ids))}
+
+    def put_updates(self, updates: Sequence[UpdateChange]) -> None:
+        """Store the records `updates` leave (inside the step, before their events)."""
+        for _, _, a in updates:  # a step changes one update, or the few a lease expiry hit
+            self.run(_UPDATE_UPSERT, (a.update_id, a.status, a.cause, a.detail))
 
     def mark_bad(self, version: int, reason: str) -> None:
         cur = self.run(

@@ -651,6 +651,12 @@ _TABLES: tuple[_Table, ...] = (
         "registry_policy", ("id",), lambda r: _one(r.world.policy), lambda _: "admission policy"
     ),
     _Table(
+        "ledger_updates",
+        ("update_id",),
+        lambda r: {u: _fields(x) for u, x in r.world.updates.items()},
+        lambda u: f"update {u!r}",
+    ),
+    _Table(
         "registry_attempt_tokens",
         ("version", "worker_id"),
         lambda r: {k: _fields(t) for k, t in r.world.tokens.items()},

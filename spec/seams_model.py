@@ -30,7 +30,7 @@ from rollout_lifecycle.model import coordinator as coord_mod
 from rollout_lifecycle.model import gate as gate_mod
 from rollout_lifecycle.model import ledger as ledger_mod
 from rollout_lifecycle.model import registry as registry_mod
-from rollout_lifecycle.model.errors import ActivationError, RolloutLifecycleError
+from rollout_lifecycle.model.errors import ActivationError, RolloutLifecycleError, UpdatePoisoned
 from rollout_lifecycle.model.events import ArtifactChanged, EventLog, TraceEvent
 from rollout_lifecycle.model.records import (
     ActionEvidence,
@@ -378,8 +378,12 @@ class Composition:
         ln, led, _reg = self._learner(k)
         if not ln.held:
             return
-        led.commit(ln.update_id, list(ln.held))
-        self.observed["commit"] += 1
+        try:
+            led.commit(ln.update_id, list(ln.held))
+            self.observed["commit"] += 1
+        except UpdatePoisoned:  # a rollback retired what it held: the commit cannot land
+            self.observed["commit_refused_retired"] += 1
+            led.abort(ln.update_id)
         self.learners[k] = LearnerState(ln.name, ln.update + 1)
 
 

@@ -830,7 +830,7 @@ class ActivationMachine(RuleBasedStateMachine):
         snap = led.snapshot()
         arts = reg.artifacts()
         pointer = reg.pointer()
-        world = world_of(snap, arts, pointer, reg)
+        world = world_of(snap, arts, pointer, reg, led)
         raise_violations(rec, "stores", check_snapshot(rec, world))
         rec.checked(["trace_matches_store", "reference_model", "ghost_truth"])
         if self.checker.world != world:

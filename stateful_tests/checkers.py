@@ -52,6 +52,7 @@ from rollout_lifecycle.model.events import (
     StoredEvent,
     StoredRows,
     TraceEvent,
+    UpdateChanged,
     WorkerReported,
     chain_hash,
 )
@@ -64,6 +65,7 @@ from rollout_lifecycle.model.records import (
     Disposition,
     LedgerEntry,
     Reward,
+    UpdateRecord,
     WorkerAck,
     to_jsonable,
 )
@@ -87,10 +89,12 @@ from rollout_lifecycle.stateful_tests.histories import (
     flagged,
     forge,
     freshness,
+    hash_mismatch_history,
     is_art,
     is_entry,
     is_report,
     issued,
+    lineage_history,
     paced_history,
     random_history,
     reserved_after_rollback,
@@ -328,6 +332,46 @@ def spec_cases() -> list[CheckerCase]:
         "lineage dropped after registration",
         _trace(lambda: _lineage(evs(), ("u1",))),
     )
+    add(
+        None,
+        "two landed updates, one version's lineage each",
+        _trace(lambda: lineage_history([("u1",), ("u2",)])),
+    )
+    add(
+        "lineage_fenced",
+        "lineage names an update poisoned after it landed",
+        _trace(lambda: lineage_history([("u1",)], poison="u1")),
+    )
+    add(
+        "lineage_fenced",
+        "one update in two versions' lineage",
+        _trace(lambda: lineage_history([("u1",), ("u1", "u2")])),
+    )
+    add(
+        "update_status_follows",
+        "a lost lease that leaves its holder unpoisoned",
+        _trace(lambda: [e for e in evs() if not _poisons(e, "u3")]),
+    )
+    add(
+        "update_status_follows",
+        "a poisoned update landed again",
+        _trace(lambda: _relanded(evs(), "u3")),
+    )
+    add(
+        "poisoned_update_never_lands",
+        "an update reserves and commits after it lost a lease",
+        _trace(lambda: _after_loss(evs(), "r4", "u3")),
+    )
+    add(
+        "poisoned_update_never_lands",
+        "a rollout of a retired version consumed",
+        _trace(lambda: _consumed(reserved_after_rollback(kept=False, admission=stamp(1, 0)))),
+    )
+    add(
+        "reserved_against_current_version",
+        "stamped with a hash its version never had",
+        _trace(hash_mismatch_history),
+    )
     bad_stage = LedgerEntry(
         rollout_id="a",
         behavior_version=0,
@@ -561,6 +605,21 @@ def _pacing_cases() -> list[CheckerCase]:
             lambda: [*paced(), dispatched_event("a2", 2, "p1", 2)],
         ),
         p(
+            "an add past the full budget, without its prompt's chain",
+            lambda: [
+                *paced(),
+                EntryChanged(
+                    10_000,
+                    10_000,
+                    0.0,
+                    "z1",
+                    "add",
+                    None,
+                    LedgerEntry("z1", 2, f"{2:x}".rjust(64, "c")),
+                ),
+            ],
+        ),
+        p(
             "an attempt numbered out of order",
             lambda: tamper(
                 paced(),
@@ -644,6 +703,53 @@ def _passed_on(events: Sequence[TraceEvent]) -> list[TraceEvent]:
         and e is not out[i + 1]
         else e
         for e in out
+    ]
+
+
+def _poisons(ev: TraceEvent, update: str) -> bool:
+    return isinstance(ev, UpdateChanged) and ev.update_id == update and ev.event == "poison"
+
+
+def _relanded(events: Sequence[TraceEvent], update: str) -> list[TraceEvent]:
+    """The history, then `update`'s record moved from poisoned back to landed."""
+    last = next(e for e in reversed(events) if _poisons(e, update))
+    assert isinstance(last, UpdateChanged)
+    landed = UpdateRecord(update, "landed")
+    return [*events, UpdateChanged(999, 999, 0.0, update, "land", last.after, landed)]
+
+
+def _after_loss(events: Sequence[TraceEvent], rid: str, update: str) -> list[TraceEvent]:
+    """The history, then `update` (which lost a lease) reserves `rid` again and commits it,
+    as a write path that forgot the poisoning would record it."""
+    cur = next(e for e in reversed(events) if isinstance(e, EntryChanged) and e.rollout_id == rid)
+    held = attrs.evolve(
+        cur.after,
+        state="reserved",
+        revision=cur.after.revision + 1,
+        reserved_by=update,
+        lease_expires_at=100.0,
+        admission=stamp(0, 0),
+    )
+    done = attrs.evolve(
+        held, state="consumed", revision=held.revision + 1, reserved_by=None, lease_expires_at=None
+    )
+    return [
+        *events,
+        EntryChanged(998, 998, 0.0, rid, "reserve", cur.after, held, update),
+        EntryChanged(999, 999, 0.0, rid, "commit", held, done, update),
+    ]
+
+
+def _consumed(events: Sequence[TraceEvent]) -> list[TraceEvent]:
+    """The history, then its last reservation committed by its holder."""
+    last = next(e for e in reversed(events) if isinstance(e, EntryChanged))
+    held = last.after
+    done = attrs.evolve(
+        held, state="consumed", revision=held.revision + 1, reserved_by=None, lease_expires_at=None
+    )
+    return [
+        *events,
+        EntryChanged(999, 999, 0.0, held.rollout_id, "commit", held, done, last.update_id),
     ]
 
 
@@ -1004,7 +1110,8 @@ def audit_cases() -> list[CheckerCase]:
 
     def edit_payload(r: StoredRows) -> StoredRows:
         evs = list(r.events)
-        evs[-1] = attrs.evolve(evs[-1], payload=evs[-1].payload.replace('"consumed"', '"rewarded"'))
+        i = max(k for k, e in enumerate(evs) if e.kind == "entry")  # the commit's event
+        evs[i] = attrs.evolve(evs[i], payload=evs[i].payload.replace('"consumed"', '"rewarded"'))
         return attrs.evolve(r, events=evs)
 
     return [
@@ -1026,6 +1133,12 @@ def audit_cases() -> list[CheckerCase]:
             "the pointer row edited",
             "stored_matches_trace",
             audited(lambda r: _edit_table(r, "registry_pointer", "version", 7)),
+        ),
+        CheckerCase(
+            "audit",
+            "a landed update's record set back to open",
+            "stored_matches_trace",
+            audited(lambda r: _edit_table(r, "ledger_updates", "status", "open")),
         ),
         CheckerCase("audit", "an event deleted mid-chain", "history_deleted", audited(drop(3))),
         CheckerCase(
@@ -1177,6 +1290,7 @@ def _sequence_keeping_cases(
 _AUDITED = (
     "ledger_counters",
     "rollouts",
+    "ledger_updates",
     "registry_artifacts",
     "registry_workers",
     "registry_attempt_tokens",
@@ -1251,6 +1365,8 @@ class Premise:
     policy: AdmissionPolicy | None
     retired: frozenset[int]
     kept: frozenset[int]
+    # the hash the rollout is stamped with (its version's is f"h{version}")
+    artifact_hash: str | None = None
 
 
 def _gen_premise(rng: random.Random) -> Premise:
@@ -1334,7 +1450,8 @@ def _gen_premise(rng: random.Random) -> Premise:
         ever = ever | {pv + 1}  # a newer version that was active, then rolled back
     rolled = frozenset(v for v in ever if v > pv)
     kept = frozenset(v for v in rolled if rng.random() < 0.4)
-    return Premise(st, bv, pv, ever, policy, rolled - kept, kept)
+    digest = f"h{bv}" if rng.random() < 0.9 else "h-never"  # a hash its version never had
+    return Premise(st, bv, pv, ever, policy, rolled - kept, kept, digest)
 
 
 def _spec_refuses(p: Premise) -> bool:
@@ -1367,7 +1484,7 @@ def _spec_refuses(p: Premise) -> bool:
     before = LedgerEntry(
         rollout_id="x",
         behavior_version=p.behavior_version,
-        artifact_hash=f"h{p.behavior_version}",
+        artifact_hash=p.artifact_hash or f"h{p.behavior_version}",
         state="rewarded",
         revision=2,
         reward=REWARD,
@@ -1408,7 +1525,14 @@ def _spec_refuses(p: Premise) -> bool:
 def _rules_refuse(p: Premise) -> bool:
     return (
         rules.reservation_refusal(
-            p.stamp, p.behavior_version, p.pointer, p.was_active, p.policy, p.retired
+            p.stamp,
+            p.behavior_version,
+            p.pointer,
+            p.was_active,
+            p.policy,
+            p.retired,
+            p.artifact_hash or f"h{p.behavior_version}",
+            {v: f"h{v}" for v in p.was_active},
         )
         is not None
     )

@@ -150,6 +150,8 @@ class LedgerRaceMachine(RuleBasedStateMachine):
         self.registered: dict[int, str] = {0: artifact_hash(0)}
         self.skipped: list[int] = []
         self.bad: set[int] = set()
+        # updates the reference holds poisoned (issue 31): a lost lease, a refused commit
+        self.poisoned: set[str] = set()
         self.stamps: dict[str, AdmissionStamp] = {}
         self.judged: dict[str, int] = {}  # rollout -> version it was last judged against
         self.checker = TraceChecker(self.recorder, with_registry=False)
@@ -232,6 +234,8 @@ class LedgerRaceMachine(RuleBasedStateMachine):
             return "revision_conflict"
         if r.state != "rewarded":
             return "not_rewarded"
+        if update_id in self.poisoned:
+            return "update_poisoned"
         if stamp is None or not stamp.accepted or stamp.behavior_version != r.version:
             return "not_admitted"
         return "reserved"
@@ -510,14 +514,20 @@ class LedgerRaceMachine(RuleBasedStateMachine):
             others = sorted(set(self.ref) - ids)
             ids = set(sorted(ids)[1:]) if ids else {others[0]} if others else {"r-none"}
         owned = self._owned(ln.update_id)
+        poisoned = ln.update_id in self.poisoned
         try:
             got = self.ledger.commit(ln.update_id, sorted(ids))
         except CommitMismatch:
-            if ids == owned:
+            if ids == owned and not poisoned:
                 raise self.recorder.fail(
                     f"commit of exactly what {ln.update_id} reserved {sorted(ids)} was refused"
                 ) from None
+            if ids == owned:
+                self.recorder.note("poisoned_commit_refused")
+            self.poisoned.add(ln.update_id)  # a refused commit poisons its update
             return
+        if poisoned:
+            raise self.recorder.fail(f"commit by {ln.update_id}, a poisoned update, landed")
         if ids != owned:
             raise self.recorder.fail(
                 f"commit by {ln.update_id} of {sorted(ids)} succeeded, but it holds {sorted(owned)}"
@@ -668,6 +678,9 @@ class LedgerRaceMachine(RuleBasedStateMachine):
             self.recorder.reached("renewed_then_expired")
         for rid in due:
             self.ref[rid].renewed = False
+            owner = self.ref[rid].owner
+            if owner is not None:  # it may have trained on it: poisoned (issue 31)
+                self.poisoned.add(owner)
             self._release(rid, "expire_lease")
 
     # ---- policy versions ---------------------------------------------------------------------

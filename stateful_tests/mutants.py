@@ -144,6 +144,7 @@ def _buggy_reserve(
         *,
         premise: Any,
         lease_expires_at: float | None,
+        poisoned: bool = False,  # the update's record: not what this bug is about
     ) -> tuple[ReserveOutcome, LedgerEntry | None]:
         if entry is None:
             return ReserveOutcome(rollout_id, False, MISSING, None), None
@@ -428,6 +429,7 @@ def _stamp_only(
     self: ledger_mod.ActivationPremise,
     admission: Any,
     behavior_version: int,
+    artifact_hash: str | None = None,
     *,
     stamp_passed: bool = False,  # judged here all the same
 ) -> tuple[str, str] | None:
@@ -442,6 +444,7 @@ def _trust_accepted(
     self: ledger_mod.ActivationPremise,
     admission: Any,
     behavior_version: int,
+    artifact_hash: str | None = None,
     *,
     stamp_passed: bool = False,  # judged here all the same
 ) -> tuple[str, str] | None:
@@ -462,6 +465,7 @@ def _stamp_bounds_trusted(
     self: ledger_mod.ActivationPremise,
     admission: Any,
     behavior_version: int,
+    artifact_hash: str | None = None,
     *,
     stamp_passed: bool = False,  # judged here all the same
 ) -> tuple[str, str] | None:
@@ -476,6 +480,8 @@ def _stamp_bounds_trusted(
         self.was_active,
         loose if self.policy is not None else None,
         self.retired,
+        artifact_hash,
+        self.hashes,
     )
 
 
@@ -855,17 +861,19 @@ _PACING = "rollout_lifecycle.model.pacing"
 
 def _budget_ignored(plan: Any) -> Any:
     """plan_dispatch as if nothing were live: the budget never refuses."""
-    return lambda entry, chain, premise: plan(entry, chain, attrs.evolve(premise, live_window=0))
+    return lambda entry, chain, premise, **kw: plan(
+        entry, chain, attrs.evolve(premise, live_window=0), **kw
+    )
 
 
 def _attempts_unbounded(plan: Any) -> Any:
     """plan_dispatch with the policy's max_attempts dropped: a chain is requeued forever."""
 
-    def planned(entry: Any, chain: str, premise: Any) -> Any:
+    def planned(entry: Any, chain: str, premise: Any, **kw: Any) -> Any:
         pol = premise.policy
         if pol is not None:
             premise = attrs.evolve(premise, policy=attrs.evolve(pol, max_attempts=None))
-        return plan(entry, chain, premise)
+        return plan(entry, chain, premise, **kw)
 
     return planned
 

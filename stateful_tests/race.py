@@ -41,8 +41,10 @@ from rollout_lifecycle.model.backends import open_backend, redact_url
 from rollout_lifecycle.model.errors import (
     ActivationError,
     BackendURLError,
+    DispatchRefused,
     RevisionConflict,
     RolloutLifecycleError,
+    UpdatePoisoned,
 )
 from rollout_lifecycle.model.events import (
     ArtifactChanged,
@@ -52,6 +54,7 @@ from rollout_lifecycle.model.events import (
 )
 from rollout_lifecycle.model.gate import AdmissionGate, GatePolicy
 from rollout_lifecycle.model.ledger import ReserveRequest
+from rollout_lifecycle.model.pacing import identity_chain
 from rollout_lifecycle.model.records import (
     ActionEvidence,
     AdmissionPolicy,
@@ -204,14 +207,14 @@ def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                 # a sliding window of `chains` prompts, the same in every process: chains
                 # are retried, run out of attempts, and new prompts keep arriving
                 base = int((time.time() - opened) * 4)
-                chain = f"c{base + rng.randrange(cfg.chains)}"
                 rid = f"d{index}.{n}"
                 n += 1
-                entry = LedgerEntry(
-                    rollout_id=rid, behavior_version=v, artifact_hash=version_hash(v)
-                )
+                # the prompt's identity names its chain (the deployment's chain_key)
+                identity = RolloutIdentity(rid, f"c{base + rng.randrange(cfg.chains)}", "race", 0)
+                chain = identity_chain(identity)
+                ro = Rollout(identity, BehaviorPolicy(v, version_hash(v)), CONDITIONS)
                 t0 = clock()
-                got = b.ledger.dispatch(entry, chain=chain)
+                got = b.ledger.dispatch(ro)
                 calls.append(
                     {
                         "kind": "dispatch",
@@ -276,6 +279,20 @@ def _advance_attempt(
     started.remove(rid)
 
 
+def _generated(rid: str, version: int, digest: str) -> Rollout:
+    """A rollout the activators' generator adds already rewarded: its own prompt (so its
+    identity names a chain of its own), its entry at `rewarded`."""
+    status = LedgerEntry(
+        rollout_id=rid,
+        behavior_version=version,
+        artifact_hash=digest,
+        state="rewarded",
+        reward=REWARD,
+    )
+    identity = RolloutIdentity(rid, f"g-{rid}", "race", 0)
+    return Rollout(identity, BehaviorPolicy(version, digest), CONDITIONS, status=status)
+
+
 def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
     rng = random.Random(cfg.seed * 7919 + index)
     stats: Counter[str] = Counter()
@@ -291,18 +308,15 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                     waiting = b.ledger.statistics().by_state.get("rewarded", 0)
                     if waiting < cfg.pool and serving is not None:
                         entries = [
-                            LedgerEntry(
-                                rollout_id=f"a{index}.{n + i}",
-                                behavior_version=serving.version,
-                                artifact_hash=serving.artifact_hash,
-                                state="rewarded",
-                                reward=REWARD,
-                            )
+                            _generated(f"a{index}.{n + i}", serving.version, serving.artifact_hash)
                             for i in range(BATCH)
                         ]
                         n += BATCH
-                        b.ledger.add_many(entries)
-                        stats["generated"] += BATCH
+                        try:  # under a pacing policy the budget covers these adds too
+                            b.ledger.add_many(entries)
+                            stats["generated"] += BATCH
+                        except DispatchRefused as exc:
+                            stats[f"generator:{exc.reason}"] += 1
                 try:
                     top = coord.registry.max_version() or 0
                     v = top + 1
@@ -446,8 +460,12 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
                 if won and rng.random() < 0.08:  # the update failed: its rollouts go back
                     stats["aborted"] += len(b.ledger.abort(update_id))
                 elif won:
-                    b.ledger.commit(update_id, won)
-                    stats["committed"] += len(won)
+                    try:
+                        b.ledger.commit(update_id, won)
+                        stats["committed"] += len(won)
+                    except UpdatePoisoned as exc:  # e.g. a rollback retired what it held
+                        stats[f"commit_refused:{exc.cause}"] += 1
+                        b.ledger.abort(update_id)
                 if rng.random() < 0.05:  # a reaper's sweep (leases run 600 s: rarely due)
                     b.ledger.expire_leases()
             reader.close()
@@ -815,6 +833,7 @@ class _PacingMoment:
     index: PacingIndex = attrs.field(factory=PacingIndex)
     pointer: int | None = None
     ever_active: set[int] = attrs.field(factory=set)
+    retired: set[int] = attrs.field(factory=set)
     policy: AdmissionPolicy | None = None
 
     def apply(self, ev: TraceEvent) -> None:
@@ -826,6 +845,9 @@ class _PacingMoment:
             self.pointer = None if ev.pointer_after is None else ev.pointer_after.version
             if self.pointer is not None:
                 self.ever_active.add(self.pointer)
+            kept = ev.after.failure is not None and ev.after.failure.cause == "rolled_back_kept"
+            if ev.after.state == "rolled_back" and not kept:
+                self.retired.add(ev.version)
         elif isinstance(ev, PolicyChanged):
             self.policy = ev.after
 
@@ -835,6 +857,8 @@ class _PacingMoment:
         states = [self.entries[r].state for r in self.index.chains.get(chain, [])]
         if reason == "not_active":
             return p is None or v > p or v not in self.ever_active
+        if reason == "version_retired":
+            return v in self.retired
         if reason == "chain_done":
             return "consumed" in states
         if reason == "chain_live":

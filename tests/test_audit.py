@@ -990,7 +990,7 @@ def test_a_store_written_whole_then_by_changes_audits_clean(
         if k == "entry" and s == "r5"
     ]
     assert kinds == [(True, False)] * 3 + [(False, True)] * 2
-    assert store.sql("SELECT version FROM schema_meta WHERE component = 'ledger'") == [(2,)]
+    assert store.sql("SELECT version FROM schema_meta WHERE component = 'ledger'") == [(3,)]
 
 
 def _edited(store: Store, edit: Any) -> AuditReport:
