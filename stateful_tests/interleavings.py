@@ -77,14 +77,15 @@ def gap_after_read(b: Backend, gap: Callable[[], None]) -> Iterator[None]:
     """Run `gap` right after the learner's reservation read its row (before its step).
 
     A hook on the learner's store object only: the store the ledger reads through
-    (`peek` on a guarded store, else `find`) runs the gap once, after its own read."""
+    (`peek` on a guarded store, else `find_with_update`: the row with its update's record)
+    runs the gap once, after its own read."""
     store: Any = b.ledger.store  # type: ignore[attr-defined]
-    name = "peek" if isinstance(store, GuardedStore) else "find"
+    name = "peek" if isinstance(store, GuardedStore) else "find_with_update"
     real = getattr(store, name)
     pending = [gap]
 
-    def read_then_gap(rollout_id: str) -> Any:
-        got = real(rollout_id)
+    def read_then_gap(*args: Any) -> Any:
+        got = real(*args)
         if pending:
             pending.pop()()
         return got

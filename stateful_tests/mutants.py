@@ -796,15 +796,20 @@ def _stale_row_refusal(reserve: Any) -> Any:
     def stale(self: Any, rollout_id: str, *args: Any, **kwargs: Any) -> Any:
         store = self.store
         peeked: dict[str, Any] = {}
-        real_find, real_peek, real_atomic = store.find, getattr(store, "peek", None), store.atomic
+        real_find, real_peek, real_atomic = (
+            store.find_with_update,
+            getattr(store, "peek", None),
+            store.atomic,
+        )
 
-        def find(rid: str) -> Any:
-            peeked[rid] = got = real_find(rid)
+        def find(rid: str, *rest: Any) -> Any:  # the row read before the step (and its update)
+            got = real_find(rid, *rest)
+            peeked[rid] = got[0]
             return got
 
-        def peek(rid: str) -> Any:
+        def peek(rid: str, *rest: Any) -> Any:
             assert real_peek is not None
-            got = real_peek(rid)
+            got = real_peek(rid, *rest)
             peeked[rid] = got[0]
             return got
 
@@ -813,9 +818,9 @@ def _stale_row_refusal(reserve: Any) -> Any:
                 return real_atomic(body, step)  # (a one-statement write is not a body)
             return real_atomic(lambda uow: body(_RowsAsPeeked(uow, peeked)), step)
 
-        names = ("find", "atomic", "peek")
+        names = ("find_with_update", "atomic", "peek")
         own = {n: vars(store)[n] for n in names if n in vars(store)}  # a test's own hooks
-        store.find, store.atomic = find, atomic
+        store.find_with_update, store.atomic = find, atomic
         if real_peek is not None:
             store.peek = peek
         try:

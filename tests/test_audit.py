@@ -376,17 +376,18 @@ def test_reordered_events_are_flagged(store: Store) -> None:
 
 
 def test_truncated_history_is_flagged(store: Store) -> None:
-    """The last two events (u1's commit) cut off: the head names what is missing."""
+    """The last three events (u1's commit: its two rollouts and the update landing) cut off:
+    the head names what is missing."""
     seqs = [int(s) for s, *_ in store.event_rows()]
-    _drop(store, seqs[-2:])
+    _drop(store, seqs[-3:])
     got = found(store.audit())
     assert "history_truncated" in got, got
     ((seq, msg),) = got["history_truncated"]
-    assert seq == seqs[-3] and f"names event #{seqs[-1]}" in msg, msg
-    # the rows still say consumed, the shortened history says reserved; the counters
-    # counted the two writes cut off
+    assert seq == seqs[-4] and f"names event #{seqs[-1]}" in msg, msg
+    # the rows still say consumed, the shortened history says reserved; the update's record
+    # says landed, its history open; the counters counted the two writes cut off
     msgs = sorted(m for _, m in got["stored_matches_trace"])
-    assert [m[:3] for m in msgs] == ["led", "r0:", "r1:"], msgs
+    assert [m[:3] for m in msgs] == ["led", "r0:", "r1:", "upd"], msgs
     assert msgs[0] == "ledger counter writes: stored 13, the history records 11"
 
 
