@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from rollout_lifecycle.model.errors import ActivationError
-from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, TraceEvent
+from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, RowRecorded, TraceEvent
 from rollout_lifecycle.model.postgres_common import (
     K_PREMISE,
     K_REGISTRY,
@@ -43,6 +43,7 @@ from rollout_lifecycle.model.records import (
 from rollout_lifecycle.model.registry import (
     _ART_COLS,
     _LATER_COLUMNS,
+    POLICY_UPSERT,
     RegistryStep,
     RegistryView,
     SqlView,
@@ -53,6 +54,7 @@ from rollout_lifecycle.model.registry import (
     _Unchanged,
     check_step,
     make_events,
+    policy_row,
     token_statements,
 )
 
@@ -61,15 +63,18 @@ R = TypeVar("R")
 COMPONENT = "registry"
 # 2: the durable admission policy (registry_policy)
 # 3: the policy's pacing bounds (batch_size, max_attempts)
-# 4: an attempt's ack deadline and spent attempt tokens
-SCHEMA_VERSION = 4
+# 4: the policy's lineage mode and attempt-chain key (issue 31)
+# 5: an attempt's ack deadline and spent attempt tokens (issue 31)
+SCHEMA_VERSION = 5
 # 1 -> 2 adds tables (created by the DDL) and the artifacts' lineage column
 MIGRATIONS = {
     1: "ALTER TABLE registry_artifacts ADD COLUMN IF NOT EXISTS trained_by text",
     2: "ALTER TABLE registry_policy ADD COLUMN IF NOT EXISTS batch_size bigint, "
     "ADD COLUMN IF NOT EXISTS max_attempts bigint",
+    3: "ALTER TABLE registry_policy ADD COLUMN IF NOT EXISTS lineage text NOT NULL "
+    "DEFAULT 'ledger', ADD COLUMN IF NOT EXISTS chain_key text NOT NULL DEFAULT 'identity'",
     # a token some stored ack already echoed counted once: spent, as the history says
-    3: "ALTER TABLE registry_artifacts ADD COLUMN IF NOT EXISTS ack_deadline double precision;"
+    4: "ALTER TABLE registry_artifacts ADD COLUMN IF NOT EXISTS ack_deadline double precision;"
     "ALTER TABLE registry_attempt_tokens ADD COLUMN IF NOT EXISTS spent boolean NOT NULL "
     "DEFAULT false;"
     "UPDATE registry_attempt_tokens t SET spent = true WHERE EXISTS (SELECT 1 FROM events e "
@@ -110,7 +115,9 @@ CREATE TABLE IF NOT EXISTS registry_policy (
     max_lag   bigint NOT NULL CHECK (max_lag >= 0),
     max_drift double precision NOT NULL CHECK (max_drift >= 0),
     batch_size   bigint,
-    max_attempts bigint
+    max_attempts bigint,
+    lineage   text NOT NULL DEFAULT 'ledger',
+    chain_key text NOT NULL DEFAULT 'identity'
 );
 CREATE TABLE IF NOT EXISTS registry_attempt_tokens (
     version   bigint NOT NULL CHECK (version >= 0),
@@ -147,7 +154,6 @@ class _PgView(SqlView):
 
     PARAM = "%s"
     TOKENS_TABLE_SQL = "SELECT 1 WHERE to_regclass(%s) IS NOT NULL"
-    EVENT_FIELD = "(payload::jsonb ->> '{}')"
     COLUMN_SQL = (
         "SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema() "
         "AND table_name = %s AND column_name = %s"
@@ -205,19 +211,7 @@ def _write_step(conn: Conn, step: RegistryStep) -> None:
             (json.dumps(list(step.membership)),),
         )
     if not isinstance(step.policy, _Unchanged):
-        conn.execute(
-            "INSERT INTO registry_policy(id, max_lag, max_drift, batch_size, max_attempts) "
-            "VALUES (1, %s, %s, %s, %s) "
-            "ON CONFLICT (id) DO UPDATE SET max_lag = excluded.max_lag, "
-            "max_drift = excluded.max_drift, batch_size = excluded.batch_size, "
-            "max_attempts = excluded.max_attempts",
-            (
-                step.policy.max_lag,
-                step.policy.max_drift,
-                step.policy.batch_size,
-                step.policy.max_attempts,
-            ),
-        )
+        conn.execute(POLICY_UPSERT.replace("?", "%s"), policy_row(step.policy))
 
 
 class PostgresRegistry:
@@ -354,12 +348,13 @@ class PostgresRegistry:
         return [e for e in evs if isinstance(e, ArtifactChanged)]
 
     def trace(self) -> list[TraceEvent]:
-        """Every registry event (artifacts, membership, worker reports) in global order."""
+        """Every registry event (artifacts, membership, worker reports) in global order
+        (the rows recorded for `ledger check`, RowRecorded, are not registry events)."""
         self._check_open()
         if self._empty:
             return []
         evs = self.db.read(lambda c: read_events(c, exclude_kind="entry"), "trace")
-        return [e for e in evs if not isinstance(e, EntryChanged)]
+        return [e for e in evs if not isinstance(e, EntryChanged | RowRecorded)]
 
     def close(self) -> None:
         """Release this registry's hold on the pool; the data stays. Idempotent."""
