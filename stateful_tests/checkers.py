@@ -1036,7 +1036,8 @@ def _lin(lines: Sequence[dict[str, Any]], time_limit: float = 5.0) -> Run:
 def linearizability_cases(seed: int, generated: int) -> list[CheckerCase]:
     """Histories no single order explains (issue 33's stale-row refusal, a double
     reservation, a lost commit, a retry answered differently, a batch half applied, a
-    pointer that goes back), each beside its good twin; a search too big for its time
+    pointer that goes back, a settle that activates before the ack or fails what was not
+    awaiting acks), each beside its good twin; a search too big for its time
     limit ('unknown', never 'ok'); sequential workloads through the real code (the model
     must explain every answer) and the same with one answer changed."""
     name = "linearizable"
@@ -1053,6 +1054,8 @@ def linearizability_cases(seed: int, generated: int) -> list[CheckerCase]:
         ),
         ("batch half applied", H.batch_half_applied, "rewarded", "reserved"),
         ("pointer goes back", H.pointer_goes_back, 0, 1),
+        ("a settle that activates before the ack", H.settle_before_the_ack, True, False),
+        ("a settle that fails what was not awaiting", H.settle_fails_what_was_not_awaiting, 0, 1),
     ]
     cases = []
     for what, build, bad, good in pairs:

@@ -36,6 +36,8 @@ PAIRS: list[tuple[str, Callable[..., Any], Any, Any]] = [
     ("retry", H.retry_answered_differently, "revision_conflict", "idempotent_retry"),
     ("batch_half_applied", H.batch_half_applied, "rewarded", "reserved"),
     ("pointer_goes_back", H.pointer_goes_back, 0, 1),
+    ("settle_before_the_ack", H.settle_before_the_ack, True, False),
+    ("settle_fails_what_was_not_awaiting", H.settle_fails_what_was_not_awaiting, 0, 1),
 ]
 
 
