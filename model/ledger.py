@@ -73,6 +73,8 @@ IDEMPOTENT = "idempotent_retry"
 CONFLICT = "revision_conflict"
 NOT_REWARDED = "not_rewarded"
 MISSING = "missing_rollout"
+# a dispatch_many request whose id the ledger already holds (its stored entry is returned)
+ALREADY_DISPATCHED = "already_dispatched"
 # refusals decided inside the reservation's atomic step (model.rules.reservation_refusal)
 NOT_ADMITTED = rules.NOT_ADMITTED
 POINTER_MOVED = rules.POINTER_MOVED
@@ -1749,6 +1751,177 @@ class StoreLedger:
 
         return self.store.view(body, "oldest_admissible")
 
+    def land_and_reserve(
+        self,
+        update_id: str | None,
+        landings: Sequence[Landing] = (),
+        *,
+        close: Sequence[tuple[str, str, Disposition]] = (),
+        reserve: Mapping[str, AdmissionStamp] | None = None,
+    ) -> LandedStep:
+        """Land a step's generations, close what must not train, and reserve, in ONE step.
+
+        A trainer's per-step write as one atomic step whose cost is what it writes, whatever
+        the ledger's size: each landing is applied to its row as read in this step (see
+        `Landing`); each `(id, event, disposition)` of `close` fires `event` (one of
+        CLOSING_EVENTS) on the row if the machine allows it from the row's state; then each
+        id of `reserve` is reserved for `update_id` with its stamp on the row as this step
+        left it (it must be rewarded; the stamp is judged against the registry's premise of
+        this step, as `reserve_batch` judges it). The compare-and-set of a reservation is on
+        the revision this step read: nothing can move the row in between, except on a store
+        that locks rows rather than the step, where a lost write is reported
+        ('revision_conflict') and writes nothing.
+        """
+        items = [check_landing(x) for x in landings]
+        closes = [(check_id(r), ev, d) for r, ev, d in close]
+        for rid, ev, d in closes:
+            if ev not in CLOSING_EVENTS:
+                raise InvalidLedgerArgument(
+                    f"{rid}: close takes {sorted(CLOSING_EVENTS)}, got {brief(ev)}"
+                )
+            direct_changes(ev, None, d)
+        stamps = dict(reserve or {})
+        if stamps:
+            if update_id is None:
+                raise InvalidLedgerArgument("reserving needs an update id")
+            check_update_id(update_id)
+            check_requests([ReserveRequest(check_id(r), 0, s) for r, s in stamps.items()])
+        ids = list(dict.fromkeys([x.rollout_id for x in items] + [r for r, _, _ in closes]))
+        ids += [r for r in stamps if r not in set(ids)]
+        if not ids:
+            return LandedStep({}, (), {})
+
+        def body(uow: UnitOfWork, local: Counter[str]) -> LandedStep:
+            rows = uow.read_rows(ids)
+            bad = uow.bad_versions()
+            now: dict[str, LedgerEntry] = dict(rows)
+            changes: list[Change] = []
+            skipped: dict[str, str] = {}
+            for x in items:
+                row = now.get(x.rollout_id)
+                steps, after, why = plan_landing(row, x, bad)
+                if why is not None:
+                    skipped[x.rollout_id] = why
+                    continue
+                assert after is not None
+                changes.extend(steps)
+                now[x.rollout_id] = after
+            for rid, ev, d in closes:
+                row = now.get(rid)
+                if row is None or not LIFECYCLE.is_legal(row.state, ev):
+                    skipped[rid] = "missing" if row is None else row.state
+                    continue
+                after = plan_transition(row, ev, **direct_changes(ev, None, d))
+                changes.append((ev, row, after, None))
+                now[rid] = after
+            outcomes: list[ReserveOutcome] = []
+            if stamps:
+                assert update_id is not None
+                premise = uow.read_premise()
+                lease = self._now(uow) + self.lease_seconds
+                requests = [
+                    ReserveRequest(r, now[r].revision if r in now else 0, s)
+                    for r, s in stamps.items()
+                ]
+                outcomes, planned = plan_reserves(
+                    now, requests, update_id, premise=premise, lease_expires_at=lease
+                )
+                for rid, (b, a) in planned.items():
+                    changes.append(("reserve", b, a, update_id))
+                    now[rid] = a
+            enforce(a for _, _, a, _ in changes)
+            fresh = [now[r] for r in ids if r not in rows and r in now]
+            if fresh:
+                uow.insert(fresh)
+            pairs = [(rows[r], now[r]) for r in ids if r in rows and now[r] is not rows[r]]
+            won = uow.write(pairs) if pairs else set()
+            if len(won) != len(pairs):  # a store that locks rows: another writer moved it
+                lost = {a.rollout_id for _, a in pairs} - won
+                changes = [c for c in changes if c[2].rollout_id not in lost]
+                for rid in lost:
+                    skipped[rid] = CONFLICT
+                    now[rid] = rows[rid]
+                outcomes = [
+                    ReserveOutcome(o.rollout_id, False, CONFLICT, rows[o.rollout_id])
+                    if o.rollout_id in lost
+                    else o
+                    for o in outcomes
+                ]
+            counts: Counter[str] = Counter()
+            for reason, n in Counter(o.reason for o in outcomes).items():
+                counts[counter_of(reason)] += n
+            durable = {k: v for k, v in counts.items() if k not in PROCESS_LOCAL_COUNTERS}
+            local.update({k: v for k, v in counts.items() if k in PROCESS_LOCAL_COUNTERS})
+            uow.append(changes, self.clock(), {"writes": len(changes), **durable})
+            return LandedStep(now, tuple(outcomes), skipped)
+
+        step = Step("land_and_reserve", premise=bool(stamps), bad="read", live="add")
+        return self._step(body, step)
+
+    def dispatch_many(
+        self, rollouts: Sequence[tuple[Rollout | LedgerEntry, str]]
+    ) -> list[DispatchOutcome]:
+        """`dispatch` of several (rollout, chain) pairs in ONE step, judged in order: the
+        premise and the live count are read once, and each rollout dispatched counts
+        against the budget of the ones after it (the same answers as dispatching them one
+        by one with nothing in between). A rollout whose id is already in the ledger is
+        refused with reason 'already_dispatched' and its stored entry (a resumed trainer
+        re-issuing a prompt it dispatched before it died continues that attempt)."""
+        entries = [(dispatch_entry(r, c), check_chain(c)) for r, c in rollouts]
+        if not entries:
+            return []
+
+        def body(uow: UnitOfWork, _: Counter[str]) -> list[DispatchOutcome]:
+            act = uow.read_premise()
+            floor = window_floor(act.pointer_version, act.policy)
+            live = uow.count(LIVE_STATES, floor)
+            stored = uow.read_rows([e.rollout_id for e, _ in entries])
+            bad = uow.bad_versions()
+            extra: dict[str, list[str]] = {}  # chain -> states dispatched earlier in the batch
+            out: list[DispatchOutcome] = []
+            fresh: list[LedgerEntry] = []
+            changes: list[Change] = []
+            for entry, chain in entries:
+                have = stored.get(entry.rollout_id)
+                if have is not None or any(f.rollout_id == entry.rollout_id for f in fresh):
+                    got = have if have is not None else entry
+                    out.append(
+                        DispatchOutcome(
+                            entry.rollout_id,
+                            False,
+                            ALREADY_DISPATCHED,
+                            got,
+                            got.attempt,
+                            None,
+                            live,
+                        )
+                    )
+                    continue
+                states = uow.chain_states(chain) + tuple(extra.get(chain, ()))
+                premise = DispatchPremise(
+                    act.pointer_version, act.was_active, act.policy, live, states
+                )
+                o, new = plan_dispatch(entry, chain, premise)
+                if new is None:
+                    out.append(o)
+                    continue
+                steps = plan_add(new, bad, dispatched=True)
+                written = steps[-1][2]
+                fresh.append(written)
+                changes.extend((ev, b, a, None) for ev, b, a in steps)
+                extra.setdefault(chain, []).append(written.state)
+                if written.state in LIVE_STATES and (
+                    floor is None or written.behavior_version >= floor
+                ):
+                    live += 1
+                out.append(attrs.evolve(o, entry=written))
+            if fresh:
+                uow.insert(fresh)
+                uow.append(changes, self.clock(), {"writes": len(changes)})
+            return out
+
+        return self._step(body, Step("dispatch", premise=True, bad="read", live="count"))
+
     def snapshot(self) -> dict[str, LedgerEntry]:
         """A consistent copy of every entry (records are frozen, so sharing them is safe)."""
         return self.store.snapshot()
@@ -1778,6 +1951,112 @@ class StoreLedger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---- landing a step's generations and reserving them in one step (verl's buffer) ------------
+
+
+@attrs.frozen
+class Landing:
+    """What became of one rollout's generation, as its producer learnt it.
+
+    `land_and_reserve` applies it to the row as that step reads it: an absent row is added
+    (rewarded when `reward` is given, else generated; quarantined at once with `failure`);
+    a dispatched row is moved through `generation_done` (tokens) and `reward_ready`, or
+    through `generation_failed` with `failure`; a generated row gets its reward. Any other
+    row already landed: it is left as it is. The behaviour version and hash name the
+    rollout only when it is added; a dispatched row keeps its own (stamped at dispatch).
+    """
+
+    rollout_id: str
+    behavior_version: int
+    artifact_hash: str
+    reward: Reward | None = None
+    tokens: int | None = None
+    failure: Disposition | None = None
+
+
+#: the events `land_and_reserve` may close a rollout with, from any state that allows them
+CLOSING_EVENTS = frozenset({"retire_stale", "quarantine", "generation_failed"})
+
+
+@attrs.frozen
+class LandedStep:
+    """What one `land_and_reserve` step did.
+
+    `entries` holds, for every id it read, the row as the step left it; `outcomes` one
+    reservation outcome per requested id, in request order; `skipped` why a landing or a
+    closing left its row unchanged (the row's state, or 'revision_conflict' when another
+    writer moved it between this step's read and its write, on a store that locks rows
+    rather than the whole step)."""
+
+    entries: dict[str, LedgerEntry]
+    outcomes: tuple[ReserveOutcome, ...]
+    skipped: dict[str, str]
+
+    @property
+    def reserved(self) -> list[str]:
+        """Ids the update holds after the step (new reservations and idempotent retries)."""
+        return [o.rollout_id for o in self.outcomes if o.reserved]
+
+
+def check_landing(landing: object) -> Landing:
+    """A landing, validated before any lock (its entry as it would be added)."""
+    if not isinstance(landing, Landing):
+        raise InvalidLedgerArgument(f"a landing must be a Landing, got {brief(landing)}")
+    plan_add(landing_entry(landing), ())
+    if landing.tokens is not None:
+        direct_changes("generation_done", None, None, landing.tokens)
+    if landing.failure is not None and not isinstance(landing.failure, Disposition):
+        raise InvalidLedgerArgument(f"failure must be a Disposition, got {brief(landing.failure)}")
+    return landing
+
+
+def landing_entry(landing: Landing) -> LedgerEntry:
+    """The entry an absent rollout is added as (rewarded when scored, else generated)."""
+    return LedgerEntry(
+        landing.rollout_id,
+        landing.behavior_version,
+        landing.artifact_hash,
+        state="rewarded" if landing.reward is not None and landing.failure is None else "generated",
+        reward=None if landing.failure is not None else landing.reward,
+        tokens=landing.tokens,
+    )
+
+
+def plan_landing(
+    row: LedgerEntry | None, landing: Landing, bad: Iterable[int]
+) -> tuple[list[Change], LedgerEntry | None, str | None]:
+    """(changes, the row after them, why nothing changed) for one landing on `row`."""
+    if row is None:
+        steps = plan_add(landing_entry(landing), bad)
+        changes: list[Change] = [(ev, b, a, None) for ev, b, a in steps]
+        now = steps[-1][2]
+        if landing.failure is not None and now.state != "quarantined":
+            d = Disposition("generation", landing.failure.cause, landing.failure.detail)
+            q = plan_transition(now, "quarantine", disposition=attrs.evolve(d, stage="admission"))
+            changes.append(("quarantine", now, q, None))
+            now = q
+        return changes, now, None
+    changes = []
+    now = row
+    if now.state == "dispatched":
+        if landing.failure is not None:
+            fail = direct_changes("generation_failed", None, landing.failure, landing.tokens)
+            after = plan_transition(now, "generation_failed", **fail)
+            return [("generation_failed", now, after, None)], after, None
+        done = plan_transition(
+            now, "generation_done", **direct_changes("generation_done", None, None, landing.tokens)
+        )
+        changes.append(("generation_done", now, done, None))
+        now = done
+    if now.state == "generated" and landing.reward is not None and landing.failure is None:
+        scored = plan_transition(now, "reward_ready", reward=landing.reward)
+        changes.append(("reward_ready", now, scored, None))
+        now = scored
+    if not changes:
+        return [], row, row.state
+    return changes, now, None
 
 
 # ---- the memory store ----------------------------------------------------------------------
