@@ -38,7 +38,13 @@ from rollout_lifecycle.gpu_check.verl_v1 import (  # noqa: E402
 )
 from rollout_lifecycle.model.backends import Backend, open_backend  # noqa: E402
 from rollout_lifecycle.model.coordinator import ActivationCoordinator  # noqa: E402
-from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck  # noqa: E402
+from rollout_lifecycle.model.ledger import Landing  # noqa: E402
+from rollout_lifecycle.model.records import (  # noqa: E402
+    AdmissionPolicy,
+    AdmissionStamp,
+    Reward,
+    WorkerAck,
+)
 
 ROLLOUT_CFG = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "response_length": 8}
 REWARD = RewardIdentity("gsm8k-rule", "1")
@@ -114,6 +120,8 @@ def put_group(
                 "global_steps": low,
                 "min_global_steps": low,
                 "max_global_steps": low if high is None else high,
+                "prompt_len": 3,
+                "response_len": 3,
                 "seq_len": 6,
             },
         )
@@ -250,68 +258,66 @@ def test_sample_evicts_stale_with_cause_refills_and_reserves(clean: Any, tmp_pat
     be, _ = deployment(tmp_path / "s.db", versions=4)  # pointer v3, max_lag 1
     fresh = put_group(clean, "gfresh", 3)
     tol = put_group(clean, "gtol", 2, 3)
-    stale = put_group(clean, "gstale", 0)
+    put_group(clean, "gstale", 0)
     refills: list[int] = []
     buf = buffer(be, "run", refills)
     meta, metrics = buf.sample(global_steps=4, partition_id="train", batch_size=2)
     assert sorted(meta.keys) == sorted(fresh + tol)
     assert refills == [1]  # verl's refill_fn, once per evicted group
-    for k in stale:
-        e = be.ledger.get(k)
-        assert e.state == "retired_stale" and e.disposition is not None
-        assert e.disposition.cause == "lag_3_over_1"
-    for k in fresh + tol:
-        e = be.ledger.get(k)
-        assert e.state == "reserved" and e.reserved_by == "run.s00000004.m0.a0"
-    assert metrics["rollout_lifecycle/reserved"] == 4
+    e = be.ledger.get("gstale")  # one ledger rollout per GRPO group: verl's uid
+    assert e.state == "retired_stale" and e.disposition is not None
+    assert e.disposition.cause == "lag_3_over_1"
+    for uid in ("gfresh", "gtol"):
+        e = be.ledger.get(uid)
+        assert e.state == "reserved" and e.reserved_by == "run.s00000004.m0"
+        assert e.reward is not None and e.reward.value == pytest.approx(0.5)  # mean of 0, 1
+    assert metrics["rollout_lifecycle/reserved"] == 2
     assert metrics["rollout_lifecycle/lag_max"] == 1
     # the next step starts: step 4's update landed, its reservations are consumed
     more = put_group(clean, "gnext", 3)
     meta2, m2 = buf.sample(global_steps=5, partition_id="train", batch_size=1)
-    assert m2["rollout_lifecycle/committed"] == 4
-    # pacing figures logged with each step: 4 trained at lag <= 1, the stale group wasted
-    assert m2["rollout_lifecycle/pacing/trained"] == 4.0
+    assert m2["rollout_lifecycle/committed"] == 2
+    # pacing figures logged with each step: 2 groups trained at lag <= 1, one wasted
+    assert m2["rollout_lifecycle/pacing/trained"] == 2.0
     assert m2["rollout_lifecycle/pacing/staleness_max"] <= 1.0
-    assert "rollout_lifecycle/pacing/wasted_fraction" in m2
-    assert all(be.ledger.get(k).state == "consumed" for k in fresh + tol)
+    assert m2["rollout_lifecycle/pacing/wasted_tokens"] == 6.0
+    assert all(be.ledger.get(u).state == "consumed" for u in ("gfresh", "gtol"))
     assert sorted(meta2.keys) == sorted(more)
-    assert buf.finish(5)["committed"] == 2
+    assert buf.finish(5)["committed"] == 1
     be.close()
 
 
 def test_failed_group_is_retired_with_its_cause(clean: Any, tmp_path: Path) -> None:
     be, _ = deployment(tmp_path / "s.db", versions=2)
-    bad = put_group(clean, "gfail", 1, status="failure")
+    put_group(clean, "gfail", 1, status="failure")
     good = put_group(clean, "gok", 1)
     refills: list[int] = []
     buf = buffer(be, "run", refills)
     meta, _ = buf.sample(global_steps=2, partition_id="train", batch_size=1)
     assert sorted(meta.keys) == sorted(good)
     assert refills == [1]
-    for k in bad:
-        e = be.ledger.get(k)
-        assert e.state == "quarantined" and e.disposition is not None
-        assert e.disposition.cause == "group_failure"
+    e = be.ledger.get("gfail")
+    assert e.state == "quarantined" and e.disposition is not None
+    assert e.disposition.cause == "group_failure"
     be.close()
 
 
-def test_two_trainers_on_one_ledger_never_share_a_trajectory(clean: Any, tmp_path: Path) -> None:
+def test_two_trainers_on_one_ledger_never_share_a_group(clean: Any, tmp_path: Path) -> None:
     be, _ = deployment(tmp_path / "s.db", versions=2)
-    g1 = put_group(clean, "ga", 1)
+    put_group(clean, "ga", 1)
     g2 = put_group(clean, "gb", 1)
     # trainer A (another process, its own TransferQueue view) took group ga through the ledger
     other = open_backend(be.url)
-    conds = conditions_from_rollout_config(ROLLOUT_CFG, "tok")
-    td = clean.kv_batch_get(keys=g1, partition_id="train")
-    tags = [clean.kv_list("train")["train"][k] for k in g1]
-    items = trajectories(td, keys=g1, tags=tags)
-    register_trajectories(other.ledger, other.registry, items, REWARD)
-    cur = np.full((2, 3), -0.5)
-    assert admit_batch(other.ledger, other.registry, "A.s1", items, cur, conditions=conds).reserved
+    r = Reward(REWARD.function_id, REWARD.function_version, 0.5)
+    stamp = AdmissionStamp(1, 1, 1, 0.5, 0.0, "fresh", "ok", True)
+    got = other.ledger.land_and_reserve(  # type: ignore[attr-defined]
+        "A.s00000001.m0", [Landing("ga", 1, H[1], reward=r)], reserve={"ga": stamp}
+    )
+    assert got.reserved == ["ga"]
     buf = buffer(be, "B")
     meta, _ = buf.sample(global_steps=2, partition_id="train", batch_size=1)
     assert sorted(meta.keys) == sorted(g2)
-    assert {be.ledger.get(k).reserved_by for k in g1} == {"A.s1"}
+    assert be.ledger.get("ga").reserved_by == "A.s00000001.m0"
     other.close()
     be.close()
 
@@ -331,15 +337,15 @@ def test_resume_releases_the_redone_step_and_commits_landed_ones(
     )
     second = buffer(be, "run")
     meta, m = second.sample(global_steps=3, partition_id="train", batch_size=1)
-    assert m["rollout_lifecycle/released"] == 2
+    assert m["rollout_lifecycle/released"] == 1
     assert sorted(meta.keys) == sorted(g3)
-    e = be.ledger.get(g3[0])
+    e = be.ledger.get("gx")
     assert e.state == "reserved" and e.releases == 1
-    assert e.reserved_by == "run.s00000003.m0.a0"
+    assert e.reserved_by == "run.s00000003.m0"
     # the step then landed and the next process resumes at step 4: committed once
     third = buffer(be, "run")
-    assert third.settle(4)["committed"] == 2
-    assert all(be.ledger.get(k).state == "consumed" for k in g3)
+    assert third.settle(4)["committed"] == 1
+    assert be.ledger.get("gx").state == "consumed"
     be.close()
 
 
@@ -465,18 +471,18 @@ def test_train_verdict_names_every_failed_criterion() -> None:
 
 
 def test_resume_retires_what_verls_checkpoint_no_longer_holds(clean: Any, tmp_path: Path) -> None:
-    """On the run's own ledger, a trajectory registered after verl's last checkpoint is gone
+    """On the run's own ledger, a group registered after verl's last checkpoint is gone
     from the restored TransferQueue: it is retired with that cause, never left 'live'."""
-    from rollout_lifecycle.model.records import LedgerEntry, Reward
+    from rollout_lifecycle.model.records import LedgerEntry
 
     be, _ = deployment(tmp_path / "s.db", versions=2)
-    be.ledger.add(LedgerEntry("gone_0_0", 1, H[1], state="rewarded", reward=Reward("r", "1", 0.0)))
+    be.ledger.add(LedgerEntry("gone", 1, H[1], state="rewarded", reward=Reward("r", "1", 0.0)))
     kept = put_group(clean, "gkept", 1)
     buf = buffer(be, "run")
     buf.settings = attrs.evolve(buf.settings, owns_ledger=True)
     meta, _ = buf.sample(global_steps=2, partition_id="train", batch_size=1)
     assert sorted(meta.keys) == sorted(kept)
-    e = be.ledger.get("gone_0_0")
+    e = be.ledger.get("gone")
     assert e.state == "quarantined" and e.disposition is not None
     assert (e.disposition.stage, e.disposition.cause) == ("admission", "dropped_by_resume")
     be.close()
