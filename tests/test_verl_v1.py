@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,9 +44,11 @@ from rollout_lifecycle.model.ledger import Landing  # noqa: E402
 from rollout_lifecycle.model.records import (  # noqa: E402
     AdmissionPolicy,
     AdmissionStamp,
+    LedgerEntry,
     Reward,
     WorkerAck,
 )
+from rollout_lifecycle.model.registry import set_admission_policy  # noqa: E402
 
 ROLLOUT_CFG = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "response_length": 8}
 REWARD = RewardIdentity("gsm8k-rule", "1")
@@ -99,7 +103,13 @@ def activate(coord: ActivationCoordinator, v: int) -> None:
 
 
 def put_group(
-    tq: Any, uid: str, low: int, high: int | None = None, n: int = 2, status: str = "finished"
+    tq: Any,
+    uid: str,
+    low: int,
+    high: int | None = None,
+    n: int = 2,
+    status: str = "finished",
+    partition_id: str = "train",
 ) -> list[str]:
     """A GRPO group as verl's agent loop writes it: n trajectories, then the prompt key."""
     keys = []
@@ -108,7 +118,7 @@ def put_group(
         lp = torch.tensor([-0.5, -0.25, -1.0])
         tq.kv_put(
             key=key,
-            partition_id="train",
+            partition_id=partition_id,
             fields={
                 "responses": torch.tensor([5, 6, 7]),
                 "response_mask": torch.tensor([1, 1, 1]),
@@ -128,14 +138,23 @@ def put_group(
         keys.append(key)
     tq.kv_put(
         key=uid,
-        partition_id="train",
+        partition_id=partition_id,
         tag={"is_prompt": True, "status": status, "global_steps": low},
     )
     return keys
 
 
 def buffer(
-    be: Backend, run_id: str, refills: list[int] | None = None, threshold: int | None = None
+    be: Backend,
+    run_id: str,
+    refills: list[int] | None = None,
+    threshold: int | None = None,
+    *,
+    mode: str = "separate_async",
+    strategy: str = "drop",
+    filter_groups_metric: str | None = None,
+    sync_refill_failed_groups: bool = False,
+    **kwargs: Any,
 ) -> LedgerReplayBuffer:
     from verl.utils.import_utils import load_extern_type
 
@@ -143,10 +162,10 @@ def buffer(
     assert cls is LedgerReplayBuffer
     sink = refills if refills is not None else []
     buf: LedgerReplayBuffer = cls(
-        trainer_mode="separate_async",
+        trainer_mode=mode,
         trainer_config={},
         max_off_policy_threshold=threshold,
-        max_off_policy_strategy="drop",
+        max_off_policy_strategy=strategy,
         sampler_kwargs={
             "ledger_url": be.url,
             "run_id": run_id,
@@ -154,9 +173,12 @@ def buffer(
             **ROLLOUT_CFG,
             "reward_fn_id": REWARD.function_id,
             "reward_fn_version": REWARD.function_version,
+            **kwargs,
         },
         poll_interval=0.05,
         refill_fn=sink.append,
+        filter_groups_metric=filter_groups_metric,
+        sync_refill_failed_groups=sync_refill_failed_groups,
         backend=be,
     )
     return buf
@@ -398,8 +420,6 @@ def test_weight_sync_activates_only_after_every_replica_acked(tmp_path: Path) ->
 
 
 def test_weight_sync_failure_keeps_pointer_records_stage_quarantines(tmp_path: Path) -> None:
-    from rollout_lifecycle.model.records import LedgerEntry
-
     url = f"sqlite:///{tmp_path / 's.db'}"
     actor, rollouts = _engines(tmp_path, url, 2)
     asyncio.run(_sync(actor, rollouts, 0, {"w": torch.zeros(2)}))
@@ -473,8 +493,6 @@ def test_train_verdict_names_every_failed_criterion() -> None:
 def test_resume_retires_what_verls_checkpoint_no_longer_holds(clean: Any, tmp_path: Path) -> None:
     """On the run's own ledger, a group registered after verl's last checkpoint is gone
     from the restored TransferQueue: it is retired with that cause, never left 'live'."""
-    from rollout_lifecycle.model.records import LedgerEntry
-
     be, _ = deployment(tmp_path / "s.db", versions=2)
     be.ledger.add(LedgerEntry("gone", 1, H[1], state="rewarded", reward=Reward("r", "1", 0.0)))
     kept = put_group(clean, "gkept", 1)
@@ -485,4 +503,162 @@ def test_resume_retires_what_verls_checkpoint_no_longer_holds(clean: Any, tmp_pa
     e = be.ledger.get("gone")
     assert e.state == "quarantined" and e.disposition is not None
     assert (e.disposition.stage, e.disposition.cause) == ("admission", "dropped_by_resume")
+    be.close()
+
+
+# ---- (d) production: bounded waits, every partition, verl's options, flat cost ---------
+
+
+def test_weights_the_registry_never_activated_raise_after_a_bounded_wait(
+    clean: Any, tmp_path: Path
+) -> None:
+    """verl generates with v3 while the registry's pointer stays at v1 (another checkpoint
+    engine syncs the weights): no endless quarantine-and-refill, a typed error naming the fix."""
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    put_group(clean, "gahead", 3)
+    refills: list[int] = []
+    buf = buffer(be, "run", refills, version_wait_s=0.3)
+    with pytest.raises(verl_v1.VersionMismatchError, match=r"checkpoint_engine\.backend"):
+        buf.sample(global_steps=4, partition_id="train", batch_size=1)
+    assert refills == []  # nothing was evicted: the group waited for its weights
+    assert be.ledger.find("gahead") is None
+    be.close()
+
+
+def test_a_group_waits_for_its_weights_then_trains(clean: Any, tmp_path: Path) -> None:
+    """A group generated by weights still being activated is held, not quarantined."""
+    be, coord = deployment(tmp_path / "s.db", versions=2)
+    g = put_group(clean, "gsoon", 2)
+    buf = buffer(be, "run", version_wait_s=30)
+    timer = threading.Timer(0.5, activate, args=(coord, 2))
+    timer.start()
+    meta, _ = buf.sample(global_steps=3, partition_id="train", batch_size=1)
+    timer.join()
+    assert sorted(meta.keys) == sorted(g)
+    assert be.ledger.get("gsoon").state == "reserved"
+    be.close()
+
+
+def test_refills_are_bounded_per_sample_call(clean: Any, tmp_path: Path) -> None:
+    """Everything generated is too stale for the policy: the call stops with the causes."""
+    be, _ = deployment(tmp_path / "s.db", versions=6)  # pointer v5, max_lag 1
+
+    def refill(n: int) -> int:
+        for _ in range(n):
+            put_group(clean, f"g{uuid.uuid4().hex[:8]}", 0)
+        return n
+
+    put_group(clean, "gfirst", 0)
+    buf = buffer(be, "run", max_refills=5)
+    buf.refill_fn = buf._refill
+    buf._trainer_refill = refill
+    with pytest.raises(verl_v1.RefillLoopError, match="lag_5_over_1"):
+        buf.sample(global_steps=6, partition_id="train", batch_size=1)
+    be.close()
+
+
+def test_every_training_partition_goes_through_the_ledger(clean: Any, tmp_path: Path) -> None:
+    """A partition other than 'train' is the ledger's too; 'val' never is."""
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    part = f"p{uuid.uuid4().hex[:6]}"
+    g = put_group(clean, "gpart", 1, partition_id=part)
+    v = put_group(clean, "gval", 1, partition_id="val")
+    buf = buffer(be, "run")
+    meta, _ = buf.sample(global_steps=2, partition_id=part, batch_size=1)
+    assert sorted(meta.keys) == sorted(g) and meta.partition_id == part
+    assert be.ledger.get("gpart").state == "reserved"
+    vmeta, vm = buf.sample(global_steps=2, partition_id="val", batch_size=1)
+    assert sorted(vmeta.keys) == sorted(v) and vm == {}
+    assert be.ledger.find("gval") is None
+    clean.kv_clear(keys=g, partition_id=part)
+    clean.kv_clear(keys=v, partition_id="val")
+    be.close()
+
+
+def test_unsupported_verl_options_are_refused_or_warned(tmp_path: Path) -> None:
+    be, _ = deployment(tmp_path / "s.db", versions=1)
+    with pytest.raises(verl_v1.UnsupportedVerlOption, match="filter_groups"):
+        buffer(be, "run", filter_groups=True)
+    with pytest.raises(verl_v1.UnsupportedVerlOption, match="filter_groups"):
+        buffer(be, "run", filter_groups_metric="acc")
+    with pytest.raises(verl_v1.UnsupportedVerlOption, match="sync_refill_failed_groups"):
+        buffer(be, "run", sync_refill_failed_groups=True)
+    with pytest.warns(verl_v1.VerlOptionWarning, match="max_lag"):
+        buffer(be, "run", strategy="wait")
+    with pytest.raises(VerlIntegrationError, match="run_id"):
+        buffer(be, "a_b")
+    be.close()
+
+
+def test_sync_mode_follows_verls_sync_buffer(clean: Any, tmp_path: Path) -> None:
+    """trainer_mode=sync: verl's threshold drops nothing and a failed group's trajectories
+    are trained (verl pads the missing ones), as verl's own ReplayBuffer does."""
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    failed = put_group(clean, "gsf", 1, status="failure")
+    old = put_group(clean, "gso", 1)
+    buf = buffer(be, "run", threshold=1, mode="sync")
+    meta, _ = buf.sample(global_steps=5, partition_id="train", batch_size=2)
+    assert sorted(meta.keys) == sorted(failed + old)
+    assert {be.ledger.get(u).state for u in ("gsf", "gso")} == {"reserved"}
+    be.close()
+
+
+def test_ledger_work_per_sample_is_the_same_at_any_ledger_size(clean: Any, tmp_path: Path) -> None:
+    """The calls one sample makes do not depend on how many older rollouts the ledger
+    holds: no statistics(), no snapshot(), no per-group find, one land-and-reserve step."""
+    calls = []
+    for n_old in (0, 300):
+        be, _ = deployment(tmp_path / f"s{n_old}.db", versions=2)
+        r = Reward("r", "1", 0.0)
+        be.ledger.add_many(
+            [LedgerEntry(f"old{i}", 1, H[1], state="rewarded", reward=r) for i in range(n_old)]
+        )
+        buf = buffer(be, "run")
+        for step in (2, 3, 4):
+            put_group(clean, f"gs{n_old}x{step}", 1)
+            before = Counter(buf.ledger_calls)
+            buf.sample(global_steps=step, partition_id="train", batch_size=1)
+            if step > 2:  # the first call of a process probes for a dead one's updates
+                calls.append(dict(Counter(buf.ledger_calls) - before))
+        be.close()
+    assert calls[0] == calls[1] == calls[2] == calls[3], calls
+    assert calls[0]["ledger.land_and_reserve"] == 1 and calls[0]["ledger.commit"] == 1
+    assert not {"ledger.snapshot", "ledger.find", "ledger.statistics"} & set(calls[0])
+
+
+def test_rewards_tagged_by_the_worker_need_no_transferqueue_read(
+    clean: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    keys = put_group(clean, "gtag", 1)
+    clean.kv_batch_put(
+        keys=keys, partition_id="train", tags=[{verl_v1.REWARD_TAG: 0.25} for _ in keys]
+    )
+    reads: list[Any] = []
+    real = clean.kv_batch_get
+    monkeypatch.setattr(clean, "kv_batch_get", lambda **kw: reads.append(kw) or real(**kw))
+    buf = buffer(be, "run")
+    buf.sample(global_steps=2, partition_id="train", batch_size=1)
+    assert reads == []
+    reward = be.ledger.get("gtag").reward
+    assert reward is not None and reward.value == pytest.approx(0.25)
+    be.close()
+
+
+def test_publishing_a_step_commits_what_it_reserved(clean: Any, tmp_path: Path) -> None:
+    """verl's end-of-step weight sync (every trainer's on_step_end, the last step's too)
+    commits the step: nothing of the last step stays reserved when the trainer ends."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    actor, rollouts = _engines(tmp_path, url, 1, run_id="run")
+    asyncio.run(_sync(actor, rollouts, 0, {"w": torch.zeros(2)}))
+    be = open_backend(url)
+    set_admission_policy(be.registry, AdmissionPolicy(1, 0.5), "test", at=None)
+    put_group(clean, "glast", 0)
+    buf = buffer(be, "run")
+    buf.sample(global_steps=1, partition_id="train", batch_size=1)
+    assert be.ledger.get("glast").state == "reserved"
+    asyncio.run(_sync(actor, rollouts, 1, {"w": torch.ones(2)}))  # step 1's on_step_end
+    assert be.ledger.get("glast").state == "consumed"
+    assert actor.committed == {0: 0, 1: 1}
+    assert buf.settle(2)["committed"] == 0  # nothing left for the buffer's fallback
     be.close()
