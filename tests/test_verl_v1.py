@@ -8,6 +8,7 @@ verl's CheckpointEngineRegistry. Skipped only where verl or transferqueue is mis
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import uuid
 from collections import Counter
@@ -661,4 +662,136 @@ def test_publishing_a_step_commits_what_it_reserved(clean: Any, tmp_path: Path) 
     assert be.ledger.get("glast").state == "consumed"
     assert actor.committed == {0: 0, 1: 1}
     assert buf.settle(2)["committed"] == 0  # nothing left for the buffer's fallback
+    be.close()
+
+
+# ---- (e) pacing inside verl's generation ------------------------------------------------
+
+
+def _prompts(texts: list[str]) -> Any:
+    from verl.utils import tensordict_utils as tu
+
+    batch = tu.get_tensordict(
+        {
+            "input_ids": torch.zeros(len(texts), 3, dtype=torch.long),
+            "uid": np.array([uuid.uuid4().hex for _ in texts], dtype=object),
+            "data_source": np.array(["arith"] * len(texts), dtype=object),
+            "raw_prompt": np.array([[{"role": "user", "content": t}] for t in texts], dtype=object),
+        }
+    )
+    tu.assign_non_tensor_data(batch, "global_steps", 1)
+    return batch
+
+
+def test_the_budget_decides_before_verl_generates(tmp_path: Path) -> None:
+    """(max_lag + 1) x batch_size = 4 groups may be live: of 6 prompts 4 reach verl's
+    generation, 2 are held and sent when capacity frees (a requeue); the same prompt
+    fetched again (new uid) is the next attempt of its chain, up to max_attempts; a
+    prompt whose attempts are spent is handed back to verl as a failed group."""
+    from rollout_lifecycle.gpu_check.verl_v1_pacing import Pacer
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    be = open_backend(url)
+    policy = AdmissionPolicy(1, 0.5, batch_size=2, max_attempts=2)
+    coord = ActivationCoordinator(be.registry, ["rollout-0"], ledger=be.ledger, policy=policy)
+    activate(coord, 0)
+    sent: list[list[str]] = []
+    failed: list[str] = []
+    book = verl_v1.DispatchBook()
+    settings = verl_v1.BufferSettings.from_kwargs({"ledger_url": url, "run_id": "run"})
+    pacer = Pacer(
+        verl_v1.step_ledger(be.ledger),
+        be.registry,
+        settings,
+        book,
+        lambda b: sent.append([str(u) for u in b["uid"]]),
+        mark_failed=failed.append,
+        log=tmp_path / "pacing.jsonl",
+    )
+    texts = [f"{i} + {i}" for i in range(6)]
+    batch = _prompts(texts)
+    pacer.submit(batch)
+    assert len(sent) == 1 and len(sent[0]) == 4 and len(pacer.held) == 2
+    assert book.counters["refused_no_capacity"] == 2
+    first = sent[0][0]
+    assert book.entry(first) is not None and book.entry(first).behavior_version == 0  # type: ignore[union-attr]
+    # the first group fails to generate: its slot frees and the held prompts go out
+    be.ledger.land_and_reserve(  # type: ignore[attr-defined]
+        None, close=[(first, "generation_failed", verl_v1.Disposition("generation", "x"))]
+    )
+    pacer.retry()
+    assert len(sent) == 2 and len(sent[1]) == 1 and book.counters["requeued"] == 1
+    # the failed prompt fetched again: attempt 2 of the same chain
+    again = _prompts([texts[0]])
+    pacer.submit(again)
+    uid2 = str(again["uid"][0])
+    assert book.entry(uid2) is None and len(pacer.held) == 2  # no capacity yet: held
+    for uid in sent[0][1:]:
+        be.ledger.land_and_reserve(  # type: ignore[attr-defined]
+            None, close=[(uid, "generation_failed", verl_v1.Disposition("generation", "x"))]
+        )
+    pacer.retry()
+    e = be.ledger.get(uid2)
+    assert e.chain is not None and e.attempt == 2
+    assert be.ledger.get(first).chain == e.chain
+    # attempts spent: a third fetch of the prompt is handed back to verl as failed
+    be.ledger.land_and_reserve(  # type: ignore[attr-defined]
+        None, close=[(uid2, "generation_failed", verl_v1.Disposition("generation", "x"))]
+    )
+    third = _prompts([texts[0]])
+    pacer.submit(third)
+    assert failed == [str(third["uid"][0])] and str(third["uid"][0]) in book.refused
+    log = [json.loads(x) for x in (tmp_path / "pacing.jsonl").read_text().splitlines()]
+    assert {x["what"] for x in log} >= {"dispatched", "no_capacity", "dropped:attempts_exhausted"}
+    be.close()
+
+
+# ---- (f) item 9: a replica killed during a weight sync ----------------------------------
+
+
+def test_a_replica_killed_mid_sync_leaves_the_survivors_ack_counted(tmp_path: Path) -> None:
+    """Across a resume (fresh processes, fresh incarnations), one replica dies during v3's
+    sync: v3 fails naming the dead replica only; the survivor's ack of v3 is counted."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    actor, rollouts = _engines(tmp_path, url, 2, ack_timeout_s=1.0)
+    for v in range(2):
+        asyncio.run(_sync(actor, rollouts, v, {"w": torch.full((2,), float(v))}))
+    old = rollouts[0].incarnation
+    actor, rollouts = _engines(tmp_path, url, 2, ack_timeout_s=1.0)  # the resumed processes
+    assert rollouts[0].incarnation > old  # a later process's acks order after a dead one's
+    asyncio.run(_sync(actor, rollouts, 1, {"w": torch.full((2,), 1.0)}))  # already active
+    asyncio.run(_sync(actor, rollouts, 2, {"w": torch.full((2,), 2.0)}))
+    rollouts[0].fail_worker = "rollout-0"  # its server died: it never acks v3
+    asyncio.run(_sync(actor, rollouts, 3, {"w": torch.full((2,), 3.0)}))
+    be = open_backend(url)
+    rec = be.registry.artifact(3)
+    assert rec is not None and rec.failure is not None
+    assert rec.failure.detail == "missing [], mismatched ['rollout-0']"
+    assert rollouts[1].acks[-1] == (3, "counted")
+    survivor = be.registry.workers()["rollout-1"].ack
+    assert survivor is not None and survivor.version == 3 and survivor.token is not None
+    be.close()
+
+
+def test_an_ack_of_a_replaced_attempt_is_sent_again_with_the_current_token(
+    tmp_path: Path,
+) -> None:
+    """The master retried vN (new tokens) while a replica was loading vN with the previous
+    attempt's token: the replica holds the very artifact the retry distributes, so its ack
+    is re-sent with the current token and counts (it used to be refused as stale)."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    actor, rollouts = _engines(tmp_path, url, 1, ack_timeout_s=1.0)
+    asyncio.run(_sync(actor, rollouts, 0, {"w": torch.zeros(2)}))
+    rollouts[0].fail_worker = "rollout-0"
+    asyncio.run(_sync(actor, rollouts, 1, {"w": torch.ones(2)}))  # v1 fails: no ack
+    be = open_backend(url)
+    coord = ActivationCoordinator(be.registry)
+    rec = be.registry.artifact(1)
+    assert rec is not None and rec.state == "distribution_failed"
+    coord.retry(1)  # attempt 2: new tokens
+    _loaded, ack = rollouts[0]._load(1, "rollout-0")
+    coord.fail_distribution(1, "trainer_restarted", "the master died again")
+    coord.retry(1)  # attempt 3 while the replica was loading
+    res = rollouts[0]._ack(ack)
+    assert res.counted and coord.try_activate(1).activated
     be.close()
