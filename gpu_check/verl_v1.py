@@ -50,7 +50,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
-from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
 from rollout_lifecycle.gpu_check.errors import GpuCheckError
 from rollout_lifecycle.model import rules
@@ -805,7 +805,8 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
         *,
         backend: Backend | None = None,
     ) -> None:
-        del train_batch_size, gen_batch_size, max_inflight_gen_batches  # sync DAPO sizing
+        # verl's own checks of its arguments run first (its messages, its exceptions);
+        # verl never passes the DAPO / sync-refill ones to a custom sampler
         super().__init__(
             trainer_mode=trainer_mode,
             trainer_config=trainer_config,
@@ -814,6 +815,11 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
             sampler_kwargs=sampler_kwargs,
             poll_interval=poll_interval,
             refill_fn=refill_fn,
+            filter_groups_metric=filter_groups_metric,
+            train_batch_size=train_batch_size,
+            gen_batch_size=gen_batch_size,
+            max_inflight_gen_batches=max_inflight_gen_batches,
+            sync_refill_failed_groups=sync_refill_failed_groups,
         )
         settings = BufferSettings.from_kwargs(sampler_kwargs)
         check_verl_options(
@@ -854,6 +860,10 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
         self.counters: Counter[str] = Counter()
         self.ledger_seconds = 0.0
         self.ledger_calls: Counter[str] = Counter()
+
+    def _validate_mode_config(self) -> None:
+        if self.trainer_mode == "sync":  # verl's sync buffer's checks, in sync mode
+            ReplayBuffer._validate_mode_config(self)
 
     # -- the ledger, timed and counted: the benchmark's ledger-work figure is exactly this
 
@@ -1119,8 +1129,10 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
         reward = None
         if rewards:
             r = self.settings.reward
-            reward = Reward(r.function_id, r.function_version, float(np.mean(rewards)))
-        return Landing(g.uid, v, self._hash(v), reward=reward, tokens=g.tokens, failure=failure)
+            reward = Reward(r.function_id, r.function_version, sum(rewards) / len(rewards))
+        dispatched = self.book.entry(g.uid)  # its row names the version and hash already
+        h = dispatched.artifact_hash if dispatched is not None else self._hash(v)
+        return Landing(g.uid, v, h, reward=reward, tokens=g.tokens, failure=failure)
 
     # -- settle: commit landed updates, release those a resumed trainer redoes ------------
 
@@ -1321,13 +1333,13 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
         out: dict[str, tuple[bool, str, int]] = {}
         for g in groups:
             v = self._version(g)
-            assert v is not None  # _verdict refused a group without one
             if not g.keys:  # sync: a failed group with nothing to train (verl pads it)
-                landings.append(
-                    self._landing(g, v, None, Disposition("generation", "group_failure", "empty"))
-                )
+                if v is not None or self.book.entry(g.uid) is not None:
+                    why = Disposition("generation", "group_failure", "no trajectories")
+                    landings.append(self._landing(g, v, None, why))
                 out[g.uid] = (True, "empty", 0)
                 continue
+            assert v is not None  # _verdict refused a group without one
             if g.uid not in self._landed:
                 landings.append(self._landing(g, v, g.rewards or fetched.get(g.uid)))
             lag = pointer - v

@@ -2001,12 +2001,13 @@ class LandedStep:
 
 
 def check_landing(landing: object) -> Landing:
-    """A landing, validated before any lock (its entry as it would be added)."""
+    """A landing, checked before any lock: its fields as a new entry would hold them (the
+    rules the step's writes must pass are enforced on every write the step plans)."""
     if not isinstance(landing, Landing):
         raise InvalidLedgerArgument(f"a landing must be a Landing, got {brief(landing)}")
-    plan_add(landing_entry(landing), ())
-    if landing.tokens is not None:
-        direct_changes("generation_done", None, None, landing.tokens)
+    landing_entry(landing)  # the record's own validators: id, version, hash, tokens
+    if landing.reward is not None and not isinstance(landing.reward, Reward):
+        raise InvalidLedgerArgument(f"reward must be a Reward, got {brief(landing.reward)}")
     if landing.failure is not None and not isinstance(landing.failure, Disposition):
         raise InvalidLedgerArgument(f"failure must be a Disposition, got {brief(landing.failure)}")
     return landing
