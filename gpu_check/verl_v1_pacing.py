@@ -180,7 +180,7 @@ class Pacer:
                     assert o.entry is not None
                     self.book.record([o.entry])
                     go.append(h)
-                    self._note(o.reason, h, o.attempt)
+                    self._note(o.reason, h, o.attempt, requeued=requeued)
                 elif o.reason == CHAIN_DONE:
                     self.visits[h.base] = self.visits.get(h.base, 1) + 1  # a new epoch's visit
                     again.append(h)
@@ -203,23 +203,21 @@ class Pacer:
         self.held.extend(hold)
         self.book.counters["held_now"] = len(self.held)
 
-    def _note(self, what: str, h: Held, attempt: int) -> None:
+    def _note(self, what: str, h: Held, attempt: int, *, requeued: bool = False) -> None:
+        """One line of the pacing log (`pacing_log`): what the budget decided, for whom."""
         if self.log is None:
             return
+        line = {
+            "t": time.time(),
+            "what": what,
+            "uid": h.uid,
+            "chain": self.chain(h.base),
+            "attempt": attempt,
+            "step": self.book.step,
+            "requeued": requeued,
+        }
         with self.log.open("a") as f:
-            f.write(
-                json.dumps(
-                    {
-                        "t": time.time(),
-                        "what": what,
-                        "uid": h.uid,
-                        "chain": self.chain(h.base),
-                        "attempt": attempt,
-                        "step": self.book.step,
-                    }
-                )
-                + "\n"
-            )
+            f.write(json.dumps(line) + "\n")
 
 
 def _concat(rows: Sequence[Any], step: int | None) -> Any:
