@@ -120,6 +120,7 @@ class Pacer:
         send: Callable[[Any], None],
         *,
         mark_failed: Callable[[str], None] | None = None,
+        retag: Callable[[list[str], int], None] | None = None,
         hold_s: float = 600.0,
         log: Path | None = None,
     ) -> None:
@@ -129,6 +130,7 @@ class Pacer:
         self.book = book
         self.send = send
         self.mark_failed = mark_failed
+        self.retag = retag
         self.hold_s = hold_s
         self.log = log
         self.held: list[Held] = []
@@ -199,7 +201,11 @@ class Pacer:
             pending = again
         if go:
             self.book.count(dispatched=len(go), **({"requeued": len(go)} if requeued else {}))
-            self.send(_concat([h.row for h in go], self.book.step if requeued else None))
+            step = self.book.step if requeued else None
+            if step and self.retag is not None:
+                # a held prompt starts now: verl's staleness span counts from this step
+                self.retag([h.uid for h in go], step)
+            self.send(_concat([h.row for h in go], step))
         self.held.extend(hold)
         self.book.counters["held_now"] = len(self.held)
 
@@ -335,6 +341,7 @@ class LedgerAgentLoopManager(_Manager):  # type: ignore[misc,valid-type]
             book_for(settings.ledger_url, settings.run_id),
             super().generate_sequences,
             mark_failed=self._mark_failed,
+            retag=self._retag,
             log=None if not log else Path(str(log)),
         )
 
@@ -346,6 +353,12 @@ class LedgerAgentLoopManager(_Manager):  # type: ignore[misc,valid-type]
                 self.pacer, pid, uids, tq.kv_batch_put, tq.kv_batch_get
             ),
         )
+
+    @staticmethod
+    def _retag(uids: list[str], step: int) -> None:
+        import transfer_queue as tq
+
+        tq.kv_batch_put(keys=uids, partition_id="train", tags=[{"global_steps": step}] * len(uids))
 
     @staticmethod
     def _mark_failed(uid: str) -> None:
