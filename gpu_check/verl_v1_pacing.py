@@ -288,9 +288,16 @@ def _verl_classes() -> tuple[Any, Any]:
 
 
 _Manager, _WorkerActor = _verl_classes()
+# verl's worker class is reachable only through its Ray actor wrapper, so a subclass shipped
+# to a worker process would carry a by-value copy of it, and its __init__'s zero-argument
+# super() would then see a class the instance does not derive from ("super(type, obj): obj
+# must be an instance or subtype of type"). Naming the plain class here makes cloudpickle
+# ship it by reference: every process that loads this module resolves the one class.
+_PlainWorkerTQ: Any = _WorkerActor.__ray_actor_class__
+_PlainWorkerTQ.__module__, _PlainWorkerTQ.__qualname__ = __name__, "_PlainWorkerTQ"
 
 
-class LedgerAgentLoopWorker(_WorkerActor.__ray_actor_class__):  # type: ignore[misc,name-defined]
+class LedgerAgentLoopWorker(_PlainWorkerTQ):  # type: ignore[misc]
     """verl's TransferQueue agent-loop worker that also tags each trajectory's reward."""
 
     async def _agent_loop_postprocess(self, output: Any, validate: Any, **kwargs: Any) -> None:
