@@ -195,6 +195,29 @@ def run_one(args: argparse.Namespace, prefill: int, tq: Any, torch: Any) -> dict
     }
 
 
+def doc_table(results: list[dict[str, Any]]) -> str:
+    """The markdown table docs/verl-v1.md shows, from result files (a test compares them)."""
+    rows = [
+        "| groups x trajectories | older rollouts | verl `sample` | ours `sample` | ours / verl "
+        "| ledger work in `sample` | commit at publish | dispatch |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        groups = res["groups_per_step"]
+        n = res["trajectories_per_step"] // groups
+        for r in res["runs"]:
+            commit = r.get("commit_outside_sample")
+            rows.append(
+                f"| {groups} x {n} "
+                f"| {r['prefill']:,} | {r['verl_ReplayBufferAsync']['median_ms']} ms "
+                f"| {r['LedgerReplayBuffer']['median_ms']} ms | {r['ratio']} "
+                f"| {r['ledger_work_inside_sample']['median_ms']} ms "
+                f"| {'-' if commit is None else str(commit['median_ms']) + ' ms'} "
+                f"| {r['dispatch_outside_sample']['median_ms']} ms |"
+            )
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
