@@ -46,7 +46,10 @@ def overrides(url: str, run_id: str, artifact_root: str) -> list[str]:
 
 @click.group("verl")
 def verl() -> None:
-    """verl's v1 trainer on the ledger: set a run up (docs/verl-v1.md)."""
+    """verl's v1 trainer on the ledger: record a run's policy on its ledger, print the
+    overrides.
+
+    docs/verl-v1.md explains the config group the overrides switch on."""
 
 
 def _finite(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
