@@ -59,21 +59,24 @@ def _plain(v: Any) -> Any:
 
 
 def prompt_key(row: Any, run_id: str) -> str:
-    """The attempt chain's base key: the run, the data source and the prompt's content.
+    """The attempt chain's base key: the run, the data source, the dataset row's index and
+    the prompt's content.
 
-    verl gives a prompt a fresh `uid` each time its dataloader yields it, and `index` is 0
-    for every row of a dataset without `extra_info.index`, so neither names a prompt; its
-    content does, so a prompt fetched again after a resume is the next attempt of the same
-    chain, and fresh ids never reset `max_attempts`.
+    verl gives a prompt a fresh `uid` each time its dataloader yields it, so the uid does
+    not name a prompt; the row's `index` does when the dataset carries `extra_info.index`
+    (verl writes 0 for every row otherwise, and then the content tells prompts apart). So a
+    prompt fetched again after a resume is the next attempt of the same chain, and fresh
+    ids never reset `max_attempts`.
     """
     source = str(_field(row, "data_source") or "verl")
+    index = _field(row, "index")
     content = _field(row, "raw_prompt")
     if content is None:
         content = _field(row, "input_ids")
     digest = hashlib.sha256(
         json.dumps(_plain(content), sort_keys=True, default=str).encode()
-    ).hexdigest()[:20]
-    return f"{run_id}/{source}/{digest}"
+    ).hexdigest()[:16]
+    return f"{run_id}/{source}/{_plain(index) if index is not None else '-'}/{digest}"
 
 
 def _field(row: Any, key: str) -> Any:
@@ -142,7 +145,11 @@ class Pacer:
 
     def submit(self, batch: Any) -> None:
         """Dispatch what the budget admits now, hold the rest (verl's `generate_sequences`)."""
-        rows = [batch[[i]] for i in range(len(batch))]
+        from verl.utils import tensordict_utils as tu
+
+        # verl's own row selection: a batch read back from TransferQueue holds nested
+        # (jagged) tensors, which plain indexing cannot select from
+        rows = [tu.index_select_tensor_dict(batch, [i]) for i in range(len(batch))]
         items = [
             Held(r, str(_field(r, "uid")), prompt_key(r, self.settings.run_id), time.monotonic())
             for r in rows
@@ -255,7 +262,8 @@ def requeue_prompts(
         batch = get(keys=list(uids), partition_id=partition_id)
     except (KeyError, ValueError, RuntimeError):
         return 0  # sync mode stores no prompt data: verl refills with fresh prompts
-    if batch is None or len(batch) != len(uids) or _field(batch[[0]], "raw_prompt") is None:
+    first = None if batch is None else tu.index_select_tensor_dict(batch, [0])
+    if batch is None or len(batch) != len(uids) or _field(first, "raw_prompt") is None:
         return 0
     fresh = [uuid.uuid4().hex for _ in uids]
     tu.assign_non_tensor_stack(batch, "uid", fresh)
@@ -374,7 +382,7 @@ class LedgerAgentLoopManager(_Manager):  # type: ignore[misc,valid-type]
         tq.kv_put(key=uid, partition_id="train", tag={"status": "failure"})
 
     def generate_sequences(self, prompts: Any) -> None:
-        validate = "validate" in prompts and bool(_field(prompts[[0]], "validate"))
+        validate = "validate" in prompts and bool(prompts.get("validate").data)
         if validate:
             super().generate_sequences(prompts)
             return

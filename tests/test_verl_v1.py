@@ -669,11 +669,17 @@ def test_publishing_a_step_commits_what_it_reserved(clean: Any, tmp_path: Path) 
 
 
 def _prompts(texts: list[str]) -> Any:
+    """Prompt rows as verl's trainer hands them to the agent loop; a jagged field as in a
+    batch read back from TransferQueue (a resumed trainer's re-issued prompts)."""
     from verl.utils import tensordict_utils as tu
 
+    jagged = torch.nested.nested_tensor(
+        [torch.arange(2 + i % 3) for i in range(len(texts))], layout=torch.jagged
+    )
     batch = tu.get_tensordict(
         {
             "input_ids": torch.zeros(len(texts), 3, dtype=torch.long),
+            "prompt_ids": jagged,
             "uid": np.array([uuid.uuid4().hex for _ in texts], dtype=object),
             "data_source": np.array(["arith"] * len(texts), dtype=object),
             "raw_prompt": np.array([[{"role": "user", "content": t}] for t in texts], dtype=object),
