@@ -104,6 +104,7 @@ class Held:
     uid: str
     base: str
     since: float
+    held: bool = False  # refused once already: dispatching it now is a requeue
 
 
 class Pacer:
@@ -154,15 +155,17 @@ class Pacer:
             Held(r, str(_field(r, "uid")), prompt_key(r, self.settings.run_id), time.monotonic())
             for r in rows
         ]
-        self._dispatch(items, requeued=False)
+        # the held prompts go first: capacity a commit freed is theirs before a newer batch's
+        held, self.held = self.held, []
+        self._dispatch(held + items)
 
     def retry(self) -> None:
         """Offer the held prompts again (capacity frees as updates commit and the pointer moves)."""
         if self.held:
             held, self.held = self.held, []
-            self._dispatch(held, requeued=True)
+            self._dispatch(held)
 
-    def _dispatch(self, items: list[Held], *, requeued: bool) -> None:
+    def _dispatch(self, items: list[Held]) -> None:
         pointer = self.registry.pointer()
         go: list[Held] = []
         hold: list[Held] = []
@@ -189,13 +192,14 @@ class Pacer:
                     assert o.entry is not None
                     self.book.record([o.entry])
                     go.append(h)
-                    self._note(o.reason, h, o.attempt, requeued=requeued)
+                    self._note(o.reason, h, o.attempt, requeued=h.held)
                 elif o.reason == CHAIN_DONE:
                     self.visits[h.base] = self.visits.get(h.base, 1) + 1  # a new epoch's visit
                     again.append(h)
                 elif o.reason in (NO_CAPACITY, CHAIN_LIVE) and (
                     time.monotonic() - h.since < self.hold_s
                 ):
+                    h.held = True
                     hold.append(h)
                     self.book.count(refused=1, **{f"refused_{o.reason}": 1})
                     self._note(o.reason, h, o.attempt)
@@ -206,13 +210,17 @@ class Pacer:
                     if self.mark_failed is not None:
                         self.mark_failed(h.uid)
             pending = again
-        if go:
-            self.book.count(dispatched=len(go), **({"requeued": len(go)} if requeued else {}))
-            step = self.book.step if requeued else None
-            if step and self.retag is not None:
+        late = [h for h in go if h.held]
+        fresh = [h for h in go if not h.held]
+        self.book.count(dispatched=len(go), requeued=len(late))
+        if late:
+            step = self.book.step or None
+            if step is not None and self.retag is not None:
                 # a held prompt starts now: verl's staleness span counts from this step
-                self.retag([h.uid for h in go], step)
-            self.send(_concat([h.row for h in go], step))
+                self.retag([h.uid for h in late], step)
+            self.send(_concat([h.row for h in late], step))
+        if fresh:
+            self.send(_concat([h.row for h in fresh], None))
         self.held.extend(hold)
         self.book.counters["held_now"] = len(self.held)
 

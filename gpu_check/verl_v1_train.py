@@ -399,6 +399,13 @@ def judge(plan: TrainPlan, killed_replicas: Sequence[str] = ()) -> dict[str, Any
         attempts = Counter(max(e.attempt for e in es) for es in chains.values())
         log = pacing_log(plan)
         refusals = Counter(x["what"] for x in log if x["what"] in ("no_capacity", "chain_live"))
+        refused_at: dict[str, float] = {}
+        requeued: set[str] = set()
+        for x in log:
+            if x["what"] in ("no_capacity", "chain_live"):
+                refused_at.setdefault(x["uid"], x["t"])
+            elif x["what"] in ("dispatched", "already_dispatched") and x["uid"] in refused_at:
+                requeued.add(x["uid"])
         survivors = [
             w for w in (be.registry.required_workers() or ()) if w not in set(killed_replicas)
         ]
@@ -443,7 +450,10 @@ def judge(plan: TrainPlan, killed_replicas: Sequence[str] = ()) -> dict[str, Any
                 "max_attempts": max(attempts, default=0),
                 "dispatch_refusals": sum(refusals.values()),
                 "refusals_by_reason": dict(refusals),
-                "requeued": sum(1 for x in log if x.get("requeued") and x["what"] == "dispatched"),
+                # refused, then dispatched later: offered again by the same process, or
+                # re-issued by verl after a resume (its in-flight prompts include held ones)
+                "requeued": len(requeued),
+                "requeued_in_process": sum(1 for x in log if x.get("requeued")),
                 "dropped": sum(1 for x in log if str(x["what"]).startswith("dropped")),
             },
             "activations": {

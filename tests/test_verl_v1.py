@@ -727,6 +727,15 @@ def test_the_budget_decides_before_verl_generates(tmp_path: Path) -> None:
     )
     pacer.retry()
     assert len(sent) == 2 and len(sent[1]) == 1 and book.counters["requeued"] == 1
+    # a newer batch arrives while one prompt is still held: the held one goes first
+    newer = _prompts(["7 + 7"])
+    held_uid = pacer.held[0].uid
+    be.ledger.land_and_reserve(  # type: ignore[attr-defined]
+        None, close=[(sent[1][0], "generation_failed", verl_v1.Disposition("generation", "x"))]
+    )
+    pacer.submit(newer)
+    assert sent[-1] == [held_uid] and [h.uid for h in pacer.held] == [str(newer["uid"][0])]
+    assert book.counters["requeued"] == 2
     # the failed prompt fetched again: attempt 2 of the same chain
     again = _prompts([texts[0]])
     pacer.submit(again)
