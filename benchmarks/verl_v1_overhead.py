@@ -13,10 +13,11 @@ do (`n` trajectories of 64 response tokens, verl's tags plus the reward tag), sa
 max_off_policy_threshold 2; ours against a SQLite ledger and registry (policy max_lag 1,
 pointer = step - 1), so its `sample` includes committing the previous step (the fallback
 path: no checkpoint engine runs here), landing and reserving the step's groups in one
-ledger step, and its lag gate. Before the steps, the ledger is filled with `prefill` older
+ledger step, and its lag gate. Before the steps, each ledger is filled with `prefill` older
 rollouts (consumed, with their events), so a per-step cost that grows with the ledger
-shows. `ledger_work` is exactly the time inside the buffer's ledger and registry calls
-(LedgerReplayBuffer._call), with their count per step. Wall times per `sample` call; read
+shows; the pre-fill sizes' streams take their steps in turn, so a load spike on the shared
+machine falls on every size alike. `ledger_work` is exactly the time inside the buffer's
+ledger and registry calls (LedgerReplayBuffer._call), with their count per step. Wall times per `sample` call; read
 the ratios, the absolute seconds are this machine's.
 """
 
@@ -96,103 +97,130 @@ def _prefill(be: Any, n: int, h: str) -> float:
     return time.perf_counter() - t0
 
 
-def run_one(args: argparse.Namespace, prefill: int, tq: Any, torch: Any) -> dict[str, Any]:
-    from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+class Stream:
+    """One pre-fill size: its ledger, verl's buffer and ours, stepped in turn with the other
+    sizes' streams so a load spike on the shared machine falls on every size alike."""
 
-    from rollout_lifecycle.gpu_check.verl_v1 import LedgerReplayBuffer, book_for, commit_step
-    from rollout_lifecycle.model.backends import open_backend
-    from rollout_lifecycle.model.coordinator import ActivationCoordinator
-    from rollout_lifecycle.model.records import AdmissionPolicy, LedgerEntry, WorkerAck
+    def __init__(self, args: argparse.Namespace, prefill: int) -> None:
+        from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
-    tmp = Path(tempfile.mkdtemp(prefix="verl-v1-bench-", dir=args.ledger_dir))
-    be = open_backend(f"sqlite:///{tmp / 'ledger.db'}")
-    coord = ActivationCoordinator(
-        be.registry, ["rollout-0"], ledger=be.ledger, policy=AdmissionPolicy(1, 0.5)
-    )
+        from rollout_lifecycle.gpu_check.verl_v1 import LedgerReplayBuffer, book_for
+        from rollout_lifecycle.model.backends import open_backend
+        from rollout_lifecycle.model.coordinator import ActivationCoordinator
+        from rollout_lifecycle.model.records import AdmissionPolicy
 
-    def activate(v: int) -> None:
-        h = f"{v:x}".rjust(64, "b")
-        coord.prepare(v)
-        coord.commit_artifact(v, h)
-        coord.distribute(v)
-        tok = coord.attempt_token("rollout-0", v)
-        coord.record_ack(WorkerAck("rollout-0", v, h, token=tok))
-        coord.try_activate(v)
-
-    activate(0)
-    prefill_s = _prefill(be, prefill, f"{0:x}".rjust(64, "b"))
-    common: dict[str, Any] = dict(
-        trainer_mode="separate_async",
-        trainer_config={},
-        max_off_policy_threshold=2,
-        max_off_policy_strategy="drop",
-        poll_interval=0.01,
-        refill_fn=lambda k: k,
-    )
-    verl_buf = ReplayBufferAsync(sampler_kwargs={}, **common)
-    run_id = f"bench{prefill}"
-    ours = LedgerReplayBuffer(
-        sampler_kwargs={"ledger_url": be.url, "run_id": run_id}, backend=be, **common
-    )
-    book = book_for(be.url, run_id)
-    times: dict[str, list[float]] = {"verl": [], "ledger": [], "dispatch": [], "commit": []}
-    ledger_inner: list[float] = []
-    calls: list[Counter[str]] = []
-    for step in range(1, args.steps + 1):
-        if step > 1:
-            activate(step - 1)
-        h = f"{step - 1:x}".rjust(64, "b")
-        uids = [f"l{step}x{g}" for g in range(args.groups)]
-        t0 = time.perf_counter()
-        outs = be.ledger.dispatch_many(  # type: ignore[attr-defined]
-            [(LedgerEntry(u, step - 1, h), f"{run_id}/{u}") for u in uids]
+        self.args, self.prefill = args, prefill
+        tmp = Path(tempfile.mkdtemp(prefix="verl-v1-bench-", dir=args.ledger_dir))
+        self.be = open_backend(f"sqlite:///{tmp / 'ledger.db'}")
+        self.coord = ActivationCoordinator(
+            self.be.registry, ["rollout-0"], ledger=self.be.ledger, policy=AdmissionPolicy(1, 0.5)
         )
-        book.record(o.entry for o in outs if o.entry is not None)
-        times["dispatch"].append(time.perf_counter() - t0)
-        for name, buf, prefix in (("verl", verl_buf, "v"), ("ledger", ours, "l")):
+        self.activate(0)
+        self.prefill_s = _prefill(self.be, prefill, self.hash(0))
+        common: dict[str, Any] = dict(
+            trainer_mode="separate_async",
+            trainer_config={},
+            max_off_policy_threshold=2,
+            max_off_policy_strategy="drop",
+            poll_interval=0.01,
+            refill_fn=lambda k: k,
+        )
+        self.verl = ReplayBufferAsync(sampler_kwargs={}, **common)
+        self.run_id = f"bench{prefill}"
+        self.ours = LedgerReplayBuffer(
+            sampler_kwargs={"ledger_url": self.be.url, "run_id": self.run_id},
+            backend=self.be,
+            **common,
+        )
+        self.book = book_for(self.be.url, self.run_id)
+        self.times: dict[str, list[float]] = {
+            "verl": [],
+            "ledger": [],
+            "dispatch": [],
+            "commit": [],
+        }
+        self.inner: list[float] = []
+        self.calls: list[Counter[str]] = []
+
+    @staticmethod
+    def hash(v: int) -> str:
+        return f"{v:x}".rjust(64, "b")
+
+    def activate(self, v: int) -> None:
+        from rollout_lifecycle.model.records import WorkerAck
+
+        c, h = self.coord, self.hash(v)
+        c.prepare(v)
+        c.commit_artifact(v, h)
+        c.distribute(v)
+        c.record_ack(WorkerAck("rollout-0", v, h, token=c.attempt_token("rollout-0", v)))
+        c.try_activate(v)
+
+    def step(self, step: int, tq: Any, torch: Any) -> None:
+        from rollout_lifecycle.gpu_check.verl_v1 import commit_step
+        from rollout_lifecycle.model.records import LedgerEntry
+
+        args, ours = self.args, self.ours
+        if step > 1:
+            self.activate(step - 1)
+        h = self.hash(step - 1)
+        uids = [f"p{self.prefill}l{step}x{g}" for g in range(args.groups)]
+        t0 = time.perf_counter()
+        outs = self.be.ledger.dispatch_many(  # type: ignore[attr-defined]
+            [(LedgerEntry(u, step - 1, h), f"{self.run_id}/{u}") for u in uids]
+        )
+        self.book.record(o.entry for o in outs if o.entry is not None)
+        self.times["dispatch"].append(time.perf_counter() - t0)
+        for name, buf, prefix in (
+            ("verl", self.verl, f"p{self.prefill}v"),
+            ("ledger", ours, f"p{self.prefill}l"),
+        ):
             _put_step(tq, torch, prefix, step, args.groups, args.n)
             before_s, before_c = ours.ledger_seconds, Counter(ours.ledger_calls)
             t0 = time.perf_counter()
             meta, _m = buf.sample(global_steps=step, partition_id="train", batch_size=args.groups)
-            times[name].append(time.perf_counter() - t0)
+            self.times[name].append(time.perf_counter() - t0)
             if name == "ledger":
-                ledger_inner.append(ours.ledger_seconds - before_s)
-                calls.append(Counter(ours.ledger_calls) - before_c)
+                self.inner.append(ours.ledger_seconds - before_s)
+                self.calls.append(Counter(ours.ledger_calls) - before_c)
             assert len(meta.keys) == args.groups * args.n, len(meta.keys)
             tq.kv_clear(keys=meta.keys, partition_id="train")
         if args.commit_at == "publish":  # verl's on_step_end: update_weights(global_steps=step)
             t0 = time.perf_counter()
-            commit_step(be.ledger, run_id, step)
-            times["commit"].append(time.perf_counter() - t0)
-    ours.finish(args.steps)
-    warm = slice(2, None)  # the first steps include connection set-up and the resume probe
+            commit_step(self.be.ledger, self.run_id, step)
+            self.times["commit"].append(time.perf_counter() - t0)
 
-    def ms(xs: list[float]) -> dict[str, float]:
+    def result(self) -> dict[str, Any]:
+        self.ours.finish(self.args.steps)
+        warm = slice(2, None)  # the first steps include connection set-up and the resume probe
+
+        def ms(xs: list[float]) -> dict[str, float]:
+            return {
+                "median_ms": round(1000 * statistics.median(xs), 2),
+                "mean_ms": round(1000 * statistics.fmean(xs), 2),
+            }
+
+        consumed = self.be.ledger.statistics().by_state["consumed"]
+        self.be.close()
+        t = self.times
+        per_step_calls = Counter[str]()
+        for c in self.calls[warm]:
+            per_step_calls.update(c)
+        n_warm = len(self.calls[warm])
         return {
-            "median_ms": round(1000 * statistics.median(xs), 2),
-            "mean_ms": round(1000 * statistics.fmean(xs), 2),
+            "prefill": self.prefill,
+            "prefill_seconds": round(self.prefill_s, 1),
+            "verl_ReplayBufferAsync": ms(t["verl"][warm]),
+            "LedgerReplayBuffer": ms(t["ledger"][warm]),
+            "ratio": round(
+                statistics.median(t["ledger"][warm]) / statistics.median(t["verl"][warm]), 2
+            ),
+            "ledger_work_inside_sample": ms(self.inner[warm]),
+            "ledger_calls_per_step": {k: v / n_warm for k, v in sorted(per_step_calls.items())},
+            "dispatch_outside_sample": ms(t["dispatch"][warm]),
+            "commit_outside_sample": ms(t["commit"][warm]) if t["commit"] else None,
+            "consumed": consumed,
         }
-
-    consumed = be.ledger.statistics().by_state["consumed"]
-    be.close()
-    verl_med = statistics.median(times["verl"][warm])
-    ours_med = statistics.median(times["ledger"][warm])
-    per_step_calls = Counter[str]()
-    for c in calls[warm]:
-        per_step_calls.update(c)
-    n_warm = len(calls[warm])
-    return {
-        "prefill": prefill,
-        "prefill_seconds": round(prefill_s, 1),
-        "verl_ReplayBufferAsync": ms(times["verl"][warm]),
-        "LedgerReplayBuffer": ms(times["ledger"][warm]),
-        "ratio": round(ours_med / verl_med, 2),
-        "ledger_work_inside_sample": ms(ledger_inner[warm]),
-        "ledger_calls_per_step": {k: v / n_warm for k, v in sorted(per_step_calls.items())},
-        "dispatch_outside_sample": ms(times["dispatch"][warm]),
-        "commit_outside_sample": ms(times["commit"][warm]) if times["commit"] else None,
-        "consumed": consumed,
-    }
 
 
 def doc_table(results: list[dict[str, Any]]) -> str:
@@ -244,7 +272,11 @@ def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
     try:
-        runs = [run_one(args, p, tq, torch) for p in args.prefill]
+        streams = [Stream(args, p) for p in args.prefill]
+        for step in range(1, args.steps + 1):
+            for st in streams:
+                st.step(step, tq, torch)
+        runs = [st.result() for st in streams]
     finally:
         tq.close()
         ray.shutdown()
