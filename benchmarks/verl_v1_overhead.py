@@ -2,23 +2,26 @@
 ledgers pre-filled with older rollouts.
 
     python benchmarks/verl_v1_overhead.py [--steps 20] [--groups 8] [--n 4]
-        [--prefill 0 10000 100000] [--ledger-dir DIR] [--json out.json]
+        [--prefill 0 10000 100000] [--ledger-dir DIR] [--commit-at publish|sample]
+        [--json out.json]
 
 Both buffers sample the same trajectories (same shapes, tags, tensors; fresh uids) from the
 same real, in-process TransferQueue: each step dispatches `groups` GRPO groups through the
 ledger (`dispatch_many`, as LedgerAgentLoopManager does before verl generates; timed apart,
 it is not in `sample`), writes them the way verl's agent loop and LedgerAgentLoopWorker
 do (`n` trajectories of 64 response tokens, verl's tags plus the reward tag), samples
-`groups` groups, and clears them as verl's `fit()` does. verl's buffer runs with
+`groups` groups, and clears them as verl's `fit()` does; then commits the step where the
+ledger's checkpoint engine does, when verl publishes the step's weights (timed apart;
+`--commit-at sample` leaves it to the buffer's next `sample`). verl's buffer runs with
 max_off_policy_threshold 2; ours against a SQLite ledger and registry (policy max_lag 1,
-pointer = step - 1), so its `sample` includes committing the previous step (the fallback
-path: no checkpoint engine runs here), landing and reserving the step's groups in one
-ledger step, and its lag gate. Before the steps, each ledger is filled with `prefill` older
-rollouts (consumed, with their events), so a per-step cost that grows with the ledger
-shows; the pre-fill sizes' streams take their steps in turn, so a load spike on the shared
-machine falls on every size alike. `ledger_work` is exactly the time inside the buffer's
-ledger and registry calls (LedgerReplayBuffer._call), with their count per step. Wall times per `sample` call; read
-the ratios, the absolute seconds are this machine's.
+pointer = step - 1), so its `sample` includes reading the premise, the lag gate, and
+landing and reserving the step's groups in one ledger step. Before the steps, each ledger
+is filled with `prefill` older group rollouts (consumed, with their events), so a per-step
+cost that grows with the ledger shows; the pre-fill sizes' streams take their steps in
+turn, so a load spike on the shared machine falls on every size alike. `ledger_work` is
+exactly the time inside the buffer's ledger and registry calls (LedgerReplayBuffer._call),
+with their count per step. Wall times per `sample` call; read the ratios, the absolute
+seconds are this machine's.
 """
 
 from __future__ import annotations
