@@ -174,10 +174,8 @@ class Stream:
         )
         self.book.record(o.entry for o in outs if o.entry is not None)
         self.times["dispatch"].append(time.perf_counter() - t0)
-        for name, buf, prefix in (
-            ("verl", self.verl, f"p{self.prefill}v"),
-            ("ledger", ours, f"p{self.prefill}l"),
-        ):
+        pair = [("verl", self.verl, f"p{self.prefill}v"), ("ledger", ours, f"p{self.prefill}l")]
+        for name, buf, prefix in pair if step % 2 else pair[::-1]:  # each goes first in turn
             _put_step(tq, torch, prefix, step, args.groups, args.n)
             before_s, before_c = ours.ledger_seconds, Counter(ours.ledger_calls)
             t0 = time.perf_counter()

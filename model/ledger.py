@@ -1772,7 +1772,7 @@ class StoreLedger:
         that locks rows rather than the step, where a lost write is reported
         ('revision_conflict') and writes nothing.
         """
-        items = [check_landing(x) for x in landings]
+        items = check_landings(landings)
         closes = [(check_id(r), ev, d) for r, ev, d in close]
         for rid, ev, d in closes:
             if ev not in CLOSING_EVENTS:
@@ -2000,17 +2000,29 @@ class LandedStep:
         return [o.rollout_id for o in self.outcomes if o.reserved]
 
 
-def check_landing(landing: object) -> Landing:
-    """A landing, checked before any lock: its fields as a new entry would hold them (the
-    rules the step's writes must pass are enforced on every write the step plans)."""
-    if not isinstance(landing, Landing):
-        raise InvalidLedgerArgument(f"a landing must be a Landing, got {brief(landing)}")
-    landing_entry(landing)  # the record's own validators: id, version, hash, tokens
-    if landing.reward is not None and not isinstance(landing.reward, Reward):
-        raise InvalidLedgerArgument(f"reward must be a Reward, got {brief(landing.reward)}")
-    if landing.failure is not None and not isinstance(landing.failure, Disposition):
-        raise InvalidLedgerArgument(f"failure must be a Disposition, got {brief(landing.failure)}")
-    return landing
+def check_landings(landings: Sequence[object]) -> list[Landing]:
+    """Landings, checked before any lock: a column at a time where every value is plain
+    (ids, versions, hashes, as `texts_pass`/`ints64_pass` judge them), else item by item
+    through the fields of the entry each would be added as (the first bad one refused). The
+    rules every planned write must pass are enforced inside the step."""
+    for x in landings:
+        if not isinstance(x, Landing):
+            raise InvalidLedgerArgument(f"a landing must be a Landing, got {brief(x)}")
+    out: list[Landing] = list(landings)  # type: ignore[arg-type]  # checked just above
+    plain = (
+        texts_pass([x.rollout_id for x in out])
+        and texts_pass([x.artifact_hash for x in out], max_length=None)
+        and ints64_pass([x.behavior_version for x in out])
+        and ints64_pass([x.tokens for x in out if x.tokens is not None])
+    )
+    for x in out:
+        if not plain:
+            landing_entry(x)  # the record's own validators name what is wrong
+        if x.reward is not None and type(x.reward) is not Reward:
+            raise InvalidLedgerArgument(f"reward must be a Reward, got {brief(x.reward)}")
+        if x.failure is not None and type(x.failure) is not Disposition:
+            raise InvalidLedgerArgument(f"failure must be a Disposition, got {brief(x.failure)}")
+    return out
 
 
 def landing_entry(landing: Landing) -> LedgerEntry:
