@@ -848,6 +848,7 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
         self._evict_cause: dict[str, tuple[str, Disposition]] = {}  # uid -> (event, why)
         self._future_since: dict[str, float] = {}  # uid -> when it first waited for weights
         self._held: set[str] = set()  # groups reserved in the sample call in progress
+        self._keys_of: dict[str, dict[str, list[str]]] = {}  # partition -> uid -> keys
         self._open: dict[int, set[str]] = defaultdict(set)  # step -> update ids not settled
         self._minis: Counter[int] = Counter()
         self._hashes: dict[int, str] = {}  # version -> hash the registry activated
@@ -901,10 +902,17 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
             self._groups[uid] = g
         return g
 
+    def _sync_metadata_from_transfer_queue(self) -> None:
+        super()._sync_metadata_from_transfer_queue()
+        self._keys_of.clear()  # a new snapshot: its grouping is built when first asked for
+
     def _keys_by_uid(self, partition_id: str) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = defaultdict(list)
-        for key in self.partitions[partition_id]:
-            out[key.split("_")[0]].append(key)
+        """Trajectory keys by group, of this poll's snapshot (built once per snapshot)."""
+        out = self._keys_of.get(partition_id)
+        if out is None:
+            out = self._keys_of[partition_id] = defaultdict(list)
+            for key in self.partitions[partition_id]:
+                out[key.split("_")[0]].append(key)
         return out
 
     def _version(self, g: Group) -> int | None:
@@ -1330,6 +1338,7 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
         fetched = self._fetch_rewards(partition_id, need) if need else {}
         landings: list[Landing] = []
         stamps: dict[str, AdmissionStamp] = {}
+        by_version: dict[int, AdmissionStamp] = {}
         out: dict[str, tuple[bool, str, int]] = {}
         for g in groups:
             v = self._version(g)
@@ -1342,17 +1351,19 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
             assert v is not None  # _verdict refused a group without one
             if g.uid not in self._landed:
                 landings.append(self._landing(g, v, g.rewards or fetched.get(g.uid)))
-            lag = pointer - v
-            stamps[g.uid] = AdmissionStamp(
-                current_version=pointer,
-                behavior_version=v,
-                max_lag=policy.max_lag,
-                max_drift=policy.max_drift,
-                drift=0.0,  # bypass: the behaviour policy is the update's proximal policy
-                freshness=classify_lag(lag, policy.max_lag),
-                reason="ok",
-                accepted=True,
-            )
+            stamp = by_version.get(v)
+            if stamp is None:  # one stamp per version: the groups of a version share it
+                stamp = by_version[v] = AdmissionStamp(
+                    current_version=pointer,
+                    behavior_version=v,
+                    max_lag=policy.max_lag,
+                    max_drift=policy.max_drift,
+                    drift=0.0,  # bypass: the behaviour policy is the update's proximal policy
+                    freshness=classify_lag(pointer - v, policy.max_lag),
+                    reason="ok",
+                    accepted=True,
+                )
+            stamps[g.uid] = stamp
         step = self._call(
             "ledger.land_and_reserve",
             self.ledger.land_and_reserve,
