@@ -64,7 +64,7 @@ from rollout_lifecycle.model.coordinator import (
 )
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 from rollout_lifecycle.model.gate import classify_lag
-from rollout_lifecycle.model.ledger import LandedStep, Landing, Ledger
+from rollout_lifecycle.model.ledger import NOT_DISPATCHED, LandedStep, Landing, Ledger
 from rollout_lifecycle.model.pacing import DispatchOutcome, stale_disposition
 from rollout_lifecycle.model.records import (
     ActionEvidence,
@@ -649,7 +649,7 @@ class StepLedger(Ledger, Protocol):
     ) -> LandedStep: ...
 
     def dispatch_many(
-        self, rollouts: Sequence[tuple[Rollout | LedgerEntry, str]]
+        self, rollouts: Sequence[tuple[Rollout | LedgerEntry, str | None]]
     ) -> list[DispatchOutcome]: ...
 
 
@@ -1371,6 +1371,16 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
             landings,
             reserve=stamps,
         )
+        if any(why == NOT_DISPATCHED for why in step.skipped.values()):
+            raise VerlIntegrationError(
+                "the deployment records a pacing policy, under which every group enters the "
+                "ledger through dispatch, and these groups were never dispatched: "
+                f"{sorted(u for u, w in step.skipped.items() if w == NOT_DISPATCHED)[:3]}. "
+                "Set actor_rollout_ref.rollout.agent.agent_loop_manager_class="
+                "rollout_lifecycle.gpu_check.verl_v1_pacing.LedgerAgentLoopManager (the config "
+                "group `+rollout_lifecycle=ledger` does), or record a policy without "
+                "batch_size/max_attempts"
+            )
         for x in landings:
             g = self._groups[x.rollout_id]
             self.tracker.landed(g.tokens)

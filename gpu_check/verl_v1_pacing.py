@@ -40,8 +40,20 @@ from rollout_lifecycle.gpu_check.verl_v1 import (
     step_ledger,
 )
 from rollout_lifecycle.model.ledger import ALREADY_DISPATCHED
-from rollout_lifecycle.model.pacing import CHAIN_DONE, CHAIN_LIVE, DISPATCHED, NO_CAPACITY
-from rollout_lifecycle.model.records import LedgerEntry
+from rollout_lifecycle.model.pacing import (
+    CHAIN_DONE,
+    CHAIN_LIVE,
+    DISPATCHED,
+    NO_CAPACITY,
+    identity_chain,
+)
+from rollout_lifecycle.model.records import (
+    BehaviorPolicy,
+    GenerationConditions,
+    LedgerEntry,
+    Rollout,
+    RolloutIdentity,
+)
 from rollout_lifecycle.model.registry import RegistryStore
 
 MAX_VISITS = 64  # epochs a prompt may be trained in (a chain per visit)
@@ -58,15 +70,16 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def prompt_key(row: Any, run_id: str) -> str:
-    """The attempt chain's base key: the run, the data source, the dataset row's index and
-    the prompt's content.
+def prompt_key(row: Any, run_id: str) -> tuple[str, str]:
+    """(dataset, prompt id) of a prompt row: the identity its attempt chain is derived from
+    (model.pacing.identity_chain, with the prompt's visit as the sample index).
 
     verl gives a prompt a fresh `uid` each time its dataloader yields it, so the uid does
     not name a prompt; the row's `index` does when the dataset carries `extra_info.index`
     (verl writes 0 for every row otherwise, and then the content tells prompts apart). So a
     prompt fetched again after a resume is the next attempt of the same chain, and fresh
-    ids never reset `max_attempts`.
+    ids never reset `max_attempts`. The dataset is the run and the data source: two runs
+    on one ledger keep their own chains.
     """
     source = str(_field(row, "data_source") or "verl")
     index = _field(row, "index")
@@ -76,7 +89,7 @@ def prompt_key(row: Any, run_id: str) -> str:
     digest = hashlib.sha256(
         json.dumps(_plain(content), sort_keys=True, default=str).encode()
     ).hexdigest()[:16]
-    return f"{run_id}/{source}/{_plain(index) if index is not None else '-'}/{digest}"
+    return f"{run_id}/{source}", f"{_plain(index) if index is not None else '-'}/{digest}"
 
 
 def _field(row: Any, key: str) -> Any:
@@ -102,7 +115,7 @@ class Held:
 
     row: Any
     uid: str
-    base: str
+    base: tuple[str, str]  # (dataset, prompt id): prompt_key
     since: float
     held: bool = False  # refused once already: dispatching it now is a requeue
 
@@ -138,11 +151,18 @@ class Pacer:
         self.hold_s = hold_s
         self.log = log
         self.held: list[Held] = []
-        self.visits: dict[str, int] = {}  # prompt base key -> epoch visit number (from 1)
+        self.visits: dict[tuple[str, str], int] = {}  # prompt -> epoch visit number (from 1)
+        self.conditions = settings.conditions or GenerationConditions("verl", 1.0, 1.0, -1, 0)
         book.attach(self.retry)
 
-    def chain(self, base: str) -> str:
-        return f"{base}#{self.visits.get(base, 1)}"
+    def identity(self, h: Held) -> RolloutIdentity:
+        """The group's identity: its uid, its prompt, and the prompt's visit as the sample
+        index (a new epoch's visit is a new chain; verl trains the whole group at once)."""
+        dataset, prompt = h.base
+        return RolloutIdentity(h.uid, prompt, dataset, self.visits.get(h.base, 1))
+
+    def chain(self, h: Held) -> str:
+        return identity_chain(self.identity(h))
 
     def submit(self, batch: Any) -> None:
         """Dispatch what the budget admits now, hold the rest (verl's `generate_sequences`)."""
@@ -176,9 +196,9 @@ class Pacer:
             if pointer is None:  # nothing active yet: nothing may be dispatched
                 hold.extend(pending)
                 break
-            entries = [
-                (LedgerEntry(h.uid, pointer.version, pointer.artifact_hash), self.chain(h.base))
-                for h in pending
+            behavior = BehaviorPolicy(pointer.version, pointer.artifact_hash)
+            entries: list[tuple[Rollout | LedgerEntry, str | None]] = [
+                (Rollout(self.identity(h), behavior, self.conditions), None) for h in pending
             ]
             outs = self.ledger.dispatch_many(entries)
             again: list[Held] = []
@@ -232,7 +252,7 @@ class Pacer:
             "t": time.time(),
             "what": what,
             "uid": h.uid,
-            "chain": self.chain(h.base),
+            "chain": self.chain(h),
             "attempt": attempt,
             "step": self.book.step,
             "requeued": requeued,

@@ -31,6 +31,11 @@ KINDS = ["memory", "sqlite", "postgresql"]
 H = {v: f"{v:x}".rjust(64, "c") for v in range(8)}
 R = Reward("rm", "1", 0.5)
 PACED = AdmissionPolicy(max_lag=1, max_drift=0.2, batch_size=2, max_attempts=2)
+LOOSE = AdmissionPolicy(max_lag=1, max_drift=0.2)  # no pacing: an absent rollout is added
+# the generator names each chain (a LedgerEntry names no prompt)
+BY_CALLER = AdmissionPolicy(
+    max_lag=1, max_drift=0.2, batch_size=2, max_attempts=2, chain_key="caller"
+)
 
 
 @contextlib.contextmanager
@@ -64,7 +69,7 @@ def stamp(current: int, behavior: int, policy: AdmissionPolicy = PACED) -> Admis
 def test_dispatch_many_paces_like_one_by_one(kind: str, tmp_path: Path) -> None:
     """Budget (1 + 1) x 2 = 4 live: a batch of 6 dispatches 4, refuses 2 for capacity, a
     second attempt on a live chain is refused, and an id already stored is returned as is."""
-    with deployment(kind, tmp_path) as (b, _):
+    with deployment(kind, tmp_path, BY_CALLER) as (b, _):
         led = b.ledger
         got = led.dispatch_many(
             [(LedgerEntry(f"g{i}", 0, H[0]), f"p{i}") for i in range(4)]
@@ -84,7 +89,7 @@ def test_land_and_reserve_in_one_step(kind: str, tmp_path: Path) -> None:
     """A dispatched rollout is landed (generation_done, reward_ready) and reserved; an absent
     one is added and reserved; a failed one is closed at stage generation; a stale one is
     retired with its cause; one already landed is left alone; all in one step."""
-    with deployment(kind, tmp_path) as (b, coord):
+    with deployment(kind, tmp_path, LOOSE) as (b, coord):
         led = b.ledger
         led.dispatch_many([(LedgerEntry(f"d{i}", 0, H[0]), f"c{i}") for i in range(3)])
         led.add(LedgerEntry("old", 0, H[0], state="rewarded", reward=R))
@@ -122,10 +127,27 @@ def test_land_and_reserve_in_one_step(kind: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_under_pacing_only_dispatch_makes_entries(kind: str, tmp_path: Path) -> None:
+    """A pacing policy counts every entry on the budget and its prompt's chain: a landing of
+    a rollout never dispatched adds nothing ('not_dispatched'); a dispatched one lands."""
+    with deployment(kind, tmp_path, BY_CALLER) as (b, _):
+        led = b.ledger
+        led.dispatch_many([(LedgerEntry("d0", 0, H[0]), "c0")])
+        step = led.land_and_reserve(
+            "u.s1",
+            [Landing("d0", 0, H[0], reward=R), Landing("stray", 0, H[0], reward=R)],
+            reserve={"d0": stamp(0, 0), "stray": stamp(0, 0)},
+        )
+        assert step.reserved == ["d0"] and step.skipped == {"stray": "not_dispatched"}
+        assert led.find("stray") is None
+        assert not check_trace(b.trace()).violations
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_land_and_reserve_quarantines_a_bad_version_and_refuses_bad_input(
     kind: str, tmp_path: Path
 ) -> None:
-    with deployment(kind, tmp_path) as (b, _):
+    with deployment(kind, tmp_path, LOOSE) as (b, _):
         led = b.ledger
         led.quarantine_version(3, "distribution failed")
         step = led.land_and_reserve(
@@ -137,4 +159,32 @@ def test_land_and_reserve_quarantines_a_bad_version_and_refuses_bad_input(
         with pytest.raises(InvalidLedgerArgument, match="update id"):
             led.land_and_reserve(None, reserve={"late": stamp(0, 0)})
         assert led.land_and_reserve(None).entries == {}
+        assert not check_trace(b.trace()).violations
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dispatch_many_counts_attempts_by_prompt_identity(kind: str, tmp_path: Path) -> None:
+    """Under the default chain_key 'identity' a batch's chains are the rollouts' prompt
+    identities, as `dispatch` chooses them: fresh ids of one prompt share its chain."""
+    from rollout_lifecycle.model.pacing import identity_chain
+    from rollout_lifecycle.model.records import (
+        BehaviorPolicy,
+        GenerationConditions,
+        Rollout,
+        RolloutIdentity,
+    )
+
+    cond = GenerationConditions("tok", 1.0, 1.0, -1, 8)
+
+    def rollout(rid: str, prompt: str) -> Rollout:
+        return Rollout(RolloutIdentity(rid, prompt, "ds", 0), BehaviorPolicy(0, H[0]), cond)
+
+    with deployment(kind, tmp_path) as (b, _):
+        led = b.ledger
+        got = led.dispatch_many([(rollout("a1", "p"), None), (rollout("a2", "p"), None)])
+        assert [o.reason for o in got] == [DISPATCHED, CHAIN_LIVE]
+        chain = identity_chain(RolloutIdentity("a1", "p", "ds", 0))
+        assert led.get("a1").chain == chain
+        with pytest.raises(InvalidLedgerArgument, match="LedgerEntry names no prompt"):
+            led.dispatch_many([(LedgerEntry("bare", 0, H[0]), "mine")])
         assert not check_trace(b.trace()).violations

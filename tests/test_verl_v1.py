@@ -472,11 +472,14 @@ def test_train_verdict_names_every_failed_criterion() -> None:
     good = {
         "trajectories": {"lost": 0, "trained_twice": 0},
         "max_lag_trained": 1,
-        "policy": {"max_lag": 2},
+        "policy": {"max_lag": 2, "max_attempts": 3},
         "spec": {"violations": 0},
         "kills": [{"what": "trainer"}, {"what": "rollout_replica"}],
         "checkpoint_step": 6,
         "steps": 6,
+        "pacing": {"dispatch_refusals": 5, "never_trained": 0, "max_attempts": 2},
+        "activations": {"survivor_acks_not_counted": []},
+        "reserved_when_verl_ended": 0,
     }
     assert verdict(good) == []
     bad = {
@@ -486,9 +489,14 @@ def test_train_verdict_names_every_failed_criterion() -> None:
         "spec": {"violations": 4},
         "kills": [{"what": "trainer"}],
         "checkpoint_step": 5,
+        "pacing": {"dispatch_refusals": 0, "never_trained": 2, "max_attempts": 4},
+        "activations": {"survivor_acks_not_counted": [{"version": 5, "worker": "rollout-0"}]},
+        "reserved_when_verl_ended": 4,
     }
     why = verdict(bad)
-    assert len(why) == 6 and "no SIGKILL of the rollout_replica happened" in why
+    assert len(why) == 11 and "no SIGKILL of the rollout_replica happened" in why
+    assert any("never refused" in w for w in why) and any("survivi" in w for w in why)
+    assert any("still reserved when verl ended" in w for w in why)
 
 
 def test_resume_retires_what_verls_checkpoint_no_longer_holds(clean: Any, tmp_path: Path) -> None:
