@@ -34,7 +34,7 @@ from rollout_lifecycle.model.coordinator import (
 )
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 from rollout_lifecycle.model.ledger import Ledger, LedgerStatistics, ReserveOutcome, ReserveRequest
-from rollout_lifecycle.model.pacing import DispatchOutcome
+from rollout_lifecycle.model.pacing import DispatchOutcome, identity_chain
 from rollout_lifecycle.model.records import (
     ActivePointer,
     AdmissionPolicy,
@@ -302,7 +302,9 @@ class RecordingLedger:
             "clear_bad_version", {"v": version}, lambda: self._ledger.clear_bad_version(version)
         )
 
-    def dispatch(self, rollout: Rollout | LedgerEntry, *, chain: str) -> DispatchOutcome:
+    def dispatch(
+        self, rollout: Rollout | LedgerEntry, *, chain: str | None = None
+    ) -> DispatchOutcome:
         def encode(o: DispatchOutcome) -> dict[str, Any]:
             return {
                 "id": o.rollout_id,
@@ -314,7 +316,9 @@ class RecordingLedger:
 
         return self._log.call(
             "dispatch",
-            {"entry": new_entry_json(rollout), "chain": chain},
+            # the chain the deployment keys the attempt by: the caller's, else the one the
+            # documented rule derives from the rollout's identity (model.pacing)
+            {"entry": new_entry_json(rollout), "chain": _asked_chain(rollout, chain)},
             lambda: self._ledger.dispatch(rollout, chain=chain),
             encode,
         )
@@ -540,3 +544,10 @@ def write_history(
             f.write(json.dumps(c, separators=(",", ":")) + "\n")
     os.replace(tmp, path)
     return len(ordered)
+
+
+def _asked_chain(rollout: Rollout | LedgerEntry, chain: str | None) -> str | None:
+    """The chain a dispatch is judged on: the caller's key, else its identity's."""
+    if chain is not None or not isinstance(rollout, Rollout):
+        return chain
+    return identity_chain(rollout.identity)
