@@ -85,6 +85,10 @@ IDEMPOTENT = "idempotent_retry"
 CONFLICT = "revision_conflict"
 NOT_REWARDED = "not_rewarded"
 MISSING = "missing_rollout"
+# a dispatch_many request whose id the ledger already holds (its stored entry is returned)
+ALREADY_DISPATCHED = "already_dispatched"
+# a landing of a rollout never dispatched, under a pacing policy (land_and_reserve skips it)
+NOT_DISPATCHED = "not_dispatched"
 # refusals decided inside the reservation's atomic step (model.rules.reservation_refusal)
 NOT_ADMITTED = rules.NOT_ADMITTED
 POINTER_MOVED = rules.POINTER_MOVED
@@ -2145,6 +2149,199 @@ class StoreLedger:
 
         return self.store.view(body, "oldest_admissible")
 
+    def land_and_reserve(
+        self,
+        update_id: str | None,
+        landings: Sequence[Landing] = (),
+        *,
+        close: Sequence[tuple[str, str, Disposition]] = (),
+        reserve: Mapping[str, AdmissionStamp] | None = None,
+    ) -> LandedStep:
+        """Land a step's generations, close what must not train, and reserve, in ONE step.
+
+        A trainer's per-step write as one atomic step whose cost is what it writes, whatever
+        the ledger's size: each landing is applied to its row as read in this step (see
+        `Landing`); each `(id, event, disposition)` of `close` fires `event` (one of
+        CLOSING_EVENTS) on the row if the machine allows it from the row's state; then each
+        id of `reserve` is reserved for `update_id` with its stamp on the row as this step
+        left it (it must be rewarded; the stamp is judged against the registry's premise of
+        this step, as `reserve_batch` judges it). The compare-and-set of a reservation is on
+        the revision this step read: nothing can move the row in between, except on a store
+        that locks rows rather than the step, where a lost write is reported
+        ('revision_conflict') and writes nothing.
+        """
+        items = check_landings(landings)
+        closes = [(check_id(r), ev, d) for r, ev, d in close]
+        for rid, ev, d in closes:
+            if ev not in CLOSING_EVENTS:
+                raise InvalidLedgerArgument(
+                    f"{rid}: close takes {sorted(CLOSING_EVENTS)}, got {brief(ev)}"
+                )
+            direct_changes(ev, None, d)
+        stamps = dict(reserve or {})
+        if stamps:
+            if update_id is None:
+                raise InvalidLedgerArgument("reserving needs an update id")
+            check_update_id(update_id)
+            check_requests([ReserveRequest(check_id(r), 0, s) for r, s in stamps.items()])
+        ids = list(dict.fromkeys([x.rollout_id for x in items] + [r for r, _, _ in closes]))
+        ids += [r for r in stamps if r not in set(ids)]
+        if not ids:
+            return LandedStep({}, (), {})
+
+        def body(uow: UnitOfWork, local: Counter[str]) -> LandedStep:
+            rows = uow.read_rows(ids)
+            bad = uow.bad_versions()
+            act = uow.read_premise()
+            # under a pacing policy every entry enters through dispatch, which counts it on
+            # the budget and its prompt's chain: a rollout never dispatched is not added here
+            paced = act.policy is not None and act.policy.paced and act.was_active is not None
+            now: dict[str, LedgerEntry] = dict(rows)
+            changes: list[Change] = []
+            skipped: dict[str, str] = {}
+            for x in items:
+                row = now.get(x.rollout_id)
+                if row is None and paced:
+                    skipped[x.rollout_id] = NOT_DISPATCHED
+                    continue
+                steps, after, why = plan_landing(row, x, bad)
+                if why is not None:
+                    skipped[x.rollout_id] = why
+                    continue
+                assert after is not None
+                changes.extend(steps)
+                now[x.rollout_id] = after
+            for rid, ev, d in closes:
+                row = now.get(rid)
+                if row is None or not LIFECYCLE.is_legal(row.state, ev):
+                    skipped[rid] = "missing" if row is None else row.state
+                    continue
+                after = plan_transition(row, ev, **direct_changes(ev, None, d))
+                changes.append((ev, row, after, None))
+                now[rid] = after
+            outcomes: list[ReserveOutcome] = []
+            record: UpdateRecord | None = None
+            if stamps:
+                assert update_id is not None
+                premise = act
+                lease = self._now(uow) + self.lease_seconds
+                record = uow.read_updates([update_id]).get(update_id)
+                requests = [
+                    ReserveRequest(r, now[r].revision if r in now else 0, s)
+                    for r, s in stamps.items()
+                ]
+                outcomes, planned = plan_reserves(
+                    now,
+                    requests,
+                    update_id,
+                    premise=premise,
+                    lease_expires_at=lease,
+                    poisoned=record is not None and record.status == "poisoned",
+                )
+                for rid, (b, a) in planned.items():
+                    changes.append(("reserve", b, a, update_id))
+                    now[rid] = a
+            enforce(a for _, _, a, _ in changes)
+            fresh = [now[r] for r in ids if r not in rows and r in now]
+            if fresh:
+                uow.insert(fresh)
+            pairs = [(rows[r], now[r]) for r in ids if r in rows and now[r] is not rows[r]]
+            won = uow.write(pairs) if pairs else set()
+            if len(won) != len(pairs):  # a store that locks rows: another writer moved it
+                lost = {a.rollout_id for _, a in pairs} - won
+                changes = [c for c in changes if c[2].rollout_id not in lost]
+                for rid in lost:
+                    skipped[rid] = CONFLICT
+                    now[rid] = rows[rid]
+                outcomes = [
+                    ReserveOutcome(o.rollout_id, False, CONFLICT, rows[o.rollout_id])
+                    if o.rollout_id in lost
+                    else o
+                    for o in outcomes
+                ]
+            counts: Counter[str] = Counter()
+            for reason, n in Counter(o.reason for o in outcomes).items():
+                counts[counter_of(reason)] += n
+            durable = {k: v for k, v in counts.items() if k not in PROCESS_LOCAL_COUNTERS}
+            local.update({k: v for k, v in counts.items() if k in PROCESS_LOCAL_COUNTERS})
+            reserved = update_id is not None and any(c[0] == "reserve" for c in changes)
+            opened = open_change(update_id, record) if reserved and update_id else []
+            uow.append(changes, self.clock(), {"writes": len(changes), **durable}, opened)
+            return LandedStep(now, tuple(outcomes), skipped)
+
+        step = Step("land_and_reserve", premise=bool(stamps), bad="read", live="add")
+        return self._step(body, step)
+
+    def dispatch_many(
+        self, rollouts: Sequence[tuple[Rollout | LedgerEntry, str | None]]
+    ) -> list[DispatchOutcome]:
+        """`dispatch` of several (rollout, chain or None) pairs in ONE step, judged in order:
+        the premise and the live count are read once, and each rollout dispatched counts
+        against the budget of the ones after it (the same answers as dispatching them one
+        by one with nothing in between). Each chain is chosen as `dispatch` chooses it
+        (`chain_of`: the rollout's prompt identity unless the policy's chain_key is
+        'caller'). A rollout whose id is already in the ledger is refused with reason
+        'already_dispatched' and its stored entry (a resumed trainer re-issuing a prompt it
+        dispatched before it died continues that attempt)."""
+        entries = [dispatch_entry(r, c) for r, c in rollouts]
+        if not entries:
+            return []
+
+        def body(uow: UnitOfWork, _: Counter[str]) -> list[DispatchOutcome]:
+            act = uow.read_premise()
+            floor = window_floor(act.pointer_version, act.policy)
+            live = uow.count(LIVE_STATES, floor)
+            stored = uow.read_rows([e.rollout_id for e, _, _ in entries])
+            bad = uow.bad_versions()
+            extra: dict[str, list[str]] = {}  # chain -> states dispatched earlier in the batch
+            out: list[DispatchOutcome] = []
+            fresh: list[LedgerEntry] = []
+            taken: set[str] = set()
+            changes: list[Change] = []
+            for entry, caller, own in entries:
+                rid = entry.rollout_id
+                have = stored.get(rid)
+                if have is not None or rid in taken:
+                    got = have if have is not None else entry
+                    out.append(
+                        DispatchOutcome(
+                            rid, False, ALREADY_DISPATCHED, got, got.attempt, None, live
+                        )
+                    )
+                    continue
+                key = chain_of(entry, caller, own, act.policy)
+                if key is None:
+                    raise InvalidLedgerArgument(
+                        f"dispatch of {brief(rid)} names no chain: pass a chain (the "
+                        "deployment counts attempts by the caller's key, chain_key 'caller'), "
+                        "or dispatch the Rollout (its identity names the chain)"
+                    )
+                states = uow.chain_states(key) + tuple(extra.get(key, ()))
+                premise = DispatchPremise(
+                    act.pointer_version, act.was_active, act.policy, live, states, act.retired
+                )
+                o, new = plan_dispatch(entry, key, premise)
+                if new is None:
+                    out.append(o)
+                    continue
+                steps = plan_add(new, bad, dispatched=True)
+                written = steps[-1][2]
+                fresh.append(written)
+                taken.add(rid)
+                changes.extend((ev, b, a, None) for ev, b, a in steps)
+                extra.setdefault(key, []).append(written.state)
+                if written.state in LIVE_STATES and (
+                    floor is None or written.behavior_version >= floor
+                ):
+                    live += 1
+                out.append(attrs.evolve(o, entry=written))
+            if fresh:
+                uow.insert(fresh)
+                uow.append(changes, self.clock(), {"writes": len(changes)})
+            return out
+
+        return self._step(body, Step("dispatch", premise=True, bad="read", live="count"))
+
     def premise_and_rows(
         self, rollout_ids: Sequence[str]
     ) -> tuple[ActivationPremise, dict[str, LedgerEntry]]:
@@ -2186,6 +2383,127 @@ class StoreLedger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---- landing a step's generations and reserving them in one step (verl's buffer) ------------
+
+
+@attrs.frozen
+class Landing:
+    """What became of one rollout's generation, as its producer learnt it.
+
+    `land_and_reserve` applies it to the row as that step reads it: an absent row is added
+    (rewarded when `reward` is given, else generated; quarantined at once with `failure`),
+    unless a pacing policy is recorded, under which only `dispatch` makes entries (skipped:
+    'not_dispatched');
+    a dispatched row is moved through `generation_done` (tokens) and `reward_ready`, or
+    through `generation_failed` with `failure`; a generated row gets its reward. Any other
+    row already landed: it is left as it is. The behaviour version and hash name the
+    rollout only when it is added; a dispatched row keeps its own (stamped at dispatch).
+    """
+
+    rollout_id: str
+    behavior_version: int
+    artifact_hash: str
+    reward: Reward | None = None
+    tokens: int | None = None
+    failure: Disposition | None = None
+
+
+#: the events `land_and_reserve` may close a rollout with, from any state that allows them
+CLOSING_EVENTS = frozenset({"retire_stale", "quarantine", "generation_failed"})
+
+
+@attrs.frozen
+class LandedStep:
+    """What one `land_and_reserve` step did.
+
+    `entries` holds, for every id it read, the row as the step left it; `outcomes` one
+    reservation outcome per requested id, in request order; `skipped` why a landing or a
+    closing left its row unchanged (the row's state, or 'revision_conflict' when another
+    writer moved it between this step's read and its write, on a store that locks rows
+    rather than the whole step)."""
+
+    entries: dict[str, LedgerEntry]
+    outcomes: tuple[ReserveOutcome, ...]
+    skipped: dict[str, str]
+
+    @property
+    def reserved(self) -> list[str]:
+        """Ids the update holds after the step (new reservations and idempotent retries)."""
+        return [o.rollout_id for o in self.outcomes if o.reserved]
+
+
+def check_landings(landings: Sequence[object]) -> list[Landing]:
+    """Landings, checked before any lock: a column at a time where every value is plain
+    (ids, versions, hashes, as `texts_pass`/`ints64_pass` judge them), else item by item
+    through the fields of the entry each would be added as (the first bad one refused). The
+    rules every planned write must pass are enforced inside the step."""
+    for x in landings:
+        if not isinstance(x, Landing):
+            raise InvalidLedgerArgument(f"a landing must be a Landing, got {brief(x)}")
+    out: list[Landing] = list(landings)  # type: ignore[arg-type]  # checked just above
+    plain = (
+        texts_pass([x.rollout_id for x in out])
+        and texts_pass([x.artifact_hash for x in out], max_length=None)
+        and ints64_pass([x.behavior_version for x in out])
+        and ints64_pass([x.tokens for x in out if x.tokens is not None])
+    )
+    for x in out:
+        if not plain:
+            landing_entry(x)  # the record's own validators name what is wrong
+        if x.reward is not None and type(x.reward) is not Reward:
+            raise InvalidLedgerArgument(f"reward must be a Reward, got {brief(x.reward)}")
+        if x.failure is not None and type(x.failure) is not Disposition:
+            raise InvalidLedgerArgument(f"failure must be a Disposition, got {brief(x.failure)}")
+    return out
+
+
+def landing_entry(landing: Landing) -> LedgerEntry:
+    """The entry an absent rollout is added as (rewarded when scored, else generated)."""
+    return LedgerEntry(
+        landing.rollout_id,
+        landing.behavior_version,
+        landing.artifact_hash,
+        state="rewarded" if landing.reward is not None and landing.failure is None else "generated",
+        reward=None if landing.failure is not None else landing.reward,
+        tokens=landing.tokens,
+    )
+
+
+def plan_landing(
+    row: LedgerEntry | None, landing: Landing, bad: Iterable[int]
+) -> tuple[list[Change], LedgerEntry | None, str | None]:
+    """(changes, the row after them, why nothing changed) for one landing on `row`."""
+    if row is None:
+        steps = plan_add(landing_entry(landing), bad)
+        changes: list[Change] = [(ev, b, a, None) for ev, b, a in steps]
+        now = steps[-1][2]
+        if landing.failure is not None and now.state != "quarantined":
+            d = Disposition("generation", landing.failure.cause, landing.failure.detail)
+            q = plan_transition(now, "quarantine", disposition=attrs.evolve(d, stage="admission"))
+            changes.append(("quarantine", now, q, None))
+            now = q
+        return changes, now, None
+    changes = []
+    now = row
+    if now.state == "dispatched":
+        if landing.failure is not None:
+            fail = direct_changes("generation_failed", None, landing.failure, landing.tokens)
+            after = plan_transition(now, "generation_failed", **fail)
+            return [("generation_failed", now, after, None)], after, None
+        done = plan_transition(
+            now, "generation_done", **direct_changes("generation_done", None, None, landing.tokens)
+        )
+        changes.append(("generation_done", now, done, None))
+        now = done
+    if now.state == "generated" and landing.reward is not None and landing.failure is None:
+        scored = plan_transition(now, "reward_ready", reward=landing.reward)
+        changes.append(("reward_ready", now, scored, None))
+        now = scored
+    if not changes:
+        return [], row, row.state
+    return changes, now, None
 
 
 # ---- the memory store ----------------------------------------------------------------------

@@ -19,7 +19,7 @@ deployment whose pointer moves one version a step:
 Judged three ways: the spec on the ledger's whole trace (every invariant, the registry's
 included); what the scenario knows (each sample's keys and owner, the causes of every
 eviction, one refill per evicted group, the redone step's rollouts released before they
-are consumed, every trajectory accounted for); and a watchdog on each `sample`, which in
+are consumed, every group accounted for); and a watchdog on each `sample`, which in
 verl polls until enough groups are sampleable: a sample that does not return is reported
 as a hang, named, instead of blocking the campaign.
 """
@@ -50,7 +50,7 @@ STAGE = "verl-v1"
 RUN = "campaign"
 WORKER = "rollout-0"
 POLICY = AdmissionPolicy(max_lag=1, max_drift=0.5)
-GROUP = 2  # trajectories per GRPO group
+GROUP = 2  # trajectories per GRPO group (the ledger holds one rollout per group)
 SAMPLE_TIMEOUT_S = 60.0  # a sample that takes longer waits for groups it can never take
 HINT = (
     "the verl-v1 stage needs the [verl-v1] extra (verl 0.9.1 with TransferQueue and Ray): "
@@ -248,11 +248,11 @@ def _scenario(ctx: StageContext, tq: Any) -> tuple[list[str], dict[str, Any]]:
         keys = sorted(k for g in want for k in written[g])
         if sorted(meta.keys) != keys:
             failures.append(f"{what} returned {sorted(meta.keys)}, expected {keys}")
-        uid = update_id_for(RUN, step, 0, 0)
-        for k in keys:
-            e = admin.ledger.find(k)
+        uid = update_id_for(RUN, step, 0)
+        for g in want:  # one ledger rollout per GRPO group (verl's uid)
+            e = admin.ledger.find(g)
             if e is None or e.state != "reserved" or e.reserved_by != uid:
-                failures.append(f"{what}: {k} is {e and (e.state, e.reserved_by)}, not {uid}'s")
+                failures.append(f"{what}: {g} is {e and (e.state, e.reserved_by)}, not {uid}'s")
         return True
 
     def trained(groups: list[str]) -> None:
@@ -277,23 +277,22 @@ def _scenario(ctx: StageContext, tq: Any) -> tuple[list[str], dict[str, Any]]:
         written["gd"] = _put_group(tq, "gd", 2)
         ok = sample(a, 3, 1, ["gd"], "trainer A")
         # SIGKILL: trainer A dies before step 3's update lands (no finish, no settle)
-    dead = update_id_for(RUN, 3, 0, 0)
+    dead = update_id_for(RUN, 3, 0)
     if ok:
         # verl resumes from its step-2 checkpoint: TransferQueue holds gd's prompt key again
         _prompt(tq, "gd", 2)
         b = _buffer(connect(), refills)
         settled = b.settle(3)  # what the resumed trainer's first sample does first
-        for k in written["gd"]:
-            e = admin.ledger.get(k)
-            if e.state != "rewarded" or e.releases != 1:
-                failures.append(
-                    f"resumed at step 3: {k} (reserved by the dead process's {dead}) is "
-                    f"{e.state} (releases {e.releases}); a step being redone never landed, its "
-                    "reservations must be released, not kept or consumed"
-                )
-        if settled != {"committed": 0, "released": GROUP}:
+        e = admin.ledger.get("gd")
+        if e.state != "rewarded" or e.releases != 1:
             failures.append(
-                f"resumed settle(3) returned {settled}, expected 0 committed, {GROUP} released"
+                f"resumed at step 3: gd (reserved by the dead process's {dead}) is "
+                f"{e.state} (releases {e.releases}); a step being redone never landed, its "
+                "reservations must be released, not kept or consumed"
+            )
+        if settled != {"committed": 0, "released": 1}:
+            failures.append(
+                f"resumed settle(3) returned {settled}, expected 0 committed, 1 group released"
             )
         ok = not failures and sample(b, 3, 1, ["gd"], "resumed trainer B")
         if ok:
@@ -326,21 +325,21 @@ def _judge(
     trace = be.trace()
     report = check_trace(trace, with_registry=True)
     out.extend(f"spec: {v}" for v in report.violations)
-    # the redone step: each of its rollouts was returned (abort) after the dead process
-    # reserved it and before anything consumed it
-    for k in written.get("gd", []):
-        evs = [e.event for e in trace if isinstance(e, EntryChanged) and e.rollout_id == k]
+    # the redone step: its group was returned (abort) after the dead process reserved it
+    # and before anything consumed it
+    if "gd" in written:
+        evs = [e.event for e in trace if isinstance(e, EntryChanged) and e.rollout_id == "gd"]
         if "commit" in evs and "abort" not in evs[: evs.index("commit")]:
             out.append(
-                f"{k}: consumed without being released after {dead}'s process died "
+                f"gd: consumed without being released after {dead}'s process died "
                 f"(its events: {evs}): an update that never landed was committed"
             )
     if not done:
         return out
-    want = {
-        **{k: ("consumed", None) for g in ("ga", "gb", "gc", "gd", "ge") for k in written[g]},
-        **{k: ("quarantined", "group_failure") for k in written["gfail"]},
-        **{k: ("retired_stale", "lag_2_over_1") for k in written["gstale"]},
+    want = {  # one ledger rollout per GRPO group, named by verl's uid
+        **{g: ("consumed", None) for g in ("ga", "gb", "gc", "gd", "ge")},
+        "gfail": ("quarantined", "group_failure"),
+        "gstale": ("retired_stale", "lag_2_over_1"),
     }
     for k, (state, cause) in sorted(want.items()):
         e = be.ledger.find(k)

@@ -93,6 +93,8 @@ def test_wheel_holds_one_package(wheel: Path) -> None:
     assert tops == {"rollout_lifecycle"}, tops
     for sub in ("model", "spec", "stateful_tests", "gpu_check", "cli"):
         assert f"rollout_lifecycle/{sub}/__init__.py" in names
+    # verl's `+rollout_lifecycle=ledger` config group (docs/verl-v1.md)
+    assert "rollout_lifecycle/gpu_check/verl_config/rollout_lifecycle/ledger.yaml" in names
 
 
 def test_user_model_py_and_cli_do_not_shadow(fresh_env: Path, tmp_path: Path) -> None:
