@@ -345,6 +345,7 @@ def build_ledger(path: Path, n: int, batch: int = 1000) -> None:
         Reward,
         WorkerAck,
     )
+    from rollout_lifecycle.model.registry import set_admission_policy
 
     reward = Reward("rm", "1", 1.0)
     stamp = AdmissionStamp(
@@ -359,7 +360,7 @@ def build_ledger(path: Path, n: int, batch: int = 1000) -> None:
     )
     with open_backend(f"sqlite:///{path}") as be:
         coord = ActivationCoordinator(be.registry, ["g0"], ledger=be.ledger)
-        coord.set_policy(AdmissionPolicy(1, 0.2), "benchmark")
+        set_admission_policy(coord.registry, AdmissionPolicy(1, 0.2), "benchmark")
         coord.prepare(0)
         coord.commit_artifact(0, H0)
         coord.distribute(0)

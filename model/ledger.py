@@ -306,9 +306,12 @@ _LIVE = frozenset(LIVE_STATES)
 
 
 def check_limit(value: object) -> int:
-    """A result limit: a non-negative int."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidLedgerArgument(f"limit must be a non-negative int, got {brief(value)}")
+    """A result limit: a non-negative int under the 64-bit bound every backend's LIMIT takes
+    (PostgreSQL refuses a larger one, SQLite's driver overflows: refused alike, typed)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT64_MAX:
+        raise InvalidLedgerArgument(
+            f"limit must be a non-negative int of at most 2**63 - 1, got {brief(value)}"
+        )
     return value
 
 
@@ -1556,6 +1559,14 @@ class StoreLedger:
         uow.append(changes, self.clock(), {"writes": len(changes), **counts}, updates)
         return afters
 
+    def _located(self, out: ReserveOutcome) -> ReserveOutcome:
+        """A `no_admission_policy` refusal names this ledger's database in its hint: a bare
+        `deployment set-policy` would record the policy in a new ./rollout-lifecycle.db."""
+        url = getattr(self.store, "url", None)
+        if out.reason != NO_POLICY or not isinstance(url, str):
+            return out
+        return attrs.evolve(out, detail=rules.no_policy_detail(url))
+
     # ---- protocol --------------------------------------------------------------------------
 
     def add(self, rollout: Rollout | LedgerEntry) -> LedgerEntry:
@@ -1747,7 +1758,7 @@ class StoreLedger:
         )
         if new is None or entry is None:
             self._count_local({counter_of(out.reason): 1})
-            return out
+            return self._located(out)
         # the first reservation of an update also records it: that takes the step below
         if guarded is not None and record is not None:
             enforce([new])
@@ -1799,7 +1810,7 @@ class StoreLedger:
                     local[counter_of(again.reason)] += 1
                     return again
                 local["refused"] += 1
-                return ReserveOutcome(rollout_id, False, refusal[0], row, refusal[1])
+                return self._located(ReserveOutcome(rollout_id, False, refusal[0], row, refusal[1]))
             now, done, lease = uow.server_now(), planned, fresh
             if now is not None:  # the deadline is the server's, not this client's
                 lease = _evolve(fresh, lease_expires_at=now + self.lease_seconds)
@@ -1876,7 +1887,7 @@ class StoreLedger:
             local.update({k: v for k, v in counts.items() if k in PROCESS_LOCAL_COUNTERS})
             opened = open_change(update_id, record) if changes else []
             uow.append(changes, self.clock(), {"writes": len(changes), **durable}, opened)
-            return outcomes
+            return [self._located(o) for o in outcomes]
 
         return self._step(body, _RESERVE_BATCH)
 

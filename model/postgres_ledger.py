@@ -609,6 +609,7 @@ class PostgresStore:
 
     def __init__(self, db: PostgresDatabase, *, server_clock: bool) -> None:
         self.db = db
+        self.url = db.backend_url  # named in hints (see StoreLedger._located)
         self.server_clock = server_clock
         self.registry_seen = False
         self.closed = False

@@ -383,6 +383,22 @@ def event_source(url: str) -> TraceSource:
     return source
 
 
+def operated(
+    registry: RegistryStore,
+    workers: tuple[str, ...],
+    ledger: Ledger,
+    clock: ledger_mod.ManualClock,
+    policy: AdmissionPolicy | None,
+) -> coord_mod.ActivationCoordinator:
+    """A coordinator on a deployment whose operator recorded `policy` first (the operator's
+    own step: a coordinator only checks it), or on one with no policy when None."""
+    if policy is not None:
+        registry_mod.set_admission_policy(registry, policy, "set by the operator", at=clock())
+    return coord_mod.ActivationCoordinator(
+        registry, workers, ledger=ledger, clock=clock, policy=policy
+    )
+
+
 def _postgres_stack(
     backend: str,
     tmp_path: Path,
@@ -399,7 +415,7 @@ def _postgres_stack(
     db = common.PostgresDatabase(url, schema=schema)
     led: Ledger = pg_ledger.PostgresLedger(db, clock=clock, **ledger_options)
     reg: RegistryStore = pg_registry.PostgresRegistry(db)
-    coord = coord_mod.ActivationCoordinator(reg, workers, ledger=led, clock=clock, policy=policy)
+    coord = operated(reg, workers, led, clock, policy)
     label = "postgresql" if backend == "postgresql" else redact_url(backend)
     return Stack(label, led, reg, coord, PostgresEventSource(db), url=backend)
 
@@ -414,7 +430,7 @@ def open_stack(
 ) -> Stack:
     """Ledger + registry + coordinator on `backend`: 'memory', 'sqlite' (one file), or
     PostgreSQL ('postgresql' or a URL: one fresh schema); `policy` is recorded as the
-    deployment's admission policy."""
+    deployment's admission policy by the operator's step (`operated`)."""
     if backend == "memory":
         log = EventLog()
         mem_reg = registry_mod.MemoryRegistry(event_log=log)
@@ -422,17 +438,13 @@ def open_stack(
             clock=clock, event_log=log, activation=mem_reg, **ledger_options
         )
         mem_registry: RegistryStore = mem_reg
-        coord = coord_mod.ActivationCoordinator(
-            mem_registry, workers, ledger=mem_ledger, clock=clock, policy=policy
-        )
+        coord = operated(mem_registry, workers, mem_ledger, clock, policy)
         return Stack(backend, mem_ledger, mem_registry, coord, LogSource(log))
     if backend == "sqlite":
         path = tmp_path / DB_NAME
         sql_ledger: Ledger = sqlite_ledger_mod.SQLiteLedger(path, clock=clock, **ledger_options)
         sql_registry: RegistryStore = registry_mod.SQLiteRegistry(path)
-        coord = coord_mod.ActivationCoordinator(
-            sql_registry, workers, ledger=sql_ledger, clock=clock, policy=policy
-        )
+        coord = operated(sql_registry, workers, sql_ledger, clock, policy)
         return Stack(backend, sql_ledger, sql_registry, coord, SQLiteEventSource(path))
     if is_postgres(backend):
         schema = fresh_schema(postgres_url(backend), tmp_path)
@@ -475,7 +487,7 @@ def reopen_stack(
     path = tmp_path / DB_NAME
     led: Ledger = sqlite_ledger_mod.SQLiteLedger(path, clock=clock, **ledger_options)
     reg: RegistryStore = registry_mod.SQLiteRegistry(path)
-    coord = coord_mod.ActivationCoordinator(reg, workers, ledger=led, clock=clock, policy=policy)
+    coord = operated(reg, workers, led, clock, policy)
     return Stack(stack.backend, led, reg, coord, stack.source)
 
 

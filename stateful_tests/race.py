@@ -88,6 +88,7 @@ from rollout_lifecycle.stateful_tests.history import (
     attach,
     entries_json,
     history_header,
+    operator_sets_policy,
     write_history,
 )
 
@@ -130,6 +131,10 @@ class RaceConfig:
     batch_size: int = 8
     max_attempts: int = 3
     chains: int = 32
+    # each distribution attempt's ack deadline: an attempt left awaiting acks (its
+    # try_activate refused after a membership change) is failed by the next distribute
+    # once it passes, so an activator never stalls for the rest of the run
+    ack_timeout: float = 2.0
 
     def policy(self) -> AdmissionPolicy:
         """The deployment's admission policy this race records."""
@@ -300,7 +305,7 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
     try:
         with open_backend(cfg.url) as raw:
             b = _recorded(raw, log)
-            coord = attach(log, raw.registry, ledger=b.ledger)
+            coord = attach(log, raw.registry, ledger=b.ledger, ack_timeout=cfg.ack_timeout)
             serving = coord.pointer()
             n = 0
             while time.time() < deadline:
@@ -623,11 +628,13 @@ class RaceReport:
 
 
 def prepare(cfg: RaceConfig) -> list[dict[str, Any]]:
-    """A fresh database with the worker set recorded and v0 active; the calls it made (the
-    history starts from an empty deployment)."""
+    """A fresh database with the operator's policy and the worker set recorded and v0
+    active; the calls it made (the history starts from an empty deployment)."""
     log = CallLog("setup")
     with open_backend(cfg.url) as raw:
         b = _recorded(raw, log)
+        # the operator's step: coordinators and learners never write the policy
+        operator_sets_policy(log, raw.registry, cfg.policy(), "race: set by the operator")
         coord = attach(log, raw.registry, WORKERS, ledger=b.ledger, policy=cfg.policy())
         if coord.pointer() is None:
             coord.prepare(0)

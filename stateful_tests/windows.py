@@ -37,6 +37,7 @@ from rollout_lifecycle.model.records import (
     Reward,
     WorkerAck,
 )
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.spec.invariants import check_trace, compare_with_store, stored_world
 from rollout_lifecycle.stateful_tests.backends import durable_url
 from rollout_lifecycle.stateful_tests.stages import StageContext, StageReport, entered
@@ -93,6 +94,7 @@ def run_window_stage(ctx: StageContext) -> StageReport:
     failures: list[str] = []
     facts: dict[str, Any] = {"pause_s": PAUSE_S, "rounds": []}
     with open_backend(url) as admin:
+        set_admission_policy(admin.registry, POLICY, "set by the operator")
         coord = ActivationCoordinator(admin.registry, WORKERS, ledger=admin.ledger, policy=POLICY)
         _stage_version(coord, 0)
         if not coord.try_activate(0).activated:
@@ -116,6 +118,11 @@ def run_window_stage(ctx: StageContext) -> StageReport:
                                 reward=REWARD,
                             )
                         )
+                    held: list[str] = []
+                    if path == "single":
+                        # the update's first reservation also records the update (a step
+                        # of its own); its next one is the one-statement write paused here
+                        held = _record_update(admin, learner, f"w{k}.first", v, f"L.{k}")
                     _stage_version(coord, v + 1)
                     inside.clear()
                     got: dict[str, Any] = {}
@@ -142,7 +149,7 @@ def run_window_stage(ctx: StageContext) -> StageReport:
                         failures.append(f"round {k} ({path}): learner: {got['error']}")
                     if not switched.activated:
                         failures.append(f"round {k}: v{v + 1} did not activate: {switched.reason}")
-                    won = [rid for rid, ok in got.get("reserved", {}).items() if ok]
+                    won = held + [rid for rid, ok in got.get("reserved", {}).items() if ok]
                     if won:
                         learner.ledger.commit(f"L.{k}", won)
         trace = admin.trace()
@@ -160,6 +167,24 @@ def _stage_version(coord: ActivationCoordinator, v: int) -> None:
     coord.distribute(v)
     for w in WORKERS:
         coord.record_ack(WorkerAck(w, v, version_hash(v), token=coord.attempt_token(w, v)))
+
+
+def _record_update(admin: Any, learner: Any, rid: str, v: int, update: str) -> list[str]:
+    """Reserve one more rollout of v for `update` outside the learner's thread (no pause),
+    so the ledger records the update before the paused reservation."""
+    admin.ledger.add(
+        LedgerEntry(
+            rollout_id=rid,
+            behavior_version=v,
+            artifact_hash=version_hash(v),
+            state="rewarded",
+            reward=REWARD,
+        )
+    )
+    out = learner.ledger.reserve(rid, 0, update, _stamp(v))
+    if not out.reserved:
+        raise AssertionError(f"recording {update}: {rid} was refused ({out.reason})")
+    return [rid]
 
 
 def _reserve(

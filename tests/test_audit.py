@@ -35,7 +35,7 @@ from rollout_lifecycle.model.records import (
     Reward,
     WorkerAck,
 )
-from rollout_lifecycle.model.registry import MemoryRegistry
+from rollout_lifecycle.model.registry import MemoryRegistry, set_admission_policy
 from rollout_lifecycle.model.sql_unit import SqlUnit
 from rollout_lifecycle.model.sqlite_common import read_events as sqlite_read_events
 from rollout_lifecycle.spec.audit import AuditReport, audit, row_hash
@@ -60,7 +60,7 @@ def build(b: Backend) -> None:
     """v0 active under a recorded policy; each rollout added at dispatch and driven through
     generation_done and reward_ready; r0 and r1 reserved and consumed by u1, r2 rewarded."""
     c = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger)
-    c.set_policy(AdmissionPolicy(1, 0.2), "audit test")
+    set_admission_policy(b.registry, AdmissionPolicy(1, 0.2), "audit test")
     c.prepare(0)
     c.commit_artifact(0, H0)
     c.distribute(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -52,6 +53,43 @@ def test_ci_runs_the_readme_test_command() -> None:
 PYTHON_BLOCKS = re.findall(r"```python\n(.*?)\n```", README, flags=re.S)
 
 
+def setup_for(block: str) -> str | None:
+    """The ```sh block that sets up the deployment a ```python block runs on: the last one
+    between the python block and the heading of its section (the operator's step), if any."""
+    at = README.index(f"```python\n{block}\n```")
+    section = README.rfind("\n## ", 0, at)
+    found = re.findall(r"```sh\n(.*?)\n```", README[section:at], flags=re.S)
+    return found[-1] if found else None
+
+
+def run_block(block: str, folder: Path, *, setup: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a ```python block as a script in `folder`, after its set-up ```sh block (with this
+    interpreter's bin folder first on PATH, so `rollout-lifecycle` is this checkout's)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    commands = setup_for(block) if setup else None
+    if commands is not None:
+        res = subprocess.run(
+            ["bash", "-e", "-c", commands],
+            cwd=folder,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if res.returncode != 0:
+            return res
+    script = folder / "block.py"
+    script.write_text(block, encoding="utf-8")
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def test_readme_has_runnable_examples() -> None:
     """The README shows the small API and the embedding pattern as Python code."""
     assert len(PYTHON_BLOCKS) >= 2
@@ -62,25 +100,35 @@ def test_readme_embedding_runs_twice_in_the_same_folder(tmp_path: Path) -> None:
     """The embedding example is rerunnable: a second run on the same ledger file (the
     deployment already set up, its rollouts already consumed) trains on new rollouts."""
     (block,) = [b for b in PYTHON_BLOCKS if "admit_and_reserve" in b]
-    script = tmp_path / "block.py"
-    script.write_text(block, encoding="utf-8")
-    for run in (1, 2):
-        res = subprocess.run(
-            [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
-        )
+    for run in (1, 2):  # the operator's set-up step once, before the first run
+        res = run_block(block, tmp_path, setup=run == 1)
         assert res.returncode == 0, (run, res.stdout + res.stderr)
         assert "trained on 4 rollouts" in res.stdout, res.stdout
 
 
 @pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
 def test_readme_python_block_runs_as_printed(index: int, tmp_path: Path) -> None:
-    """Each ```python block runs verbatim, in a fresh folder, in a new interpreter."""
-    script = tmp_path / "block.py"
-    script.write_text(PYTHON_BLOCKS[index], encoding="utf-8")
-    res = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
+    """Each ```python block runs verbatim, in a fresh folder, in a new interpreter, after
+    the ```sh block that sets up its deployment (the operator's step), if it has one."""
+    res = run_block(PYTHON_BLOCKS[index], tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_readme_embedding_needs_the_operators_step(tmp_path: Path) -> None:
+    """Without the operator's set-policy step the embedding block refuses to start (the
+    coordinator never records the policy itself) and its message names the command, with
+    this very database's URL; after the step it runs."""
+    (block,) = [b for b in PYTHON_BLOCKS if "admit_and_reserve" in b]
+    setup = setup_for(block)
+    assert setup is not None and "deployment set-policy --backend sqlite:///runs/ledger.db" in (
+        setup.replace("\\\n", " ")
+    )
+    (tmp_path / "runs").mkdir()
+    res = run_block(block, tmp_path, setup=False)
+    assert res.returncode != 0
+    url = f"sqlite:///{tmp_path.resolve() / 'runs' / 'ledger.db'}"
+    assert f"deployment set-policy --backend {url} --max-lag 1 --max-drift 0.2" in res.stderr
+    assert run_block(block, tmp_path).returncode == 0
 
 
 def test_readme_links_point_at_files() -> None:
