@@ -59,10 +59,13 @@ from rollout_lifecycle.model.errors import (
     UpdatePoisoned,
 )
 from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, UpdateChanged
+from rollout_lifecycle.model.gate import AdmissionGate, GatePolicy
+from rollout_lifecycle.model.ledger import ReserveRequest
 from rollout_lifecycle.model.records import (
     ActionEvidence,
     AdmissionPolicy,
     BehaviorPolicy,
+    Disposition,
     GenerationConditions,
     LedgerEntry,
     Reward,
@@ -86,6 +89,10 @@ FINAL_STATES = frozenset(
 )  # fmt: skip
 
 
+LOOSE = AdmissionPolicy(max_lag=1000, max_drift=1e9)  # item 1's misconfigured coordinator
+FORGED = "e" * 64  # an artifact hash no version of the race ever has
+
+
 def version_hash(v: int) -> str:
     """The artifact hash of version v in this race."""
     return f"{v:x}".rjust(64, "f")
@@ -105,11 +112,19 @@ class FaultRaceConfig:
     slow: float = 0.25  # chance a learner's update runs past its first batch's lease
     rollback_every: int = 4  # the activator rolls back after every Nth activation
     careless: float = 0.25  # chance an activation names a poisoned update as its lineage
+    # chance a learner process is misconfigured (its own gate admits any lag and drift and
+    # never checks hashes; it reserves with those bare stamps), and a coordinator starts
+    # with a loose policy= (item 1): the recorded policy must refuse both
+    hostile: float = 0.3
+    forged: float = 0.05  # chance a generated rollout carries a hash its version never had
     max_lag: int = 1
     max_drift: float = 0.2
     pool: int = 48  # the generator keeps about this many rollouts waiting
     seed: int = 0
     mutant: str | None = None  # a catalogue mutant every child process runs with
+    # after the verdict: `ledger check` of the faulted store must pass, then one tampering
+    # of issue 31's item 7 (chosen by the seed) is applied and must be named
+    tamper: bool = True
 
     def policy(self) -> AdmissionPolicy:
         """The operator's policy, as the README records it."""
@@ -221,14 +236,16 @@ def _generate(
             for _ in range(4):
                 rid = f"g{n}"
                 n += 1
+                forged = rng.random() < cfg.forged  # item 5: a hash v never had
                 ro = Rollout(
                     RolloutIdentity(rid, f"prompt-{n % 97}", "gsm8k", 0),
-                    BehaviorPolicy(pointer.version, pointer.artifact_hash),
+                    BehaviorPolicy(pointer.version, FORGED if forged else pointer.artifact_hash),
                     CONDITIONS,
                     ActionEvidence(np.array([5, 9, 2]), np.array([1, 1, 0]), LOGP),
                 )
                 be.ledger.add(ro)
                 st.bump("added")
+                st.bump("forged", forged)
                 try:
                     be.ledger.transition(rid, "generation_done", 0)
                     be.ledger.transition(rid, "reward_ready", 1, reward=REWARD)
@@ -247,6 +264,12 @@ def _learn(
     still holds), then abort. Each loop is also a reaper sweep."""
     tag = f"{rng.getrandbits(32):08x}"
     u = 0
+    hostile = None
+    if rng.random() < cfg.hostile:  # this process's own gate: loose, or hash-blind
+        loose = rng.random() < 0.5
+        bounds = (10**6, 1e9) if loose else (cfg.max_lag, cfg.max_drift)
+        hostile = AdmissionGate(GatePolicy(max_lag=bounds[0], max_drift=bounds[1]))
+        st.bump("hostile_learner_loose" if loose else "hostile_learner_hash_blind")
     with open_backend(cfg.url, lease_seconds=cfg.lease_seconds) as be:
         while time.time() < deadline:
             expired = be.ledger.expire_leases()  # any process may sweep; the README's reaper
@@ -260,15 +283,20 @@ def _learn(
             u += 1
             current = np.tile(CURRENT, (len(rollouts), 1))
             try:
-                got = admit_and_reserve(
-                    be.ledger, be.registry, update, rollouts, current, conditions=CONDITIONS
-                )
+                if hostile is not None:
+                    trained = _hostile_reserve(be, hostile, update, rollouts, current, rng, st)
+                else:
+                    got = admit_and_reserve(
+                        be.ledger, be.registry, update, rollouts, current, conditions=CONDITIONS
+                    )
+                    for rid, reason in got.refused.items():
+                        st.bump(f"refused:{reason}")
+                        if reason == "artifact_hash_mismatch":  # never trainable: set aside
+                            _quarantine(be, rid, reason, st)
+                    trained = got.reserved
             except GateConfigError as exc:  # e.g. nothing active at this instant
                 st.bump(f"admit:{type(exc).__name__}")
                 continue
-            for reason in got.refused.values():
-                st.bump(f"refused:{reason}")
-            trained = got.reserved
             if not trained:
                 continue
             st.bump("reserved", len(trained))
@@ -306,6 +334,50 @@ def _learn(
             st.flush()
 
 
+def _quarantine(be: Any, rid: str, reason: str, st: _Stats) -> None:
+    """Set a rollout the gate can never admit aside, so it stops heading the queue."""
+    e = be.ledger.find(rid)
+    if e is None or e.state != "rewarded":
+        return
+    try:
+        be.ledger.transition(
+            rid, "quarantine", e.revision, disposition=Disposition("admission", reason)
+        )
+        st.bump("quarantined_by_learner")
+    except RolloutLifecycleError:
+        st.bump("quarantine_lost_race")
+
+
+def _hostile_reserve(
+    be: Any,
+    gate: AdmissionGate,
+    update: str,
+    rollouts: list[Rollout],
+    current: Any,
+    rng: random.Random,
+    st: _Stats,
+) -> list[str]:
+    """A misconfigured learner: its own loose gate's bare stamps, reserved one by one or in
+    a batch; the ledger must judge them by the recorded policy and the registry's hashes."""
+    pointer = be.registry.pointer()
+    if pointer is None:
+        return []
+    decisions = gate.assess_batch(rollouts, current, pointer.version)
+    asked = [
+        ReserveRequest(ro.rollout_id, ro.status.revision, d.stamp())
+        for ro, d in zip(rollouts, decisions, strict=True)
+        if d.accepted and ro.status is not None
+    ]
+    if rng.random() < 0.5:
+        outs = [be.ledger.reserve(r.rollout_id, r.expected_revision, update, r.admission)
+                for r in asked]  # fmt: skip
+    else:
+        outs = be.ledger.reserve_batch(update, asked)
+    for o in outs:
+        st.bump(f"hostile:{o.reason}")
+    return [o.rollout_id for o in outs if o.reserved]
+
+
 def rollouts_of(entries: list[LedgerEntry]) -> list[Rollout]:
     """What a learner's buffer holds for each waiting ledger entry: the rollout and the
     behaviour log-probs its generator recorded."""
@@ -338,6 +410,14 @@ def _activate(
         activated = 0
         while time.time() < deadline:
             v = (coord.registry.max_version() or 0) + 1
+            if rng.random() < cfg.hostile / 4:  # item 1: a misconfigured coordinator starts
+                try:
+                    ActivationCoordinator(
+                        be.registry, list(WORKERS), ledger=be.ledger, policy=LOOSE
+                    )
+                    st.bump("hostile_coordinator_accepted")
+                except ActivationError:
+                    st.bump("hostile_coordinator_refused")
             try:
                 poisoned = [
                     r.update_id for r in be.ledger.updates().values() if r.status == "poisoned"
@@ -460,19 +540,38 @@ def run_fault_race(
         store = compare_with_store(spec.final, stored_world(be.ledger, be.registry))
         rows = be.ledger.snapshot()
         arts = be.registry.artifacts()
+        policy = be.registry.policy()
     judged = judge(trace, rows, arts, cfg.max_lag)
+    hashes = {a.version: a.artifact_hash for a in arts}
+    forged = sorted(
+        rid for rid, e in rows.items()
+        if e.state == "consumed" and e.artifact_hash != hashes.get(e.behavior_version)
+    )  # fmt: skip
     counts: Counter[str] = Counter()
     for s in stats.values():
         counts.update(s.get("stats", {}))
     added = counts.get("added", 0)
     findings = [f"spec: {v}" for v in (*spec.violations, *store)] + judged.findings
+    findings += [f"consumed with a hash its version never had: {rid}" for rid in forged[:20]]
+    if policy != cfg.policy():
+        findings.append(f"the recorded policy is {policy}, not the operator's {cfg.policy()}")
+    if counts.get("hostile_coordinator_accepted"):
+        findings.append(
+            f"{counts['hostile_coordinator_accepted']} coordinators with a loose policy= started"
+        )
     if len(rows) != added:
         findings.append(f"lost: the generator added {added} rollouts, the ledger holds {len(rows)}")
     # every process had stopped and the sweep waited out ack_timeout: any attempt still
     # awaiting acks is past its deadline, and settle left it there
     findings += [f"v{v} awaits acks past its deadline after the last settle" for v, _d in waiting]
+    tampering: dict[str, Any] = {}
+    if cfg.tamper:
+        say("ledger check of the faulted store, then one tampering it must name")
+        tampering, problems = tamper_and_check(cfg.url, random.Random(cfg.seed))
+        findings += problems
     facts = {
         **judged.facts,
+        "tampering": tampering,
         "rollouts": len(rows),
         "by_state": dict(Counter(e.state for e in rows.values())),
         "lease_losses": judged.facts["lease_losses"],
@@ -488,6 +587,47 @@ def run_fault_race(
         events=len(trace),
         facts=facts,
     )
+
+
+def _ledger_check(url: str) -> tuple[int, dict[str, Any]]:
+    """`rollout-lifecycle ledger check --json` in a process of its own, as a user runs it."""
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "rollout_lifecycle", "ledger", "check", "--backend", url,
+         "--json", "--quiet"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    try:
+        doc: dict[str, Any] = json.loads(res.stdout)
+    except ValueError:
+        doc = {"output": (res.stdout + res.stderr)[-2000:]}
+    return res.returncode, doc
+
+
+def tamper_and_check(url: str, rng: random.Random) -> tuple[dict[str, Any], list[str]]:
+    """`ledger check` passes the store; one edit of item 7 (needing no hash computation)
+    chosen by `rng`; `ledger check` must then exit 1 naming the edit's invariant."""
+    from rollout_lifecycle.stateful_tests.tamperings import TAMPERINGS, sql
+
+    rc, doc = _ledger_check(url)
+    if rc != 0:
+        return {}, [f"ledger check of the faulted store exited {rc}: {str(doc)[:500]}"]
+    kind = "sqlite" if url.startswith("sqlite:") else "postgresql"
+    names = [n for n, (_s, _i, kinds) in sorted(TAMPERINGS.items()) if kind in kinds]
+    if not sql(url, ("SELECT count(*) FROM ledger_bad_versions",))[0][0]:
+        names = [n for n in names if "bad-version" not in n]  # no mark to edit
+    name = rng.choice(names)
+    statements, invariant, _kinds = TAMPERINGS[name]
+    sql(url, statements)
+    rc, doc = _ledger_check(url)
+    named = doc.get("by_invariant", {})
+    facts = {"edit": name, "must_name": invariant, "exit": rc, "named": sorted(named)}
+    if rc != 1 or invariant not in named:
+        return facts, [f"tampering {name!r}: ledger check exited {rc} naming {sorted(named)}, "
+                       f"not {invariant!r}"]  # fmt: skip
+    return facts, []
 
 
 def _final_sweep(cfg: FaultRaceConfig) -> list[tuple[int, float | None]]:

@@ -1,4 +1,5 @@
 """The fault race (issue 31): the README pattern under SIGKILLs, lost leases and rollbacks,
+with misconfigured learners and coordinators, forged hashes and a tampering at the end,
 judged from the durable trace; its own judge shown the bad histories it must flag; the two
 fence mutants only it meets, killed."""
 
@@ -45,19 +46,32 @@ def _exercised(doc: dict[str, object]) -> None:
     for key in ("rollouts_in_two_published_updates", "stale_consumed", "lost"):
         assert facts[key] == 0
     assert facts["awaiting_acks_at_end"] == 0
+    # the generated cases of issue 31's items: forged hashes (5) and the tampering (7)
+    assert counts.get("forged", 0) > 0
+    assert (
+        counts.get("refused:artifact_hash_mismatch", 0)
+        + counts.get("hostile:artifact_hash_mismatch", 0)
+        + counts.get("quarantined_by_learner", 0)
+        > 0
+        or counts.get("forged", 0) == 0
+    )
+    tampering = facts["tampering"]
+    assert tampering["exit"] == 1 and tampering["must_name"] in tampering["named"]
 
 
 def test_fault_race_on_sqlite_loses_nothing(tmp_path: Path) -> None:
     """SIGKILLed learners and activator, lost leases, rollbacks: nothing in two published
     updates, nothing stale, nothing lost, nothing left awaiting acks."""
-    doc = _race(f"sqlite:///{tmp_path / 'f.db'}", tmp_path, seconds=10.0, kill_every=1.5)
+    url = f"sqlite:///{tmp_path / 'f.db'}"
+    doc = _race(url, tmp_path, seconds=10.0, kill_every=1.5, forged=0.2, hostile=0.5)
     _exercised(doc)
 
 
 @pytest.mark.postgres
 def test_fault_race_on_postgresql_loses_nothing(tmp_path: Path, postgres_url: str) -> None:
     """The same on PostgreSQL: each process its own connections, killed mid-transaction."""
-    doc = _race(durable_url(postgres_url, tmp_path), tmp_path, seconds=10.0, kill_every=1.5)
+    url = durable_url(postgres_url, tmp_path)
+    doc = _race(url, tmp_path, seconds=10.0, kill_every=1.5, forged=0.2, hostile=0.5)
     _exercised(doc)
 
 
