@@ -117,6 +117,7 @@ class FaultRaceConfig:
     # with a loose policy= (item 1): the recorded policy must refuse both
     hostile: float = 0.3
     forged: float = 0.05  # chance a generated rollout carries a hash its version never had
+    restores: float = 0.1  # chance a worker restores its old weights after acking (item 3)
     max_lag: int = 1
     max_drift: float = 0.2
     pool: int = 48  # the generator keeps about this many rollouts waiting
@@ -175,13 +176,19 @@ class _Stats:
         self.path = workdir / "stats" / f"{role}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.c: Counter[str] = Counter()
+        self.notes: list[str] = []
 
     def bump(self, key: str, n: int = 1) -> None:
         self.c[key] += n
 
+    def note(self, text: str) -> None:
+        """Keep the last few refusal messages (what a reader of the report asks first)."""
+        self.notes = [*self.notes[-4:], text[:300]]
+
     def flush(self, **extra: Any) -> None:
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"stats": dict(self.c), **extra}), encoding="utf-8")
+        doc = {"stats": dict(self.c), "notes": self.notes, **extra}
+        tmp.write_text(json.dumps(doc), encoding="utf-8")
         os.replace(tmp, self.path)
 
 
@@ -433,15 +440,25 @@ def _activate(
                 else:
                     coord.prepare(v)
                 coord.commit_artifact(v, version_hash(v))
+                serving = coord.pointer()
                 coord.distribute(v)
                 phase.value = 1  # the parent's aim for a kill mid-distribution
+                acks = {}
                 for w in WORKERS:  # each worker acks what it loaded, echoing its token
                     time.sleep(rng.uniform(0.0, 0.15))  # loading: a kill may land here
-                    token = coord.attempt_token(w, v)
-                    coord.record_ack(WorkerAck(w, v, version_hash(v), token=token))
+                    acks[w] = WorkerAck(w, v, version_hash(v), token=coord.attempt_token(w, v))
+                    coord.record_ack(acks[w])
+                restored = serving is not None and rng.random() < cfg.restores
+                if restored and serving is not None:  # item 3: w0 falls back to what it
+                    # served, then the network delivers a copy of its first ack (README form)
+                    w0 = WORKERS[0]
+                    coord.record_ack(WorkerAck(w0, serving.version, serving.artifact_hash))
+                    st.bump(f"duplicate_ack:{coord.record_ack(acks[w0]).reason}")
                 phase.value = 0
                 res = coord.try_activate(v)
                 st.bump(f"activate:{res.reason}")
+                if restored and res.activated:
+                    st.bump("activated_while_a_worker_restored")
                 if res.activated:
                     activated += 1
                     if activated % cfg.rollback_every == 0:
@@ -449,6 +466,7 @@ def _activate(
                         st.bump("rolled_back")
             except ActivationError as exc:
                 st.bump(f"refused:{type(exc).__name__}")
+                st.note(str(exc))
             st.flush()
             time.sleep(rng.uniform(0.02, 0.15))
 
@@ -555,6 +573,12 @@ def run_fault_race(
     findings += [f"consumed with a hash its version never had: {rid}" for rid in forged[:20]]
     if policy != cfg.policy():
         findings.append(f"the recorded policy is {policy}, not the operator's {cfg.policy()}")
+    if counts.get("activated_while_a_worker_restored"):
+        findings.append(
+            f"{counts['activated_while_a_worker_restored']} versions activated although a "
+            "required worker had reported restoring the previous version (a duplicate ack "
+            "counted)"
+        )
     if counts.get("hostile_coordinator_accepted"):
         findings.append(
             f"{counts['hostile_coordinator_accepted']} coordinators with a loose policy= started"
@@ -718,6 +742,8 @@ def judge(trace: list[Any], rows: dict[str, Any], artifacts: list[Any], max_lag:
         "updates_poisoned": len(poisoned),
         "poisoned_published": len(poisoned & published),
         "activations": activations,
+        # the longest an attempt stayed past its deadline, the last sweep after the race
+        # (which waits out every deadline) included
         "attempts_past_deadline_s_max": round(max(past, default=0.0), 3),
         "awaiting_acks_at_end": len(open_now),
     }  # fmt: skip
