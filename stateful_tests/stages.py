@@ -15,7 +15,10 @@ the campaign, its profiles and the mutation runner pick them by name:
 * `premise-window`: on PostgreSQL, a pause injected into a test build of the reservation's
   write, between its premise check and its compare-and-set, while a pointer switch tries
   to commit: a dropped premise lock is caught every run, not by luck
-  (stateful_tests/windows.py).
+  (stateful_tests/windows.py);
+* `faults`: the README pattern raced with SIGKILLs of learners and activators, lost
+  leases, rollbacks and careless lineages, judged from the durable trace
+  (stateful_tests/fault_race.py).
 
 A stage that cannot run (an extra not installed, a backend it does not apply to) reports
 `skipped` with the reason and what to do; a skip is never a pass of a stage that ran.
@@ -147,6 +150,17 @@ STAGES: dict[str, Stage] = {
             ("default", "thorough", "ci"),
             "rollout_lifecycle.stateful_tests.windows:run_window_stage",
             "about 5-10 s",
+        ),
+        Stage(
+            "faults",
+            "the README pattern in separate processes with SIGKILLed learners and "
+            "activators, leases lost mid-update, rollbacks and careless lineages: no rollout "
+            "in two published updates, none stale, none lost, no attempt left past its ack "
+            "deadline (stateful_tests/fault_race.py)",
+            ("sqlite", "postgresql"),
+            ("default", "thorough", "ci"),
+            "rollout_lifecycle.stateful_tests.fault_race:run_fault_stage",
+            "about 20-25 s",
         ),
     )
 }
