@@ -17,9 +17,14 @@ from typing import Any
 
 import attrs
 
-from rollout_lifecycle.spec.bounds import CI_MODELS, EXPLORER_MODELS, README_MODELS
+from rollout_lifecycle.spec.bounds import CI_MODELS, EXPLORER_MODELS
 from rollout_lifecycle.spec.explorer import explore
 from rollout_lifecycle.stateful_tests.backends import durable_url
+from rollout_lifecycle.stateful_tests.campaign_profiles import (
+    DEFAULT_PROFILE,
+    PROFILES,
+    CampaignProfile,
+)
 from rollout_lifecycle.stateful_tests.checkers import CaseFailure, run_checker_checks
 from rollout_lifecycle.stateful_tests.mutants import CATALOGUE, Mutant
 from rollout_lifecycle.stateful_tests.race import RaceConfig, run_race
@@ -28,9 +33,6 @@ from rollout_lifecycle.stateful_tests.runner import (
 )
 from rollout_lifecycle.stateful_tests.runner import (
     README_BACKEND,
-    README_EXAMPLES,
-    README_RACE_SECONDS,
-    README_SEED,
     run_campaign,
 )
 
@@ -45,6 +47,9 @@ class Kill:
     unit: str
     seconds: float
     detail: str = ""
+    # the campaign's stage that killed it ("checkers", "adapter", "race", "fuzz e2e",
+    # "explore seams"); empty for the other checkers and for a survivor
+    stage: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able dict."""
@@ -86,6 +91,7 @@ class MutantResult:
             "description": self.description,
             "peer_bug": self.peer_bug,
             "killed_by": list(self.killed_by),
+            "campaign_stage": self.campaign.stage or None,
             "fuzz": self.fuzz.to_json(),
             "explore": self.explore.to_json(),
             "campaign": self.campaign.to_json(),
@@ -172,7 +178,9 @@ def explore_kill(
 
 
 def _stage_kill(stage: str, effort: int, unit: str, t0: float, detail: str) -> Kill:
-    return Kill("campaign", True, effort, unit, time.perf_counter() - t0, f"{stage}: {detail}")
+    return Kill(
+        "campaign", True, effort, unit, time.perf_counter() - t0, f"{stage}: {detail}", stage
+    )
 
 
 def checker_verdicts(failures: Sequence[CaseFailure]) -> tuple[list[CaseFailure], list[str]]:
@@ -191,18 +199,26 @@ def checker_verdicts(failures: Sequence[CaseFailure]) -> tuple[list[CaseFailure]
     return verdicts, crashes
 
 
-def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = None) -> Kill:
-    """Whether the README campaign, exactly as `make campaign` runs it, kills the mutant.
+def campaign_kill(
+    mutant: Mutant,
+    *,
+    workdir: Path,
+    postgres_url: str | None = None,
+    profile: CampaignProfile | str = DEFAULT_PROFILE,
+) -> Kill:
+    """Whether the campaign at `profile` (the fast default of `make campaign`, unless told
+    otherwise), with that profile's budgets, kills the mutant; `Kill.stage` names the stage.
 
-    Its stages run in the campaign's order, the first that fails kills it: the checker
-    stage (known-bad histories, the differential of rules and spec); the verl adapter fuzz
-    (when verl is installed); the race (real processes, each patched, on the mutant's
-    backend: SQLite, or a fresh schema on `postgres_url` for PostgreSQL code); the fuzz
-    stage (every machine, README seed and examples, on the mutant's backend, its own
-    machine leading); the explore stage (the README models at README bounds). A checker
-    case that only crashed kills nothing (`checker_verdicts`). A mutant of PostgreSQL code
-    without a server is not reached (None), never counted as killed.
+    Its stages run cheapest first, the first that fails kills it: the checker stage
+    (known-bad histories, the differential of rules and spec); the verl adapter fuzz (when
+    verl is installed); the race (real processes, each patched, on the mutant's backend:
+    SQLite, or a fresh schema on `postgres_url` for PostgreSQL code); the fuzz stage (every
+    machine at the profile's examples and seed, on the mutant's backend, its own machine
+    leading); the explore stage (the profile's models, the mutant's own family first). A
+    checker case that only crashed kills nothing (`checker_verdicts`). A mutant of
+    PostgreSQL code without a server is not reached (None), never counted as killed.
     """
+    prof = PROFILES[profile] if isinstance(profile, str) else profile
     t0 = time.perf_counter()
     backend = README_BACKEND
     if mutant.backend == "postgresql":
@@ -217,7 +233,7 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
             )
         backend = postgres_url
     with mutant():
-        checked = run_checker_checks(seed=README_SEED)
+        checked = run_checker_checks(seed=prof.seed)
     verdicts, crashes = checker_verdicts(checked.failures)
     if verdicts:
         n = checked.bad_cases + checked.good_cases
@@ -225,10 +241,10 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
     adapter = _adapter_fuzz()
     if adapter is not None:
         with mutant():
-            rep = adapter(seed=README_SEED, examples=README_EXAMPLES)
+            rep = adapter(seed=prof.seed, examples=prof.adapter_examples)
         if rep["failures"]:
             return _stage_kill("adapter", rep["batches"], "batches", t0, rep["failures"][0])
-    if "race" in mutant.reach:  # real processes: the patch is entered in each child
+    if "race" in mutant.reach and prof.race_seconds > 0:  # the patch is entered in each child
         race_dir = workdir / "race"
         race_dir.mkdir(parents=True, exist_ok=True)
         for old in race_dir.glob("state.db*"):
@@ -237,8 +253,8 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
             RaceConfig(
                 url=durable_url(backend, race_dir),
                 learners=3,
-                seconds=README_RACE_SECONDS,
-                seed=README_SEED,
+                seconds=prof.race_seconds,
+                seed=prof.seed,
                 hostile=1,
                 churn=True,
                 mutant=mutant.name,
@@ -253,9 +269,9 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
         report = run_campaign(
             [machine],
             backend,
-            examples=README_EXAMPLES,
-            seed=README_SEED,
-            profile="ci",
+            examples=prof.examples[machine],
+            seed=prof.seed,
+            profile=prof.hypothesis,
             workdir=workdir / machine,
             mutant=mutant(),
             mutant_name=mutant.name,
@@ -266,9 +282,13 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
         if run.failure is not None:
             detail = _first_line(run.failure.exception)
             return _stage_kill(f"fuzz {machine}", examples, "examples", t0, detail)
-    models = [mutant.explorer_model, *(m for m in README_MODELS if m != mutant.explorer_model)]
+    own = {mutant.explorer_model, CI_MODELS.get(mutant.explorer_model, "")}
+    models = [
+        *(m for m in prof.models if m in own or m.startswith(f"{mutant.explorer_model}-")),
+        *prof.models,
+    ]
     states = 0
-    for name in dict.fromkeys(m for m in models if m in README_MODELS):
+    for name in dict.fromkeys(models):
         with mutant():
             res = explore(EXPLORER_MODELS[name][0]())
         states += res.distinct_states
@@ -281,7 +301,8 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
         examples,
         "examples",
         time.perf_counter() - t0,
-        f"survived the README checkers, fuzz ({examples} examples) and explorer ({states} states)"
+        f"survived the {prof.name} campaign's checkers, fuzz ({examples} examples) and "
+        f"explorer ({states} states)"
         + (f"; the checker stage only crashed ({len(crashes)}): {crashes[0]}" if crashes else ""),
     )
 
@@ -306,6 +327,7 @@ def run_catalogue(
     on_result: Callable[[MutantResult], None] | None = None,
     campaign: bool = False,
     postgres_url: str | None = None,
+    profile: CampaignProfile | str = DEFAULT_PROFILE,
 ) -> list[MutantResult]:
     """Every mutant against the chosen checkers, in catalogue order."""
     out = []
@@ -323,7 +345,12 @@ def run_catalogue(
                 else Kill("explore", None, None, "states", 0.0, "not run")
             )
             cp = (
-                campaign_kill(m, workdir=base / m.name / "campaign", postgres_url=postgres_url)
+                campaign_kill(
+                    m,
+                    workdir=base / m.name / "campaign",
+                    postgres_url=postgres_url,
+                    profile=profile,
+                )
                 if campaign
                 else Kill("campaign", None, None, "examples", 0.0, "not run")
             )
@@ -362,4 +389,10 @@ def summary(results: Sequence[MutantResult]) -> dict[str, Any]:
         row["campaign_killed"] += bool(r.campaign.killed)
     out["by_class"] = by_class
     out["killed_by_any"] = sum(1 for r in results if r.killed_by)
+    stages: dict[str, int] = {}
+    for r in results:
+        if r.campaign.killed:
+            stage = r.campaign.stage.split()[0] if r.campaign.stage else "?"
+            stages[stage] = stages.get(stage, 0) + 1
+    out["campaign_kills_by_stage"] = dict(sorted(stages.items()))
     return out

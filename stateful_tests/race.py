@@ -77,6 +77,7 @@ from rollout_lifecycle.spec.invariants import (
     stored_world,
     violated_names,
 )
+from rollout_lifecycle.stateful_tests.infrastructure import infrastructure_cause
 
 WORKERS = ("gen-0", "gen-1")
 REWARD = Reward("race-rm", "1", 1.0)
@@ -225,6 +226,7 @@ def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                 "stats": dict(stats),
                 "calls": calls,
                 "error": repr(exc),
+                "infrastructure": infrastructure_cause(exc) is not None,
             }
         )
 
@@ -299,7 +301,14 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                 time.sleep(rng.uniform(0.02, 0.2))
         out.put({"role": f"activator-{index}", "stats": dict(stats)})
     except Exception as exc:  # the parent reports why a child failed (no child traceback)
-        out.put({"role": f"activator-{index}", "stats": dict(stats), "error": repr(exc)})
+        out.put(
+            {
+                "role": f"activator-{index}",
+                "stats": dict(stats),
+                "error": repr(exc),
+                "infrastructure": infrastructure_cause(exc) is not None,
+            }
+        )
 
 
 def _churn(
@@ -408,7 +417,13 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
         out.put({"role": f"learner-{index}", "stats": dict(stats), "calls": calls})
     except Exception as exc:  # reported with the calls made so far, which are judged too
         out.put(
-            {"role": f"learner-{index}", "stats": dict(stats), "calls": calls, "error": repr(exc)}
+            {
+                "role": f"learner-{index}",
+                "stats": dict(stats),
+                "calls": calls,
+                "error": repr(exc),
+                "infrastructure": infrastructure_cause(exc) is not None,
+            }
         )
 
 
@@ -505,6 +520,9 @@ class RaceReport:
     calls: int
     violations: tuple[Violation, ...]
     errors: tuple[str, ...]
+    # the errors that were the backend's or the disk's (a lost server, a full disk): not
+    # findings, and the race's verdict is void (exit 3, not 1)
+    infrastructure: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -533,6 +551,7 @@ class RaceReport:
             "by_invariant": dict(violated_names(self.violations)),
             "violations": [attrs.asdict(v) for v in self.violations[:200]],
             "errors": list(self.errors),
+            "infrastructure_errors": list(self.infrastructure),
         }
 
 
@@ -591,6 +610,7 @@ def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> 
         p.join(timeout=30)
     elapsed = time.time() - started
     errors = tuple(f"{r['role']}: {r['error']}" for r in reports if "error" in r)
+    infrastructure = tuple(f"{r['role']}: {r['error']}" for r in reports if r.get("infrastructure"))
     errors += tuple(f"process {p.name} exited {p.exitcode}" for p in procs if p.exitcode)
     say("judging the trace, the stored rows and every call")
     with open_backend(cfg.url, create=False) as b:
@@ -609,6 +629,7 @@ def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> 
         calls=len(every),
         violations=(*report.violations, *store, *history),
         errors=errors,
+        infrastructure=infrastructure,
     )
 
 

@@ -10,6 +10,10 @@ replaying it with steps deleted), saved as a replayable Python file under `workd
 Deterministic with a seed: batch k of machine m runs with a seed derived from (seed, m, k)
 and no example database. Without a seed, a time-budgeted campaign draws a base seed and
 reports it, so any run can be repeated.
+
+Infrastructure is not a finding: when the backend cannot be reached, the server dies or the
+disk fills up under a machine, `run_campaign` raises `InfrastructureFailure` naming the
+cause; no program is saved and no machine is marked failed (nothing was judged).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import re
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,13 @@ from rollout_lifecycle.stateful_tests import (
     seams_machine,
 )
 from rollout_lifecycle.stateful_tests.backends import LedgerFactory, resolve_factory, stack_backend
+from rollout_lifecycle.stateful_tests.infrastructure import (
+    InfrastructureFailure as InfrastructureFailure,
+)
+from rollout_lifecycle.stateful_tests.infrastructure import (
+    InfrastructureStop,
+    infrastructure_cause,
+)
 from rollout_lifecycle.stateful_tests.minimize import minimize
 from rollout_lifecycle.stateful_tests.profiles import register_profiles
 from rollout_lifecycle.stateful_tests.recording import DECLARED, Recorder
@@ -74,6 +85,27 @@ _INVARIANT_NAMES = {
     "seams": seams_machine.INVARIANT_NAMES,
     "artifacts": artifact_machine.INVARIANT_NAMES,
 }
+
+
+def _guarded(cls: type[RuleBasedStateMachine]) -> type[RuleBasedStateMachine]:
+    """`cls` whose construction turns an infrastructure error into `InfrastructureStop`
+    (a BaseException, so Hypothesis stops at once instead of shrinking against a dead server):
+    when the server died under a rule, the shrinker's next machine cannot connect, and the
+    run stops there instead of shrinking for minutes."""
+
+    class Guarded(cls):  # type: ignore[valid-type,misc]
+        def __init__(self) -> None:
+            try:
+                super().__init__()
+            except Exception as exc:
+                cause = infrastructure_cause(exc)
+                if cause is None:
+                    raise
+                raise InfrastructureStop(cause) from exc
+
+    Guarded.__name__ = cls.__name__
+    Guarded.__qualname__ = cls.__qualname__
+    return Guarded
 
 
 @attrs.frozen
@@ -121,6 +153,8 @@ class MachineRun:
     seeds: list[int | None] = attrs.field(factory=list)
     examples_until_failure: int | None = None
     failure: Failure | None = None
+    # goal -> the example of this machine that first reached it
+    first_reached: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def steps_per_s(self) -> float:
@@ -141,6 +175,7 @@ class MachineRun:
             "seeds": list(self.seeds),
             "examples_until_failure": self.examples_until_failure,
             "failure": None if self.failure is None else self.failure.to_json(),
+            "first_reached": dict(sorted(self.first_reached.items())),
         }
 
 
@@ -152,7 +187,7 @@ class CampaignReport:
     profile: str
     seed: int | None
     steps_per_example: int
-    examples_requested: int | None
+    examples_requested: int | dict[str, int] | None
     time_budget_s: float | None
     mutant: str | None
     elapsed_s: float
@@ -207,7 +242,11 @@ class CampaignReport:
             "profile": self.profile,
             "seed": self.seed,
             "steps_per_example": self.steps_per_example,
-            "examples_requested": self.examples_requested,
+            "examples_requested": (
+                dict(self.examples_requested)
+                if isinstance(self.examples_requested, Mapping)
+                else self.examples_requested
+            ),
             "time_budget_s": self.time_budget_s,
             "mutant": self.mutant,
             "elapsed_s": round(self.elapsed_s, 3),
@@ -388,7 +427,7 @@ def run_campaign(
     machines: Sequence[str],
     backend: str | LedgerFactory,
     *,
-    examples: int | None = None,
+    examples: int | Mapping[str, int] | None = None,
     time_budget_s: float | None = None,
     seed: int | None = None,
     profile: str = "ci",
@@ -402,18 +441,33 @@ def run_campaign(
     """Run each machine on `backend` and report coverage, checks, paths and failures.
 
     `examples` alone: one batch of that many examples per machine (the profile's count if
-    None). With `time_budget_s`: batches of `examples` (default 25) with fresh seeds until
-    each machine's share of the budget is spent. `mutant` is entered around the whole run.
+    None; a mapping gives each machine its own count). With `time_budget_s`: batches of
+    `examples` (default 25) with fresh seeds until each machine's share of the budget is
+    spent. `mutant` is entered around the whole run.
     `shrink=False` skips Hypothesis's shrinker (it can take minutes) and keeps only the
     replay minimiser, which is what "examples until the kill" measurements want.
+
+    Raises `InfrastructureFailure` when the backend or the disk fails under a machine (the
+    machines after it are not started).
     """
     unknown = [m for m in machines if m not in MACHINES]
     if unknown or not machines:
         raise ValueError(f"machines must be some of {list(MACHINES)}, got {list(machines)}")
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {list(PROFILES)}, got {profile!r}")
-    if examples is not None and examples < 1:
-        raise ValueError("examples must be >= 1")
+    per_machine: dict[str, int] | None = None
+    one: int | None = None
+    if isinstance(examples, Mapping):
+        per_machine = dict(examples)
+        missing = [m for m in machines if m not in per_machine]
+        if missing:
+            raise ValueError(f"examples gives no count for {missing}")
+        if any(not isinstance(n, int) or n < 1 for n in per_machine.values()):
+            raise ValueError("examples must be >= 1")
+    elif examples is not None:
+        if examples < 1:
+            raise ValueError("examples must be >= 1")
+        one = examples
     if time_budget_s is not None and time_budget_s <= 0:
         raise ValueError("time_budget_s must be > 0")
     if steps is not None and steps < 1:
@@ -427,7 +481,7 @@ def run_campaign(
     base_seed = seed
     if base_seed is None and budgeted:
         base_seed = random.SystemRandom().randrange(2**31)
-    per_batch = examples or (BATCH_EXAMPLES if budgeted else base.max_examples)
+    default_batch: int = one or (BATCH_EXAMPLES if budgeted else base.max_examples)
     label = resolve_factory(backend)[0]
     started = time.perf_counter()
     runs: dict[str, MachineRun] = {}
@@ -446,7 +500,7 @@ def run_campaign(
                 rec,
                 work,
                 profile=profile,
-                per_batch=per_batch,
+                per_batch=per_machine[machine] if per_machine is not None else default_batch,
                 n_steps=n_steps,
                 base_seed=base_seed,
                 share_s=share,
@@ -483,7 +537,15 @@ def _run_machine(
     mutant_name: str | None,
     shrink: bool,
 ) -> MachineRun:
-    cls, label = _machine_class(machine, backend, rec, work)
+    try:
+        cls, label = _machine_class(machine, backend, rec, work)
+    except Exception as exc:
+        cause = infrastructure_cause(exc)
+        if cause is None:
+            raise
+        label = resolve_factory(backend)[0]
+        raise InfrastructureFailure(f"the {machine} machine", label, cause) from None
+    cls = _guarded(cls)
     run = MachineRun(machine, label)
     t0 = time.perf_counter()
     last = [0.0]
@@ -524,7 +586,12 @@ def _run_machine(
                     seeded_cls,
                     settings=_settings(profile, per_batch, n_steps, batch_seed is not None, shrink),
                 )
+        except InfrastructureStop as stop:
+            raise InfrastructureFailure(f"the {machine} machine", label, stop.cause) from None
         except Exception as exc:  # a failure of the model (or of the machine) is the result
+            cause = infrastructure_cause(exc)
+            if cause is not None:  # the backend or the disk failed: nothing was judged
+                raise InfrastructureFailure(f"the {machine} machine", label, cause) from None
             run.batches = batch + 1
             text = _exception_text(exc)
             # Hypothesis attaches the shrunk program to the exception's notes; older versions
@@ -558,6 +625,7 @@ def _run_machine(
     run.examples = rec.examples
     run.steps = rec.steps
     run.rules = dict(rec.rules)
+    run.first_reached = {**rec.first_edge, **rec.first_sometimes}
     run.elapsed_s = time.perf_counter() - t0
     emit("done", run.batches)
     return run
@@ -568,7 +636,7 @@ def _report(
     profile: str,
     base_seed: int | None,
     n_steps: int,
-    examples: int | None,
+    examples: int | Mapping[str, int] | None,
     budget: float | None,
     mutant_name: str | None,
     elapsed: float,
@@ -597,7 +665,7 @@ def _report(
         profile=profile,
         seed=base_seed,
         steps_per_example=n_steps,
-        examples_requested=examples,
+        examples_requested=dict(examples) if isinstance(examples, Mapping) else examples,
         time_budget_s=budget,
         mutant=mutant_name,
         elapsed_s=elapsed,

@@ -1,0 +1,221 @@
+"""Campaign profiles: how much each stage of `rollout-lifecycle campaign` runs.
+
+* `fast` (the default, `make campaign`): a verdict in about five minutes on 2 cores. Every
+  checker self-test, the verl adapter (when the [verl] extra is installed), every machine
+  fuzzed to every declared edge and sometimes-property, the explorer over every model
+  family at bounds that finish in about a minute, and the race. Its fuzz budget is read off
+  `first_reached.json` (the example at which the thorough campaign first reached each goal,
+  and which machine reached it), plus a margin: see `fast_examples`.
+* `thorough`: the budget the README's first figures were measured at (200 examples per
+  machine, the explorer at its README bounds: about 20 minutes on 2 idle cores). Stages too
+  slow for the five-minute verdict go here, in `THOROUGH_EXTRA_STAGES`.
+* `ci`: the fast budget, plus the thorough profile's extra stages, and strict: a stage that
+  cannot run (its extra is not installed) stops the campaign as a technical failure (exit 3)
+  instead of being skipped. `.ci/run` runs it after the test suite.
+
+Every profile fuzzes with the same Hypothesis settings (`dev`: 40 steps per example) and the
+same seed, whatever the environment (with `CI` set Hypothesis would otherwise load its own
+`ci` profile), so a profile's counts are the same on a laptop and in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+from typing import Any
+
+import attrs
+
+from rollout_lifecycle.spec.bounds import README_MODELS
+from rollout_lifecycle.stateful_tests.runner import MACHINES as FUZZ_MACHINES
+from rollout_lifecycle.stateful_tests.runner import (
+    README_EXAMPLES,
+    README_RACE_SECONDS,
+    README_SEED,
+)
+
+# the stages, in the order the campaign runs them
+STAGES = ("checkers", "adapter", "fuzz", "explore", "race")
+SEED = README_SEED
+HYPOTHESIS_PROFILE = "dev"
+THOROUGH_EXAMPLES = README_EXAMPLES
+RACE_SECONDS = README_RACE_SECONDS
+ADAPTER_EXAMPLES = README_EXAMPLES
+# the fast budget: the example at which a goal was first reached, plus this share, rounded up
+# to a multiple of 5; never fewer than FAST_FLOOR examples on a machine, never more than the
+# thorough budget (the fixed seed makes "first reached at example n" repeatable, the margin
+# keeps it reached when a machine's rules change a little)
+FAST_MARGIN = 0.25
+FAST_FLOOR = 30
+# one model of each family at bounds that finish in about a minute together (2 idle cores)
+FAST_MODELS = (
+    "lifecycle-small",
+    "ledger-small",
+    "activation-small",
+    "activation-2v",
+    "seams",
+    "pacing",
+)
+# stages only the thorough and ci profiles run (issue 37's new stages belong here)
+THOROUGH_EXTRA_STAGES: tuple[str, ...] = ()
+
+# reference seconds of each stage and of each explorer model, measured on the 2-core
+# development machine at load below 2 (the ETA scales them by how fast this run goes)
+REFERENCE_S: dict[str, float] = {
+    "checkers": 1.0,
+    "adapter": 7.0,
+    "race": RACE_SECONDS + 8.0,
+}
+FUZZ_S_PER_EXAMPLE: dict[str, float] = {
+    "ledger": 0.04,
+    "activation": 0.06,
+    "e2e": 0.10,
+    "seams": 0.11,
+    "artifacts": 0.07,
+}
+MODEL_S: dict[str, float] = {
+    "lifecycle-small": 0.3,
+    "ledger-small": 2.6,
+    "activation-small": 20.3,
+    "activation-2v": 1.1,
+    "seams": 28.8,
+    "pacing": 1.9,
+    "lifecycle": 43.8,
+    "ledger": 150.0,
+    "activation": 300.0,
+}
+
+# distinct states of each model when explored whole (the explore stage's fraction done;
+# tests/test_campaign.py holds them to the explorer's pinned counts)
+MODEL_STATES: dict[str, int] = {
+    "lifecycle-small": 672,
+    "ledger-small": 5_116,
+    "activation-small": 43_067,
+    "activation-2v": 2_743,
+    "seams": 32_546,
+    "pacing": 5_023,
+    "lifecycle": 71_545,
+    "ledger": 201_593,
+    "activation": 527_064,
+}
+
+
+@attrs.frozen
+class CampaignProfile:
+    """One campaign budget: fuzz examples per machine, explorer models, race seconds."""
+
+    name: str
+    about: str
+    examples: dict[str, int]
+    models: tuple[str, ...]
+    race_seconds: float = RACE_SECONDS
+    adapter_examples: int = ADAPTER_EXAMPLES
+    seed: int = SEED
+    hypothesis: str = HYPOTHESIS_PROFILE
+    # a stage that cannot run is a technical failure (exit 3), not a skip
+    strict: bool = False
+    extra_stages: tuple[str, ...] = ()
+
+    def expected_s(self, stage: str, models: tuple[str, ...] | None = None) -> float:
+        """Reference seconds of `stage` under this profile (the ETA's starting point)."""
+        if stage == "fuzz":
+            return sum(FUZZ_S_PER_EXAMPLE[m] * n for m, n in self.examples.items())
+        if stage == "explore":
+            return sum(MODEL_S.get(m, 10.0) for m in (models or self.models))
+        return REFERENCE_S.get(stage, 1.0)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able dict (recorded in the campaign report)."""
+        return {
+            "name": self.name,
+            "about": self.about,
+            "examples": dict(self.examples),
+            "models": list(self.models),
+            "race_seconds": self.race_seconds,
+            "adapter_examples": self.adapter_examples,
+            "seed": self.seed,
+            "hypothesis": self.hypothesis,
+            "strict": self.strict,
+            "extra_stages": list(self.extra_stages),
+        }
+
+
+def load_first_reached() -> dict[str, Any]:
+    """The thorough campaign's record of when each goal was first reached, and by whom."""
+    text = (
+        resources.files("rollout_lifecycle.stateful_tests")
+        .joinpath("first_reached.json")
+        .read_text(encoding="utf-8")
+    )
+    data: dict[str, Any] = json.loads(text)
+    return data
+
+
+def fast_examples(
+    first_reached: dict[str, list[Any]],
+    *,
+    margin: float = FAST_MARGIN,
+    floor: int = FAST_FLOOR,
+    cap: int = THOROUGH_EXAMPLES,
+) -> dict[str, int]:
+    """Examples per machine that reach every goal the thorough run reached, with a margin.
+
+    Each goal is charged to the machine that reached it first (`first_reached`: goal ->
+    [machine, example]); a machine gets the latest example charged to it times (1 +
+    margin), rounded up to a multiple of 5, at least `floor` and at most `cap`."""
+    latest = dict.fromkeys(FUZZ_MACHINES, 0)
+    for machine, n in first_reached.values():
+        latest[machine] = max(latest[machine], int(n))
+    out = {}
+    for machine, n in latest.items():
+        want = 5 * math.ceil(n * (1 + margin) / 5)
+        out[machine] = min(cap, max(floor, want))
+    return out
+
+
+def _profiles() -> dict[str, CampaignProfile]:
+    fast = CampaignProfile(
+        name="fast",
+        about="the five-minute verdict: the fuzz budget that reaches every goal (from "
+        "first_reached.json, plus 25%), the explorer over every model family at small "
+        "bounds, a 20 s race",
+        examples=fast_examples(load_first_reached()["first_reached"]),
+        models=FAST_MODELS,
+    )
+    thorough = CampaignProfile(
+        name="thorough",
+        about="the README's first budget: 200 examples per machine, the explorer at its "
+        "README bounds, a 20 s race (about 20 minutes on 2 idle cores)",
+        examples=dict.fromkeys(FUZZ_MACHINES, THOROUGH_EXAMPLES),
+        models=README_MODELS,
+        extra_stages=THOROUGH_EXTRA_STAGES,
+    )
+    ci = attrs.evolve(
+        fast,
+        name="ci",
+        about="the fast budget plus the thorough profile's extra stages; every stage must "
+        "run (a missing extra is exit 3, not a skip)",
+        strict=True,
+        extra_stages=THOROUGH_EXTRA_STAGES,
+    )
+    return {p.name: p for p in (fast, thorough, ci)}
+
+
+PROFILES: dict[str, CampaignProfile] = _profiles()
+DEFAULT_PROFILE = "fast"
+
+
+__all__ = [
+    "DEFAULT_PROFILE",
+    "FAST_MODELS",
+    "FUZZ_S_PER_EXAMPLE",
+    "MODEL_S",
+    "MODEL_STATES",
+    "PROFILES",
+    "STAGES",
+    "THOROUGH_EXTRA_STAGES",
+    "CampaignProfile",
+    "fast_examples",
+    "load_first_reached",
+]
