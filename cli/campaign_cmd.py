@@ -109,8 +109,9 @@ class StageClock:
         self.seconds: dict[str, float] = {}
 
     def speed(self) -> float:
-        """Actual over reference seconds so far (1 before any stage is done)."""
-        if self.expected_done < 1.0:
+        """Actual over reference seconds so far (1 until stages worth 10 s are done: the
+        first second-long stages say little about the machine)."""
+        if self.expected_done < 10.0:
             return 1.0
         return min(20.0, max(0.25, self.spent / self.expected_done))
 

@@ -113,6 +113,11 @@ def race(
         f"{len(report.violations)} violations"
     )
     emit_report(report.to_json(), as_json=as_json, report_path=report_path, console=console)
+    if report.infrastructure:  # the backend failed under it: its verdict is void, not a finding
+        raise TechnicalError(
+            "the race stopped, not a finding: the backend or the disk failed under "
+            f"{len(report.infrastructure)} process(es): {report.infrastructure[0]}"
+        )
     if not report.ok:
         raise findings()
 

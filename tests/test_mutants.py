@@ -71,7 +71,8 @@ def test_campaign_kills_checker_rule_and_adapter_mutants(name: str, tmp_path: Pa
     pytest.importorskip("verl")
     kill = campaign_kill(BY_NAME[name], workdir=tmp_path)
     assert kill.killed, kill.detail
-    assert kill.detail.split(":")[0] in ("checkers", "adapter"), kill.detail
+    assert kill.stage in ("checkers", "adapter"), kill.detail
+    assert kill.detail.split(":")[0] == kill.stage
 
 
 def test_postgres_mutant_needs_a_server_and_is_not_counted_without_one(tmp_path: Path) -> None:
@@ -115,7 +116,11 @@ def test_mutants_report_a_table_per_class(tmp_path: Path) -> None:
         "checker": {"mutants": 1, "campaign_reached": 1, "campaign_killed": 1}
     }
     assert data["results"][0]["class"] == "checker"
-    assert "per class" in res.output
+    # the stage of the default (fast) campaign that killed it, in the report and the table
+    assert data["campaign_profile"] == "fast"
+    assert data["results"][0]["campaign_stage"] == "checkers"
+    assert data["summary"]["campaign_kills_by_stage"] == {"checkers": 1}
+    assert "per class" in res.output and "campaign stage" in res.output
 
 
 def _project_bindings() -> dict[tuple[str, ...], int]:
