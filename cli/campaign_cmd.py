@@ -97,8 +97,16 @@ class StageClock:
     seconds (measured on 2 cores at load below 2) scaled by how fast the stages done so
     far went against theirs, and, inside a stage that knows its fraction done, from it."""
 
-    def __init__(self, plan: list[tuple[str, float]], *, quiet: bool) -> None:
+    def __init__(
+        self,
+        plan: list[tuple[str, float]],
+        *,
+        quiet: bool,
+        fixed: dict[str, float] | None = None,
+    ) -> None:
         self.plan = plan
+        # seconds of a stage that the machine's speed does not change (the race's clock)
+        self.fixed = fixed or {}
         self.quiet = quiet
         self.started = time.monotonic()
         self.spent = 0.0  # actual seconds of the stages done
@@ -115,9 +123,14 @@ class StageClock:
             return 1.0
         return min(20.0, max(0.25, self.spent / self.expected_done))
 
+    def scaled(self, stage: str, seconds: float) -> float:
+        """A stage's reference seconds at this run's speed (its fixed part unscaled)."""
+        fixed = min(seconds, self.fixed.get(stage, 0.0))
+        return fixed + self.speed() * (seconds - fixed)
+
     def later_s(self) -> float:
         """Seconds the stages after the current one should take at this speed."""
-        return self.speed() * sum(s for _n, s in self.plan[self.index + 1 :])
+        return sum(self.scaled(n, s) for n, s in self.plan[self.index + 1 :])
 
     def start(self, stage: str) -> None:
         """A stage begins: says so at once, with the campaign's ETA."""
@@ -126,7 +139,7 @@ class StageClock:
         self.line = Progress(
             f"campaign [{self.index + 1}/{len(self.plan)}] {stage}", quiet=self.quiet
         )
-        expected = self.speed() * self.plan[self.index][1]
+        expected = self.scaled(stage, self.plan[self.index][1])
         eta = fmt_s(expected + self.later_s())
         self.line(f"started; about {fmt_s(expected)}, campaign ETA {eta}")
 
@@ -138,7 +151,8 @@ class StageClock:
         if fraction is not None and fraction > 0.02:
             left = elapsed * (1.0 - min(fraction, 0.99)) / min(fraction, 0.99)
         else:
-            left = max(0.0, self.speed() * self.plan[self.index][1] - elapsed)
+            name, seconds = self.plan[self.index]
+            left = max(0.0, self.scaled(name, seconds) - elapsed)
         self.line(f"{text}; stage ETA {fmt_s(left)}, campaign ETA {fmt_s(left + self.later_s())}")
 
     def done(self, text: str) -> None:
@@ -146,8 +160,9 @@ class StageClock:
         elapsed = time.monotonic() - self.t0
         name, expected = self.plan[self.index]
         self.seconds[name] = round(elapsed, 1)
-        self.spent += elapsed
-        self.expected_done += expected
+        fixed = min(expected, self.fixed.get(name, 0.0))
+        self.spent += max(0.0, elapsed - fixed)
+        self.expected_done += expected - fixed
         if self.line is not None:
             self.line(f"done in {fmt_s(elapsed)}: {text}", True)
         self.line = None
@@ -198,7 +213,8 @@ def adapter_entry() -> tuple[Callable[..., dict[str, Any]] | None, str]:
     "--examples",
     type=COUNT,
     default=None,
-    help="Fuzz examples on every machine [default: the profile's, per machine].",
+    help="Fuzz examples on every machine [default: the profile's, per machine]; the first "
+    "N of the thorough profile's sequence, so first_reached.json's example numbers hold.",
 )
 @click.option(
     "--seed", type=SEED, default=None, help=f"Fuzz and race seed [default: {README_SEED}]."
@@ -279,7 +295,7 @@ def campaign(
         plan.append(("explore", profile.expected_s("explore", chosen_models)))
     if race_s > 0 and "race" not in skipped:
         plan.append(("race", race_s + 8.0))
-    clock = StageClock(plan, quiet=not show)
+    clock = StageClock(plan, quiet=not show, fixed={"race": race_s})
     console.print(
         f"campaign, profile {profile.name} on {name}: "
         f"{', '.join(n for n, _s in plan)}; about {fmt_s(sum(s for _n, s in plan))} on 2 "
@@ -355,7 +371,8 @@ def campaign(
         lambda: run_campaign(
             list(FUZZ_MACHINES),
             name,
-            examples=budget,
+            examples=max(profile.max_examples, *budget.values()),
+            stop_after=budget,
             seed=seed,
             profile=profile.hypothesis,
             progress=on_fuzz,

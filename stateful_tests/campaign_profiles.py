@@ -107,10 +107,16 @@ class CampaignProfile:
 
     name: str
     about: str
+    # examples per machine: each machine's batch ends after this many examples...
     examples: dict[str, int]
     models: tuple[str, ...]
     race_seconds: float = RACE_SECONDS
     adapter_examples: int = ADAPTER_EXAMPLES
+    # ...of a Hypothesis run with this max_examples (the thorough budget's, whatever the
+    # profile): Hypothesis generates another sequence under another max_examples, so the
+    # fast profile stops the thorough sequence early instead, and "first reached at
+    # example n" in first_reached.json holds for both
+    max_examples: int = THOROUGH_EXAMPLES
     seed: int = SEED
     hypothesis: str = HYPOTHESIS_PROFILE
     # a stage that cannot run is a technical failure (exit 3), not a skip
@@ -134,6 +140,7 @@ class CampaignProfile:
             "models": list(self.models),
             "race_seconds": self.race_seconds,
             "adapter_examples": self.adapter_examples,
+            "max_examples": self.max_examples,
             "seed": self.seed,
             "hypothesis": self.hypothesis,
             "strict": self.strict,

@@ -269,7 +269,8 @@ def campaign_kill(
         report = run_campaign(
             [machine],
             backend,
-            examples=prof.examples[machine],
+            examples=prof.max_examples,
+            stop_after=prof.examples[machine],
             seed=prof.seed,
             profile=prof.hypothesis,
             workdir=workdir / machine,

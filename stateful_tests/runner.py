@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import random
 import re
+import sys
 import time
 import zlib
 from collections import Counter
@@ -87,11 +88,27 @@ _INVARIANT_NAMES = {
 }
 
 
-def _guarded(cls: type[RuleBasedStateMachine]) -> type[RuleBasedStateMachine]:
+class BudgetSpent(BaseException):
+    """Raised when a machine starts its example number `stop_after + 1`: the batch ends
+    there, as if Hypothesis's `max_examples` had been reached, but the examples before it
+    were generated exactly as under the full `max_examples` (a smaller `max_examples` makes
+    Hypothesis generate a different sequence). A BaseException, so Hypothesis stops."""
+
+
+@attrs.define
+class _RunState:
+    """What the hooks of one batch share: whether an example of it has failed (after a
+    failure every example is a shrinking attempt, which a budget never cuts short)."""
+
+    failed: bool = False
+
+
+def _guarded(cls: type[RuleBasedStateMachine], state: _RunState) -> type[RuleBasedStateMachine]:
     """`cls` whose construction turns an infrastructure error into `InfrastructureStop`
     (a BaseException, so Hypothesis stops at once instead of shrinking against a dead server):
     when the server died under a rule, the shrinker's next machine cannot connect, and the
-    run stops there instead of shrinking for minutes."""
+    run stops there instead of shrinking for minutes. It also notes in `state` when an
+    example failed (teardown runs in Hypothesis's `finally`, so it sees the exception)."""
 
     class Guarded(cls):  # type: ignore[valid-type,misc]
         def __init__(self) -> None:
@@ -100,8 +117,15 @@ def _guarded(cls: type[RuleBasedStateMachine]) -> type[RuleBasedStateMachine]:
             except Exception as exc:
                 cause = infrastructure_cause(exc)
                 if cause is None:
+                    state.failed = True
                     raise
                 raise InfrastructureStop(cause) from exc
+
+        def teardown(self) -> None:
+            failure = sys.exc_info()[1]
+            if isinstance(failure, Exception):
+                state.failed = True
+            super().teardown()
 
     Guarded.__name__ = cls.__name__
     Guarded.__qualname__ = cls.__qualname__
@@ -437,6 +461,7 @@ def run_campaign(
     mutant: AbstractContextManager[Any] | None = None,
     mutant_name: str | None = None,
     shrink: bool = True,
+    stop_after: int | Mapping[str, int] | None = None,
 ) -> CampaignReport:
     """Run each machine on `backend` and report coverage, checks, paths and failures.
 
@@ -446,6 +471,12 @@ def run_campaign(
     spent. `mutant` is entered around the whole run.
     `shrink=False` skips Hypothesis's shrinker (it can take minutes) and keeps only the
     replay minimiser, which is what "examples until the kill" measurements want.
+
+    `stop_after` (one count, or one per machine) ends a machine's batch when it starts
+    its example number `stop_after + 1`, with every example before it generated exactly as
+    under the full `examples`: the campaign's fast profile runs the thorough profile's
+    Hypothesis settings this way, so "first reached at example n" means the same in both.
+    Never with `time_budget_s`; a failure's shrinking is never cut short.
 
     Raises `InfrastructureFailure` when the backend or the disk fails under a machine (the
     machines after it are not started).
@@ -470,6 +501,17 @@ def run_campaign(
         one = examples
     if time_budget_s is not None and time_budget_s <= 0:
         raise ValueError("time_budget_s must be > 0")
+    stops: dict[str, int] = {}
+    if stop_after is not None:
+        if time_budget_s is not None:
+            raise ValueError("stop_after and time_budget_s exclude each other")
+        stops = (
+            dict(stop_after)
+            if isinstance(stop_after, Mapping)
+            else dict.fromkeys(machines, stop_after)
+        )
+        if any(not isinstance(n, int) or n < 1 for n in stops.values()):
+            raise ValueError("stop_after must be >= 1")
     if steps is not None and steps < 1:
         raise ValueError("steps must be >= 1")
     work = Path(workdir)
@@ -507,6 +549,7 @@ def run_campaign(
                 progress=progress,
                 mutant_name=mutant_name,
                 shrink=shrink,
+                stop_after=stops.get(machine),
             )
     return _report(
         label,
@@ -536,6 +579,7 @@ def _run_machine(
     progress: Callable[[ProgressEvent], None] | None,
     mutant_name: str | None,
     shrink: bool,
+    stop_after: int | None = None,
 ) -> MachineRun:
     try:
         cls, label = _machine_class(machine, backend, rec, work)
@@ -545,7 +589,8 @@ def _run_machine(
             raise
         label = resolve_factory(backend)[0]
         raise InfrastructureFailure(f"the {machine} machine", label, cause) from None
-    cls = _guarded(cls)
+    state = _RunState()
+    cls = _guarded(cls, state)
     run = MachineRun(machine, label)
     t0 = time.perf_counter()
     last = [0.0]
@@ -565,6 +610,8 @@ def _run_machine(
             )
 
     def on_example(r: Recorder) -> None:
+        if stop_after is not None and r.examples > stop_after and not state.failed:
+            raise BudgetSpent()
         now = time.perf_counter()
         if progress is not None and now - last[0] >= PROGRESS_EVERY_S:
             last[0] = now
@@ -580,6 +627,8 @@ def _run_machine(
             cls if batch_seed is None else hypothesis_seed(batch_seed)(cls)
         )
         reported: list[str] = []
+        state.failed = False
+        spent = False
         try:
             with with_reporter(_collector(reported)):
                 run_state_machine_as_test(
@@ -588,47 +637,99 @@ def _run_machine(
                 )
         except InfrastructureStop as stop:
             raise InfrastructureFailure(f"the {machine} machine", label, stop.cause) from None
-        except Exception as exc:  # a failure of the model (or of the machine) is the result
-            cause = infrastructure_cause(exc)
-            if cause is not None:  # the backend or the disk failed: nothing was judged
-                raise InfrastructureFailure(f"the {machine} machine", label, cause) from None
-            run.batches = batch + 1
-            text = _exception_text(exc)
-            # Hypothesis attaches the shrunk program to the exception's notes; older versions
-            # printed it through the reporter instead
-            lines = _program_lines([str(n) for n in getattr(exc, "__notes__", [])])
-            lines = lines or _program_lines(reported)
-            # replayed against a fresh class (its own recorder), still inside the mutant
-            replay_cls, _ = _machine_class(machine, backend, Recorder(machine), work)
-            lines = minimize(replay_cls, lines, _INVARIANT_NAMES[machine])
-            program, path = _save_program(
-                work, machine, backend, label, lines, text, batch_seed, batch, mutant_name
-            )
-            run.failure = Failure(
-                machine=machine,
-                backend=label,
-                exception=text,
-                program=program,
-                program_path=str(path),
-                program_steps=program_steps(program, _INVARIANT_NAMES[machine]),
-                seed=batch_seed,
-                batch=batch,
-            )
-            run.examples_until_failure = rec.first_failure_example or rec.examples
-            emit("failure", batch)
-            break
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and not _budget_spent(exc):
+                raise  # KeyboardInterrupt and the like
+            spent = _budget_spent(exc)
+            if not spent:
+                _record_failure(
+                    run,
+                    rec,
+                    exc,
+                    machine,
+                    backend,
+                    label,
+                    work,
+                    batch,
+                    batch_seed,
+                    reported,
+                    mutant_name,
+                )
+                run.examples_until_failure = rec.first_failure_example or rec.examples
+                emit("failure", batch)
+                break
         batch += 1
         run.batches = batch
         emit("batch", batch)
-        if share_s is None or time.perf_counter() - t0 >= share_s:
+        if spent or share_s is None or time.perf_counter() - t0 >= share_s:
             break
-    run.examples = rec.examples
+    run.examples = rec.examples if stop_after is None else min(rec.examples, stop_after)
     run.steps = rec.steps
     run.rules = dict(rec.rules)
     run.first_reached = {**rec.first_edge, **rec.first_sometimes}
     run.elapsed_s = time.perf_counter() - t0
     emit("done", run.batches)
     return run
+
+
+def _budget_spent(exc: BaseException) -> bool:
+    """Whether `exc` is (or wraps, as Hypothesis does) the runner's BudgetSpent."""
+    stack: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, BudgetSpent):
+            return True
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(e.exceptions)
+        stack.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return False
+
+
+def _record_failure(
+    run: MachineRun,
+    rec: Recorder,
+    exc: BaseException,
+    machine: str,
+    backend: str | LedgerFactory,
+    label: str,
+    work: Path,
+    batch: int,
+    batch_seed: int | None,
+    reported: list[str],
+    mutant_name: str | None,
+) -> None:
+    """The machine failed (the model, or the machine itself): shrink further, save the
+    program, and record the failure, unless the backend or the disk was the cause
+    (`InfrastructureFailure`: nothing was judged, nothing is saved)."""
+    cause = infrastructure_cause(exc)
+    if cause is not None:
+        raise InfrastructureFailure(f"the {machine} machine", label, cause) from None
+    run.batches = batch + 1
+    text = _exception_text(exc)
+    # Hypothesis attaches the shrunk program to the exception's notes; older versions
+    # printed it through the reporter instead
+    lines = _program_lines([str(n) for n in getattr(exc, "__notes__", [])])
+    lines = lines or _program_lines(reported)
+    # replayed against a fresh class (its own recorder), still inside the mutant
+    replay_cls, _ = _machine_class(machine, backend, Recorder(machine), work)
+    lines = minimize(replay_cls, lines, _INVARIANT_NAMES[machine])
+    program, path = _save_program(
+        work, machine, backend, label, lines, text, batch_seed, batch, mutant_name
+    )
+    run.failure = Failure(
+        machine=machine,
+        backend=label,
+        exception=text,
+        program=program,
+        program_path=str(path),
+        program_steps=program_steps(program, _INVARIANT_NAMES[machine]),
+        seed=batch_seed,
+        batch=batch,
+    )
 
 
 def _report(

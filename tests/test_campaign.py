@@ -50,6 +50,14 @@ def test_campaign_fuzz_covers_everything(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["profile"] == "fast" and summary["backend"] == "sqlite"
     assert summary["examples"] == PROFILES["fast"].examples
+    # the fast run is the thorough run cut short: every goal the thorough run reached within
+    # the fast budget is reached at the same example (first_reached.json, by machine)
+    ref = load_first_reached()["by_machine"]
+    for machine, run in summary["fuzz"]["runs"].items():
+        budget = PROFILES["fast"].examples[machine]
+        assert run["examples"] == budget
+        want = {g: n for g, n in ref[machine].items() if n <= budget}
+        assert run["first_reached"] == want, machine
     assert all(not v for v in summary["goals_missed"].values()), summary["goals_missed"]
     cov = json.loads((out / "coverage.json").read_text())
     for name, m in cov["machines"].items():
@@ -400,3 +408,25 @@ def test_a_progress_line_per_stage_with_an_eta(tmp_path: Path) -> None:
         and set(timing["stages_s"]) >= {"checkers", "fuzz", "explore"}
     )
     assert "verdict (fast profile" in text
+
+
+def test_stage_clock_scales_reference_times_by_this_runs_speed() -> None:
+    """The ETA: reference seconds times how much slower this run went than the reference
+    (once stages worth 10 reference seconds are done), except the race's fixed clock."""
+    from rollout_lifecycle.cli.campaign_cmd import StageClock, fmt_s
+
+    clock = StageClock(
+        [("checkers", 1.0), ("fuzz", 20.0), ("explore", 50.0), ("race", 28.0)],
+        quiet=True,
+        fixed={"race": 20.0},
+    )
+    assert clock.speed() == 1.0
+    clock.index, clock.spent, clock.expected_done = 1, 2.0, 1.0
+    assert clock.speed() == 1.0  # a second-long stage says little about the machine
+    clock.spent, clock.expected_done = 63.0, 21.0  # three times slower than the reference
+    assert clock.speed() == 3.0
+    assert clock.scaled("explore", 50.0) == 150.0
+    assert clock.scaled("race", 28.0) == 20.0 + 3.0 * 8.0
+    assert clock.later_s() == 150.0 + 44.0
+    assert clock.not_started() == ["explore", "race"]
+    assert (fmt_s(42.4), fmt_s(185), fmt_s(0)) == ("42 s", "3 min 05 s", "0 s")

@@ -18,6 +18,8 @@ from rollout_lifecycle.stateful_tests.mutants import CATALOGUE
 PINNED = {
     "ledger-small": 5116,
     "lifecycle": 71545,  # 22,919 before the heartbeat (renew_lease) action
+    # the fast campaign's lifecycle model (issue 35): one rollout, every edge in a second
+    "lifecycle-small": 672,
     "activation-small": 43067,
     "activation-2v": 2743,
     # paced dispatch (issue 21): a budget of one live rollout, one chain of at most 2
