@@ -57,7 +57,7 @@ from rollout_lifecycle.spec.bounds import EXPLORER_MODELS
 from rollout_lifecycle.spec.coverage import merge_coverage, uncovered
 from rollout_lifecycle.spec.diagrams import DiagramError, render
 from rollout_lifecycle.spec.explorer import ExploreProgress
-from rollout_lifecycle.stateful_tests.backends import DB_NAME, durable_url
+from rollout_lifecycle.stateful_tests.backends import DB_NAME, durable_url, is_postgres
 from rollout_lifecycle.stateful_tests.campaign_profiles import (
     DEFAULT_PROFILE,
     MODEL_STATES,
@@ -282,6 +282,11 @@ def campaign(
             "memory:// lives in one process; the race needs state shared by processes "
             "(--backend sqlite or a postgresql:// URL)"
         )
+    elif race_s > 0 and name != "sqlite" and not is_postgres(name):
+        skipped["race"] = (
+            f"{name} is a ledger factory; the race needs a database its processes share "
+            "(--backend sqlite or a postgresql:// URL)"
+        )
     note = sqlite_url_note(backend, name, out_dir)
     if note is not None:
         console.print(note, markup=False, highlight=False)
@@ -375,6 +380,7 @@ def campaign(
             stop_after=budget,
             seed=seed,
             profile=profile.hypothesis,
+            steps=profile.steps,
             progress=on_fuzz,
             workdir=out_dir / "fuzz-work",
         ),
@@ -393,6 +399,7 @@ def campaign(
             "examples": budget,
             "profile": profile.name,
             "hypothesis_profile": profile.hypothesis,
+            "steps": profile.steps,
             "backend": report.backend,
             "first_reached": fuzz_json["first_reached"],
             "by_machine": {m: r["first_reached"] for m, r in fuzz_json["runs"].items()},

@@ -273,6 +273,7 @@ def campaign_kill(
             stop_after=prof.examples[machine],
             seed=prof.seed,
             profile=prof.hypothesis,
+            steps=prof.steps,
             workdir=workdir / machine,
             mutant=mutant(),
             mutant_name=mutant.name,

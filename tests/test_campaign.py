@@ -132,6 +132,7 @@ def test_first_reached_reference_is_the_thorough_campaigns() -> None:
     thorough = PROFILES["thorough"]
     assert (ref["seed"], ref["examples"]) == (README_SEED, thorough.examples)
     assert (ref["profile"], ref["hypothesis_profile"]) == ("thorough", thorough.hypothesis)
+    assert ref["steps"] == thorough.steps
     assert ref["backend"].startswith(README_BACKEND)
     goals = {f"{m}: {spec.edge_id(e)}" for m, spec in DECLARED.items() for e in spec.edges}
     goals |= set(SOMETIMES)
@@ -167,7 +168,8 @@ def test_profiles_fast_budget_is_first_reached_plus_margin() -> None:
     )
     assert set(thorough.extra_stages) <= set(ci.extra_stages)
     for p in PROFILES.values():
-        assert p.hypothesis == "dev" and p.seed == README_SEED
+        assert (p.hypothesis, p.steps, p.seed) == ("dev", 50, README_SEED)
+        assert p.max_examples == 200
         assert all(m in EXPLORER_MODELS and m in MODEL_S and m in MODEL_STATES for m in p.models)
     assert {k: MODEL_STATES[k] for k in PINNED} == PINNED
     # the fast explorer models: every model family, each at bounds that take seconds

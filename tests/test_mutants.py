@@ -75,6 +75,15 @@ def test_campaign_kills_checker_rule_and_adapter_mutants(name: str, tmp_path: Pa
     assert kill.detail.split(":")[0] == kill.stage
 
 
+def test_default_campaign_kills_the_conflicting_ack_at_fifty_steps(tmp_path: Path) -> None:
+    """At dev's 40 steps per example the activation machine never delivered a garbled ack
+    after its original (seed 20261130, 243 examples); the campaign profiles run 50, and the
+    default (fast) campaign kills the mutant in its activation fuzz."""
+    kill = campaign_kill(BY_NAME["conflicting_ack_counted"], workdir=tmp_path)
+    assert kill.killed, kill.detail
+    assert kill.stage == "fuzz activation", kill.detail
+
+
 def test_postgres_mutant_needs_a_server_and_is_not_counted_without_one(tmp_path: Path) -> None:
     """Without a PostgreSQL server a mutant of PostgreSQL code is not reached (None), never
     reported as killed or survived."""
