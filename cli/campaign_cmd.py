@@ -377,7 +377,7 @@ def campaign(
             list(FUZZ_MACHINES),
             name,
             examples=max(profile.max_examples, *budget.values()),
-            stop_after=budget,
+            stop_after=budget if profile.cut or examples else None,
             seed=seed,
             profile=profile.hypothesis,
             steps=profile.steps,

@@ -74,7 +74,8 @@ def mutants_table(report: Mapping[str, Any]) -> str:
         f"`rollout-lifecycle mutants --checker campaign --profile {report['campaign_profile']} "
         f"--postgres URL`: {c['killed']} of {s['mutants']} mutants killed by the "
         f"{report['campaign_profile']} profile ({c['reached']} reached), "
-        f"{len(s['survivors'])} survivors; median time to kill {c['median_seconds_to_kill']} s. "
+        f"{len(s['survivors'])} survivors; median time to kill "
+        f"{c['median_seconds_to_kill']:.1f} s. "
         "Kills by stage: "
         + ", ".join(f"{k} {n}" for k, n in s["campaign_kills_by_stage"].items())
         + ".",

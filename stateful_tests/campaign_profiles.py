@@ -112,7 +112,8 @@ class CampaignProfile:
 
     name: str
     about: str
-    # examples per machine: each machine's batch ends after this many examples...
+    # examples per machine: with `cut`, each machine's batch ends after this many examples
+    # (machine instances, as first_reached.json counts them)...
     examples: dict[str, int]
     models: tuple[str, ...]
     race_seconds: float = RACE_SECONDS
@@ -122,6 +123,9 @@ class CampaignProfile:
     # fast profile stops the thorough sequence early instead, and "first reached at
     # example n" in first_reached.json holds for both
     max_examples: int = THOROUGH_EXAMPLES
+    # False: Hypothesis's max_examples alone ends the batch (it also builds instances it
+    # discards, so a machine makes a few more instances than `examples`): the thorough run
+    cut: bool = True
     seed: int = SEED
     hypothesis: str = HYPOTHESIS_PROFILE
     steps: int = STEPS
@@ -147,6 +151,7 @@ class CampaignProfile:
             "race_seconds": self.race_seconds,
             "adapter_examples": self.adapter_examples,
             "max_examples": self.max_examples,
+            "cut": self.cut,
             "seed": self.seed,
             "hypothesis": self.hypothesis,
             "steps": self.steps,
@@ -202,6 +207,7 @@ def _profiles() -> dict[str, CampaignProfile]:
         about="the README's first budget: 200 examples per machine, the explorer at its "
         "README bounds, a 20 s race (about 20 minutes on 2 idle cores)",
         examples=dict.fromkeys(FUZZ_MACHINES, THOROUGH_EXAMPLES),
+        cut=False,
         models=README_MODELS,
         extra_stages=THOROUGH_EXTRA_STAGES,
     )

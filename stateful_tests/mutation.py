@@ -270,7 +270,7 @@ def campaign_kill(
             [machine],
             backend,
             examples=prof.max_examples,
-            stop_after=prof.examples[machine],
+            stop_after=prof.examples[machine] if prof.cut else None,
             seed=prof.seed,
             profile=prof.hypothesis,
             steps=prof.steps,

@@ -158,7 +158,8 @@ def test_profiles_fast_budget_is_first_reached_plus_margin() -> None:
     for machine, n in load_first_reached()["first_reached"].values():
         latest[machine] = max(latest[machine], n)
     assert all(fast.examples[m] >= min(200, 1.25 * n) for m, n in latest.items())
-    assert thorough.examples == dict.fromkeys(MACHINES, 200)
+    assert thorough.examples == dict.fromkeys(MACHINES, 200) and not thorough.cut
+    assert fast.cut and ci.cut
     assert thorough.models == ("lifecycle", "ledger", "activation", "activation-2v", "seams")
     assert (ci.examples, ci.models, ci.strict, fast.strict) == (
         fast.examples,
