@@ -85,6 +85,13 @@ ADAPTER_HINT = (
 )
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its children that have ended."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def fmt_s(seconds: float) -> str:
     """`42 s`, `3 min 05 s`: durations as the progress lines and the report say them."""
     s = max(0, round(seconds))
@@ -115,6 +122,8 @@ class StageClock:
         self.t0 = 0.0
         self.line: Progress | None = None
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}  # this process and its finished children
+        self.cpu0 = 0.0
 
     def speed(self) -> float:
         """Actual over reference seconds so far (1 until stages worth 10 s are done: the
@@ -136,6 +145,7 @@ class StageClock:
         """A stage begins: says so at once, with the campaign's ETA."""
         self.index = next(i for i, (n, _s) in enumerate(self.plan) if n == stage)
         self.t0 = time.monotonic()
+        self.cpu0 = cpu_seconds()
         self.line = Progress(
             f"campaign [{self.index + 1}/{len(self.plan)}] {stage}", quiet=self.quiet
         )
@@ -160,6 +170,7 @@ class StageClock:
         elapsed = time.monotonic() - self.t0
         name, expected = self.plan[self.index]
         self.seconds[name] = round(elapsed, 1)
+        self.cpu_seconds[name] = round(cpu_seconds() - self.cpu0, 1)
         fixed = min(expected, self.fixed.get(name, 0.0))
         self.spent += max(0.0, elapsed - fixed)
         self.expected_done += expected - fixed
@@ -493,13 +504,12 @@ def campaign(
             console.print(f"[bold yellow]goal missed, {what}:[/] {', '.join(names)}")
     for goal, hint in hints.items():
         console.print(f"  {goal}: {hint}", markup=False)
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall_s = round(time.monotonic() - started, 1)
     timing = {
         "wall_s": wall_s,
-        "cpu_s": round(usage.ru_utime + usage.ru_stime + children.ru_utime + children.ru_stime, 1),
+        "cpu_s": round(cpu_seconds(), 1),
         "stages_s": clock.seconds,
+        "stages_cpu_s": clock.cpu_seconds,
         "cpus": os.cpu_count(),
         "load_before": load_before,
         "load_after": _loadavg(),
