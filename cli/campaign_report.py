@@ -167,6 +167,18 @@ def _race_text(race: Mapping[str, Any]) -> str:
     )
 
 
+def _stages(t: Mapping[str, Any]) -> str:
+    """Each stage's wall seconds, and its CPU seconds when the report has them."""
+    cpu = t.get("stages_cpu_s")
+    if not cpu:
+        return "Stages: " + ", ".join(f"{k} {fmt_s(v)}" for k, v in t["stages_s"].items()) + "."
+    return (
+        "Stages (wall / CPU): "
+        + ", ".join(f"{k} {fmt_s(v)} / {fmt_s(cpu.get(k, 0))}" for k, v in t["stages_s"].items())
+        + "."
+    )
+
+
 def figures(r: Mapping[str, Any]) -> str:
     """One profile's figures for docs/campaign.md: every stage, as measured."""
     t = r["timing"]
@@ -176,12 +188,7 @@ def figures(r: Mapping[str, Any]) -> str:
         f"`rollout-lifecycle campaign --profile {r['profile']}` on {r['backend']}, seed "
         f"{r['seed']}: {'exit 0' if not r['violations'] and not got['missed'] else 'NOT clean'}"
         f" in {fmt_s(t['wall_s'])} of wall time and {fmt_s(t['cpu_s'])} of CPU time (this "
-        f"process and its children), on {t['cpus']} cores, {_load(t)}. Stages (wall / CPU): "
-        + ", ".join(
-            f"{k} {fmt_s(v)} / {fmt_s(t.get('stages_cpu_s', {}).get(k, 0))}"
-            for k, v in t["stages_s"].items()
-        )
-        + ".",
+        f"process and its children), on {t['cpus']} cores, {_load(t)}. " + _stages(t),
         "",
         f"Checker stage: {ck['bad_cases']:,} known-bad and {ck['good_cases']:,} known-good "
         f"inputs ({', '.join(f'{k} {n}' for k, n in ck['cases'].items())}), "
