@@ -103,6 +103,14 @@ def _reach(r: Mapping[str, Any]) -> dict[str, Any]:
     return {"edges": edges, "sometimes": reached, "states": states, "missed": missed}
 
 
+def _budget(r: Mapping[str, Any]) -> str:
+    """The fuzz budget as the profile states it: a cut per machine, or Hypothesis's own."""
+    b = r["budget"]
+    if b.get("cut", True):
+        return "cut at " + ", ".join(f"{m} {n}" for m, n in r["examples"].items())
+    return f"max_examples {b['max_examples']} per machine"
+
+
 def profiles_table(reports: Mapping[str, Mapping[str, Any]]) -> str:
     """The README's table: each profile's measured time and what it reaches."""
     lines = [
@@ -124,8 +132,7 @@ def profiles_table(reports: Mapping[str, Mapping[str, Any]]) -> str:
         )
         lines.append(
             f"| `{name}` | {fmt_s(t['wall_s'])} ({_load(t)}) | {fmt_s(t['cpu_s'])} | "
-            f"{sum(run['examples'] for run in fuzz['runs'].values()):,} "
-            f"({', '.join(f'{m} {n}' for m, n in r['examples'].items())}): "
+            f"{sum(run['examples'] for run in fuzz['runs'].values()):,} ({_budget(r)}): "
             f"edges {got['edges'][0]}/{got['edges'][1]}, sometimes-properties "
             f"{got['sometimes'][0]}/{got['sometimes'][1]} | "
             f"{len(ex_models)} models, {got['states']:,} states | "
