@@ -4,22 +4,29 @@ Stages, in order: every checker shown its known-bad and known-good histories and
 enforcing rules compared with the spec (stateful_tests/checkers.py, seconds); the verl
 adapter fuzzed against the reference gate (when verl is installed; a skip is said loudly);
 the stateful machines on the chosen backend (SQLite by default: the embedded default a user
-runs without a server; a postgresql:// URL runs them on that server); the explorer; real
-processes racing on the same backend (SQLite file, or a fresh PostgreSQL schema). How much
-each stage runs is the profile's (stateful_tests/campaign_profiles.py): `fast` by default,
-a verdict in about five minutes on 2 cores; `thorough` the README's first budget; `ci` the
-fast budget with every stage required. A progress line per stage gives its ETA.
+runs without a server; a postgresql:// URL runs them on that server); the explorer;
+scripted interleavings of two connections on the same backend, each answer judged at the
+instant of its step (stateful_tests/interleavings.py); real processes racing on the same
+backend (SQLite file, or a fresh PostgreSQL schema), every call recorded and the whole
+history checked for linearizability; the profile's targeted stages of
+stateful_tests/stages.py (on PostgreSQL, clients with skewed clocks and the premise lock's
+window held open; in `thorough` and `ci`, verl's v1 buffer on a real TransferQueue). How
+much each stage runs is the profile's (stateful_tests/campaign_profiles.py): `fast` by
+default, a verdict in about five minutes on 2 cores; `thorough` the README's first budget;
+`ci` the fast budget with every stage required. A progress line per stage gives its ETA.
 
 It writes into `--out` the reports, the merged coverage JSON (the format
-`rollout-lifecycle diagram --coverage` reads), and coverage-annotated diagrams. Exit 1 on
-any violation; exit 5 when nothing was violated but a coverage goal was missed (the report
-names the budget that reaches it); exit 3 when the backend or the disk failed (not a
-finding: the campaign stops before the next stage, no program is saved), or when the `ci`
-profile lacks what a stage needs. Every option is checked before anything is written.
+`rollout-lifecycle diagram --coverage` reads), the race's call history, and
+coverage-annotated diagrams. Exit 1 on any violation; exit 5 when nothing was violated but
+a coverage goal was missed (the report names the budget that reaches it); exit 3 when the
+backend or the disk failed (not a finding: the campaign stops before the next stage, no
+program is saved), or when the `ci` profile lacks what a stage needs. Every option is
+checked before anything is written.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import shutil
@@ -70,13 +77,16 @@ from rollout_lifecycle.stateful_tests.infrastructure import (
     InfrastructureFailure,
     infrastructure_cause,
 )
-from rollout_lifecycle.stateful_tests.race import RaceConfig, run_race
+from rollout_lifecycle.stateful_tests.interleavings import run_interleavings
+from rollout_lifecycle.stateful_tests.race import RaceConfig, lin_line, run_race
 from rollout_lifecycle.stateful_tests.runner import MACHINES as FUZZ_MACHINES
 from rollout_lifecycle.stateful_tests.runner import (
     README_SEED,
     ProgressEvent,
     run_campaign,
 )
+from rollout_lifecycle.stateful_tests.stages import STAGES, StageContext, backend_kind
+from rollout_lifecycle.stateful_tests.stages import run_stage as run_targeted
 
 SCHEMA = "rollout-lifecycle/campaign-report/2"
 ADAPTER_HINT = (
@@ -246,6 +256,16 @@ def adapter_entry() -> tuple[Callable[..., dict[str, Any]] | None, str]:
     "and churns the worker set, 3 learners, one of them misconfigured), each with its own "
     "connection, every call judged; 0 skips [default: the profile's, 20].",
 )
+@click.option(
+    "--stage",
+    "stages",
+    multiple=True,
+    type=click.Choice([*STAGES, "none"]),
+    help="Targeted stages after the race (repeatable): "
+    + "; ".join(f"{s.name}: {s.seconds_hint}, on {'/'.join(s.backends)}" for s in STAGES.values())
+    + ". Default: the profile's (fast: clock-skew and premise-window; thorough and ci: all "
+    "three), those that run on the campaign's backend; 'none' skips them.",
+)
 @report_options
 @quiet_option
 def campaign(
@@ -257,6 +277,7 @@ def campaign(
     models: tuple[str, ...],
     no_explore: bool,
     race_seconds: float | None,
+    stages: tuple[str, ...],
     as_json: bool,
     report_path: Path | None,
     quiet: bool,
@@ -276,11 +297,28 @@ def campaign(
     budget = dict.fromkeys(FUZZ_MACHINES, examples) if examples else dict(profile.examples)
     chosen_models = () if no_explore else (tuple(models) or profile.models)
     race_s = profile.race_seconds if race_seconds is None else race_seconds
+    durable = name == "sqlite" or is_postgres(name)
+    # the targeted stages asked for (--stage, else the profile's); those of another backend
+    # are said, and left out
+    asked = () if "none" in stages else tuple(dict.fromkeys(stages or profile.stages))
+    targeted = [n for n in asked if STAGES[n].applies_to(name)]
+    elsewhere = {
+        n: f"runs on {'/'.join(STAGES[n].backends)} only (--backend postgresql://... runs it)"
+        for n in asked
+        if n not in targeted
+    }
     adapter, adapter_missing = adapter_entry()
     if adapter is None and profile.strict:
         raise TechnicalError(
             f"the {profile.name} profile runs every stage, and the adapter stage cannot "
             f"run ({adapter_missing}): {ADAPTER_HINT}"
+        )
+    lacking = {n: m for n in targeted if (m := STAGES[n].missing()) is not None}
+    if lacking and profile.strict:
+        n, module = next(iter(lacking.items()))
+        raise TechnicalError(
+            f"the {profile.name} profile runs every stage, and the {n} stage cannot run "
+            f"(no module named {module!r}): {STAGES[n].install}"
         )
     ensure_dir(out_dir, "--out")
     console = make_console(quiet=as_json)
@@ -303,14 +341,20 @@ def campaign(
         console.print(note, markup=False, highlight=False)
     for stage, why in skipped.items():
         _loud_skip(console, stage, why)
+    for stage, why in elsewhere.items():
+        console.print(f"[yellow]{stage} stage skipped: it {escape(why)}[/]", highlight=False)
     plan = [("checkers", profile.expected_s("checkers"))]
     if adapter is not None:
         plan.append(("adapter", profile.expected_s("adapter")))
     plan.append(("fuzz", sum(_fuzz_s(m, n) for m, n in budget.items())))
     if chosen_models:
         plan.append(("explore", profile.expected_s("explore", chosen_models)))
+    if durable:
+        plan.append(("interleavings", profile.expected_s("interleavings")))
     if race_s > 0 and "race" not in skipped:
         plan.append(("race", race_s + 8.0))
+    for n in targeted:  # a stage whose extra is missing only says so
+        plan.append((n, 1.0 if n in lacking else profile.expected_s(n)))
     clock = StageClock(plan, quiet=not show, fixed={"race": race_s})
     console.print(
         f"campaign, profile {profile.name} on {name}: "
@@ -451,8 +495,25 @@ def campaign(
         write_json_atomic(out_dir / "explore-report.json", ex)
         docs.append(ex)
         violations += ex["violations"]
+    # ---- interleavings ----
+    scripted = None
+    if durable:
+        console.rule("interleavings")
+        scripted = run_stage(
+            "interleavings", lambda: run_interleavings(name, out_dir / "interleavings")
+        )
+        wrong = [p for problems in scripted.values() for p in problems]
+        clock.done(f"{len(wrong)} wrong answer(s)")
+        console.print(
+            f"interleavings: {len(scripted)} scripted gaps between two connections, "
+            f"{len(wrong)} answers untrue at the instant of their step"
+        )
+        for w in wrong[:20]:
+            console.print(f"[red]{escape(str(w))}[/]")
+        violations += len(wrong)
     # ---- race ----
     race_json = None
+    lin_undecided: list[str] = []
     if race_s > 0 and "race" not in skipped:
         console.rule("race")
 
@@ -477,11 +538,42 @@ def campaign(
             f"{race_json['violation_count']} violations",
             markup=False,
         )
+        if raced.linearizability is not None:
+            console.print(lin_line(raced.linearizability, raced.history))
+            lin_undecided = [
+                key
+                for f in raced.linearizability.findings
+                if f.verdict == "unknown"
+                for key in f.partitions
+            ]
         for v in raced.violations[:20]:
             console.print(f"[red]{escape(str(v))}[/]")
         for e in raced.errors[:5]:
             console.print(f"[red]{escape(str(e))}[/]")
         violations += len(raced.violations) + len(raced.errors)
+    # ---- targeted stages (stateful_tests/stages.py) ----
+    staged: list[dict[str, Any]] = []
+    for stage_name in targeted:
+        console.rule(stage_name)
+        ctx = StageContext(name, _stage_dir(out_dir, stage_name), seed, progress=clock.tick)
+        rep = run_stage(stage_name, functools.partial(run_targeted, stage_name, ctx))
+        data = rep.to_json()
+        write_json_atomic(out_dir / f"stage-{stage_name}-report.json", data)
+        staged.append(data)
+        if rep.skipped is not None:
+            clock.done("skipped")
+            skipped[stage_name] = rep.skipped
+            _loud_skip(console, stage_name, rep.skipped)
+            continue
+        clock.done(f"{len(rep.failures)} violation(s)")
+        facts = ", ".join(f"{k} {v}" for k, v in rep.facts.items() if not isinstance(v, list))
+        console.print(
+            f"{stage_name}: {len(rep.failures)} violation(s) in {rep.seconds:.1f}s ({facts})",
+            markup=False,
+        )
+        for f in rep.failures[:20]:
+            console.print(f"[red]{escape(f)}[/]")
+        violations += len(rep.failures)
     # ---- coverage, goals, report ----
     coverage = merge_coverage(*docs)
     write_json_atomic(out_dir / "coverage.json", coverage)
@@ -494,6 +586,8 @@ def campaign(
     _draw(coverage, out_dir, console)
     console.print(f"reports, coverage.json and diagrams written to {out_dir}/")
     goals = campaign_goals(fuzz_json, ex)
+    if lin_undecided:  # a search past its time limit is no pass: name what it left open
+        goals["linearizability undecided (a search ran out of time)"] = lin_undecided
     missed = sum(len(v) for v in goals.values())
     hints = budget_hints(
         [g for names in goals.values() for g in names],
@@ -518,7 +612,7 @@ def campaign(
         "schema": SCHEMA,
         "backend": name,
         "profile": profile.name,
-        "budget": _budget_json(profile, budget, chosen_models, race_s, seed),
+        "budget": _budget_json(profile, budget, chosen_models, race_s, seed, asked),
         "seed": seed,
         "examples": budget,
         "violations": violations,
@@ -526,9 +620,11 @@ def campaign(
         "explore": ex,
         "coverage": coverage,
         "race": race_json,
+        "interleavings": scripted,
         "checkers": checkers_json,
         "adapter": adapter_json,
-        "skipped": skipped,
+        "stages": staged,
+        "skipped": {**skipped, **elsewhere},
         "goals_missed": goals,
         "budget_hints": hints,
         "timing": timing,
@@ -544,6 +640,8 @@ def campaign(
         if missed
         else "no violation, every goal reached"
     )
+    if elsewhere:
+        verdict += f"; not run on {backend_kind(name)}: {', '.join(elsewhere)}"
     console.print(
         f"verdict ({profile.name} profile, {fmt_s(wall_s)}, "
         f"{timing['cpu_s']:.0f} s CPU): {verdict}"
@@ -579,11 +677,19 @@ def _budget_json(
     models: tuple[str, ...],
     race_s: float,
     seed: int,
+    stages: tuple[str, ...],
 ) -> dict[str, Any]:
     """The budget this run used: the profile's, with any option that overrode it."""
     base = profile.to_json()
-    used = dict(base, examples=budget, models=list(models), race_seconds=race_s, seed=seed)
-    keys = ("examples", "models", "race_seconds", "seed")
+    used = dict(
+        base,
+        examples=budget,
+        models=list(models),
+        race_seconds=race_s,
+        seed=seed,
+        stages=list(stages),
+    )
+    keys = ("examples", "models", "race_seconds", "seed", "stages")
     used["overridden"] = sorted(k for k in keys if used[k] != base[k])
     return used
 
@@ -610,7 +716,17 @@ def _race(
     return run_race(
         RaceConfig(url=url, learners=3, seconds=seconds, seed=seed, hostile=1, churn=True),
         progress=tick,
+        history_path=out_dir / "race" / "history.jsonl",
     )
+
+
+def _stage_dir(out_dir: Path, name: str) -> Path:
+    """A fresh work directory for one targeted stage (an earlier run's files removed)."""
+    work = out_dir / "stages" / name
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    return work
 
 
 def _race_url(backend: str, out_dir: Path) -> str:

@@ -28,7 +28,7 @@ module only makes "check the revision and write" indivisible there:
 - A single reservation (`peek`, `write_one`: the ledger's `GuardedStore`) is two round
   trips. One autocommit read takes the row, the premise and the server's time; the ledger
   plans, judges and enforces on them; then ONE call of the server-side function
-  `ledger_write_one_v3` (created on open) takes the premise lock SHARED, checks that the
+  `ledger_write_one_v5` (created on open) takes the premise lock SHARED, checks that the
   premise is still the one the plan was judged on (an equality of the stored facts, no
   rule), compare-and-sets the row, appends its event and counters by the steps of the
   statement `append_events` sends (as plain statements, in the same order), and inserts
@@ -51,7 +51,15 @@ from typing import Any, TypeVar
 import attrs
 
 from rollout_lifecycle.model.errors import DuplicateRollout, LedgerError
-from rollout_lifecycle.model.events import Change, EntryChanged, StoredRows, entry_events
+from rollout_lifecycle.model.events import (
+    Change,
+    EntryChanged,
+    StoredRows,
+    TraceEvent,
+    UpdateChange,
+    entry_events,
+    update_events,
+)
 from rollout_lifecycle.model.ledger import (
     NO_REGISTRY,
     ActivationPremise,
@@ -66,16 +74,18 @@ from rollout_lifecycle.model.ledger import (
     WriteOutcome,
     check_lease_seconds,
     load_entry,
+    update_from_row,
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.postgres_common import (
+    CHAIN_PREV,
     COUNTER_SHARDS,
     K_BAD,
     K_DISPATCH,
     K_EVENTS,
     K_PREMISE,
     K_SCHEMA,
-    ZERO_HASH,
+    K_UPDATE,
     Conn,
     OneStatement,
     PostgresDatabase,
@@ -89,17 +99,19 @@ from rollout_lifecycle.model.postgres_common import (
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
     LedgerEntry,
+    UpdateRecord,
 )
 from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES, retired_from_rows
-from rollout_lifecycle.model.sql_unit import SqlUnit, read_bad
+from rollout_lifecycle.model.sql_unit import UPDATE_COLUMNS, SqlUnit, read_bad
 
 T = TypeVar("T")
 
 COMPONENT = "ledger"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # 1 -> 2: entry events store only the fields that changed (model.events.CHANGED); nothing
 # stored is rewritten, the bump makes an older program refuse the schema (as on SQLite)
-MIGRATIONS = {1: ""}
+# 2 -> 3: the ledger's update records (ledger_updates, created by the DDL; as on SQLite)
+MIGRATIONS = {1: "", 2: ""}
 
 # The indexed columns copy LedgerEntry fields that queries filter on; `entry` holds the whole
 # record. The CHECK repeats the exclusive-ownership invariant at the storage level.
@@ -126,6 +138,14 @@ CREATE TABLE IF NOT EXISTS ledger_bad_versions (
     version bigint PRIMARY KEY,
     reason  text NOT NULL
 );
+CREATE TABLE IF NOT EXISTS ledger_updates (
+    update_id text PRIMARY KEY,
+    status    text NOT NULL CHECK (status IN ('open', 'landed', 'poisoned')),
+    cause     text,
+    detail    text NOT NULL DEFAULT '',
+    CHECK ((cause IS NULL) = (status <> 'poisoned'))
+);
+CREATE INDEX IF NOT EXISTS ledger_updates_status ON ledger_updates(status);
 CREATE TABLE IF NOT EXISTS ledger_counters (
     name  text NOT NULL,
     shard integer NOT NULL,
@@ -193,18 +213,28 @@ _WAS_ACTIVE = sorted(WAS_ACTIVE_STATES)
 # comparison is an equality of facts, not a rule: every rule stays in Python.
 _PREMISE = (
     "json_build_array((SELECT version FROM registry_pointer WHERE id = 1), "
-    "ARRAY(SELECT version FROM registry_artifacts WHERE state = ANY(ARRAY["
+    "(SELECT json_agg(json_build_array(version, artifact_hash) ORDER BY version) "
+    "FROM registry_artifacts WHERE state = ANY(ARRAY["
     + ", ".join(f"'{s}'" for s in _WAS_ACTIVE)
-    + "]) ORDER BY version), "
-    "(SELECT json_build_array(max_lag, max_drift, batch_size, max_attempts) "
-    "FROM registry_policy WHERE id = 1), "
+    + "])), "
+    # by name (to_jsonb): a registry not yet migrated to the newer columns reads defaults
+    "(SELECT json_build_array(max_lag, max_drift, batch_size, max_attempts, "
+    "to_jsonb(p) ->> 'lineage', to_jsonb(p) ->> 'chain_key') "
+    "FROM registry_policy p WHERE id = 1), "
     "(SELECT json_agg(json_build_array(version, failure) ORDER BY version) "
     "FROM registry_artifacts WHERE state = 'rolled_back'))::text"
 )
 _NOW = "extract(epoch FROM clock_timestamp())::float8"
-_PEEK = f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_PREMISE}"
+# the update's record as one JSON text (the table is the ledger's own: it always exists)
+_UPDATE_TEXT = (
+    "(SELECT json_build_array(update_id, status, cause, detail) FROM ledger_updates "
+    "WHERE update_id = %s)::text"
+)
+_PEEK = (
+    f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}, {_PREMISE}"
+)
 _PEEK_BARE = (
-    f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), "
+    f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}, "
     "to_regclass('registry_pointer') IS NOT NULL"
 )
 # The single compare-and-set of `write_one` as ONE server-side function, so that it is ONE
@@ -221,7 +251,11 @@ _PEEK_BARE = (
 # one event, whose subject is the row's id: v3 takes it as scalars (v2 took arrays of
 # events and looped), the counters as two arrays the client sends as constant text, and
 # moves the head with a plain UPDATE of the row it locked (v2: INSERT ... ON CONFLICT).
-WRITE_ONE = "ledger_write_one_v3"  # a changed body gets a new name (v1, v2: see above)
+# v4 chained through CHAIN_PREV (the head checked against the newest event: a write onto an
+# edited history is refused), where v3 read the head row itself and started a missing one;
+# another v4 guarded the reserving update (`p_update`): still recorded and not poisoned, or
+# 'moved' (the premise of the plan: an equality of facts, as the premise's). v5 does both.
+WRITE_ONE = "ledger_write_one_v5"  # a changed body gets a new name (v1-v4: see above)
 _WRITE_ONE_ARGS = (
     ("p_guard", "integer"),
     ("p_premise", "text"),
@@ -236,6 +270,7 @@ _WRITE_ONE_ARGS = (
     ("p_payload", "text"),
     ("p_names", "text[]"),
     ("p_counts", "bigint[]"),
+    ("p_update", "text"),
     ("p_token", "text"),
 )
 # the compare-and-set inside the function, over its parameters (benchmarks/postgres_floor.py
@@ -269,24 +304,25 @@ BEGIN
             RETURN 'moved';
         END IF;
     END IF;
+    IF p_update IS NOT NULL THEN  -- shared: a step that poisons it waits for this write
+        PERFORM pg_advisory_xact_lock_shared(
+            {K_UPDATE}, hashtext(current_schema() || '/' || p_update));
+        IF NOT EXISTS (
+            SELECT 1 FROM ledger_updates WHERE update_id = p_update AND status <> 'poisoned'
+        ) THEN
+            RETURN 'moved';
+        END IF;
+    END IF;
 {_CAS_STEP}    PERFORM pg_advisory_xact_lock({K_EVENTS}, hashtext(current_schema()));
     v_txn := nextval('events_txn');
     v_seq := nextval('events_seq');
-    SELECT last_hash INTO v_prev FROM events_chain WHERE id = 1 FOR UPDATE;
-    v_hash := sha256(coalesce(v_prev, {ZERO_HASH}) || {
+    v_prev := {CHAIN_PREV}();
+    v_hash := sha256(v_prev || {
     chain_message("v_seq", "v_txn", "p_kind", "p_rollout_id", "p_payload")
 });
     INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
-    VALUES (v_seq, v_txn, p_kind, p_rollout_id, p_payload, coalesce(v_prev, {ZERO_HASH}),
-            v_hash);
-    IF v_prev IS NULL THEN  -- no head row yet (the chain's DDL makes one: never, in practice)
-        INSERT INTO events_chain(id, base_seq, base_count, last_seq, last_hash)
-        VALUES (1, 0, 0, v_seq, v_hash)
-        ON CONFLICT (id) DO UPDATE
-            SET last_seq = excluded.last_seq, last_hash = excluded.last_hash;
-    ELSE
-        UPDATE events_chain SET last_seq = v_seq, last_hash = v_hash WHERE id = 1;
-    END IF;
+    VALUES (v_seq, v_txn, p_kind, p_rollout_id, p_payload, v_prev, v_hash);
+    UPDATE events_chain SET last_seq = v_seq, last_hash = v_hash WHERE id = 1;
     INSERT INTO ledger_counters(name, shard, n)
     SELECT c.name, pg_backend_pid() % {COUNTER_SHARDS}, c.n
     FROM unnest(p_names, p_counts) AS c(name, n)
@@ -360,14 +396,28 @@ def _premise(text: str) -> ActivationPremise:
 
 def _parse_premise(text: str) -> ActivationPremise:
     pointer, was, pol, rolled = json.loads(text)
+    was = was or ()
     return ActivationPremise(
         None if pointer is None else int(pointer),
-        frozenset(int(v) for v in was),
+        frozenset(int(v) for v, _ in was),
         None
         if pol is None
-        else AdmissionPolicy(int(pol[0]), float(pol[1]), _opt_int(pol[2]), _opt_int(pol[3])),
+        else AdmissionPolicy(
+            int(pol[0]),
+            float(pol[1]),
+            _opt_int(pol[2]),
+            _opt_int(pol[3]),
+            str(pol[4] or "ledger"),
+            str(pol[5] or "identity"),
+        ),
         retired_from_rows(rolled or ()),
+        {int(v): str(h) for v, h in was if h is not None},
     )
+
+
+def _update(text: str | None) -> UpdateRecord | None:
+    """An update's record from `_UPDATE_TEXT` (None: not recorded)."""
+    return None if text is None else update_from_row(json.loads(text))
 
 
 @attrs.frozen
@@ -376,6 +426,41 @@ class _Seen:
 
     premise: str | None
     entry: str | None
+
+
+def _lock_updates(conn: Conn, update_ids: Sequence[str]) -> list[str]:
+    """Take each update's lock exclusively, in id order (unnest keeps the sorted array's),
+    so a reservation, a commit and a poisoning of one update land one after the other, in
+    the events' order too (a single reservation's guarded write shares the lock). Returns
+    the ids, sorted."""
+    ids = sorted(set(update_ids))
+    if ids:
+        conn.execute(
+            f"SELECT pg_advisory_xact_lock({K_UPDATE}, "
+            "hashtext(current_schema() || '/' || u)) FROM unnest(%s::text[]) AS u",
+            (ids,),
+        )
+    return ids
+
+
+def _row_and_update(
+    conn: Conn, rollout_id: str, update_id: str
+) -> tuple[LedgerEntry | None, UpdateRecord | None]:
+    """A row and an update's record from one statement (one snapshot)."""
+    sql = f"SELECT (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}"
+    row = conn.execute(sql, (rollout_id, update_id)).fetchone()
+    assert row is not None
+    return (None if row[0] is None else load_entry(row[0])), _update(row[1])
+
+
+def _updates(conn: Conn, only: Sequence[str] | None) -> dict[str, UpdateRecord]:
+    """The ledger's update records (of `only`'s ids), by id."""
+    sql = f"SELECT {UPDATE_COLUMNS} FROM ledger_updates"
+    if only is None:
+        rows = conn.execute(sql + " ORDER BY update_id").fetchall()
+    else:
+        rows = conn.execute(sql + " WHERE update_id = ANY(%s::text[])", (list(only),)).fetchall()
+    return {str(r[0]): update_from_row(r) for r in rows}
 
 
 def _rows(
@@ -418,6 +503,10 @@ class _Unit(SqlUnit):
         assert row is not None
         self.now = float(row[0])
         return _premise(row[1])
+
+    def read_updates(self, update_ids: Sequence[str]) -> dict[str, UpdateRecord]:
+        """The records, each update's lock held first (see `_lock_updates`)."""
+        return super().read_updates(_lock_updates(self.conn, update_ids))
 
     def server_now(self) -> float | None:
         if not self.store.server_clock:
@@ -470,12 +559,24 @@ class _Unit(SqlUnit):
         # the ids again, for `locked`'s index scan (a join alone hashes the whole table)
         return {str(r[0]) for r in self.conn.execute(_CAS_MANY, (*columns, columns[0])).fetchall()}
 
-    def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
+    def append(
+        self,
+        changes: Sequence[Change],
+        at: float,
+        counts: Mapping[str, int],
+        updates: Sequence[UpdateChange] = (),
+    ) -> None:
         rows = sorted((k, v) for k, v in counts.items() if v)
-        if changes:  # counters ride in the events' statement
+        recorded = self.recorded_events(at)
+        if changes or updates or recorded:  # counters ride in the events' statement
+            events: list[TraceEvent] = [*entry_events(changes, at)]
+            if updates:
+                self.put_updates(updates)
+                events += update_events(updates, at)
+            events += recorded
             append_events(
                 self.conn,
-                entry_events(changes, at),
+                events,
                 counters=dict(rows),
                 payload_of=self.payload,
                 stamped=False,
@@ -533,29 +634,43 @@ class PostgresStore:
         prologue = "; ".join(locks)
         return self.db.write(lambda conn: body(_Unit(self, conn)), step.what, prologue=prologue)
 
-    def peek(self, rollout_id: str) -> tuple[LedgerEntry | None, Peeked]:
-        """The row and the premise (and the server's time) in ONE autocommit statement."""
+    def peek(
+        self, rollout_id: str, update_id: str
+    ) -> tuple[LedgerEntry | None, UpdateRecord | None, Peeked]:
+        """The row, the update's record and the premise (and the server's time) in ONE
+        autocommit statement."""
         if self.db.read_only:  # what a reservation peeks for is a write
             raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
 
-        def body(conn: Conn) -> tuple[str | None, str | None, float]:
+        def body(conn: Conn) -> tuple[str | None, str | None, str | None, float]:
             if not self.registry_seen:
-                row = conn.execute(_PEEK_BARE, (rollout_id,)).fetchone()
+                row = conn.execute(_PEEK_BARE, (rollout_id, update_id)).fetchone()
                 assert row is not None
-                if not row[2]:
-                    return row[1], None, float(row[0])
+                if not row[3]:
+                    return row[1], row[2], None, float(row[0])
                 self.registry_seen = True  # a registry, once created, never goes away
-            row = conn.execute(_PEEK, (rollout_id,)).fetchone()
+            row = conn.execute(_PEEK, (rollout_id, update_id)).fetchone()
             assert row is not None
-            return row[1], row[2], float(row[0])
+            return row[1], row[2], row[3], float(row[0])
 
-        text, premise, now = self._read(body, "reserve")
+        text, update, premise, now = self._read(body, "reserve")
         seen = Peeked(
             NO_REGISTRY if premise is None else _premise(premise),
             now if self.server_clock else None,
             _Seen(premise, text),
         )
-        return (None if text is None else load_entry(text)), seen
+        return (None if text is None else load_entry(text)), _update(update), seen
+
+    def find_with_update(
+        self, rollout_id: str, update_id: str
+    ) -> tuple[LedgerEntry | None, UpdateRecord | None]:
+        return self._read(lambda c: _row_and_update(c, rollout_id, update_id), "find")
+
+    def find_update(self, update_id: str) -> UpdateRecord | None:
+        return self.all_updates([update_id]).get(update_id)
+
+    def all_updates(self, only: Sequence[str] | None = None) -> dict[str, UpdateRecord]:
+        return self._read(lambda c: _updates(c, only), "updates")
 
     def write_one(
         self,
@@ -583,6 +698,8 @@ class PostgresStore:
                 raise LedgerError(f"{step.what}: a guarded write needs the premise it peeked")
             guard, premise = (1, None) if token.premise is None else (2, token.premise)
         entry = unit.dump_after(before, after)
+        # a reservation writes only while its update is recorded and not poisoned
+        owner = after.reserved_by if step.premise else None
         params = (
             guard,
             premise,
@@ -596,12 +713,14 @@ class PostgresStore:
             events[0].kind,
             unit.payload(events[0], None),
             *_counters(counts),
+            owner,
         )
         return self.atomic(OneStatement(_WRITE_ONE_CALL, params, _won, "won"), step)
 
     def view(self, body: Callable[[StoreView], T], what: str) -> T:
-        """One read-only transaction (READ COMMITTED: each statement sees what committed)."""
-        return self._read(lambda conn: body(_Unit(self, conn)), what)
+        """One read-only REPEATABLE READ snapshot: the body's statements (the premise, then
+        the rows) see one instant, so what it answers was true at that instant."""
+        return self._read(lambda conn: body(_Unit(self, conn)), what, snapshot=True)
 
     def _read(self, body: Callable[[Conn], T], what: str, *, snapshot: bool = False) -> T:
         self._check_open()

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from rollout_lifecycle.model.errors import ActivationError
-from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, TraceEvent
+from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, RowRecorded, TraceEvent
 from rollout_lifecycle.model.postgres_common import (
     K_PREMISE,
     K_REGISTRY,
@@ -42,6 +42,7 @@ from rollout_lifecycle.model.records import (
 )
 from rollout_lifecycle.model.registry import (
     _ART_COLS,
+    POLICY_UPSERT,
     RegistryStep,
     RegistryView,
     SqlView,
@@ -52,6 +53,7 @@ from rollout_lifecycle.model.registry import (
     _Unchanged,
     check_step,
     make_events,
+    policy_row,
     token_statements,
 )
 
@@ -60,12 +62,15 @@ R = TypeVar("R")
 COMPONENT = "registry"
 # 2: the durable admission policy (registry_policy)
 # 3: the policy's pacing bounds (batch_size, max_attempts)
-SCHEMA_VERSION = 3
+# 4: the policy's lineage mode and attempt-chain key (issue 31)
+SCHEMA_VERSION = 4
 # 1 -> 2 adds tables (created by the DDL) and the artifacts' lineage column
 MIGRATIONS = {
     1: "ALTER TABLE registry_artifacts ADD COLUMN IF NOT EXISTS trained_by text",
     2: "ALTER TABLE registry_policy ADD COLUMN IF NOT EXISTS batch_size bigint, "
     "ADD COLUMN IF NOT EXISTS max_attempts bigint",
+    3: "ALTER TABLE registry_policy ADD COLUMN IF NOT EXISTS lineage text NOT NULL "
+    "DEFAULT 'ledger', ADD COLUMN IF NOT EXISTS chain_key text NOT NULL DEFAULT 'identity'",
 }
 
 _DDL = """
@@ -99,7 +104,9 @@ CREATE TABLE IF NOT EXISTS registry_policy (
     max_lag   bigint NOT NULL CHECK (max_lag >= 0),
     max_drift double precision NOT NULL CHECK (max_drift >= 0),
     batch_size   bigint,
-    max_attempts bigint
+    max_attempts bigint,
+    lineage   text NOT NULL DEFAULT 'ledger',
+    chain_key text NOT NULL DEFAULT 'identity'
 );
 CREATE TABLE IF NOT EXISTS registry_attempt_tokens (
     version   bigint NOT NULL CHECK (version >= 0),
@@ -135,7 +142,6 @@ class _PgView(SqlView):
 
     PARAM = "%s"
     TOKENS_TABLE_SQL = "SELECT 1 WHERE to_regclass(%s) IS NOT NULL"
-    EVENT_FIELD = "(payload::jsonb ->> '{}')"
 
 
 def _write_step(conn: Conn, step: RegistryStep) -> None:
@@ -183,19 +189,7 @@ def _write_step(conn: Conn, step: RegistryStep) -> None:
             (json.dumps(list(step.membership)),),
         )
     if not isinstance(step.policy, _Unchanged):
-        conn.execute(
-            "INSERT INTO registry_policy(id, max_lag, max_drift, batch_size, max_attempts) "
-            "VALUES (1, %s, %s, %s, %s) "
-            "ON CONFLICT (id) DO UPDATE SET max_lag = excluded.max_lag, "
-            "max_drift = excluded.max_drift, batch_size = excluded.batch_size, "
-            "max_attempts = excluded.max_attempts",
-            (
-                step.policy.max_lag,
-                step.policy.max_drift,
-                step.policy.batch_size,
-                step.policy.max_attempts,
-            ),
-        )
+        conn.execute(POLICY_UPSERT.replace("?", "%s"), policy_row(step.policy))
 
 
 class PostgresRegistry:
@@ -325,12 +319,13 @@ class PostgresRegistry:
         return [e for e in evs if isinstance(e, ArtifactChanged)]
 
     def trace(self) -> list[TraceEvent]:
-        """Every registry event (artifacts, membership, worker reports) in global order."""
+        """Every registry event (artifacts, membership, worker reports) in global order
+        (the rows recorded for `ledger check`, RowRecorded, are not registry events)."""
         self._check_open()
         if self._empty:
             return []
         evs = self.db.read(lambda c: read_events(c, exclude_kind="entry"), "trace")
-        return [e for e in evs if not isinstance(e, EntryChanged)]
+        return [e for e in evs if not isinstance(e, EntryChanged | RowRecorded)]
 
     def close(self) -> None:
         """Release this registry's hold on the pool; the data stays. Idempotent."""

@@ -7,11 +7,16 @@
   `first_reached.json` (the example at which the thorough campaign first reached each goal,
   and which machine reached it), plus a margin: see `fast_examples`.
 * `thorough`: the budget the README's first figures were measured at (200 examples per
-  machine, the explorer at its README bounds: about 20 minutes on 2 idle cores). Stages too
-  slow for the five-minute verdict go here, in `THOROUGH_EXTRA_STAGES`.
-* `ci`: the fast budget, plus the thorough profile's extra stages, and strict: a stage that
-  cannot run (its extra is not installed) stops the campaign as a technical failure (exit 3)
-  instead of being skipped. `.ci/run` runs it after the test suite.
+  machine, the explorer at its README bounds: about 20 minutes on 2 idle cores).
+* `ci`: the fast budget, plus the thorough profile's targeted stages, and strict: a stage
+  that cannot run (its extra is not installed) stops the campaign as a technical failure
+  (exit 3) instead of being skipped. `.ci/run` runs it after the test suite.
+
+Every profile runs the scripted interleavings (seconds) before the race on a durable
+backend. The targeted stages of stateful_tests/stages.py each name the profiles they belong
+in (`default` is the default profile, `fast`): `clock-skew` and `premise-window` (seconds,
+PostgreSQL only) in every profile; `verl-v1` (30-60 s of Ray and TransferQueue start-up)
+in `thorough` and `ci`, too slow for the five-minute verdict.
 
 Every profile fuzzes with the same Hypothesis settings (`dev`, with 50 steps per example,
 Hypothesis's own default) and the same seed, whatever the environment (with `CI` set
@@ -38,9 +43,10 @@ from rollout_lifecycle.stateful_tests.runner import (
     README_RACE_SECONDS,
     README_SEED,
 )
+from rollout_lifecycle.stateful_tests.stages import STAGES as TARGETED
 
-# the stages, in the order the campaign runs them
-STAGES = ("checkers", "adapter", "fuzz", "explore", "race")
+# the stages, in the order the campaign runs them (then the profile's targeted stages)
+CAMPAIGN_STAGES = ("checkers", "adapter", "fuzz", "explore", "interleavings", "race")
 SEED = README_SEED
 HYPOTHESIS_PROFILE = "dev"
 STEPS = 50  # per example (see the module docstring for why not dev's 40)
@@ -62,15 +68,17 @@ FAST_MODELS = (
     "seams",
     "pacing",
 )
-# stages only the thorough and ci profiles run (issue 37's new stages belong here)
-THOROUGH_EXTRA_STAGES: tuple[str, ...] = ()
 
 # reference seconds of each stage and of each explorer model, measured on the 2-core
 # development machine at load below 2 (the ETA scales them by how fast this run goes)
 REFERENCE_S: dict[str, float] = {
     "checkers": 1.0,
     "adapter": 0.5,  # verl and torch are imported before the stage (to know it can run)
+    "interleavings": 1.0,
     "race": RACE_SECONDS + 8.0,
+    "verl-v1": 45.0,
+    "clock-skew": 12.0,
+    "premise-window": 3.0,
 }
 FUZZ_S_PER_EXAMPLE: dict[str, float] = {  # at 50 steps per example
     "ledger": 0.05,
@@ -131,7 +139,8 @@ class CampaignProfile:
     steps: int = STEPS
     # a stage that cannot run is a technical failure (exit 3), not a skip
     strict: bool = False
-    extra_stages: tuple[str, ...] = ()
+    # the targeted stages of stateful_tests/stages.py this profile runs (where they apply)
+    stages: tuple[str, ...] = ()
 
     def expected_s(self, stage: str, models: tuple[str, ...] | None = None) -> float:
         """Reference seconds of `stage` under this profile (the ETA's starting point)."""
@@ -156,7 +165,7 @@ class CampaignProfile:
             "hypothesis": self.hypothesis,
             "steps": self.steps,
             "strict": self.strict,
-            "extra_stages": list(self.extra_stages),
+            "stages": list(self.stages),
         }
 
 
@@ -193,6 +202,16 @@ def fast_examples(
     return out
 
 
+DEFAULT_PROFILE = "fast"
+
+
+def targeted_stages(profile: str) -> tuple[str, ...]:
+    """The targeted stages (stateful_tests/stages.py) that name `profile` among theirs, in
+    the registry's order; `default` in a stage's list names the default profile."""
+    names = {profile, "default"} if profile == DEFAULT_PROFILE else {profile}
+    return tuple(n for n, s in TARGETED.items() if names & set(s.profiles))
+
+
 def _profiles() -> dict[str, CampaignProfile]:
     fast = CampaignProfile(
         name="fast",
@@ -201,41 +220,41 @@ def _profiles() -> dict[str, CampaignProfile]:
         "bounds, a 20 s race",
         examples=fast_examples(load_first_reached()["first_reached"]),
         models=FAST_MODELS,
+        stages=targeted_stages("fast"),
     )
     thorough = CampaignProfile(
         name="thorough",
         about="the README's first budget: 200 examples per machine, the explorer at its "
-        "README bounds, a 20 s race (about 20 minutes on 2 idle cores)",
+        "README bounds, a 20 s race, every targeted stage (about 20 minutes on 2 idle cores)",
         examples=dict.fromkeys(FUZZ_MACHINES, THOROUGH_EXAMPLES),
         cut=False,
         models=README_MODELS,
-        extra_stages=THOROUGH_EXTRA_STAGES,
+        stages=targeted_stages("thorough"),
     )
     ci = attrs.evolve(
         fast,
         name="ci",
-        about="the fast budget plus the thorough profile's extra stages; every stage must "
-        "run (a missing extra is exit 3, not a skip)",
+        about="the fast budget plus every targeted stage; every stage must run (a missing "
+        "extra is exit 3, not a skip)",
         strict=True,
-        extra_stages=THOROUGH_EXTRA_STAGES,
+        stages=targeted_stages("ci"),
     )
     return {p.name: p for p in (fast, thorough, ci)}
 
 
 PROFILES: dict[str, CampaignProfile] = _profiles()
-DEFAULT_PROFILE = "fast"
 
 
 __all__ = [
+    "CAMPAIGN_STAGES",
     "DEFAULT_PROFILE",
     "FAST_MODELS",
     "FUZZ_S_PER_EXAMPLE",
     "MODEL_S",
     "MODEL_STATES",
     "PROFILES",
-    "STAGES",
-    "THOROUGH_EXTRA_STAGES",
     "CampaignProfile",
     "fast_examples",
     "load_first_reached",
+    "targeted_stages",
 ]

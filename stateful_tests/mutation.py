@@ -8,6 +8,7 @@ explorer runs the mutant's model at CI bounds (so "states until the kill" is too
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import tempfile
 import time
@@ -26,6 +27,7 @@ from rollout_lifecycle.stateful_tests.campaign_profiles import (
     CampaignProfile,
 )
 from rollout_lifecycle.stateful_tests.checkers import CaseFailure, run_checker_checks
+from rollout_lifecycle.stateful_tests.interleavings import run_interleavings
 from rollout_lifecycle.stateful_tests.mutants import CATALOGUE, Mutant
 from rollout_lifecycle.stateful_tests.race import RaceConfig, run_race
 from rollout_lifecycle.stateful_tests.runner import (
@@ -35,6 +37,7 @@ from rollout_lifecycle.stateful_tests.runner import (
     README_BACKEND,
     run_campaign,
 )
+from rollout_lifecycle.stateful_tests.stages import STAGES, StageContext, run_stage
 
 
 @attrs.frozen
@@ -47,9 +50,9 @@ class Kill:
     unit: str
     seconds: float
     detail: str = ""
-    # the campaign's stage that killed it ("checkers", "adapter", "race", "fuzz e2e",
-    # "explore seams"); empty for the other checkers and for a survivor
-    stage: str = ""
+    # the campaign's stage that killed it ("checkers", "interleavings", "adapter", "race",
+    # "verl-v1", "fuzz e2e", "explore seams"); None for the other checkers and a survivor
+    stage: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able dict."""
@@ -91,7 +94,7 @@ class MutantResult:
             "description": self.description,
             "peer_bug": self.peer_bug,
             "killed_by": list(self.killed_by),
-            "campaign_stage": self.campaign.stage or None,
+            "killed_by_stage": self.campaign.stage,
             "fuzz": self.fuzz.to_json(),
             "explore": self.explore.to_json(),
             "campaign": self.campaign.to_json(),
@@ -178,9 +181,8 @@ def explore_kill(
 
 
 def _stage_kill(stage: str, effort: int, unit: str, t0: float, detail: str) -> Kill:
-    return Kill(
-        "campaign", True, effort, unit, time.perf_counter() - t0, f"{stage}: {detail}", stage
-    )
+    seconds = time.perf_counter() - t0
+    return Kill("campaign", True, effort, unit, seconds, f"{stage}: {detail}", stage)
 
 
 def checker_verdicts(failures: Sequence[CaseFailure]) -> tuple[list[CaseFailure], list[str]]:
@@ -210,17 +212,44 @@ def campaign_kill(
     otherwise), with that profile's budgets, kills the mutant; `Kill.stage` names the stage.
 
     Its stages run cheapest first, the first that fails kills it: the checker stage
-    (known-bad histories, the differential of rules and spec); the verl adapter fuzz (when
-    verl is installed); the race (real processes, each patched, on the mutant's backend:
-    SQLite, or a fresh schema on `postgres_url` for PostgreSQL code); the fuzz stage (every
-    machine at the profile's examples and seed, on the mutant's backend, its own machine
-    leading); the explore stage (the profile's models, the mutant's own family first). A
-    checker case that only crashed kills nothing (`checker_verdicts`). A mutant of
-    PostgreSQL code without a server is not reached (None), never counted as killed.
+    (known-bad histories, the differential of rules and spec); the scripted interleavings
+    of two connections (on the mutant's durable backend); the verl adapter fuzz (when verl
+    is installed); the race (real processes, each patched, on the mutant's backend: SQLite,
+    or a fresh schema on `postgres_url` for PostgreSQL code); the targeted stages of
+    stateful_tests/stages.py that both the profile runs and the mutant names in its reach
+    (verl-v1 in thorough and ci; clock-skew, premise-window in every profile, on PostgreSQL
+    only); the fuzz stage (every machine at the profile's examples and seed, on the
+    mutant's backend, its own machine leading); the explore stage (the profile's models,
+    the mutant's own family first). A checker case that only crashed kills nothing
+    (`checker_verdicts`). A mutant of PostgreSQL code without a server, or of code whose
+    extra is not installed, is not reached (None), never counted as killed; a mutant of the
+    memory store runs its campaign on memory.
     """
     prof = PROFILES[profile] if isinstance(profile, str) else profile
     t0 = time.perf_counter()
-    backend = README_BACKEND
+    backend = "memory" if mutant.backend == "memory" else README_BACKEND
+    if mutant.needs is not None and importlib.util.find_spec(mutant.needs) is None:
+        return Kill(
+            "campaign",
+            None,
+            None,
+            "examples",
+            0.0,
+            f"needs {mutant.needs} (an extra not installed)",
+        )
+    only = [n for n in mutant.reach if n in STAGES]
+    if only and only == list(mutant.reach) and not set(only) & set(prof.stages):
+        # its code runs only in targeted stages this profile leaves out: not reached
+        runs_in = sorted({p for n in only for p in PROFILES if n in PROFILES[p].stages})
+        return Kill(
+            "campaign",
+            None,
+            None,
+            "examples",
+            0.0,
+            f"only the {', '.join(only)} stage reaches it, which the {prof.name} profile "
+            f"does not run (--profile {' or '.join(runs_in) or 'none'} runs it)",
+        )
     if mutant.backend == "postgresql":
         if postgres_url is None:
             return Kill(
@@ -238,13 +267,20 @@ def campaign_kill(
     if verdicts:
         n = checked.bad_cases + checked.good_cases
         return _stage_kill("checkers", n, "cases", t0, str(verdicts[0]))
+    if backend != "memory":  # two connections need a durable store, as in the campaign
+        with mutant():  # the scripted interleavings run in this process, on the backend
+            scripted = run_interleavings(backend, workdir / "interleavings")
+        wrong = [p for problems in scripted.values() for p in problems]
+        if wrong:
+            return _stage_kill("interleavings", len(scripted), "scenarios", t0, wrong[0])
     adapter = _adapter_fuzz()
     if adapter is not None:
         with mutant():
             rep = adapter(seed=prof.seed, examples=prof.adapter_examples)
         if rep["failures"]:
             return _stage_kill("adapter", rep["batches"], "batches", t0, rep["failures"][0])
-    if "race" in mutant.reach and prof.race_seconds > 0:  # the patch is entered in each child
+    if "race" in mutant.reach and prof.race_seconds > 0 and backend != "memory":
+        # the patch is entered in each child
         race_dir = workdir / "race"
         race_dir.mkdir(parents=True, exist_ok=True)
         for old in race_dir.glob("state.db*"):
@@ -263,6 +299,12 @@ def campaign_kill(
         if raced.violations or raced.errors:
             first = raced.violations[0] if raced.violations else raced.errors[0]
             return _stage_kill("race", raced.calls, "calls", t0, str(first))
+    for name in prof.stages:  # the profile's targeted stages this mutant's code is on
+        if name not in mutant.reach or not STAGES[name].applies_to(backend):
+            continue
+        staged = run_stage(name, StageContext(backend, workdir / name, prof.seed, mutant.name))
+        if staged.failures:
+            return _stage_kill(name, 1, "runs", t0, staged.failures[0])
     order = [mutant.fuzz_machine, *(m for m in FUZZ_MACHINES if m != mutant.fuzz_machine)]
     examples = 0
     for machine in order:

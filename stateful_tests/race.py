@@ -38,12 +38,13 @@ import attrs
 import numpy as np
 
 from rollout_lifecycle.model.backends import open_backend, redact_url
-from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.errors import (
     ActivationError,
     BackendURLError,
+    DispatchRefused,
     RevisionConflict,
     RolloutLifecycleError,
+    UpdatePoisoned,
 )
 from rollout_lifecycle.model.events import (
     ArtifactChanged,
@@ -53,6 +54,7 @@ from rollout_lifecycle.model.events import (
 )
 from rollout_lifecycle.model.gate import AdmissionGate, GatePolicy
 from rollout_lifecycle.model.ledger import ReserveRequest
+from rollout_lifecycle.model.pacing import identity_chain
 from rollout_lifecycle.model.records import (
     ActionEvidence,
     AdmissionPolicy,
@@ -76,6 +78,17 @@ from rollout_lifecycle.spec.invariants import (
     compare_with_store,
     stored_world,
     violated_names,
+)
+from rollout_lifecycle.spec.linearizability import LinReport, check_calls
+from rollout_lifecycle.spec.linearizability import parse as parse_calls
+from rollout_lifecycle.stateful_tests.history import (
+    CallLog,
+    RecordingLedger,
+    RecordingRegistry,
+    attach,
+    entries_json,
+    history_header,
+    write_history,
 )
 from rollout_lifecycle.stateful_tests.infrastructure import infrastructure_cause
 
@@ -177,9 +190,11 @@ def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
     started: list[str] = []  # dispatched by this process, not yet rewarded or ended
     opened = deadline - cfg.seconds  # the race's start, as _start set it
     n = 0
+    log = CallLog(f"dispatcher-{index}")
     try:
-        with open_backend(cfg.url) as b:
-            clock: Callable[[], float] = getattr(b.ledger, "clock", time.time)
+        with open_backend(cfg.url) as raw:
+            b = _recorded(raw, log)
+            clock: Callable[[], float] = getattr(raw.ledger, "clock", time.time)
             while time.time() < deadline:
                 time.sleep(rng.uniform(0.005, 0.03))  # a generator's pace, not a busy loop
                 pointer = b.registry.pointer()
@@ -193,14 +208,14 @@ def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                 # a sliding window of `chains` prompts, the same in every process: chains
                 # are retried, run out of attempts, and new prompts keep arriving
                 base = int((time.time() - opened) * 4)
-                chain = f"c{base + rng.randrange(cfg.chains)}"
                 rid = f"d{index}.{n}"
                 n += 1
-                entry = LedgerEntry(
-                    rollout_id=rid, behavior_version=v, artifact_hash=version_hash(v)
-                )
+                # the prompt's identity names its chain (the deployment's chain_key)
+                identity = RolloutIdentity(rid, f"c{base + rng.randrange(cfg.chains)}", "race", 0)
+                chain = identity_chain(identity)
+                ro = Rollout(identity, BehaviorPolicy(v, version_hash(v)), CONDITIONS)
                 t0 = clock()
-                got = b.ledger.dispatch(entry, chain=chain)
+                got = b.ledger.dispatch(ro)
                 calls.append(
                     {
                         "kind": "dispatch",
@@ -218,13 +233,23 @@ def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                     started.append(rid)
                 if rng.random() < 0.05:
                     stats["retired_stale"] += len(b.ledger.retire_stale())
-        out.put({"role": f"dispatcher-{index}", "stats": dict(stats), "calls": calls})
+                if rng.random() < 0.05:  # a learner's pick of what to train next
+                    b.ledger.oldest_admissible(8)
+        out.put(
+            {
+                "role": f"dispatcher-{index}",
+                "stats": dict(stats),
+                "calls": calls,
+                "history": log.calls,
+            }
+        )
     except Exception as exc:  # reported with the calls made so far, which are judged too
         out.put(
             {
                 "role": f"dispatcher-{index}",
                 "stats": dict(stats),
                 "calls": calls,
+                "history": log.calls,
                 "error": repr(exc),
                 "infrastructure": infrastructure_cause(exc) is not None,
             }
@@ -256,12 +281,28 @@ def _advance_attempt(
     started.remove(rid)
 
 
+def _generated(rid: str, version: int, digest: str) -> Rollout:
+    """A rollout the activators' generator adds already rewarded: its own prompt (so its
+    identity names a chain of its own), its entry at `rewarded`."""
+    status = LedgerEntry(
+        rollout_id=rid,
+        behavior_version=version,
+        artifact_hash=digest,
+        state="rewarded",
+        reward=REWARD,
+    )
+    identity = RolloutIdentity(rid, f"g-{rid}", "race", 0)
+    return Rollout(identity, BehaviorPolicy(version, digest), CONDITIONS, status=status)
+
+
 def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
     rng = random.Random(cfg.seed * 7919 + index)
     stats: Counter[str] = Counter()
+    log = CallLog(f"activator-{index}")
     try:
-        with open_backend(cfg.url) as b:
-            coord = ActivationCoordinator(b.registry, ledger=b.ledger)
+        with open_backend(cfg.url) as raw:
+            b = _recorded(raw, log)
+            coord = attach(log, raw.registry, ledger=b.ledger)
             serving = coord.pointer()
             n = 0
             while time.time() < deadline:
@@ -269,18 +310,15 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                     waiting = b.ledger.statistics().by_state.get("rewarded", 0)
                     if waiting < cfg.pool and serving is not None:
                         entries = [
-                            LedgerEntry(
-                                rollout_id=f"a{index}.{n + i}",
-                                behavior_version=serving.version,
-                                artifact_hash=serving.artifact_hash,
-                                state="rewarded",
-                                reward=REWARD,
-                            )
+                            _generated(f"a{index}.{n + i}", serving.version, serving.artifact_hash)
                             for i in range(BATCH)
                         ]
                         n += BATCH
-                        b.ledger.add_many(entries)  # type: ignore[attr-defined]
-                        stats["generated"] += BATCH
+                        try:  # under a pacing policy the budget covers these adds too
+                            b.ledger.add_many(entries)
+                            stats["generated"] += BATCH
+                        except DispatchRefused as exc:
+                            stats[f"generator:{exc.reason}"] += 1
                 try:
                     top = coord.registry.max_version() or 0
                     v = top + 1
@@ -299,21 +337,20 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                 except ActivationError as exc:
                     stats[f"refused:{type(exc).__name__}"] += 1
                 time.sleep(rng.uniform(0.02, 0.2))
-        out.put({"role": f"activator-{index}", "stats": dict(stats)})
+        out.put({"role": f"activator-{index}", "stats": dict(stats), "history": log.calls})
     except Exception as exc:  # the parent reports why a child failed (no child traceback)
         out.put(
             {
                 "role": f"activator-{index}",
                 "stats": dict(stats),
+                "history": log.calls,
                 "error": repr(exc),
                 "infrastructure": infrastructure_cause(exc) is not None,
             }
         )
 
 
-def _churn(
-    coord: ActivationCoordinator, rng: random.Random, stats: Counter[str], max_lag: int
-) -> None:
+def _churn(coord: Any, rng: random.Random, stats: Counter[str], max_lag: int) -> None:
     """Every few activations roll back (the rolled-back version's rollouts are retired,
     or kept, while learners hold stamps admitted against it), shrink or restore the
     required worker set, and tighten or restore the admission policy: registry moves
@@ -323,9 +360,18 @@ def _churn(
     turn = stats["churn_turns"]
     if turn % 5 == 3 or rng.random() < 0.05:
         keep = rng.random() < 0.3  # the operator keeps the rolled-back version's rollouts
-        coord.rollback(keep_rollouts=keep)
+        reason = f"race churn {turn}.{rng.getrandbits(32):08x}"  # names this rollback
+        coord.rollback(keep_rollouts=keep, reason=reason)
         stats["rolled_back"] += 1
         stats["rolled_back_kept"] += keep
+        # the recorded choice, read back: what every later premise and reader goes by
+        # (found by its reason: another activator may have moved the pointer meanwhile)
+        want = "rolled_back_kept" if keep else "rolled_back"
+        got = [a.failure for a in coord.artifacts() if a.failure and a.failure.detail == reason]
+        if [f.cause for f in got] != [want]:  # not an ActivationError: that is a refusal
+            raise RuntimeError(
+                f"rolled back with keep_rollouts={keep}, but the record says {got or 'nothing'}"
+            )
     if turn % 4 == 2 or rng.random() < 0.05:
         now = coord.required_workers
         new = WORKERS[:1] if len(now) == len(WORKERS) else WORKERS
@@ -346,20 +392,22 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
     stats: Counter[str] = Counter()
     calls: list[dict[str, Any]] = []
     update = 0
+    log = CallLog(f"learner-{index}")
     try:
-        with open_backend(cfg.url) as b:
+        with open_backend(cfg.url) as raw:
+            b = _recorded(raw, log)
             hostile = index < cfg.hostile
-            clock: Callable[[], float] = getattr(b.ledger, "clock", time.time)
+            clock: Callable[[], float] = getattr(raw.ledger, "clock", time.time)
             gate = AdmissionGate(
                 GatePolicy(max_lag=10**6, max_drift=1e9)
                 if hostile
                 else GatePolicy(max_lag=cfg.max_lag, max_drift=cfg.max_drift),
-                registry=_hashes(b.registry),
+                registry=_hashes(raw.registry),
             )
             reader = _reader(cfg.url)
             while time.time() < deadline:
                 pointer = b.registry.pointer()
-                entries = _waiting(reader, rng)
+                entries = _waiting(reader, rng, log)
                 if pointer is None or not entries:
                     time.sleep(0.01)
                     continue
@@ -410,17 +458,35 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
                     outs = [*outs, *retried]
                 for o in outs:
                     stats[f"reserve:{o.reason}"] += 1
-                if won:
-                    b.ledger.commit(update_id, won)
-                    stats["committed"] += len(won)
+                if won and rng.random() < 0.1:  # a long update's heartbeat
+                    b.ledger.renew_leases(update_id)
+                if won and rng.random() < 0.08:  # the update failed: its rollouts go back
+                    stats["aborted"] += len(b.ledger.abort(update_id))
+                elif won:
+                    try:
+                        b.ledger.commit(update_id, won)
+                        stats["committed"] += len(won)
+                    except UpdatePoisoned as exc:  # e.g. a rollback retired what it held
+                        stats[f"commit_refused:{exc.cause}"] += 1
+                        b.ledger.abort(update_id)
+                if rng.random() < 0.05:  # a reaper's sweep (leases run 600 s: rarely due)
+                    b.ledger.expire_leases()
             reader.close()
-        out.put({"role": f"learner-{index}", "stats": dict(stats), "calls": calls})
+        out.put(
+            {
+                "role": f"learner-{index}",
+                "stats": dict(stats),
+                "calls": calls,
+                "history": log.calls,
+            }
+        )
     except Exception as exc:  # reported with the calls made so far, which are judged too
         out.put(
             {
                 "role": f"learner-{index}",
                 "stats": dict(stats),
                 "calls": calls,
+                "history": log.calls,
                 "error": repr(exc),
                 "infrastructure": infrastructure_cause(exc) is not None,
             }
@@ -493,8 +559,10 @@ def _reader(url: str) -> _Reader:
     return _Reader(url)
 
 
-def _waiting(reader: _Reader, rng: random.Random) -> list[LedgerEntry]:
-    entries = reader.rewarded(64)
+def _waiting(reader: _Reader, rng: random.Random, log: CallLog) -> list[LedgerEntry]:
+    entries = log.call(
+        "in_state", {"state": "rewarded", "limit": 64}, lambda: reader.rewarded(64), entries_json
+    )
     rng.shuffle(entries)
     return entries[: rng.randint(1, BATCH)]
 
@@ -523,11 +591,15 @@ class RaceReport:
     # the errors that were the backend's or the disk's (a lost server, a full disk): not
     # findings, and the race's verdict is void (exit 3, not 1)
     infrastructure: tuple[str, ...] = ()
+    linearizability: LinReport | None = None
+    history: str | None = None  # where the recorded calls were written (JSON lines)
 
     @property
     def ok(self) -> bool:
-        """No violation and no process failed."""
-        return not self.violations and not self.errors
+        """No violation and no process failed (an 'unknown' linearizability verdict is not
+        a pass either: the report says so, apart from a violation)."""
+        lin_ok = self.linearizability is None or self.linearizability.verdict == "ok"
+        return not self.violations and not self.errors and lin_ok
 
     def totals(self) -> dict[str, int]:
         """Counters summed over every process."""
@@ -552,31 +624,48 @@ class RaceReport:
             "violations": [attrs.asdict(v) for v in self.violations[:200]],
             "errors": list(self.errors),
             "infrastructure_errors": list(self.infrastructure),
+            "linearizability": None
+            if self.linearizability is None
+            else {**self.linearizability.to_json(), "history": self.history},
         }
 
 
-def prepare(cfg: RaceConfig) -> None:
-    """A fresh database with the worker set recorded and v0 active."""
-    with open_backend(cfg.url) as b:
-        coord = ActivationCoordinator(
-            b.registry,
-            WORKERS,
-            ledger=b.ledger,
-            policy=cfg.policy(),
-        )
+def prepare(cfg: RaceConfig) -> list[dict[str, Any]]:
+    """A fresh database with the worker set recorded and v0 active; the calls it made (the
+    history starts from an empty deployment)."""
+    log = CallLog("setup")
+    with open_backend(cfg.url) as raw:
+        b = _recorded(raw, log)
+        coord = attach(log, raw.registry, WORKERS, ledger=b.ledger, policy=cfg.policy())
         if coord.pointer() is None:
             coord.prepare(0)
             coord.commit_artifact(0, version_hash(0))
             coord.distribute(0)
-            for w in WORKERS:
-                coord.record_ack(WorkerAck(w, 0, version_hash(0), token=coord.attempt_token(w, 0)))
+            for w, token in coord.attempt_tokens(0).items():
+                coord.record_ack(WorkerAck(w, 0, version_hash(0), token=token))
             coord.try_activate(0)
+    return log.calls
 
 
-def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> RaceReport:
-    """Race the processes for `cfg.seconds`, then judge the trace, the rows and every call."""
+def _recorded(b: Any, log: CallLog) -> Any:
+    """The backend's ledger and registry, every call recorded in `log`."""
+    return attrs.evolve(
+        b, ledger=RecordingLedger(b.ledger, log), registry=RecordingRegistry(b.registry, log)
+    )
+
+
+def run_race(
+    cfg: RaceConfig,
+    progress: Callable[[str], None] | None = None,
+    *,
+    history_path: Path | None = None,
+    lin_time_limit: float = 10.0,
+) -> RaceReport:
+    """Race the processes for `cfg.seconds`, then judge the trace, the rows and every call:
+    each answer against the trace, and the whole recorded history for linearizability
+    (written to `history_path` as JSON lines when given)."""
     say = progress or (lambda _t: None)
-    prepare(cfg)
+    setup = prepare(cfg)
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     started = time.time()
@@ -621,16 +710,39 @@ def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> 
     calls = [c for c in every if c.get("kind") != "dispatch"]
     dispatches = [c for c in every if c.get("kind") == "dispatch"]
     history = [*judge_calls(trace, calls), *judge_dispatches(trace, dispatches)]
+    recorded = [*setup, *(c for r in reports for c in r.get("history", []))]
+    header = history_header(max_releases=3, registry=True)
+    if history_path is not None:
+        write_history(history_path, recorded, header)
+    say(f"checking {len(recorded):,} recorded calls for linearizability")
+    lin = check_calls(header, parse_calls(recorded)[1], time_limit=lin_time_limit)
     return RaceReport(
         config=cfg,
         elapsed_s=elapsed,
         stats={r["role"]: r.get("stats", {}) for r in reports},
         events=len(trace),
         calls=len(every),
-        violations=(*report.violations, *store, *history),
+        violations=(*report.violations, *store, *history, *lin_violations(lin)),
         errors=errors,
         infrastructure=infrastructure,
+        linearizability=lin,
+        history=None if history_path is None else str(history_path),
     )
+
+
+def lin_line(lin: LinReport, history: str | None = None) -> str:
+    """The linearizability check in one line, for a console."""
+    where = f"; history in {history}" if history else ""
+    return (
+        f"linearizability: {lin.verdict} ({lin.calls:,} calls, {lin.checked_calls:,} checked, "
+        f"{lin.partitions:,} partitions, the largest {lin.max_partition:,} calls, "
+        f"{lin.seconds:.1f}s){where}"
+    )
+
+
+def lin_violations(lin: LinReport) -> list[Violation]:
+    """The linearizability check's violations, named for the report."""
+    return [Violation("linearizable", f.message) for f in lin.findings if f.verdict == "violation"]
 
 
 def judge_calls(trace: Sequence[TraceEvent], calls: Sequence[dict[str, Any]]) -> list[Violation]:
@@ -731,6 +843,7 @@ class _PacingMoment:
     index: PacingIndex = attrs.field(factory=PacingIndex)
     pointer: int | None = None
     ever_active: set[int] = attrs.field(factory=set)
+    retired: set[int] = attrs.field(factory=set)
     policy: AdmissionPolicy | None = None
 
     def apply(self, ev: TraceEvent) -> None:
@@ -742,6 +855,9 @@ class _PacingMoment:
             self.pointer = None if ev.pointer_after is None else ev.pointer_after.version
             if self.pointer is not None:
                 self.ever_active.add(self.pointer)
+            kept = ev.after.failure is not None and ev.after.failure.cause == "rolled_back_kept"
+            if ev.after.state == "rolled_back" and not kept:
+                self.retired.add(ev.version)
         elif isinstance(ev, PolicyChanged):
             self.policy = ev.after
 
@@ -751,6 +867,8 @@ class _PacingMoment:
         states = [self.entries[r].state for r in self.index.chains.get(chain, [])]
         if reason == "not_active":
             return p is None or v > p or v not in self.ever_active
+        if reason == "version_retired":
+            return v in self.retired
         if reason == "chain_done":
             return "consumed" in states
         if reason == "chain_live":
