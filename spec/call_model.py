@@ -344,12 +344,14 @@ class Outcome(NamedTuple):
 
 def dispatch_reasons(chain_rows: Sequence[Row], version: int, view: View) -> frozenset[str]:
     """The answers a dispatch may get at this instant: the first refusal of the documented
-    order (version, then chain, then budget). The live budget counts rollouts of every
-    chain, which no single chain's partition sees, so where no earlier refusal applies
-    'dispatched' and 'no_capacity' are both possible (the spec's `dispatch_paced` judges
-    the budget on the trace)."""
+    order (version: not rolled back, active, not stale; then chain, then budget). The live
+    budget counts rollouts of every chain, which no single chain's partition sees, so where
+    no earlier refusal applies 'dispatched' and 'no_capacity' are both possible (the spec's
+    `dispatch_paced` judges the budget on the trace)."""
     pol, p = view.policy, view.pointer
     if view.attached:
+        if version in view.retired:  # before the pointer: a rollback leaves it above it
+            return frozenset({"version_retired"})
         if p is None or version > p or version not in view.ever:
             return frozenset({"not_active"})
         if pol is not None and p - version > pol[0]:
