@@ -303,7 +303,7 @@ def campaign(
     asked = () if "none" in stages else tuple(dict.fromkeys(stages or profile.stages))
     targeted = [n for n in asked if STAGES[n].applies_to(name)]
     elsewhere = {
-        n: f"runs on {'/'.join(STAGES[n].backends)} only (--backend postgresql://... runs it)"
+        n: f"runs on {'/'.join(STAGES[n].backends)} only; --backend postgresql://... runs it"
         for n in asked
         if n not in targeted
     }
@@ -458,6 +458,9 @@ def campaign(
             "backend": report.backend,
             "first_reached": fuzz_json["first_reached"],
             "by_machine": {m: r["first_reached"] for m, r in fuzz_json["runs"].items()},
+            # machine instances each run made (the fast budget's cap: a cut there is the
+            # whole run)
+            "instances": {m: r["examples"] for m, r in fuzz_json["runs"].items()},
         },
     )
     docs = [fuzz_json]

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rollout_lifecycle.stateful_tests.stages import STAGES
+
 ROOT = Path(__file__).resolve().parents[1]
 REPORTS_DIR = Path("docs") / "campaign"
 PROFILES_SHOWN = ("fast", "thorough")
@@ -78,7 +80,12 @@ def mutants_table(report: Mapping[str, Any]) -> str:
         f"{c['median_seconds_to_kill']:.1f} s. "
         "Kills by stage: "
         + ", ".join(f"{k} {n}" for k, n in s["campaign_kills_by_stage"].items())
-        + ".",
+        + "."
+        + "".join(
+            f" Not reached by this profile: {r['name']} ({r['campaign']['detail']})."
+            for r in report["results"]
+            if r["campaign"]["killed"] is None
+        ),
         "",
         "| mutant | class | killed by the stage | after | s |",
         "|---|---|---|---:|---:|",
@@ -86,10 +93,14 @@ def mutants_table(report: Mapping[str, Any]) -> str:
     for r in report["results"]:
         k = r["campaign"]
         after = "-" if k["effort"] is None else f"{k['effort']:,} {k['unit']}"
-        lines.append(
-            f"| {r['name']} | {r['class']} | {k['stage'] or 'SURVIVED'} | {after} | "
-            f"{k['seconds']:.1f} |"
+        by = (
+            k.get("stage") or "?"
+            if k["killed"]
+            else "SURVIVED"
+            if k["killed"] is False
+            else f"not reached: {k['detail']}"
         )
+        lines.append(f"| {r['name']} | {r['class']} | {by} | {after} | {k['seconds']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -114,8 +125,9 @@ def _budget(r: Mapping[str, Any]) -> str:
 def profiles_table(reports: Mapping[str, Mapping[str, Any]]) -> str:
     """The README's table: each profile's measured time and what it reaches."""
     lines = [
-        "| profile | measured (2 cores) | CPU time | fuzz examples | explorer | race | verdict |",
-        "|---|---|---:|---|---|---|---|",
+        "| profile | measured (2 cores) | CPU time | fuzz examples | explorer | race "
+        "| other stages | verdict |",
+        "|---|---|---:|---|---|---|---|---|",
     ]
     for name, r in reports.items():
         t = r["timing"]
@@ -141,9 +153,24 @@ def profiles_table(reports: Mapping[str, Mapping[str, Any]]) -> str:
                 if race
                 else "skipped"
             )
-            + f" | {verdict} |"
+            + f" | {_others(r)} | {verdict} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _others(r: Mapping[str, Any]) -> str:
+    """The interleavings and the targeted stages in a few words: what ran, what did not."""
+    parts = []
+    scripted = r.get("interleavings")
+    if scripted is not None:
+        wrong = sum(len(v) for v in scripted.values())
+        parts.append(f"interleavings {len(scripted) - wrong}/{len(scripted)}")
+    for st in r.get("stages", []):
+        parts.append(f"{st['stage']} skipped" if st["skipped"] else st["stage"])
+    off = [n for n in r.get("budget", {}).get("stages", []) if n in r.get("skipped", {})]
+    if off:
+        parts.append(f"not on {r['backend']}: {', '.join(off)}")
+    return "; ".join(parts) or "-"
 
 
 def _race_text(race: Mapping[str, Any]) -> str:
@@ -171,7 +198,45 @@ def _race_text(race: Mapping[str, Any]) -> str:
         + (f" ({', '.join(f'{n:,} `{k}`' for k, n in sorted(refused.items()))})" if refused else "")
         + f", {t.get('retired_stale', 0):,} rollouts retired stale; "
         f"{race['violation_count']} violations."
+        + (_lin_text(race["linearizability"]) if race.get("linearizability") else "")
     )
+
+
+def _lin_text(lin: Mapping[str, Any]) -> str:
+    return (
+        f" The whole recorded history ({lin['calls']:,} calls, {lin['partitions']:,} "
+        f"partitions, the largest {lin['max_partition']:,} calls) checked for "
+        f"linearizability in {lin['seconds']:.1f} s: {lin['verdict']}."
+    )
+
+
+def _stage_lines(r: Mapping[str, Any]) -> list[str]:
+    """The scripted interleavings and the targeted stages, one line each."""
+    out = []
+    scripted = r.get("interleavings")
+    if scripted is not None:
+        wrong = sum(len(v) for v in scripted.values())
+        out.append(
+            f"Interleavings stage: {len(scripted)} scripted gaps between two connections "
+            f"({', '.join(scripted)}), {wrong} answers untrue at the instant of their step."
+        )
+    for st in r.get("stages", []):
+        if st["skipped"]:
+            out.append(f"{st['stage']} stage: SKIPPED ({st['skipped']}).")
+            continue
+        facts = ", ".join(
+            f"{k} {v}" for k, v in st["facts"].items() if isinstance(v, (int, float, str))
+        )
+        out.append(
+            f"{st['stage']} stage: {len(st['failures'])} violations in {st['seconds']:.1f} s"
+            + (f" ({facts})." if facts else ".")
+        )
+    for name in r.get("budget", {}).get("stages", []):
+        ran = any(st["stage"] == name for st in r.get("stages", []))
+        if name in r.get("skipped", {}) and not ran and name in STAGES:
+            where = "/".join(STAGES[name].backends)
+            out.append(f"{name} stage: not run on {r['backend']} (it runs on {where} only).")
+    return out
 
 
 def _stages(t: Mapping[str, Any]) -> str:
@@ -245,6 +310,9 @@ def figures(r: Mapping[str, Any]) -> str:
             )
     if r["race"] is not None:
         lines += ["", _race_text(r["race"])]
+    more = _stage_lines(r)
+    if more:
+        lines += ["", *more]
     return "\n".join(lines) + "\n"
 
 

@@ -251,14 +251,26 @@ def test_issue_37_mutants_are_in_the_catalogue_with_their_class() -> None:
     "name", [n for n, s in ISSUE_37.items() if BY_NAME[n].backend != "postgresql"]
 )
 def test_campaign_kills_issue_37_mutant_at_its_stage(name: str, tmp_path: Path) -> None:
-    """The README campaign, on the backend where the mutant's code lives, kills it, and the
-    report names the stage that did."""
+    """The ci campaign (the fast budget and every targeted stage), on the backend where the
+    mutant's code lives, kills it, and the report names the stage that did."""
     mutant = BY_NAME[name]
     if mutant.needs is not None:
         pytest.importorskip(mutant.needs)
-    kill = campaign_kill(mutant, workdir=tmp_path)
+    kill = campaign_kill(mutant, workdir=tmp_path, profile="ci")
     assert kill.killed, kill.detail
     assert kill.stage == ISSUE_37[name], kill.detail
+
+
+def test_the_fast_profile_does_not_reach_the_verl_v1_mutant_and_says_who_does(
+    tmp_path: Path,
+) -> None:
+    """Only the verl-v1 stage runs the mutated buffer, and the fast profile leaves that
+    stage out: the mutant is not reached there (None, never a survivor or a kill), and the
+    detail names the profiles that run it."""
+    pytest.importorskip("transfer_queue")
+    kill = campaign_kill(BY_NAME["verl_v1_resume_commits_redone_step"], workdir=tmp_path)
+    assert kill.killed is None, kill.detail
+    assert "verl-v1" in kill.detail and "--profile ci or thorough" in kill.detail
 
 
 @pytest.mark.slow
@@ -276,7 +288,7 @@ def test_campaign_kills_postgres_issue_37_mutant_every_time(
     """On PostgreSQL the skewed clients and the held-open premise window kill their mutants
     deterministically (the window race needs no luck: a dropped premise lock is caught by
     the stage even where the timed race misses it)."""
-    kill = campaign_kill(BY_NAME[name], workdir=tmp_path, postgres_url=postgres_url)
+    kill = campaign_kill(BY_NAME[name], workdir=tmp_path, postgres_url=postgres_url)  # fast
     assert kill.killed, kill.detail
     # the scripted interleavings (issue 33) run before these stages and may kill it first
     assert kill.stage in (ISSUE_37.get(name, "premise-window"), "interleavings", "race"), (
