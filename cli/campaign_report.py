@@ -310,9 +310,8 @@ def figures(r: Mapping[str, Any]) -> str:
             )
     if r["race"] is not None:
         lines += ["", _race_text(r["race"])]
-    more = _stage_lines(r)
-    if more:
-        lines += ["", *more]
+    for line in _stage_lines(r):  # a paragraph each
+        lines += ["", line]
     return "\n".join(lines) + "\n"
 
 
