@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
@@ -211,6 +212,41 @@ def test_campaign_figures_are_the_committed_reports() -> None:
     # only the verl-v1 stage runs (thorough and ci)
     unreached = [r["name"] for r in mutants["results"] if r["campaign"]["killed"] is None]
     assert unreached == ["verl_v1_resume_commits_redone_step"], unreached
+
+
+def test_mutants_table_says_which_mutants_a_profile_does_not_reach() -> None:
+    """A mutant the profile cannot reach is rendered as not reached, with the reason, both
+    in the summary line and in its row: never as a kill, never as a survivor."""
+    from rollout_lifecycle.cli import campaign_report
+
+    def row(name: str, killed: bool | None, stage: str | None, detail: str) -> dict[str, Any]:
+        effort = 3 if killed else None
+        kill = {"killed": killed, "stage": stage, "effort": effort, "unit": "examples"}
+        return {
+            "name": name,
+            "class": "protocol",
+            "campaign": {**kill, "seconds": 1.0, "detail": detail},
+        }
+
+    report = {
+        "campaign_profile": "fast",
+        "summary": {
+            "mutants": 3,
+            "campaign": {"killed": 1, "reached": 2, "median_seconds_to_kill": 1.0},
+            "survivors": ["b"],
+            "campaign_kills_by_stage": {"fuzz": 1},
+        },
+        "results": [
+            row("a", True, "fuzz", "fuzz ledger: boom"),
+            row("b", False, None, "no violation"),
+            row("c", None, None, "only the verl-v1 stage reaches it"),
+        ],
+    }
+    text = campaign_report.mutants_table(report)
+    assert "Not reached by this profile: c (only the verl-v1 stage reaches it)." in text
+    assert "| a | protocol | fuzz | 3 examples |" in text
+    assert "| b | protocol | SURVIVED | - |" in text
+    assert "| c | protocol | not reached: only the verl-v1 stage reaches it | - |" in text
 
 
 def test_exit_codes_table_is_exitcodes_py() -> None:
