@@ -168,6 +168,11 @@ def race(
     if report.linearizability is not None:
         console.print(lin_line(report.linearizability, report.history))
     emit_report(report.to_json(), as_json=as_json, report_path=report_path, console=console)
+    if report.infrastructure:  # the backend failed under it: its verdict is void, not a finding
+        raise TechnicalError(
+            "the race stopped, not a finding: the backend or the disk failed under "
+            f"{len(report.infrastructure)} process(es): {report.infrastructure[0]}"
+        )
     if not report.ok:
         raise findings()
 

@@ -181,7 +181,11 @@ def _ray_session(address: str | None, log: Path) -> Iterator[Any]:
     try:
         import ray
     except ImportError as exc:
-        raise TechnicalFailure("ray", f"not importable ({exc}); pip install 'ray'") from None
+        from rollout_lifecycle.gpu_check.extra import INSTALL_HINT
+
+        raise TechnicalFailure(
+            "ray", f"not importable ({exc}); the drill needs the [verl] extra: {INSTALL_HINT}"
+        ) from None
     try:
         if address:
             ray.init(address=address, log_to_driver=False, configure_logging=False)

@@ -1298,6 +1298,12 @@ class StoreView(Protocol):
         """The stored entries of these ids (absent ids are left out)."""
         ...
 
+    def lock_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+        """`read_rows`, each row held until the step ends where the store locks rows (in
+        rollout_id order): what a step refuses on is then still so when it commits, so
+        its refusals and its writes are true at one instant (issue 33)."""
+        ...
+
 
 class UnitOfWork(StoreView, Protocol):
     """What a step's body may do inside its store's atomic step.
@@ -1853,7 +1859,10 @@ class StoreLedger:
         def body(uow: UnitOfWork, local: Counter[str]) -> list[ReserveOutcome]:
             premise = uow.read_premise()
             lease = self._now(uow) + self.lease_seconds
-            entries = uow.read_rows(ids)
+            # locked: a row refused here cannot change before the step commits, so every
+            # answer of the batch holds at its commit (a concurrent commit between this
+            # read and the write made a refusal and a win true at no common instant)
+            entries = uow.lock_rows(ids)
             record = uow.read_updates([update_id]).get(update_id)
             outcomes, planned = plan_reserves(
                 entries,
@@ -2630,6 +2639,9 @@ class MemoryStore:
     def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
         got = self.entries.get
         return {rid: e for rid in rollout_ids if (e := got(rid)) is not None}
+
+    def lock_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+        return self.read_rows(rollout_ids)  # every step holds the store's lock
 
     def owned(self, update_id: str) -> list[LedgerEntry]:
         held = self.owners.get(update_id, ())

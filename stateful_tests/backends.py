@@ -37,6 +37,7 @@ import rollout_lifecycle.model.ledger as ledger_mod
 import rollout_lifecycle.model.registry as registry_mod
 import rollout_lifecycle.model.sqlite_ledger as sqlite_ledger_mod
 from rollout_lifecycle.model.backends import redact_url
+from rollout_lifecycle.model.errors import BackendUnavailable
 from rollout_lifecycle.model.events import EntryStates, EventLog, TraceEvent
 from rollout_lifecycle.model.ledger import Clock, Ledger
 from rollout_lifecycle.model.records import AdmissionPolicy
@@ -213,6 +214,53 @@ def resolve_factory(backend: str | LedgerFactory) -> tuple[str, LedgerFactory]:
     label = getattr(backend, "__qualname__", None) or repr(backend)
     module = getattr(backend, "__module__", None)
     return (f"{module}:{label}" if module else label), backend
+
+
+def fuzz_backend(backend: str) -> str:
+    """The backend name the machines run on for a URL every other command takes.
+
+    `memory://` is `memory`; `sqlite:///PATH` is `sqlite` (the path is checked, never
+    written: every machine instance needs a fresh database, so the machines make their own
+    files under the run's work folder); a postgresql:// URL, a backend name or a
+    `module:factory` are returned as they are. A malformed SQLite URL is BackendURLError."""
+    if backend == "memory://":
+        return "memory"
+    if backend.startswith("sqlite:"):
+        if backend not in ("sqlite://", "sqlite:///"):
+            from rollout_lifecycle.model.backends import sqlite_path
+
+            sqlite_path(backend)
+        return "sqlite"
+    return backend
+
+
+def check_reachable(backend: str | LedgerFactory) -> None:
+    """Connect once to a PostgreSQL backend's server, before any work: BackendUnavailable
+    when it cannot be reached (or psycopg is not installed), BackendURLError when the URL,
+    the credentials or the database are wrong. Other backends need no server."""
+    if not is_postgres(backend):
+        return
+    assert isinstance(backend, str)
+    url = postgres_url(backend)
+    try:
+        import psycopg
+
+        common = importlib.import_module("rollout_lifecycle.model.postgres_common")
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"the PostgreSQL backend needs psycopg 3 ({exc}); install the extra "
+            "rollout-lifecycle[postgres] (from a checkout: pip install -e '.[postgres]')"
+        ) from None
+    params = common.url_params(url)
+    kwargs: dict[str, Any] = {"autocommit": True}
+    if "connect_timeout" not in params:
+        kwargs["connect_timeout"] = 10
+    target = url if not url.startswith("postgres://") else "postgresql" + url[8:]
+    try:
+        conn = psycopg.connect(target, **kwargs)
+    except psycopg.Error as exc:
+        raise common.connect_error(exc, common.describe(params), params) from None
+    conn.close()
 
 
 def load_factory(spec: str) -> LedgerFactory:

@@ -91,6 +91,7 @@ from rollout_lifecycle.stateful_tests.history import (
     operator_sets_policy,
     write_history,
 )
+from rollout_lifecycle.stateful_tests.infrastructure import infrastructure_cause
 
 WORKERS = ("gen-0", "gen-1")
 REWARD = Reward("race-rm", "1", 1.0)
@@ -255,6 +256,7 @@ def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                 "calls": calls,
                 "history": log.calls,
                 "error": repr(exc),
+                "infrastructure": infrastructure_cause(exc) is not None,
             }
         )
 
@@ -348,6 +350,7 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
                 "stats": dict(stats),
                 "history": log.calls,
                 "error": repr(exc),
+                "infrastructure": infrastructure_cause(exc) is not None,
             }
         )
 
@@ -490,6 +493,7 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
                 "calls": calls,
                 "history": log.calls,
                 "error": repr(exc),
+                "infrastructure": infrastructure_cause(exc) is not None,
             }
         )
 
@@ -589,6 +593,9 @@ class RaceReport:
     calls: int
     violations: tuple[Violation, ...]
     errors: tuple[str, ...]
+    # the errors that were the backend's or the disk's (a lost server, a full disk): not
+    # findings, and the race's verdict is void (exit 3, not 1)
+    infrastructure: tuple[str, ...] = ()
     linearizability: LinReport | None = None
     history: str | None = None  # where the recorded calls were written (JSON lines)
 
@@ -621,6 +628,7 @@ class RaceReport:
             "by_invariant": dict(violated_names(self.violations)),
             "violations": [attrs.asdict(v) for v in self.violations[:200]],
             "errors": list(self.errors),
+            "infrastructure_errors": list(self.infrastructure),
             "linearizability": None
             if self.linearizability is None
             else {**self.linearizability.to_json(), "history": self.history},
@@ -698,6 +706,7 @@ def run_race(
         p.join(timeout=30)
     elapsed = time.time() - started
     errors = tuple(f"{r['role']}: {r['error']}" for r in reports if "error" in r)
+    infrastructure = tuple(f"{r['role']}: {r['error']}" for r in reports if r.get("infrastructure"))
     errors += tuple(f"process {p.name} exited {p.exitcode}" for p in procs if p.exitcode)
     say("judging the trace, the stored rows and every call")
     with open_backend(cfg.url, create=False) as b:
@@ -722,6 +731,7 @@ def run_race(
         calls=len(every),
         violations=(*report.violations, *store, *history, *lin_violations(lin)),
         errors=errors,
+        infrastructure=infrastructure,
         linearizability=lin,
         history=None if history_path is None else str(history_path),
     )

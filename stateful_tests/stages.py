@@ -104,10 +104,27 @@ class Stage:
     profiles: tuple[str, ...]
     entry: str
     seconds_hint: str
+    # modules of an optional extra the stage imports, and how to install them: a profile
+    # that requires every stage (ci) refuses to start without them, before writing anything
+    needs: tuple[str, ...] = ()
+    install: str = ""
 
     def applies_to(self, backend: str) -> bool:
         """Whether the stage runs on this backend."""
         return backend_kind(backend) in self.backends
+
+    def missing(self) -> str | None:
+        """The first module the stage needs that is not installed (None: all are)."""
+        import importlib.util
+
+        for module in self.needs:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                return module
+        return None
 
     def load(self) -> StageFn:
         """The stage's function."""
@@ -130,6 +147,9 @@ STAGES: dict[str, Stage] = {
             ("thorough", "ci"),
             "rollout_lifecycle.stateful_tests.verl_v1_stage:run_verl_v1_stage",
             "about 30-60 s (Ray and TransferQueue start-up dominate)",
+            needs=("ray", "transfer_queue", "verl", "torch", "omegaconf"),
+            install="install the [verl-v1] extra: pip install torch==2.13.0 (or your CUDA "
+            "build) first, then pip install -e '.[verl-v1]'",
         ),
         Stage(
             "clock-skew",
