@@ -10,6 +10,7 @@ import contextlib
 import os
 import sqlite3
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -70,6 +71,9 @@ class Connections:
         self._inherited: list[_Handle] = []
         self.lock = threading.Lock()
         self._closed = False
+        # where a benchmark asks for it (cli/bench_fleet.py), each write's wait for the
+        # file's write lock (BEGIN IMMEDIATE), in seconds; None: nothing is recorded
+        self.lock_waits: list[float] | None = None
         # fails every use closed once the path stops naming this file (sqlite_files)
         self._guard: FileGuard | None = None
         try:
@@ -134,7 +138,13 @@ class Connections:
             if conn.in_transaction:
                 # only a failed ROLLBACK can leave one open; never build on its leftovers
                 conn.execute("ROLLBACK")
-            conn.execute("BEGIN IMMEDIATE")
+            waits = self.lock_waits
+            if waits is None:
+                conn.execute("BEGIN IMMEDIATE")
+            else:
+                t0 = time.perf_counter()
+                conn.execute("BEGIN IMMEDIATE")
+                waits.append(time.perf_counter() - t0)
         except sqlite3.Error as exc:
             raise LedgerError(f"{self.path}: cannot start a write ({exc})") from exc
         try:
