@@ -55,13 +55,6 @@ FULL = FleetSizes(processes=(1, 2, 4, 8), seconds=2.0, rounds=1)
 QUICK = FleetSizes(processes=(1, 2), seconds=0.3, rounds=1)
 
 
-def load1() -> float | None:
-    """The 1-minute load average now (None where the platform has none)."""
-    if not hasattr(os, "getloadavg"):
-        return None
-    return round(os.getloadavg()[0], 2)
-
-
 def roles(n: int) -> list[str]:
     """The processes of a fleet of n: half add, half reserve (one process: a reserver)."""
     if n == 1:
@@ -362,11 +355,11 @@ def _prepare(store: str, variant: str, where: str, pools: dict[int, int]) -> dic
                 led.close()
         else:
             payload = _entry_payload()
-            with psycopg.connect(where, autocommit=True) as conn:
-                conn.execute(f"CREATE SCHEMA {schema}")
-                conn.execute(f"SET search_path = {schema}")
-                conn.execute(_POSTGRES_DDL)
-                with conn.transaction(), conn.cursor() as cur:
+            with psycopg.connect(where, autocommit=True) as pg:
+                pg.execute(f"CREATE SCHEMA {schema}")
+                pg.execute(f"SET search_path = {schema}")
+                pg.execute(_POSTGRES_DDL)
+                with pg.transaction(), pg.cursor() as cur:
                     cur.executemany(
                         "INSERT INTO rollouts VALUES (%s, 'rewarded', 0, NULL, NULL, 0, %s)",
                         [(r, payload) for r in rows],
@@ -514,6 +507,8 @@ def bench_fleet(
     progress: Progress = lambda _: None,
 ) -> dict[str, Any]:
     """Every store x N x {ledger, plain}: the ledger and plain SQL in turn at every N."""
+    from rollout_lifecycle.cli import benchmarks as B
+
     cells: list[dict[str, Any]] = []
     fleet = Fleet(max(sizes.processes))
     try:
@@ -528,11 +523,10 @@ def bench_fleet(
                         if (rnd + k) % 2:
                             order.reverse()
                         for variant in order:
-                            load = load1()
+                            load = B.load1()
                             loads.setdefault(n, []).append(load)
                             progress(
-                                f"fleet {name} N={n} {variant} ({sizes.seconds} s, "
-                                f"load {load})"
+                                f"fleet {name} N={n} {variant} ({sizes.seconds} s, load {load})"
                             )
                             got = _cell(fleet, kind, variant, scratch, n, sizes, rate)
                             runs.setdefault((n, variant), []).append(got)
