@@ -117,8 +117,43 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     assert all(m["distinct_states"] > 0 for m in report["checkers"]["explore"].values())
 
     for g in report["goals"]:
-        assert set(g) == {"goal", "measured", "target", "met"}
+        assert set(g) == {"goal", "measured", "target", "met", "load1"}
         assert g["met"] in (True, False, None)
+        assert g["load1"] is None or _number(g["load1"])
+    # the load beside every figure (issue 36): admission rows, each ledger, the gate rows
+    assert all(_number(r["load1"]) for r in rows)
+    assert all(_number(report["ledgers"][b]["load1"]) for b in ("memory", "sqlite"))
+    if report["gate"] is not None:
+        for r in report["gate"]["rows"]:
+            assert _number(r["load1"]) and _number(r["ms"]["bare_warm"])
+            assert r["gate_vs_bare_warm"] == pytest.approx(
+                r["ms"]["gate"] / r["ms"]["bare_warm"], rel=0.02, abs=2e-3
+            )
+            assert r["bare_warm_threads"] == 1  # the gate's own thread count up to 2
+
+    # the fleet: every store here x N, the ledger and plain SQL side by side
+    fleet = report["fleet"]
+    stores = ["sqlite-disk"] + (["sqlite-tmpfs"] if Path("/dev/shm").is_dir() else [])
+    assert [(c["store"], c["N"]) for c in fleet["cells"]] == [
+        (s, n) for s in stores for n in (1, 2)
+    ]
+    for c in fleet["cells"]:
+        assert (c["reservers"], c["adders"]) == ((1, 0) if c["N"] == 1 else (1, 1))
+        for variant in ("ledger", "plain"):
+            v = c[variant]
+            # SQLite's lock may starve a plain reserver for a whole short cell: no timing
+            # is asserted, only the shape
+            assert _number(v["reservations_per_s"])
+            if v["reservations_per_s"] > 0:
+                assert _number(v["p50_ms"]) and v["p99_ms"] >= v["p50_ms"]
+            assert len(v["lock_wait_p99_ms"]) == c["N"]  # one per writer
+            assert v["lock_wait_p99_ms_max"] == max(v["lock_wait_p99_ms"])
+            assert v["adds_per_s"] == 0 if c["N"] == 1 else _number(v["adds_per_s"])
+        if c["plain"]["reservations_per_s"] > 0:
+            assert c["ledger_vs_plain"] == pytest.approx(
+                c["ledger"]["reservations_per_s"] / c["plain"]["reservations_per_s"], rel=0.01
+            )
+    assert "## Fleet (issue 36)" in (out / "README.md").read_text()
 
     written = json.loads((out / "bench.json").read_text())
     assert written == report
