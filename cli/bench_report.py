@@ -215,7 +215,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
     plot = report.get("plot")
     if plot:
         lines += ["", f"![admission times]({plot})"]
-    else:
+    elif report.get("admission"):  # the plot is of the admission part alone
         lines += ["", "(no plot: matplotlib is not installed)"]
     return "\n".join(lines) + "\n"
 
