@@ -207,6 +207,60 @@ def test_committed_benchmark_doc_is_its_result_file() -> None:
     assert complete == {k: PINNED[k] for k in complete}
 
 
+def test_committed_fleet_doc_is_its_result_file() -> None:
+    """docs/benchmarks/fleet/README.md (issue 36's one measurement run of the parts it
+    changed) is exactly what its committed bench.json renders to."""
+    folder = DOCS / "fleet"
+    render = (
+        "import json, sys\n"
+        "from rollout_lifecycle.cli.bench_report import markdown\n"
+        "d = json.load(open(sys.argv[1]))\n"
+        "sys.stdout.write(markdown(d, d['command']))\n"
+    )
+    res = subprocess.run(  # rendered apart: see the module docstring
+        [sys.executable, "-c", render, str(folder / "bench.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert res.stdout == (folder / "README.md").read_text()
+    report = json.loads((folder / "bench.json").read_text())
+    assert {"ledgers", "gate", "fleet"} <= set(report) and not report["quick"]
+    assert [c["N"] for c in report["fleet"]["cells"]][:4] == [1, 2, 4, 8]
+    assert all(g["load1"] is not None for g in report["goals"])
+
+
+def test_fleet_on_postgres_quick(postgres_url: str) -> None:
+    """The fleet measures PostgreSQL when given a URL: its cells, no lock waits (those are
+    SQLite's), and every schema it made is dropped."""
+    res = bench(
+        "--quick",
+        "--part=fleet",
+        "--no-docs",
+        "--json",
+        "--quiet",
+        f"--fleet-postgres={postgres_url}",
+        "--fleet-seconds=0.2",
+    )
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert postgres_url not in res.stdout  # the command line leaves the URL out
+    cells = [c for c in report["fleet"]["cells"] if c["store"] == "postgres"]
+    assert [c["N"] for c in cells] == [1, 2] and report["fleet"]["postgres"] is True
+    for c in cells:
+        for variant in ("ledger", "plain"):
+            assert _number(c[variant]["reservations_per_s"])
+            assert "lock_wait_p99_ms" not in c[variant]
+    import psycopg
+
+    with psycopg.connect(postgres_url) as conn:
+        left = conn.execute(
+            "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'fleet_%'"
+        ).fetchall()
+    assert left == []
+
+
 def test_drift_gate_benchmark_script_runs(tmp_path: Path) -> None:
     """`python benchmarks/verl_drift_gate.py`, which docs/gpu-check.md cites, runs as
     printed (it imported a helper that no longer existed), here on a tiny batch."""
