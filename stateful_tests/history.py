@@ -408,6 +408,18 @@ class RecordingCoordinator:
     def __init__(self, coord: ActivationCoordinator, log: CallLog) -> None:
         self._coord, self._log = coord, log
         self.registry = RecordingRegistry(coord.registry, log)
+        # every settle the coordinator runs, its own too (distribute, retry, rollback,
+        # try_activate of another version and resume settle first), is recorded as a
+        # 'settle' call, nested in the window of the call that ran it: with two
+        # activators, another's acks can complete an attempt between any settle the
+        # recorder made beforehand and the call's own, which then activates it
+        own = coord.settle
+
+        def encode(s: Settled) -> dict[str, Any]:
+            hashes = {v: coord.artifact(v).artifact_hash for v in s.activated}
+            return {"activated": [[v, h] for v, h in hashes.items()], "failed": list(s.failed)}
+
+        coord.settle = lambda: log.call("settle", {}, own, encode)  # type: ignore[method-assign]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._coord, name)
@@ -448,31 +460,14 @@ class RecordingCoordinator:
 
     def settle(self) -> Settled:
         """`settle`, recorded with what it activated (version, hash) and failed."""
-
-        def encode(s: Settled) -> dict[str, Any]:
-            hashes = {v: self._coord.artifact(v).artifact_hash for v in s.activated}
-            return {"activated": [[v, h] for v, h in hashes.items()], "failed": list(s.failed)}
-
-        return self._log.call("settle", {}, self._coord.settle, encode)
-
-    def _settle_first(self, version: int | None = None) -> None:
-        """What distribute, retry, rollback and try_activate of another version do first
-        (the coordinator's own settle), as a recorded call of its own, so the history says
-        what it resolved; the call's own settle then finds nothing left (one activator)."""
-        if any(
-            a.state == "awaiting_acks" and a.version != version
-            for a in self._coord.registry.artifacts()
-        ):
-            self.settle()
+        return self._coord.settle()
 
     def distribute(self, version: int) -> ArtifactRecord:
-        self._settle_first(version)
         return self._log.call(
             "distribute", {"v": version}, lambda: self._coord.distribute(version), artifact_json
         )
 
     def retry(self, version: int) -> ArtifactRecord:
-        self._settle_first(version)
         return self._log.call(
             "retry", {"v": version}, lambda: self._coord.retry(version), artifact_json
         )
@@ -524,7 +519,6 @@ class RecordingCoordinator:
                 "mismatched": list(r.mismatched_workers),
             }
 
-        self._settle_first(version)
         return self._log.call(
             "try_activate", {"v": version}, lambda: self._coord.try_activate(version), encode
         )
@@ -532,7 +526,6 @@ class RecordingCoordinator:
     def rollback(
         self, *, keep_rollouts: bool = False, reason: str = "operator rollback"
     ) -> ActivePointer:
-        self._settle_first()
         return self._log.call(
             "rollback",
             {"keep": keep_rollouts},

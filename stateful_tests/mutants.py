@@ -96,6 +96,9 @@ CLASSES: dict[str, str] = {
     "recorded": "a recorded choice no run read back (a rollback's kept or retired cause)",
     "window": "a race window too narrow for a timed race to hit (the premise lock between "
     "a write's guard and its compare-and-set)",
+    # issue 31: a fence only faults open (lost leases, killed activators, careless lineages)
+    "fence": "a fence only faults reach (a lost lease's update in a version's lineage, an "
+    "attempt whose activator was SIGKILLed): the fault race's stage",
 }
 
 
