@@ -1062,13 +1062,18 @@ def test_a_lost_compare_and_set_leaves_nothing_on_the_server(postgres_url: str) 
     before = server_state()
     out = led.reserve("a", 7, "u1", stamp())  # stale revision: refused before any write
     assert out.reason == "revision_conflict"
-    lost = led.reserve_batch("u1", [ReserveRequest("a", 3, stamp())])  # loses in SQL
-    assert [o.reason for o in lost] == ["revision_conflict"]
     assert server_state() == before
+    lost = led.reserve_batch("u1", [ReserveRequest("a", 3, stamp())])  # refused, locked
+    assert [o.reason for o in lost] == ["revision_conflict"]
+    # no row, event or counter; the batch read its rows locked (so its refusals hold at
+    # its commit, issue 33), which gives its transaction an id and so a commit mark
+    # (a true record of a commit that wrote nothing)
+    batch = server_state()
+    assert batch[:3] == before[:3] and batch[3][0][0] == before[3][0][0] + 1
     assert led.reserve("a", 0, "u1", stamp()).reserved
     after = server_state()
     # one mark; two events: the reservation and the record of "u1" (its first reservation)
-    assert after[3][0][0] == before[3][0][0] + 1 and after[1][0][0] == before[1][0][0] + 2
+    assert after[3][0][0] == batch[3][0][0] + 1 and after[1][0][0] == before[1][0][0] + 2
     assert led.statistics().cas_conflicts == 2  # counted by this ledger object
     led.close()
 
