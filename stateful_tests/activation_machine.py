@@ -519,6 +519,17 @@ class ActivationMachine(RuleBasedStateMachine):
         assert v is not None
         self._load(worker, v, corrupt=corrupt, echo=echo)
 
+    @rule(worker=worker_ids)
+    @precondition(lambda self: self._awaiting() is not None and len(self.bag) < MAX_BAG)
+    @counted
+    def load_old_form(self, worker: str) -> None:
+        """A worker on the README's old form loads and acks with no token at all (a rule of
+        its own: as one draw in four of `load`, the thorough run stopped reaching the
+        refusal once spent tokens and settling changed which acks the reference expects)."""
+        v = self._awaiting()
+        assert v is not None
+        self._load(worker, v, corrupt=False, echo=False)
+
     def _load(self, worker: str, v: int, *, corrupt: bool, echo: bool = True) -> None:
         token = self.tokens.get(v, {}).get(worker) if echo and worker in self.members else None
         ack = self.truth[worker].answer(
