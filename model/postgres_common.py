@@ -74,6 +74,7 @@ from rollout_lifecycle.model.events import (
     events_where,
     stored_payload,
 )
+from rollout_lifecycle.model.postgres_roles import refused
 
 T = TypeVar("T")
 Conn = psycopg.Connection[Any]
@@ -158,6 +159,7 @@ $$;
 MARKS_KEPT = "1 day"  # a mark only matters while its writer may still be resolving it
 _PRUNE_EVERY = 1000  # each object prunes old marks once per this many commits
 _PRUNE_MARKS = f"DELETE FROM commit_marks WHERE at < now() - interval '{MARKS_KEPT}'; "
+_PRUNE_CALL = "SELECT rl_prune_marks(); "  # the same, by the function every role may call
 
 # connection failures that leave nothing committed (or in doubt only during COMMIT)
 _LOST_STATES = {"57P01", "57P02", "57P03", "08000", "08003", "08006", "08001", "08004"}
@@ -291,6 +293,7 @@ class _Attempt:
     token: str = attrs.field(factory=new_token)
     committing: bool = False
     result: Any = None
+    ddl: bool = False  # a schema step: its mark is written directly, not by `rl_mark`
 
 
 @attrs.frozen
@@ -494,13 +497,16 @@ class PostgresDatabase:
         *,
         error: type[RolloutLifecycleError] = LedgerError,
         prologue: str = "",
+        ddl: bool = False,
     ) -> T:
         """Run `body` in one READ COMMITTED transaction and commit it; see the module doc.
 
         `prologue` (SQL without parameters, e.g. taking a lock) runs right after BEGIN in the
         same round trip. Exceptions raised by `body` itself roll the transaction back and
         propagate as they are; database errors become `error` (or BackendUnavailable) with
-        what to do.
+        what to do. A step of the protocol leaves its commit mark through `rl_mark` (its
+        login may write no table); `ddl` (creating or migrating the schema, whose login
+        owns it) writes the mark itself, before any function exists.
         """
         if self.read_only:
             raise error(f"{self.where} was opened read-only; nothing was written ({what})")
@@ -509,6 +515,7 @@ class PostgresDatabase:
         while True:
             attempt = _Attempt()
             try:
+                attempt.ddl = ddl
                 return self._write_once(body, attempt, prologue)
             except _ConnectionBroke as exc:
                 if attempt.committing:
@@ -558,12 +565,15 @@ class PostgresDatabase:
                 # the mark rides in the COMMIT round trip (a hex token: safe as a literal),
                 # and only a transaction that wrote something has an id and gets one: a step
                 # that wrote nothing (a lost compare-and-set) leaves nothing behind at all
-                ending = (
-                    f"INSERT INTO commit_marks(token) SELECT '{attempt.token}' "
-                    "WHERE pg_current_xact_id_if_assigned() IS NOT NULL; "
-                )
-                if prune:
-                    ending += _PRUNE_MARKS
+                if attempt.ddl:
+                    ending = (
+                        f"INSERT INTO commit_marks(token) SELECT '{attempt.token}' "
+                        "WHERE pg_current_xact_id_if_assigned() IS NOT NULL; "
+                    )
+                    ending += _PRUNE_MARKS if prune else ""
+                else:
+                    ending = f"SELECT rl_mark('{attempt.token}'); "
+                    ending += _PRUNE_CALL if prune else ""
                 attempt.committing = True
                 conn.execute(ending + "COMMIT")
                 return result
@@ -582,7 +592,7 @@ class PostgresDatabase:
             self._commits += 1
             prune = self._commits % _PRUNE_EVERY == 0
         if prune:  # before the step, so that its failure can never follow a commit
-            conn.execute(_PRUNE_MARKS)
+            conn.execute(_PRUNE_CALL)
         attempt.result = step.landed
         attempt.committing = True
         row = conn.execute(step.sql, (*step.params, attempt.token)).fetchone()
@@ -707,10 +717,8 @@ class PostgresDatabase:
         if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
             return error(f"{self.where} was opened read-only; nothing was written ({what})")
         if isinstance(exc, psycopg.errors.InsufficientPrivilege):
-            return error(
-                f"{self.where}: permission denied during {what} ({first}); grant the role "
-                "the rights it needs on this schema"
-            )
+            login = str(self.params.get("user") or os.environ.get("PGUSER") or "?")
+            return refused(exc, what, login, self.where)
         if isinstance(exc, psycopg.errors.DiskFull):
             # the same typed error as SQLite's full disk, from the ledger and the registry
             return StorageFull(
@@ -802,7 +810,7 @@ class PostgresDatabase:
                     (version, component),
                 )
 
-        self.write(body, f"creating the {component} schema")
+        self.write(body, f"creating the {component} schema", ddl=True)
 
     def check_readable(self, component: str, version: int) -> int | None:
         """The stored version of `component` (None: absent); LedgerError when it is newer."""
@@ -928,10 +936,6 @@ def append_statement(*, counted: bool, result: str = "txn, last FROM t") -> str:
     return _APPEND.replace("{counting}", _COUNTING if counted else "").replace("{result}", result)
 
 
-_APPEND_PLAIN = append_statement(counted=False)
-_APPEND_COUNTED = append_statement(counted=True)
-
-
 def event_columns(
     events: Sequence[TraceEvent], payload_of: Payload = stored_payload
 ) -> dict[str, list[str]]:
@@ -945,35 +949,41 @@ def event_columns(
     }
 
 
+_APPEND_CALL = "SELECT o_txn, o_last FROM rl_append(%s, %b::text[], %b::text[], %b::text[], %s)"
+
+
 def append_events(
     conn: Conn,
     events: Sequence[TraceEvent],
     *,
+    op: str,
     counters: Mapping[str, int] | None = None,
     payload_of: Payload = stored_payload,
     stamped: bool = True,
 ) -> list[TraceEvent]:
-    """Append one atomic step's events inside the caller's transaction, in ONE statement
-    that first takes K_EVENTS (held to COMMIT), so txn and seq numbers are handed out in
-    commit order, and chains them by hash onto the head (see model.events), moving the
-    head in the same statement. The ledger's `counters` (name -> increment, table
-    ledger_counters) ride along in the same statement. Returns the events with their seq
-    and txn (none when not `stamped`)."""
-    if not events:
-        return []
-    params: dict[str, Any] = {"key": K_EVENTS, "n": len(events)}
-    params.update(event_columns(events, payload_of))
-    query = _APPEND_PLAIN
+    """Append one atomic step's events (and the ledger's `counters`, name -> increment)
+    inside the caller's transaction, in ONE call of `rl_append` for operation `op`, whose
+    one statement first takes K_EVENTS (held to COMMIT), so txn and seq numbers are handed
+    out in commit order, and chains them by hash onto the head (see model.events), moving
+    the head in the same statement. Returns the events with their seq and txn (none when
+    not `stamped`, or with no events: then only the counters move)."""
     counts = sorted((k, v) for k, v in (counters or {}).items() if v)
-    if counts:
-        query = _APPEND_COUNTED
-        params["counters"] = json.dumps([{"name": k, "n": v} for k, v in counts])
-    row = conn.execute(query, params).fetchone()
-    assert row is not None
-    txn, last = int(row[0]), int(row[1])
-    first = last - len(events) + 1
-    if not stamped:
+    if not events and not counts:
         return []
+    cols = event_columns(events, payload_of)
+    doc = json.dumps([{"name": k, "n": v} for k, v in counts]) if counts else None
+    row = conn.execute(
+        _APPEND_CALL, (op, cols["kinds"], cols["subjects"], cols["payloads"], doc)
+    ).fetchone()
+    if not events or not stamped:
+        return []
+    assert row is not None
+    return stamp_events(events, int(row[0]), int(row[1]))
+
+
+def stamp_events(events: Sequence[TraceEvent], txn: int, last: int) -> list[TraceEvent]:
+    """`events` with the txn and seq numbers the server gave them (`last` is the last seq)."""
+    first = last - len(events) + 1
     return [attrs.evolve(ev, seq=first + i, txn=txn) for i, ev in enumerate(events)]
 
 
@@ -1027,8 +1037,17 @@ def has_chain(conn: Conn) -> bool:
     return bool(row and row[0])
 
 
-# bookkeeping, not deployment state: the audit reads events and head on their own
-_NOT_STATE = ("events", "events_chain", "schema_meta", "commit_marks")
+# bookkeeping, not deployment state: the audit reads events and head on their own; the
+# role tables say who may do what (model.postgres_roles), not what happened
+_NOT_STATE = (
+    "events",
+    "events_chain",
+    "schema_meta",
+    "commit_marks",
+    "rl_operations",
+    "rl_roles",
+    "rl_logins",
+)
 
 
 def read_stored(conn: Conn) -> StoredRows:

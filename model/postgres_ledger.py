@@ -69,28 +69,31 @@ from rollout_lifecycle.model.ledger import (
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.postgres_common import (
-    COUNTER_SHARDS,
     K_BAD,
     K_DISPATCH,
-    K_EVENTS,
     K_PREMISE,
-    K_SCHEMA,
-    ZERO_HASH,
     Conn,
     OneStatement,
     PostgresDatabase,
     append_events,
-    chain_message,
     has_table,
     lock_sql,
     read_events,
     read_stored,
 )
+from rollout_lifecycle.model.postgres_functions import (
+    CAS_STEP,
+    PREMISE,
+    WRITE_ONE,
+    WRITE_ONE_ARGS,
+    WRITE_ONE_CALL,
+    ensure_functions,
+)
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
     LedgerEntry,
 )
-from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES, retired_from_rows
+from rollout_lifecycle.model.rules import retired_from_rows
 from rollout_lifecycle.model.sql_unit import SqlUnit, read_bad
 
 T = TypeVar("T")
@@ -134,172 +137,32 @@ CREATE TABLE IF NOT EXISTS ledger_counters (
 );
 """
 
+# The statements of every write live in the server-side functions (model.postgres_functions);
+# this module calls them, one call per write, naming the step's operation. The plain
+# compare-and-set of one row is kept for benchmarks/postgres_floor.py's baselines.
 _CAS_ONE = (
     "UPDATE rollouts SET state = %s, revision = %s, reserved_by = %s, lease_expires_at = %s, "
     "entry = %s WHERE rollout_id = %s AND revision = %s RETURNING rollout_id"
 )
-
-# ONE statement compare-and-sets a whole set of rows: `locked` takes the row locks of the
-# rows whose revision still matches, in rollout_id order (deadlock-free against any other
-# batch), re-checking the revision of rows that changed while it waited; the UPDATE then
-# writes exactly those rows and returns their ids: the winners. `locked` finds the rows by
-# the ids array (the last parameter, the first column again) through the primary key (a
-# join with `v` alone was planned as a hash over the whole table: every batch cost as much
-# as the table was big), and the UPDATE joins `locked` itself (with the ids array, an
-# `IN (SELECT ...)` got a generic plan 3x slower; psycopg prepares a statement run 5 times).
-# The UPDATE names the locked rows `v` again: they are the batch's rows, now locked.
-_CAS_MANY = """
-WITH v AS (
-    SELECT * FROM unnest(%b::text[], %b::bigint[], %b::text[], %b::bigint[], %b::text[],
-                         %b::float8[], %b::text[])
-        AS v(rollout_id, expected, state, revision, reserved_by, lease, entry)
-), locked AS (
-    SELECT v.* FROM rollouts r JOIN v ON r.rollout_id = v.rollout_id
-    WHERE r.rollout_id = ANY(%b::text[]) AND r.revision = v.expected
-    ORDER BY r.rollout_id
-    FOR UPDATE OF r
-)
-UPDATE rollouts r SET state = v.state, revision = v.revision, reserved_by = v.reserved_by,
-    lease_expires_at = v.lease, entry = v.entry
-FROM locked v
-WHERE r.rollout_id = v.rollout_id AND r.revision = v.expected
-RETURNING r.rollout_id
-"""
-
-_INSERT_MANY = """
-INSERT INTO rollouts(rollout_id, state, revision, reserved_by, lease_expires_at,
-                     behavior_version, entry)
-SELECT * FROM json_to_recordset(%s::json)
-    AS n(rollout_id text, state text, revision bigint, reserved_by text, lease float8,
-         version bigint, entry text)
-ORDER BY rollout_id
-ON CONFLICT (rollout_id) DO NOTHING
-RETURNING rollout_id
-"""
-
-_BUMP = f"""
-INSERT INTO ledger_counters(name, shard, n)
-SELECT c.name, pg_backend_pid() %% {COUNTER_SHARDS}, c.n
-FROM json_to_recordset(%s::json) AS c(name text, n bigint)
-ORDER BY c.name
-ON CONFLICT (name, shard) DO UPDATE SET n = ledger_counters.n + excluded.n
-"""
-
-_WAS_ACTIVE = sorted(WAS_ACTIVE_STATES)
-
-# The reservation's premise as ONE deterministic JSON text (sets in order): read inside a
-# step (`read_premise`), read with a row outside any step (`peek`), and compared, under the
-# premise lock, by a single reservation's write with the text its plan was judged on. The
-# comparison is an equality of facts, not a rule: every rule stays in Python.
-_PREMISE = (
-    "json_build_array((SELECT version FROM registry_pointer WHERE id = 1), "
-    "ARRAY(SELECT version FROM registry_artifacts WHERE state = ANY(ARRAY["
-    + ", ".join(f"'{s}'" for s in _WAS_ACTIVE)
-    + "]) ORDER BY version), "
-    "(SELECT json_build_array(max_lag, max_drift, batch_size, max_attempts) "
-    "FROM registry_policy WHERE id = 1), "
-    "(SELECT json_agg(json_build_array(version, failure) ORDER BY version) "
-    "FROM registry_artifacts WHERE state = 'rolled_back'))::text"
-)
+_PREMISE = PREMISE
 _NOW = "extract(epoch FROM clock_timestamp())::float8"
 _PEEK = f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_PREMISE}"
 _PEEK_BARE = (
     f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), "
     "to_regclass('registry_pointer') IS NOT NULL"
 )
-# The single compare-and-set of `write_one` as ONE server-side function, so that it is ONE
-# autocommit statement (one round trip) with its plans cached by the server: the premise
-# lock (shared, taken first: the statements after it see every switch committed before),
-# the guard (the premise is still what the plan was judged on: an equality of facts, no
-# rule), the compare-and-set, the event, its chain link and the counters, and the commit
-# mark, inserted only when the row was written. Under READ COMMITTED each statement of the
-# function reads what committed before it started.
-# p_guard: 0 no premise (no lock), 1 a premise read with no registry, 2 a registry premise.
-# The append is the steps of `append_events`'s statement, one plain statement each, in the
-# same order (K_EVENTS, txn and seq numbers, the head's row lock, the event linked with
-# `chain_message`, the head, the counters). A single compare-and-set writes one row and so
-# one event, whose subject is the row's id: v3 takes it as scalars (v2 took arrays of
-# events and looped), the counters as two arrays the client sends as constant text, and
-# moves the head with a plain UPDATE of the row it locked (v2: INSERT ... ON CONFLICT).
-WRITE_ONE = "ledger_write_one_v3"  # a changed body gets a new name (v1, v2: see above)
-_WRITE_ONE_ARGS = (
-    ("p_guard", "integer"),
-    ("p_premise", "text"),
-    ("p_state", "text"),
-    ("p_revision", "bigint"),
-    ("p_reserved_by", "text"),
-    ("p_lease", "double precision"),
-    ("p_entry", "text"),
-    ("p_rollout_id", "text"),
-    ("p_expected", "bigint"),
-    ("p_kind", "text"),
-    ("p_payload", "text"),
-    ("p_names", "text[]"),
-    ("p_counts", "bigint[]"),
-    ("p_token", "text"),
-)
-# the compare-and-set inside the function, over its parameters (benchmarks/postgres_floor.py
-# times it alone in functions of its own)
-_CAS_STEP = """\
-    UPDATE rollouts SET state = p_state, revision = p_revision, reserved_by = p_reserved_by,
-        lease_expires_at = p_lease, entry = p_entry
-    WHERE rollout_id = p_rollout_id AND revision = p_expected;
-    IF NOT FOUND THEN
-        RETURN 'lost';
-    END IF;
-"""
+# the single compare-and-set, its arguments and its call (see postgres_functions)
+_CAS_STEP = CAS_STEP
+_WRITE_ONE_ARGS = WRITE_ONE_ARGS
 _WRITE_ONE_SIGNATURE = f"{WRITE_ONE}({', '.join(t for _, t in _WRITE_ONE_ARGS)})"
-_WRITE_ONE_DDL = f"""
-CREATE OR REPLACE FUNCTION {WRITE_ONE}({", ".join(f"{n} {t}" for n, t in _WRITE_ONE_ARGS)})
-RETURNS text LANGUAGE plpgsql VOLATILE AS $fn$
-DECLARE
-    v_txn bigint;
-    v_seq bigint;
-    v_prev bytea;
-    v_hash bytea;
-BEGIN
-    IF p_guard > 0 THEN
-        PERFORM pg_advisory_xact_lock_shared({K_PREMISE}, hashtext(current_schema()));
-    END IF;
-    IF p_guard = 1 AND to_regclass('registry_pointer') IS NOT NULL THEN
-        RETURN 'moved';
-    END IF;
-    IF p_guard = 2 THEN  -- nested: the registry's tables are planned only where they exist
-        IF {_PREMISE} IS DISTINCT FROM p_premise THEN
-            RETURN 'moved';
-        END IF;
-    END IF;
-{_CAS_STEP}    PERFORM pg_advisory_xact_lock({K_EVENTS}, hashtext(current_schema()));
-    v_txn := nextval('events_txn');
-    v_seq := nextval('events_seq');
-    SELECT last_hash INTO v_prev FROM events_chain WHERE id = 1 FOR UPDATE;
-    v_hash := sha256(coalesce(v_prev, {ZERO_HASH}) || {
-    chain_message("v_seq", "v_txn", "p_kind", "p_rollout_id", "p_payload")
-});
-    INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
-    VALUES (v_seq, v_txn, p_kind, p_rollout_id, p_payload, coalesce(v_prev, {ZERO_HASH}),
-            v_hash);
-    IF v_prev IS NULL THEN  -- no head row yet (the chain's DDL makes one: never, in practice)
-        INSERT INTO events_chain(id, base_seq, base_count, last_seq, last_hash)
-        VALUES (1, 0, 0, v_seq, v_hash)
-        ON CONFLICT (id) DO UPDATE
-            SET last_seq = excluded.last_seq, last_hash = excluded.last_hash;
-    ELSE
-        UPDATE events_chain SET last_seq = v_seq, last_hash = v_hash WHERE id = 1;
-    END IF;
-    INSERT INTO ledger_counters(name, shard, n)
-    SELECT c.name, pg_backend_pid() % {COUNTER_SHARDS}, c.n
-    FROM unnest(p_names, p_counts) AS c(name, n)
-    ORDER BY c.name
-    ON CONFLICT (name, shard) DO UPDATE SET n = ledger_counters.n + excluded.n;
-    INSERT INTO commit_marks(token) VALUES (p_token);
-    RETURN 'won';
-END
-$fn$;
-"""
-# positional parameters, the token last (`OneStatement` appends it); scalars travel as
-# text, the counters' arrays as array literals, cached per set of counters (`_counters`)
-_WRITE_ONE_CALL = f"SELECT {WRITE_ONE}({', '.join(['%s'] * len(_WRITE_ONE_ARGS))})"
+_WRITE_ONE_CALL = WRITE_ONE_CALL
+_WRITE_ROWS = (
+    "SELECT * FROM rl_write_rows(%s, %b::text[], %b::bigint[], %b::text[], %b::bigint[], "
+    "%b::text[], %b::float8[], %b::text[])"
+)
+_INSERT_ROWS = "SELECT * FROM rl_insert_rows(%s, %s::json)"
+_LOCK_ROWS = "SELECT * FROM rl_lock_rows(%s, %s, %s, %s, %s::text[])"
+_BAD_VERSION = "SELECT rl_bad_version(%s, %s, %s, %s)"
 _COUNTER_TEXTS: dict[tuple[tuple[str, int], ...], tuple[str, str]] = {}
 
 
@@ -394,9 +257,10 @@ class _Unit(SqlUnit):
     mark = "%s"
     row_locks = " FOR UPDATE"  # re-checked after any wait, under READ COMMITTED
 
-    def __init__(self, store: PostgresStore, conn: Conn) -> None:
+    def __init__(self, store: PostgresStore, conn: Conn, op: str) -> None:
         super().__init__(conn)
         self.store = store
+        self.op = op  # the operation this step's writes run for (model.postgres_roles)
         self.now: float | None = None  # the server's clock, once this step read it
 
     def field(self, *path: str, integer: bool = False) -> str:
@@ -442,7 +306,8 @@ class _Unit(SqlUnit):
             }
             for e in entries
         ]
-        got = {str(r[0]) for r in self.conn.execute(_INSERT_MANY, (json.dumps(doc),)).fetchall()}
+        rows = self.conn.execute(_INSERT_ROWS, (self.op, json.dumps(doc))).fetchall()
+        got = {str(r[0]) for r in rows}
         if len(got) != len(entries):
             dup = sorted({e.rollout_id for e in entries} - got) or sorted(
                 k for k, n in Counter(e.rollout_id for e in entries).items() if n > 1
@@ -452,12 +317,8 @@ class _Unit(SqlUnit):
             )
 
     def write(self, pairs: Sequence[tuple[LedgerEntry, LedgerEntry]]) -> set[str]:
-        """Compare-and-set every pair in ONE statement; the ids that won."""
-        if len(pairs) == 1:
-            b, a = pairs[0]
-            args = (a.state, a.revision, a.reserved_by, a.lease_expires_at, self.dump_after(b, a))
-            row = self.conn.execute(_CAS_ONE, (*args, a.rollout_id, b.revision)).fetchone()
-            return set() if row is None else {a.rollout_id}
+        """Compare-and-set every pair in ONE call (the function's one statement); the ids
+        that won."""
         columns = (
             [a.rollout_id for _, a in pairs],
             [b.revision for b, _ in pairs],
@@ -467,40 +328,45 @@ class _Unit(SqlUnit):
             [a.lease_expires_at for _, a in pairs],
             [self.dump_after(b, a) for b, a in pairs],
         )
-        # the ids again, for `locked`'s index scan (a join alone hashes the whole table)
-        return {str(r[0]) for r in self.conn.execute(_CAS_MANY, (*columns, columns[0])).fetchall()}
+        return {str(r[0]) for r in self.conn.execute(_WRITE_ROWS, (self.op, *columns)).fetchall()}
 
     def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
-        rows = sorted((k, v) for k, v in counts.items() if v)
-        if changes:  # counters ride in the events' statement
-            append_events(
-                self.conn,
-                entry_events(changes, at),
-                counters=dict(rows),
-                payload_of=self.payload,
-                stamped=False,
-            )
-        elif rows:
-            self.conn.execute(_BUMP, (json.dumps([{"name": k, "n": v} for k, v in rows]),))
+        # the counters ride in the events' call (alone, when nothing changed)
+        append_events(
+            self.conn,
+            entry_events(changes, at) if changes else [],
+            op=self.op,
+            counters=counts,
+            payload_of=self.payload,
+            stamped=False,
+        )
 
+    def _locked(
+        self, which: str, text: str | None, number: float | None, states: Sequence[str] = ()
+    ) -> list[LedgerEntry]:
+        """Rows this step reads to write, locked in rollout_id order by the function (a
+        login that may write no table may not lock its rows either: FOR UPDATE needs UPDATE
+        rights)."""
+        rows = self.conn.execute(_LOCK_ROWS, (self.op, which, text, number, list(states)))
+        return [self.load(r[0]) for r in rows.fetchall()]
 
-def _ensure_write_one(db: PostgresDatabase) -> None:
-    """Create the function of `write_one` where it is missing (a new database, or one made
-    before it existed: added like the event chain, it changes no table)."""
+    def owned(self, update_id: str) -> list[LedgerEntry]:
+        return self._locked("owned", update_id, None)
 
-    def exists(conn: Conn) -> bool:
-        row = conn.execute("SELECT to_regprocedure(%s)", (_WRITE_ONE_SIGNATURE,)).fetchone()
-        return row is not None and row[0] is not None
+    def due(self, now: float) -> list[LedgerEntry]:
+        return self._locked("due", None, now)
 
-    if db.read(exists, f"looking for {WRITE_ONE}"):
-        return
+    def of_version(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
+        return self._locked("of_version", None, version, states)
 
-    def body(conn: Conn) -> None:
-        conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", (K_SCHEMA,))
-        if not exists(conn):
-            conn.execute(_WRITE_ONE_DDL)
+    def older_than(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
+        return self._locked("older_than", None, version, states)
 
-    db.write(body, f"creating {WRITE_ONE}")
+    def mark_bad(self, version: int, reason: str) -> None:
+        self.conn.execute(_BAD_VERSION, (self.op, version, reason, True))
+
+    def clear_bad(self, version: int) -> None:
+        self.conn.execute(_BAD_VERSION, (self.op, version, "", False))
 
 
 class PostgresStore:
@@ -531,7 +397,9 @@ class PostgresStore:
         if step.premise:
             locks.append(_LOCKS["premise"])
         prologue = "; ".join(locks)
-        return self.db.write(lambda conn: body(_Unit(self, conn)), step.what, prologue=prologue)
+        return self.db.write(
+            lambda conn: body(_Unit(self, conn, step.what)), step.what, prologue=prologue
+        )
 
     def peek(self, rollout_id: str) -> tuple[LedgerEntry | None, Peeked]:
         """The row and the premise (and the server's time) in ONE autocommit statement."""
@@ -584,6 +452,7 @@ class PostgresStore:
             guard, premise = (1, None) if token.premise is None else (2, token.premise)
         entry = unit.dump_after(before, after)
         params = (
+            step.what,
             guard,
             premise,
             after.state,
@@ -601,7 +470,7 @@ class PostgresStore:
 
     def view(self, body: Callable[[StoreView], T], what: str) -> T:
         """One read-only transaction (READ COMMITTED: each statement sees what committed)."""
-        return self._read(lambda conn: body(_Unit(self, conn)), what)
+        return self._read(lambda conn: body(_Unit(self, conn, what)), what)
 
     def _read(self, body: Callable[[Conn], T], what: str, *, snapshot: bool = False) -> T:
         self._check_open()
@@ -638,7 +507,7 @@ class PostgresStore:
             sums = conn.execute("SELECT name, SUM(n) FROM ledger_counters GROUP BY name")
             by_state = {str(s): int(n) for s, n in states.fetchall()}
             counters = {str(k): int(n) for k, n in sums.fetchall()}
-            return by_state, counters, read_bad(conn), _Unit(self, conn).pacing_rows()
+            return by_state, counters, read_bad(conn), _Unit(self, conn, "statistics").pacing_rows()
 
         return self._read(body, "statistics", snapshot=True)
 
@@ -701,7 +570,7 @@ class PostgresLedger(StoreLedger):
                     )
             else:
                 db.ensure_schema(COMPONENT, SCHEMA_VERSION, _DDL, migrations=MIGRATIONS)
-                _ensure_write_one(db)
+                ensure_functions(db)
         except BaseException:
             self.close()
             raise
