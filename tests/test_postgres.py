@@ -277,9 +277,9 @@ def test_batch_compare_and_set_reaches_its_rows_by_key(postgres_url: str, plans:
     """The batch compare-and-set locks and writes its rows through the primary key, in the
     plan the server makes for it and in the generic plan of a prepared statement: locked by
     a join alone, it hashed the whole table, so every batch cost as much as the table."""
-    import psycopg
-
     import re
+
+    import psycopg
 
     from rollout_lifecycle.model.postgres_functions import CAS_MANY
 

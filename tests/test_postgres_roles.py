@@ -24,7 +24,7 @@ import pytest
 
 from rollout_lifecycle.model.backends import Backend, open_backend
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
-from rollout_lifecycle.model.errors import RoleRefused
+from rollout_lifecycle.model.errors import RoleRefused, RolloutLifecycleError
 from rollout_lifecycle.model.ledger import ReserveRequest
 from rollout_lifecycle.model.postgres_common import PostgresDatabase
 from rollout_lifecycle.model.postgres_roles import OPERATIONS, ROLES
@@ -572,9 +572,11 @@ def test_a_second_deployment_on_the_server_gets_its_own_roles(
     finally:
         db.release()
     url = deployment.urls["learner"].rsplit("/", 1)[0] + "/" + postgres_url.rsplit("/", 1)[1]
-    with pytest.raises(Exception, match="permission denied|may not"):
-        with open_backend(url) as b:
-            b.ledger.statistics()
+    with (
+        pytest.raises(RolloutLifecycleError, match=r"permission denied|may not"),
+        open_backend(url) as b,
+    ):
+        b.ledger.statistics()
 
 
 # ---- SQLite: one trust domain, owner-only files -------------------------------------------
