@@ -11,12 +11,9 @@ the honest path, rollouts added, reserved and committed by their own parties.
 from __future__ import annotations
 
 import json
-import os
-import stat
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -577,22 +574,3 @@ def test_a_second_deployment_on_the_server_gets_its_own_roles(
         open_backend(url) as b,
     ):
         b.ledger.statistics()
-
-
-# ---- SQLite: one trust domain, owner-only files -------------------------------------------
-
-
-def test_sqlite_files_are_created_owner_only(tmp_path: Path) -> None:
-    """The database file and its -wal/-shm are created 0600 (whoever can write the file is
-    the operator)."""
-    old = os.umask(0o022)
-    try:
-        with open_backend(f"sqlite:///{tmp_path / 'l.db'}") as b:
-            ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
-            b.ledger.add(_rewarded("r", 0))
-            for suffix in ("", "-wal", "-shm"):
-                path = tmp_path / f"l.db{suffix}"
-                if path.exists():
-                    assert stat.S_IMODE(path.stat().st_mode) == 0o600, suffix
-    finally:
-        os.umask(old)
