@@ -52,6 +52,20 @@ from rollout_lifecycle.stateful_tests.race import RaceConfig, check_fresh, run_r
     help="Activators also roll back (retiring versions learners admitted against) and "
     "shrink and restore the required worker set.",
 )
+@click.option(
+    "--workers",
+    type=StrictInt(1, 16),
+    default=2,
+    show_default=True,
+    help="Required workers of the deployment (gen-0, gen-1, ...).",
+)
+@click.option(
+    "--roles/--no-roles",
+    default=None,
+    help="PostgreSQL: every party under its own login in its own role, and a hostile "
+    "learner that must be refused everything else. Default: when the URL's login may "
+    "create roles.",
+)
 @report_options
 @quiet_option
 def race(
@@ -63,6 +77,8 @@ def race(
     seed: int,
     hostile: int,
     churn: bool,
+    workers: int,
+    roles: bool | None,
     as_json: bool,
     report_path: Path | None,
     quiet: bool,
@@ -88,6 +104,8 @@ def race(
         seed=seed,
         hostile=hostile,
         churn=churn,
+        workers=workers,
+        roles=roles,
     )
     tick = Progress("race", quiet=quiet)
     try:

@@ -529,18 +529,22 @@ BEGIN
         RETURN;
     END IF;
     -- lifting a mark: the operator's choice, or a coordinator's for a version it activated
-    IF NOT rl_is('operator') AND NOT (
-        to_regclass('registry_artifacts') IS NOT NULL
-        AND EXISTS (SELECT 1 FROM registry_artifacts WHERE version = p_version
-                    AND state = 'active')
-    ) THEN
-        {
+    -- (nested: the registry's table is planned only where it exists)
+    IF NOT rl_is('operator') THEN
+        IF to_regclass('registry_artifacts') IS NULL THEN
+            {
         _refuse(
-            "v% is not active: only the operator lifts the mark of a version that is not",
-            "p_version",
-            needs="'operator'",
+            "v% is not active: only the operator lifts its mark", "p_version", needs="'operator'"
         )
     };
+        ELSIF NOT EXISTS (SELECT 1 FROM registry_artifacts WHERE version = p_version
+                          AND state = 'active') THEN
+            {
+        _refuse(
+            "v% is not active: only the operator lifts its mark", "p_version", needs="'operator'"
+        )
+    };
+        END IF;
     END IF;
     DELETE FROM ledger_bad_versions WHERE version = p_version;
 END

@@ -18,6 +18,12 @@ retire what went stale. The spec judges the budget and the chains from the trace
 `dispatched` answer must be the trace's one write of that attempt inside the call's
 window, a refusal must be true at some moment of it.
 
+On PostgreSQL, when the race's login may create roles, every party runs under its own
+login in its own role (stateful_tests/race_roles.py: an operator, the coordinators, one
+worker process per worker id acking with the token only it can read, the generators, the
+learners, and a hostile learner trying every operation outside its role, which the server
+must refuse); the trace is judged through an auditor's login.
+
     rollout-lifecycle race --backend sqlite:///race.db --learners 4 --seconds 60
     rollout-lifecycle race --backend postgresql://user@host/racedb --learners 4 --seconds 60
 """
@@ -27,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import random
-import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -77,6 +82,7 @@ from rollout_lifecycle.spec.invariants import (
     stored_world,
     violated_names,
 )
+from rollout_lifecycle.stateful_tests import race_roles
 
 WORKERS = ("gen-0", "gen-1")
 REWARD = Reward("race-rm", "1", 1.0)
@@ -84,7 +90,7 @@ CONDITIONS = GenerationConditions("race-tok", 1.0, 1.0, -1, 4)
 EVIDENCE = ActionEvidence((1, 2, 3, 4), (True, True, True, True), (-1.0, -1.0, -1.0, -1.0))
 BATCH = 16
 SCHEMA = "rollout-lifecycle/race-report/1"
-START_TIMEOUT_S = 180.0  # a child still importing after this is taken as dead
+ACK_WAIT_S = 3.0  # with roles, how long a coordinator waits for its workers' acks
 
 
 def version_hash(v: int) -> str:
@@ -117,6 +123,15 @@ class RaceConfig:
     batch_size: int = 8
     max_attempts: int = 3
     chains: int = 32
+    # the required workers (gen-0, gen-1, ...)
+    workers: int = 2
+    # PostgreSQL roles, a login per party (race_roles): None = when the login may create
+    # roles and no mutant is entered; True = required; False = one login for all
+    roles: bool | None = None
+
+    def worker_ids(self) -> tuple[str, ...]:
+        """The deployment's required workers."""
+        return WORKERS if self.workers == 2 else tuple(f"gen-{i}" for i in range(self.workers))
 
     def policy(self) -> AdmissionPolicy:
         """The deployment's admission policy this race records."""
@@ -141,35 +156,95 @@ def _with_mutant(cfg: RaceConfig) -> Any:
 
 
 def _start(cfg: RaceConfig, line: Any) -> float:
-    """Wait at the start line until every process has started, then race `cfg.seconds`.
-
-    Spawned children import the project before they run; on a loaded machine that can take
-    longer than a short race, which then judged nothing. A broken line (a child that died
-    before reaching it) starts this one anyway: the parent reports the dead child."""
-    with contextlib.suppress(threading.BrokenBarrierError):
-        line.wait(timeout=START_TIMEOUT_S)
-    return time.time() + cfg.seconds
+    """Wait at the start line until every process has started, then race `cfg.seconds`
+    (see `race_roles.start_line`)."""
+    return race_roles.start_line(cfg.seconds, line)
 
 
-def _activator(cfg: RaceConfig, index: int, line: Any, out: Any) -> None:
-    """Publish version after version (and generate rollouts at the version workers serve)."""
+def _activator(cfg: RaceConfig, index: int, line: Any, out: Any, url: str = "") -> None:
+    """Publish version after version (and, without roles, generate rollouts at the version
+    workers serve, ack for the workers, and churn as the operator)."""
     with _with_mutant(cfg):
-        _activate_loop(cfg, index, _start(cfg, line), out)
+        _activate_loop(cfg, index, _start(cfg, line), out, url or cfg.url)
 
 
-def _learner(cfg: RaceConfig, index: int, line: Any, out: Any) -> None:
+def _learner(cfg: RaceConfig, index: int, line: Any, out: Any, url: str = "") -> None:
     """The README pattern in a loop: pointer -> assess_batch -> reserve_batch -> commit."""
     with _with_mutant(cfg):
-        _learn_loop(cfg, index, _start(cfg, line), out)
+        _learn_loop(cfg, index, _start(cfg, line), out, url or cfg.url)
 
 
-def _dispatcher(cfg: RaceConfig, index: int, line: Any, out: Any) -> None:
+def _dispatcher(cfg: RaceConfig, index: int, line: Any, out: Any, url: str = "") -> None:
     """Paced generation: dispatch attempts on shared chains, finish them, retire the stale."""
     with _with_mutant(cfg):
-        _dispatch_loop(cfg, index, _start(cfg, line), out)
+        _dispatch_loop(cfg, index, _start(cfg, line), out, url or cfg.url)
 
 
-def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
+def _generator(cfg: RaceConfig, line: Any, out: Any, url: str) -> None:
+    """With roles: the generator's login keeps the pool of rewarded rollouts filled at the
+    version the workers serve (without roles the first activator does it)."""
+    deadline = _start(cfg, line)
+    rng = random.Random(cfg.seed * 31337)
+    stats: Counter[str] = Counter()
+    try:
+        with open_backend(url) as b:
+            serving = b.registry.pointer()
+            n = 0
+            while time.time() < deadline:
+                n += _fill_pool(cfg, b, serving, n, stats)
+                now = b.registry.pointer()
+                # generators switch a little later: rollouts in flight lag behind
+                serving = now if rng.random() < 0.7 else serving
+                time.sleep(rng.uniform(0.02, 0.2))
+        out.put({"role": "generator", "stats": dict(stats)})
+    except Exception as exc:
+        out.put({"role": "generator", "stats": dict(stats), "error": repr(exc)})
+
+
+def _operator(cfg: RaceConfig, line: Any, out: Any, url: str) -> None:
+    """With roles and churn: the operator's login rolls back, changes the worker set and
+    the policy, on the cadence of `_churn` (without roles the activators do)."""
+    deadline = _start(cfg, line)
+    rng = random.Random(cfg.seed * 7907)
+    stats: Counter[str] = Counter()
+    try:
+        with open_backend(url) as b:
+            coord = ActivationCoordinator(b.registry, ledger=b.ledger)
+            while time.time() < deadline:
+                time.sleep(rng.uniform(0.1, 0.4))
+                try:
+                    _churn(coord, rng, stats, cfg.max_lag, cfg.worker_ids())
+                except ActivationError as exc:  # e.g. a rollback while acks are awaited
+                    stats[f"refused:{type(exc).__name__}"] += 1
+        out.put({"role": "operator", "stats": dict(stats)})
+    except Exception as exc:
+        out.put({"role": "operator", "stats": dict(stats), "error": repr(exc)})
+
+
+def _fill_pool(
+    cfg: RaceConfig, b: Any, serving: Any, n: int, stats: Counter[str], tag: str = "a0"
+) -> int:
+    """Add a batch of rewarded rollouts at the served version while the pool runs low;
+    how many were added."""
+    waiting = b.ledger.statistics().by_state.get("rewarded", 0)
+    if waiting >= cfg.pool or serving is None:
+        return 0
+    entries = [
+        LedgerEntry(
+            rollout_id=f"{tag}.{n + i}",
+            behavior_version=serving.version,
+            artifact_hash=serving.artifact_hash,
+            state="rewarded",
+            reward=REWARD,
+        )
+        for i in range(BATCH)
+    ]
+    b.ledger.add_many(entries)
+    stats["generated"] += BATCH
+    return BATCH
+
+
+def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: str) -> None:
     rng = random.Random(cfg.seed * 15485863 + index)
     stats: Counter[str] = Counter()
     calls: list[dict[str, Any]] = []
@@ -177,7 +252,7 @@ def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
     opened = deadline - cfg.seconds  # the race's start, as _start set it
     n = 0
     try:
-        with open_backend(cfg.url) as b:
+        with open_backend(url) as b:
             clock: Callable[[], float] = getattr(b.ledger, "clock", time.time)
             while time.time() < deadline:
                 time.sleep(rng.uniform(0.005, 0.03))  # a generator's pace, not a busy loop
@@ -254,46 +329,36 @@ def _advance_attempt(
     started.remove(rid)
 
 
-def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
+def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: str) -> None:
     rng = random.Random(cfg.seed * 7919 + index)
     stats: Counter[str] = Counter()
+    roles = url != cfg.url  # its own login: the other parties generate, ack and churn
     try:
-        with open_backend(cfg.url) as b:
+        with open_backend(url) as b:
             coord = ActivationCoordinator(b.registry, ledger=b.ledger)
             serving = coord.pointer()
             n = 0
             while time.time() < deadline:
-                if index == 0:  # the generator: rollouts from the weights being served
-                    waiting = b.ledger.statistics().by_state.get("rewarded", 0)
-                    if waiting < cfg.pool and serving is not None:
-                        entries = [
-                            LedgerEntry(
-                                rollout_id=f"a{index}.{n + i}",
-                                behavior_version=serving.version,
-                                artifact_hash=serving.artifact_hash,
-                                state="rewarded",
-                                reward=REWARD,
-                            )
-                            for i in range(BATCH)
-                        ]
-                        n += BATCH
-                        b.ledger.add_many(entries)  # type: ignore[attr-defined]
-                        stats["generated"] += BATCH
+                if index == 0 and not roles:  # the generator: rollouts of the served weights
+                    n += _fill_pool(cfg, b, serving, n, stats, tag=f"a{index}")
                 try:
                     top = coord.registry.max_version() or 0
                     v = top + 1
                     coord.prepare(v)
                     coord.commit_artifact(v, version_hash(v))
                     coord.distribute(v)
-                    for w, token in coord.attempt_tokens(v).items():  # sent with the weights
-                        coord.record_ack(WorkerAck(w, v, version_hash(v), token=token))
-                    res = coord.try_activate(v)
+                    if roles:
+                        res = _await_acks(coord, v, stats)
+                    else:
+                        for w, token in coord.attempt_tokens(v).items():  # sent with weights
+                            coord.record_ack(WorkerAck(w, v, version_hash(v), token=token))
+                        res = coord.try_activate(v)
                     stats[f"activate:{res.reason}"] += 1
                     if res.activated:
                         # generators switch a little later: rollouts in flight lag behind
                         serving = coord.pointer() if rng.random() < 0.7 else serving
-                    if cfg.churn:
-                        _churn(coord, rng, stats, cfg.max_lag)
+                    if cfg.churn and not roles:
+                        _churn(coord, rng, stats, cfg.max_lag, cfg.worker_ids())
                 except ActivationError as exc:
                     stats[f"refused:{type(exc).__name__}"] += 1
                 time.sleep(rng.uniform(0.02, 0.2))
@@ -302,8 +367,27 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
         out.put({"role": f"activator-{index}", "stats": dict(stats), "error": repr(exc)})
 
 
+def _await_acks(coord: ActivationCoordinator, v: int, stats: Counter[str]) -> Any:
+    """With roles: try to activate `v` while its workers' acks arrive; give the attempt up
+    (the version's rollouts quarantined) when they do not within ACK_WAIT_S."""
+    until = time.time() + ACK_WAIT_S
+    while True:
+        res = coord.try_activate(v)
+        if res.activated or time.time() > until or res.reason == "not_awaiting_acks":
+            break
+        time.sleep(0.01)
+    if not res.activated and coord.artifact(v).state == "awaiting_acks":
+        coord.fail_distribution(v, "acks did not arrive in time")
+        stats["distribution_failed"] += 1
+    return res
+
+
 def _churn(
-    coord: ActivationCoordinator, rng: random.Random, stats: Counter[str], max_lag: int
+    coord: ActivationCoordinator,
+    rng: random.Random,
+    stats: Counter[str],
+    max_lag: int,
+    workers: tuple[str, ...] = WORKERS,
 ) -> None:
     """Every few activations roll back (the rolled-back version's rollouts are retired,
     or kept, while learners hold stamps admitted against it), shrink or restore the
@@ -319,7 +403,7 @@ def _churn(
         stats["rolled_back_kept"] += keep
     if turn % 4 == 2 or rng.random() < 0.05:
         now = coord.required_workers
-        new = WORKERS[:1] if len(now) == len(WORKERS) else WORKERS
+        new = workers[:-1] if len(now) == len(workers) else workers
         coord.change_membership(new, f"race churn: {len(now)} -> {len(new)} workers")
         stats["membership_changed"] += 1
     policy = coord.policy()
@@ -332,13 +416,13 @@ def _churn(
         stats["policy_changed"] += 1
 
 
-def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
+def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: str) -> None:
     rng = random.Random(cfg.seed * 104729 + index)
     stats: Counter[str] = Counter()
     calls: list[dict[str, Any]] = []
     update = 0
     try:
-        with open_backend(cfg.url) as b:
+        with open_backend(url) as b:
             hostile = index < cfg.hostile
             clock: Callable[[], float] = getattr(b.ledger, "clock", time.time)
             gate = AdmissionGate(
@@ -347,7 +431,7 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
                 else GatePolicy(max_lag=cfg.max_lag, max_drift=cfg.max_drift),
                 registry=_hashes(b.registry),
             )
-            reader = _reader(cfg.url)
+            reader = _reader(url)
             while time.time() < deadline:
                 pointer = b.registry.pointer()
                 entries = _waiting(reader, rng)
@@ -536,44 +620,94 @@ class RaceReport:
         }
 
 
-def prepare(cfg: RaceConfig) -> None:
-    """A fresh database with the worker set recorded and v0 active."""
-    with open_backend(cfg.url) as b:
-        coord = ActivationCoordinator(
-            b.registry,
-            WORKERS,
-            ledger=b.ledger,
-            policy=cfg.policy(),
-        )
-        if coord.pointer() is None:
-            coord.prepare(0)
-            coord.commit_artifact(0, version_hash(0))
-            coord.distribute(0)
-            for w in WORKERS:
-                coord.record_ack(WorkerAck(w, 0, version_hash(0), token=coord.attempt_token(w, 0)))
-            coord.try_activate(0)
+def prepare(cfg: RaceConfig, logins: race_roles.RoleLogins | None = None) -> None:
+    """A fresh database with the worker set and policy recorded and v0 active: by one login,
+    or with roles by the operator, a coordinator and each worker, each with its own."""
+    workers = cfg.worker_ids()
+
+    def url(party: str) -> str:
+        return cfg.url if logins is None else logins.url(party)
+
+    with open_backend(url("operator")) as b:
+        ActivationCoordinator(b.registry, workers, ledger=b.ledger, policy=cfg.policy())
+    with open_backend(url("coordinator-0")) as b:
+        coord = ActivationCoordinator(b.registry, ledger=b.ledger)
+        if coord.pointer() is not None:
+            return
+        coord.prepare(0)
+        coord.commit_artifact(0, version_hash(0))
+        coord.distribute(0)
+        for w in workers:
+            if logins is None:
+                token = coord.attempt_token(w, 0)
+                coord.record_ack(WorkerAck(w, 0, version_hash(0), token=token))
+                continue
+            with open_backend(logins.url(f"worker-{w}")) as wb:
+                mine = ActivationCoordinator(wb.registry)
+                token = mine.attempt_token(w, 0)
+                mine.record_ack(WorkerAck(w, 0, version_hash(0), token=token))
+        coord.try_activate(0)
 
 
 def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> RaceReport:
     """Race the processes for `cfg.seconds`, then judge the trace, the rows and every call."""
-    say = progress or (lambda _t: None)
-    prepare(cfg)
+    logins = None
+    if race_roles.wants_roles(cfg.url, cfg.roles, cfg.mutant):
+        logins = race_roles.plan_logins(
+            cfg.url,
+            race_roles.parties(
+                activators=cfg.activators,
+                learners=cfg.learners,
+                dispatchers=cfg.dispatchers,
+                workers=cfg.worker_ids(),
+                churn=cfg.churn,
+            ),
+        )
+    try:
+        return _run(cfg, logins, progress or (lambda _t: None))
+    finally:
+        if logins is not None:
+            logins.drop()
+
+
+def _run(
+    cfg: RaceConfig, logins: race_roles.RoleLogins | None, say: Callable[[str], None]
+) -> RaceReport:
+    prepare(cfg, logins)
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     started = time.time()
-    n = cfg.activators + cfg.learners + cfg.dispatchers
-    line = ctx.Barrier(n + 1)  # the start line: the race's clock starts when all stand at it
-    procs = (
-        [
-            ctx.Process(target=_activator, args=(cfg, i, line, results))
+
+    def url(party: str) -> str:
+        return "" if logins is None else logins.url(party)
+
+    targets: list[tuple[Any, tuple[Any, ...]]] = [
+        *(
+            (_activator, (cfg, i, None, results, url(f"coordinator-{i}")))
             for i in range(cfg.activators)
-        ]
-        + [ctx.Process(target=_learner, args=(cfg, i, line, results)) for i in range(cfg.learners)]
-        + [
-            ctx.Process(target=_dispatcher, args=(cfg, i, line, results))
+        ),
+        *((_learner, (cfg, i, None, results, url(f"learner-{i}"))) for i in range(cfg.learners)),
+        *(
+            (_dispatcher, (cfg, i, None, results, url(f"dispatcher-{i}")))
             for i in range(cfg.dispatchers)
+        ),
+    ]
+    if logins is not None:
+        targets += [
+            (_generator, (cfg, None, results, url("generator"))),
+            *(
+                (race_roles.worker, (cfg.seconds, url(f"worker-{w}"), w, None, results))
+                for w in cfg.worker_ids()
+            ),
+            (race_roles.hostile_learner, (cfg.seconds, url("hostile-learner"), None, results)),
         ]
-    )
+        if cfg.churn:
+            targets.append((_operator, (cfg, None, results, url("operator"))))
+    line = ctx.Barrier(len(targets) + 1)  # the start line: the clock starts when all stand
+    procs = [
+        ctx.Process(target=fn, args=tuple(line if a is None else a for a in args))
+        for fn, args in targets
+    ]
     for p in procs:
         p.start()
     say(f"{len(procs)} processes starting")
@@ -593,7 +727,9 @@ def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> 
     errors = tuple(f"{r['role']}: {r['error']}" for r in reports if "error" in r)
     errors += tuple(f"process {p.name} exited {p.exitcode}" for p in procs if p.exitcode)
     say("judging the trace, the stored rows and every call")
-    with open_backend(cfg.url, create=False) as b:
+    # with roles, through the auditor's login: what `ledger check` reads is its to read
+    judge = cfg.url if logins is None else logins.url("auditor")
+    with open_backend(judge, create=False) as b:
         trace = b.trace()
         report = check_trace(trace, with_registry=True)
         store = compare_with_store(report.final, stored_world(b.ledger, b.registry))
@@ -602,7 +738,7 @@ def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> 
     dispatches = [c for c in every if c.get("kind") == "dispatch"]
     history = [*judge_calls(trace, calls), *judge_dispatches(trace, dispatches)]
     return RaceReport(
-        config=cfg,
+        config=attrs.evolve(cfg, roles=logins is not None),
         elapsed_s=elapsed,
         stats={r["role"]: r.get("stats", {}) for r in reports},
         events=len(trace),
