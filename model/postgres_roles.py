@@ -320,7 +320,8 @@ def roles_statements(schema: str, prefix: str, functions: Sequence[str]) -> list
         "  END LOOP;\n"
         "END $$",
         f"REVOKE CREATE ON SCHEMA {s} FROM PUBLIC",
-        f"GRANT USAGE ON SCHEMA {s} TO {everyone}",
+        # the owner too: its SECURITY DEFINER functions look their tables up in the schema
+        f"GRANT USAGE ON SCHEMA {s} TO {_q(owner)}, {everyone}",
         f"REVOKE ALL ON ALL TABLES IN SCHEMA {s} FROM PUBLIC, {everyone}",
         f"REVOKE ALL ON ALL SEQUENCES IN SCHEMA {s} FROM PUBLIC, {everyone}",
         f"REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {s} FROM PUBLIC, {everyone}",
