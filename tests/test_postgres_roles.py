@@ -574,3 +574,49 @@ def test_a_second_deployment_on_the_server_gets_its_own_roles(
         open_backend(url) as b,
     ):
         b.ledger.statistics()
+
+
+# ---- the race, each party its own login --------------------------------------------------
+
+
+def test_the_race_runs_each_party_in_its_role_and_refuses_the_hostile_learner(
+    postgres_url: str,
+) -> None:
+    """A short race with roles: operator, coordinator, three workers acking with their own
+    tokens, generators, a learner, judged through the auditor's login; clean, and every
+    operation the hostile learner tried outside its role was refused by the server (how
+    much honest work a few loaded seconds do is not asserted)."""
+    from rollout_lifecycle.stateful_tests.race import RaceConfig, run_race
+
+    report = run_race(
+        RaceConfig(url=postgres_url, learners=1, seconds=4, workers=3, churn=True, roles=True)
+    )
+    assert report.ok, (report.errors, [str(v) for v in report.violations[:5]])
+    assert report.config.roles is True
+    totals = report.totals()
+    hostile = {k: n for k, n in totals.items() if k.startswith("hostile:")}
+    assert hostile and not [k for k in hostile if k.endswith(":ALLOWED")], hostile
+    for op in ("set_policy", "change_membership", "rollback", "ack_as_worker", "add"):
+        assert hostile.get(f"hostile:{op}:refused", 0) > 0, hostile
+    assert report.events > 0  # v0 at least: activated on the three workers' own acks
+    with psycopg.connect(postgres_url, autocommit=True) as conn:  # the logins are gone
+        left = conn.execute("SELECT count(*) FROM pg_roles WHERE rolname LIKE 'race%'")
+        assert left.fetchone() == (0,)
+
+
+def test_grant_refuses_what_it_cannot_map(deployment: Deployment) -> None:
+    """A worker login needs its worker id (and only a worker login takes one); a login
+    that does not exist is named with how to create it: exit 2, no traceback."""
+    for args, said in (
+        (["worker", "someone"], "--worker-id"),
+        (["learner", "someone", "--worker-id", "w"], "--worker-id"),
+        (["learner", "no_such_login_here"], "CREATE ROLE no_such_login_here LOGIN"),
+    ):
+        res = subprocess.run(
+            [*CLI, "deployment", "grant", *args, "--backend", deployment.admin],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert res.returncode == 2, (args, res.stderr)
+        assert said in res.stderr and "Traceback" not in res.stderr, res.stderr
