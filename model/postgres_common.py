@@ -25,7 +25,8 @@ two steps can wait on each other in a cycle):
 A lost connection is retried while nothing can have been committed (the server rolled the
 open transaction back). One lost during COMMIT is resolved on a new connection once the
 server answers again, by a mark: every transaction that wrote something inserts a random
-token into `commit_marks` in its COMMIT round trip, so the token is there exactly when its
+token into `commit_marks` in its COMMIT round trip (through `rl_mark`: with roles no login
+may write a table), so the token is there exactly when its
 writes landed (one that wrote nothing leaves no mark, and running it again is harmless).
 The transaction id cannot decide it: a server that restarts before the transaction's WAL
 reached the kernel hands the same id to a later transaction, and `pg_xact_status` then

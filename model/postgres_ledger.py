@@ -2,11 +2,14 @@
 
 `PostgresStore` is the ledger's store (see `model.ledger.Store`): every step of
 `StoreLedger` runs as one READ COMMITTED transaction of `PostgresDatabase.write`, and this
-module only makes "check the revision and write" indivisible there:
+module only makes "check the revision and write" indivisible there. It writes nothing
+itself: every write is one call of a server-side function named for the step's operation
+(model.postgres_functions), which a login may run only in a role that may run that
+operation (model.postgres_roles), with or without roles the same calls:
 
-- A compare-and-set is ONE conditional statement: ``UPDATE rollouts ... WHERE rollout_id =
-  %s AND revision = %s`` for one row, ``UPDATE ... FROM unnest(...)`` (the columns as
-  binary arrays: no JSON to quote or parse) with RETURNING the winners for a set. Under
+- A compare-and-set is ONE conditional statement, the one statement of `rl_write_rows`:
+  ``UPDATE ... FROM unnest(...)`` (the columns as binary arrays: no JSON to quote or
+  parse) with RETURNING the winners, for one row or a set. Under
   READ COMMITTED a racing UPDATE waits for the
   winner's COMMIT, re-checks the WHERE on the new row and matches nothing: the loser gets 0
   rows, never an error and never an overwrite. The set statement's CTE locks the matching
@@ -21,14 +24,15 @@ module only makes "check the revision and write" indivisible there:
   exist before the first activation, and FOR SHARE from many transactions costs a
   multixact each.)
 - Steps that read a set of rows and write them (commit, abort, fail_update, expire_leases,
-  quarantine_version) lock that set with ``SELECT ... ORDER BY rollout_id FOR UPDATE``;
+  quarantine_version) lock that set with ``SELECT ... ORDER BY rollout_id FOR UPDATE``
+  (inside `rl_lock_rows`: FOR UPDATE needs the UPDATE right no role has);
   under READ COMMITTED the predicate is re-checked on rows that changed while waiting.
   The bad-version lock (shared for add/abort/expiry, exclusive for quarantine_version)
   keeps a rollout of a version being marked bad from slipping through open.
 - A single reservation (`peek`, `write_one`: the ledger's `GuardedStore`) is two round
   trips. One autocommit read takes the row, the premise and the server's time; the ledger
   plans, judges and enforces on them; then ONE call of the server-side function
-  `ledger_write_one_v3` (created on open) takes the premise lock SHARED, checks that the
+  `ledger_write_one_v4` (created on open) takes the premise lock SHARED, checks that the
   premise is still the one the plan was judged on (an equality of the stored facts, no
   rule), compare-and-sets the row, appends its event and counters by the steps of the
   statement `append_events` sends (as plain statements, in the same order), and inserts
@@ -36,7 +40,8 @@ module only makes "check the revision and write" indivisible there:
   moved sends the reservation through the step above; a row that moved is re-read.
 
 Events and counters are written last, in one statement under the events lock (see
-`postgres_common`), in the same transaction as the rows they describe.
+`postgres_common`; one call of `rl_append`), in the same transaction as the rows they
+describe.
 """
 
 from __future__ import annotations

@@ -12,8 +12,10 @@ matches version and hash, whatever the coordinator believed.
 A step that changes an artifact or the pointer also takes the premise lock exclusive
 before writing, so no reservation reads the pointer while it moves (see
 `postgres_ledger`); a step that only stores a worker's ack does not, and never blocks
-reservations. Events go to the `events` table shared with the ledger, under the events
-lock: one global order, commit order.
+reservations. The step's rows and its events (to the `events` table shared with the
+ledger, under the events lock: one global order, commit order) are written by ONE call of
+`rl_registry_write` for the step's operation (`step_operation`), which the server refuses
+to a role that may not run it and for a change outside it (model.postgres_functions).
 """
 
 from __future__ import annotations
