@@ -194,7 +194,8 @@ def run_floor(
         assert got is not None and got[0] == "won", got
 
     def fn(rid: str, guard: int) -> None:
-        args = (guard, premise if guard else None, "reserved", 1, "u", time.time(), entry, rid)
+        args = ("reserve", guard, premise if guard else None, "reserved", 1, "u", time.time())
+        args = (*args, entry, rid)
         counters = ("{reservations,writes}", "{1,1}")
         got = conn.execute(
             pl._WRITE_ONE_CALL, (*args, 0, "entry", payload, *counters, os.urandom(16).hex())
