@@ -1197,7 +1197,18 @@ def test_campaign_runs_on_postgresql(postgres_url: str, tmp_path: Path) -> None:
 def test_race_command_on_postgresql(postgres_url: str) -> None:
     """`race --backend postgresql://...`: activators and learners in real processes, judged
     clean; a second race on the same database is refused (its checks need fresh state)."""
-    res = _cli("race", "--backend", postgres_url, "--seconds", "3", "--learners", "2", "--json")
+    # one login for all (tests/test_postgres_roles.py races with a login per party)
+    res = _cli(
+        "race",
+        "--backend",
+        postgres_url,
+        "--seconds",
+        "3",
+        "--learners",
+        "2",
+        "--no-roles",
+        "--json",
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     report = json.loads(res.stdout[res.stdout.index("{") :])
     assert report["ok"] and report["violation_count"] == 0
