@@ -59,6 +59,7 @@ from rollout_lifecycle.model.errors import (
     BackendUnavailable,
     BackendURLError,
     LedgerError,
+    RoleRefused,
     RolloutLifecycleError,
     StorageFull,
     newer_schema,
@@ -811,7 +812,15 @@ class PostgresDatabase:
                     (version, component),
                 )
 
-        self.write(body, f"creating the {component} schema", ddl=True)
+        try:
+            self.write(body, f"creating the {component} schema", ddl=True)
+        except RoleRefused as exc:
+            raise LedgerError(
+                f"{self.where}: the {component} schema is missing or older than this program, "
+                f"and this login may not create or migrate it ({exc.login}); run "
+                "`rollout-lifecycle deployment roles --backend URL` as the deployment's "
+                "administrator"
+            ) from None
 
     def check_readable(self, component: str, version: int) -> int | None:
         """The stored version of `component` (None: absent); LedgerError when it is newer."""

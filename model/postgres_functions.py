@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import re
 import zlib
-from typing import Any
 
 from rollout_lifecycle.model.errors import LedgerError
 from rollout_lifecycle.model.postgres_common import (
@@ -806,9 +805,3 @@ def ensure_functions(db: PostgresDatabase) -> None:
 def callable_functions() -> list[str]:
     """The functions roles may be granted (the rest run only inside them)."""
     return list(SIGNATURES)
-
-
-def describe_refusal(exc: Any) -> str:
-    """The first line of a server refusal, for messages."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

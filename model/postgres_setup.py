@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
-import psycopg
 
 from rollout_lifecycle.model import postgres_common as pc
 from rollout_lifecycle.model import postgres_ledger as pl
@@ -186,7 +185,7 @@ def grant_login(
 def connect_names(url: str) -> tuple[str, str]:
     """(database, schema) a URL names, read from the server without writing anything: the
     schema is the first of the search path (it need not exist yet)."""
-    db = PostgresDatabase(url, read_only=True)
+    db = PostgresDatabase(url, read_only=True).acquire()
     try:
 
         def body(conn: Conn) -> tuple[str, str]:
@@ -195,10 +194,8 @@ def connect_names(url: str) -> tuple[str, str]:
             return database, db._wanted_schema(conn)
 
         return db.read(body, "reading the deployment's names")
-    except psycopg.Error as exc:  # pragma: no cover - read() translates
-        raise LedgerError(str(exc)) from None
     finally:
-        db.acquire().release()
+        db.release()
 
 
 def can_create_roles(db: PostgresDatabase) -> bool:
