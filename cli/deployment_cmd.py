@@ -103,7 +103,7 @@ def set_policy(
         before = b.registry.policy()
         wanted = AdmissionPolicy(max_lag, max_drift, batch_size, max_attempts)
         after = set_admission_policy(b.registry, wanted, reason)
-    data = {
+    data: dict[str, Any] = {
         "changed": before != after,
         "before": None if before is None else to_jsonable(before),
         "policy": to_jsonable(after),
@@ -229,7 +229,7 @@ def lineage(version: int, url: str, as_json: bool, report_path: Path | None, qui
         for ev in b.ledger.history():
             if ev.event == "commit" and ev.update_id in consumed:
                 consumed[ev.update_id].append(ev.rollout_id)
-    data = {
+    data: dict[str, Any] = {
         "version": version,
         "chain": [
             {
@@ -294,7 +294,16 @@ def _run_setup(fn: Any) -> Any:
     is_flag=True,
     help="Print the SQL (for a new schema) for a DBA to apply, instead of running it.",
 )
-def roles(url: str, prefix: str | None, as_sql: bool) -> None:
+@report_options
+@quiet_option
+def roles(
+    url: str,
+    prefix: str | None,
+    as_sql: bool,
+    as_json: bool,
+    report_path: Path | None,
+    quiet: bool,
+) -> None:
     """Set a PostgreSQL deployment up for least privilege (idempotent).
 
     Creates (or migrates) the tables and server-side functions, the NOLOGIN group roles
@@ -305,7 +314,16 @@ def roles(url: str, prefix: str | None, as_sql: bool) -> None:
     `deployment grant`.
     """
     from rollout_lifecycle.model import postgres_setup as ps
+    from rollout_lifecycle.model.postgres_roles import (
+        OWNER,
+        ROLES,
+        check_prefix,
+        default_prefix,
+        role_names,
+    )
 
+    del quiet  # one step, no progress to silence: accepted like on every command
+    check_report_path(report_path)
     if as_sql:
         try:
             database, schema = ps.connect_names(url)
@@ -313,19 +331,32 @@ def roles(url: str, prefix: str | None, as_sql: bool) -> None:
             raise TechnicalError(f"--backend: {exc}") from None
         except RolloutLifecycleError as exc:
             raise click.UsageError(f"--backend: {exc}") from None
-        script = _run_setup(lambda: ps.setup_script(database, schema, prefix))
-        click.echo("\n".join(f"{stmt.rstrip().rstrip(';')};" for stmt in script))
+        statements = _run_setup(lambda: ps.setup_script(database, schema, prefix))
+        chosen = check_prefix(prefix) if prefix else default_prefix(database, schema)
+    else:
+        db = _postgres(url)
+        try:
+            chosen, statements = _run_setup(lambda: ps.setup_roles(db, prefix))
+        finally:
+            db.release()
+    names = role_names(chosen)
+    data: dict[str, Any] = {
+        "applied": not as_sql,
+        "prefix": chosen,
+        "owner": names[OWNER],
+        "roles": {r: names[r] for r in ROLES},
+        "statements": [f"{st.rstrip().rstrip(';')};" for st in statements],
+    }
+    emit_report(data, as_json=as_json, report_path=report_path, console=make_console(True))
+    if as_json:
         return
-    db = _postgres(url)
-    try:
-        chosen, statements = _run_setup(lambda: ps.setup_roles(db, prefix))
-    finally:
-        db.release()
+    if as_sql:
+        click.echo("\n".join(data["statements"]))
+        return
     applied = sum(1 for st in statements if not st.startswith("--"))
     click.echo(
-        f"roles on for {redact_url(url)}: {chosen}operator, {chosen}coordinator, "
-        f"{chosen}worker, {chosen}generator, {chosen}learner, {chosen}auditor "
-        f"(owner {chosen}owner); {applied} statements applied"
+        f"roles on for {redact_url(url)}: {', '.join(names[r] for r in ROLES)} (owner "
+        f"{names[OWNER]}); {applied} statements applied"
     )
     click.echo(
         "map a login to each: rollout-lifecycle deployment grant ROLE LOGIN --backend URL "
@@ -342,10 +373,23 @@ def roles(url: str, prefix: str | None, as_sql: bool) -> None:
 @backend_option
 @click.option("--worker-id", default=None, help="The worker id a worker login acks for.")
 @click.option("--sql", "as_sql", is_flag=True, help="Print the SQL instead of running it.")
-def grant(role: str, login: str, url: str, worker_id: str | None, as_sql: bool) -> None:
+@report_options
+@quiet_option
+def grant(
+    role: str,
+    login: str,
+    url: str,
+    worker_id: str | None,
+    as_sql: bool,
+    as_json: bool,
+    report_path: Path | None,
+    quiet: bool,
+) -> None:
     """Let LOGIN act as ROLE in this deployment (a worker login for --worker-id only)."""
     from rollout_lifecycle.model import postgres_setup as ps
 
+    del quiet  # one step, no progress to silence: accepted like on every command
+    check_report_path(report_path)
     if (role == "worker") != (worker_id is not None):
         raise click.UsageError(
             "a worker login is granted with the worker id it acks for (--worker-id ID), and "
@@ -358,8 +402,18 @@ def grant(role: str, login: str, url: str, worker_id: str | None, as_sql: bool) 
         )
     finally:
         db.release()
+    data: dict[str, Any] = {
+        "applied": not as_sql,
+        "login": login,
+        "role": role,
+        "worker_id": worker_id,
+        "statements": [f"{st};" for st in statements],
+    }
+    emit_report(data, as_json=as_json, report_path=report_path, console=make_console(True))
+    if as_json:
+        return
     if as_sql:
-        click.echo("\n".join(f"{st};" for st in statements))
+        click.echo("\n".join(data["statements"]))
         return
     wid = f" for worker id {worker_id}" if worker_id else ""
     click.echo(f"{login} acts as {role}{wid}")
