@@ -744,6 +744,7 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: per-operation cost (reserve, reserve_batch(--chunk), ack) with PostgreSQL "
         "roles against without, in one run (--repeats rounds, default 5)",
     )
+    ap.add_argument("--acks", type=int, default=600, help="acks per round, with --roles")
     ap.add_argument(
         "--code",
         type=Path,
@@ -767,7 +768,10 @@ def main(argv: list[str] | None = None) -> int:
             res = run_roles(
                 url,
                 rounds=max(args.repeats, 5) if args.repeats == 1 else args.repeats,
+                single_n=args.single_n,
+                batches=max(1, args.batch_n // args.chunk),
                 chunk=args.chunk,
+                acks=args.acks,
                 progress=print,
             )
         finally:
