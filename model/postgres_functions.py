@@ -217,28 +217,23 @@ BEGIN
                    AND pg_has_role(session_user, r.name, 'USAGE'));
 END
 $fn$;
-CREATE OR REPLACE FUNCTION rl_check(p_op text) RETURNS rl_operations
+CREATE OR REPLACE FUNCTION rl_refuse_op(p_op text) RETURNS void
 LANGUAGE plpgsql STABLE AS $fn$
 DECLARE
     o rl_operations;
 BEGIN
+    -- why `_CHECK` found nothing: an unknown operation, or none of its roles is the login's
     SELECT * INTO o FROM rl_operations WHERE op = p_op;
     IF NOT FOUND THEN
         {_refuse("rollout-lifecycle knows no operation %", "p_op")};
     END IF;
-    -- roles off (no rl_roles rows): true; on: one of the operation's roles is the login's
-    IF NOT (SELECT coalesce(bool_or(r.role = ANY(o.roles)
-                                    AND pg_has_role(session_user, r.name, 'USAGE')), true)
-            FROM rl_roles r) THEN
-        {
+    {
         _refuse(
             "login % has no role that may run %",
             "session_user, p_op",
             needs="array_to_string(o.roles, ',')",
         )
     };
-    END IF;
-    RETURN o;
 END
 $fn$;
 CREATE OR REPLACE FUNCTION rl_reservable() RETURNS bigint[]
@@ -247,14 +242,7 @@ BEGIN
     IF to_regclass('registry_pointer') IS NULL THEN
         RETURN NULL;  -- no registry: only the stamp itself is judged, by the client
     END IF;
-    RETURN ARRAY(
-        SELECT a.version FROM registry_artifacts a, registry_pointer p, registry_policy l
-        WHERE p.id = 1 AND l.id = 1
-          AND a.version BETWEEN p.version - l.max_lag AND p.version
-          AND a.state = ANY({_WAS_ACTIVE})
-          AND NOT (a.state = 'rolled_back'
-                   AND (a.failure::json ->> 'cause') IS DISTINCT FROM '{ROLLBACK_KEPT}')
-        ORDER BY a.version);
+    RETURN ARRAY({_RESERVABLE.format(version="a.version")} ORDER BY a.version);
 END
 $fn$;
 CREATE OR REPLACE FUNCTION rl_append_events(
@@ -301,6 +289,35 @@ def _plpgsql_append(*, counted: bool) -> str:
     return text.strip()
 
 
+# The operation's row, found only when one of its roles is the login's (roles off, no
+# `rl_roles` rows: any login), in ONE statement at the start of every callable function
+# (a call of a checking function cost three times as much); `rl_refuse_op` says why not.
+_CHECK = """
+    SELECT op.* INTO o FROM rl_operations op
+    WHERE op.op = p_op AND (
+        SELECT CASE WHEN count(*) = 0 THEN true
+                    ELSE coalesce(bool_or(CASE WHEN r.role = ANY(op.roles)
+                        THEN pg_has_role(session_user, r.name, 'USAGE') ELSE false END), false)
+               END
+        FROM rl_roles r);
+    IF NOT FOUND THEN
+        PERFORM rl_refuse_op(p_op);
+    END IF;"""
+
+
+# The versions whose rollouts may be reserved now (`{version}`: one of them): ever active,
+# not retired, within the recorded policy's max_lag of the pointer; none without a pointer
+# or a policy. The facts `model.rules.reservation_refusal` judges, read by the server.
+_RESERVABLE = (
+    "SELECT a.version FROM registry_artifacts a, registry_pointer p, registry_policy l "
+    "WHERE p.id = 1 AND l.id = 1 AND a.version = {version} "
+    "AND a.version BETWEEN p.version - l.max_lag AND p.version "
+    f"AND a.state = ANY({_WAS_ACTIVE}) "
+    "AND NOT (a.state = 'rolled_back' "
+    f"AND (a.failure::json ->> 'cause') IS DISTINCT FROM '{ROLLBACK_KEPT}')"
+)
+
+
 def _kinds_check() -> str:
     return f"""
     IF EXISTS (SELECT 1 FROM unnest(p_kinds) k WHERE NOT k = ANY(o.kinds)) THEN
@@ -330,8 +347,8 @@ CREATE OR REPLACE FUNCTION rl_append(
 RETURNS TABLE (o_txn bigint, o_last bigint)
 LANGUAGE plpgsql VOLATILE {sd} AS $fn$
 DECLARE
-    o rl_operations := rl_check(p_op);
-BEGIN{_kinds_check()}
+    o rl_operations;
+BEGIN{_CHECK}{_kinds_check()}
     RETURN QUERY SELECT * FROM rl_append_events(p_kinds, p_subjects, p_payloads, p_counters);
 END
 $fn$;
@@ -350,7 +367,7 @@ def _ledger(schema: str) -> str:
 CREATE OR REPLACE FUNCTION {WRITE_ONE}({", ".join(f"{n} {t}" for n, t in WRITE_ONE_ARGS)})
 RETURNS text LANGUAGE plpgsql VOLATILE {sd} AS $fn$
 DECLARE
-    o rl_operations := rl_check(p_op);
+    o rl_operations;
     v_txn bigint;
     v_seq bigint;
     v_prev bytea;
@@ -358,8 +375,7 @@ DECLARE
     v_was text;
     v_rev bigint;
     v_version bigint;
-    v_versions bigint[];
-BEGIN
+BEGIN{_CHECK}
     IF NOT p_kind = ANY(o.kinds) THEN
         {_refuse("operation % may not record events of kind %", "p_op, p_kind")};
     END IF;
@@ -386,9 +402,10 @@ BEGIN
         )
     };
     END IF;
-    IF {reserving} THEN
-        v_versions := rl_reservable();
-        IF v_versions IS NOT NULL AND NOT v_version = ANY(v_versions) THEN
+    -- nested: the registry's tables are planned only where they exist (without a registry
+    -- only the stamp itself is judged, by the client)
+    IF {reserving} AND to_regclass('registry_pointer') IS NOT NULL THEN
+        IF NOT EXISTS ({_RESERVABLE.format(version="v_version")}) THEN
             {
         _refuse(
             "rollout % of v% may not be reserved now: not within the recorded policy of "
@@ -430,12 +447,13 @@ CREATE OR REPLACE FUNCTION rl_write_rows(
     p_owners text[], p_leases double precision[], p_entries text[])
 RETURNS SETOF text LANGUAGE plpgsql VOLATILE {sd} AS $fn$
 DECLARE
-    o rl_operations := rl_check(p_op);
-    v_edges text[] := o.edges;
+    o rl_operations;
+    v_edges text[];
     v_versions bigint[];
     v_won bigint;
     v_bad text;
-BEGIN
+BEGIN{_CHECK}
+    v_edges := o.edges;
     IF 'rewarded>reserved' = ANY(v_edges) THEN  -- the premise, under its lock
         PERFORM pg_advisory_xact_lock_shared({K_PREMISE}, hashtext(current_schema()));
         v_versions := rl_reservable();
@@ -466,8 +484,8 @@ CREATE OR REPLACE FUNCTION rl_lock_rows(
     p_op text, p_which text, p_text text, p_number double precision, p_states text[])
 RETURNS SETOF text LANGUAGE plpgsql VOLATILE {sd} AS $fn$
 DECLARE
-    o rl_operations := rl_check(p_op);
-BEGIN
+    o rl_operations;
+BEGIN{_CHECK}
     -- the rows a step reads to write, locked in rollout_id order (see SqlUnit.select)
     IF p_which = 'owned' THEN
         RETURN QUERY SELECT entry FROM rollouts WHERE reserved_by = p_text
@@ -490,9 +508,9 @@ $fn$;
 CREATE OR REPLACE FUNCTION rl_insert_rows(p_op text, p_doc json)
 RETURNS SETOF text LANGUAGE plpgsql VOLATILE {sd} AS $fn$
 DECLARE
-    o rl_operations := rl_check(p_op);
+    o rl_operations;
     v_bad text;
-BEGIN
+BEGIN{_CHECK}
     SELECT min(n.rollout_id || ' (' || n.state || ', revision ' || n.revision || ')')
     INTO v_bad FROM json_to_recordset(p_doc)
         AS n(rollout_id text, state text, revision bigint, reserved_by text)
@@ -517,8 +535,8 @@ CREATE OR REPLACE FUNCTION rl_bad_version(
     p_op text, p_version bigint, p_reason text, p_mark boolean)
 RETURNS void LANGUAGE plpgsql VOLATILE {sd} AS $fn$
 DECLARE
-    o rl_operations := rl_check(p_op);
-BEGIN
+    o rl_operations;
+BEGIN{_CHECK}
     IF NOT o.bad THEN
         {_refuse("operation % does not mark versions bad", "p_op")};
     END IF;
@@ -560,7 +578,7 @@ RETURNS TABLE (o_txn bigint, o_last bigint)
 LANGUAGE plpgsql VOLATILE {sd} AS $fn$
 #variable_conflict use_variable
 DECLARE
-    o rl_operations := rl_check(p_op);
+    o rl_operations;
     a json;
     w json;
     v_part text;
@@ -571,7 +589,7 @@ DECLARE
     v_version bigint;
     v_hash text;
     v_attempts bigint;
-BEGIN{_kinds_check()}
+BEGIN{_CHECK}{_kinds_check()}
     FOR v_part IN SELECT json_object_keys(p_step) LOOP
         IF NOT v_part = ANY(o.parts) THEN
             {_refuse("operation % may not write the registry's %", "p_op, v_part")};
