@@ -587,14 +587,17 @@ def _roles_side(url: str, schema: str, roles: bool, rows: int) -> dict[str, Any]
     return {"rids": rids, "learner": learner, "worker": worker, "admin": admin}
 
 
-def _time_ops(calls: Sequence[Any], pid: int) -> tuple[float, float]:
-    """(wall ms, CPU ms client + server) per call, running `calls` in order."""
+def _time_ops(calls: Sequence[Any], pid: int) -> tuple[float, float | None]:
+    """(wall ms, CPU ms client + server) per call, running `calls` in order; the CPU is
+    None when the server backend could not be read before and after (another machine's
+    server, or the pool replaced the connection meanwhile)."""
     s0, c0, w0 = _cpu_of(pid), time.process_time(), time.perf_counter()
     for call in calls:
         call()
     wall, client, s1 = time.perf_counter() - w0, time.process_time() - c0, _cpu_of(pid)
-    server = 0.0 if s0 is None or s1 is None else s1 - s0
-    return 1e3 * wall / len(calls), 1e3 * (client + server) / len(calls)
+    if s0 is None or s1 is None:
+        return 1e3 * wall / len(calls), None
+    return 1e3 * wall / len(calls), 1e3 * (client + s1 - s0) / len(calls)
 
 
 def run_roles(
@@ -634,8 +637,8 @@ def run_roles(
         open_[mode] = (led, reg, coord, token, led.db.read(_backend_pid), reg.db.read(_backend_pid))
         led.reserve(side["rids"][-1], 0, "warm", _stamp())  # pools and plans warmed
         coord.record_ack(WorkerAck("w0", 2, "c" * 64, seq=0, token=token))
-    results: dict[str, dict[str, list[float]]] = {
-        f"{op}:{mode}:{m}": {"v": []}
+    results: dict[str, list[float | None]] = {
+        f"{op}:{mode}:{m}": []
         for op in _ROLES_OPS
         for mode in ("off", "on")
         for m in ("wall", "cpu")
@@ -644,7 +647,9 @@ def run_roles(
     for r in range(rounds):
         order = ("off", "on") if r % 2 == 0 else ("on", "off")
         for mode in order:
-            led, reg, coord, token, lpid, rpid = open_[mode]
+            led, reg, coord, token, _, _ = open_[mode]
+            # the backends serving them now (a pool may have replaced a connection)
+            lpid, rpid = led.db.read(_backend_pid), reg.db.read(_backend_pid)
             rids = sides[mode]["rids"][r * per_round : (r + 1) * per_round]
             stamp = _stamp()
             singles = [
@@ -669,8 +674,8 @@ def run_roles(
                 ("ack", acked, rpid),
             ):
                 wall, cpu = _time_ops(calls, pid)
-                results[f"{op}:{mode}:wall"]["v"].append(wall)
-                results[f"{op}:{mode}:cpu"]["v"].append(cpu)
+                results[f"{op}:{mode}:wall"].append(wall)
+                results[f"{op}:{mode}:cpu"].append(cpu)
         say(f"round {r + 1}/{rounds} done")
     load.append(os.getloadavg())
     for led, reg, *_ in open_.values():
@@ -680,10 +685,16 @@ def run_roles(
     for op in _ROLES_OPS:
         row: dict[str, Any] = {}
         for m in ("wall", "cpu"):
-            off, on = results[f"{op}:off:{m}"]["v"], results[f"{op}:on:{m}"]["v"]
-            row[f"off_{m}_ms"] = _median(off)
-            row[f"on_{m}_ms"] = _median(on)
-            row[f"ratio_{m}"] = _median([b / a for a, b in zip(off, on, strict=True)])
+            # rounds where both sides were measured (a CPU figure may be missing)
+            pairs = [
+                (a, b)
+                for a, b in zip(results[f"{op}:off:{m}"], results[f"{op}:on:{m}"], strict=True)
+                if a is not None and b is not None
+            ]
+            row[f"off_{m}_ms"] = _median([a for a, _ in pairs]) if pairs else None
+            row[f"on_{m}_ms"] = _median([b for _, b in pairs]) if pairs else None
+            row[f"ratio_{m}"] = _median([b / a for a, b in pairs]) if pairs else None
+            row[f"rounds_{m}"] = len(pairs)
         out["ops"][op] = row
     return out
 
@@ -709,21 +720,25 @@ def _ack(coord: Any, token: str, seq: int) -> None:
 
 
 def _roles_table(res: dict[str, Any], chunk: int) -> str:
+    def f(v: float | None, width: int) -> str:
+        return f"{'-':>{width}}" if v is None else f"{v:>{width}.3f}"
+
     lines = [
         f"{'operation':<22}{'none ms':>10}{'roles ms':>10}{'ratio':>8}"
-        f"{'none CPU':>10}{'roles CPU':>10}{'ratio':>8}"
+        f"{'none CPU':>10}{'roles CPU':>10}{'ratio':>8}{'rounds':>8}"
     ]
     for op, row in res["ops"].items():
         name = f"reserve_batch({chunk})" if op == "reserve_batch" else op
         lines.append(
-            f"{name:<22}{row['off_wall_ms']:>10.3f}{row['on_wall_ms']:>10.3f}"
-            f"{row['ratio_wall']:>8.3f}{row['off_cpu_ms']:>10.3f}{row['on_cpu_ms']:>10.3f}"
-            f"{row['ratio_cpu']:>8.3f}"
+            f"{name:<22}{f(row['off_wall_ms'], 10)}{f(row['on_wall_ms'], 10)}"
+            f"{f(row['ratio_wall'], 8)}{f(row['off_cpu_ms'], 10)}{f(row['on_cpu_ms'], 10)}"
+            f"{f(row['ratio_cpu'], 8)}{row['rounds_cpu']:>8}"
         )
     first, last = res["load"][0], res["load"][-1]
     lines.append(
-        f"(ms per operation, medians of {res['rounds']} rounds; ratio = roles / none, median "
-        f"of per-round ratios; load average {first[0]:.2f} -> {last[0]:.2f})"
+        f"(ms per operation, medians of {res['rounds']} rounds, CPU over the rounds where "
+        "both backends were read; ratio = roles / none, median of per-round ratios; load "
+        f"average {first[0]:.2f} -> {last[0]:.2f})"
     )
     return "\n".join(lines)
 
