@@ -171,7 +171,7 @@ def run_floor(
     entry, payload, premise = str(row[0]), str(ev[0]), str(prem[0])
 
     def peek(rid: str) -> None:
-        conn.execute(pl._PEEK, (rid,)).fetchone()
+        conn.execute(pl._PEEK, (rid, "u0")).fetchone()
 
     def pair(first: Callable[[str], None], then: Callable[[str], None]) -> Callable[[str], None]:
         def both(rid: str) -> None:
@@ -199,7 +199,8 @@ def run_floor(
         args = (*args, entry, rid)
         counters = ("{reservations,writes}", "{1,1}")
         got = conn.execute(
-            pl._WRITE_ONE_CALL, (*args, 0, "entry", payload, *counters, os.urandom(16).hex())
+            pl._WRITE_ONE_CALL,
+            (*args, 0, "entry", payload, *counters, None, os.urandom(16).hex()),
         ).fetchone()
         assert got is not None and got[0] == "won", got
 

@@ -1,15 +1,27 @@
-"""Per-step cost of the ledger-backed buffer against verl's own ReplayBufferAsync.
+"""Per-step cost of the ledger-backed buffer against verl's own ReplayBufferAsync, at
+ledgers pre-filled with older rollouts.
 
-    python benchmarks/verl_v1_overhead.py [--steps 20] [--groups 8] [--n 4] [--json out.json]
+    python benchmarks/verl_v1_overhead.py [--steps 20] [--groups 8] [--n 4]
+        [--prefill 0 10000 100000] [--ledger-dir DIR] [--commit-at publish|sample]
+        [--json out.json]
 
 Both buffers sample the same trajectories (same shapes, tags, tensors; fresh uids) from the
-same real, in-process TransferQueue: each step writes `groups` GRPO groups of `n`
-trajectories (64 response tokens) the way verl's agent loop does, samples `groups` groups,
-and clears them as verl's `fit()` does. verl's buffer runs with max_off_policy_threshold 2;
-ours against a SQLite ledger and registry (policy max_lag 1, pointer = step - 1), so its
-time includes registering every trajectory, the lag gate, the CAS reservation of the batch
-and committing the previous step. Wall times per `sample` call; read the difference, the
-absolute seconds are this machine's.
+same real, in-process TransferQueue: each step dispatches `groups` GRPO groups through the
+ledger (`dispatch_many`, as LedgerAgentLoopManager does before verl generates; timed apart,
+it is not in `sample`), writes them the way verl's agent loop and LedgerAgentLoopWorker
+do (`n` trajectories of 64 response tokens, verl's tags plus the reward tag), samples
+`groups` groups, and clears them as verl's `fit()` does; then commits the step where the
+ledger's checkpoint engine does, when verl publishes the step's weights (timed apart;
+`--commit-at sample` leaves it to the buffer's next `sample`). verl's buffer runs with
+max_off_policy_threshold 2; ours against a SQLite ledger and registry (policy max_lag 1,
+pointer = step - 1), so its `sample` includes reading the premise, the lag gate, and
+landing and reserving the step's groups in one ledger step. Before the steps, each ledger
+is filled with `prefill` older group rollouts (consumed, with their events), so a per-step
+cost that grows with the ledger shows; the pre-fill sizes' streams take their steps in
+turn, so a load spike on the shared machine falls on every size alike. `ledger_work` is
+exactly the time inside the buffer's ledger and registry calls (LedgerReplayBuffer._call),
+with their count per step. Wall times per `sample` call; read the ratios, the absolute
+seconds are this machine's.
 """
 
 from __future__ import annotations
@@ -20,34 +32,45 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
-
-import attrs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 T = 64
+BARS = {(8, 4): 2.0, (64, 8): 1.5}  # issue 34: ours / verl's per step, at most
+FLAT = 0.20  # and within +-20% of the empty ledger's across the pre-fill sizes
 
 
 def _put_step(tq: Any, torch: Any, prefix: str, step: int, groups: int, n: int) -> None:
+    """`groups` finished groups as verl's agent loop writes them (and the reward tag)."""
+    from tensordict import TensorDict
+
+    from rollout_lifecycle.gpu_check.verl_v1 import REWARD_TAG
+
     for g in range(groups):
         uid = f"{prefix}{step}x{g}"
         keys = [f"{uid}_{s}_0" for s in range(n)]
-        fields = torch.nn.utils.rnn.pad_sequence([torch.arange(T)] * n, batch_first=True)
-        from tensordict import TensorDict
-
         td = TensorDict(
             {
-                "responses": fields,
+                "responses": torch.arange(T).repeat(n, 1),
                 "response_mask": torch.ones(n, T, dtype=torch.int64),
                 "rollout_log_probs": torch.full((n, T), -0.5),
                 "rm_scores": torch.zeros(n, T),
             },
             batch_size=[n],
         )
-        tag = {"status": "success", "global_steps": step - 1, "seq_len": T + 8}
-        tag.update(min_global_steps=step - 1, max_global_steps=step - 1)
+        tag = {
+            "status": "success",
+            "prompt_len": 8,
+            "response_len": T,
+            "seq_len": T + 8,
+            "global_steps": step - 1,
+            "min_global_steps": step - 1,
+            "max_global_steps": step - 1,
+            REWARD_TAG: 0.0,
+        }
         tq.kv_batch_put(keys=keys, partition_id="train", fields=td, tags=[dict(tag)] * n)
         tq.kv_put(
             key=uid,
@@ -56,11 +79,189 @@ def _put_step(tq: Any, torch: Any, prefix: str, step: int, groups: int, n: int) 
         )
 
 
+def _prefill(be: Any, n: int, h: str) -> float:
+    """`n` older group rollouts, consumed through the same calls a trainer makes."""
+    from rollout_lifecycle.model.ledger import Landing
+    from rollout_lifecycle.model.records import AdmissionStamp, Reward
+
+    t0 = time.perf_counter()
+    r = Reward("bench", "1", 0.0)
+    stamp = AdmissionStamp(0, 0, 1, 0.5, 0.0, "fresh", "ok", True)
+    chunk = 2000
+    for c in range(0, n, chunk):
+        ids = [f"old{i}" for i in range(c, min(c + chunk, n))]
+        uid = f"prefill.s{c:08d}.m0"
+        got = be.ledger.land_and_reserve(
+            uid,
+            [Landing(i, 0, h, reward=r, tokens=4 * T) for i in ids],
+            reserve=dict.fromkeys(ids, stamp),
+        )
+        be.ledger.commit(uid, got.reserved)
+    return time.perf_counter() - t0
+
+
+class Stream:
+    """One pre-fill size: its ledger, verl's buffer and ours, stepped in turn with the other
+    sizes' streams so a load spike on the shared machine falls on every size alike."""
+
+    def __init__(self, args: argparse.Namespace, prefill: int) -> None:
+        from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+
+        from rollout_lifecycle.gpu_check.verl_v1 import LedgerReplayBuffer, book_for
+        from rollout_lifecycle.model.backends import open_backend
+        from rollout_lifecycle.model.coordinator import ActivationCoordinator
+        from rollout_lifecycle.model.records import AdmissionPolicy
+
+        self.args, self.prefill = args, prefill
+        tmp = Path(tempfile.mkdtemp(prefix="verl-v1-bench-", dir=args.ledger_dir))
+        self.be = open_backend(f"sqlite:///{tmp / 'ledger.db'}")
+        self.coord = ActivationCoordinator(
+            self.be.registry, ["rollout-0"], ledger=self.be.ledger, policy=AdmissionPolicy(1, 0.5)
+        )
+        self.activate(0)
+        self.prefill_s = _prefill(self.be, prefill, self.hash(0))
+        common: dict[str, Any] = dict(
+            trainer_mode="separate_async",
+            trainer_config={},
+            max_off_policy_threshold=2,
+            max_off_policy_strategy="drop",
+            poll_interval=0.01,
+            refill_fn=lambda k: k,
+        )
+        self.verl = ReplayBufferAsync(sampler_kwargs={}, **common)
+        self.run_id = f"bench{prefill}"
+        self.ours = LedgerReplayBuffer(
+            sampler_kwargs={"ledger_url": self.be.url, "run_id": self.run_id},
+            backend=self.be,
+            **common,
+        )
+        self.book = book_for(self.be.url, self.run_id)
+        self.times: dict[str, list[float]] = {
+            "verl": [],
+            "ledger": [],
+            "dispatch": [],
+            "commit": [],
+        }
+        self.inner: list[float] = []
+        self.calls: list[Counter[str]] = []
+
+    @staticmethod
+    def hash(v: int) -> str:
+        return f"{v:x}".rjust(64, "b")
+
+    def activate(self, v: int) -> None:
+        from rollout_lifecycle.model.records import WorkerAck
+
+        c, h = self.coord, self.hash(v)
+        c.prepare(v)
+        c.commit_artifact(v, h)
+        c.distribute(v)
+        c.record_ack(WorkerAck("rollout-0", v, h, token=c.attempt_token("rollout-0", v)))
+        c.try_activate(v)
+
+    def step(self, step: int, tq: Any, torch: Any) -> None:
+        from rollout_lifecycle.gpu_check.verl_v1 import commit_step
+        from rollout_lifecycle.model.records import LedgerEntry
+
+        args, ours = self.args, self.ours
+        if step > 1:
+            self.activate(step - 1)
+        h = self.hash(step - 1)
+        uids = [f"p{self.prefill}l{step}x{g}" for g in range(args.groups)]
+        t0 = time.perf_counter()
+        outs = self.be.ledger.dispatch_many(  # type: ignore[attr-defined]
+            [(LedgerEntry(u, step - 1, h), f"{self.run_id}/{u}") for u in uids]
+        )
+        self.book.record(o.entry for o in outs if o.entry is not None)
+        self.times["dispatch"].append(time.perf_counter() - t0)
+        pair = [("verl", self.verl, f"p{self.prefill}v"), ("ledger", ours, f"p{self.prefill}l")]
+        for name, buf, prefix in pair if step % 2 else pair[::-1]:  # each goes first in turn
+            _put_step(tq, torch, prefix, step, args.groups, args.n)
+            before_s, before_c = ours.ledger_seconds, Counter(ours.ledger_calls)
+            t0 = time.perf_counter()
+            meta, _m = buf.sample(global_steps=step, partition_id="train", batch_size=args.groups)
+            self.times[name].append(time.perf_counter() - t0)
+            if name == "ledger":
+                self.inner.append(ours.ledger_seconds - before_s)
+                self.calls.append(Counter(ours.ledger_calls) - before_c)
+            assert len(meta.keys) == args.groups * args.n, len(meta.keys)
+            tq.kv_clear(keys=meta.keys, partition_id="train")
+        if args.commit_at == "publish":  # verl's on_step_end: update_weights(global_steps=step)
+            t0 = time.perf_counter()
+            commit_step(self.be.ledger, self.run_id, step)
+            self.times["commit"].append(time.perf_counter() - t0)
+
+    def result(self) -> dict[str, Any]:
+        self.ours.finish(self.args.steps)
+        warm = slice(2, None)  # the first steps include connection set-up and the resume probe
+
+        def ms(xs: list[float]) -> dict[str, float]:
+            return {
+                "median_ms": round(1000 * statistics.median(xs), 2),
+                "mean_ms": round(1000 * statistics.fmean(xs), 2),
+            }
+
+        consumed = self.be.ledger.statistics().by_state["consumed"]
+        self.be.close()
+        t = self.times
+        per_step_calls = Counter[str]()
+        for c in self.calls[warm]:
+            per_step_calls.update(c)
+        n_warm = len(self.calls[warm])
+        return {
+            "prefill": self.prefill,
+            "prefill_seconds": round(self.prefill_s, 1),
+            "verl_ReplayBufferAsync": ms(t["verl"][warm]),
+            "LedgerReplayBuffer": ms(t["ledger"][warm]),
+            "ratio": round(
+                statistics.median(t["ledger"][warm]) / statistics.median(t["verl"][warm]), 2
+            ),
+            "ledger_work_inside_sample": ms(self.inner[warm]),
+            "ledger_calls_per_step": {k: v / n_warm for k, v in sorted(per_step_calls.items())},
+            "dispatch_outside_sample": ms(t["dispatch"][warm]),
+            "commit_outside_sample": ms(t["commit"][warm]) if t["commit"] else None,
+            "consumed": consumed,
+        }
+
+
+def doc_table(results: list[dict[str, Any]]) -> str:
+    """The markdown table docs/verl-v1.md shows, from result files (a test compares them)."""
+    rows = [
+        "| groups x trajectories | older rollouts | verl `sample` | ours `sample` | ours / verl "
+        "| ledger work in `sample` | commit at publish | dispatch |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        groups = res["groups_per_step"]
+        n = res["trajectories_per_step"] // groups
+        for r in res["runs"]:
+            commit = r.get("commit_outside_sample")
+            rows.append(
+                f"| {groups} x {n} "
+                f"| {r['prefill']:,} | {r['verl_ReplayBufferAsync']['median_ms']} ms "
+                f"| {r['LedgerReplayBuffer']['median_ms']} ms | {r['ratio']} "
+                f"| {r['ledger_work_inside_sample']['median_ms']} ms "
+                f"| {'-' if commit is None else str(commit['median_ms']) + ' ms'} "
+                f"| {r['dispatch_outside_sample']['median_ms']} ms |"
+            )
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--prefill", type=int, nargs="+", default=[0, 10_000, 100_000])
+    ap.add_argument("--ledger-dir", default=None, help="where the SQLite ledgers go (a disk)")
+    ap.add_argument(
+        "--commit-at",
+        choices=["publish", "sample"],
+        default="publish",
+        help="publish: step N is committed where the ledger's checkpoint engine commits it, "
+        "when verl publishes N's weights (outside sample, timed apart); sample: by the "
+        "buffer's fallback at the next sample",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -68,99 +269,38 @@ def main() -> None:
     import torch
     import transfer_queue as tq
     from omegaconf import OmegaConf
-    from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
-
-    from rollout_lifecycle.gpu_check.verl_v1 import LedgerReplayBuffer
-    from rollout_lifecycle.model.backends import open_backend
-    from rollout_lifecycle.model.coordinator import ActivationCoordinator
-    from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
-    tmp = Path(tempfile.mkdtemp(prefix="verl-v1-bench-"))
-    be = open_backend(f"sqlite:///{tmp / 'ledger.db'}")
-    coord = ActivationCoordinator(
-        be.registry, ["rollout-0"], ledger=be.ledger, policy=AdmissionPolicy(1, 0.5)
-    )
-
-    def activate(v: int) -> None:
-        h = f"{v:x}".rjust(64, "b")
-        coord.prepare(v)
-        coord.commit_artifact(v, h)
-        coord.distribute(v)
-        tok = coord.attempt_token("rollout-0", v)
-        coord.record_ack(WorkerAck("rollout-0", v, h, token=tok))
-        coord.try_activate(v)
-
-    common: dict[str, Any] = dict(
-        trainer_mode="separate_async",
-        trainer_config={},
-        max_off_policy_threshold=2,
-        max_off_policy_strategy="drop",
-        poll_interval=0.01,
-        refill_fn=lambda k: k,
-    )
-    verl_buf = ReplayBufferAsync(sampler_kwargs={}, **common)
-    ours = LedgerReplayBuffer(
-        sampler_kwargs={
-            "ledger_url": be.url,
-            "run_id": "bench",
-            "tokenizer_id": "tok",
-            "temperature": 1.0,
-            "response_length": T,
-        },
-        backend=be,
-        **common,
-    )
-    times: dict[str, list[float]] = {"verl": [], "ledger": []}
-    ledger_inner: list[float] = []
-    for step in range(1, args.steps + 1):
-        activate(step - 1)
-        for name, buf, prefix in (("verl", verl_buf, "v"), ("ledger", ours, "l")):
-            _put_step(tq, torch, prefix, step, args.groups, args.n)
-            before = getattr(buf, "ledger_seconds", 0.0)
-            t0 = time.perf_counter()
-            meta, _m = buf.sample(global_steps=step, partition_id="train", batch_size=args.groups)
-            times[name].append(time.perf_counter() - t0)
-            if name == "ledger":
-                ledger_inner.append(buf.ledger_seconds - before)
-            assert len(meta.keys) == args.groups * args.n, len(meta.keys)
-            tq.kv_clear(keys=meta.keys, partition_id="train")
-    ours.finish(args.steps)
-    warm = slice(2, None)  # the first steps include imports and connection set-up
-
-    def ms(xs: list[float]) -> dict[str, float]:
-        return {
-            "median_ms": round(1000 * statistics.median(xs), 2),
-            "mean_ms": round(1000 * statistics.fmean(xs), 2),
-        }
-
-    stats = be.ledger.statistics()
+    try:
+        streams = [Stream(args, p) for p in args.prefill]
+        for step in range(1, args.steps + 1):
+            for st in streams:
+                st.step(step, tq, torch)
+        runs = [st.result() for st in streams]
+    finally:
+        tq.close()
+        ray.shutdown()
+    base = runs[0]["LedgerReplayBuffer"]["median_ms"]
+    bar = BARS.get((args.groups, args.n))
     result = {
+        "command": "python benchmarks/verl_v1_overhead.py " + " ".join(sys.argv[1:]),
         "steps": args.steps,
         "groups_per_step": args.groups,
         "trajectories_per_step": args.groups * args.n,
         "response_tokens": T,
-        "verl_ReplayBufferAsync": ms(times["verl"][warm]),
-        "LedgerReplayBuffer": ms(times["ledger"][warm]),
-        "ledger_work_inside_sample": ms(ledger_inner[warm]),
-        "overhead_per_step_ms": round(
-            1000
-            * (statistics.median(times["ledger"][warm]) - statistics.median(times["verl"][warm])),
-            2,
-        ),
-        "ledger_backend": "sqlite",
-        "consumed": sum(1 for e in be.ledger.snapshot().values() if e.state == "consumed"),
-        "ledger_statistics": {
-            k: v for k, v in attrs.asdict(stats).items() if isinstance(v, int | float)
-        },
+        "ledger_backend": "sqlite (synchronous=FULL)",
+        "ledger_dir": args.ledger_dir or tempfile.gettempdir(),
+        "commit_at": args.commit_at,
+        "runs": runs,
+        "bar_ratio": bar,
+        "ratios": [r["ratio"] for r in runs],
+        "within_bar": None if bar is None else all(r["ratio"] <= bar for r in runs),
+        "flat": all(abs(r["LedgerReplayBuffer"]["median_ms"] - base) <= FLAT * base for r in runs),
     }
     print(json.dumps(result, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    be.close()
-    tq.close()
-    ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -4,10 +4,15 @@ Stages, in order: every checker shown its known-bad and known-good histories and
 enforcing rules compared with the spec (stateful_tests/checkers.py, seconds); the stateful
 machines on the chosen backend (SQLite by default: the embedded default a user runs without
 a server; a postgresql:// URL runs them on that server); the verl adapter fuzzed against the
-reference gate (when verl is installed); the explorer at the README bounds; real processes
-racing on the same backend (SQLite file, or a fresh PostgreSQL schema). It writes into
-`--out` the reports, the merged coverage JSON (the format `rollout-lifecycle diagram
---coverage` reads), and coverage-annotated diagrams. Exit 1 on any violation; exit 5 when
+reference gate (when verl is installed); the explorer at the README bounds; scripted
+interleavings of two connections on the same backend, each answer judged at the instant of
+its step (stateful_tests/interleavings.py); real processes racing on the same backend
+(SQLite file, or a fresh PostgreSQL schema), every call recorded and the whole history
+checked for linearizability; the targeted stages of stateful_tests/stages.py (verl's v1
+buffer on a real TransferQueue; on PostgreSQL, clients with skewed clocks and the premise
+lock's window held open). It writes into `--out` the reports, the merged coverage JSON (the
+format `rollout-lifecycle diagram --coverage` reads), the race's call history, and
+coverage-annotated diagrams. Exit 1 on any violation; exit 5 when
 nothing was violated but a coverage goal was missed (the report names the budget that
 reaches it).
 """
@@ -41,8 +46,9 @@ from rollout_lifecycle.spec.coverage import merge_coverage, uncovered
 from rollout_lifecycle.spec.diagrams import DiagramError, render
 from rollout_lifecycle.stateful_tests.backends import DB_NAME, durable_url
 from rollout_lifecycle.stateful_tests.checkers import run_checker_checks
+from rollout_lifecycle.stateful_tests.interleavings import run_interleavings
 from rollout_lifecycle.stateful_tests.profiles import selected_profile_name
-from rollout_lifecycle.stateful_tests.race import RaceConfig, run_race
+from rollout_lifecycle.stateful_tests.race import RaceConfig, lin_line, run_race
 from rollout_lifecycle.stateful_tests.runner import MACHINES as FUZZ_MACHINES
 from rollout_lifecycle.stateful_tests.runner import (
     PROFILES,
@@ -51,6 +57,7 @@ from rollout_lifecycle.stateful_tests.runner import (
     README_SEED,
     run_campaign,
 )
+from rollout_lifecycle.stateful_tests.stages import STAGES, StageContext, run_stage
 
 
 @click.command("campaign")
@@ -100,6 +107,15 @@ from rollout_lifecycle.stateful_tests.runner import (
     "and churns the worker set, 3 learners, one of them misconfigured), each with its own "
     "connection, every call judged; 0 skips.",
 )
+@click.option(
+    "--stage",
+    "stages",
+    multiple=True,
+    type=click.Choice([*STAGES, "none"]),
+    help="Targeted stages after the race (repeatable): "
+    + "; ".join(f"{s.name}: {s.seconds_hint}, on {'/'.join(s.backends)}" for s in STAGES.values())
+    + ". Default: every stage that runs on the campaign's backend; 'none' skips them.",
+)
 @report_options
 @quiet_option
 def campaign(
@@ -111,6 +127,7 @@ def campaign(
     models: tuple[str, ...],
     no_explore: bool,
     race_seconds: float,
+    stages: tuple[str, ...],
     as_json: bool,
     report_path: Path | None,
     quiet: bool,
@@ -181,7 +198,23 @@ def campaign(
         write_json_atomic(out_dir / "explore-report.json", ex)
         docs.append(ex)
         violations += ex["violations"]
+    scripted = None
+    if backend != "memory":
+        console.rule("interleavings")
+        try:
+            scripted = run_interleavings(backend, out_dir / "interleavings")
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        wrong = [p for problems in scripted.values() for p in problems]
+        console.print(
+            f"interleavings: {len(scripted)} scripted gaps between two connections, "
+            f"{len(wrong)} answers untrue at the instant of their step"
+        )
+        for w in wrong[:20]:
+            console.print(f"[red]{w}[/]")
+        violations += len(wrong)
     race_json = None
+    lin_undecided: list[str] = []
     if race_seconds > 0 and backend == "memory":
         console.print(
             "race skipped: memory:// lives in one process; the race needs state shared by "
@@ -204,6 +237,7 @@ def campaign(
                 churn=True,
             ),
             progress=tick,
+            history_path=out_dir / "race" / "history.jsonl",
         )
         tick("done", True)
         race_json = raced.to_json()
@@ -216,11 +250,23 @@ def campaign(
             f"{totals.get('reserve:looser_than_policy', 0):,} as looser_than_policy, "
             f"{race_json['violation_count']} violations"
         )
+        if raced.linearizability is not None:
+            console.print(lin_line(raced.linearizability, raced.history))
+            lin_undecided = [
+                key
+                for f in raced.linearizability.findings
+                if f.verdict == "unknown"
+                for key in f.partitions
+            ]
         for v in raced.violations[:20]:
             console.print(f"[red]{v}[/]")
         for e in raced.errors[:5]:
             console.print(f"[red]{e}[/]")
         violations += len(raced.violations) + len(raced.errors)
+    staged = run_targeted_stages(
+        console, backend, out_dir, seed, stages or tuple(STAGES), quiet=quiet
+    )
+    violations += sum(len(r["failures"]) for r in staged)
     coverage = merge_coverage(*docs)
     write_json_atomic(out_dir / "coverage.json", coverage)
     console.rule("coverage")
@@ -232,6 +278,8 @@ def campaign(
     _draw(coverage, out_dir, console)
     console.print(f"reports, coverage.json and diagrams written to {out_dir}/")
     goals = campaign_goals(fuzz_json, docs[1] if len(docs) > 1 else None)
+    if lin_undecided:  # a search past its time limit is no pass: name what it left open
+        goals["linearizability undecided (a search ran out of time)"] = lin_undecided
     missed = sum(len(v) for v in goals.values())
     hints = budget_hints(
         [g for names in goals.values() for g in names],
@@ -253,8 +301,10 @@ def campaign(
         "explore": docs[1] if len(docs) > 1 else None,
         "coverage": coverage,
         "race": race_json,
+        "interleavings": scripted,
         "checkers": checkers_json,
         "adapter": adapter_json,
+        "stages": staged,
         "goals_missed": goals,
         "budget_hints": hints,
         "out": str(out_dir),
@@ -268,6 +318,56 @@ def campaign(
             f"[bold yellow]no violation, but {missed} coverage goal(s) missed (exit 5)[/]"
         )
         raise missed_goals()
+
+
+def run_targeted_stages(
+    console: object,
+    backend: str,
+    out_dir: Path,
+    seed: int,
+    names: tuple[str, ...],
+    *,
+    quiet: bool = False,
+) -> list[dict[str, Any]]:
+    """The targeted stages of stateful_tests/stages.py, each on its own fresh state under
+    `out_dir/stages/<name>`: a stage that does not apply to the backend, or whose extra is
+    missing, says so (loudly, with what to install) and is not counted as run."""
+    from rich.console import Console
+
+    assert isinstance(console, Console)
+    out: list[dict[str, Any]] = []
+    for name in dict.fromkeys(n for n in names if n != "none"):
+        stage = STAGES[name]
+        if not stage.applies_to(backend):
+            console.print(
+                f"[yellow]{name} stage skipped: it runs on {'/'.join(stage.backends)} only "
+                "(--backend postgresql://... runs it)[/]"
+            )
+            continue
+        console.rule(name)
+        tick = Progress(name, quiet=quiet)
+        rep = run_stage(name, StageContext(backend, _stage_dir(out_dir, name), seed, progress=tick))
+        tick("done", True)
+        data = rep.to_json()
+        write_json_atomic(out_dir / f"stage-{name}-report.json", data)
+        out.append(data)
+        if rep.skipped is not None:
+            console.print(f"[bold yellow]{name} stage skipped: {rep.skipped}[/]")
+            continue
+        facts = ", ".join(f"{k} {v}" for k, v in rep.facts.items() if not isinstance(v, list))
+        console.print(f"{name}: {len(rep.failures)} violation(s) in {rep.seconds:.1f}s ({facts})")
+        for f in rep.failures[:20]:
+            console.print(f"[red]{f}[/]")
+    return out
+
+
+def _stage_dir(out_dir: Path, name: str) -> Path:
+    """A fresh work directory for one stage (an earlier run's files removed)."""
+    work = out_dir / "stages" / name
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    return work
 
 
 def _race_url(backend: str, out_dir: Path) -> str:

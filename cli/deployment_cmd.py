@@ -28,7 +28,7 @@ from rollout_lifecycle.cli.output import (
 )
 from rollout_lifecycle.model.backends import Backend, redact_url
 from rollout_lifecycle.model.errors import BackendUnavailable, RolloutLifecycleError
-from rollout_lifecycle.model.records import AdmissionPolicy, to_jsonable
+from rollout_lifecycle.model.records import CHAIN_KEYS, LINEAGE_MODES, AdmissionPolicy, to_jsonable
 from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.model.rules import retired_versions
 
@@ -76,6 +76,23 @@ def deployment() -> None:
     "requeued up to this many times). Default: unbounded.",
 )
 @click.option(
+    "--lineage",
+    type=click.Choice(LINEAGE_MODES),
+    default="ledger",
+    show_default=True,
+    help="'ledger': a version's lineage is read from the ledger (its landed updates no "
+    "version claims) and every update it names must have landed, unpoisoned and unclaimed; "
+    "'off': the recorded opt-out, a version records what it is given, unfenced.",
+)
+@click.option(
+    "--chain-key",
+    type=click.Choice(CHAIN_KEYS),
+    default="identity",
+    show_default=True,
+    help="What a prompt's attempts are counted by: 'identity' (its dataset, prompt id and "
+    "sample index) or 'caller' (the chain key a generator passes to ledger.dispatch).",
+)
+@click.option(
     "--reason",
     default="set by the operator (rollout-lifecycle deployment set-policy)",
     show_default=True,
@@ -89,6 +106,8 @@ def set_policy(
     max_drift: float,
     batch_size: int | None,
     max_attempts: int | None,
+    lineage: str,
+    chain_key: str,
     reason: str,
     as_json: bool,
     report_path: Path | None,
@@ -101,7 +120,7 @@ def set_policy(
     check_report_path(report_path)
     with _opened(url, create=True) as b:
         before = b.registry.policy()
-        wanted = AdmissionPolicy(max_lag, max_drift, batch_size, max_attempts)
+        wanted = AdmissionPolicy(max_lag, max_drift, batch_size, max_attempts, lineage, chain_key)
         after = set_admission_policy(b.registry, wanted, reason)
     data: dict[str, Any] = {
         "changed": before != after,
@@ -126,6 +145,7 @@ def _described(p: AdmissionPolicy | Mapping[str, Any]) -> str:
         out += f", batch_size {d['batch_size']}"
     if d.get("max_attempts") is not None:
         out += f", max_attempts {d['max_attempts']}"
+    out += f", lineage {d.get('lineage', 'ledger')}, chain_key {d.get('chain_key', 'identity')}"
     return out
 
 
@@ -157,7 +177,10 @@ def _state(b: Backend) -> dict[str, Any]:
     policy = reg.policy()
     return {
         "roles": _roles(b),
-        "policy": None if policy is None else to_jsonable(policy),
+        # the lineage and chain-key modes shown even at their defaults: an opt-out is visible
+        "policy": None
+        if policy is None
+        else {**to_jsonable(policy), "lineage": policy.lineage, "chain_key": policy.chain_key},
         "pointer": to_jsonable(reg.pointer()),
         "required_workers": reg.required_workers(),
         "artifacts": {str(a.version): a.state for a in arts},
@@ -229,6 +252,7 @@ def lineage(version: int, url: str, as_json: bool, report_path: Path | None, qui
         for ev in b.ledger.history():
             if ev.event == "commit" and ev.update_id in consumed:
                 consumed[ev.update_id].append(ev.rollout_id)
+        statuses = {u: _status(b, u) for u in consumed}
     data: dict[str, Any] = {
         "version": version,
         "chain": [
@@ -240,7 +264,10 @@ def lineage(version: int, url: str, as_json: bool, report_path: Path | None, qui
             }
             for r in chain
         ],
-        "updates": {u: {"landed": bool(ids), "rollouts": ids} for u, ids in consumed.items()},
+        "updates": {
+            u: {"landed": bool(ids), "rollouts": ids, "status": statuses[u]}
+            for u, ids in consumed.items()
+        },
     }
     emit_report(data, as_json=as_json, report_path=report_path, console=make_console(True))
     if as_json:
@@ -250,7 +277,18 @@ def lineage(version: int, url: str, as_json: bool, report_path: Path | None, qui
         click.echo(f"v{r.version} ({r.state}): trained by {updates}")
     for u, ids in consumed.items():
         shown = ", ".join(ids[:10]) + (f" (+{len(ids) - 10} more)" if len(ids) > 10 else "")
-        click.echo(f"  {u}: " + (f"{len(ids)} rollouts: {shown}" if ids else "NO landed commit"))
+        click.echo(
+            f"  {u} ({statuses[u]}): "
+            + (f"{len(ids)} rollouts: {shown}" if ids else "NO landed commit")
+        )
+
+
+def _status(b: Backend, update_id: str) -> str:
+    """The ledger's record of an update: open, landed, poisoned (cause), or unknown."""
+    rec = b.ledger.update(update_id)
+    if rec is None:
+        return "not recorded"
+    return rec.status if rec.cause is None else f"{rec.status}: {rec.cause}"
 
 
 def _postgres(url: str) -> Any:

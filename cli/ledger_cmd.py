@@ -1,18 +1,27 @@
-"""`ledger`: read a stored ledger: counts by state, one rollout, its history, an invariant check.
+"""`ledger`: read a stored ledger: counts by state, one rollout, its history, an invariant
+check, and an anchor of its history kept outside it.
 
-Why these four: `counts` answers "where is my data", `show` and `history` answer "what
-happened to this rollout and who did it", and `check` replays the whole stored trace through
+Why these five: `counts` answers "where is my data", `show` and `history` answer "what
+happened to this rollout and who did it", `check` replays the whole stored trace through
 the same spec invariants the tests use, which is how a user verifies a ledger file after a
-real run. Every sub-command opens the backend read-only in spirit (`create=False`): a
-mistyped path is an error, never a new empty database that reports "0 rollouts".
+real run, and `anchor` writes the chain's head down in a file the operator keeps elsewhere,
+so that `check --anchor` catches a history rewritten with every hash recomputed (which no
+check of the store alone can). Every sub-command opens the backend read-only in spirit
+(`create=False`): a mistyped path is an error, never a new empty database that reports "0
+rollouts".
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
+import fcntl
+import json
+import os
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +40,25 @@ from rollout_lifecycle.cli.output import (
     report_options,
 )
 from rollout_lifecycle.cli.params import COUNT
-from rollout_lifecycle.model.backends import DEFAULT_URL, Backend, open_backend
+from rollout_lifecycle.model.atomic import atomic_write, describe_os_error
+from rollout_lifecycle.model.backends import DEFAULT_URL, Backend, open_backend, redact_url
 from rollout_lifecycle.model.errors import (
     BackendUnavailable,
     InvalidLedgerArgument,
+    OutputError,
     RolloutLifecycleError,
 )
 from rollout_lifecycle.model.events import EntryChanged
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.records import LedgerEntry, to_jsonable
-from rollout_lifecycle.spec.audit import HistoryReport, audit, collector_paused
-from rollout_lifecycle.spec.invariants import violated_names
+from rollout_lifecycle.spec.audit import (
+    Anchor,
+    HistoryReport,
+    audit,
+    collector_paused,
+    verify_history,
+)
+from rollout_lifecycle.spec.invariants import Violation, violated_names
 
 __all__ = ["ledger"]
 
@@ -308,35 +325,48 @@ def history(
     show_default=True,
     help="Print at most this many violations (the count and the JSON report have them all).",
 )
+@click.option(
+    "--anchor",
+    "anchor_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="An anchor file written by `ledger anchor`: the chain must still pass through "
+    "every head it holds (catches a history rewritten with every hash recomputed).",
+)
 @report_options
 @quiet_option
 def check(
     url: str,
     quiescent: bool,
     max_report: int,
+    anchor_path: Path | None,
     as_json: bool,
     report_path: Path | None,
     quiet: bool,
 ) -> None:
     """Verify the stored history's hash chain, replay it through the spec, and compare
-    every stored column with the replayed world.
+    every stored table with the replayed history.
 
-    The chain names an edited, deleted, reordered or cut-off event by its seq (events
-    stored before the chain existed are an unchained prefix, not a violation). Every
-    atomic step is judged by the step and always invariants (each bad record named once,
-    when it goes bad). Every column of every table whose replay is known must then equal
-    the replayed world (an edited column, a row with no history, history with no row);
-    tables it cannot replay are listed as not compared. One snapshot, linear in the
-    trace. Exit 1 on any violation.
+    The chain names an edited, deleted, reordered, replaced or cut-off event by its seq, and
+    the head it ends in (seq and hash) is printed (events stored before the chain existed
+    are an unchained prefix, not a violation; a store that had a chain and lost its head or
+    hashes is one). Every atomic step is judged by the step and always invariants (each bad
+    record named once, when it goes bad). Every table in the audit's declared list must
+    then match the history: deployment tables column by column, schema versions, the host
+    clock's origin and bad-version marks against the rows their events record, the counters
+    against the recorded writes; other tables are listed as not compared. With --anchor,
+    the chain must pass through every anchored head. One snapshot, linear in the trace.
+    Exit 1 on any violation, 2 on a missing or garbled anchor file.
     """
     check_report_path(report_path)
+    anchors = read_anchors(anchor_path, must_hold=True) if anchor_path is not None else []
     tick = Progress("ledger check", quiet=quiet)
     started, cpu_started = time.perf_counter(), time.process_time()
     with _opened(url) as backend, collector_paused():  # flat cost per event: see there
         tick("reading every stored row and event")
         stored = backend.stored_rows()
     tick(f"verifying the hash chain and replaying {len(stored.events):,} events")
-    result = audit(stored, quiescent=quiescent)
+    result = audit(stored, quiescent=quiescent, anchors=anchors)
     report, store = result.trace, result.store
     violations = result.violations
     elapsed = time.perf_counter() - started
@@ -349,7 +379,10 @@ def check(
         "steps": report.steps,
         "rows": store.rows,
         "checked": result.checked,
-        "history": result.history.summary(),
+        "history": {
+            **result.history.summary(),
+            "anchor_file": None if anchor_path is None else str(anchor_path),
+        },
         "compared": list(store.compared),
         "not_compared": dict(store.not_compared),
         "ok": not violations,
@@ -381,17 +414,210 @@ def check(
 
 
 def _history_line(h: HistoryReport) -> str:
-    """One line on the hash chain: what it verified, and what predates it."""
-    if not h.has_chain:
+    """One line on the hash chain: what it verified, its head, what predates it."""
+    if not h.has_chain and h.required is None:
         return (
-            f"history: no hash chain yet ({h.unchained_prefix} events written before it; a "
-            "writer of this version adds it on open): not verified, not a violation"
+            f"history: no hash chain yet ({h.unchained_prefix} events written before it, by "
+            "a program without the chain, and nothing says otherwise: no seal, schema "
+            "versions or events of a chaining program; a writer of this version adds it on "
+            "open): not verified"
         )
+    if not h.has_chain:
+        return f"history: the hash chain was removed although {h.required}"
     line = f"history: {h.chained} chained events checked against their hashes and the head"
-    line += f" (seq {h.head_seq})"
-    if h.unchained_prefix:
+    if h.head_hash is None:
+        line += " (no head: see the findings)"
+    else:
+        line += f"\nhead: seq {h.head_seq}, hash {h.head_hash.hex()}"
+    if h.unchained_prefix and h.head_hash is None:
+        line += f"\n{h.unchained_prefix} events carry no hash (see the findings)"
+    elif h.unchained_prefix:
         line += (
-            f"; {h.unchained_prefix} events before the chain began (an unchained prefix, "
+            f"\n{h.unchained_prefix} events before the chain began (an unchained prefix, "
             "not a violation)"
         )
+    if h.anchors:
+        line += f"\nanchors: {h.anchors} checked"
     return line
+
+
+# ---- anchors: the chain's head, written down outside the store ---------------------------
+
+ANCHOR_SCHEMA = "rollout-lifecycle/ledger-anchor/1"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def anchor_line(seq: int, head_hash: bytes, url: str) -> str:
+    """One anchor: a JSON object on one line (seq, head hash, UTC time, the store)."""
+    when = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    doc = {"seq": seq, "hash": head_hash.hex(), "time": when, "backend": redact_url(url)}
+    return json.dumps(doc, separators=(",", ":")) + "\n"
+
+
+def parse_anchors(text: str, where: str) -> list[Anchor]:
+    """The anchors of an anchor file's text; InputError (exit 2) naming the first line that
+    is not one (a garbled file must never pass as "no anchor was broken")."""
+    out = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = None
+        seq = doc.get("seq") if isinstance(doc, dict) else None
+        digest = doc.get("hash") if isinstance(doc, dict) else None
+        if (
+            not isinstance(seq, int)
+            or isinstance(seq, bool)
+            or seq < 1
+            or not isinstance(digest, str)
+            or not _HEX64.fullmatch(digest)
+        ):
+            raise InputError(
+                f"{where}: line {n} is not an anchor (a JSON object with an integer seq >= 1 "
+                "and a 64-hex-digit hash, as `ledger anchor` writes): garbled or edited"
+            )
+        when = doc.get("time")
+        out.append(Anchor(seq, bytes.fromhex(digest), when if isinstance(when, str) else "", n))
+    return out
+
+
+def read_anchors(path: Path, *, must_hold: bool) -> list[Anchor]:
+    """The anchors in `path`; InputError (exit 2) when it cannot be read, is garbled, or
+    (with `must_hold`) holds none."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"--anchor: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = describe_os_error(exc) if isinstance(exc, OSError) else "not UTF-8 text"
+        raise InputError(f"--anchor: cannot read {path} ({why})") from None
+    anchors = parse_anchors(text, str(path))
+    if must_hold and not anchors:
+        raise InputError(f"--anchor: {path} holds no anchor (write one with `ledger anchor`)")
+    return anchors
+
+
+def append_anchor(path: Path, judge: Callable[[Sequence[Anchor]], str]) -> int:
+    """Add one anchor line to `path` (created if missing), with the file locked.
+
+    Under an exclusive lock of the file (flock) it is read, `judge(anchors)` returns the
+    line to add (or raises, leaving the file as it was), and the file is written again
+    WHOLE: a temporary file, fsync, rename, fsync of the folder (model.atomic), so a crash
+    or a full disk leaves the old anchors or the new ones, never a torn last line that
+    would make every later check a usage error. Appending with O_APPEND would be one
+    write, but a torn line is exactly what it can leave. The lock serialises two anchorers
+    (the second reads the first's line); one that locked a file since replaced retries
+    on the new one. Returns how many anchors the file holds now."""
+    if path.parent != Path() and not path.parent.is_dir():
+        raise InputError(f"--to: folder {path.parent} does not exist; create it first")
+    while True:
+        created = False
+        try:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+                created = True
+            except FileExistsError:
+                fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            if exc.errno == errno.EISDIR:
+                raise InputError(f"--to: {path} is a folder; give a file") from None
+            raise InputError(f"--to: cannot open {path} ({describe_os_error(exc)})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                continue  # replaced while this process waited: lock the new file
+            with os.fdopen(os.dup(fd), "rb") as fh:
+                data = fh.read()
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InputError(f"--to: {path} is not an anchor file (not UTF-8 text)") from None
+            anchors = parse_anchors(text, str(path))
+            try:
+                line = judge(anchors)
+            except BaseException:
+                if created:  # leave no empty file behind for a refused first anchor
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                raise
+            body = text if not text or text.endswith("\n") else text + "\n"
+            try:
+                atomic_write(path, body + line)
+            except OutputError as exc:
+                raise TechnicalError(str(exc)) from None
+            return len(anchors) + 1
+        finally:
+            os.close(fd)
+
+
+@ledger.command("anchor")
+@backend_option
+@click.option(
+    "--to",
+    "to_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="The anchor file to add a line to (created if missing). Keep it where whoever can "
+    "write the database cannot: another host, a write-once log, a ticket.",
+)
+@report_options
+@quiet_option
+def anchor(url: str, to_path: Path, as_json: bool, report_path: Path | None, quiet: bool) -> None:
+    """Write the hash chain's head (seq, hash, time) down in a file kept outside the store.
+
+    The chain is verified first (every hash and link, the head, and every anchor already in
+    the file): a head is anchored only when the history through it checks out, so an
+    anchor never vouches for an edit. `ledger check --anchor FILE` then verifies that the
+    chain still passes through every anchored head: a history rewritten since, even with
+    every hash recomputed, is caught. Exit 1 (nothing written) when the chain has a
+    finding, 2 when the store has no chain to anchor or the file is garbled.
+    """
+    check_report_path(report_path)
+    tick = Progress("ledger anchor", quiet=quiet)
+    with _opened(url) as backend:
+        tick("reading every stored event")
+        stored = backend.stored_rows()
+    bad: list[Violation] = []
+    anchored: list[tuple[int, bytes]] = []
+
+    def judge(anchors: Sequence[Anchor]) -> str:
+        tick(f"verifying the hash chain of {len(stored.events):,} events")
+        with collector_paused():
+            report = verify_history(stored, anchors)
+        if report.violations:
+            bad.extend(report.violations)
+            raise findings()
+        head = stored.head
+        if head is None or not report.has_chain or report.head_hash is None:
+            raise InputError(f"{url} has no hash chain to anchor (no head)")
+        if report.chained == 0:
+            raise InputError(f"{url}: the chain holds no event yet; nothing to anchor")
+        anchored.append((int(head.last_seq), report.head_hash))
+        return anchor_line(int(head.last_seq), report.head_hash, url)
+
+    try:
+        count = append_anchor(to_path, judge)
+    except click.exceptions.Exit:
+        for v in bad:
+            click.echo(str(v))
+        click.echo(f"{len(bad)} findings in the chain: nothing anchored (see `ledger check`)")
+        raise
+    ((seq, digest),) = anchored
+    tick("done", True)
+    data = {
+        "schema": ANCHOR_SCHEMA,
+        "backend": url,
+        "file": str(to_path),
+        "seq": seq,
+        "hash": digest.hex(),
+        "anchors": count,
+    }
+    emit_report(data, as_json=as_json, report_path=report_path, console=Console(stderr=True))
+    if not as_json:
+        click.echo(f"anchored seq {seq}, hash {digest.hex()} in {to_path} ({count} anchors)")

@@ -109,6 +109,11 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
         "rollout_lifecycle.cli.race_cmd",
         "Race activators against learners running the README pattern; judge everything.",
     ),
+    "verl": (
+        "rollout_lifecycle.cli.verl_cmd",
+        "verl's v1 trainer on the ledger: record a run's policy on its ledger, print the "
+        "overrides.",
+    ),
 }
 NEEDS_HYPOTHESIS = ("campaign", "fuzz", "mutants")
 

@@ -37,7 +37,8 @@ def _cell(k: object) -> str:
         return "n/a"
     if not k.killed:
         return f"[bold red]SURVIVED[/] ({k.effort:,} {k.unit})"
-    return f"{k.effort:,} {k.unit}, {k.seconds:.1f}s"
+    by = f"{k.stage}: " if k.stage else ""  # the campaign's stage that killed it
+    return f"{by}{k.effort:,} {k.unit}, {k.seconds:.1f}s"
 
 
 def print_mutants(results: list[MutantResult], console: Console) -> None:

@@ -83,9 +83,13 @@ from rollout_lifecycle.model.pacing import (
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
     AdmissionStamp,
+    BehaviorPolicy,
     Disposition,
+    GenerationConditions,
     LedgerEntry,
     Reward,
+    Rollout,
+    RolloutIdentity,
     WorkerAck,
 )
 
@@ -93,6 +97,7 @@ STRATEGIES = ("discard", "capacity", "ours")
 LAGS = (1, 2, 4)
 WORKER = "generators"  # the generator fleet acks each version as one worker
 REWARD = Reward("sim-reward", "1", 1.0)
+CONDITIONS = GenerationConditions("sim-tok", 1.0, 1.0, -1, 8192)
 MAX_DRIFT = 1.0  # drift is not simulated: every stamp carries drift 0
 
 
@@ -321,8 +326,10 @@ class Simulation:
             attempt = self.attempts[prompt] + 1
             rid = f"p{prompt}/a{attempt}"
             entry = LedgerEntry(rid, self.version, artifact_hash(self.version))
-            if self.strategy == "ours":
-                out = self.ledger.dispatch(entry, chain=f"p{prompt}")
+            if self.strategy == "ours":  # the prompt's identity names its attempt chain
+                identity = RolloutIdentity(rid, f"p{prompt}", "sim", 0)
+                behavior = BehaviorPolicy(entry.behavior_version, entry.artifact_hash)
+                out = self.ledger.dispatch(Rollout(identity, behavior, CONDITIONS))
                 if out.reason == NO_CAPACITY:
                     self.queue.appendleft(prompt)  # its turn comes after the next update
                     return

@@ -18,8 +18,9 @@ from rollout_lifecycle.cli.output import (
     report_options,
 )
 from rollout_lifecycle.cli.params import SEED, FiniteFloat, StrictInt
-from rollout_lifecycle.model.errors import BackendUnavailable, RolloutLifecycleError
-from rollout_lifecycle.stateful_tests.race import RaceConfig, check_fresh, run_race
+from rollout_lifecycle.model.atomic import check_target
+from rollout_lifecycle.model.errors import BackendUnavailable, OutputError, RolloutLifecycleError
+from rollout_lifecycle.stateful_tests.race import RaceConfig, check_fresh, lin_line, run_race
 
 
 @click.command("race")
@@ -66,6 +67,15 @@ from rollout_lifecycle.stateful_tests.race import RaceConfig, check_fresh, run_r
     "learner that must be refused everything else. Default: when the URL's login may "
     "create roles.",
 )
+@click.option(
+    "--history",
+    "history_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write every recorded call of every process to FILE, as JSON lines "
+    "(docs/design.md, 'A call history'; schema cli/schemas/call-history.schema.json): "
+    "what the linearizability check read, for any other checker to read too.",
+)
 @report_options
 @quiet_option
 def race(
@@ -79,12 +89,21 @@ def race(
     churn: bool,
     workers: int,
     roles: bool | None,
+    history_path: Path | None,
     as_json: bool,
     report_path: Path | None,
     quiet: bool,
 ) -> None:
-    """Race activators against learners running the README pattern; judge everything."""
+    """Race activators against learners running the README pattern; judge everything.
+
+    The trace and the stored rows are judged by the spec, and every recorded call of every
+    process is checked for linearizability (`--history FILE` keeps the calls)."""
     check_report_path(report_path)
+    if history_path is not None:
+        try:
+            check_target(history_path)
+        except OutputError as exc:
+            raise click.BadParameter(str(exc), param_hint="--history") from None
     if hostile > learners:
         raise click.BadParameter(
             f"{hostile} hostile learners out of {learners}", param_hint="--hostile"
@@ -109,7 +128,7 @@ def race(
     )
     tick = Progress("race", quiet=quiet)
     try:
-        report = run_race(cfg, progress=tick)
+        report = run_race(cfg, progress=tick, history_path=history_path)
     except RolloutLifecycleError as exc:
         raise TechnicalError(f"the race could not run: {exc}") from None
     tick("done", True)
@@ -130,6 +149,8 @@ def race(
         "(reservations and dispatches): "
         f"{len(report.violations)} violations"
     )
+    if report.linearizability is not None:
+        console.print(lin_line(report.linearizability, report.history))
     emit_report(report.to_json(), as_json=as_json, report_path=report_path, console=console)
     if not report.ok:
         raise findings()

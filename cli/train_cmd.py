@@ -38,6 +38,19 @@ def verdict(result: dict[str, Any]) -> list[str]:
             bad.append(f"no SIGKILL of the {need} happened")
     if result["checkpoint_step"] < result["steps"]:
         bad.append(f"verl reached step {result['checkpoint_step']} of {result['steps']}")
+    pacing = result.get("pacing", {})
+    if not pacing.get("dispatch_refusals"):
+        bad.append("the dispatch budget never refused a prompt in verl's loop")
+    if pacing.get("never_trained", 0):
+        bad.append(f"{pacing['never_trained']} prompt chains ended without ever training")
+    bound = result["policy"].get("max_attempts")
+    if bound is not None and pacing.get("max_attempts", 0) > bound:
+        bad.append(f"a prompt took {pacing['max_attempts']} attempts > {bound}")
+    uncounted = result.get("activations", {}).get("survivor_acks_not_counted", [])
+    if uncounted:
+        bad.append(f"surviving replicas' acks not counted: {uncounted}")
+    if result.get("reserved_when_verl_ended", 0):
+        bad.append(f"{result['reserved_when_verl_ended']} rollouts still reserved when verl ended")
     return bad
 
 
@@ -78,11 +91,14 @@ def train(
     emit_report(result, as_json=as_json, report_path=report_path, console=make_console(True))
     if not as_json:
         t = result["trajectories"]
+        p = result["pacing"]
         click.echo(
-            f"train: {'passed' if not bad else 'FAILED: ' + '; '.join(bad)} | dispatched "
+            f"train: {'passed' if not bad else 'FAILED: ' + '; '.join(bad)} | groups dispatched "
             f"{t['dispatched']} consumed {t['consumed']} retired {t['retired']} live {t['live']} "
             f"lost {t['lost']} trained twice {t['trained_twice']} | max lag "
-            f"{result['max_lag_trained']} | kills {result['kills']}"
+            f"{result['max_lag_trained']} | dispatch refusals {p['dispatch_refusals']} requeued "
+            f"{p['requeued']} never trained {p['never_trained']} max attempts "
+            f"{p['max_attempts']} | kills {result['kills']}"
         )
     if bad:
         raise click.exceptions.Exit(exitcodes.FINDINGS)

@@ -14,6 +14,8 @@ merge=true`) so the tensors carry Hugging Face names.
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -36,6 +38,10 @@ class HFServer:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(1)
+        pids = os.environ.get("ROLLOUT_LIFECYCLE_REPLICA_PIDS")
+        if pids:  # the `gpu-check train` harness kills a named replica by this pid
+            Path(pids).mkdir(parents=True, exist_ok=True)
+            (Path(pids) / f"replica-{replica_rank}.pid").write_text(str(os.getpid()))
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, attn_implementation="eager", dtype=torch.float32
         ).eval()

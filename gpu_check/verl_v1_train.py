@@ -16,12 +16,14 @@ import contextlib
 import importlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from rollout_lifecycle.model.records import AdmissionPolicy
 from rollout_lifecycle.model.registry import set_admission_policy
 
 RUN_ID = "train"
+PID_DIR_ENV = "ROLLOUT_LIFECYCLE_REPLICA_PIDS"
 TERMINAL_RETIRED = (
     "retired_stale",
     "quarantined",
@@ -52,15 +55,25 @@ class TrainPlan:
     replicas: int = 2
     max_lag: int = 2
     max_drift: float = 0.5
+    # pacing: (max_lag + 1) x pace_batch = 6 live groups, fewer than verl's warm-up batch
+    # and first step ask for (8), so the budget refuses and requeues inside verl's loop
+    pace_batch: int = 2
+    max_attempts: int = 3
     device: str = "cpu"
     phase_timeout_s: float = 900.0
     kill_trainer_at: int = 3  # SIGKILL the trainer once step N's batch is reserved
     kill_replica_at: int = 5  # during the resume, SIGKILL one replica at step N
+    kill_replica_rank: int = 1  # which replica's server (its pid file names it)
 
     @property
     def url(self) -> str:
         """The run's ledger + registry (one SQLite file every process opens)."""
         return f"sqlite:///{(self.out / 'ledger.db').resolve()}"
+
+    @property
+    def policy(self) -> AdmissionPolicy:
+        """The deployment's admission and pacing policy (recorded before verl starts)."""
+        return AdmissionPolicy(self.max_lag, self.max_drift, self.pace_batch, self.max_attempts)
 
 
 REWARD_SOURCE = """import zlib
@@ -132,17 +145,22 @@ def build_assets(out: Path) -> Path:
 
 
 def overrides(plan: TrainPlan, model: Path) -> list[str]:
-    """The verl config: the documented keys of docs/verl-v1.md plus the small run's sizes."""
+    """The verl config: the config group's overrides (`rollout-lifecycle verl setup` prints
+    the same) plus the small run's sizes and the CPU substitutions."""
+    from rollout_lifecycle.cli.verl_cmd import overrides as ledger_overrides
+
     out = plan.out.resolve()
-    url = plan.url
     cpu = plan.device == "cpu"
     keys = [
-        "trainer.use_v1=true",
+        *ledger_overrides(plan.url, RUN_ID, str(out / "artifacts")),
+        "rollout_lifecycle.ack_timeout_s=60",
+        f"rollout_lifecycle.reward_fn_id={REWARD_ID[0]}",
+        f"rollout_lifecycle.reward_fn_version={REWARD_ID[1]}",
+        f"rollout_lifecycle.pacing_log={out / 'pacing.jsonl'}",
         "trainer.v1.trainer_mode=separate_async",
         "trainer.v1.separate_async.parameter_sync_step=1",
+        "trainer.v1.sampler.max_off_policy_threshold=3",
         "algorithm.adv_estimator=grpo",
-        # the buffer stamps drift by verl's bypass semantics (docs/verl-v1.md)
-        "algorithm.rollout_correction.bypass_mode=true",
         f"data.train_files={out / 'train.parquet'}",
         f"data.val_files={out / 'val.parquet'}",
         "data.train_batch_size=4",
@@ -162,30 +180,10 @@ def overrides(plan: TrainPlan, model: Path) -> list[str]:
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
         f"actor_rollout_ref.rollout.name={'cpu_hf' if cpu else 'vllm'}",
         "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.calculate_log_probs=true",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "actor_rollout_ref.rollout.nnodes=1",
         f"actor_rollout_ref.rollout.n_gpus_per_node={plan.replicas}",
         "actor_rollout_ref.hybrid_engine=false",
-        "actor_rollout_ref.rollout.checkpoint_engine.backend=rollout_lifecycle",
-        "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module="
-        "rollout_lifecycle.gpu_check.verl_v1",
-        "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rollout_lifecycle."
-        f"ledger_url={url}",
-        "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rollout_lifecycle."
-        f"artifact_root={out / 'artifacts'}",
-        "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.rollout_lifecycle."
-        "ack_timeout_s=60",
-        "trainer.v1.sampler.custom_sampler.path=pkg://rollout_lifecycle.gpu_check.verl_v1",
-        "trainer.v1.sampler.custom_sampler.name=LedgerReplayBuffer",
-        "trainer.v1.sampler.max_off_policy_threshold=3",
-        f"+trainer.v1.sampler.sampler_kwargs.ledger_url={url}",
-        f"+trainer.v1.sampler.sampler_kwargs.run_id={RUN_ID}",
-        "+trainer.v1.sampler.sampler_kwargs.owns_ledger=true",
-        f"+trainer.v1.sampler.sampler_kwargs.tokenizer_id={model}",
-        "+trainer.v1.sampler.sampler_kwargs.temperature=${actor_rollout_ref.rollout.temperature}",
-        "+trainer.v1.sampler.sampler_kwargs.response_length="
-        "${actor_rollout_ref.rollout.response_length}",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         "trainer.nnodes=1",
         "trainer.n_gpus_per_node=1",
@@ -199,8 +197,6 @@ def overrides(plan: TrainPlan, model: Path) -> list[str]:
         "critic.enable=false",
         f"reward.custom_reward_function.path={out / 'reward.py'}",
         "reward.custom_reward_function.name=compute_score",
-        f"+trainer.v1.sampler.sampler_kwargs.reward_fn_id={REWARD_ID[0]}",
-        f"+trainer.v1.sampler.sampler_kwargs.reward_fn_version={REWARD_ID[1]}",
         "actor_rollout_ref.actor.optim.lr=1e-2",
     ]
     if cpu:
@@ -213,6 +209,8 @@ def overrides(plan: TrainPlan, model: Path) -> list[str]:
             "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_ENGINE_DEVICE=cuda",
             # verl bug: trainer_separate_async.py:181 passes flush=True to logger.info
             "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_LOGGING_LEVEL=WARN",
+            # each CPU replica's server writes its pid here, so the run kills a known replica
+            f"+ray_kwargs.ray_init.runtime_env.env_vars.{PID_DIR_ENV}={out / 'pids'}",
         ]
     return keys
 
@@ -263,6 +261,15 @@ class Phase:
     kill: dict[str, Any] | None
 
 
+def replica_pid(plan: TrainPlan, rank: int) -> int | None:
+    """The pid replica `rank`'s server wrote (None: not started yet)."""
+    f = plan.out / "pids" / f"replica-{rank}.pid"
+    try:
+        return int(f.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def run_phase(
     plan: TrainPlan,
     name: str,
@@ -270,8 +277,10 @@ def run_phase(
     kill: tuple[str, str, Callable[[list[int]], bool]] | None,
     progress: Callable[[str], None],
 ) -> Phase:
-    """Run verl once; SIGKILL the process whose command line holds `kill[1]` once
-    `kill[2](reserved steps)` is true. Every process of the run is reaped after it."""
+    """Run verl once; SIGKILL the process `kill[1]` names (a command-line fragment, or
+    `replica:<rank>` for that replica's server) once `kill[2](reserved steps)` is true.
+    Every process of the run is reaped after it."""
+    shutil.rmtree(plan.out / "pids", ignore_errors=True)  # this phase's servers write anew
     log = (plan.out / f"{name}.log").open("w")
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -285,10 +294,19 @@ def run_phase(
             if kill is not None and done_kill is None:
                 steps = reserved_steps(plan.url)
                 if kill[2](steps):
-                    target = [pid for pid, c in _session_procs(sid) if kill[1] in c]
+                    if kill[1].startswith("replica:"):
+                        pid = replica_pid(plan, int(kill[1].split(":")[1]))
+                        target = [pid] if pid is not None else []
+                    else:
+                        target = [pid for pid, c in _session_procs(sid) if kill[1] in c]
                     if target:
                         os.kill(target[0], signal.SIGKILL)
-                        done_kill = {"what": kill[0], "at_step": max(steps), "pid": target[0]}
+                        done_kill = {
+                            "what": kill[0],
+                            "at_step": max(steps),
+                            "pid": target[0],
+                            "target": kill[1],
+                        }
                         progress(
                             f"{name}: SIGKILL {kill[0]} (pid {target[0]}) at step {max(steps)}"
                         )
@@ -332,8 +350,22 @@ def settle_run(url: str, next_step: int) -> dict[str, int]:
         be.close()
 
 
-def judge(plan: TrainPlan) -> dict[str, Any]:
-    """The verdict, from the durable ledger and registry alone."""
+def pacing_log(plan: TrainPlan) -> list[dict[str, Any]]:
+    """What the budget decided in verl's agent loop (LedgerAgentLoopManager's log)."""
+    f = plan.out / "pacing.jsonl"
+    if not f.exists():
+        return []
+    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+
+
+def _listed(detail: str) -> set[str]:
+    """Workers named in a distribution failure's detail ("missing [..], mismatched [..]")."""
+    return set(re.findall(r"'([^']+)'", detail))
+
+
+def judge(plan: TrainPlan, killed_replicas: Sequence[str] = ()) -> dict[str, Any]:
+    """The verdict, from the durable ledger and registry (and the pacing log for what the
+    budget refused, which by design writes nothing to the ledger)."""
     import verl
 
     from rollout_lifecycle.spec.invariants import check_trace
@@ -353,30 +385,90 @@ def judge(plan: TrainPlan) -> dict[str, Any]:
         live = sum(states.get(s, 0) for s in ("dispatched", "generated", "rewarded"))
         reserved = states.get("reserved", 0)
         causes = Counter(f"{e.state}:{e.disposition.cause}" for e in snap.values() if e.disposition)
+        chains: dict[str, list[Any]] = {}
+        for e in snap.values():
+            if e.chain is not None:
+                chains.setdefault(e.chain, []).append(e)
+        trained = {c for c, es in chains.items() if any(e.state == "consumed" for e in es)}
+        open_ = {
+            c
+            for c, es in chains.items()
+            if c not in trained and any(e.state not in TERMINAL_RETIRED for e in es)
+        }
+        never = sorted(set(chains) - trained - open_)
+        attempts = Counter(max(e.attempt for e in es) for es in chains.values())
+        log = pacing_log(plan)
+        refusals = Counter(x["what"] for x in log if x["what"] in ("no_capacity", "chain_live"))
+        refused_at: dict[str, float] = {}
+        requeued: set[str] = set()
+        for x in log:
+            if x["what"] in ("no_capacity", "chain_live"):
+                refused_at.setdefault(x["uid"], x["t"])
+            elif x["what"] in ("dispatched", "already_dispatched") and x["uid"] in refused_at:
+                requeued.add(x["uid"])
+        survivors = [
+            w for w in (be.registry.required_workers() or ()) if w not in set(killed_replicas)
+        ]
+        uncounted = [
+            {"version": a.version, "worker": w, "detail": a.failure.detail}
+            for a in arts
+            if a.failure is not None and a.failure.stage == "distribution"
+            for w in survivors
+            if w in _listed(a.failure.detail)
+        ]
         return {
             "verl_version": verl.__version__,
             "trainer_mode": "separate_async",
             "steps": plan.steps,
             "rollout_replicas": plan.replicas,
+            "unit": "GRPO group (verl uid): one ledger rollout per group",
             "trajectories": {
                 "dispatched": len(snap),
                 "consumed": consumed,
                 "retired": retired,
                 "live": live,
-                "lost": len(snap) - consumed - retired - live,
+                "lost": len(snap) - consumed - retired - live - reserved,
                 "left_reserved": reserved,
                 "trained_twice": sum(1 for n in commits.values() if n > 1),
                 "retired_causes": dict(causes),
             },
             "max_lag_trained": max(lags, default=0),
             "lag_histogram": dict(Counter(lags)),
-            "policy": {"max_lag": plan.max_lag, "max_drift": plan.max_drift},
+            "policy": {
+                "max_lag": plan.max_lag,
+                "max_drift": plan.max_drift,
+                "batch_size": plan.pace_batch,
+                "max_attempts": plan.max_attempts,
+            },
+            "pacing": {
+                "chains": len(chains),
+                "chains_trained": len(trained),
+                "chains_open": len(open_),
+                "never_trained": len(never),
+                "never_trained_chains": never[:5],
+                "attempts_histogram": dict(sorted(attempts.items())),
+                "max_attempts": max(attempts, default=0),
+                "dispatch_refusals": sum(refusals.values()),
+                "refusals_by_reason": dict(refusals),
+                # refused, then dispatched later: offered again by the same process, or
+                # re-issued by verl after a resume (its in-flight prompts include held ones)
+                "requeued": len(requeued),
+                "requeued_in_process": sum(1 for x in log if x.get("requeued")),
+                "dropped": sum(1 for x in log if str(x["what"]).startswith("dropped")),
+            },
             "activations": {
                 "attempted": sum(a.attempts for a in arts),
                 "activated": sum(1 for a in arts if a.state in ("active", "superseded")),
                 "failed": art_events.get("fail_distribution", 0) + art_events.get("fail_commit", 0),
                 "by_state": dict(Counter(a.state for a in arts)),
                 "pointer": None if be.registry.pointer() is None else be.registry.pointer().version,  # type: ignore[union-attr]
+                "failures": [
+                    {"version": a.version, "cause": a.failure.cause, "detail": a.failure.detail}
+                    for a in arts
+                    if a.failure is not None
+                ],
+                "killed_replicas": list(killed_replicas),
+                "survivor_acks_not_counted": uncounted,
             },
             "spec": {
                 "invariants": len(report.checked),
@@ -396,9 +488,7 @@ def run_train(plan: TrainPlan, progress: Callable[[str], None] = print) -> dict[
         raise TechnicalFailure("train", f"{plan.out} already holds a run; use a new --output")
     model = build_assets(plan.out)
     be = open_backend(plan.url)
-    set_admission_policy(
-        be.registry, AdmissionPolicy(plan.max_lag, plan.max_drift), "gpu-check train", at=None
-    )
+    set_admission_policy(be.registry, plan.policy, "gpu-check train", at=None)
     be.close()
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(plan, model)]
     (plan.out / "command.json").write_text(json.dumps(cmd, indent=1) + "\n")
@@ -419,7 +509,7 @@ def run_train(plan: TrainPlan, progress: Callable[[str], None] = print) -> dict[
             cmd,
             (
                 "rollout_replica",
-                "HFServer",
+                f"replica:{plan.kill_replica_rank}",
                 lambda s: bool(s) and max(s) >= max(plan.kill_replica_at, resumed_at + 1),
             ),
             progress,
@@ -435,14 +525,25 @@ def run_train(plan: TrainPlan, progress: Callable[[str], None] = print) -> dict[
 
 def finish_train(plan: TrainPlan, phases: list[Phase]) -> dict[str, Any]:
     """Settle what verl's last checkpoint holds, judge, and write `result.json`."""
+    be = open_backend(plan.url, create=False)
+    try:  # what verl's own end of fit left reserved (the last step's publication commits it)
+        left = sum(1 for e in be.ledger.snapshot().values() if e.state == "reserved")
+    finally:
+        be.close()
     settled = settle_run(plan.url, last_checkpoint(plan.out) + 1)
-    result = judge(plan)
+    killed = [
+        f"rollout-{p.kill['target'].split(':')[1]}"
+        for p in phases
+        if p.kill and str(p.kill.get("target", "")).startswith("replica:")
+    ]
+    result = judge(plan, killed)
     result["kills"] = [
         {"what": p.kill["what"], "at_step": p.kill["at_step"]} for p in phases if p.kill
     ]
     result["phases"] = [attrs.asdict(p) for p in phases]
     result["checkpoint_step"] = last_checkpoint(plan.out)
     result["settled_after_run"] = settled
+    result["reserved_when_verl_ended"] = left
     result["device"] = plan.device
     result["command"] = "rollout-lifecycle gpu-check train"
     (plan.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")

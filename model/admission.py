@@ -72,25 +72,36 @@ def admit_and_reserve(
     records no admission policy or no version is active.
     """
     check_update_id(update_id)
-    policy = registry.policy()
+    # the policy, the pointer and the rows from ONE consistent view, so each decision is
+    # true at one instant (issue 33); the reservation step judges them again at its own
+    ids = [ro.rollout_id for ro in rollouts]
+    premise, rows = ledger.premise_and_rows(ids)
+    if premise.was_active is None:  # a ledger that does not share the registry's state
+        policy, pointer = registry.policy(), registry.pointer()
+        current = None if pointer is None else pointer.version
+        ever: frozenset[int] | None = None
+    else:
+        policy, current, ever = premise.policy, premise.pointer_version, premise.was_active
     if policy is None:
         raise GateConfigError(
             "the deployment records no admission policy; set one with `rollout-lifecycle "
             "deployment set-policy --max-lag N --max-drift X` (or set_admission_policy)"
         )
-    pointer = registry.pointer()
-    if pointer is None:
+    if current is None:
         raise GateConfigError("no policy version is active yet: nothing can be admitted")
-    gate = AdmissionGate(
-        GatePolicy(policy.max_lag, policy.max_drift, conditions),
-        registry=lambda v: activated_hash(registry, v),
-    )
-    entries = [ledger.find(ro.rollout_id) for ro in rollouts]
-    decisions = gate.assess_batch(rollouts, current_log_probs, pointer.version, entries)
+
+    def hash_of(v: int) -> str | None:
+        # a version active by the view's instant keeps its hash for good: reading it now
+        # answers for that instant; one activated later was not active then
+        return None if ever is not None and v not in ever else activated_hash(registry, v)
+
+    gate = AdmissionGate(GatePolicy(policy.max_lag, policy.max_drift, conditions), registry=hash_of)
+    entries = [rows.get(i) for i in ids]
+    decisions = gate.assess_batch(rollouts, current_log_probs, current, entries)
     requests = [
         ReserveRequest(d.rollout_id, e.revision, d.stamp())
         for d, e in zip(decisions, entries, strict=True)
         if d.accepted and e is not None
     ]
     outcomes = ledger.reserve_batch(update_id, requests) if requests else []
-    return Admitted(pointer.version, tuple(decisions), tuple(outcomes))
+    return Admitted(current, tuple(decisions), tuple(outcomes))

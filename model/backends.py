@@ -31,6 +31,7 @@ from rollout_lifecycle.model.atomic import describe_os_error
 from rollout_lifecycle.model.errors import (
     BackendUnavailable,
     BackendURLError,
+    HistoryTampered,
     LedgerError,
     brief,
 )
@@ -149,6 +150,7 @@ def memory_rows(ledger: MemoryLedger, registry: MemoryRegistry) -> StoredRows:
                 for w in registry.workers().values()
             ],
             "registry_attempt_tokens": [attrs.asdict(t) for t in registry.attempt_tokens()],
+            "ledger_updates": [attrs.asdict(u) for u in ledger.updates().values()],
         }
         pointer, members, policy = (
             registry.pointer(),
@@ -173,6 +175,8 @@ def memory_rows(ledger: MemoryLedger, registry: MemoryRegistry) -> StoredRows:
                 "max_drift": policy.max_drift,
                 "batch_size": policy.batch_size,
                 "max_attempts": policy.max_attempts,
+                "lineage": policy.lineage,
+                "chain_key": policy.chain_key,
             }
         ]
     )
@@ -286,9 +290,10 @@ def _open_sqlite(url: str, _rest: str, opts: OpenOptions) -> Backend:
         ledger = SQLiteLedger(
             path, clock=opts.clock, lease_seconds=opts.lease_seconds, read_only=read_only
         )
-    except FileReplaced:
+    except (FileReplaced, HistoryTampered):
         remove_read_sidecars(path, created)
-        raise  # the URL is fine; the -wal beside the file is another file's (it says why)
+        raise  # the URL is fine: the -wal beside the file is another file's, or the file's
+        # history was edited (each says why and what to do)
     except LedgerError as exc:
         remove_read_sidecars(path, created)
         raise _bad(url, _storage_hint(path, str(exc))) from None
@@ -324,7 +329,7 @@ def _open_postgres(url: str, _rest: str, opts: OpenOptions) -> Backend:
     try:
         db = PostgresDatabase(url, read_only=not opts.create)
         ledger = PostgresLedger(db, clock=opts.clock, lease_seconds=opts.lease_seconds)
-    except BackendUnavailable:
+    except (BackendUnavailable, HistoryTampered):
         raise
     except LedgerError as exc:
         raise _bad(redact_url(url), str(exc)) from None

@@ -25,6 +25,9 @@ import threading
 import time
 from pathlib import Path
 
+from rollout_lifecycle.model.events import row_event
+from rollout_lifecycle.model.sqlite_common import append_events, verify_recorded_row
+
 _PROC = Path("/proc")
 
 
@@ -91,27 +94,69 @@ class HostClock:
         return time.time()
 
 
+_ORIGIN = "SELECT origin FROM host_clock WHERE boot_id = ?"
+
+
 def sqlite_host_clock(conn: sqlite3.Connection, *, read_only: bool) -> HostClock:
     """The host clock of the ledger file `conn` is open on: this boot's origin as first
     recorded in the file (the first writer after a boot records the kernel's boot time;
-    every later process, whatever its own clock, reads it back)."""
+    every later process, whatever its own clock, reads it back).
+
+    The origin decides every lease deadline, so it is recorded in the hash chain with the
+    row (a RowRecorded, in the same transaction), and a writer checks the row against that
+    event before using it: an origin edited in the table (which would expire every live
+    lease at the next janitor) is refused with HistoryTampered, and `ledger check` names
+    it. Read-only opens use the row as stored (they decide nothing)."""
     host = read_host_clock()
     if host is None:
         return HostClock(None)
-    boot_id, btime, _ = host
+    boot_id, btime, up = host
     row = None
     try:
         if not read_only:
+            row = _record_origin(conn, boot_id, btime, btime + up)
+        else:
+            row = conn.execute(_ORIGIN, (boot_id,)).fetchone()
+    except sqlite3.OperationalError:  # a read-only open of a file that predates the table
+        row = None
+    return HostClock(btime if row is None else float(row[0]))
+
+
+def _record_origin(
+    conn: sqlite3.Connection, boot_id: str, btime: float, now: float
+) -> tuple[float] | None:
+    """This boot's recorded origin, recording it (row and event, one transaction) when no
+    process has since the boot; HistoryTampered when the row is not what its event says."""
+    try:
+        row = conn.execute(_ORIGIN, (boot_id,)).fetchone()
+    except sqlite3.OperationalError:  # no table yet
+        row = None
+    if row is None:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
             conn.execute(
                 "CREATE TABLE IF NOT EXISTS host_clock "
                 "(boot_id TEXT PRIMARY KEY, origin REAL NOT NULL)"
             )
-            conn.execute(
+            cur = conn.execute(
                 "INSERT INTO host_clock(boot_id, origin) VALUES (?, ?) "
                 "ON CONFLICT(boot_id) DO NOTHING",
                 (boot_id, btime),
             )
-        row = conn.execute("SELECT origin FROM host_clock WHERE boot_id = ?", (boot_id,)).fetchone()
-    except sqlite3.OperationalError:  # a read-only open of a file that predates the table
-        row = None
-    return HostClock(btime if row is None else float(row[0]))
+            if cur.rowcount == 1:
+                ev = row_event(
+                    "host_clock",
+                    boot_id,
+                    {"boot_id": boot_id, "origin": btime},
+                    "the first writer after this boot",
+                    now,
+                )
+                append_events(conn, [ev], stamped=False)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        row = conn.execute(_ORIGIN, (boot_id,)).fetchone()
+    if row is not None:
+        verify_recorded_row(conn, "host_clock", boot_id, {"boot_id": boot_id, "origin": row[0]})
+    return None if row is None else (float(row[0]),)

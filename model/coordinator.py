@@ -61,7 +61,9 @@ from rollout_lifecycle.model.registry import (
     check_policy,
     counted_acks,
     current_tokens,
+    default_lineage,
     distribution_refusal,
+    lineage_fenced,
     reconcile_membership,
     required_set,
     set_admission_policy,
@@ -440,24 +442,30 @@ class ActivationCoordinator:
         parent_version: int | None = None,
         rollback_version: int | Literal[_Default.CURRENT_POINTER] | None = CURRENT_POINTER,
         *,
-        trained_by: Iterable[str] = (),
+        trained_by: Iterable[str] | None = None,
     ) -> ArtifactRecord:
         """Register a new version in 'prepared'; it must exceed every version ever registered.
 
         The rollback pointer defaults to the version active now, so an explicit rollback
-        later returns exactly there; pass None to record that there is none. `trained_by`
-        records the version's lineage, the updates whose gradients it contains: an update
-        whose commit did not land in the ledger (its lease was lost, its commit refused)
-        fences the version, which is then refused here, at commit and at activation.
+        later returns exactly there; pass None to record that there is none. The version's
+        lineage (the updates whose gradients it contains) is read from the ledger that
+        shares the registry, inside this step: its landed updates that no version claims
+        yet (each is claimed by at most one). `trained_by` names them instead; each must
+        have landed, never been poisoned (a refused commit, a lost lease, a retired
+        version) and be claimed by no other version, here, at commit and at activation.
+        A deployment whose recorded policy says `lineage="off"` records only what it is
+        given, unfenced.
         """
-        if isinstance(trained_by, str) or not isinstance(trained_by, Iterable):
-            raise ActivationError(
-                f"trained_by must be a list of update ids, got {brief(trained_by)}"
-            )
-        try:
-            lineage = ArtifactRecord(0, None, trained_by=tuple(trained_by)).trained_by
-        except InvalidRecord as exc:
-            raise ActivationError(str(exc)) from None
+        named: tuple[str, ...] | None = None
+        if trained_by is not None:
+            if isinstance(trained_by, str) or not isinstance(trained_by, Iterable):
+                raise ActivationError(
+                    f"trained_by must be a list of update ids, got {brief(trained_by)}"
+                )
+            try:
+                named = ArtifactRecord(0, None, trained_by=tuple(trained_by)).trained_by
+            except InvalidRecord as exc:
+                raise ActivationError(str(exc)) from None
         _version(version)
         if parent_version is not None:
             _version(parent_version, "parent_version")
@@ -488,6 +496,10 @@ class ActivationCoordinator:
                 raise ActivationError(
                     f"rollback pointer v{rb} must be a registered version older than v{version}"
                 )
+            if named is not None:
+                lineage = named
+            else:
+                lineage = default_lineage(view) if lineage_fenced(view) else ()
             rec = ArtifactRecord(
                 version=version,
                 artifact_hash=None,
@@ -750,27 +762,38 @@ class ActivationCoordinator:
         or `WorkerLoader.load(..., token=...)`). ActivationError when `version` is not
         registered or not awaiting acks (a report of it needs no token).
         """
-        rec = self.artifact(version)
-        if rec.state != "awaiting_acks":
-            raise ActivationError(
-                f"v{version} is {rec.state}, not awaiting acks: no distribution attempt of it "
-                "is open, so there is no token to echo (a worker reports what it holds "
-                "without one; distribute or retry the version to open an attempt)"
-            )
-        tokens = {t.worker_id: t for t in self.registry.attempt_tokens(version)}
-        required = self.required_workers
-        out = {
-            w: t.token
-            for w in required
-            if (t := tokens.get(w)) is not None and t.attempt == rec.attempts
-        }
-        missing = [w for w in required if w not in out]
-        if missing:
-            raise ActivationError(
-                f"no token is stored for {missing} on v{version} attempt {rec.attempts} (the "
-                "registry changed meanwhile?); read again, or retry the distribution"
-            )
-        return out
+        _version(version)
+
+        def plan(view: RegistryView) -> tuple[RegistryStep, dict[str, str]]:
+            # one read of the record, the tokens and the worker set: the answer (tokens, or
+            # why there are none) is true at one instant (issue 33)
+            rec = view.artifact(version)
+            if rec is None:
+                raise ActivationError(f"artifact v{version} is not registered")
+            if rec.state != "awaiting_acks":
+                raise ActivationError(
+                    f"v{version} is {rec.state}, not awaiting acks: no distribution attempt of "
+                    "it is open, so there is no token to echo (a worker reports what it holds "
+                    "without one; distribute or retry the version to open an attempt)"
+                )
+            tokens = {t.worker_id: t for t in view.attempt_tokens(version)}
+            required = view.required_workers()
+            if required is None:
+                raise ActivationError("the registry records no required workers")
+            out = {
+                w: t.token
+                for w in required
+                if (t := tokens.get(w)) is not None and t.attempt == rec.attempts
+            }
+            missing = [w for w in required if w not in out]
+            if missing:
+                raise ActivationError(
+                    f"no token is stored for {missing} on v{version} attempt {rec.attempts}; "
+                    "retry the distribution"
+                )
+            return RegistryStep(self.clock()), out
+
+        return self._step(plan)[0]
 
     def attempt_token(self, worker_id: str, version: int) -> str:
         """The token `worker_id` must echo to ack `version`'s current distribution attempt.
@@ -813,12 +836,19 @@ class ActivationCoordinator:
         return self.registry.trace()
 
     def statistics(self) -> CoordinatorStatistics:
-        """Counts by state, which required workers hold the active version, and counters."""
-        arts = self.registry.artifacts()
-        pointer = self.registry.pointer()
-        reports = self.reports()
+        """Counts by state, which required workers hold the active version, and counters
+        (the registry read in one step: the figures are of one instant)."""
+
+        def plan(view: RegistryView) -> tuple[RegistryStep, tuple[Any, ...]]:
+            read = (view.artifacts(), view.pointer(), view.workers())
+            return RegistryStep(self.clock()), (*read, view.required_workers(), view.max_version())
+
+        arts, pointer, workers, stored, top = self._step(plan)[0]
+        if stored is None:
+            raise ActivationError("the registry records no required workers")
+        required: tuple[str, ...] = stored
+        reports = {w: r.ack for w, r in workers.items() if r.ack is not None}
         by_state = Counter(a.state for a in arts)
-        required = self.required_workers
         in_sync = tuple(
             w
             for w in required
@@ -830,7 +860,7 @@ class ActivationCoordinator:
             artifacts=len(arts),
             by_state={s: by_state.get(s, 0) for s in ACTIVATION.states},
             pointer=pointer,
-            max_version=self.registry.max_version(),
+            max_version=top,
             required_workers=required,
             workers_in_sync=in_sync,
             workers_out_of_sync=tuple(w for w in required if w not in in_sync),

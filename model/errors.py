@@ -29,6 +29,23 @@ class LedgerError(RolloutLifecycleError):
     """A ledger operation that cannot be carried out as asked; nothing was written."""
 
 
+class HistoryTampered(LedgerError):
+    """The store's hash-chained history was edited (its head missing, its hashes stripped, or
+    its last event not the one the head names): nothing was written, and no writer ever
+    starts the chain again over such a history (that would bless the edit)."""
+
+
+def tampered(where: str, what: str, url: str | None = None) -> HistoryTampered:
+    """The HistoryTampered of a store at `where` whose chain shows `what`, saying what to do."""
+    backend = url or "URL"
+    return HistoryTampered(
+        f"{where}: the event history's hash chain {what}; nothing was written. A writer never "
+        "restarts the chain over an edited history: run `rollout-lifecycle ledger check "
+        f"--backend {backend}` to see what was changed, then restore the store from a backup "
+        "(compare it with your anchors: `ledger check --anchor FILE`)"
+    )
+
+
 class UnknownRollout(LedgerError, KeyError):
     """The rollout id is not in the ledger."""
 
@@ -68,6 +85,27 @@ class StorageFull(LedgerError):
 
 class CommitMismatch(LedgerError, ValueError):
     """A commit named a set of rollouts other than exactly what its update reserved."""
+
+
+class UpdatePoisoned(CommitMismatch):
+    """A commit of an update the ledger recorded as poisoned (a commit of it was refused, a
+    lease of one of its rollouts expired, or it held a rollout of a retired version): it may
+    have trained on a rollout another update consumes, so nothing of it is consumed, now or
+    later. Abort it (its rollouts return) and train a new update on fresh reservations."""
+
+    def __init__(self, message: str, *, update_id: str, cause: str) -> None:
+        self.update_id, self.cause = update_id, cause
+        super().__init__(message)
+
+
+class DispatchRefused(LedgerError, ValueError):
+    """An `add` that the deployment's recorded pacing policy refuses (over the live budget,
+    or its prompt's attempt chain is live, trained or exhausted): nothing was written. The
+    `reason` is the one `ledger.dispatch` would return; dispatch waits for capacity."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        self.reason = reason
+        super().__init__(message)
 
 
 class NotOwner(LedgerError, ValueError):

@@ -15,6 +15,7 @@ import math
 import operator
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -27,6 +28,7 @@ from rollout_lifecycle.model.records import (
     ArtifactRecord,
     AttemptToken,
     LedgerEntry,
+    UpdateRecord,
     WorkerAck,
     from_jsonable,
     plain_maker,
@@ -142,13 +144,118 @@ class PolicyChanged:
     kind: str = "policy"
 
 
-TraceEvent = EntryChanged | ArtifactChanged | MembershipChanged | WorkerReported | PolicyChanged
+@attrs.frozen
+class RowRecorded:
+    """A row of a table that no other event determines was written (`row`: its columns) or
+    deleted (`row` None): a schema version, the host clock's origin, a version marked bad.
+
+    Recorded in the chain in the same transaction as the row, so `ledger check` replays
+    these tables too and an edit of one of them no longer matches its history. `key` is
+    the row's key column as text (RECORDED_TABLES names the column)."""
+
+    seq: int
+    txn: int
+    at: float
+    table: str
+    key: str
+    row: tuple[tuple[str, Any], ...] | None
+    reason: str = ""
+    kind: str = "row"
+
+    def columns(self) -> dict[str, Any] | None:
+        """The row as column -> value (None: deleted)."""
+        return None if self.row is None else dict(self.row)
+
+
+def row_event(
+    table: str, key: object, row: Mapping[str, Any] | None, reason: str, at: float = 0.0
+) -> RowRecorded:
+    """The RowRecorded of one row written (or deleted) in a step, before a store numbers it."""
+    cols = None if row is None else tuple((str(k), v) for k, v in row.items())
+    return RowRecorded(0, 0, at, table, str(key), cols, reason)
+
+
+# Tables whose rows no entry or registry event determines, by their key column: every write
+# of one appends a RowRecorded in the same transaction (and the first writer of a store
+# that predates this records the rows it finds: the seal, see SEAL).
+RECORDED_TABLES: dict[str, str] = {
+    "schema_meta": "component",
+    "host_clock": "boot_id",
+    "ledger_bad_versions": "version",
+}
+
+# The schema_meta row that says the store's recorded tables are in its chain (written with
+# the RowRecorded events of every row those tables held then, and recorded itself).
+SEAL = ("history", 1)
+
+# Component schema versions only programs that chain their events ever wrote (the chain
+# arrived with ledger 1 / registry 3 on SQLite, 2 on PostgreSQL; 3 is the bound for both): a
+# store at one of these (or newer) without its chain had the chain removed.
+CHAINED_SINCE: dict[str, int] = {"ledger": 2, "registry": 3}
+
+
+def recorded_rows(conn: Any, present: set[str], why: str) -> list[TraceEvent]:
+    """A RowRecorded of every row of every RECORDED_TABLES table in `present`, read through
+    `conn` (a SQLite or PostgreSQL connection: plain SELECTs of fixed names), for a store
+    that seals itself (see SEAL)."""
+    at = time.time()
+    out: list[TraceEvent] = []
+    for table, key in RECORDED_TABLES.items():
+        if table not in present:
+            continue
+        cur = conn.execute(f"SELECT * FROM {table} ORDER BY {key}")
+        names = [str(d[0]) for d in cur.description or ()]
+        for r in cur.fetchall():
+            row = dict(zip(names, r, strict=True))
+            out.append(row_event(table, row[key], row, why, at))
+    return out
+
+
+@attrs.frozen
+class UpdateChanged:
+    """An update's status in the ledger changed, or it was first recorded (`before` None).
+
+    `event` is `open` (its first reservation), `land` (a commit of it consumed rollouts) or
+    `poison` (with the record's cause). Written in the ledger step that caused it, so the
+    spec replays every update's status from the trace.
+    """
+
+    seq: int
+    txn: int
+    at: float
+    update_id: str
+    event: str
+    before: UpdateRecord | None
+    after: UpdateRecord
+    kind: str = "update"
+
+
+# One update's change in a ledger step: (event, before, after).
+UpdateChange = tuple[str, UpdateRecord | None, UpdateRecord]
+
+
+def update_events(changes: Sequence[UpdateChange], at: float) -> list[UpdateChanged]:
+    """A ledger step's update events before a store numbers them (seq and txn 0)."""
+    return [UpdateChanged(0, 0, at, a.update_id, ev, b, a) for ev, b, a in changes]
+
+
+TraceEvent = (
+    EntryChanged
+    | ArtifactChanged
+    | MembershipChanged
+    | WorkerReported
+    | PolicyChanged
+    | RowRecorded
+    | UpdateChanged
+)
 
 
 def event_to_jsonable(ev: TraceEvent) -> dict[str, Any]:
     """One event as a JSON-able dict (the `kind` field tells which record it is)."""
     out = to_jsonable(ev)
     assert isinstance(out, dict)
+    if isinstance(ev, RowRecorded):
+        out["row"] = ev.columns()
     return out
 
 
@@ -220,6 +327,17 @@ def event_from_jsonable(data: dict[str, Any]) -> TraceEvent:
             reason=str(data.get("reason", "")),
             tokens=_tokens_from(data),
         )
+    if kind == "update":
+        before = data.get("before")
+        return UpdateChanged(
+            seq=int(data["seq"]),
+            txn=int(data["txn"]),
+            at=float(data["at"]),
+            update_id=str(data["update_id"]),
+            event=str(data["event"]),
+            before=None if before is None else from_jsonable(UpdateRecord, before),
+            after=from_jsonable(UpdateRecord, data["after"]),
+        )
     if kind == "policy":
         before = data.get("before")
         return PolicyChanged(
@@ -230,12 +348,25 @@ def event_from_jsonable(data: dict[str, Any]) -> TraceEvent:
             after=from_jsonable(AdmissionPolicy, data["after"]),
             reason=str(data.get("reason", "")),
         )
+    if kind == "row":
+        row = data["row"]
+        if row is not None and not isinstance(row, dict):
+            raise InvalidRecord(f"row event: 'row' must be a JSON object or null, got {row!r}")
+        return RowRecorded(
+            seq=int(data["seq"]),
+            txn=int(data["txn"]),
+            at=float(data["at"]),
+            table=str(data["table"]),
+            key=str(data["key"]),
+            row=None if row is None else tuple((str(k), v) for k, v in row.items()),
+            reason=str(data.get("reason", "")),
+        )
     raise ValueError(f"unknown trace event kind {kind!r}")
 
 
 def event_subject(ev: TraceEvent) -> str:
-    """The indexed subject of an event: rollout id, artifact version, worker id, 'policy' or
-    'membership'."""
+    """The indexed subject of an event: rollout id, artifact version, worker id, update id,
+    'policy', 'membership', or table/key of a recorded row."""
     if isinstance(ev, EntryChanged):
         return ev.rollout_id
     if isinstance(ev, ArtifactChanged):
@@ -244,6 +375,10 @@ def event_subject(ev: TraceEvent) -> str:
         return ev.worker_id
     if isinstance(ev, PolicyChanged):
         return "policy"
+    if isinstance(ev, RowRecorded):
+        return f"{ev.table}/{ev.key}"
+    if isinstance(ev, UpdateChanged):
+        return ev.update_id
     return "membership"
 
 
@@ -266,6 +401,42 @@ def chain_hash(prev: bytes, seq: int, txn: int, kind: str, subject: str, payload
     # prev || seq || txn || len(kind) kind || len(subject) subject || len(payload) payload
     head = _PACK3(seq, txn, len(k))
     return _sha256(b"".join((prev, head, k, _PACK1(len(s)), s, _PACK1(len(p)), p))).digest()
+
+
+def chain_broken(
+    head_hash: object, tail_hash: object, tail_seq: object, base_seq: object
+) -> str | None:
+    """Why a writer must not chain onto this history (None: it may), from the head's hash and
+    base seq and the newest stored event's hash and seq (None where missing).
+
+    It may when the newest event is the one the head names, when there is no event and the
+    head is the chain's start, or when the chain holds no event yet and every stored event
+    predates it (seq within the base a pre-chain store's head recorded). Anything else is a
+    history edited behind the writers' backs, which a writer must not seal by chaining on."""
+    if not isinstance(head_hash, bytes):
+        return "has no head (its events_chain row is missing: deleted, or the table dropped)"
+    if tail_seq is None:
+        if head_hash == GENESIS:
+            return None
+        return "names a last event, but no event is stored (the history was deleted)"
+    if isinstance(tail_hash, bytes) and tail_hash == head_hash:
+        return None
+    if (
+        head_hash == GENESIS
+        and tail_hash is None
+        and isinstance(base_seq, int)
+        and isinstance(tail_seq, int)
+        and tail_seq <= base_seq
+    ):
+        return None
+    if tail_hash is None:
+        return (
+            f"ends in event #{tail_seq}, which carries no hash (hashes stripped, or added by hand)"
+        )
+    return (
+        f"does not end in the event its head names (event #{tail_seq} is stored last): events "
+        "were cut off, replaced or added by hand"
+    )
 
 
 _PACK3 = struct.Struct(">qqq").pack

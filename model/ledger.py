@@ -10,6 +10,7 @@ transaction (model.sqlite_ledger), a PostgreSQL transaction (model.postgres_ledg
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import math
@@ -25,14 +26,23 @@ import attrs
 from rollout_lifecycle.model import rules
 from rollout_lifecycle.model.errors import (
     CommitMismatch,
+    DispatchRefused,
     DuplicateRollout,
     InvalidLedgerArgument,
     LedgerError,
     RevisionConflict,
     UnknownRollout,
+    UpdatePoisoned,
     brief,
 )
-from rollout_lifecycle.model.events import Change, EntryChanged, EventLog
+from rollout_lifecycle.model.events import (
+    Change,
+    EntryChanged,
+    EventLog,
+    UpdateChange,
+    UpdateChanged,
+    row_event,
+)
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.pacing import (
     LIVE_STATES,
@@ -41,6 +51,7 @@ from rollout_lifecycle.model.pacing import (
     PacingRow,
     PacingStatistics,
     check_chain,
+    identity_chain,
     oldest_first,
     pacing_from,
     plan_dispatch,
@@ -56,6 +67,7 @@ from rollout_lifecycle.model.records import (
     LedgerEntry,
     Reward,
     Rollout,
+    UpdateRecord,
     from_jsonable,
     ints64_pass,
     plain_maker,
@@ -73,6 +85,10 @@ IDEMPOTENT = "idempotent_retry"
 CONFLICT = "revision_conflict"
 NOT_REWARDED = "not_rewarded"
 MISSING = "missing_rollout"
+# a dispatch_many request whose id the ledger already holds (its stored entry is returned)
+ALREADY_DISPATCHED = "already_dispatched"
+# a landing of a rollout never dispatched, under a pacing policy (land_and_reserve skips it)
+NOT_DISPATCHED = "not_dispatched"
 # refusals decided inside the reservation's atomic step (model.rules.reservation_refusal)
 NOT_ADMITTED = rules.NOT_ADMITTED
 POINTER_MOVED = rules.POINTER_MOVED
@@ -81,6 +97,13 @@ STAMP_CONTRADICTS = rules.STAMP_CONTRADICTS
 NO_POLICY = rules.NO_POLICY
 LOOSER_THAN_POLICY = rules.LOOSER_THAN_POLICY
 VERSION_RETIRED = rules.VERSION_RETIRED
+ARTIFACT_HASH_MISMATCH = rules.ARTIFACT_HASH_MISMATCH
+UPDATE_POISONED = rules.UPDATE_POISONED
+
+# why an update is poisoned (UpdateRecord.cause)
+POISON_COMMIT_MISMATCH = "commit_mismatch"
+POISON_LEASE_EXPIRED = "lease_expired"
+POISON_RETIRED_VERSION = "retired_version"
 
 # events that `transition` may fire directly (reserve/commit/abort/expiry have their own calls)
 DIRECT_EVENTS = frozenset(
@@ -144,10 +167,15 @@ class RecoveryRule:
 
     max_releases: int = 3
 
-    def quarantine_cause(self, entry: LedgerEntry, bad_versions: Iterable[int]) -> str | None:
-        """The cause to quarantine with, or None to release."""
+    def quarantine_cause(
+        self, entry: LedgerEntry, bad_versions: Iterable[int], retired: Iterable[int] = ()
+    ) -> str | None:
+        """The cause to quarantine with, or None to release (`retired`: rolled-back
+        versions, read from the registry in the same step)."""
         if entry.behavior_version in set(bad_versions):
             return "failed_version"
+        if entry.behavior_version in set(retired):
+            return "rolled_back"
         if entry.releases >= self.max_releases:
             return "too_many_releases"
         return None
@@ -192,11 +220,14 @@ class ActivationPremise:
     was_active: frozenset[int] | None
     policy: AdmissionPolicy | None = None
     retired: frozenset[int] = frozenset()
+    # the registered hash of each version in `was_active` (None: not read, a test's premise)
+    hashes: Mapping[int, str] | None = attrs.field(default=None, hash=False)
 
     def refusal(
         self,
         admission: AdmissionStamp | None,
         behavior_version: int,
+        artifact_hash: str | None = None,
         *,
         stamp_passed: bool = False,
     ) -> tuple[str, str] | None:
@@ -209,6 +240,8 @@ class ActivationPremise:
             self.was_active,
             self.policy,
             self.retired,
+            artifact_hash,
+            self.hashes,
             stamp_passed=stamp_passed,
         )
 
@@ -367,18 +400,54 @@ def _plain_batch_ids(requests: list[Any]) -> list[str] | None:
     return list(ids)
 
 
-def dispatch_entry(rollout: object, chain: object) -> LedgerEntry:
+def dispatch_entry(rollout: object, chain: object) -> tuple[LedgerEntry, str | None, str | None]:
     """What `dispatch` accepts, validated before any lock: a new entry without a chain of
-    its own (the ledger numbers the attempt), and a chain key."""
+    its own (the ledger numbers the attempt), the caller's chain key (None: none given) and
+    the key its prompt identity names (None: a LedgerEntry names no prompt)."""
     entry = as_entry(rollout)
-    key = check_chain(chain)
+    key = None if chain is None else check_chain(chain)
+    own = identity_chain(rollout.identity) if isinstance(rollout, Rollout) else None
     if entry.chain is not None:
         raise WriteRefused(
             f"rollout {brief(entry.rollout_id)}: dispatch assigns the chain and attempt; "
             f"pass a rollout without them (got chain {brief(entry.chain)})"
         )
-    plan_add(attrs.evolve(entry, chain=key, attempt=1), (), dispatched=True)
-    return entry
+    probe = key if key is not None else own if own is not None else "chain"
+    plan_add(attrs.evolve(entry, chain=probe, attempt=1), (), dispatched=True)
+    return entry, key, own
+
+
+def chain_of(
+    entry: LedgerEntry, caller: str | None, own: str | None, policy: AdmissionPolicy | None
+) -> str | None:
+    """The attempt chain a new rollout is counted on, under the deployment's recorded
+    `chain_key` (model.pacing); None: it is added without a chain (no pacing applies).
+
+    "identity" (the default, also where no policy is recorded): the key its prompt
+    identity names (dataset, prompt id, sample index), so a caller's fresh key cannot reset
+    `max_attempts`; a caller key that differs is refused, and under a pacing policy a bare
+    LedgerEntry, which names no prompt, is refused too. "caller": the key the caller gives.
+    """
+    mode = "identity" if policy is None else policy.chain_key
+    if mode == "caller":
+        return caller
+    if own is not None:
+        if caller is not None and caller != own:
+            raise InvalidLedgerArgument(
+                f"rollout {brief(entry.rollout_id)}: the deployment counts a prompt's attempts "
+                f"by its identity (chain_key 'identity'), whose chain is {brief(own)}, not "
+                f"{brief(caller)}: omit chain= (or record chain_key 'caller' with "
+                "`deployment set-policy --chain-key caller`)"
+            )
+        return own
+    if policy is not None and policy.paced:
+        raise InvalidLedgerArgument(
+            f"rollout {brief(entry.rollout_id)}: a LedgerEntry names no prompt, and the "
+            "deployment's pacing policy counts attempts by prompt identity (chain_key "
+            "'identity'): pass the Rollout (its RolloutIdentity names the chain), or record "
+            "chain_key 'caller' with `deployment set-policy --chain-key caller`"
+        )
+    return caller
 
 
 def as_entry(rollout: object) -> LedgerEntry:
@@ -548,13 +617,16 @@ def plan_reserve(
     *,
     premise: ActivationPremise,
     lease_expires_at: float | None,
+    poisoned: bool = False,
 ) -> tuple[ReserveOutcome, LedgerEntry | None]:
     """Decide a compare-and-set reservation: (outcome, new entry to write or None).
 
     Order matters and follows the contract: missing, idempotent retry by the same owner,
-    revision conflict (before state), not rewarded; then the reservation's premise, judged
-    with what this atomic step read of the registry: a stamp that passed, for a version
-    that was active, within the lag bound of the pointer as it is now.
+    revision conflict (before state), not rewarded; then the ledger's own record of the
+    update (`poisoned`, as read with the row: update_poisoned); then the reservation's
+    premise, judged with what this atomic step read of the registry: a stamp that passed,
+    for a version that was active, stamped with its registered hash, within the lag bound
+    of the pointer as it is now.
     """
     check_update_id(update_id)
     check_revision(expected_revision)
@@ -565,7 +637,9 @@ def plan_reserve(
     )
     if why is not None:
         return ReserveOutcome(rollout_id, why == IDEMPOTENT, why, entry), None
-    refusal = premise.refusal(admission, entry.behavior_version)
+    if poisoned:
+        return ReserveOutcome(rollout_id, False, UPDATE_POISONED, entry, _POISONED), None
+    refusal = premise.refusal(admission, entry.behavior_version, entry.artifact_hash)
     if refusal is not None:
         return ReserveOutcome(rollout_id, False, refusal[0], entry, refusal[1]), None
     new = plan_transition(
@@ -578,6 +652,13 @@ def plan_reserve(
     return ReserveOutcome(rollout_id, True, RESERVED, new), new
 
 
+_POISONED = (
+    "the ledger records this update as poisoned (a commit of it was refused, a lease of one "
+    "of its rollouts expired, or it held a rollout of a retired version): abort it and "
+    "train a new update"
+)
+
+
 def plan_each(
     plan: Callable[..., tuple[ReserveOutcome, LedgerEntry | None]],
     entries: Mapping[str, LedgerEntry],
@@ -586,6 +667,7 @@ def plan_each(
     *,
     premise: ActivationPremise,
     lease_expires_at: float | None,
+    poisoned: bool = False,
 ) -> tuple[list[ReserveOutcome], dict[str, tuple[LedgerEntry, LedgerEntry]]]:
     """A checked batch planned request by request with `plan` (`plan_reserve`'s signature):
     what `plan_reserves` must return, kept as its reference (the batch tests compare the
@@ -602,6 +684,7 @@ def plan_each(
             r.admission,
             premise=premise,
             lease_expires_at=lease_expires_at,
+            poisoned=poisoned,
         )
         outcomes.append(out)
         if new is not None and before is not None:
@@ -622,6 +705,7 @@ def plan_reserves(
     *,
     premise: ActivationPremise,
     lease_expires_at: float | None,
+    poisoned: bool = False,
 ) -> tuple[list[ReserveOutcome], dict[str, tuple[LedgerEntry, LedgerEntry]]]:
     """`plan_reserve` of each request of a checked batch (`check_requests`) against the rows
     its step read: the same outcomes, in order, and the (before, after) of each row to
@@ -639,12 +723,12 @@ def plan_reserves(
     outcomes: list[ReserveOutcome] = []
     add = outcomes.append
     planned: dict[str, tuple[LedgerEntry, LedgerEntry]] = {}
-    # (id of the stamp, behaviour version) -> refusal: the requests hold every stamp, so no
-    # id is reused while this runs; a batch mostly carries one stamp and one version, so
-    # the last one judged is kept at hand as well
-    judged: dict[tuple[int, int], tuple[str, str] | None] = {}
+    # (id of the stamp, behaviour version, hash) -> refusal: the requests hold every stamp,
+    # so no id is reused while this runs; a batch mostly carries one stamp, one version and
+    # one hash, so the last one judged is kept at hand as well
+    judged: dict[tuple[int, int, str], tuple[str, str] | None] = {}
     last_stamp: object = judged  # no request's stamp
-    last_version, refusal = -1, None
+    last_version, last_hash, refusal = -1, "", None
     dests: dict[str, str] = {}
     kind: type[Any] | None = None  # the class `evolve` builds
     evolve: Callable[..., LedgerEntry] | None = None
@@ -659,14 +743,17 @@ def plan_reserves(
         if why is not None:
             add(outcome(rid, why == IDEMPOTENT, why, entry))
             continue
-        admission, version = r.admission, entry.behavior_version
-        if admission is not last_stamp or version != last_version:
-            key = (id(admission), version)
+        if poisoned:
+            add(outcome(rid, False, UPDATE_POISONED, entry, _POISONED))
+            continue
+        admission, version, digest = r.admission, entry.behavior_version, entry.artifact_hash
+        if admission is not last_stamp or version != last_version or digest != last_hash:
+            key = (id(admission), version, digest)
             if key in judged:
                 refusal = judged[key]
             else:
-                refusal = judged[key] = premise.refusal(admission, version)
-            last_stamp, last_version = admission, version
+                refusal = judged[key] = premise.refusal(admission, version, digest)
+            last_stamp, last_version, last_hash = admission, version, digest
         if refusal is not None:
             add(outcome(rid, False, refusal[0], entry, refusal[1]))
             continue
@@ -712,10 +799,18 @@ def replan_lost(
 
 
 def plan_release(
-    entry: LedgerEntry, event: str, rule: RecoveryRule, bad_versions: Iterable[int]
+    entry: LedgerEntry,
+    event: str,
+    rule: RecoveryRule,
+    bad_versions: Iterable[int],
+    retired: Iterable[int] = (),
 ) -> LedgerEntry:
     """A returned reservation (`abort` or `expire_lease`) under the recovery rule."""
-    cause = rule.quarantine_cause(entry, bad_versions)
+    cause = (
+        rule.quarantine_cause(entry, bad_versions, retired)
+        if retired
+        else rule.quarantine_cause(entry, bad_versions)
+    )
     if cause is not None:
         return plan_transition(
             entry,
@@ -786,13 +881,19 @@ ADDABLE_STATES = tuple(s for s in LIFECYCLE.states if s in rules.START_STATES)
 
 
 def plan_add(
-    entry: LedgerEntry, bad_versions: Iterable[int], *, dispatched: bool = False
+    entry: LedgerEntry,
+    bad_versions: Iterable[int],
+    *,
+    dispatched: bool = False,
+    retired: Iterable[int] = (),
 ) -> list[tuple[str, LedgerEntry | None, LedgerEntry]]:
-    """The writes that add a new rollout: the entry, then quarantine if its version is bad.
+    """The writes that add a new rollout: the entry, then quarantine if its version is bad
+    or retired.
 
     A rollout that arrives stamped with a version whose activation failed (a worker still
-    generating on weights that never became active) is quarantined on arrival, so no call
-    ever leaves such a rollout open.
+    generating on weights that never became active), or with a version rolled back (read
+    from the registry in the same step, whoever rolled it back), is quarantined on arrival,
+    so no call ever leaves such a rollout open. `dispatched`: it carries its attempt chain.
     """
     if entry.revision != 0 or entry.state not in ADDABLE_STATES:
         raise WriteRefused(
@@ -814,6 +915,11 @@ def plan_add(
     changes: list[tuple[str, LedgerEntry | None, LedgerEntry]] = [("add", None, entry)]
     if entry.behavior_version in set(bad_versions):
         d = Disposition("activation", "failed_version", "arrived after its version failed")
+        changes.append(("quarantine", entry, plan_transition(entry, "quarantine", disposition=d)))
+    elif entry.behavior_version in set(retired):
+        d = Disposition(
+            "activation", "rolled_back", f"arrived after v{entry.behavior_version} was rolled back"
+        )
         changes.append(("quarantine", entry, plan_transition(entry, "quarantine", disposition=d)))
     return changes
 
@@ -902,11 +1008,21 @@ class Ledger(Protocol):
 
     def reserved_by(self, update_id: str) -> list[str]: ...
 
-    def dispatch(self, rollout: Rollout | LedgerEntry, *, chain: str) -> DispatchOutcome: ...
+    def update(self, update_id: str) -> UpdateRecord | None: ...
+
+    def updates(self) -> dict[str, UpdateRecord]: ...
+
+    def dispatch(
+        self, rollout: Rollout | LedgerEntry, *, chain: str | None = None
+    ) -> DispatchOutcome: ...
 
     def retire_stale(self) -> list[LedgerEntry]: ...
 
     def oldest_admissible(self, limit: int) -> list[LedgerEntry]: ...
+
+    def premise_and_rows(
+        self, rollout_ids: Sequence[str]
+    ) -> tuple[ActivationPremise, dict[str, LedgerEntry]]: ...
 
     def snapshot(self) -> dict[str, LedgerEntry]: ...
 
@@ -917,7 +1033,8 @@ class Ledger(Protocol):
     def close(self) -> None: ...
 
 
-def _check_ids(rollout_ids: Sequence[str]) -> list[str]:
+def _check_id_list(rollout_ids: Sequence[str]) -> list[str]:
+    """A list of rollout ids, each a valid id (repeats are judged by the caller)."""
     if isinstance(rollout_ids, str | bytes) or not isinstance(rollout_ids, Sequence):
         raise InvalidLedgerArgument(
             f"rollout ids must be a list of strings, got {type(rollout_ids).__name__}"
@@ -925,28 +1042,65 @@ def _check_ids(rollout_ids: Sequence[str]) -> list[str]:
     ids = list(rollout_ids)
     for rid in ids:
         check_id(rid, "rollout id")
-    dup = [k for k, n in Counter(ids).items() if n > 1]
-    if dup:
-        raise CommitMismatch(f"rollout ids listed more than once: {sorted(dup)[:5]}")
     return ids
 
 
-def commit_plan(
+def commit_mismatch(
     update_id: str, rollout_ids: Sequence[str], owned: Sequence[LedgerEntry]
-) -> list[LedgerEntry]:
-    """New entries for a commit, only if `rollout_ids` is exactly what `update_id` reserved."""
-    check_update_id(update_id)
-    ids = set(_check_ids(rollout_ids))
-    held = {e.rollout_id for e in owned}
-    if ids != held:
-        missing = sorted(held - ids)
-        extra = sorted(ids - held)
-        raise CommitMismatch(
-            f"update {brief(update_id)} must commit exactly what it reserved: "
-            f"{len(missing)} reserved but not listed {missing[:5]}, "
-            f"{len(extra)} listed but not reserved by it {extra[:5]}; nothing was committed"
-        )
-    return [plan_transition(e, "commit", reserved_by=None, lease_expires_at=None) for e in owned]
+) -> str | None:
+    """Why a commit of `rollout_ids` is not exactly what `update_id` holds (`owned`), or
+    None: the message of the CommitMismatch (ids listed twice are a mismatch too)."""
+    dup = sorted(k for k, n in Counter(rollout_ids).items() if n > 1)
+    if dup:
+        return f"rollout ids listed more than once: {dup[:5]}; nothing was committed"
+    ids, held = set(rollout_ids), {e.rollout_id for e in owned}
+    if ids == held:
+        return None
+    missing, extra = sorted(held - ids), sorted(ids - held)
+    return (
+        f"update {brief(update_id)} must commit exactly what it reserved: "
+        f"{len(missing)} reserved but not listed {missing[:5]}, "
+        f"{len(extra)} listed but not reserved by it {extra[:5]}; nothing was committed"
+    )
+
+
+def poison_change(
+    update_id: str, record: UpdateRecord | None, cause: str, detail: str
+) -> UpdateChange | None:
+    """The change that poisons `update_id` (None: it is poisoned already; the first cause
+    stands)."""
+    if record is not None and record.status == "poisoned":
+        return None
+    return ("poison", record, UpdateRecord(update_id, "poisoned", cause, detail))
+
+
+def open_change(update_id: str, record: UpdateRecord | None) -> list[UpdateChange]:
+    """The change that records `update_id` at its first reservation (none if recorded)."""
+    return [] if record is not None else [("open", None, UpdateRecord(update_id, "open"))]
+
+
+def land_change(update_id: str, record: UpdateRecord | None) -> list[UpdateChange]:
+    """The change a commit that consumed rollouts makes (none if it landed before)."""
+    if record is not None and record.status == "landed":
+        return []
+    return [("land", record, UpdateRecord(update_id, "landed"))]
+
+
+def update_from_row(row: Sequence[object]) -> UpdateRecord:
+    """An update record from its stored (update_id, status, cause, detail) row."""
+    uid, status, cause, detail = row
+    return UpdateRecord(str(uid), str(status), None if cause is None else str(cause), str(detail))
+
+
+def poisoned_error(record: UpdateRecord) -> UpdatePoisoned:
+    """The typed refusal of a commit of a poisoned update."""
+    return UpdatePoisoned(
+        f"update {brief(record.update_id)} is poisoned ({record.cause}: {record.detail}); "
+        "nothing was committed, and no commit of it ever lands: abort it (its rollouts "
+        "return) and train a new update on fresh reservations",
+        update_id=record.update_id,
+        cause=record.cause or "",
+    )
 
 
 # ---- stored JSON of an entry ----------------------------------------------------------------
@@ -1116,6 +1270,11 @@ class Step:
     live: Literal["add", "count"] | None = None
 
 
+class _CountFirst(Exception):
+    """An add step found a pacing policy while sharing the dispatch lock: run it again
+    holding the lock alone (it counts the live budget, then writes)."""
+
+
 _RESERVE = Step("reserve", premise=True)
 _RESERVE_BATCH = Step("reserve_batch", premise=True)
 
@@ -1132,6 +1291,10 @@ class StoreView(Protocol):
         bound on that side), the first in `model.pacing.oldest_first`'s order."""
         ...
 
+    def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+        """The stored entries of these ids (absent ids are left out)."""
+        ...
+
 
 class UnitOfWork(StoreView, Protocol):
     """What a step's body may do inside its store's atomic step.
@@ -1141,10 +1304,6 @@ class UnitOfWork(StoreView, Protocol):
     `before`'s revision, so it returns the ids that won. Rows read back from the store were
     validated when written; stores need not validate them again.
     """
-
-    def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
-        """The stored entries of these ids (absent ids are left out)."""
-        ...
 
     def owned(self, update_id: str) -> list[LedgerEntry]:
         """The entries `update_id` holds, by rollout id."""
@@ -1195,8 +1354,19 @@ class UnitOfWork(StoreView, Protocol):
         """Compare-and-set each (before, after) on before's revision; the ids that won."""
         ...
 
-    def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
-        """Append the step's events and add `counts` to the durable counters."""
+    def read_updates(self, update_ids: Sequence[str]) -> dict[str, UpdateRecord]:
+        """The ledger's records of these updates, as of this step (absent ones left out)."""
+        ...
+
+    def append(
+        self,
+        changes: Sequence[Change],
+        at: float,
+        counts: Mapping[str, int],
+        updates: Sequence[UpdateChange] = (),
+    ) -> None:
+        """Append the step's events (its entries', then its updates'), store the updates'
+        new records, and add `counts` to the durable counters."""
         ...
 
 
@@ -1215,6 +1385,20 @@ class Store(Protocol):
 
     def find(self, rollout_id: str) -> LedgerEntry | None:
         """The stored entry, or None."""
+        ...
+
+    def find_with_update(
+        self, rollout_id: str, update_id: str
+    ) -> tuple[LedgerEntry | None, UpdateRecord | None]:
+        """The stored entry and the record of `update_id`, from one consistent read."""
+        ...
+
+    def find_update(self, update_id: str) -> UpdateRecord | None:
+        """The record of `update_id`, or None."""
+        ...
+
+    def all_updates(self) -> dict[str, UpdateRecord]:
+        """Every update the ledger records, by id."""
         ...
 
     def reserved_by(self, update_id: str) -> list[str]:
@@ -1268,8 +1452,11 @@ class GuardedStore(Protocol):
     the store only refuses to write when the row's revision or the premise changed since
     (a compare-and-set on both)."""
 
-    def peek(self, rollout_id: str) -> tuple[LedgerEntry | None, Peeked]:
-        """The row (None: absent) and the premise, from one consistent read."""
+    def peek(
+        self, rollout_id: str, update_id: str
+    ) -> tuple[LedgerEntry | None, UpdateRecord | None, Peeked]:
+        """The row (None: absent), the record of `update_id` and the premise, from one
+        consistent read."""
         ...
 
     def write_one(
@@ -1282,8 +1469,9 @@ class GuardedStore(Protocol):
         seen: Peeked | None,
     ) -> WriteOutcome:
         """Compare-and-set `pair` and append `changes` and `counts` in one atomic write.
-        With `step.premise`, only while the premise is `seen`'s ("moved" otherwise);
-        "lost" when the row's revision moved; "won" when all of it landed."""
+        With `step.premise`, only while the premise is `seen`'s and the reserving update
+        (the owner `pair` writes) is recorded and not poisoned ("moved" otherwise); "lost"
+        when the row's revision moved; "won" when all of it landed."""
         ...
 
 
@@ -1313,6 +1501,9 @@ class StoreLedger:
         self._outcomes: Counter[str] = Counter()
         self._outcomes_lock = threading.Lock()
         self._guarded = store if isinstance(store, GuardedStore) else None
+        # whether an add must hold the dispatch lock alone (it counts the live budget under
+        # a pacing policy): assumed until a step reads that no pacing policy is recorded
+        self._adds_count = True
 
     # ---- plumbing ------------------------------------------------------------------------
 
@@ -1350,10 +1541,11 @@ class StoreLedger:
         counts: Mapping[str, int],
         *,
         by_owner: bool = False,
+        updates: Sequence[UpdateChange] = (),
     ) -> list[LedgerEntry]:
         """Write a step's planned changes to rows it read under its lock, with their events
         (recorded for `update_id`, or with `by_owner` for each row's own holder: lease
-        expiry returns many updates' rows at once)."""
+        expiry returns many updates' rows at once), and the updates' changes it makes."""
         enforce(afters)
         pairs = list(zip(befores, afters, strict=True))
         if pairs and len(uow.write(pairs)) != len(pairs):
@@ -1361,7 +1553,7 @@ class StoreLedger:
         changes: list[Change] = [
             (event, b, a, b.reserved_by if by_owner else update_id) for b, a in pairs
         ]
-        uow.append(changes, self.clock(), {"writes": len(changes), **counts})
+        uow.append(changes, self.clock(), {"writes": len(changes), **counts}, updates)
         return afters
 
     # ---- protocol --------------------------------------------------------------------------
@@ -1372,18 +1564,38 @@ class StoreLedger:
 
     def add_many(self, rollouts: Sequence[Rollout | LedgerEntry]) -> list[LedgerEntry]:
         """Insert several new rollouts in one atomic step, all or nothing: a duplicate id
-        anywhere (stored or in the list) adds none of them."""
-        entries = [as_entry(r) for r in rollouts]
+        anywhere (stored or in the list) adds none of them.
+
+        With a pacing policy recorded (batch_size or max_attempts), an add is a dispatch
+        that does not wait: judged inside its step by the same rules as `dispatch` (the
+        version, the prompt's attempt chain, the live budget), each new rollout numbered as
+        its chain's next attempt; any refusal raises DispatchRefused (nothing is added).
+        Without one, a rollout of a version marked bad or rolled back is quarantined on
+        arrival."""
+        items = list(rollouts)
+        entries = [as_entry(r) for r in items]
         plans = [plan_add(e, ()) for e in entries]  # validated before any lock is taken
         if not entries:
             return []
+        own = [identity_chain(r.identity) if isinstance(r, Rollout) else None for r in items]
 
-        def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
+        def body(uow: UnitOfWork, _: Counter[str], exclusive: bool) -> list[LedgerEntry]:
+            act = uow.read_premise()
             bad = uow.bad_versions()
-            steps = [
-                plan_add(e, bad) if e.behavior_version in bad else p
-                for e, p in zip(entries, plans, strict=True)
-            ]
+            pol = act.policy
+            if pol is not None and pol.paced and act.was_active is not None:
+                if not exclusive:
+                    raise _CountFirst()
+                paced = self._paced_adds(uow, act, entries, own)
+                steps = [plan_add(e, bad, dispatched=e.chain is not None) for e in paced]
+            else:
+                self._adds_count = False
+                steps = [
+                    plan_add(e, bad, retired=act.retired)
+                    if e.behavior_version in bad or e.behavior_version in act.retired
+                    else p
+                    for e, p in zip(entries, plans, strict=True)
+                ]
             final = [s[-1][2] for s in steps]
             enforce(a for s in steps for _, b, a in s if b is not None)
             uow.insert(final)
@@ -1391,7 +1603,56 @@ class StoreLedger:
             uow.append(changes, self.clock(), {"writes": len(changes)})
             return final
 
-        return self._step(body, Step("add", bad="read", live="add"))
+        # an add counts the live budget only under a pacing policy, which the step reads:
+        # it shares the dispatch lock (PostgreSQL) until a policy says it must hold it alone
+        exclusive = self._adds_count
+        while True:
+            step = Step("add", premise=True, bad="read", live="count" if exclusive else "add")
+            try:
+                return self._step(functools.partial(body, exclusive=exclusive), step)
+            except _CountFirst:
+                exclusive = self._adds_count = True
+
+    def _paced_adds(
+        self,
+        uow: UnitOfWork,
+        act: ActivationPremise,
+        entries: Sequence[LedgerEntry],
+        own: Sequence[str | None],
+    ) -> list[LedgerEntry]:
+        """`entries` judged as dispatches in this step, in order (each counts on the budget
+        and its chain as the ones before it left them): each with its chain and attempt, or
+        DispatchRefused naming the reason and `ledger.dispatch`."""
+        pol = act.policy
+        assert pol is not None
+        floor = window_floor(act.pointer_version, pol)
+        live = uow.count(LIVE_STATES, floor)
+        chains: dict[str, tuple[str, ...]] = {}
+        out: list[LedgerEntry] = []
+        for e, key in zip(entries, own, strict=True):
+            chain = chain_of(e, None, key, pol)
+            if chain is None:  # chain_key 'caller': an add names no chain, only the budget
+                chain_states: tuple[str, ...] = ()
+            else:
+                found = chains.get(chain)
+                chain_states = uow.chain_states(chain) if found is None else found
+            premise = DispatchPremise(
+                act.pointer_version, act.was_active, pol, live, chain_states, act.retired
+            )
+            got, new = plan_dispatch(e, chain or "", premise, chained=chain is not None)
+            if new is None:
+                raise DispatchRefused(
+                    f"rollout {brief(e.rollout_id)} was not added ({got.reason}: {got.detail}); "
+                    "the deployment's pacing policy judges every entry: call "
+                    "ledger.dispatch(rollout) before generating it, and wait while it says "
+                    "no_capacity (nothing was added)",
+                    reason=got.reason,
+                )
+            if chain is not None:
+                chains[chain] = (*chain_states, new.state)
+            live += 1
+            out.append(new)
+        return out
 
     def find(self, rollout_id: str) -> LedgerEntry | None:
         """The entry, or None when absent."""
@@ -1464,14 +1725,16 @@ class StoreLedger:
         conditional write whose outcome decides who won. A `GuardedStore` reads the premise
         with the row, so it is judged with the plan, and writes only while the premise it
         was judged on still holds under the premise lock (else the step judges it again).
+        Every answer is true at one instant inside the call: a refusal the step's premise
+        gives is paired with the row the step itself reads (issue 33).
         """
         check_update_id(update_id)
         guarded, seen, start = self._guarded, None, None
         if guarded is not None:  # the row and the premise in one read: judged right here
-            entry, seen = guarded.peek(check_id(rollout_id))
+            entry, record, seen = guarded.peek(check_id(rollout_id), update_id)
             start = seen.now
         else:
-            entry = self.find(rollout_id)
+            entry, record = self.store.find_with_update(check_id(rollout_id), update_id)
         out, new = plan_reserve(
             entry,
             rollout_id,
@@ -1480,11 +1743,13 @@ class StoreLedger:
             admission,
             premise=NO_REGISTRY if seen is None else seen.premise,
             lease_expires_at=(self.clock() if start is None else start) + self.lease_seconds,
+            poisoned=record is not None and record.status == "poisoned",
         )
         if new is None or entry is None:
             self._count_local({counter_of(out.reason): 1})
             return out
-        if guarded is not None:
+        # the first reservation of an update also records it: that takes the step below
+        if guarded is not None and record is not None:
             enforce([new])
             got = guarded.write_one(
                 (entry, new),
@@ -1508,20 +1773,33 @@ class StoreLedger:
                 self._count_local({counter_of(again.reason): 1})
                 return again
             # "moved": the premise changed since the peek; judge it again inside a step
-        planned, fresh, version = out, new, entry.behavior_version
+        planned, fresh, version, digest = out, new, entry.behavior_version, entry.artifact_hash
 
         def body(uow: UnitOfWork, local: Counter[str]) -> ReserveOutcome:
             # planning judged the stamp alone already (it passed: else no step runs); under
-            # this step's lock the premise is judged, with the stamp as the request it is
+            # this step's lock the update's record and the premise are judged, with the
+            # stamp as the request it is
             premise = uow.read_premise()
-            refusal = (
-                None
-                if premise is NO_REGISTRY
-                else premise.refusal(admission, version, stamp_passed=True)
-            )
+            now_record = uow.read_updates([update_id]).get(update_id)
+            refusal: tuple[str, str] | None
+            if now_record is not None and now_record.status == "poisoned":
+                refusal = (UPDATE_POISONED, _POISONED)
+            elif premise is NO_REGISTRY:
+                refusal = None
+            else:
+                refusal = premise.refusal(admission, version, digest, stamp_passed=True)
             if refusal is not None:
+                # an answer is true at one instant: this step's premise goes with this
+                # step's row, not the one read before it (the earlier checks come first)
+                row = uow.read_rows([rollout_id]).get(rollout_id)
+                if row is None or row.revision != entry.revision:
+                    again = replan_lost(
+                        row, rollout_id, expected_revision, update_id, admission, None
+                    )
+                    local[counter_of(again.reason)] += 1
+                    return again
                 local["refused"] += 1
-                return ReserveOutcome(rollout_id, False, refusal[0], entry, refusal[1])
+                return ReserveOutcome(rollout_id, False, refusal[0], row, refusal[1])
             now, done, lease = uow.server_now(), planned, fresh
             if now is not None:  # the deadline is the server's, not this client's
                 lease = _evolve(fresh, lease_expires_at=now + self.lease_seconds)
@@ -1529,7 +1807,8 @@ class StoreLedger:
             enforce([lease])
             if uow.write([(entry, lease)]):
                 changes: list[Change] = [("reserve", entry, lease, update_id)]
-                uow.append(changes, self.clock(), {"writes": 1, "reservations": 1})
+                opened = open_change(update_id, now_record)
+                uow.append(changes, self.clock(), {"writes": 1, "reservations": 1}, opened)
                 return done
             # lost: re-plan on the row as it is now (revisions only grow, so a conflict, or
             # an idempotent retry if this update reserved it meanwhile through a batch)
@@ -1564,8 +1843,14 @@ class StoreLedger:
             premise = uow.read_premise()
             lease = self._now(uow) + self.lease_seconds
             entries = uow.read_rows(ids)
+            record = uow.read_updates([update_id]).get(update_id)
             outcomes, planned = plan_reserves(
-                entries, requests, update_id, premise=premise, lease_expires_at=lease
+                entries,
+                requests,
+                update_id,
+                premise=premise,
+                lease_expires_at=lease,
+                poisoned=record is not None and record.status == "poisoned",
             )
             enforce(a for _, a in planned.values())
             won = uow.write(list(planned.values())) if planned else set()
@@ -1589,33 +1874,71 @@ class StoreLedger:
                 counts[counter_of(reason)] += n
             durable = {k: v for k, v in counts.items() if k not in PROCESS_LOCAL_COUNTERS}
             local.update({k: v for k, v in counts.items() if k in PROCESS_LOCAL_COUNTERS})
-            uow.append(changes, self.clock(), {"writes": len(changes), **durable})
+            opened = open_change(update_id, record) if changes else []
+            uow.append(changes, self.clock(), {"writes": len(changes), **durable}, opened)
             return outcomes
 
         return self._step(body, _RESERVE_BATCH)
 
     def commit(self, update_id: str, rollout_ids: Sequence[str]) -> list[LedgerEntry]:
-        """Consume exactly the rollouts `update_id` reserved, atomically; else CommitMismatch."""
+        """Consume exactly the rollouts `update_id` reserved, atomically.
+
+        Refused, with nothing consumed: CommitMismatch when `rollout_ids` is not exactly
+        what the update holds; UpdatePoisoned (a CommitMismatch) when the ledger records the
+        update as poisoned, or it holds a rollout of a version rolled back (retired, read
+        from the registry in this step). A refused commit poisons the update in its own
+        step (that record is all it writes): it may have trained on a rollout another
+        update consumes, so no later commit of it lands. A commit that consumes rollouts
+        records the update as landed."""
         check_update_id(update_id)
+        ids = _check_id_list(rollout_ids)
 
-        def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
+        def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry] | CommitMismatch:
+            act = uow.read_premise()
             owned = uow.owned(update_id)
-            new = commit_plan(update_id, rollout_ids, owned)
-            return self._apply(uow, "commit", owned, new, update_id, {"commits": 1})
+            record = uow.read_updates([update_id]).get(update_id)
+            if record is not None and record.status == "poisoned":
+                return poisoned_error(record)
+            why = commit_mismatch(update_id, ids, owned)
+            retired = sorted({e.behavior_version for e in owned} & act.retired)
+            if why is None and not retired:
+                new = [
+                    plan_transition(e, "commit", reserved_by=None, lease_expires_at=None)
+                    for e in owned
+                ]
+                landed = land_change(update_id, record) if owned else []
+                return self._apply(
+                    uow, "commit", owned, new, update_id, {"commits": 1}, updates=landed
+                )
+            if why is not None:
+                cause, detail, error = POISON_COMMIT_MISMATCH, why, CommitMismatch(why)
+            else:
+                cause = POISON_RETIRED_VERSION
+                held = [e.rollout_id for e in owned if e.behavior_version in act.retired]
+                detail = f"holds {held[:5]} of v{retired} rolled back (retired)"
+                error = None
+            change = poison_change(update_id, record, cause, detail)
+            assert change is not None  # not poisoned: judged above
+            uow.append([], self.clock(), {}, [change])
+            return error if error is not None else poisoned_error(change[2])
 
-        return self._step(body, Step("commit"))
+        got = self._step(body, Step("commit", premise=True))
+        if isinstance(got, CommitMismatch):
+            raise got
+        return got
 
     def abort(self, update_id: str) -> list[LedgerEntry]:
         """Return every reservation of `update_id` under the recovery rule."""
         check_update_id(update_id)
 
         def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
+            retired = uow.read_premise().retired
             owned = uow.owned(update_id)
             bad = uow.bad_versions()
-            new = [plan_release(e, "abort", self.recovery, bad) for e in owned]
+            new = [plan_release(e, "abort", self.recovery, bad, retired) for e in owned]
             return self._apply(uow, "abort", owned, new, update_id, {"aborts": 1})
 
-        return self._step(body, Step("abort", bad="read"))
+        return self._step(body, Step("abort", premise=True, bad="read"))
 
     def fail_update(self, update_id: str, cause: str, detail: str = "") -> list[LedgerEntry]:
         """The update itself failed with this data: its rollouts end in update_failed."""
@@ -1640,13 +1963,33 @@ class StoreLedger:
         """Return reservations whose lease ran out (a crashed learner never blocks forever)."""
 
         def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
+            retired = uow.read_premise().retired
             due = uow.due(self._now(uow))
             bad = uow.bad_versions()
-            new = [plan_release(e, "expire_lease", self.recovery, bad) for e in due]
+            new = [plan_release(e, "expire_lease", self.recovery, bad, retired) for e in due]
             counts = {"expirations": len(new)}
-            return self._apply(uow, "expire_lease", due, new, None, counts, by_owner=True)
+            # a holder that lost a lease may have trained on a rollout another update will
+            # consume: it is poisoned in this same step (lineage: no commit of it lands)
+            lost: dict[str, list[str]] = {}
+            for e in due:
+                if e.reserved_by is not None:
+                    lost.setdefault(e.reserved_by, []).append(e.rollout_id)
+            records = uow.read_updates(sorted(lost)) if lost else {}
+            poisons = [
+                c
+                for u, rids in sorted(lost.items())
+                if (
+                    c := poison_change(
+                        u, records.get(u), POISON_LEASE_EXPIRED, f"lease of {rids[:5]} expired"
+                    )
+                )
+                is not None
+            ]
+            return self._apply(
+                uow, "expire_lease", due, new, None, counts, by_owner=True, updates=poisons
+            )
 
-        return self._step(body, Step("expire_leases", bad="read"))
+        return self._step(body, Step("expire_leases", premise=True, bad="read"))
 
     def renew_leases(self, update_id: str) -> list[LedgerEntry]:
         """Heartbeat of a long update: every rollout it holds gets a full lease from now
@@ -1679,7 +2022,12 @@ class StoreLedger:
         Rollouts already quarantined stay quarantined (terminal states absorb).
         """
         check_version(version)
-        self._step(lambda uow, _: uow.clear_bad(version), Step("clear_bad_version", bad="change"))
+
+        def body(uow: UnitOfWork, _: Counter[str]) -> None:
+            uow.clear_bad(version)
+            uow.append([], self.clock(), {})  # the lifted mark's recorded row, if one was lifted
+
+        self._step(body, Step("clear_bad_version", bad="change"))
 
     @property
     def bad_versions(self) -> frozenset[int]:
@@ -1690,19 +2038,43 @@ class StoreLedger:
         """Ids currently reserved by `update_id`, sorted."""
         return self.store.reserved_by(update_id)
 
-    def dispatch(self, rollout: Rollout | LedgerEntry, *, chain: str) -> DispatchOutcome:
-        """Start a rollout of `chain` only within the staleness budget (model.pacing): the
-        pointer, the policy, the live count of the window and the chain are read inside the
-        step that inserts the rollout, so no other dispatch counts the same free slot."""
-        entry = dispatch_entry(rollout, chain)
+    def update(self, update_id: str) -> UpdateRecord | None:
+        """The ledger's record of `update_id` (open, landed or poisoned), or None when it
+        never reserved: what lineage is read from."""
+        return self.store.find_update(check_update_id(update_id))
+
+    def updates(self) -> dict[str, UpdateRecord]:
+        """Every update the ledger records, by id."""
+        return self.store.all_updates()
+
+    def dispatch(
+        self, rollout: Rollout | LedgerEntry, *, chain: str | None = None
+    ) -> DispatchOutcome:
+        """Start a rollout only within the staleness budget (model.pacing): the pointer, the
+        policy, the live count of the window and the chain are read inside the step that
+        inserts the rollout, so no other dispatch counts the same free slot.
+
+        The chain is the rollout's prompt identity (`chain_of`: dataset, prompt id, sample
+        index) unless the recorded policy's chain_key is 'caller'; `chain` may then be
+        omitted, and one that differs is refused (InvalidLedgerArgument)."""
+        entry, caller, own = dispatch_entry(rollout, chain)
 
         def body(uow: UnitOfWork, _: Counter[str]) -> DispatchOutcome:
             act = uow.read_premise()
+            key = chain_of(entry, caller, own, act.policy)
+            if key is None:
+                raise InvalidLedgerArgument(
+                    f"dispatch of {brief(entry.rollout_id)} names no chain: pass chain=KEY "
+                    "(the deployment counts attempts by the caller's key, chain_key 'caller'), "
+                    "or dispatch the Rollout (its identity names the chain)"
+                )
             floor = window_floor(act.pointer_version, act.policy)
             live = uow.count(LIVE_STATES, floor)
-            states = uow.chain_states(chain)
-            premise = DispatchPremise(act.pointer_version, act.was_active, act.policy, live, states)
-            out, new = plan_dispatch(entry, chain, premise)
+            states = uow.chain_states(key)
+            premise = DispatchPremise(
+                act.pointer_version, act.was_active, act.policy, live, states, act.retired
+            )
+            out, new = plan_dispatch(entry, key, premise)
             if new is None:
                 return out
             changes = plan_add(new, uow.bad_versions(), dispatched=True)
@@ -1720,10 +2092,27 @@ class StoreLedger:
 
         def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
             act = uow.read_premise()
+            # the open rollouts of a rolled-back version, whoever rolled it back (a
+            # coordinator without this ledger too): quarantined here, by the ledger itself
+            done: set[str] = set()
+            befores: list[LedgerEntry] = []
+            afters: list[LedgerEntry] = []
+            for v in sorted(act.retired):
+                for e in uow.of_version(v, QUARANTINABLE):
+                    d = Disposition("activation", "rolled_back", f"v{v} was rolled back")
+                    befores.append(e)
+                    afters.append(plan_transition(e, "quarantine", disposition=d))
+                    done.add(e.rollout_id)
+            if befores:
+                self._apply(uow, "quarantine", befores, afters, None, {})
             floor = window_floor(act.pointer_version, act.policy)
             if floor is None or act.policy is None or act.pointer_version is None:
-                return []
-            due = [e for e in uow.older_than(floor, ("rewarded",)) if e.state == "rewarded"]
+                return afters
+            due = [
+                e
+                for e in uow.older_than(floor, ("rewarded",))
+                if e.state == "rewarded" and e.rollout_id not in done
+            ]
             pointer, bound = act.pointer_version, act.policy.max_lag
             new = [
                 plan_transition(
@@ -1733,7 +2122,7 @@ class StoreLedger:
                 )
                 for e in due
             ]
-            return self._apply(uow, "retire_stale", due, new, None, {})
+            return afters + self._apply(uow, "retire_stale", due, new, None, {})
 
         return self._step(body, Step("retire_stale", premise=True))
 
@@ -1748,6 +2137,211 @@ class StoreLedger:
             return oldest_first(view.rewarded_between(floor, act.pointer_version, limit))
 
         return self.store.view(body, "oldest_admissible")
+
+    def land_and_reserve(
+        self,
+        update_id: str | None,
+        landings: Sequence[Landing] = (),
+        *,
+        close: Sequence[tuple[str, str, Disposition]] = (),
+        reserve: Mapping[str, AdmissionStamp] | None = None,
+    ) -> LandedStep:
+        """Land a step's generations, close what must not train, and reserve, in ONE step.
+
+        A trainer's per-step write as one atomic step whose cost is what it writes, whatever
+        the ledger's size: each landing is applied to its row as read in this step (see
+        `Landing`); each `(id, event, disposition)` of `close` fires `event` (one of
+        CLOSING_EVENTS) on the row if the machine allows it from the row's state; then each
+        id of `reserve` is reserved for `update_id` with its stamp on the row as this step
+        left it (it must be rewarded; the stamp is judged against the registry's premise of
+        this step, as `reserve_batch` judges it). The compare-and-set of a reservation is on
+        the revision this step read: nothing can move the row in between, except on a store
+        that locks rows rather than the step, where a lost write is reported
+        ('revision_conflict') and writes nothing.
+        """
+        items = check_landings(landings)
+        closes = [(check_id(r), ev, d) for r, ev, d in close]
+        for rid, ev, d in closes:
+            if ev not in CLOSING_EVENTS:
+                raise InvalidLedgerArgument(
+                    f"{rid}: close takes {sorted(CLOSING_EVENTS)}, got {brief(ev)}"
+                )
+            direct_changes(ev, None, d)
+        stamps = dict(reserve or {})
+        if stamps:
+            if update_id is None:
+                raise InvalidLedgerArgument("reserving needs an update id")
+            check_update_id(update_id)
+            check_requests([ReserveRequest(check_id(r), 0, s) for r, s in stamps.items()])
+        ids = list(dict.fromkeys([x.rollout_id for x in items] + [r for r, _, _ in closes]))
+        ids += [r for r in stamps if r not in set(ids)]
+        if not ids:
+            return LandedStep({}, (), {})
+
+        def body(uow: UnitOfWork, local: Counter[str]) -> LandedStep:
+            rows = uow.read_rows(ids)
+            bad = uow.bad_versions()
+            act = uow.read_premise()
+            # under a pacing policy every entry enters through dispatch, which counts it on
+            # the budget and its prompt's chain: a rollout never dispatched is not added here
+            paced = act.policy is not None and act.policy.paced and act.was_active is not None
+            now: dict[str, LedgerEntry] = dict(rows)
+            changes: list[Change] = []
+            skipped: dict[str, str] = {}
+            for x in items:
+                row = now.get(x.rollout_id)
+                if row is None and paced:
+                    skipped[x.rollout_id] = NOT_DISPATCHED
+                    continue
+                steps, after, why = plan_landing(row, x, bad)
+                if why is not None:
+                    skipped[x.rollout_id] = why
+                    continue
+                assert after is not None
+                changes.extend(steps)
+                now[x.rollout_id] = after
+            for rid, ev, d in closes:
+                row = now.get(rid)
+                if row is None or not LIFECYCLE.is_legal(row.state, ev):
+                    skipped[rid] = "missing" if row is None else row.state
+                    continue
+                after = plan_transition(row, ev, **direct_changes(ev, None, d))
+                changes.append((ev, row, after, None))
+                now[rid] = after
+            outcomes: list[ReserveOutcome] = []
+            record: UpdateRecord | None = None
+            if stamps:
+                assert update_id is not None
+                premise = act
+                lease = self._now(uow) + self.lease_seconds
+                record = uow.read_updates([update_id]).get(update_id)
+                requests = [
+                    ReserveRequest(r, now[r].revision if r in now else 0, s)
+                    for r, s in stamps.items()
+                ]
+                outcomes, planned = plan_reserves(
+                    now,
+                    requests,
+                    update_id,
+                    premise=premise,
+                    lease_expires_at=lease,
+                    poisoned=record is not None and record.status == "poisoned",
+                )
+                for rid, (b, a) in planned.items():
+                    changes.append(("reserve", b, a, update_id))
+                    now[rid] = a
+            enforce(a for _, _, a, _ in changes)
+            fresh = [now[r] for r in ids if r not in rows and r in now]
+            if fresh:
+                uow.insert(fresh)
+            pairs = [(rows[r], now[r]) for r in ids if r in rows and now[r] is not rows[r]]
+            won = uow.write(pairs) if pairs else set()
+            if len(won) != len(pairs):  # a store that locks rows: another writer moved it
+                lost = {a.rollout_id for _, a in pairs} - won
+                changes = [c for c in changes if c[2].rollout_id not in lost]
+                for rid in lost:
+                    skipped[rid] = CONFLICT
+                    now[rid] = rows[rid]
+                outcomes = [
+                    ReserveOutcome(o.rollout_id, False, CONFLICT, rows[o.rollout_id])
+                    if o.rollout_id in lost
+                    else o
+                    for o in outcomes
+                ]
+            counts: Counter[str] = Counter()
+            for reason, n in Counter(o.reason for o in outcomes).items():
+                counts[counter_of(reason)] += n
+            durable = {k: v for k, v in counts.items() if k not in PROCESS_LOCAL_COUNTERS}
+            local.update({k: v for k, v in counts.items() if k in PROCESS_LOCAL_COUNTERS})
+            reserved = update_id is not None and any(c[0] == "reserve" for c in changes)
+            opened = open_change(update_id, record) if reserved and update_id else []
+            uow.append(changes, self.clock(), {"writes": len(changes), **durable}, opened)
+            return LandedStep(now, tuple(outcomes), skipped)
+
+        step = Step("land_and_reserve", premise=bool(stamps), bad="read", live="add")
+        return self._step(body, step)
+
+    def dispatch_many(
+        self, rollouts: Sequence[tuple[Rollout | LedgerEntry, str | None]]
+    ) -> list[DispatchOutcome]:
+        """`dispatch` of several (rollout, chain or None) pairs in ONE step, judged in order:
+        the premise and the live count are read once, and each rollout dispatched counts
+        against the budget of the ones after it (the same answers as dispatching them one
+        by one with nothing in between). Each chain is chosen as `dispatch` chooses it
+        (`chain_of`: the rollout's prompt identity unless the policy's chain_key is
+        'caller'). A rollout whose id is already in the ledger is refused with reason
+        'already_dispatched' and its stored entry (a resumed trainer re-issuing a prompt it
+        dispatched before it died continues that attempt)."""
+        entries = [dispatch_entry(r, c) for r, c in rollouts]
+        if not entries:
+            return []
+
+        def body(uow: UnitOfWork, _: Counter[str]) -> list[DispatchOutcome]:
+            act = uow.read_premise()
+            floor = window_floor(act.pointer_version, act.policy)
+            live = uow.count(LIVE_STATES, floor)
+            stored = uow.read_rows([e.rollout_id for e, _, _ in entries])
+            bad = uow.bad_versions()
+            extra: dict[str, list[str]] = {}  # chain -> states dispatched earlier in the batch
+            out: list[DispatchOutcome] = []
+            fresh: list[LedgerEntry] = []
+            taken: set[str] = set()
+            changes: list[Change] = []
+            for entry, caller, own in entries:
+                rid = entry.rollout_id
+                have = stored.get(rid)
+                if have is not None or rid in taken:
+                    got = have if have is not None else entry
+                    out.append(
+                        DispatchOutcome(
+                            rid, False, ALREADY_DISPATCHED, got, got.attempt, None, live
+                        )
+                    )
+                    continue
+                key = chain_of(entry, caller, own, act.policy)
+                if key is None:
+                    raise InvalidLedgerArgument(
+                        f"dispatch of {brief(rid)} names no chain: pass a chain (the "
+                        "deployment counts attempts by the caller's key, chain_key 'caller'), "
+                        "or dispatch the Rollout (its identity names the chain)"
+                    )
+                states = uow.chain_states(key) + tuple(extra.get(key, ()))
+                premise = DispatchPremise(
+                    act.pointer_version, act.was_active, act.policy, live, states, act.retired
+                )
+                o, new = plan_dispatch(entry, key, premise)
+                if new is None:
+                    out.append(o)
+                    continue
+                steps = plan_add(new, bad, dispatched=True)
+                written = steps[-1][2]
+                fresh.append(written)
+                taken.add(rid)
+                changes.extend((ev, b, a, None) for ev, b, a in steps)
+                extra.setdefault(key, []).append(written.state)
+                if written.state in LIVE_STATES and (
+                    floor is None or written.behavior_version >= floor
+                ):
+                    live += 1
+                out.append(attrs.evolve(o, entry=written))
+            if fresh:
+                uow.insert(fresh)
+                uow.append(changes, self.clock(), {"writes": len(changes)})
+            return out
+
+        return self._step(body, Step("dispatch", premise=True, bad="read", live="count"))
+
+    def premise_and_rows(
+        self, rollout_ids: Sequence[str]
+    ) -> tuple[ActivationPremise, dict[str, LedgerEntry]]:
+        """The registry's premise and these rows from ONE consistent view (nothing is
+        written): what admission judges them on was true at one instant."""
+        ids = [check_id(r) for r in rollout_ids]
+
+        def body(view: StoreView) -> tuple[ActivationPremise, dict[str, LedgerEntry]]:
+            return view.read_premise(), view.read_rows(ids)
+
+        return self.store.view(body, "premise_and_rows")
 
     def snapshot(self) -> dict[str, LedgerEntry]:
         """A consistent copy of every entry (records are frozen, so sharing them is safe)."""
@@ -1780,6 +2374,127 @@ class StoreLedger:
         self.close()
 
 
+# ---- landing a step's generations and reserving them in one step (verl's buffer) ------------
+
+
+@attrs.frozen
+class Landing:
+    """What became of one rollout's generation, as its producer learnt it.
+
+    `land_and_reserve` applies it to the row as that step reads it: an absent row is added
+    (rewarded when `reward` is given, else generated; quarantined at once with `failure`),
+    unless a pacing policy is recorded, under which only `dispatch` makes entries (skipped:
+    'not_dispatched');
+    a dispatched row is moved through `generation_done` (tokens) and `reward_ready`, or
+    through `generation_failed` with `failure`; a generated row gets its reward. Any other
+    row already landed: it is left as it is. The behaviour version and hash name the
+    rollout only when it is added; a dispatched row keeps its own (stamped at dispatch).
+    """
+
+    rollout_id: str
+    behavior_version: int
+    artifact_hash: str
+    reward: Reward | None = None
+    tokens: int | None = None
+    failure: Disposition | None = None
+
+
+#: the events `land_and_reserve` may close a rollout with, from any state that allows them
+CLOSING_EVENTS = frozenset({"retire_stale", "quarantine", "generation_failed"})
+
+
+@attrs.frozen
+class LandedStep:
+    """What one `land_and_reserve` step did.
+
+    `entries` holds, for every id it read, the row as the step left it; `outcomes` one
+    reservation outcome per requested id, in request order; `skipped` why a landing or a
+    closing left its row unchanged (the row's state, or 'revision_conflict' when another
+    writer moved it between this step's read and its write, on a store that locks rows
+    rather than the whole step)."""
+
+    entries: dict[str, LedgerEntry]
+    outcomes: tuple[ReserveOutcome, ...]
+    skipped: dict[str, str]
+
+    @property
+    def reserved(self) -> list[str]:
+        """Ids the update holds after the step (new reservations and idempotent retries)."""
+        return [o.rollout_id for o in self.outcomes if o.reserved]
+
+
+def check_landings(landings: Sequence[object]) -> list[Landing]:
+    """Landings, checked before any lock: a column at a time where every value is plain
+    (ids, versions, hashes, as `texts_pass`/`ints64_pass` judge them), else item by item
+    through the fields of the entry each would be added as (the first bad one refused). The
+    rules every planned write must pass are enforced inside the step."""
+    for x in landings:
+        if not isinstance(x, Landing):
+            raise InvalidLedgerArgument(f"a landing must be a Landing, got {brief(x)}")
+    out: list[Landing] = list(landings)  # type: ignore[arg-type]  # checked just above
+    plain = (
+        texts_pass([x.rollout_id for x in out])
+        and texts_pass([x.artifact_hash for x in out], max_length=None)
+        and ints64_pass([x.behavior_version for x in out])
+        and ints64_pass([x.tokens for x in out if x.tokens is not None])
+    )
+    for x in out:
+        if not plain:
+            landing_entry(x)  # the record's own validators name what is wrong
+        if x.reward is not None and type(x.reward) is not Reward:
+            raise InvalidLedgerArgument(f"reward must be a Reward, got {brief(x.reward)}")
+        if x.failure is not None and type(x.failure) is not Disposition:
+            raise InvalidLedgerArgument(f"failure must be a Disposition, got {brief(x.failure)}")
+    return out
+
+
+def landing_entry(landing: Landing) -> LedgerEntry:
+    """The entry an absent rollout is added as (rewarded when scored, else generated)."""
+    return LedgerEntry(
+        landing.rollout_id,
+        landing.behavior_version,
+        landing.artifact_hash,
+        state="rewarded" if landing.reward is not None and landing.failure is None else "generated",
+        reward=None if landing.failure is not None else landing.reward,
+        tokens=landing.tokens,
+    )
+
+
+def plan_landing(
+    row: LedgerEntry | None, landing: Landing, bad: Iterable[int]
+) -> tuple[list[Change], LedgerEntry | None, str | None]:
+    """(changes, the row after them, why nothing changed) for one landing on `row`."""
+    if row is None:
+        steps = plan_add(landing_entry(landing), bad)
+        changes: list[Change] = [(ev, b, a, None) for ev, b, a in steps]
+        now = steps[-1][2]
+        if landing.failure is not None and now.state != "quarantined":
+            d = Disposition("generation", landing.failure.cause, landing.failure.detail)
+            q = plan_transition(now, "quarantine", disposition=attrs.evolve(d, stage="admission"))
+            changes.append(("quarantine", now, q, None))
+            now = q
+        return changes, now, None
+    changes = []
+    now = row
+    if now.state == "dispatched":
+        if landing.failure is not None:
+            fail = direct_changes("generation_failed", None, landing.failure, landing.tokens)
+            after = plan_transition(now, "generation_failed", **fail)
+            return [("generation_failed", now, after, None)], after, None
+        done = plan_transition(
+            now, "generation_done", **direct_changes("generation_done", None, None, landing.tokens)
+        )
+        changes.append(("generation_done", now, done, None))
+        now = done
+    if now.state == "generated" and landing.reward is not None and landing.failure is None:
+        scored = plan_transition(now, "reward_ready", reward=landing.reward)
+        changes.append(("reward_ready", now, scored, None))
+        now = scored
+    if not changes:
+        return [], row, row.state
+    return changes, now, None
+
+
 # ---- the memory store ----------------------------------------------------------------------
 
 
@@ -1798,6 +2513,10 @@ class MemoryStore:
         self.activation = activation
         self.lock = activation.lock if activation is not None else threading.RLock()
         self.log = log
+        # the ledger's update records; shared with an attached registry that keeps them
+        # (MemoryRegistry.ledger_updates), as the SQL stores share one database
+        shared = getattr(activation, "ledger_updates", None)
+        self.updates: dict[str, UpdateRecord] = shared if isinstance(shared, dict) else {}
         self.entries: dict[str, LedgerEntry] = {}
         self.bad: set[int] = set()
         self.counters: Counter[str] = Counter()
@@ -1963,10 +2682,15 @@ class MemoryStore:
         return None
 
     def mark_bad(self, version: int, reason: str) -> None:
-        self.bad.add(version)
+        if version not in self.bad:  # a second mark keeps the first: nothing to record
+            self.bad.add(version)
+            row = {"version": version, "reason": reason}
+            self.log.record([row_event("ledger_bad_versions", version, row, "marked bad")])
 
     def clear_bad(self, version: int) -> None:
-        self.bad.discard(version)
+        if version in self.bad:
+            self.bad.discard(version)
+            self.log.record([row_event("ledger_bad_versions", version, None, "mark lifted")])
 
     def insert(self, entries: Sequence[LedgerEntry]) -> None:
         seen: set[str] = set()
@@ -1993,8 +2717,27 @@ class MemoryStore:
         self._index_many(written)
         return won
 
-    def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
-        if changes:
+    def read_updates(self, update_ids: Sequence[str]) -> dict[str, UpdateRecord]:
+        got = self.updates.get
+        return {u: r for u in update_ids if (r := got(u)) is not None}
+
+    def append(
+        self,
+        changes: Sequence[Change],
+        at: float,
+        counts: Mapping[str, int],
+        updates: Sequence[UpdateChange] = (),
+    ) -> None:
+        if updates:
+            for _, _, after in updates:
+                self.updates[after.update_id] = after
+            self.log.record(
+                [
+                    *(EntryChanged(0, 0, at, a.rollout_id, ev, b, a, u) for ev, b, a, u in changes),
+                    *(UpdateChanged(0, 0, at, a.update_id, ev, b, a) for ev, b, a in updates),
+                ]
+            )
+        elif changes:
             self.log.record_entries(at, changes)
         self.counters.update({k: v for k, v in counts.items() if v})
 
@@ -2003,6 +2746,20 @@ class MemoryStore:
     def find(self, rollout_id: str) -> LedgerEntry | None:
         with self.lock:
             return self.entries.get(rollout_id)
+
+    def find_with_update(
+        self, rollout_id: str, update_id: str
+    ) -> tuple[LedgerEntry | None, UpdateRecord | None]:
+        with self.lock:
+            return self.entries.get(rollout_id), self.updates.get(update_id)
+
+    def find_update(self, update_id: str) -> UpdateRecord | None:
+        with self.lock:
+            return self.updates.get(update_id)
+
+    def all_updates(self) -> dict[str, UpdateRecord]:
+        with self.lock:
+            return dict(sorted(self.updates.items()))
 
     def reserved_by(self, update_id: str) -> list[str]:
         with self.lock:
@@ -2061,9 +2818,11 @@ class MemoryLedger(StoreLedger):
         cls,
         entries: Iterable[LedgerEntry],
         bad_versions: Iterable[int] = (),
+        updates: Iterable[UpdateRecord] = (),
         **kwargs: Any,
     ) -> MemoryLedger:
-        """A ledger holding exactly these entries, without replaying their history.
+        """A ledger holding exactly these entries (and update records), without replaying
+        their history.
 
         The explorer rebuilds a real ledger from each state it expands this way, so it
         checks the same code that runs in production rather than a retyped copy.
@@ -2071,6 +2830,8 @@ class MemoryLedger(StoreLedger):
         led = cls(**kwargs)
         led.store.entries = {e.rollout_id: e for e in entries}
         led.store.bad = set(bad_versions)
+        led.store.updates.clear()  # in place: an attached registry shares the dict
+        led.store.updates.update((u.update_id, u) for u in updates)
         led.store.reindex()
         return led
 

@@ -24,6 +24,8 @@ backend read inside its atomic step, and the statistics built from stored rows.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -34,7 +36,13 @@ import numpy as np
 
 from rollout_lifecycle.model.errors import InvalidRecord, brief
 from rollout_lifecycle.model.machines import LIFECYCLE
-from rollout_lifecycle.model.records import AdmissionPolicy, Disposition, LedgerEntry
+from rollout_lifecycle.model.records import (
+    MAX_ID_LENGTH,
+    AdmissionPolicy,
+    Disposition,
+    LedgerEntry,
+    RolloutIdentity,
+)
 
 DISPATCHED = "dispatched"
 NO_CAPACITY = "no_capacity"
@@ -43,6 +51,7 @@ CHAIN_DONE = "chain_done"
 ATTEMPTS_EXHAUSTED = "attempts_exhausted"
 NOT_ACTIVE = "not_active"
 STALE = "stale"
+VERSION_RETIRED = "version_retired"  # rolled back (the registry's, read in the same step)
 DISPATCH_REASONS = (
     DISPATCHED,
     NO_CAPACITY,
@@ -50,6 +59,7 @@ DISPATCH_REASONS = (
     CHAIN_DONE,
     ATTEMPTS_EXHAUSTED,
     NOT_ACTIVE,
+    VERSION_RETIRED,
     STALE,
 )
 
@@ -65,7 +75,7 @@ class DispatchPremise:
     `pointer` and `policy` are the registry's (None: none); `was_active` the versions ever
     active (None: no registry attached, so no budget and no bound apply); `live_window` the
     live entries with behaviour version >= pointer - max_lag; `chain_states` the states of
-    the chain's earlier attempts.
+    the chain's earlier attempts; `retired` the rolled-back versions.
     """
 
     pointer: int | None
@@ -73,6 +83,7 @@ class DispatchPremise:
     policy: AdmissionPolicy | None
     live_window: int
     chain_states: tuple[str, ...]
+    retired: frozenset[int] = frozenset()
 
 
 @attrs.frozen
@@ -101,6 +112,16 @@ def window_floor(pointer: int | None, policy: AdmissionPolicy | None) -> int | N
     return max(0, pointer - policy.max_lag)
 
 
+def identity_chain(identity: RolloutIdentity) -> str:
+    """The attempt chain a rollout's identity names: its dataset, prompt id and sample index
+    (as a compact JSON list, so no two identities share a key); a key over the records'
+    length limit for ids is replaced by its sha256."""
+    key = json.dumps([identity.dataset, identity.prompt_id, identity.sample_index])
+    if len(key) > MAX_ID_LENGTH:
+        key = "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
+    return key
+
+
 def check_chain(chain: object) -> str:
     """A chain key: the same rules as any identifier (validated by the record)."""
     if not isinstance(chain, str):
@@ -109,12 +130,13 @@ def check_chain(chain: object) -> str:
 
 
 def plan_dispatch(
-    entry: LedgerEntry, chain: str, premise: DispatchPremise
+    entry: LedgerEntry, chain: str, premise: DispatchPremise, *, chained: bool = True
 ) -> tuple[DispatchOutcome, LedgerEntry | None]:
     """Decide a dispatch from what the step read: (outcome, entry to insert or None).
 
-    Order: the behaviour version (active, not stale), then the chain (one live attempt at
-    a time, none after a trained one, at most max_attempts), then the budget.
+    Order: the behaviour version (not retired, active, not stale), then the chain (one live
+    attempt at a time, none after a trained one, at most max_attempts), then the budget.
+    Not `chained` (an add under chain_key 'caller'): no chain rule, no chain written.
     """
     policy, pointer = premise.policy, premise.pointer
     attempt = len(premise.chain_states) + 1
@@ -130,18 +152,20 @@ def plan_dispatch(
 
     v = entry.behavior_version
     if premise.was_active is not None:
+        if v in premise.retired:  # before the pointer: a rollback leaves it above the pointer
+            return refuse(VERSION_RETIRED, f"v{v} was rolled back; its rollouts are retired")
         if pointer is None or v > pointer or v not in premise.was_active:
             return refuse(NOT_ACTIVE, f"v{v} is not a version that was active (pointer {pointer})")
         if policy is not None and pointer - v > policy.max_lag:
             return refuse(
                 STALE, f"v{v} is {pointer - v} behind the pointer v{pointer} > {policy.max_lag}"
             )
-    if any(s == "consumed" for s in premise.chain_states):
+    if chained and any(s == "consumed" for s in premise.chain_states):
         return refuse(CHAIN_DONE, f"chain {brief(chain)} already trained an attempt")
-    if any(s in _LIVE for s in premise.chain_states):
+    if chained and any(s in _LIVE for s in premise.chain_states):
         return refuse(CHAIN_LIVE, f"chain {brief(chain)} has a live attempt")
     bound = None if premise.was_active is None or policy is None else policy.max_attempts
-    if bound is not None and attempt > bound:
+    if chained and bound is not None and attempt > bound:
         return refuse(ATTEMPTS_EXHAUSTED, f"chain {brief(chain)} used its {bound} attempt(s)")
     if free is not None and free <= 0:
         return refuse(
@@ -149,7 +173,7 @@ def plan_dispatch(
             f"{premise.live_window} live rollouts fill the budget "
             f"({policy.max_lag if policy else 0} + 1) x {policy.batch_size if policy else 0}",
         )
-    new = attrs.evolve(entry, chain=chain, attempt=attempt)
+    new = attrs.evolve(entry, chain=chain, attempt=attempt) if chained else entry
     return (
         DispatchOutcome(
             entry.rollout_id, True, DISPATCHED, new, attempt, free, premise.live_window

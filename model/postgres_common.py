@@ -64,8 +64,13 @@ from rollout_lifecycle.model.errors import (
     StorageFull,
     newer_schema,
     schema_steps,
+    tampered,
 )
 from rollout_lifecycle.model.events import (
+    CHAINED_SINCE,
+    CHANGED,
+    RECORDED_TABLES,
+    SEAL,
     ChainHead,
     EntryStates,
     Payload,
@@ -74,6 +79,8 @@ from rollout_lifecycle.model.events import (
     TraceEvent,
     event_subject,
     events_where,
+    recorded_rows,
+    row_event,
     stored_payload,
 )
 from rollout_lifecycle.model.postgres_roles import refused
@@ -92,6 +99,9 @@ K_REGISTRY = _BASE + 3
 K_PREMISE = _BASE + 4
 K_EVENTS = _BASE + 5
 K_DISPATCH = _BASE + 6  # a dispatch exclusively (counts, then writes); adds shared
+# one update's record: a ledger step reading it holds it exclusively, a single reservation's
+# guarded write shares it (its second key hashes the schema and the update id)
+K_UPDATE = _BASE + 7
 
 COUNTER_SHARDS = 16  # counter rows per name, so racing connections rarely share one row
 
@@ -121,10 +131,23 @@ CREATE TABLE IF NOT EXISTS commit_marks (
 );
 """
 
+ZERO_HASH = "decode(repeat('00', 32), 'hex')"  # the chain's start (model.events)
+# The function every append chains onto: under the events lock, the head's hash, after
+# checking that the head exists and names the newest stored event (model.events.
+# chain_broken, restated in SQL); else it raises TAMPERED, which becomes HistoryTampered.
+# VOLATILE, so each of its reads sees every append committed before it ran (a statement's
+# own snapshot, taken before it waited for the lock, would not).
+CHAIN_PREV = "events_chain_prev"
+TAMPERED = "RLH01"  # the SQLSTATE of a refused append (class RL: this project's own)
+# CHAIN_PREV as the tables' owner (model.postgres_functions creates it, every login may call
+# it): a deployment role may not lock the head row itself
+CHAIN_CHECK = "rl_check_chain"
+
 # The hash chain (see model.events): two columns on events, the head, and the function that
 # links one step's events in one pass (plpgsql, so the append stays ONE statement). Added to
 # a database whose events predate it; those stay an unchained prefix, counted in the head.
-_CHAIN_DDL = """
+_CHAIN_DDL = (
+    """
 ALTER TABLE events ADD COLUMN IF NOT EXISTS prev_hash bytea,
     ADD COLUMN IF NOT EXISTS hash bytea;
 CREATE TABLE IF NOT EXISTS events_chain (
@@ -157,6 +180,42 @@ BEGIN
 END
 $$;
 """
+    + f"""
+CREATE OR REPLACE FUNCTION {CHAIN_PREV}()
+RETURNS bytea LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    h bytea;
+    b bigint;
+    t bytea;
+    s bigint;
+BEGIN
+    SELECT last_hash, base_seq INTO h, b FROM events_chain WHERE id = 1 FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = '{TAMPERED}', MESSAGE =
+            'has no head (its events_chain row is missing: deleted, or the table dropped)';
+    END IF;
+    SELECT e.hash, e.seq INTO t, s FROM events e ORDER BY e.seq DESC LIMIT 1;
+    IF s IS NULL THEN
+        IF h = {ZERO_HASH} THEN
+            RETURN h;
+        END IF;
+        RAISE EXCEPTION USING ERRCODE = '{TAMPERED}', MESSAGE =
+            'names a last event, but no event is stored (the history was deleted)';
+    END IF;
+    IF t = h OR (h = {ZERO_HASH} AND t IS NULL AND s <= b) THEN
+        RETURN h;
+    END IF;
+    IF t IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '{TAMPERED}', MESSAGE = format(
+            'ends in event #%s, which carries no hash (hashes stripped, or added by hand)', s);
+    END IF;
+    RAISE EXCEPTION USING ERRCODE = '{TAMPERED}', MESSAGE = format(
+        'does not end in the event its head names (event #%s is stored last): events were '
+        'cut off, replaced or added by hand', s);
+END
+$$;
+"""
+)
 
 MARKS_KEPT = "1 day"  # a mark only matters while its writer may still be resolving it
 _PRUNE_EVERY = 1000  # each object prunes old marks once per this many commits
@@ -252,6 +311,13 @@ def _first_line(exc: BaseException) -> str:
 
 class _ConnectionBroke(BackendUnavailable):
     """The connection broke under a step (the server restarted, the network dropped)."""
+
+
+def _primary(exc: BaseException) -> str:
+    """The server's primary message of an error (what a RAISE said)."""
+    diag = getattr(exc, "diag", None)
+    text = getattr(diag, "message_primary", None)
+    return str(text) if text else _first_line(exc)
 
 
 def _state(exc: BaseException) -> str | None:
@@ -716,6 +782,8 @@ class PostgresDatabase:
         self, exc: BaseException, what: str, error: type[RolloutLifecycleError]
     ) -> RolloutLifecycleError:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if _state(exc) == TAMPERED:
+            return tampered(self.where, _primary(exc), self.url)
         if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
             return error(f"{self.where} was opened read-only; nothing was written ({what})")
         if isinstance(exc, psycopg.errors.InsufficientPrivilege):
@@ -726,6 +794,10 @@ class PostgresDatabase:
             return StorageFull(
                 f"{self.where}: {what} failed, nothing was written: the server's storage is "
                 f"full ({first}); free space on the server and retry"
+            )
+        if isinstance(exc, psycopg.errors.UndefinedTable) and "events_chain" in first:
+            return tampered(
+                self.where, "has no head (its events_chain table was dropped)", self.url
             )
         if isinstance(exc, psycopg.errors.UndefinedTable):
             return error(
@@ -770,9 +842,15 @@ class PostgresDatabase:
         # EXISTS still takes a SHARE lock on its table, which would queue behind (and then
         # block) every writer of a ledger in use
         if self.component_version(component) == version and self.read(
-            lambda conn: has_table(conn, "commit_marks") and has_chain(conn),
-            "looking for commit_marks and the event chain",
+            lambda conn: has_table(conn, "commit_marks") and has_chain(conn) and _sealed(conn),
+            "looking for commit_marks, the event chain and its seal",
         ):
+            # no DDL, but no writer starts on an edited history either (HistoryTampered):
+            # the head's row lock, held by every append while it inserts, makes the check
+            # see a head and a newest event that belong together (that lock needs UPDATE on
+            # the head, which no deployment role holds: it checks through CHAIN_CHECK, run
+            # as the tables' owner, where the schema has it)
+            self.read(_open_check, "opening")
             return
 
         def body(conn: Conn) -> None:
@@ -784,13 +862,10 @@ class PostgresDatabase:
                     "SELECT version FROM schema_meta WHERE component = %s", (component,)
                 ).fetchone()
             conn.execute(_MARKS_DDL)
-            if found is not None and int(found[0]) == version:
-                if not has_chain(conn):
-                    conn.execute(_CHAIN_DDL)  # a database whose events predate the chain
-                return  # another process created it while this one waited for the lock
-            conn.execute(ddl if meta else _META_DDL + ddl)
-            if not has_chain(conn):
-                conn.execute(_CHAIN_DDL)
+            recorded: list[TraceEvent] = []
+            if found is None or int(found[0]) != version:
+                conn.execute(ddl if meta else _META_DDL + ddl)
+            self._ensure_chain(conn)
             row = conn.execute(
                 "SELECT version FROM schema_meta WHERE component = %s", (component,)
             ).fetchone()
@@ -799,9 +874,9 @@ class PostgresDatabase:
                     "INSERT INTO schema_meta(component, version) VALUES (%s, %s)",
                     (component, version),
                 )
-                return
-            stored = int(row[0])
-            if stored != version:
+                recorded.append(_schema_event(component, version, "created"))
+            elif int(row[0]) != version:
+                stored = int(row[0])
                 remedy = "use a new database or schema"
                 steps = schema_steps(self.where, component, stored, version, migrations, remedy)
                 for script in steps:
@@ -811,6 +886,12 @@ class PostgresDatabase:
                     "UPDATE schema_meta SET version = %s WHERE component = %s",
                     (version, component),
                 )
+                recorded.append(_schema_event(component, version, f"migrated from {stored}"))
+            # the events lock before the head's row lock, as every append takes them (after
+            # the DDL's table locks: K_EVENTS is the last lock a step takes)
+            lock(conn, K_EVENTS)
+            self._check_chain(conn)
+            append_events(conn, _seal(conn) or recorded, op=None, stamped=False)
 
         try:
             self.write(body, f"creating the {component} schema", ddl=True)
@@ -821,6 +902,29 @@ class PostgresDatabase:
                 "`rollout-lifecycle deployment roles --backend URL` as the deployment's "
                 "administrator"
             ) from None
+
+    def _ensure_chain(self, conn: Conn) -> None:
+        """The chain's columns, head and functions where missing (a database whose events
+        predate the chain: they stay an unchained prefix), inside the schema step; refused
+        (HistoryTampered) where the schema had a chain and lost part of it: starting a chain
+        over it would bless the edit (`_check_chain` then holds the head to its newest
+        event)."""
+        if not has_chain(conn):
+            empty = conn.execute("SELECT NOT EXISTS (SELECT 1 FROM events)").fetchone()
+            if empty is not None and not empty[0]:
+                why = chain_required(conn)
+                if why is not None and not (has_table(conn, "events_chain") and _has_hashes(conn)):
+                    raise tampered(self.where, f"is incomplete although {why}", self.url)
+            conn.execute(_CHAIN_DDL)  # also adds a function a database made before it lacks
+
+    def _check_chain(self, conn: Conn) -> None:
+        """HistoryTampered unless the head exists and names the newest stored event."""
+        try:
+            conn.execute(f"SELECT {CHAIN_PREV}()")
+        except psycopg.Error as exc:
+            if _state(exc) == TAMPERED:
+                raise tampered(self.where, _primary(exc), self.url) from None
+            raise
 
     def check_readable(self, component: str, version: int) -> int | None:
         """The stored version of `component` (None: absent); LedgerError when it is newer."""
@@ -886,13 +990,11 @@ def chain_message(seq: str, txn: str, kind: str, subject: str, payload: str) -> 
     )
 
 
-ZERO_HASH = "decode(repeat('00', 32), 'hex')"  # the chain's start (model.events)
-
-
-# K_EVENTS first, then the head's row lock: under READ COMMITTED, FOR UPDATE returns the
-# head as the last appender committed it (not as this statement's snapshot saw it), so each
-# step chains onto the step committed right before it. `ch` links the step's events in
-# seq order in one pass; the rows and the new head are written by the same statement.
+# K_EVENTS first, then CHAIN_PREV: the head as the last appender committed it (not as this
+# statement's snapshot saw it), checked against the newest stored event, so each step chains
+# onto the step committed right before it and never onto an edited history. `ch` links the
+# step's events in seq order in one pass; the rows and the new head are written by the same
+# statement.
 _APPEND = (
     """
 WITH lk AS (
@@ -905,7 +1007,9 @@ WITH lk AS (
     SELECT * FROM unnest(%(kinds)b::text[], %(subjects)b::text[], %(payloads)b::text[])
         WITH ORDINALITY AS e(kind, subject, payload, ord)
 ), hd AS (
-    SELECT c.last_hash FROM lk, events_chain c WHERE c.id = 1 FOR UPDATE OF c
+    SELECT """
+    + CHAIN_PREV
+    + """() AS last_hash FROM lk
 ), msg AS (
     SELECT array_agg("""
     + chain_message("t.last - %(n)s + e.ord", "t.txn", "e.kind", "e.subject", "e.payload")
@@ -913,10 +1017,7 @@ WITH lk AS (
     FROM t, e
 ), ch AS (
     SELECT l.ord, l.prev_hash, l.hash
-    FROM msg, events_chain_link(
-        COALESCE((SELECT last_hash FROM hd), """
-    + ZERO_HASH
-    + """), msg.m) AS l
+    FROM msg, events_chain_link((SELECT last_hash FROM hd), msg.m) AS l
 ), ins AS (
     INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
     SELECT t.last - %(n)s + e.ord, t.txn, e.kind, e.subject, e.payload, ch.prev_hash, ch.hash
@@ -959,32 +1060,46 @@ def event_columns(
     }
 
 
-_APPEND_CALL = "SELECT o_txn, o_last FROM rl_append(%s, %b::text[], %b::text[], %b::text[], %s)"
+_APPEND_CALL = (
+    "SELECT o_txn, o_last FROM rl_append(%s, %b::text[], %b::text[], %b::text[], %s, %s::json)"
+)
+_APPEND_PLAIN = append_statement(counted=False)
 
 
 def append_events(
     conn: Conn,
     events: Sequence[TraceEvent],
     *,
-    op: str,
+    op: str | None,
     counters: Mapping[str, int] | None = None,
     payload_of: Payload = stored_payload,
     stamped: bool = True,
+    updates: str | None = None,
 ) -> list[TraceEvent]:
-    """Append one atomic step's events (and the ledger's `counters`, name -> increment)
-    inside the caller's transaction, in ONE call of `rl_append` for operation `op`, whose
-    one statement first takes K_EVENTS (held to COMMIT), so txn and seq numbers are handed
-    out in commit order, and chains them by hash onto the head (see model.events), moving
-    the head in the same statement. Returns the events with their seq and txn (none when
-    not `stamped`, or with no events: then only the counters move)."""
+    """Append one atomic step's events (and the ledger's `counters`, name -> increment, and
+    its update records, `updates` as `rl_append` takes them) inside the caller's
+    transaction, in ONE call of `rl_append` for operation `op`, whose one statement first
+    takes K_EVENTS (held to COMMIT), so txn and seq numbers are handed out in commit order,
+    and chains them by hash onto the head (see model.events), moving the head in the same
+    statement. `op` None: the schema step's own append (its login owns the tables, and the
+    functions may not exist yet), the statement itself. Returns the events with their seq
+    and txn (none when not `stamped`, or with no events: then only the counters move)."""
     counts = sorted((k, v) for k, v in (counters or {}).items() if v)
-    if not events and not counts:
+    if not events and not counts and updates is None:
         return []
     cols = event_columns(events, payload_of)
-    doc = json.dumps([{"name": k, "n": v} for k, v in counts]) if counts else None
-    row = conn.execute(
-        _APPEND_CALL, (op, cols["kinds"], cols["subjects"], cols["payloads"], doc)
-    ).fetchone()
+    if op is None:
+        if counts or updates is not None:
+            raise ValueError("the schema step's append records events only")
+        if not events:
+            return []
+        row = conn.execute(_APPEND_PLAIN, {"key": K_EVENTS, "n": len(events), **cols}).fetchone()
+    else:
+        doc = json.dumps([{"name": k, "n": v} for k, v in counts]) if counts else None
+        row = conn.execute(
+            _APPEND_CALL,
+            (op, cols["kinds"], cols["subjects"], cols["payloads"], doc, updates),
+        ).fetchone()
     if not events or not stamped:
         return []
     assert row is not None
@@ -1037,40 +1152,102 @@ def read_events(
 
 
 def has_chain(conn: Conn) -> bool:
-    """Whether the events table has its hash chain (columns, head, linking function)."""
+    """Whether the events table has its hash chain (columns, head table, the functions)."""
     row = conn.execute(
         "SELECT to_regclass('events_chain') IS NOT NULL "
         "AND to_regprocedure('events_chain_link(bytea, bytea[])') IS NOT NULL "
+        f"AND to_regprocedure('{CHAIN_PREV}()') IS NOT NULL "
         "AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('events') "
         "AND attname = 'hash' AND NOT attisdropped)"
     ).fetchone()
     return bool(row and row[0])
 
 
-# bookkeeping, not deployment state: the audit reads events and head on their own; the
-# role tables say who may do what (model.postgres_roles), not what happened
-_NOT_STATE = (
-    "events",
-    "events_chain",
-    "schema_meta",
-    "commit_marks",
-    "rl_operations",
-    "rl_roles",
-    "rl_logins",
-)
+def _open_check(conn: Conn) -> None:
+    """The chain's check at open (HistoryTampered on an edited history), through CHAIN_CHECK
+    where the schema has it (with roles, only it may take the head's lock)."""
+    row = conn.execute(f"SELECT to_regprocedure('{CHAIN_CHECK}()') IS NOT NULL").fetchone()
+    name = CHAIN_CHECK if row is not None and row[0] else CHAIN_PREV
+    conn.execute(f"SELECT {name}()").fetchone()
+
+
+def _has_hashes(conn: Conn) -> bool:
+    row = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('events') "
+        "AND attname = 'hash' AND NOT attisdropped)"
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def chain_required(conn: Conn) -> str | None:
+    """Why this schema must have a hash chain (None: it may predate the chain), read when its
+    chain is incomplete: a writer must then refuse rather than start a chain over the events
+    (the same reasons as `sqlite_common.chain_required`)."""
+    if has_table(conn, "events_chain"):
+        return "its events_chain table exists"
+    if (
+        _has_hashes(conn)
+        and conn.execute("SELECT 1 FROM events WHERE hash IS NOT NULL LIMIT 1").fetchone()
+    ):
+        return "its events carry hashes"
+    for component, version in conn.execute("SELECT component, version FROM schema_meta"):
+        if component == SEAL[0]:
+            return "its schema_meta says it was sealed"
+        since = CHAINED_SINCE.get(str(component))
+        if since is not None and int(version) >= since:
+            return (
+                f"its {component} schema is version {version}, which only chaining programs write"
+            )
+    if conn.execute("SELECT 1 FROM events WHERE kind = 'row' LIMIT 1").fetchone():
+        return "it holds recorded-row events, which only chaining programs write"
+    if conn.execute(
+        "SELECT 1 FROM events WHERE kind = 'entry' AND strpos(payload, %s) > 0 LIMIT 1",
+        (f'"{CHANGED}":',),
+    ).fetchone():
+        return "it holds entry events that store what changed, which only chaining programs write"
+    return None
+
+
+def _sealed(conn: Conn) -> bool:
+    row = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM schema_meta WHERE component = %s)", (SEAL[0],)
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def _schema_event(component: str, version: int, why: str) -> TraceEvent:
+    row = {"component": component, "version": version}
+    return row_event("schema_meta", component, row, why, time.time())
+
+
+def _seal(conn: Conn) -> list[TraceEvent]:
+    """The SEAL row and a RowRecorded of every row of the recorded tables (see
+    `sqlite_common.seal_events`), where the schema is not sealed yet; else []."""
+    if _sealed(conn):
+        return []
+    conn.execute("INSERT INTO schema_meta(component, version) VALUES (%s, %s)", (SEAL[0], SEAL[1]))
+    present = {t for t in RECORDED_TABLES if has_table(conn, t)}
+    return recorded_rows(conn, present, "recorded when the store was sealed")
+
+
+# the chain itself: the audit reads events and head on their own; the role tables say who
+# may do what (model.postgres_roles, as the server's own catalogs of roles and grants do),
+# not what happened
+_NOT_STATE = ("events", "events_chain", "rl_operations", "rl_roles", "rl_logins")
 
 
 def read_stored(conn: Conn) -> StoredRows:
     """Every table of the schema, the events with their chain columns, and the chain's head;
-    call it inside one REPEATABLE READ snapshot. A database that predates the chain reads
-    as `chained=False`."""
+    call it inside one REPEATABLE READ snapshot. A database whose events have no hash
+    columns reads as `chained=False` (and `head` None without its table)."""
     names = [
         str(r[0])
         for r in conn.execute(
             "SELECT tablename FROM pg_tables WHERE schemaname = current_schema() ORDER BY tablename"
         ).fetchall()
     ]
-    chained = "events" in names and has_chain(conn)
+    # the hash columns are read wherever they exist, even when the head's table is gone
+    chained = "events" in names and _has_hashes(conn)
     events: list[StoredEvent] = []
     if "events" in names:
         links = "prev_hash, hash" if chained else "NULL::bytea, NULL::bytea"
@@ -1081,7 +1258,7 @@ def read_stored(conn: Conn) -> StoredRows:
             ).fetchall()
         ]
     head = None
-    if chained:
+    if "events_chain" in names:
         found = conn.execute(
             "SELECT base_seq, base_count, last_seq, last_hash FROM events_chain WHERE id = 1"
         ).fetchone()

@@ -8,14 +8,17 @@ refuses (SQLSTATE 42501, insufficient_privilege, its DETAIL naming the operation
 roles it needs) an operation the caller's role may not run, and a change the operation
 does not make:
 
-    ledger_write_one_v4  a single compare-and-set with its event, counters and commit mark
+    ledger_write_one_v6  a single compare-and-set with its event, counters and commit mark
+                         (a reservation's update still recorded and not poisoned; the
+                         chain's head checked against the newest event)
     rl_write_rows        a set of compare-and-sets (`CAS_MANY`), the winners returned
     rl_lock_rows         the rows a step reads to write (FOR UPDATE needs UPDATE rights)
     rl_insert_rows       new rollouts (add, dispatch)
-    rl_append            a ledger step's events and counters
+    rl_append            a ledger step's events, counters and update records (ledger_updates)
     rl_bad_version       marking or clearing a bad version
     rl_registry_write    a registry step's rows and events, in one call
     rl_mark, rl_prune_marks   the commit mark of a step, and old marks pruned
+    rl_check_chain       the event chain's check at open (it locks the head's row)
 
 A row's stored state and its new one must be an edge of the operation's events ('>state'
 for an insert); a reservation (a row going to 'reserved' from elsewhere) is refused
@@ -35,16 +38,21 @@ into `schema_meta` (component 'functions'). With roles on, only the administrato
 
 from __future__ import annotations
 
+import json
 import re
 import zlib
+from collections.abc import Sequence
 
 from rollout_lifecycle.model.errors import LedgerError
+from rollout_lifecycle.model.events import UpdateChange
 from rollout_lifecycle.model.postgres_common import (
+    CHAIN_CHECK,
+    CHAIN_PREV,
     COUNTER_SHARDS,
     K_EVENTS,
     K_PREMISE,
     K_SCHEMA,
-    ZERO_HASH,
+    K_UPDATE,
     Conn,
     PostgresDatabase,
     append_statement,
@@ -61,7 +69,12 @@ from rollout_lifecycle.model.rules import ROLLBACK_KEPT, WAS_ACTIVE_STATES
 COMPONENT = "functions"
 
 # what a step's one statement returns when the function raised nothing
-WRITE_ONE = "ledger_write_one_v4"  # a changed body gets a new name (v1-v3: before roles)
+# a changed body gets a new name: v1-v3 before roles; v4 (roles) the operation's checks;
+# v5 (main, without roles) the chain's check and the update guard; v6 all of them
+WRITE_ONE = "ledger_write_one_v6"
+# every name this program's functions ever had here: dropped before (re)creating them, so
+# a changed signature or return type leaves no stale overload behind
+OLD_NAMES = ("ledger_write_one_v4", "ledger_write_one_v5")
 
 # The batch compare-and-set, the one statement inside `rl_write_rows`. `locked` takes the
 # row locks of the rows whose revision still matches, in rollout_id order (deadlock-free
@@ -132,6 +145,7 @@ WRITE_ONE_ARGS = (
     ("p_payload", "text"),
     ("p_names", "text[]"),
     ("p_counts", "bigint[]"),
+    ("p_update", "text"),
     ("p_token", "text"),
 )
 WRITE_ONE_CALL = f"SELECT {WRITE_ONE}({', '.join(['%s'] * len(WRITE_ONE_ARGS))})"
@@ -144,10 +158,12 @@ _WAS_ACTIVE = "ARRAY[" + ", ".join(f"'{s}'" for s in sorted(WAS_ACTIVE_STATES)) 
 # comparison is an equality of facts, not a rule.
 PREMISE = (
     "json_build_array((SELECT version FROM registry_pointer WHERE id = 1), "
-    f"ARRAY(SELECT version FROM registry_artifacts WHERE state = ANY({_WAS_ACTIVE}) "
-    "ORDER BY version), "
-    "(SELECT json_build_array(max_lag, max_drift, batch_size, max_attempts) "
-    "FROM registry_policy WHERE id = 1), "
+    "(SELECT json_agg(json_build_array(version, artifact_hash) ORDER BY version) "
+    f"FROM registry_artifacts WHERE state = ANY({_WAS_ACTIVE})), "
+    # by name (to_jsonb): a registry not yet migrated to the newer columns reads defaults
+    "(SELECT json_build_array(max_lag, max_drift, batch_size, max_attempts, "
+    "to_jsonb(p) ->> 'lineage', to_jsonb(p) ->> 'chain_key') "
+    "FROM registry_policy p WHERE id = 1), "
     "(SELECT json_agg(json_build_array(version, failure) ORDER BY version) "
     "FROM registry_artifacts WHERE state = 'rolled_back'))::text"
 )
@@ -158,11 +174,12 @@ SIGNATURES = {
     "rl_write_rows": "text, text[], bigint[], text[], bigint[], text[], double precision[], text[]",
     "rl_lock_rows": "text, text, text, double precision, text[]",
     "rl_insert_rows": "text, json",
-    "rl_append": "text, text[], text[], text[], json",
+    "rl_append": "text, text[], text[], text[], json, json",
     "rl_bad_version": "text, bigint, text, boolean",
     "rl_registry_write": "text, json, text[], text[], text[]",
     "rl_mark": "text",
     "rl_prune_marks": "",
+    CHAIN_CHECK: "",
 }
 assert set(SIGNATURES) == set(CALLED_BY), "every callable function has its callers declared"
 
@@ -190,6 +207,8 @@ CREATE TABLE IF NOT EXISTS rl_operations (
     parts text[] NOT NULL,
     bad   boolean NOT NULL
 );
+ALTER TABLE rl_operations ADD COLUMN IF NOT EXISTS updates text[] NOT NULL DEFAULT '{}',
+    ADD COLUMN IF NOT EXISTS every boolean NOT NULL DEFAULT false;
 CREATE TABLE IF NOT EXISTS rl_roles (
     role text PRIMARY KEY,
     name text NOT NULL UNIQUE
@@ -231,7 +250,7 @@ BEGIN
         _refuse(
             "login % has no role that may run %",
             "session_user, p_op",
-            needs="array_to_string(o.roles, ',')",
+            needs="array_to_string(o.roles, CASE WHEN o.every THEN '+' ELSE ',' END)",
         )
     };
 END
@@ -243,6 +262,21 @@ BEGIN
         RETURN NULL;  -- no registry: only the stamp itself is judged, by the client
     END IF;
     RETURN ARRAY({_RESERVABLE.format(version="a.version")} ORDER BY a.version);
+END
+$fn$;
+CREATE OR REPLACE FUNCTION rl_not_poisoned(p_states text[], p_owners text[]) RETURNS void
+LANGUAGE plpgsql STABLE AS $fn$
+DECLARE
+    v_bad text;
+BEGIN
+    -- rows going to 'reserved' for a poisoned update (the step held the update's lock)
+    SELECT min(t.update_id) INTO v_bad
+    FROM ledger_updates t
+    WHERE t.status = 'poisoned' AND t.update_id IN (
+        SELECT DISTINCT v.o FROM unnest(p_states, p_owners) AS v(s, o) WHERE v.s = 'reserved');
+    IF v_bad IS NOT NULL THEN
+        {_refuse("update % is poisoned: no rollout is reserved for it", "v_bad", op="'reserve'")};
+    END IF;
 END
 $fn$;
 CREATE OR REPLACE FUNCTION rl_append_events(
@@ -296,6 +330,8 @@ _CHECK = """
     SELECT op.* INTO o FROM rl_operations op
     WHERE op.op = p_op AND (
         SELECT CASE WHEN count(*) = 0 THEN true
+                    WHEN op.every THEN coalesce(bool_and(CASE WHEN r.role = ANY(op.roles)
+                        THEN pg_has_role(session_user, r.name, 'USAGE') ELSE true END), false)
                     ELSE coalesce(bool_or(CASE WHEN r.role = ANY(op.roles)
                         THEN pg_has_role(session_user, r.name, 'USAGE') ELSE false END), false)
                END
@@ -342,17 +378,50 @@ BEGIN
     DELETE FROM commit_marks WHERE at < now() - interval '1 day';
 END
 $fn$;
+CREATE OR REPLACE FUNCTION {CHAIN_CHECK}() RETURNS void
+LANGUAGE plpgsql VOLATILE {sd} AS $fn$
+BEGIN
+    PERFORM {CHAIN_PREV}();  -- HistoryTampered (its SQLSTATE) on an edited history
+END
+$fn$;
 CREATE OR REPLACE FUNCTION rl_append(
-    p_op text, p_kinds text[], p_subjects text[], p_payloads text[], p_counters json)
+    p_op text, p_kinds text[], p_subjects text[], p_payloads text[], p_counters json,
+    p_updates json)
 RETURNS TABLE (o_txn bigint, o_last bigint)
 LANGUAGE plpgsql VOLATILE {sd} AS $fn$
 DECLARE
     o rl_operations;
+    v_bad text;
 BEGIN{_CHECK}{_kinds_check()}
+    IF p_updates IS NOT NULL THEN
+        -- the update records the step leaves: each a change the operation makes, from the
+        -- status stored now (the step holds each update's lock: `_lock_updates`)
+        SELECT min(u.u || ' (' || coalesce(t.status, 'unrecorded') || ' to ' || u.s || ')')
+        INTO v_bad
+        FROM json_to_recordset(p_updates) AS u(u text, s text, c text, d text)
+        LEFT JOIN ledger_updates t ON t.update_id = u.u
+        WHERE NOT (coalesce(t.status, '') || '>' || u.s) = ANY(o.updates);
+        IF v_bad IS NOT NULL THEN
+            {_refuse("operation % may not change update %", "p_op, v_bad")};
+        END IF;
+        INSERT INTO ledger_updates(update_id, status, cause, detail)
+        SELECT u.u, u.s, u.c, u.d
+        FROM json_to_recordset(p_updates) AS u(u text, s text, c text, d text)
+        ORDER BY u.u
+        ON CONFLICT (update_id) DO UPDATE SET status = excluded.status,
+            cause = excluded.cause, detail = excluded.detail;
+    END IF;
     RETURN QUERY SELECT * FROM rl_append_events(p_kinds, p_subjects, p_payloads, p_counters);
 END
 $fn$;
 """
+
+
+def update_document(updates: Sequence[UpdateChange]) -> str:
+    """The update records a step leaves, as `rl_append`'s p_updates reads them."""
+    return json.dumps(
+        [{"u": a.update_id, "s": a.status, "c": a.cause, "d": a.detail} for _, _, a in updates]
+    )
 
 
 def _cas_many_body() -> str:
@@ -360,8 +429,12 @@ def _cas_many_body() -> str:
     return re.sub(r"%\((\w+)\)b", lambda m: _CAS_VARS[m.group(1)], CAS_MANY).strip()
 
 
-def _ledger(schema: str) -> str:
-    sd = _sd(schema)
+_SD = "@SECURITY_DEFINER@"  # where the write-one template says how it runs
+
+
+def _write_one_template() -> str:
+    """`ledger_write_one_v6`'s definition, `_SD` standing for how it runs (its schema)."""
+    sd = _SD
     reserving = "p_state = 'reserved' AND v_was IS DISTINCT FROM 'reserved'"
     return f"""
 CREATE OR REPLACE FUNCTION {WRITE_ONE}({", ".join(f"{n} {t}" for n, t in WRITE_ONE_ARGS)})
@@ -375,6 +448,7 @@ DECLARE
     v_was text;
     v_rev bigint;
     v_version bigint;
+    v_update text;
 BEGIN{_CHECK}
     IF NOT p_kind = ANY(o.kinds) THEN
         {_refuse("operation % may not record events of kind %", "p_op, p_kind")};
@@ -389,6 +463,18 @@ BEGIN{_CHECK}
     END IF;
     IF p_guard = 2 THEN  -- nested: the registry's tables are planned only where they exist
         IF {PREMISE} IS DISTINCT FROM p_premise THEN
+            RETURN 'moved';
+        END IF;
+    END IF;
+    -- a reservation writes only while its update is recorded and not poisoned (whatever
+    -- the caller passed: the reserving row names its update)
+    v_update := coalesce(p_update, CASE WHEN {reserving} THEN p_reserved_by END);
+    IF v_update IS NOT NULL THEN  -- shared: a step that poisons it waits for this write
+        PERFORM pg_advisory_xact_lock_shared(
+            {K_UPDATE}, hashtext(current_schema() || '/' || v_update));
+        IF NOT EXISTS (
+            SELECT 1 FROM ledger_updates WHERE update_id = v_update AND status <> 'poisoned'
+        ) THEN
             RETURN 'moved';
         END IF;
     END IF;
@@ -418,21 +504,13 @@ BEGIN{_CHECK}
 {CAS_STEP}    PERFORM pg_advisory_xact_lock({K_EVENTS}, hashtext(current_schema()));
     v_txn := nextval('events_txn');
     v_seq := nextval('events_seq');
-    SELECT last_hash INTO v_prev FROM events_chain WHERE id = 1 FOR UPDATE;
-    v_hash := sha256(coalesce(v_prev, {ZERO_HASH}) || {
+    v_prev := {CHAIN_PREV}();
+    v_hash := sha256(v_prev || {
         chain_message("v_seq", "v_txn", "p_kind", "p_rollout_id", "p_payload")
     });
     INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
-    VALUES (v_seq, v_txn, p_kind, p_rollout_id, p_payload, coalesce(v_prev, {ZERO_HASH}),
-            v_hash);
-    IF v_prev IS NULL THEN  -- no head row yet (the chain's DDL makes one: never, in practice)
-        INSERT INTO events_chain(id, base_seq, base_count, last_seq, last_hash)
-        VALUES (1, 0, 0, v_seq, v_hash)
-        ON CONFLICT (id) DO UPDATE
-            SET last_seq = excluded.last_seq, last_hash = excluded.last_hash;
-    ELSE
-        UPDATE events_chain SET last_seq = v_seq, last_hash = v_hash WHERE id = 1;
-    END IF;
+    VALUES (v_seq, v_txn, p_kind, p_rollout_id, p_payload, v_prev, v_hash);
+    UPDATE events_chain SET last_seq = v_seq, last_hash = v_hash WHERE id = 1;
     INSERT INTO ledger_counters(name, shard, n)
     SELECT c.name, pg_backend_pid() % {COUNTER_SHARDS}, c.n
     FROM unnest(p_names, p_counts) AS c(name, n)
@@ -442,6 +520,28 @@ BEGIN{_CHECK}
     RETURN 'won';
 END
 $fn$;
+"""
+
+
+# The single write's definition, as mutants and test builds edit it (`patch_everywhere`
+# rebinds every global bound to it: WRITE_ONE_DDL and WRITE_ONE name the edited one, and
+# functions_ddl creates it next to the program's own, kept in `_CANONICAL`)
+WRITE_ONE_DDL = _write_one_template()
+_CANONICAL = {"name": WRITE_ONE, "ddl": WRITE_ONE_DDL}
+
+
+def _write_one(schema: str) -> str:
+    """The single write's function, and an edited variant of it under its own name."""
+    sd = _sd(schema)
+    out = _CANONICAL["ddl"].replace(_SD, sd)
+    if _CANONICAL["name"] != WRITE_ONE or WRITE_ONE_DDL is not _CANONICAL["ddl"]:
+        out += WRITE_ONE_DDL.replace(_SD, sd)
+    return out
+
+
+def _ledger(schema: str) -> str:
+    sd = _sd(schema)
+    return f"""
 CREATE OR REPLACE FUNCTION rl_write_rows(
     p_op text, p_ids text[], p_expected bigint[], p_states text[], p_revisions bigint[],
     p_owners text[], p_leases double precision[], p_entries text[])
@@ -457,6 +557,7 @@ BEGIN{_CHECK}
     IF 'rewarded>reserved' = ANY(v_edges) THEN  -- the premise, under its lock
         PERFORM pg_advisory_xact_lock_shared({K_PREMISE}, hashtext(current_schema()));
         v_versions := rl_reservable();
+        PERFORM rl_not_poisoned(p_states, p_owners);
     END IF;
     RETURN QUERY {_cas_many_body()};
     GET DIAGNOSTICS v_won = ROW_COUNT;
@@ -510,13 +611,28 @@ RETURNS SETOF text LANGUAGE plpgsql VOLATILE {sd} AS $fn$
 DECLARE
     o rl_operations;
     v_bad text;
+    v_moves boolean := EXISTS (SELECT 1 FROM unnest(o.edges) e WHERE e NOT LIKE '>%');
+    v_versions bigint[];
 BEGIN{_CHECK}
+    IF '>reserved' = ANY(o.edges) THEN  -- a landing reserved in its own step: the premise
+        PERFORM pg_advisory_xact_lock_shared({K_PREMISE}, hashtext(current_schema()));
+        v_versions := rl_reservable();
+        PERFORM rl_not_poisoned(
+            ARRAY(SELECT n.state FROM json_to_recordset(p_doc) AS n(state text)),
+            ARRAY(SELECT n.reserved_by FROM json_to_recordset(p_doc) AS n(reserved_by text)));
+    END IF;
     SELECT min(n.rollout_id || ' (' || n.state || ', revision ' || n.revision || ')')
     INTO v_bad FROM json_to_recordset(p_doc)
-        AS n(rollout_id text, state text, revision bigint, reserved_by text)
-    -- a new rollout starts at revision 0; one of a bad version is quarantined on arrival
-    WHERE NOT ('>' || n.state) = ANY(o.edges) OR n.reserved_by IS NOT NULL
-       OR n.revision <> CASE WHEN n.state = 'quarantined' THEN 1 ELSE 0 END;
+        AS n(rollout_id text, state text, revision bigint, reserved_by text, version bigint)
+    -- a new rollout starts at revision 0 (one of a bad version is quarantined on arrival);
+    -- an operation that also moves it in its step (a landing) at most a few steps on; only
+    -- a reserved one has an owner, of a version reservable now
+    WHERE NOT ('>' || n.state) = ANY(o.edges)
+       OR (n.reserved_by IS NOT NULL) <> (n.state = 'reserved')
+       OR (n.state = 'reserved' AND v_versions IS NOT NULL
+           AND NOT n.version = ANY(v_versions))
+       OR CASE WHEN v_moves THEN n.revision NOT BETWEEN 0 AND 3
+               ELSE n.revision <> CASE WHEN n.state = 'quarantined' THEN 1 ELSE 0 END END;
     IF v_bad IS NOT NULL THEN
         {_refuse("operation % may not add rollout %", "p_op, v_bad")};
     END IF;
@@ -533,17 +649,18 @@ END
 $fn$;
 CREATE OR REPLACE FUNCTION rl_bad_version(
     p_op text, p_version bigint, p_reason text, p_mark boolean)
-RETURNS void LANGUAGE plpgsql VOLATILE {sd} AS $fn$
+RETURNS boolean LANGUAGE plpgsql VOLATILE {sd} AS $fn$
 DECLARE
     o rl_operations;
 BEGIN{_CHECK}
+    -- true when a row was written (the step then records it: RowRecorded)
     IF NOT o.bad THEN
         {_refuse("operation % does not mark versions bad", "p_op")};
     END IF;
     IF p_mark THEN
         INSERT INTO ledger_bad_versions(version, reason) VALUES (p_version, p_reason)
         ON CONFLICT (version) DO NOTHING;
-        RETURN;
+        RETURN FOUND;
     END IF;
     -- lifting a mark: the operator's choice, or a coordinator's for a version it activated
     -- (nested: the registry's table is planned only where it exists)
@@ -564,6 +681,7 @@ BEGIN{_CHECK}
         END IF;
     END IF;
     DELETE FROM ledger_bad_versions WHERE version = p_version;
+    RETURN FOUND;
 END
 $fn$;
 """
@@ -731,13 +849,15 @@ BEGIN{_CHECK}{_kinds_check()}
         ON CONFLICT (id) DO UPDATE SET workers = excluded.workers;
     END IF;
     IF p_step -> 'policy' IS NOT NULL THEN
-        INSERT INTO registry_policy(id, max_lag, max_drift, batch_size, max_attempts)
+        INSERT INTO registry_policy(id, max_lag, max_drift, batch_size, max_attempts,
+                                    lineage, chain_key)
         SELECT 1, (pl ->> 0)::bigint, (pl ->> 1)::float8, (pl ->> 2)::bigint,
-               (pl ->> 3)::bigint
+               (pl ->> 3)::bigint, pl ->> 4, pl ->> 5
         FROM (SELECT p_step -> 'policy' AS pl) x
         ON CONFLICT (id) DO UPDATE SET max_lag = excluded.max_lag,
             max_drift = excluded.max_drift, batch_size = excluded.batch_size,
-            max_attempts = excluded.max_attempts;
+            max_attempts = excluded.max_attempts, lineage = excluded.lineage,
+            chain_key = excluded.chain_key;
     END IF;
     RETURN QUERY SELECT * FROM rl_append_events(p_kinds, p_subjects, p_payloads, NULL);
 END
@@ -752,7 +872,15 @@ def functions_ddl(schema: str) -> str:
     revoke = "".join(
         f"REVOKE ALL ON FUNCTION {name}({sig}) FROM PUBLIC;\n" for name, sig in SIGNATURES.items()
     )
-    return _TABLES + _helpers() + _common(schema) + _ledger(schema) + _registry(schema) + revoke
+    return (
+        _TABLES
+        + _helpers()
+        + _common(schema)
+        + _write_one(schema)
+        + _ledger(schema)
+        + _registry(schema)
+        + revoke
+    )
 
 
 def functions_version(ddl: str) -> int:
@@ -779,16 +907,39 @@ def _current(conn: Conn, version: int) -> bool:
     return bool(row and row[0])
 
 
+# every callable function's overloads, dropped before the definitions run again (a
+# changed signature or return type cannot be replaced in place)
+_DROP = """
+DO $$ DECLARE r record; BEGIN
+  FOR r IN SELECT p.oid::regprocedure AS sig FROM pg_proc p
+    WHERE p.pronamespace = current_schema()::regnamespace AND p.proname = ANY(%s::text[])
+      AND (p.oid <> ALL(%s::oid[]) OR (p.proname = 'rl_bad_version'
+                                        AND p.prorettype = 'void'::regtype)) LOOP
+    EXECUTE format('DROP FUNCTION %s', r.sig);
+  END LOOP;
+END $$
+"""
+
+
 def install(conn: Conn, schema: str) -> None:
     """Create or replace the functions and the operations table in this transaction (the
     caller holds K_SCHEMA and may create in the schema)."""
     ddl = functions_ddl(schema)
+    # other overloads of the callable functions (an older signature), and the names they
+    # had before: dropped; the current ones are replaced in place (their grants stay)
+    names = "ARRAY[" + ", ".join(f"'{n}'" for n in [*SIGNATURES, *OLD_NAMES]) + "]::text[]"
+    keep = (
+        "ARRAY[0"
+        + "".join(f", coalesce(to_regprocedure('{n}({a})'), 0)" for n, a in SIGNATURES.items())
+        + "]::oid[]"
+    )
+    conn.execute(_DROP.replace("%s::text[]", names, 1).replace("%s::oid[]", keep, 1))
     conn.execute(ddl)
     conn.execute("DELETE FROM rl_operations")
     with conn.cursor() as cur:
         cur.executemany(
-            "INSERT INTO rl_operations(op, roles, edges, kinds, parts, bad) "
-            "VALUES (%s, %s, %s, %s, %s, %s)",
+            "INSERT INTO rl_operations(op, roles, edges, kinds, parts, bad, updates, every) "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
             operation_rows(),
         )
     conn.execute(

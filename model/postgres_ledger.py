@@ -32,7 +32,7 @@ operation (model.postgres_roles), with or without roles the same calls:
 - A single reservation (`peek`, `write_one`: the ledger's `GuardedStore`) is two round
   trips. One autocommit read takes the row, the premise and the server's time; the ledger
   plans, judges and enforces on them; then ONE call of the server-side function
-  `ledger_write_one_v4` (created on open) takes the premise lock SHARED, checks that the
+  `ledger_write_one_v6` (created on open) takes the premise lock SHARED, checks that the
   premise is still the one the plan was judged on (an equality of the stored facts, no
   rule), compare-and-sets the row, appends its event and counters by the steps of the
   statement `append_events` sends (as plain statements, in the same order), and inserts
@@ -56,7 +56,16 @@ from typing import Any, TypeVar
 import attrs
 
 from rollout_lifecycle.model.errors import DuplicateRollout, LedgerError
-from rollout_lifecycle.model.events import Change, EntryChanged, StoredRows, entry_events
+from rollout_lifecycle.model.events import (
+    Change,
+    EntryChanged,
+    StoredRows,
+    TraceEvent,
+    UpdateChange,
+    entry_events,
+    row_event,
+    update_events,
+)
 from rollout_lifecycle.model.ledger import (
     NO_REGISTRY,
     ActivationPremise,
@@ -71,12 +80,14 @@ from rollout_lifecycle.model.ledger import (
     WriteOutcome,
     check_lease_seconds,
     load_entry,
+    update_from_row,
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.postgres_common import (
     K_BAD,
     K_DISPATCH,
     K_PREMISE,
+    K_UPDATE,
     Conn,
     OneStatement,
     PostgresDatabase,
@@ -89,25 +100,29 @@ from rollout_lifecycle.model.postgres_common import (
 from rollout_lifecycle.model.postgres_functions import (
     CAS_STEP,
     PREMISE,
-    WRITE_ONE,
     WRITE_ONE_ARGS,
     WRITE_ONE_CALL,
+    WRITE_ONE_DDL,
     ensure_functions,
+    update_document,
 )
+from rollout_lifecycle.model.postgres_functions import WRITE_ONE as WRITE_ONE
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
     LedgerEntry,
+    UpdateRecord,
 )
 from rollout_lifecycle.model.rules import retired_from_rows
-from rollout_lifecycle.model.sql_unit import SqlUnit, read_bad
+from rollout_lifecycle.model.sql_unit import UPDATE_COLUMNS, SqlUnit, read_bad
 
 T = TypeVar("T")
 
 COMPONENT = "ledger"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # 1 -> 2: entry events store only the fields that changed (model.events.CHANGED); nothing
 # stored is rewritten, the bump makes an older program refuse the schema (as on SQLite)
-MIGRATIONS = {1: ""}
+# 2 -> 3: the ledger's update records (ledger_updates, created by the DDL; as on SQLite)
+MIGRATIONS = {1: "", 2: ""}
 
 # The indexed columns copy LedgerEntry fields that queries filter on; `entry` holds the whole
 # record. The CHECK repeats the exclusive-ownership invariant at the storage level.
@@ -134,6 +149,14 @@ CREATE TABLE IF NOT EXISTS ledger_bad_versions (
     version bigint PRIMARY KEY,
     reason  text NOT NULL
 );
+CREATE TABLE IF NOT EXISTS ledger_updates (
+    update_id text PRIMARY KEY,
+    status    text NOT NULL CHECK (status IN ('open', 'landed', 'poisoned')),
+    cause     text,
+    detail    text NOT NULL DEFAULT '',
+    CHECK ((cause IS NULL) = (status <> 'poisoned'))
+);
+CREATE INDEX IF NOT EXISTS ledger_updates_status ON ledger_updates(status);
 CREATE TABLE IF NOT EXISTS ledger_counters (
     name  text NOT NULL,
     shard integer NOT NULL,
@@ -151,9 +174,16 @@ _CAS_ONE = (
 )
 _PREMISE = PREMISE
 _NOW = "extract(epoch FROM clock_timestamp())::float8"
-_PEEK = f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_PREMISE}"
+# the update's record as one JSON text (the table is the ledger's own: it always exists)
+_UPDATE_TEXT = (
+    "(SELECT json_build_array(update_id, status, cause, detail) FROM ledger_updates "
+    "WHERE update_id = %s)::text"
+)
+_PEEK = (
+    f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}, {_PREMISE}"
+)
 _PEEK_BARE = (
-    f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), "
+    f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}, "
     "to_regclass('registry_pointer') IS NOT NULL"
 )
 # the single compare-and-set, its arguments and its call (see postgres_functions)
@@ -161,6 +191,7 @@ _CAS_STEP = CAS_STEP
 _WRITE_ONE_ARGS = WRITE_ONE_ARGS
 _WRITE_ONE_SIGNATURE = f"{WRITE_ONE}({', '.join(t for _, t in _WRITE_ONE_ARGS)})"
 _WRITE_ONE_CALL = WRITE_ONE_CALL
+_WRITE_ONE_DDL = WRITE_ONE_DDL  # the definition test builds edit (stateful_tests.mutants)
 _WRITE_ROWS = (
     "SELECT * FROM rl_write_rows(%s, %b::text[], %b::bigint[], %b::text[], %b::bigint[], "
     "%b::text[], %b::float8[], %b::text[])"
@@ -228,14 +259,28 @@ def _premise(text: str) -> ActivationPremise:
 
 def _parse_premise(text: str) -> ActivationPremise:
     pointer, was, pol, rolled = json.loads(text)
+    was = was or ()
     return ActivationPremise(
         None if pointer is None else int(pointer),
-        frozenset(int(v) for v in was),
+        frozenset(int(v) for v, _ in was),
         None
         if pol is None
-        else AdmissionPolicy(int(pol[0]), float(pol[1]), _opt_int(pol[2]), _opt_int(pol[3])),
+        else AdmissionPolicy(
+            int(pol[0]),
+            float(pol[1]),
+            _opt_int(pol[2]),
+            _opt_int(pol[3]),
+            str(pol[4] or "ledger"),
+            str(pol[5] or "identity"),
+        ),
         retired_from_rows(rolled or ()),
+        {int(v): str(h) for v, h in was if h is not None},
     )
+
+
+def _update(text: str | None) -> UpdateRecord | None:
+    """An update's record from `_UPDATE_TEXT` (None: not recorded)."""
+    return None if text is None else update_from_row(json.loads(text))
 
 
 @attrs.frozen
@@ -244,6 +289,41 @@ class _Seen:
 
     premise: str | None
     entry: str | None
+
+
+def _lock_updates(conn: Conn, update_ids: Sequence[str]) -> list[str]:
+    """Take each update's lock exclusively, in id order (unnest keeps the sorted array's),
+    so a reservation, a commit and a poisoning of one update land one after the other, in
+    the events' order too (a single reservation's guarded write shares the lock). Returns
+    the ids, sorted."""
+    ids = sorted(set(update_ids))
+    if ids:
+        conn.execute(
+            f"SELECT pg_advisory_xact_lock({K_UPDATE}, "
+            "hashtext(current_schema() || '/' || u)) FROM unnest(%s::text[]) AS u",
+            (ids,),
+        )
+    return ids
+
+
+def _row_and_update(
+    conn: Conn, rollout_id: str, update_id: str
+) -> tuple[LedgerEntry | None, UpdateRecord | None]:
+    """A row and an update's record from one statement (one snapshot)."""
+    sql = f"SELECT (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}"
+    row = conn.execute(sql, (rollout_id, update_id)).fetchone()
+    assert row is not None
+    return (None if row[0] is None else load_entry(row[0])), _update(row[1])
+
+
+def _updates(conn: Conn, only: Sequence[str] | None) -> dict[str, UpdateRecord]:
+    """The ledger's update records (of `only`'s ids), by id."""
+    sql = f"SELECT {UPDATE_COLUMNS} FROM ledger_updates"
+    if only is None:
+        rows = conn.execute(sql + " ORDER BY update_id").fetchall()
+    else:
+        rows = conn.execute(sql + " WHERE update_id = ANY(%s::text[])", (list(only),)).fetchall()
+    return {str(r[0]): update_from_row(r) for r in rows}
 
 
 def _rows(
@@ -287,6 +367,10 @@ class _Unit(SqlUnit):
         assert row is not None
         self.now = float(row[0])
         return _premise(row[1])
+
+    def read_updates(self, update_ids: Sequence[str]) -> dict[str, UpdateRecord]:
+        """The records, each update's lock held first (see `_lock_updates`)."""
+        return super().read_updates(_lock_updates(self.conn, update_ids))
 
     def server_now(self) -> float | None:
         if not self.store.server_clock:
@@ -335,15 +419,27 @@ class _Unit(SqlUnit):
         )
         return {str(r[0]) for r in self.conn.execute(_WRITE_ROWS, (self.op, *columns)).fetchall()}
 
-    def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
-        # the counters ride in the events' call (alone, when nothing changed)
+    def append(
+        self,
+        changes: Sequence[Change],
+        at: float,
+        counts: Mapping[str, int],
+        updates: Sequence[UpdateChange] = (),
+    ) -> None:
+        # the counters, and the update records the step leaves, ride in the events' call
+        # (the counters alone, when nothing changed)
+        events: list[TraceEvent] = [*entry_events(changes, at)] if changes else []
+        if updates:
+            events += update_events(updates, at)
+        events += self.recorded_events(at)
         append_events(
             self.conn,
-            entry_events(changes, at) if changes else [],
+            events,
             op=self.op,
             counters=counts,
             payload_of=self.payload,
             stamped=False,
+            updates=update_document(updates) if updates else None,
         )
 
     def _locked(
@@ -368,10 +464,19 @@ class _Unit(SqlUnit):
         return self._locked("older_than", None, version, states)
 
     def mark_bad(self, version: int, reason: str) -> None:
-        self.conn.execute(_BAD_VERSION, (self.op, version, reason, True))
+        if self._bad_version(version, reason, mark=True):
+            row = {"version": version, "reason": reason}
+            self.recorded.append(row_event("ledger_bad_versions", version, row, "marked bad"))
 
     def clear_bad(self, version: int) -> None:
-        self.conn.execute(_BAD_VERSION, (self.op, version, "", False))
+        if self._bad_version(version, "", mark=False):
+            self.recorded.append(row_event("ledger_bad_versions", version, None, "mark lifted"))
+
+    def _bad_version(self, version: int, reason: str, *, mark: bool) -> bool:
+        """Mark or clear through `rl_bad_version`: whether a row was written (a second mark
+        keeps the first reason; then nothing is recorded)."""
+        row = self.conn.execute(_BAD_VERSION, (self.op, version, reason, mark)).fetchone()
+        return bool(row and row[0])
 
 
 class PostgresStore:
@@ -406,29 +511,43 @@ class PostgresStore:
             lambda conn: body(_Unit(self, conn, step.what)), step.what, prologue=prologue
         )
 
-    def peek(self, rollout_id: str) -> tuple[LedgerEntry | None, Peeked]:
-        """The row and the premise (and the server's time) in ONE autocommit statement."""
+    def peek(
+        self, rollout_id: str, update_id: str
+    ) -> tuple[LedgerEntry | None, UpdateRecord | None, Peeked]:
+        """The row, the update's record and the premise (and the server's time) in ONE
+        autocommit statement."""
         if self.db.read_only:  # what a reservation peeks for is a write
             raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
 
-        def body(conn: Conn) -> tuple[str | None, str | None, float]:
+        def body(conn: Conn) -> tuple[str | None, str | None, str | None, float]:
             if not self.registry_seen:
-                row = conn.execute(_PEEK_BARE, (rollout_id,)).fetchone()
+                row = conn.execute(_PEEK_BARE, (rollout_id, update_id)).fetchone()
                 assert row is not None
-                if not row[2]:
-                    return row[1], None, float(row[0])
+                if not row[3]:
+                    return row[1], row[2], None, float(row[0])
                 self.registry_seen = True  # a registry, once created, never goes away
-            row = conn.execute(_PEEK, (rollout_id,)).fetchone()
+            row = conn.execute(_PEEK, (rollout_id, update_id)).fetchone()
             assert row is not None
-            return row[1], row[2], float(row[0])
+            return row[1], row[2], row[3], float(row[0])
 
-        text, premise, now = self._read(body, "reserve")
+        text, update, premise, now = self._read(body, "reserve")
         seen = Peeked(
             NO_REGISTRY if premise is None else _premise(premise),
             now if self.server_clock else None,
             _Seen(premise, text),
         )
-        return (None if text is None else load_entry(text)), seen
+        return (None if text is None else load_entry(text)), _update(update), seen
+
+    def find_with_update(
+        self, rollout_id: str, update_id: str
+    ) -> tuple[LedgerEntry | None, UpdateRecord | None]:
+        return self._read(lambda c: _row_and_update(c, rollout_id, update_id), "find")
+
+    def find_update(self, update_id: str) -> UpdateRecord | None:
+        return self.all_updates([update_id]).get(update_id)
+
+    def all_updates(self, only: Sequence[str] | None = None) -> dict[str, UpdateRecord]:
+        return self._read(lambda c: _updates(c, only), "updates")
 
     def write_one(
         self,
@@ -456,6 +575,8 @@ class PostgresStore:
                 raise LedgerError(f"{step.what}: a guarded write needs the premise it peeked")
             guard, premise = (1, None) if token.premise is None else (2, token.premise)
         entry = unit.dump_after(before, after)
+        # a reservation writes only while its update is recorded and not poisoned
+        owner = after.reserved_by if step.premise else None
         params = (
             step.what,
             guard,
@@ -470,12 +591,14 @@ class PostgresStore:
             events[0].kind,
             unit.payload(events[0], None),
             *_counters(counts),
+            owner,
         )
         return self.atomic(OneStatement(_WRITE_ONE_CALL, params, _won, "won"), step)
 
     def view(self, body: Callable[[StoreView], T], what: str) -> T:
-        """One read-only transaction (READ COMMITTED: each statement sees what committed)."""
-        return self._read(lambda conn: body(_Unit(self, conn, what)), what)
+        """One read-only REPEATABLE READ snapshot: the body's statements (the premise, then
+        the rows) see one instant, so what it answers was true at that instant."""
+        return self._read(lambda conn: body(_Unit(self, conn, what)), what, snapshot=True)
 
     def _read(self, body: Callable[[Conn], T], what: str, *, snapshot: bool = False) -> T:
         self._check_open()

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import psycopg
 
 from rollout_lifecycle.model.errors import ActivationError
-from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, TraceEvent
+from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, RowRecorded, TraceEvent
 from rollout_lifecycle.model.postgres_common import (
     K_PREMISE,
     K_REGISTRY,
@@ -59,6 +59,7 @@ from rollout_lifecycle.model.registry import (
     _Unchanged,
     check_step,
     make_events,
+    policy_row,
 )
 
 R = TypeVar("R")
@@ -66,12 +67,15 @@ R = TypeVar("R")
 COMPONENT = "registry"
 # 2: the durable admission policy (registry_policy)
 # 3: the policy's pacing bounds (batch_size, max_attempts)
-SCHEMA_VERSION = 3
+# 4: the policy's lineage mode and attempt-chain key (issue 31)
+SCHEMA_VERSION = 4
 # 1 -> 2 adds tables (created by the DDL) and the artifacts' lineage column
 MIGRATIONS = {
     1: "ALTER TABLE registry_artifacts ADD COLUMN IF NOT EXISTS trained_by text",
     2: "ALTER TABLE registry_policy ADD COLUMN IF NOT EXISTS batch_size bigint, "
     "ADD COLUMN IF NOT EXISTS max_attempts bigint",
+    3: "ALTER TABLE registry_policy ADD COLUMN IF NOT EXISTS lineage text NOT NULL "
+    "DEFAULT 'ledger', ADD COLUMN IF NOT EXISTS chain_key text NOT NULL DEFAULT 'identity'",
 }
 
 _DDL = """
@@ -105,7 +109,9 @@ CREATE TABLE IF NOT EXISTS registry_policy (
     max_lag   bigint NOT NULL CHECK (max_lag >= 0),
     max_drift double precision NOT NULL CHECK (max_drift >= 0),
     batch_size   bigint,
-    max_attempts bigint
+    max_attempts bigint,
+    lineage   text NOT NULL DEFAULT 'ledger',
+    chain_key text NOT NULL DEFAULT 'identity'
 );
 CREATE TABLE IF NOT EXISTS registry_attempt_tokens (
     version   bigint NOT NULL CHECK (version >= 0),
@@ -141,7 +147,6 @@ class _PgView(SqlView):
 
     PARAM = "%s"
     TOKENS_TABLE_SQL = "SELECT 1 WHERE to_regclass(%s) IS NOT NULL"
-    EVENT_FIELD = "(payload::jsonb ->> '{}')"
 
 
 def step_operation(step: RegistryStep) -> str | None:
@@ -177,8 +182,7 @@ def step_document(step: RegistryStep) -> dict[str, Any]:
     if not isinstance(step.membership, _Unchanged):
         doc["membership"] = list(step.membership)
     if not isinstance(step.policy, _Unchanged):
-        p = step.policy
-        doc["policy"] = [p.max_lag, p.max_drift, p.batch_size, p.max_attempts]
+        doc["policy"] = list(policy_row(step.policy))
     return doc
 
 
@@ -335,12 +339,13 @@ class PostgresRegistry:
         return [e for e in evs if isinstance(e, ArtifactChanged)]
 
     def trace(self) -> list[TraceEvent]:
-        """Every registry event (artifacts, membership, worker reports) in global order."""
+        """Every registry event (artifacts, membership, worker reports) in global order
+        (the rows recorded for `ledger check`, RowRecorded, are not registry events)."""
         self._check_open()
         if self._empty:
             return []
         evs = self.db.read(lambda c: read_events(c, exclude_kind="entry"), "trace")
-        return [e for e in evs if not isinstance(e, EntryChanged)]
+        return [e for e in evs if not isinstance(e, EntryChanged | RowRecorded)]
 
     def close(self) -> None:
         """Release this registry's hold on the pool; the data stays. Idempotent."""

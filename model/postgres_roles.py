@@ -42,7 +42,7 @@ from typing import Any, Literal
 import attrs
 
 from rollout_lifecycle.model.errors import RoleRefused
-from rollout_lifecycle.model.ledger import ADDABLE_STATES, DIRECT_EVENTS
+from rollout_lifecycle.model.ledger import ADDABLE_STATES, CLOSING_EVENTS, DIRECT_EVENTS
 from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
 
 ROLES = ("operator", "coordinator", "worker", "generator", "learner", "auditor")
@@ -59,7 +59,9 @@ class Operation:
     `events` are the machine events (lifecycle for ledger rows, activation for artifacts)
     its row writes may take, `inserts` the states a new row may start in, `kinds` the
     event kinds it may append to the trace, `parts` the registry parts it may write,
-    `bad` whether it marks or clears bad versions.
+    `bad` whether it marks or clears bad versions, `updates` the changes of the ledger's
+    update records (ledger_updates) it may make, as 'stored status>new status' ('' for
+    none stored), `every` whether the login needs every one of `roles` (else any one).
     """
 
     roles: tuple[str, ...]
@@ -69,13 +71,25 @@ class Operation:
     kinds: tuple[str, ...] = ()
     parts: tuple[str, ...] = ()
     bad: bool = False
+    updates: tuple[str, ...] = ()
+    every: bool = False
 
     def edges(self) -> tuple[str, ...]:
-        """'source>dest' of every edge of its events, and '>state' of every insert: what
-        the functions compare a row's stored and new state with."""
+        """'source>dest' of every path of its events (a step may fire several on one row:
+        a landing generates, rewards and reserves it), and '>state' of every state a new
+        row may be written in (an insert, then its events): what the functions compare a
+        row's stored and new state with."""
         spec = ACTIVATION if self.machine == "activation" else LIFECYCLE
-        moves = sorted({f"{e.source}>{e.dest}" for e in spec.edges if e.event in self.events})
-        return (*moves, *(f">{s}" for s in self.inserts))
+        step = {(e.source, e.dest) for e in spec.edges if e.event in self.events}
+        reach = set(step)
+        while True:  # the transitive closure of the operation's own edges
+            more = {(a, d) for a, b in reach for c, d in step if b == c} - reach
+            if not more:
+                break
+            reach |= more
+        moves = sorted(f"{a}>{b}" for a, b in reach)
+        born = set(self.inserts) | {b for a, b in reach if a in self.inserts}
+        return (*moves, *(f">{s}" for s in sorted(born)))
 
 
 _GEN = ("generator",)
@@ -85,8 +99,17 @@ _OP = ("operator",)
 _ENTRY = ("entry",)
 
 
-def _ledger(roles: tuple[str, ...], *events: str, inserts: Sequence[str] = ()) -> Operation:
-    return Operation(roles, "lifecycle", events, tuple(inserts), _ENTRY)
+def _ledger(
+    roles: tuple[str, ...],
+    *events: str,
+    inserts: Sequence[str] = (),
+    updates: Sequence[str] = (),
+    every: bool = False,
+) -> Operation:
+    kinds = (*_ENTRY, "update") if updates else _ENTRY
+    return Operation(
+        roles, "lifecycle", events, tuple(inserts), kinds, updates=tuple(updates), every=every
+    )
 
 
 def _registry(roles: tuple[str, ...], *events: str, parts: Sequence[str] = ()) -> Operation:
@@ -95,6 +118,12 @@ def _registry(roles: tuple[str, ...], *events: str, parts: Sequence[str] = ()) -
     moves = () if inserts else events
     return Operation(roles, "activation", moves, inserts, kinds, ("artifacts", *parts))
 
+
+# the events of a landing (model.ledger.plan_landing) and of what a trainer closes
+_LANDING = frozenset(
+    {"generation_done", "reward_ready", "generation_failed", "reward_timeout", "reward_error"}
+    | {"quarantine", "retire_stale"}
+)
 
 # who fires each direct lifecycle event (`ledger.transition`): the generation and reward
 # edges are the generator's; a learner routes what its gate rejects (retire_stale,
@@ -109,6 +138,15 @@ _DIRECT: dict[str, tuple[str, ...]] = {
     "retire_stale": ("generator", "learner", "operator"),
 }
 
+# the update records' changes (model.ledger: open_change, land_change, poison_change): a
+# reservation opens its update, a commit lands it or (refused) poisons it, an expired lease
+# poisons its holder's; a poisoned update stays poisoned
+_OPEN = (">open",)
+_POISON = (">poisoned", "open>poisoned", "landed>poisoned")
+_LAND = (">landed", "open>landed", *_POISON)
+# a row written with the events that record it (model.events.RowRecorded)
+_ROW = ("entry", "row")
+
 # THE declared list: operation -> what it may do. Ledger operations are named as the
 # ledger's steps are (`Step.what`); registry operations by `registry_operation`.
 OPERATIONS: dict[str, Operation] = {
@@ -116,20 +154,33 @@ OPERATIONS: dict[str, Operation] = {
     "add": _ledger(_GEN, inserts=(*ADDABLE_STATES, "quarantined")),
     "dispatch": _ledger(_GEN, inserts=("dispatched", "quarantined")),
     **{f"transition {e}": _ledger(roles, e) for e, roles in sorted(_DIRECT.items())},
-    "reserve": _ledger(_LEARN, "reserve"),
-    "reserve_batch": _ledger(_LEARN, "reserve"),
-    "commit": _ledger(_LEARN, "commit"),
+    "reserve": _ledger(_LEARN, "reserve", updates=_OPEN),
+    "reserve_batch": _ledger(_LEARN, "reserve", updates=_OPEN),
+    "commit": _ledger(_LEARN, "commit", updates=_LAND),
     "abort": _ledger(_LEARN, "abort"),
     "fail_update": _ledger(_LEARN, "update_failed"),
     "renew_leases": _ledger(_LEARN, "renew_lease"),
-    "expire_leases": _ledger(("learner", "coordinator", "operator"), "expire_lease"),
+    "expire_leases": _ledger(
+        ("learner", "coordinator", "operator"), "expire_lease", updates=_POISON
+    ),
     "retire_stale": _ledger(("generator", "learner", "operator"), "retire_stale"),
+    # a trainer's step (verl): it lands its generations (the generator's edges, adds
+    # included), closes what must not train and reserves (the learner's): its login needs
+    # both roles
+    "land_and_reserve": _ledger(
+        ("generator", "learner"),
+        *sorted(_LANDING),
+        "reserve",
+        inserts=(*ADDABLE_STATES, "quarantined"),
+        updates=_OPEN,
+        every=True,
+    ),
     "quarantine_version": attrs.evolve(
-        _ledger(("coordinator", "operator"), "quarantine"), bad=True
+        _ledger(("coordinator", "operator"), "quarantine"), bad=True, kinds=_ROW
     ),
     # a coordinator lifts the mark of a version it just activated (the server checks that
     # it is active); the operator any
-    "clear_bad_version": Operation(("coordinator", "operator"), bad=True),
+    "clear_bad_version": Operation(("coordinator", "operator"), kinds=("row",), bad=True),
     # ---- registry
     "register": _registry(_COORD, "register"),
     "commit_artifact": _registry(_COORD, "commit_artifact"),
@@ -151,6 +202,7 @@ OPERATIONS: dict[str, Operation] = {
 }
 
 assert set(_DIRECT) == set(DIRECT_EVENTS), "every direct lifecycle event has its roles"
+assert CLOSING_EVENTS <= _LANDING
 assert all(set(op.roles) <= set(WRITERS) for op in OPERATIONS.values())
 
 
@@ -161,7 +213,7 @@ def _rows(op: Operation) -> bool:
 # which operations call each server-side function: their roles may EXECUTE it (every
 # function also checks, itself, that the operation it is asked for is the caller's)
 CALLED_BY: dict[str, Callable[[Operation], bool]] = {
-    "ledger_write_one_v4": _rows,
+    "ledger_write_one_v6": _rows,
     "rl_write_rows": _rows,
     "rl_lock_rows": _rows,
     "rl_insert_rows": lambda op: op.machine == "lifecycle" and bool(op.inserts),
@@ -170,10 +222,12 @@ CALLED_BY: dict[str, Callable[[Operation], bool]] = {
     "rl_registry_write": lambda op: op.machine == "activation",
     "rl_mark": lambda op: True,
     "rl_prune_marks": lambda op: True,
+    "rl_check_chain": lambda op: True,
 }
 # functions every login calls whatever it does: a step's commit mark (a step that writes
 # nothing, an auditor's included, still ends with one: it inserts nothing then)
-EVERY_LOGIN = ("rl_mark", "rl_prune_marks")
+# and the event chain's check at open (HistoryTampered on an edited history)
+EVERY_LOGIN = ("rl_mark", "rl_prune_marks", "rl_check_chain")
 
 # table -> the roles that may SELECT it; a table not listed here is readable by every
 # role. Workers do not read the events: registry events carry every worker's tokens.
@@ -205,10 +259,22 @@ def grantees(function: str) -> tuple[str, ...]:
     )
 
 
-def operation_rows() -> list[tuple[str, list[str], list[str], list[str], list[str], bool]]:
+OperationRow = tuple[str, list[str], list[str], list[str], list[str], bool, list[str], bool]
+
+
+def operation_rows() -> list[OperationRow]:
     """The rows of `rl_operations`, the server's copy of OPERATIONS."""
     return [
-        (name, list(op.roles), list(op.edges()), list(op.kinds), list(op.parts), op.bad)
+        (
+            name,
+            list(op.roles),
+            list(op.edges()),
+            list(op.kinds),
+            list(op.parts),
+            op.bad,
+            list(op.updates),
+            op.every,
+        )
         for name, op in sorted(OPERATIONS.items())
     ]
 
@@ -393,6 +459,8 @@ def refused(exc: Any, operation: str, login: str, where: str) -> RoleRefused:
     detail = str(getattr(diag, "message_detail", "") or "")
     primary = str(getattr(diag, "message_primary", "") or str(exc).splitlines()[0])
     needed = needed_roles(operation)
+    op = OPERATIONS.get(operation)
+    every = op is not None and op.every
     if detail.startswith(REFUSAL_MARK):
         fields = {
             k.strip(): v.strip()
@@ -401,7 +469,9 @@ def refused(exc: Any, operation: str, login: str, where: str) -> RoleRefused:
             )
         }
         operation = fields.get("op") or operation
-        needed = tuple(r for r in fields.get("needs", "").split(",") if r)
+        needs = fields.get("needs", "")
+        every = "+" in needs  # a login needs every one of them ('+'), or any (',')
+        needed = tuple(r for r in re.split(r"[,+]", needs) if r)
         if not needed:  # the role may run it: what it asked is outside the operation
             return RoleRefused(
                 f"{where}: refused {operation} for login {login!r}: {primary} (nothing was "
@@ -411,12 +481,13 @@ def refused(exc: Any, operation: str, login: str, where: str) -> RoleRefused:
                 login=login,
             )
     if needed:
-        who = " or ".join(needed)
+        who = (" and " if every else " or ").join(needed)
         hint = " --worker-id ID" if needed[0] == "worker" else ""
-        fix = (
-            f"; it needs the {who} role (rollout-lifecycle deployment grant {needed[0]} "
-            f"{login}{hint})"
+        grants = "; ".join(
+            f"rollout-lifecycle deployment grant {r} {login}{hint}"
+            for r in (needed if every else needed[:1])
         )
+        fix = f"; it needs the {who} role{'s' if every else ''} ({grants})"
     else:
         fix = "; it needs a deployment role that reads this (the auditor reads everything)"
     return RoleRefused(

@@ -127,9 +127,10 @@ def setup_script(database: str, schema: str, prefix: str | None = None) -> list[
         ),
         "DELETE FROM rl_operations",
         *(
-            "INSERT INTO rl_operations(op, roles, edges, kinds, parts, bad) VALUES "
-            f"({_lit(op)}, {_arr(r)}, {_arr(e)}, {_arr(k)}, {_arr(p)}, {str(b).lower()})"
-            for op, r, e, k, p, b in operation_rows()
+            "INSERT INTO rl_operations(op, roles, edges, kinds, parts, bad, updates, every) "
+            f"VALUES ({_lit(op)}, {_arr(r)}, {_arr(e)}, {_arr(k)}, {_arr(p)}, {str(b).lower()}, "
+            f"{_arr(u)}, {str(every).lower()})"
+            for op, r, e, k, p, b, u, every in operation_rows()
         ),
     ]
     return out + roles_statements(schema, chosen, callable_functions())

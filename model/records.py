@@ -490,6 +490,11 @@ def _opt_freshness(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> N
         )
 
 
+# the recorded policy's lineage modes and attempt-chain keys (see AdmissionPolicy)
+LINEAGE_MODES = ("ledger", "off")
+CHAIN_KEYS = ("identity", "caller")
+
+
 @attrs.frozen(repr=False)
 class AdmissionPolicy:
     """The deployment's admission bounds (L_max, D_max), recorded durably in the registry.
@@ -509,6 +514,22 @@ class AdmissionPolicy:
     max_attempts: int | None = attrs.field(
         default=None, validator=_opt_pos_int, metadata={"omit_default": True}
     )
+    # issue 31: "ledger" (a version's lineage is the ledger's landed updates, and each update
+    # it names must be landed, unpoisoned and unclaimed) or "off" (the operator's recorded
+    # opt-out: a version records what it is given, unfenced); "identity" (a prompt's attempt
+    # chain is its rollout identity) or "caller" (the key a generator passes to dispatch).
+    # Omitted from JSON at their defaults, so older records read the same.
+    lineage: str = attrs.field(
+        default="ledger", validator=_one_of(*LINEAGE_MODES), metadata={"omit_default": True}
+    )
+    chain_key: str = attrs.field(
+        default="identity", validator=_one_of(*CHAIN_KEYS), metadata={"omit_default": True}
+    )
+
+    @property
+    def paced(self) -> bool:
+        """Whether pacing bounds are recorded (a dispatch budget or an attempts bound)."""
+        return self.batch_size is not None or self.max_attempts is not None
 
     def __repr__(self) -> str:
         """The bounds that are set (the pacing ones only when set, as in its JSON)."""
@@ -581,6 +602,33 @@ class LedgerEntry:
             raise InvalidRecord(
                 f"rollout {brief(self.rollout_id)}: reserved_by must be set exactly when the state "
                 f"is 'reserved' (state {brief(self.state)}, reserved_by {brief(self.reserved_by)})"
+            )
+
+
+# an update's status in the ledger (issue 31): `open` from its first reservation, `landed`
+# once a commit of it consumed rollouts, `poisoned` (absorbing) when it may have trained on a
+# rollout another update consumes: a refused commit, a lost lease, a retired version
+UPDATE_STATES = ("open", "landed", "poisoned")
+
+
+@attrs.frozen
+class UpdateRecord:
+    """An update as the ledger records it: a durable object, so lineage is read from the
+    ledger, never from what a learner says it trained on.
+
+    `cause` (with `detail`) says why a poisoned update is poisoned, and is set only then.
+    """
+
+    update_id: str = attrs.field(validator=_nonempty_str)
+    status: str = attrs.field(validator=_one_of(*UPDATE_STATES))
+    cause: str | None = attrs.field(default=None, validator=_opt_nonempty_str)
+    detail: str = attrs.field(default="", validator=_text)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.cause is not None) != (self.status == "poisoned"):
+            raise InvalidRecord(
+                f"update {brief(self.update_id)}: a cause is recorded exactly when it is "
+                f"poisoned (status {brief(self.status)}, cause {brief(self.cause)})"
             )
 
 

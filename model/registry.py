@@ -33,16 +33,18 @@ from rollout_lifecycle.model.events import (
     EventLog,
     MembershipChanged,
     PolicyChanged,
+    RowRecorded,
     TraceEvent,
     WorkerReported,
 )
-from rollout_lifecycle.model.ledger import ActivationPremise
+from rollout_lifecycle.model.ledger import ActivationPremise, update_from_row
 from rollout_lifecycle.model.records import (
     ActivePointer,
     AdmissionPolicy,
     ArtifactRecord,
     AttemptToken,
     Disposition,
+    UpdateRecord,
     WorkerAck,
     from_jsonable,
     text_problem,
@@ -67,7 +69,8 @@ COMPONENT = "registry"
 # 4: the policy's pacing bounds (batch_size, max_attempts)
 # 5: the file's events are numbered without AUTOINCREMENT (sqlite_common.NEXT_COLUMNS): a
 #    registry this version creates could not be appended to by an older program
-SCHEMA_VERSION = 5
+# 6: the policy's lineage mode and attempt-chain key (issue 31)
+SCHEMA_VERSION = 6
 # 1 -> 2 only adds a table, which the DDL creates if missing; 2 -> 3 adds tables and the
 # artifacts' lineage column
 MIGRATIONS = {
@@ -76,6 +79,8 @@ MIGRATIONS = {
     3: "ALTER TABLE registry_policy ADD COLUMN batch_size INTEGER ;"
     "ALTER TABLE registry_policy ADD COLUMN max_attempts INTEGER ",
     4: "",
+    5: "ALTER TABLE registry_policy ADD COLUMN lineage TEXT NOT NULL DEFAULT 'ledger' ;"
+    "ALTER TABLE registry_policy ADD COLUMN chain_key TEXT NOT NULL DEFAULT 'identity' ",
 }
 
 
@@ -147,7 +152,9 @@ class RegistryView(Protocol):
 
     def policy(self) -> AdmissionPolicy | None: ...
 
-    def landed(self, update_ids: Iterable[str]) -> frozenset[str]: ...
+    def updates(self, update_ids: Iterable[str]) -> dict[str, UpdateRecord]: ...
+
+    def landed_updates(self) -> list[str]: ...
 
     def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]: ...
 
@@ -344,6 +351,47 @@ def activated_hash(store: RegistryStore, version: int) -> str | None:
 LINEAGE_FENCED_EVENTS = frozenset({"register", "commit_artifact", "activate"})
 
 
+def lineage_fenced(view: RegistryView) -> bool:
+    """Whether the deployment fences versions by lineage: unless its recorded policy says
+    `lineage="off"` (the operator's recorded opt-out), it does, with no policy too."""
+    pol = view.policy()
+    return pol is None or pol.lineage != "off"
+
+
+def default_lineage(view: RegistryView) -> tuple[str, ...]:
+    """What `prepare` records as a version's lineage when the learner names none: the
+    ledger's landed updates that no version claims yet (each update is claimed by at most
+    one version), read inside the registry's step."""
+    claimed = {u for a in view.artifacts() for u in a.trained_by}
+    return tuple(u for u in view.landed_updates() if u not in claimed)
+
+
+def lineage_refusal(view: RegistryView, rec: ArtifactRecord) -> str | None:
+    """Why `rec`'s lineage may not be registered, committed or activated now (None: it
+    may): every update it names must have landed in the ledger that shares this registry,
+    never have been poisoned, and be claimed by no other version."""
+    named = rec.trained_by
+    found = view.updates(named)
+    unlanded = sorted(u for u in named if u not in found or found[u].status == "open")
+    poisoned = sorted(u for u in named if u in found and found[u].status == "poisoned")
+    others = {
+        u: a.version for a in view.artifacts() if a.version != rec.version for u in a.trained_by
+    }
+    claimed = sorted(f"{u} (v{others[u]})" for u in named if u in others)
+    problems = []
+    if unlanded:
+        problems.append(
+            f"update(s) {unlanded} have no landed commit in the ledger (a lost lease or a "
+            "refused commit): their rollouts may have been consumed by another update"
+        )
+    if poisoned:
+        causes = [f"{u}: {found[u].cause}" for u in poisoned]
+        problems.append(f"update(s) {causes} are poisoned")
+    if claimed:
+        problems.append(f"update(s) {claimed} are already in another version's lineage")
+    return "; ".join(problems) or None
+
+
 def check_step(view: RegistryView, step: RegistryStep) -> None:
     """Refuse a step that would break a registry invariant, before anything is written.
 
@@ -403,13 +451,12 @@ def check_step(view: RegistryView, step: RegistryStep) -> None:
             raise ActivationError("; ".join(problems))
         if current is not None and ch.after.trained_by != current.trained_by:
             raise ActivationError(f"artifact v{v}: its recorded lineage never changes")
-        if ch.after.trained_by and ch.event in LINEAGE_FENCED_EVENTS:
-            unlanded = sorted(set(ch.after.trained_by) - view.landed(ch.after.trained_by))
-            if unlanded:
+        if ch.after.trained_by and ch.event in LINEAGE_FENCED_EVENTS and lineage_fenced(view):
+            why = lineage_refusal(view, ch.after)
+            if why is not None:
                 raise ActivationError(
-                    f"refusing to {ch.event} v{v}: it is trained by update(s) {unlanded} whose "
-                    "commit did not land in the ledger (a lost lease or a CommitMismatch): "
-                    "their rollouts may have been consumed by another update"
+                    f"refusing to {ch.event} v{v}: {why} (the deployment's policy fences "
+                    "versions by lineage; `deployment lineage` shows it)"
                 )
         if ch.event in ("distribute", "retry"):
             why = distribution_refusal(view, v)
@@ -706,17 +753,13 @@ class _MemoryView:
     def policy(self) -> AdmissionPolicy | None:
         return self._reg._policy
 
-    def landed(self, update_ids: Iterable[str]) -> frozenset[str]:
-        # the ledger attached to this registry shares its event log (open_backend does)
-        want = set(update_ids)
-        return frozenset(
-            e.update_id
-            for e in self._reg.log.events()
-            if isinstance(e, EntryChanged)
-            and e.event == "commit"
-            and e.update_id is not None
-            and e.update_id in want
-        )
+    def updates(self, update_ids: Iterable[str]) -> dict[str, UpdateRecord]:
+        # the ledger attached to this registry keeps its records here (see ledger_updates)
+        got = self._reg.ledger_updates.get
+        return {u: r for u in update_ids if (r := got(u)) is not None}
+
+    def landed_updates(self) -> list[str]:
+        return sorted(u for u, r in self._reg.ledger_updates.items() if r.status == "landed")
 
     def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
         return [
@@ -740,6 +783,9 @@ class MemoryRegistry(_ViewReads):
         self._policy: AdmissionPolicy | None = None
         self._tokens: dict[tuple[int, str], AttemptToken] = {}
         self.log = event_log if event_log is not None else EventLog()
+        # the update records of the MemoryLedger attached to this registry (it shares them,
+        # and this lock): what lineage is read from, as the SQL registries read the table
+        self.ledger_updates: dict[str, UpdateRecord] = {}
         self._view = _MemoryView(self)
 
     @property
@@ -750,11 +796,13 @@ class MemoryRegistry(_ViewReads):
     def premise(self) -> ActivationPremise:
         """The pointer, the ever-active and retired versions, the recorded policy (caller
         holds `lock`)."""
+        was = {v: a for v, a in self._artifacts.items() if a.state in WAS_ACTIVE_STATES}
         return ActivationPremise(
             None if self._pointer is None else self._pointer.version,
-            frozenset(v for v, a in self._artifacts.items() if a.state in WAS_ACTIVE_STATES),
+            frozenset(was),
             self._policy,
             retired_versions(self._artifacts.values()),
+            {v: a.artifact_hash for v, a in was.items() if a.artifact_hash is not None},
         )
 
     @classmethod
@@ -816,8 +864,9 @@ class MemoryRegistry(_ViewReads):
         ]
 
     def trace(self) -> list[TraceEvent]:
-        """Every registry event (artifacts, membership, worker reports) in global order."""
-        return [e for e in self.log.events() if not isinstance(e, EntryChanged)]
+        """Every registry event (artifacts, membership, worker reports) in global order
+        (the rows recorded for `ledger check`, RowRecorded, are not registry events)."""
+        return [e for e in self.log.events() if not isinstance(e, EntryChanged | RowRecorded)]
 
     def close(self) -> None:
         """Nothing to release; protocol parity with SQLite."""
@@ -856,7 +905,9 @@ CREATE TABLE IF NOT EXISTS registry_policy (
     max_lag   INTEGER NOT NULL CHECK (max_lag >= 0),
     max_drift REAL NOT NULL CHECK (max_drift >= 0),
     batch_size   INTEGER,
-    max_attempts INTEGER
+    max_attempts INTEGER,
+    lineage   TEXT NOT NULL DEFAULT 'ledger',
+    chain_key TEXT NOT NULL DEFAULT 'identity'
 );
 CREATE TABLE IF NOT EXISTS registry_attempt_tokens (
     version   INTEGER NOT NULL CHECK (version >= 0),
@@ -930,6 +981,33 @@ def _record_to_row(r: ArtifactRecord) -> tuple[object, ...]:
     )
 
 
+# the policy row's upsert (the same on SQLite and PostgreSQL, up to the parameter marker)
+POLICY_UPSERT = (
+    "INSERT INTO registry_policy(id, max_lag, max_drift, batch_size, max_attempts, lineage, "
+    "chain_key) VALUES (1, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT(id) DO UPDATE SET max_lag=excluded.max_lag, max_drift=excluded.max_drift, "
+    "batch_size=excluded.batch_size, max_attempts=excluded.max_attempts, "
+    "lineage=excluded.lineage, chain_key=excluded.chain_key"
+)
+
+
+def policy_row(p: AdmissionPolicy) -> tuple[object, ...]:
+    """The policy's columns for `POLICY_UPSERT`."""
+    return (p.max_lag, p.max_drift, p.batch_size, p.max_attempts, p.lineage, p.chain_key)
+
+
+def policy_from_row(row: dict[str, Any]) -> AdmissionPolicy:
+    """The policy from its stored row, by column name (absent newer columns: defaults)."""
+    return AdmissionPolicy(
+        _int(row["max_lag"]),
+        float(row["max_drift"]),
+        _opt_int(row.get("batch_size")),
+        _opt_int(row.get("max_attempts")),
+        str(row.get("lineage") or "ledger"),
+        str(row.get("chain_key") or "identity"),
+    )
+
+
 def _row_to_worker(row: Sequence[object]) -> WorkerReport:
     wid, floor, ack = row
     return WorkerReport(
@@ -950,6 +1028,7 @@ class SqlView:
 
     def __init__(self, conn: Any) -> None:
         self._conn = conn
+        self._tables: set[str] = set()
 
     def artifact(self, version: int) -> ArtifactRecord | None:
         row = self._conn.execute(
@@ -992,35 +1071,44 @@ class SqlView:
         return None if row is None else tuple(str(w) for w in json.loads(str(row[0])))
 
     def policy(self) -> AdmissionPolicy | None:
-        row = self._conn.execute(
-            "SELECT max_lag, max_drift, batch_size, max_attempts FROM registry_policy WHERE id = 1"
-        ).fetchone()
+        # by name: a registry read before its migration to the newer columns reads them as
+        # their defaults
+        cur = self._conn.execute("SELECT * FROM registry_policy WHERE id = 1")
+        row = cur.fetchone()
         if row is None:
             return None
-        return AdmissionPolicy(
-            _int(row[0]),
-            float(row[1]),
-            None if row[2] is None else _int(row[2]),
-            None if row[3] is None else _int(row[3]),
-        )
+        return policy_from_row(dict(zip([d[0] for d in cur.description], row, strict=True)))
 
-    # a JSON field of a stored event's payload, in this dialect
-    EVENT_FIELD = "json_extract(payload, '$.{}')"
-
-    def landed(self, update_ids: Iterable[str]) -> frozenset[str]:
-        """Which of these updates have a landed commit: commit events of the ledger that
-        shares this database (a commit never un-lands, so what is seen stays true)."""
+    def updates(self, update_ids: Iterable[str]) -> dict[str, UpdateRecord]:
+        """The records of these updates in the ledger that shares this database (none
+        where it holds no ledger)."""
         want = sorted(set(update_ids))
-        if not want:
-            return frozenset()
-        upd, ev = self.EVENT_FIELD.format("update_id"), self.EVENT_FIELD.format("event")
+        if not want or not self._has_table("ledger_updates"):
+            return {}
         marks = ", ".join([self.PARAM] * len(want))
         rows = self._conn.execute(
-            f"SELECT DISTINCT {upd} FROM events WHERE kind = 'entry' AND {ev} = 'commit' "
-            f"AND {upd} IN ({marks})",
+            f"SELECT update_id, status, cause, detail FROM ledger_updates "
+            f"WHERE update_id IN ({marks})",
             want,
         ).fetchall()
-        return frozenset(str(r[0]) for r in rows)
+        return {str(r[0]): update_from_row(r) for r in rows}
+
+    def landed_updates(self) -> list[str]:
+        """The ids of the ledger's landed updates, sorted."""
+        if not self._has_table("ledger_updates"):
+            return []
+        rows = self._conn.execute(
+            "SELECT update_id FROM ledger_updates WHERE status = 'landed' ORDER BY update_id"
+        ).fetchall()
+        return [str(r[0]) for r in rows]
+
+    def _has_table(self, name: str) -> bool:
+        if name in self._tables:
+            return True
+        if self._conn.execute(self.TOKENS_TABLE_SQL, (name,)).fetchone() is None:
+            return False
+        self._tables.add(name)  # a table, once created, never goes away
+        return True
 
     # a database written before attempt tokens existed, opened read-only, has no such table
     TOKENS_TABLE_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
@@ -1088,8 +1176,11 @@ class _EmptyView:
     def policy(self) -> AdmissionPolicy | None:
         return None
 
-    def landed(self, update_ids: Iterable[str]) -> frozenset[str]:
-        return frozenset()
+    def updates(self, update_ids: Iterable[str]) -> dict[str, UpdateRecord]:
+        return {}
+
+    def landed_updates(self) -> list[str]:
+        return []
 
     def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
         return []
@@ -1260,19 +1351,7 @@ class SQLiteRegistry(_ViewReads):
                         (json.dumps(list(step.membership)),),
                     )
                 if not isinstance(step.policy, _Unchanged):
-                    conn.execute(
-                        "INSERT INTO registry_policy(id, max_lag, max_drift, batch_size, "
-                        "max_attempts) VALUES (1, ?, ?, ?, ?) "
-                        "ON CONFLICT(id) DO UPDATE SET max_lag=excluded.max_lag, "
-                        "max_drift=excluded.max_drift, batch_size=excluded.batch_size, "
-                        "max_attempts=excluded.max_attempts",
-                        (
-                            step.policy.max_lag,
-                            step.policy.max_drift,
-                            step.policy.batch_size,
-                            step.policy.max_attempts,
-                        ),
-                    )
+                    conn.execute(POLICY_UPSERT, policy_row(step.policy))
                 stamped = append_events(conn, events)
                 conn.execute("COMMIT")
             except BaseException as exc:
@@ -1300,10 +1379,11 @@ class SQLiteRegistry(_ViewReads):
         return [e for e in evs if isinstance(e, ArtifactChanged)]
 
     def trace(self) -> list[TraceEvent]:
-        """Every registry event (artifacts, membership, worker reports) in global order."""
+        """Every registry event (artifacts, membership, worker reports) in global order
+        (the rows recorded for `ledger check`, RowRecorded, are not registry events)."""
         with self._lock:
             evs = read_events(self._conn, exclude_kind="entry")
-        return [e for e in evs if not isinstance(e, EntryChanged)]
+        return [e for e in evs if not isinstance(e, EntryChanged | RowRecorded)]
 
     def close(self) -> None:
         """Close the connection; the file stays for the next coordinator."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from rollout_lifecycle.model.errors import brief
 from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE
@@ -46,6 +46,9 @@ STAMP_CONTRADICTS = "stamp_contradicts_itself"
 NO_POLICY = "no_admission_policy"
 LOOSER_THAN_POLICY = "looser_than_policy"
 VERSION_RETIRED = "version_retired"
+ARTIFACT_HASH_MISMATCH = "artifact_hash_mismatch"
+# the ledger's own record of the update (judged before the premise: see StoreLedger.reserve)
+UPDATE_POISONED = "update_poisoned"
 
 # the cause a rollback records on the rolled-back artifact: its rollouts are retired, or,
 # by the operator's explicit choice, kept (see ActivationCoordinator.rollback)
@@ -273,18 +276,23 @@ def reservation_refusal(
     was_active: frozenset[int] | None,
     policy: AdmissionPolicy | None = None,
     retired: frozenset[int] = frozenset(),
+    artifact_hash: str | None = None,
+    hashes: Mapping[int, str] | None = None,
     *,
     stamp_passed: bool = False,
 ) -> tuple[str, str] | None:
     """Why a reservation may not land NOW, or None: (reason, detail).
 
     Judged inside the reservation's own atomic step, with what that step read of the
-    registry: the active pointer, the versions that were ever active, the deployment's
-    recorded admission policy and the retired (rolled-back) versions. `was_active` None
-    means "no registry attached": only the stamp itself is judged. With a registry, the
-    stamp is a request, never the premise: it may be stricter than the recorded policy,
-    never looser; the lag is recomputed from the pointer of this moment and bounded by
-    the policy; a version rolled back (retired) is never reserved.
+    registry: the active pointer, the versions that were ever active (and the hash each
+    was registered with, `hashes`), the deployment's recorded admission policy and the
+    retired (rolled-back) versions. `was_active` None means "no registry attached": only
+    the stamp itself is judged. With a registry, the stamp is a request, never the premise:
+    it may be stricter than the recorded policy, never looser; the rollout's stamped
+    `artifact_hash` must be the one registered for its version, whatever form the stamp
+    takes; the lag is recomputed from the pointer of this moment and bounded by the policy;
+    a version rolled back (retired) is never reserved. (`hashes` None: a premise that
+    carries no hashes, built by hand for a test; every store's premise carries them.)
 
     `stamp_passed`: this very stamp passed this function for `behavior_version` already
     (a plan judged it a moment before; a stamp is frozen and its verdict depends on nothing
@@ -317,6 +325,12 @@ def reservation_refusal(
         )
     if behavior_version not in was_active:
         return VERSION_NOT_ACTIVE, f"v{behavior_version} never became the active version"
+    if hashes is not None and hashes.get(behavior_version) != artifact_hash:
+        return (
+            ARTIFACT_HASH_MISMATCH,
+            f"stamped v{behavior_version} with hash {brief(artifact_hash)}; the registry's "
+            f"v{behavior_version} is {brief(hashes.get(behavior_version))}",
+        )
     if behavior_version in retired:
         return VERSION_RETIRED, f"v{behavior_version} was rolled back; its rollouts are retired"
     if stamp.current_version not in was_active:

@@ -15,17 +15,28 @@ import attrs
 
 from rollout_lifecycle.model.events import (
     EntryChanged,
+    RowRecorded,
     TraceEvent,
+    UpdateChange,
     changed_payload,
     entry_changes,
     entry_payload,
     field_differs,
     json_scalar,
+    row_event,
     stored_payload,
 )
-from rollout_lifecycle.model.ledger import dump_entry, read_entry
+from rollout_lifecycle.model.ledger import dump_entry, read_entry, update_from_row
 from rollout_lifecycle.model.pacing import PacingRow, rows_from_columns
-from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, to_jsonable
+from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, UpdateRecord, to_jsonable
+
+# the ledger's update records (issue 31): the same table on SQLite and PostgreSQL
+UPDATE_COLUMNS = "update_id, status, cause, detail"
+_UPDATE_UPSERT = (
+    f"INSERT INTO ledger_updates({UPDATE_COLUMNS}) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (update_id) DO UPDATE SET status = excluded.status, "
+    "cause = excluded.cause, detail = excluded.detail"
+)
 
 
 def read_bad(conn: Any) -> frozenset[int]:
@@ -109,6 +120,9 @@ class SqlUnit:
         self.change_texts = ("", "")
         # (state, owner, lease) objects last encoded, with their fields (see `_fields`)
         self.shared: tuple[tuple[object, ...], tuple[str, str, str]] = ((object(),) * 3, ("",) * 3)
+        # rows of recorded tables (bad versions) this step wrote, for its events (see
+        # model.events.RECORDED_TABLES)
+        self.recorded: list[RowRecorded] = []
 
     def load(self, text: str) -> LedgerEntry:
         """An entry read in this step (its text kept when it is exactly what dump makes)."""
@@ -287,12 +301,36 @@ class SqlUnit:
     def bad_versions(self) -> frozenset[int]:
         return read_bad(self.conn)
 
+    def read_updates(self, update_ids: Sequence[str]) -> dict[str, UpdateRecord]:
+        if not update_ids:
+            return {}
+        marks = ",".join("?" * len(update_ids))
+        sql = f"SELECT {UPDATE_COLUMNS} FROM ledger_updates WHERE update_id IN ({marks})"
+        return {str(r[0]): update_from_row(r) for r in self.run(sql, list(update_ids))}
+
+    def put_updates(self, updates: Sequence[UpdateChange]) -> None:
+        """Store the records `updates` leave (inside the step, before their events)."""
+        for _, _, a in updates:  # a step changes one update, or the few a lease expiry hit
+            self.run(_UPDATE_UPSERT, (a.update_id, a.status, a.cause, a.detail))
+
     def mark_bad(self, version: int, reason: str) -> None:
-        self.run(
+        cur = self.run(
             "INSERT INTO ledger_bad_versions(version, reason) VALUES (?, ?) "
             "ON CONFLICT (version) DO NOTHING",
             (version, reason),
         )
+        if cur.rowcount == 1:  # a second mark keeps the first reason: nothing to record
+            row = {"version": version, "reason": reason}
+            self.recorded.append(row_event("ledger_bad_versions", version, row, "marked bad"))
 
     def clear_bad(self, version: int) -> None:
-        self.run("DELETE FROM ledger_bad_versions WHERE version = ?", (version,))
+        cur = self.run("DELETE FROM ledger_bad_versions WHERE version = ?", (version,))
+        if cur.rowcount == 1:
+            self.recorded.append(row_event("ledger_bad_versions", version, None, "mark lifted"))
+
+    def recorded_events(self, at: float) -> list[TraceEvent]:
+        """The rows this step wrote to recorded tables (RowRecorded, dated `at`), taken: the
+        store appends them with the step's entry events, in its one events statement."""
+        out: list[TraceEvent] = [attrs.evolve(ev, at=at) for ev in self.recorded]
+        self.recorded.clear()
+        return out

@@ -11,24 +11,33 @@ import json
 import os
 import re
 import sqlite3
+import struct
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from rollout_lifecycle.model.errors import LedgerError, StorageFull, schema_steps
+from rollout_lifecycle.model.errors import LedgerError, StorageFull, schema_steps, tampered
 from rollout_lifecycle.model.events import (
+    CHAINED_SINCE,
+    CHANGED,
     GENESIS,
+    SEAL,
     ChainHead,
     EntryStates,
     Payload,
+    RowRecorded,
     StoredEvent,
     StoredRows,
     TraceEvent,
+    chain_broken,
     chain_hash,
     event_subject,
     events_where,
+    recorded_rows,
+    row_event,
     stored_payload,
 )
 from rollout_lifecycle.model.sqlite_files import FileReplaced as FileReplaced
@@ -39,6 +48,10 @@ def write_failed(where: str, exc: sqlite3.Error) -> LedgerError:
     """The typed error of a failed write, the same for the ledger and the registry: a full
     disk is StorageFull (nothing written, free space and retry), anything else LedgerError."""
     code = getattr(exc, "sqlite_errorcode", None)
+    if "no such table: events_chain" in str(exc):  # dropped under an open writer
+        return tampered(
+            where, "has no head (its events_chain table was dropped)", f"sqlite:///{where}"
+        )
     if code == sqlite3.SQLITE_FULL or "disk is full" in str(exc):
         return StorageFull(
             f"{where}: write failed, nothing written: the database's disk is full ({exc}); "
@@ -91,11 +104,17 @@ _CHAIN_START = (
 # on txn to update with every append. The head's last_seq is every seq ever handed out, even
 # when the last events were deleted since (AUTOINCREMENT's counter did that before: one more
 # page written per commit); MAX(seq) covers a head that was deleted.
+# The last three columns are what `append_events` checks before it chains on (see
+# model.events.chain_broken): the newest event's hash and seq, and the head's base seq; they
+# read the pages the first three read, so they cost no page more.
 NEXT_COLUMNS = (
     "COALESCE((SELECT txn FROM events ORDER BY seq DESC LIMIT 1), 0) + 1, "
     "MAX(COALESCE((SELECT last_seq FROM events_chain WHERE id = 1), 0), "
     "COALESCE((SELECT MAX(seq) FROM events), 0)), "
-    "(SELECT last_hash FROM events_chain WHERE id = 1)"
+    "(SELECT last_hash FROM events_chain WHERE id = 1), "
+    "(SELECT hash FROM events ORDER BY seq DESC LIMIT 1), "
+    "(SELECT seq FROM events ORDER BY seq DESC LIMIT 1), "
+    "(SELECT base_seq FROM events_chain WHERE id = 1)"
 )
 _NEXT = f"SELECT {NEXT_COLUMNS}"
 _APPEND = (
@@ -149,8 +168,9 @@ def count_sql(names: tuple[str, ...]) -> str:
 
 _COUNTS: dict[tuple[str, ...], str] = {}
 
-# bookkeeping, not deployment state: the audit reads events and head on their own
-_NOT_STATE = ("events", "events_chain", "schema_meta")
+# the chain itself: the audit reads events and head on their own (schema_meta is a table
+# like the others: its rows are recorded in the chain and compared)
+_NOT_STATE = ("events", "events_chain")
 
 _META_DDL = """
 CREATE TABLE IF NOT EXISTS schema_meta (
@@ -352,10 +372,12 @@ def ensure_schema(
         row = conn.execute(
             "SELECT version FROM schema_meta WHERE component = ?", (component,)
         ).fetchone()
+        recorded: list[TraceEvent] = []
         if row is None:
             conn.execute(
                 "INSERT INTO schema_meta(component, version) VALUES (?, ?)", (component, version)
             )
+            recorded.append(_schema_event(component, version, "created"))
         elif int(row[0]) != version:
             steps = schema_steps(
                 "database", component, int(row[0]), version, migrations, "use a new file"
@@ -367,6 +389,9 @@ def ensure_schema(
             conn.execute(
                 "UPDATE schema_meta SET version = ? WHERE component = ?", (version, component)
             )
+            recorded.append(_schema_event(component, version, f"migrated from {row[0]}"))
+        sealing = seal_events(conn)
+        append_events(conn, sealing or recorded, stamped=False)
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
@@ -377,12 +402,112 @@ def ensure_schema(
         conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
 
+def _schema_event(component: str, version: int, why: str) -> RowRecorded:
+    row = {"component": component, "version": version}
+    return row_event("schema_meta", component, row, why, time.time())
+
+
+def _tables(conn: sqlite3.Connection) -> set[str]:
+    return {str(r[0]) for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+def seal_events(conn: sqlite3.Connection) -> list[TraceEvent]:
+    """Inside the caller's write transaction: if the file is not sealed yet (no SEAL row in
+    schema_meta), write the SEAL row and return a RowRecorded of every row that the
+    RECORDED_TABLES hold now (the SEAL row included), for the caller to append; else [].
+
+    From then on every write of those tables records its row in the chain, so `ledger check`
+    compares them with their history like every other table."""
+    found = conn.execute("SELECT 1 FROM schema_meta WHERE component = ?", (SEAL[0],)).fetchone()
+    if found is not None:
+        return []
+    conn.execute("INSERT INTO schema_meta(component, version) VALUES (?, ?)", SEAL)
+    return recorded_rows(conn, _tables(conn), "recorded when the store was sealed")
+
+
+def chain_required(conn: sqlite3.Connection) -> str | None:
+    """Why this file must have a hash chain (None: it may predate the chain), read when its
+    head is missing: a writer must then refuse rather than start a chain over the events."""
+    if conn.execute("SELECT 1 FROM events WHERE hash IS NOT NULL LIMIT 1").fetchone():
+        return "its events carry hashes"
+    for component, version in conn.execute("SELECT component, version FROM schema_meta"):
+        if component == SEAL[0]:
+            return "its schema_meta says it was sealed"
+        since = CHAINED_SINCE.get(str(component))
+        if since is not None and int(version) >= since:
+            return (
+                f"its {component} schema is version {version}, which only chaining programs write"
+            )
+    if conn.execute("SELECT 1 FROM events WHERE kind = 'row' LIMIT 1").fetchone():
+        return "it holds recorded-row events, which only chaining programs write"
+    if conn.execute(
+        "SELECT 1 FROM events WHERE kind = 'entry' AND instr(payload, ?) LIMIT 1",
+        (f'"{CHANGED}":',),
+    ).fetchone():
+        return "it holds entry events that store what changed, which only chaining programs write"
+    return None
+
+
+def _where(conn: sqlite3.Connection) -> tuple[str, str]:
+    """(the file, its URL) of a connection, for an error message."""
+    row = conn.execute("PRAGMA database_list").fetchone()
+    path = str(row[2]) if row is not None and row[2] else "the SQLite database"
+    return path, f"sqlite:///{path}"
+
+
+def chain_state(conn: sqlite3.Connection) -> tuple[Any, ...]:
+    """(head hash, newest event's hash, its seq, head's base seq): `chain_broken`'s input."""
+    row = conn.execute(f"SELECT {NEXT_COLUMNS}").fetchone()
+    return tuple(row[2:6])
+
+
+def refuse_broken_chain(conn: sqlite3.Connection, state: Sequence[Any]) -> None:
+    """HistoryTampered if `state` (see `chain_state`) is a chain no writer may chain onto."""
+    why = chain_broken(*state)
+    if why is not None:
+        path, url = _where(conn)
+        raise tampered(path, why, url)
+
+
+def verify_recorded_row(
+    conn: sqlite3.Connection, table: str, key: str, row: Mapping[str, Any]
+) -> None:
+    """HistoryTampered unless the newest RowRecorded of `table`'s row `key` records exactly
+    `row` and still matches its own hash: what a writer checks before it acts on a recorded
+    row (the host clock's origin). One lookup through the events' (kind, subject) index."""
+    found = conn.execute(
+        "SELECT seq, txn, kind, subject, payload, prev_hash, hash FROM events "
+        "WHERE kind = 'row' AND subject = ? ORDER BY seq DESC LIMIT 1",
+        (f"{table}/{key}",),
+    ).fetchone()
+    what = f"the {table} row {key!r}"
+    if found is None:
+        why = f"holds no event recording {what}: the row was inserted by hand"
+    else:
+        seq, txn, kind, subject, payload, prev, h = found
+        try:
+            ok = isinstance(prev, bytes) and chain_hash(prev, seq, txn, kind, subject, payload) == h
+            recorded = json.loads(payload).get("row") if ok else None
+        except (TypeError, ValueError, AttributeError, struct.error):
+            ok, recorded = False, None
+        if not ok:
+            why = f"holds an edited event #{seq} recording {what}"
+        elif recorded != dict(row):
+            why = f"records {what} as {recorded!r}, but the table holds {dict(row)!r}: edited"
+        else:
+            return
+    path, url = _where(conn)
+    raise tampered(path, why, url)
+
+
 def _ensure_chain(conn: sqlite3.Connection) -> None:
     """Give an events table written before the hash chain its two columns and a head, and
     an older file the events' current layout.
 
     Its events stay unchained (the audit reports them as an unchained prefix, and how many
-    there were); the chain starts with the next event appended.
+    there were); the chain starts with the next event appended. A file that had a chain
+    (see `chain_required`) and lost its head, or whose head no longer names its newest event,
+    is refused (HistoryTampered): starting a chain over it would bless the edit.
     """
     cols = {str(r[1]) for r in conn.execute("PRAGMA table_info(events)")}
     for col in ("prev_hash", "hash"):
@@ -398,8 +523,14 @@ def _ensure_chain(conn: sqlite3.Connection) -> None:
     conn.execute("DROP INDEX IF EXISTS events_txn")
     # counted once, when the chain begins (not on every open: COUNT scans the table)
     if conn.execute("SELECT 1 FROM events_chain WHERE id = 1").fetchone() is None:
+        if conn.execute("SELECT 1 FROM events LIMIT 1").fetchone() is not None:
+            why = chain_required(conn)
+            if why is not None:
+                path, url = _where(conn)
+                raise tampered(path, f"has no head although {why}", url)
         conn.execute(_CHAIN_START, (GENESIS,))
     _raise_last_seq(conn)
+    refuse_broken_chain(conn, chain_state(conn))
 
 
 def _raise_last_seq(conn: sqlite3.Connection) -> None:
@@ -431,8 +562,9 @@ def append_events(
     IMMEDIATE), each chained by hash to its predecessor, and move the chain's head.
 
     txn, seq and the head are read under the caller's write lock, so they are unique and
-    the chain has no forks. A head that is missing restarts the chain from GENESIS: the
-    audit then names the break instead of every later write being refused. Returns the
+    the chain has no forks. A head that is missing, or that does not name the newest stored
+    event, refuses the write (HistoryTampered, see `model.events.chain_broken`): chaining on
+    would bless an edited history. Returns the
     events with their seq and txn (none when not `stamped`: a caller that drops them need
     not pay for copies). `head`: the `NEXT_COLUMNS` the caller read in this same
     transaction (under the same write lock, after its last append), saving that statement.
@@ -441,8 +573,9 @@ def append_events(
     if not events:
         return []
     row = conn.execute(_NEXT).fetchone() if head is None else head
+    refuse_broken_chain(conn, row[2:6])
     txn, last = int(row[0]), int(row[1])
-    prev = row[2] if isinstance(row[2], bytes) else GENESIS
+    prev = row[2]
     rows = []
     out: list[TraceEvent] = []
     for i, ev in enumerate(events, 1):
@@ -504,8 +637,8 @@ def read_events(
 
 def read_stored(conn: sqlite3.Connection) -> StoredRows:
     """Every table of the file, the events with their chain columns, and the chain's head,
-    read inside the caller's read transaction (one WAL snapshot). Reads only: a file that
-    predates the chain reads as `chained=False`."""
+    read inside the caller's read transaction (one WAL snapshot). Reads only: a file whose
+    events have no hash columns reads as `chained=False` (and `head` None without its table)."""
     names = [
         str(r[0])
         for r in conn.execute(
@@ -514,7 +647,8 @@ def read_stored(conn: sqlite3.Connection) -> StoredRows:
         )
     ]
     cols = {str(r[1]) for r in conn.execute("PRAGMA table_info(events)")}
-    chained = {"prev_hash", "hash"} <= cols and "events_chain" in names
+    # the hash columns are read wherever they exist, even when the head's table is gone
+    chained = {"prev_hash", "hash"} <= cols
     events: list[StoredEvent] = []
     if "events" in names:
         links = "prev_hash, hash" if chained else "NULL, NULL"
@@ -525,7 +659,7 @@ def read_stored(conn: sqlite3.Connection) -> StoredRows:
             )
         ]
     head = None
-    if chained:
+    if "events_chain" in names:
         found = conn.execute(
             "SELECT base_seq, base_count, last_seq, last_hash FROM events_chain WHERE id = 1"
         ).fetchone()

@@ -24,7 +24,15 @@ from typing import Any, TypeVar
 
 from rollout_lifecycle.model.clocks import sqlite_host_clock
 from rollout_lifecycle.model.errors import DuplicateRollout, LedgerError, brief
-from rollout_lifecycle.model.events import Change, EntryChanged, StoredRows, entry_events
+from rollout_lifecycle.model.events import (
+    Change,
+    EntryChanged,
+    StoredRows,
+    TraceEvent,
+    UpdateChange,
+    entry_events,
+    update_events,
+)
 from rollout_lifecycle.model.ledger import (
     NO_REGISTRY,
     ActivationPremise,
@@ -38,13 +46,15 @@ from rollout_lifecycle.model.ledger import (
     check_lease_seconds,
     load_entry,
     read_entry,
+    update_from_row,
 )
 from rollout_lifecycle.model.records import (
-    AdmissionPolicy,
     LedgerEntry,
+    UpdateRecord,
 )
+from rollout_lifecycle.model.registry import policy_from_row
 from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES, retired_from_rows
-from rollout_lifecycle.model.sql_unit import SqlUnit, read_bad
+from rollout_lifecycle.model.sql_unit import UPDATE_COLUMNS, SqlUnit, read_bad
 from rollout_lifecycle.model.sqlite_common import (
     HEAD_COUNTERS,
     NEXT_COLUMNS,
@@ -59,7 +69,8 @@ from rollout_lifecycle.model.sqlite_conns import Connections
 T = TypeVar("T")
 
 COMPONENT = "ledger"
-SCHEMA_VERSION = 2
+# 3: the ledger's update records (ledger_updates, created by the DDL) and their events
+SCHEMA_VERSION = 3
 # 1 -> 2, two changes in one step:
 # - entry events store only the fields that changed (model.events.CHANGED); nothing stored is
 #   rewritten (the chain hashes it), and a program of version 1, which reads only whole
@@ -76,7 +87,11 @@ MIGRATIONS = {
         f"{c} = {c} + COALESCE((SELECT n FROM ledger_counters WHERE name = '{c}'), 0)"
         for c in HEAD_COUNTERS
     )
-    + " WHERE id = 1; DROP TABLE ledger_counters"
+    + " WHERE id = 1; DROP TABLE ledger_counters",
+    # the table is created by the DDL; updates that landed before it are not recorded (a
+    # version that names one is refused: name it again after its next commit, or record
+    # lineage "off"), and the bump makes an older program, which keeps no records, refuse
+    2: "",
 }
 
 # The indexed columns are copies of LedgerEntry fields that queries filter on; `entry` holds
@@ -104,6 +119,14 @@ CREATE TABLE IF NOT EXISTS ledger_bad_versions (
     version INTEGER PRIMARY KEY,
     reason  TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS ledger_updates (
+    update_id TEXT PRIMARY KEY,
+    status    TEXT NOT NULL CHECK (status IN ('open', 'landed', 'poisoned')),
+    cause     TEXT,
+    detail    TEXT NOT NULL DEFAULT '',
+    CHECK ((cause IS NULL) = (status <> 'poisoned'))
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS ledger_updates_status ON ledger_updates(status);
 """
 
 # THE compare-and-set: a conditional UPDATE whose rowcount says whether the revision held
@@ -118,10 +141,16 @@ _PROBE_NEXT = (
 )
 _POINTER_NEXT = f"SELECT (SELECT version FROM registry_pointer WHERE id = 1), {NEXT_COLUMNS}"
 _FIND = "SELECT entry FROM rollouts WHERE rollout_id = ?"
+# a row and an update's record in one statement (one snapshot): what a reservation plans on
+_FIND_WITH_UPDATE = (
+    f"SELECT r.entry, {', '.join('u.' + c for c in UPDATE_COLUMNS.split(', '))} FROM (SELECT 1) "
+    "LEFT JOIN rollouts r ON r.rollout_id = ? LEFT JOIN ledger_updates u ON u.update_id = ?"
+)
 _INSERT = (
     "INSERT INTO rollouts(rollout_id, state, revision, reserved_by, lease_expires_at, "
     "behavior_version, entry) VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
+_HAS_UPDATES = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'ledger_updates'"
 _IN_CHUNK = 500  # ids per IN (...) list, well under SQLite's bound-parameter limit
 _WAS_ACTIVE = tuple(sorted(WAS_ACTIVE_STATES))
 _WAS_ACTIVE_MARKS = ",".join("?" * len(_WAS_ACTIVE))
@@ -198,11 +227,22 @@ class _Unit(SqlUnit):
         # a batch always reads its rows under this transaction's write lock: it cannot lose
         raise LedgerError(f"{self.store.path}: rows changed under the write lock")
 
-    def append(self, changes: Sequence[Change], at: float, counts: Mapping[str, int]) -> None:
+    def append(
+        self,
+        changes: Sequence[Change],
+        at: float,
+        counts: Mapping[str, int],
+        updates: Sequence[UpdateChange] = (),
+    ) -> None:
         counted = {k: v for k, v in counts.items() if v}
-        if changes:  # the counters ride in the chain head's statement
+        recorded = self.recorded_events(at)
+        if changes or updates or recorded:  # the counters ride in the chain head's statement
             head, self.head = self.head, None
-            events = entry_events(changes, at)
+            events: list[TraceEvent] = [*entry_events(changes, at)]
+            if updates:
+                self.put_updates(updates)
+                events += update_events(updates, at)
+            events += recorded
             append_events(self.conn, events, self.payload, stamped=False, head=head, counts=counted)
         elif counted:
             self.conn.execute(count_sql(tuple(counted)), tuple(counted.values()))
@@ -286,22 +326,16 @@ class SQLiteStore:
         names = [d[0] for d in cur.description]
         pol = {} if found is None else dict(zip(names, found, strict=True))
         was = conn.execute(
-            f"SELECT version, state, failure FROM registry_artifacts "
+            f"SELECT version, state, failure, artifact_hash FROM registry_artifacts "
             f"WHERE state IN ({_WAS_ACTIVE_MARKS})",
             _WAS_ACTIVE,
         ).fetchall()
         premise = ActivationPremise(
             None if pointer is None else int(pointer),
             frozenset(int(r[0]) for r in was),
-            None
-            if not pol
-            else AdmissionPolicy(
-                int(pol["max_lag"]),
-                float(pol["max_drift"]),
-                None if pol.get("batch_size") is None else int(pol["batch_size"]),
-                None if pol.get("max_attempts") is None else int(pol["max_attempts"]),
-            ),
+            None if not pol else policy_from_row(pol),
             retired_from_rows((r[0], r[2]) for r in was if r[1] == "rolled_back"),
+            {int(r[0]): str(r[3]) for r in was if r[3] is not None},
         )
         return premise, head
 
@@ -314,6 +348,32 @@ class SQLiteStore:
         except sqlite3.Error as exc:
             raise LedgerError(f"{self.path}: read failed ({exc})") from exc
         return None if row is None else self._load_found(row[0])
+
+    def find_with_update(
+        self, rollout_id: str, update_id: str
+    ) -> tuple[LedgerEntry | None, UpdateRecord | None]:
+        self.conns.check_file()
+        try:
+            row = self.conns.conn().execute(_FIND_WITH_UPDATE, (rollout_id, update_id)).fetchone()
+        except sqlite3.Error as exc:
+            raise LedgerError(f"{self.path}: read failed ({exc})") from exc
+        entry = None if row[0] is None else self._load_found(row[0])
+        return entry, None if row[1] is None else update_from_row(row[1:])
+
+    def find_update(self, update_id: str) -> UpdateRecord | None:
+        return self.all_updates([update_id]).get(update_id)
+
+    def all_updates(self, only: Sequence[str] | None = None) -> dict[str, UpdateRecord]:
+        with self.conns.read() as conn:
+            if conn.execute(_HAS_UPDATES).fetchone() is None:
+                return {}  # a file of ledger schema 2 opened read-only
+            sql = f"SELECT {UPDATE_COLUMNS} FROM ledger_updates"
+            if only is None:
+                rows = conn.execute(sql + " ORDER BY update_id").fetchall()
+            else:
+                where = f" WHERE update_id IN ({_marks(len(only))})"
+                rows = conn.execute(sql + where, only).fetchall()
+            return {str(r[0]): update_from_row(r) for r in rows}
 
     def reserved_by(self, update_id: str) -> list[str]:
         with self.conns.read() as conn:

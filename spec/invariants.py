@@ -35,7 +35,9 @@ from rollout_lifecycle.model.events import (
     EntryChanged,
     MembershipChanged,
     PolicyChanged,
+    RowRecorded,
     TraceEvent,
+    UpdateChanged,
     WorkerReported,
 )
 from rollout_lifecycle.model.ledger import Ledger
@@ -46,6 +48,7 @@ from rollout_lifecycle.model.records import (
     ArtifactRecord,
     AttemptToken,
     LedgerEntry,
+    UpdateRecord,
 )
 from rollout_lifecycle.model.registry import RegistryStore, WorkerReport
 
@@ -112,6 +115,16 @@ def next_voided(
     return voided
 
 
+def _lost_lease(ev: EntryChanged) -> str | None:
+    """The update an `expire_lease` event took a rollout from (it is poisoned: it may have
+    trained on a rollout another update will consume), or None. The spec holds it poisoned
+    where the history records the update (a history written before update records existed
+    is judged as it was then)."""
+    if ev.event == "expire_lease" and ev.before is not None:
+        return ev.before.reserved_by
+    return None
+
+
 def _live_voided(voided: frozenset[str], workers: Mapping[str, WorkerReport]) -> frozenset[str]:
     """The voided workers that still have a stored ack (the rest have nothing to void)."""
     return frozenset(w for w in voided if (r := workers.get(w)) is not None and r.ack is not None)
@@ -170,6 +183,12 @@ class World:
     # a replayer's views share its live set, so this is only read, never kept
     # (derived from the history, not a stored row: worlds compare equal without it)
     landed: AbstractSet[str] = attrs.field(default=frozenset(), eq=False)
+    # updates the spec holds poisoned, derived from the history on its own: a lease of a
+    # rollout it held expired, or the ledger recorded it poisoned (a refused commit writes
+    # nothing else); like `landed`, derived, not a stored row
+    poisoned: AbstractSet[str] = attrs.field(default=frozenset(), eq=False)
+    # the ledger's update records, as replayed (a stored table: compared with the store)
+    updates: Mapping[str, UpdateRecord] = attrs.field(factory=dict)
     # the replayer's tally of `entries` for dispatch_paced (None: count from `entries`)
     pacing: PacingIndex | None = attrs.field(default=None, eq=False)
 
@@ -184,12 +203,24 @@ class World:
         tokens: Mapping[TokenKey, AttemptToken] = self.tokens
         voided, legacy = self.voided, self.legacy
         landed = set(self.landed)
+        poisoned = set(self.poisoned)
+        updates = dict(self.updates)
         for ev in events:
             if isinstance(ev, EntryChanged):
                 entries[ev.rollout_id] = ev.after
                 if ev.event == "commit" and ev.update_id is not None:
                     landed.add(ev.update_id)
+                lost = _lost_lease(ev)
+                if lost is not None and lost in updates:
+                    poisoned.add(lost)
                 continue
+            if isinstance(ev, UpdateChanged):
+                updates[ev.update_id] = ev.after
+                if ev.after.status == "poisoned":
+                    poisoned.add(ev.update_id)
+                continue
+            if isinstance(ev, RowRecorded):
+                continue  # bookkeeping rows: spec.audit replays them against their tables
             if artifacts is None:
                 artifacts = {}
             tokens = next_tokens(tokens, ev, required)
@@ -215,6 +246,8 @@ class World:
             voided=_live_voided(voided, workers),
             legacy=legacy,
             landed=frozenset(landed),
+            poisoned=frozenset(poisoned),
+            updates=updates,
         )
 
     @property
@@ -500,7 +533,8 @@ def _reserved_against_current_version(
     Stated on its own (no call into the enforcing rules): the recorded admission policy of
     that moment bounds the stamp (never looser) and the lag from the pointer of that
     moment; the rollout's version and the version it was admitted against were active at
-    some time, and the rollout's version was not retired by a rollback.
+    some time, the rollout carries the hash the registry holds for its version, and the
+    rollout's version was not retired by a rollback.
     """
     if before.artifacts is None:
         return []
@@ -542,6 +576,16 @@ def _reserved_against_current_version(
             out.append(f"{rid}: reserved although v{v} never became the active version")
         elif _retired(arts.get(v)):
             out.append(f"{rid}: reserved although v{v} was rolled back (retired)")
+        registered = arts.get(v)
+        if (
+            ever(v)
+            and registered is not None
+            and registered.artifact_hash != ev.after.artifact_hash
+        ):
+            out.append(
+                f"{rid}: reserved stamped v{v} with hash {ev.after.artifact_hash!r}, but the "
+                f"registry's v{v} is {registered.artifact_hash!r}"
+            )
         if not ever(stamp.current_version):
             out.append(
                 f"{rid}: admitted against v{stamp.current_version}, never the active version"
@@ -557,11 +601,15 @@ def _reserved_against_current_version(
 
 
 def _lineage_fenced(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
-    """A version names its lineage once, and it is registered, committed and activated
-    only while every update of its lineage has a landed commit in the replayed history
-    (so every rollout that reached it was consumed, exactly once, by an update it names)."""
+    """A version names its lineage once; unless the recorded policy opts out (lineage
+    'off'), it is registered, committed and activated only while every update of its
+    lineage has a landed commit in the replayed history, was never poisoned (as the spec
+    derives it: a lost lease, a recorded poisoning), and is in no other version's lineage
+    (so every rollout that reached it was consumed, exactly once, by an update it names,
+    and no rollout is in two versions' lineage)."""
     out = []
     arts: ChainMap[int, ArtifactRecord] = _overlay(before.artifacts or {})
+    fenced = before.policy is None or before.policy.lineage != "off"
     for ev in events:
         if not isinstance(ev, ArtifactChanged):
             continue
@@ -570,13 +618,118 @@ def _lineage_fenced(before: World, events: Sequence[TraceEvent], _after: World) 
         arts[ev.version] = ev.after
         if prior is not None and prior.trained_by != lineage:
             out.append(f"artifact v{ev.version}: lineage changed on {ev.event!r}")
-        if ev.event in ("register", "commit_artifact", "activate"):
-            missing = sorted(u for u in lineage if u not in before.landed)
-            if missing:
-                out.append(
-                    f"artifact v{ev.version}: {ev.event} although update(s) {missing} of its "
-                    "lineage have no landed commit"
-                )
+        if not fenced or ev.event not in ("register", "commit_artifact", "activate"):
+            continue
+        missing = sorted(u for u in lineage if u not in before.landed)
+        if missing:
+            out.append(
+                f"artifact v{ev.version}: {ev.event} although update(s) {missing} of its "
+                "lineage have no landed commit"
+            )
+        poisoned = sorted(u for u in lineage if u in before.poisoned)
+        if poisoned:
+            out.append(
+                f"artifact v{ev.version}: {ev.event} although update(s) {poisoned} of its "
+                "lineage are poisoned"
+            )
+        twice = sorted(
+            f"{u} (also v{v})"
+            for v, a in arts.items()
+            if v != ev.version
+            for u in a.trained_by
+            if u in lineage
+        )
+        if twice:
+            out.append(
+                f"artifact v{ev.version}: {ev.event} although update(s) {twice} are in "
+                "another version's lineage"
+            )
+    return out
+
+
+_UPDATE_MOVES = {
+    # event -> (statuses it may start from (None: unrecorded), the status it leaves)
+    "open": ((None,), "open"),
+    "land": ((None, "open"), "landed"),
+    "poison": ((None, "open", "landed"), "poisoned"),
+}
+
+
+def _update_status_follows(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
+    """An update's record changes only as the history says it must: recorded at its first
+    reservation, landed by a commit that consumed rollouts, poisoned for good (a lost lease
+    poisons its holder in the same step); never changed otherwise. Judged once the history
+    records updates at all."""
+    out: list[str] = []
+    recs: ChainMap[str, UpdateRecord] = _overlay(before.updates)
+    reserved: set[str] = set()
+    committed: set[str] = set()
+    lost: dict[str, list[str]] = {}
+    tracked = bool(before.updates)
+    for ev in events:
+        if isinstance(ev, EntryChanged):
+            owner = ev.after.reserved_by
+            if ev.event == "reserve" and ev.after.state == "reserved" and owner is not None:
+                reserved.add(owner)
+            if ev.event == "commit" and ev.update_id is not None and ev.after.state == "consumed":
+                committed.add(ev.update_id)
+            holder = _lost_lease(ev)
+            if holder is not None:
+                lost.setdefault(holder, []).append(ev.rollout_id)
+            continue
+        if not isinstance(ev, UpdateChanged):
+            continue
+        tracked = True
+        u, prev, a = ev.update_id, recs.get(ev.update_id), ev.after
+        if ev.before != prev or a.update_id != u:
+            out.append(f"update {u!r}: {ev.event} over a record that is not the replayed one")
+        start, status = _UPDATE_MOVES.get(ev.event, ((), ""))
+        was = None if prev is None else prev.status
+        if was not in start or a.status != status:
+            out.append(f"update {u!r}: {was} --{ev.event}--> {a.status} is not a legal move")
+        if ev.event == "open" and u not in reserved:
+            out.append(f"update {u!r}: recorded in a step where it reserved nothing")
+        if ev.event == "land" and u not in committed:
+            out.append(f"update {u!r}: landed in a step where it consumed nothing")
+        recs[u] = a
+    if not tracked:
+        return out
+    for u, rids in sorted(lost.items()):
+        rec = recs.get(u)
+        if rec is None or rec.status != "poisoned":
+            out.append(f"update {u!r}: lost the lease of {rids[:3]} but is not poisoned")
+    for u in sorted(committed):
+        rec = recs.get(u)
+        if rec is None or rec.status != "landed":
+            out.append(f"update {u!r}: a commit of it landed but it is recorded {rec}")
+    for u in sorted(reserved - recs.keys()):
+        out.append(f"update {u!r}: reserved without the ledger recording it")
+    return out
+
+
+def _poisoned_update_never_lands(
+    before: World, events: Sequence[TraceEvent], _after: World
+) -> list[str]:
+    """No poisoned update (as the spec derives it) reserves or consumes anything, and no
+    commit consumes a rollout of a version retired by a rollback at that moment."""
+    out: list[str] = []
+    arts: ChainMap[int, ArtifactRecord] = _overlay(before.artifacts or {})
+    for ev in events:
+        if isinstance(ev, ArtifactChanged):
+            arts[ev.version] = ev.after
+            continue
+        if not isinstance(ev, EntryChanged) or ev.before is None:
+            continue
+        owner = ev.after.reserved_by
+        if ev.event == "reserve" and ev.after.state == "reserved" and owner in before.poisoned:
+            out.append(f"{ev.rollout_id}: reserved by {owner!r}, a poisoned update")
+        if ev.event != "commit" or ev.after.state != "consumed":
+            continue
+        if ev.update_id in before.poisoned:
+            out.append(f"{ev.rollout_id}: consumed by {ev.update_id!r}, a poisoned update")
+        v = ev.after.behavior_version
+        if before.artifacts is not None and _retired(arts.get(v)):
+            out.append(f"{ev.rollout_id}: consumed although v{v} was rolled back (retired)")
     return out
 
 
@@ -906,67 +1059,89 @@ def _reservations_resolve(w: World) -> list[str]:
 _SERVED_BY = re.compile(r"^(?P<worker>[^@/\s]+)@(?P<incarnation>[0-9]+)/")
 
 
-def _dispatches(events: Sequence[TraceEvent]) -> list[LedgerEntry]:
-    """The entries a step dispatched: new entries that carry an attempt chain."""
-    return [
-        ev.after
-        for ev in events
-        if isinstance(ev, EntryChanged) and ev.before is None and ev.after.chain is not None
-    ]
+def _creations(events: Sequence[TraceEvent]) -> list[tuple[LedgerEntry, LedgerEntry]]:
+    """The entries a step created, each with the entry it is at the end of the step (one
+    quarantined on arrival is not live)."""
+    last: dict[str, LedgerEntry] = {}
+    born: list[LedgerEntry] = []
+    for ev in events:
+        if isinstance(ev, EntryChanged):
+            if ev.before is None:
+                born.append(ev.after)
+            last[ev.rollout_id] = ev.after
+    return [(e, last[e.rollout_id]) for e in born]
 
 
 def _paced_dispatch(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
-    """Stated over the replayed history, apart from model.pacing: at each dispatch the
-    deployment's pointer and policy of that moment bound the version, the chain and the
-    number of live rollouts that can still be trained."""
-    new = _dispatches(events)
+    """Stated over the replayed history, apart from model.pacing: at each dispatch (a new
+    entry with an attempt chain) the deployment's pointer and policy of that moment bound
+    the version (active or was, not rolled back, within max_lag), the chain and its
+    attempts; with a budget recorded, every new entry that is live (dispatched or added)
+    counts against the live rollouts that can still be trained; and under the policy's
+    chain_key 'identity', every new entry of a paced deployment is counted on a chain."""
+    new = _creations(events)
     if not new:
         return []
     out: list[str] = []
     index = before.pacing if before.pacing is not None else PacingIndex(before.entries.values())
     chains: dict[str, list[LedgerEntry]] = {}
-    for e in new:
+    for e, _ in new:
         if e.chain is not None and e.chain not in chains:
             chains[e.chain] = [before.entries[r] for r in index.chains.get(e.chain, ())]
     pol, ptr = before.policy, before.pointer
     paced = before.artifacts is not None and pol is not None and ptr is not None
+    arts = before.artifacts or {}
     live = 0
     if paced and pol is not None and ptr is not None and pol.batch_size is not None:
         live = index.live_from(ptr.version - pol.max_lag)
-    for e in new:
-        earlier = chains.setdefault(e.chain or "", [])
-        if e.attempt != len(earlier) + 1:
-            out.append(
-                f"{e.rollout_id}: attempt {e.attempt} of chain {e.chain!r}, which had "
-                f"{len(earlier)} attempt(s) before"
-            )
-        busy = [x.rollout_id for x in earlier if x.state in OPEN_STATES or x.state == "consumed"]
-        if busy:
-            out.append(
-                f"{e.rollout_id}: dispatched while chain {e.chain!r} had a live or trained "
-                f"attempt ({', '.join(busy[:3])})"
-            )
-        if paced and pol is not None and ptr is not None:
-            v, p = e.behavior_version, ptr.version
+    for e, end in new:
+        if e.chain is not None:
+            earlier = chains.setdefault(e.chain, [])
+            if e.attempt != len(earlier) + 1:
+                out.append(
+                    f"{e.rollout_id}: attempt {e.attempt} of chain {e.chain!r}, which had "
+                    f"{len(earlier)} attempt(s) before"
+                )
+            busy = [
+                x.rollout_id for x in earlier if x.state in OPEN_STATES or x.state == "consumed"
+            ]
+            if busy:
+                out.append(
+                    f"{e.rollout_id}: dispatched while chain {e.chain!r} had a live or trained "
+                    f"attempt ({', '.join(busy[:3])})"
+                )
+            earlier.append(e)
+        if not paced or pol is None or ptr is None:
+            continue
+        v, p = e.behavior_version, ptr.version
+        if e.chain is not None:
             if v > p or v not in before.ever_active or p - v > pol.max_lag:
                 out.append(
                     f"{e.rollout_id}: dispatched on v{v} with the pointer at v{p} "
                     f"(max_lag {pol.max_lag}): not a version that can still be trained"
                 )
+            elif _retired(arts.get(v)):
+                out.append(f"{e.rollout_id}: dispatched on v{v}, which was rolled back")
             if pol.max_attempts is not None and e.attempt > pol.max_attempts:
                 out.append(
                     f"{e.rollout_id}: attempt {e.attempt} of chain {e.chain!r} exceeds "
                     f"max_attempts {pol.max_attempts}"
                 )
-            if pol.batch_size is not None:
-                budget = (pol.max_lag + 1) * pol.batch_size
-                if live >= budget:
-                    out.append(
-                        f"{e.rollout_id}: dispatched with {live} live rollouts within "
-                        f"max_lag of v{p}, the budget being {budget}"
-                    )
-                live += 1
-        earlier.append(e)
+        elif pol.chain_key == "identity" and (
+            pol.batch_size is not None or pol.max_attempts is not None
+        ):
+            out.append(
+                f"{e.rollout_id}: entered a paced deployment on no attempt chain (its "
+                "prompt's attempts go uncounted)"
+            )
+        if pol.batch_size is not None and end.state in OPEN_STATES and v >= p - pol.max_lag:
+            budget = (pol.max_lag + 1) * pol.batch_size
+            if live >= budget:
+                out.append(
+                    f"{e.rollout_id}: entered with {live} live rollouts within max_lag of "
+                    f"v{p}, the budget being {budget}"
+                )
+            live += 1
     return out
 
 
@@ -976,6 +1151,19 @@ def _accounted_for(e: LedgerEntry, _w: World) -> list[str]:
     if e.disposition is None or not e.disposition.cause:
         return [f"{e.rollout_id}: ended {e.state} without a recorded cause"]
     return []
+
+
+def _holds(rep: WorkerReport, incarnation: int, e: LedgerEntry) -> bool:
+    """Whether a worker's stored report says that this incarnation of it holds what `e` was
+    generated with: an ack of this same incarnation, not below the restart floor, of the
+    rollout's (version, hash)."""
+    ack = rep.ack
+    return (
+        ack is not None
+        and incarnation >= rep.floor
+        and ack.incarnation == incarnation
+        and (ack.version, ack.artifact_hash) == (e.behavior_version, e.artifact_hash)
+    )
 
 
 def _served_after_sync(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
@@ -996,13 +1184,7 @@ def _served_after_sync(before: World, events: Sequence[TraceEvent], _after: Worl
         rep = before.workers.get(worker)
         ack = None if rep is None else rep.ack
         e = ev.after
-        if (
-            rep is not None
-            and ack is not None
-            and inc >= rep.floor
-            and ack.incarnation == inc
-            and (ack.version, ack.artifact_hash) == (e.behavior_version, e.artifact_hash)
-        ):
+        if rep is not None and _holds(rep, inc, e):
             continue
         held = "nothing" if ack is None else f"v{ack.version} (incarnation {ack.incarnation})"
         floor = 0 if rep is None else rep.floor
@@ -1079,8 +1261,27 @@ INVARIANTS: tuple[Invariant, ...] = (
         "step",
         "activation",
         "A version is registered, committed and activated only while every update it "
-        "records as its lineage has a landed commit; its lineage never changes.",
+        "records as its lineage has a landed commit, was never poisoned and is in no other "
+        "version's lineage (unless the recorded policy turns lineage off); its lineage "
+        "never changes.",
         step_check=_lineage_fenced,
+    ),
+    Invariant(
+        "update_status_follows",
+        "step",
+        "ledger",
+        "An update is recorded at its first reservation, landed by a commit that consumed "
+        "rollouts, poisoned for good (a lost lease poisons its holder in the same step), "
+        "and its record changes no other way.",
+        step_check=_update_status_follows,
+    ),
+    Invariant(
+        "poisoned_update_never_lands",
+        "step",
+        "ledger",
+        "A poisoned update (a refused commit, a lost lease) never reserves or consumes "
+        "again, and no commit consumes a rollout of a version retired by a rollback.",
+        step_check=_poisoned_update_never_lands,
     ),
     Invariant(
         "policy_explicit",
@@ -1204,9 +1405,11 @@ INVARIANTS: tuple[Invariant, ...] = (
         "step",
         "ledger",
         "A rollout is dispatched only on a version that can still be trained (active or "
-        "was, within max_lag of the pointer), while fewer than (max_lag + 1) x batch_size "
-        "live rollouts can still be trained, as its chain's next attempt (numbered "
-        "1, 2, ...), with no live or trained attempt of the chain, at most max_attempts.",
+        "was, not rolled back, within max_lag of the pointer), as its chain's next attempt "
+        "(numbered 1, 2, ...), with no live or trained attempt of the chain, at most "
+        "max_attempts; every new live rollout (dispatched or added) enters while fewer "
+        "than (max_lag + 1) x batch_size live rollouts can still be trained; under "
+        "chain_key 'identity' every new entry of a paced deployment is on a chain.",
         step_check=_paced_dispatch,
     ),
     Invariant(
@@ -1321,6 +1524,8 @@ class Replayer:
         self.voided = w.voided
         self.legacy = w.legacy
         self.landed: set[str] = set(w.landed)
+        self.poisoned: set[str] = set(w.poisoned)
+        self.updates: dict[str, UpdateRecord] = dict(w.updates)
         self.pacing = PacingIndex(self.entries.values())
         self.steps = 0
         self.events = 0
@@ -1339,6 +1544,8 @@ class Replayer:
             voided=self.voided,
             legacy=self.legacy,
             landed=self.landed,
+            poisoned=self.poisoned,
+            updates=self.updates,
             pacing=self.pacing,
         )
 
@@ -1355,6 +1562,8 @@ class Replayer:
             voided=self.voided,
             legacy=self.legacy,
             landed=frozenset(self.landed),
+            poisoned=frozenset(self.poisoned),
+            updates=dict(self.updates),
         )
 
     def feed(self, events: Iterable[TraceEvent]) -> list[Violation]:
@@ -1372,12 +1581,24 @@ class Replayer:
         pointer, required, policy, registry = self.pointer, self.required, self.policy, False
         tokens, voided, legacy = self.tokens, self.voided, self.legacy
         commits: list[str] = []
+        u_ch: dict[str, UpdateRecord] = {}
+        poisons: list[str] = []
         for ev in step:
             if isinstance(ev, EntryChanged):
                 e_ch[ev.rollout_id] = ev.after
                 if ev.event == "commit" and ev.update_id is not None:
                     commits.append(ev.update_id)
+                lost = _lost_lease(ev)
+                if lost is not None and (lost in self.updates or lost in u_ch):
+                    poisons.append(lost)
                 continue
+            if isinstance(ev, UpdateChanged):
+                u_ch[ev.update_id] = ev.after
+                if ev.after.status == "poisoned":
+                    poisons.append(ev.update_id)
+                continue
+            if isinstance(ev, RowRecorded):
+                continue  # bookkeeping rows: spec.audit replays them against their tables
             registry = True
             tokens = next_tokens(tokens, ev, required)
             voided = next_voided(voided, ev, required, ChainMap(w_ch, self.workers))
@@ -1407,6 +1628,8 @@ class Replayer:
             voided=voided,
             legacy=legacy,
             landed=self.landed.union(commits) if commits else self.landed,
+            poisoned=self.poisoned.union(poisons) if poisons else self.poisoned,
+            updates=ChainMap(u_ch, self.updates) if u_ch else self.updates,
         )
         seq = step[0].seq if step else None
         out = [
@@ -1418,6 +1641,8 @@ class Replayer:
             self.pacing.apply(self.entries.get(rid), e)
         self.entries.update(e_ch)
         self.landed.update(commits)
+        self.poisoned.update(poisons)
+        self.updates.update(u_ch)
         if registry:
             if self.artifacts is None:
                 self.artifacts = {}
@@ -1468,11 +1693,13 @@ STORE_INVARIANTS: dict[str, str] = {
 
 
 def stored_world(ledger: Ledger, registry: RegistryStore | None = None) -> World:
-    """The stored rows as a World: the ledger's entries and the registry's durable state."""
+    """The stored rows as a World: the ledger's entries and update records, and the
+    registry's durable state."""
     if registry is None:
-        return World(entries=ledger.snapshot())
+        return World(entries=ledger.snapshot(), updates=ledger.updates())
     return World(
         entries=ledger.snapshot(),
+        updates=ledger.updates(),
         artifacts={a.version: a for a in registry.artifacts()},
         pointer=registry.pointer(),
         required_workers=registry.required_workers(),
@@ -1502,6 +1729,13 @@ def compare_with_store(replayed: World, stored: World) -> list[Violation]:
                     f"rev {want.revision}",
                 )
             )
+    if dict(replayed.updates) != dict(stored.updates):
+        diff = sorted(
+            u
+            for u in set(replayed.updates) | set(stored.updates)
+            if replayed.updates.get(u) != stored.updates.get(u)
+        )
+        out.append(Violation(name, f"update records: stored differ from the trace at {diff[:5]}"))
     if stored.artifacts is not None:
         want_a = replayed.artifacts or {}
         for v in sorted(set(want_a) | set(stored.artifacts)):
@@ -1565,7 +1799,9 @@ def check_trace(
     """
     evs = list(events)
     if with_registry is None:
-        with_registry = any(not isinstance(e, EntryChanged) for e in evs)
+        with_registry = any(
+            not isinstance(e, EntryChanged | RowRecorded | UpdateChanged) for e in evs
+        )
     world = initial or World(artifacts={} if with_registry else None)
     if with_registry and world.artifacts is None:
         world = attrs.evolve(world, artifacts={})
@@ -1672,6 +1908,8 @@ SOMETIMES: dict[str, str] = {
     "abort_released": "an aborted update returned a rollout to rewarded",
     "abort_quarantined": "the recovery rule quarantined a returned reservation",
     "lease_expired": "a lease ran out and the reservation was returned",
+    "renewed_then_expired": "a lease renewed by a heartbeat ran out later, after time passed "
+    "its old deadline and then the renewed one, and the reservation was returned",
     "reward_timeout": "a reward timeout was recorded as its own failure",
     "stale_retired": "a stale rollout was retired into the offline buffer",
     "activation_failed": "an activation attempt failed and kept the old pointer",
@@ -1698,6 +1936,8 @@ SOMETIMES: dict[str, str] = {
     "worker left or re-joined), with acks in flight",
     "non_member_report_recorded": "a report from a worker outside the required set was "
     "recorded as what it holds, and counted for nothing",
+    "update_poisoned": "an update was poisoned (a lease of its rollout expired, or a commit "
+    "of it was refused): no later commit of it lands",
 }
 
 
@@ -1706,6 +1946,8 @@ def sometimes_from_events(events: Iterable[TraceEvent]) -> set[str]:
     hit: set[str] = set()
     for ev in events:
         if isinstance(ev, EntryChanged):
+            if _lost_lease(ev) is not None:
+                hit.add("update_poisoned")
             if ev.event in ("abort", "expire_lease"):
                 if ev.after.state == "rewarded":
                     hit.add("abort_released" if ev.event == "abort" else "lease_expired")
@@ -1726,4 +1968,6 @@ def sometimes_from_events(events: Iterable[TraceEvent]) -> set[str]:
                 hit.add("activated")
         elif isinstance(ev, MembershipChanged) and ev.before is not None:
             hit.add("membership_churn")
+        elif isinstance(ev, UpdateChanged) and ev.after.status == "poisoned":
+            hit.add("update_poisoned")
     return hit

@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 
 from rollout_lifecycle.model import ledger as ledger_mod
-from rollout_lifecycle.model.errors import CommitMismatch
+from rollout_lifecycle.model.errors import CommitMismatch, UpdatePoisoned
 from rollout_lifecycle.model.events import EventLog
 from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule, WriteRefused
 from rollout_lifecycle.model.machines import LIFECYCLE
@@ -36,9 +36,14 @@ from rollout_lifecycle.model.records import (
     AdmissionPolicy,
     AdmissionStamp,
     ArtifactRecord,
+    BehaviorPolicy,
     Disposition,
+    GenerationConditions,
     LedgerEntry,
     Reward,
+    Rollout,
+    RolloutIdentity,
+    UpdateRecord,
 )
 from rollout_lifecycle.spec.coverage import count_edges
 from rollout_lifecycle.spec.explorer import Property
@@ -67,6 +72,15 @@ STAMP = AdmissionStamp(
     accepted=True,
 )
 LEASE = 10.0
+CONDITIONS = GenerationConditions("tok", 1.0, 1.0, -1, 8)
+
+
+def prompt_chain(prompt: str) -> str:
+    """The attempt chain of prompt `prompt`'s sample 0 in dataset 'd', written out as the
+    ledger keys a rollout identity (the model's own reading, not the ledger's function)."""
+    return f'["d", "{prompt}", 0]'
+
+
 # what the budget counts: the lifecycle's non-terminal states, read off the machine
 LIVE = OPEN_STATES
 
@@ -79,17 +93,26 @@ class FixedRegistry:
     lock: threading.RLock = attrs.field(factory=threading.RLock, eq=False)
 
     def premise(self) -> ledger_mod.ActivationPremise:
-        """Pointer v0, ever active {v0}, the recorded policy."""
-        return ledger_mod.ActivationPremise(VERSION, frozenset({VERSION}), self.policy)
+        """Pointer v0 (hash h0), ever active {v0}, the recorded policy."""
+        return ledger_mod.ActivationPremise(
+            VERSION, frozenset({VERSION}), self.policy, hashes={VERSION: HASH}
+        )
 
-    def world(self, entries: dict[str, LedgerEntry]) -> World:
-        """The spec's view: these entries and the same registry."""
+    def world(
+        self,
+        entries: dict[str, LedgerEntry],
+        updates: dict[str, UpdateRecord] | None = None,
+        poisoned: frozenset[str] = frozenset(),
+    ) -> World:
+        """The spec's view: these entries (and update records) and the same registry."""
         art = ArtifactRecord(version=VERSION, artifact_hash=HASH, state="active", attempts=1)
         return World(
             entries=entries,
             artifacts={VERSION: art},
             pointer=ActivePointer(VERSION, HASH),
             policy=self.policy,
+            updates=updates or {},
+            poisoned=poisoned,
         )
 
 
@@ -133,11 +156,14 @@ class Learner:
 
 @attrs.frozen
 class LedgerState:
-    """Entries (leases normalised, see `_normalise`) plus learners."""
+    """Entries (leases normalised, see `_normalise`), the ledger's update records, and the
+    learners."""
 
     entries: tuple[LedgerEntry, ...]
     learners: tuple[Learner, ...]
     step_violations: tuple[str, ...] = ()
+    # the ledger's records of the updates (issue 31): a poisoned update stays poisoned
+    updates: tuple[UpdateRecord, ...] = ()
 
 
 @attrs.frozen
@@ -264,6 +290,7 @@ class LedgerRaceModel:
         log = EventLog()
         led = ledger_mod.MemoryLedger.restore(
             state.entries,
+            updates=state.updates,
             clock=clock,
             lease_seconds=LEASE,
             recovery=self.recovery,
@@ -309,11 +336,10 @@ class LedgerRaceModel:
             elif kind == "dispatch" and self.registry is not None:
                 n = sum(1 for e in state.entries if e.chain is not None)
                 rid = f"d{n + 1}"
-                want = expected_dispatch(state.entries, action.outcome, self.registry.policy)
-                paced = led.dispatch(
-                    LedgerEntry(rollout_id=rid, behavior_version=VERSION, artifact_hash=HASH),
-                    chain=action.outcome,
-                )
+                chain = prompt_chain(action.outcome)
+                want = expected_dispatch(state.entries, chain, self.registry.policy)
+                identity = RolloutIdentity(rid, action.outcome, "d", 0)
+                paced = led.dispatch(Rollout(identity, BehaviorPolicy(VERSION, HASH), CONDITIONS))
                 self.observed[f"dispatch:{paced.reason}"] += 1
                 if (paced.reason, paced.attempt) != want:
                     outcome_viol.append(
@@ -325,7 +351,12 @@ class LedgerRaceModel:
                     )
             elif kind == "expire_leases":
                 clock.advance(LEASE)
-                led.expire_leases()
+                returned = {e.rollout_id for e in led.expire_leases()}
+                # a heartbeat's lease outlived: learner 0 renewed what it held, and time
+                # passed the renewed deadline (every lease is due at the next expiry)
+                renewer = state.learners[0]
+                if renewer.renewed and returned & set(renewer.held):
+                    self.observed["lease_expired_after_renewal"] += 1
             elif ln is not None and kind == "read":
                 snap = tuple(
                     (e.rollout_id, e.revision)
@@ -374,6 +405,11 @@ class LedgerRaceModel:
                     try:
                         led.commit(ln.update_id, ln.held)
                         self.observed["commit"] += 1
+                    except UpdatePoisoned:
+                        # the lost lease poisoned it: nothing of it lands, return the rest
+                        self.observed["commit_refused"] += 1
+                        self.observed["poisoned_commit_refused"] += 1
+                        led.abort(ln.update_id)
                     except CommitMismatch:
                         # a lease ran out under us: return what is still ours
                         self.observed["commit_refused"] += 1
@@ -403,15 +439,26 @@ class LedgerRaceModel:
         )
         _, step_viol, _ = replay(self._world(state), events)
         viol = tuple(str(v) for v in [*outcome_viol, *step_viol])
-        new = LedgerState(entries=entries, learners=tuple(learners), step_violations=viol)
+        new = LedgerState(
+            entries=entries,
+            learners=tuple(learners),
+            step_violations=viol,
+            updates=tuple(led.updates().values()),
+        )
         if new == state:
             return None
         return new
 
     def _world(self, state: LedgerState) -> World:
-        """The spec's view of a state: the entries, and the fixed registry when paced."""
+        """The spec's view of a state: the entries and the update records (those poisoned
+        as the spec holds them: the state keeps no history to derive it from), and the
+        fixed registry when paced."""
         entries = _entry_map(state)
-        return World(entries=entries) if self.registry is None else self.registry.world(entries)
+        updates = {u.update_id: u for u in state.updates}
+        poisoned = frozenset(u.update_id for u in state.updates if u.status == "poisoned")
+        if self.registry is None:
+            return World(entries=entries, updates=updates, poisoned=poisoned)
+        return self.registry.world(entries, updates, poisoned)
 
     def canonical(self, state: LedgerState) -> Any:
         """States are stored normalised (see `_normalise`), so they are their own canonical form."""
@@ -446,6 +493,11 @@ class LedgerRaceModel:
                 "some_rollout_consumed",
                 "sometimes",
                 lambda s: any(e.state == "consumed" for e in s.entries),
+            ),
+            Property(
+                "some_update_poisoned",
+                "sometimes",
+                lambda s: any(u.status == "poisoned" for u in s.updates),
             ),
         ]
         if self.n_learners >= 2:  # a witness one learner cannot give

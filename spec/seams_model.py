@@ -30,7 +30,7 @@ from rollout_lifecycle.model import coordinator as coord_mod
 from rollout_lifecycle.model import gate as gate_mod
 from rollout_lifecycle.model import ledger as ledger_mod
 from rollout_lifecycle.model import registry as registry_mod
-from rollout_lifecycle.model.errors import ActivationError, RolloutLifecycleError
+from rollout_lifecycle.model.errors import ActivationError, RolloutLifecycleError, UpdatePoisoned
 from rollout_lifecycle.model.events import ArtifactChanged, EventLog, TraceEvent
 from rollout_lifecycle.model.records import (
     ActionEvidence,
@@ -235,8 +235,18 @@ class Composition:
     def _rollback(self, keep: int) -> None:
         """The operator rolls the active version back (1: keeping its rollouts), possibly
         between a learner's admission and its reservation."""
+        rolled = self.coord_a.pointer()
         self.coord_a.rollback(keep_rollouts=bool(keep), reason="seams rollback")
         self.observed["rolled_back_kept" if keep else "rolled_back"] += 1
+        # read back the recorded choice: the cause is what later premises and readers go by
+        assert rolled is not None  # rollback refuses with nothing active
+        got = self.coord_a.artifact(rolled.version).failure
+        want = ("activation", "rolled_back_kept" if keep else "rolled_back", "seams rollback")
+        if got is None or (got.stage, got.cause, got.detail) != want:
+            self.problems.append(
+                f"recorded choice: v{rolled.version} rolled back with keep={bool(keep)}, but its "
+                f"record says {got}"
+            )
 
     def _fail(self, _who: int) -> None:
         awaiting = [a.version for a in self.coord_a.artifacts() if a.state == "awaiting_acks"]
@@ -368,8 +378,12 @@ class Composition:
         ln, led, _reg = self._learner(k)
         if not ln.held:
             return
-        led.commit(ln.update_id, list(ln.held))
-        self.observed["commit"] += 1
+        try:
+            led.commit(ln.update_id, list(ln.held))
+            self.observed["commit"] += 1
+        except UpdatePoisoned:  # a rollback retired what it held: the commit cannot land
+            self.observed["commit_refused_retired"] += 1
+            led.abort(ln.update_id)
         self.learners[k] = LearnerState(ln.name, ln.update + 1)
 
 

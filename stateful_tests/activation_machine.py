@@ -684,6 +684,13 @@ class ActivationMachine(RuleBasedStateMachine):
         self.pointer = (cur.rollback, target.hash)
         if (got.version, got.artifact_hash) != self.pointer:
             raise self.recorder.fail(f"rollback returned {got}; expected {self.pointer}")
+        # the operator did not keep the rollouts: the record must say so (a cause that says
+        # 'kept' would let a later reader, or a later premise, treat them as trainable)
+        cause = self.coord.artifact(rolled).failure
+        if cause is None or (cause.stage, cause.cause) != ("activation", "rolled_back"):
+            raise self.recorder.fail(
+                f"v{rolled} rolled back without keeping its rollouts, but its record says {cause}"
+            )
         self.recorder.reached("rollback")
 
     # ---- rollouts generated on whatever a worker loaded ------------------------------------
@@ -823,7 +830,7 @@ class ActivationMachine(RuleBasedStateMachine):
         snap = led.snapshot()
         arts = reg.artifacts()
         pointer = reg.pointer()
-        world = world_of(snap, arts, pointer, reg)
+        world = world_of(snap, arts, pointer, reg, led)
         raise_violations(rec, "stores", check_snapshot(rec, world))
         rec.checked(["trace_matches_store", "reference_model", "ghost_truth"])
         if self.checker.world != world:

@@ -212,7 +212,8 @@ class ArtifactMachine(RuleBasedStateMachine):
         rec = self.recorder
         raise_violations(rec, "trace", self.checker.feed(self.stack.source.new_events()))
         reg = self.stack.registry
-        world = world_of(self.stack.ledger.snapshot(), reg.artifacts(), reg.pointer(), reg)
+        led = self.stack.ledger
+        world = world_of(led.snapshot(), reg.artifacts(), reg.pointer(), reg, led)
         raise_violations(rec, "stores", check_snapshot(rec, world))
         if self.checker.world != world:
             raise rec.fail("the trace's after-images differ from the stored records")

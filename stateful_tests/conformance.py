@@ -30,6 +30,7 @@ from rollout_lifecycle.model.errors import (
     IllegalTransition,
     RevisionConflict,
     RolloutLifecycleError,
+    UpdatePoisoned,
 )
 from rollout_lifecycle.model.ledger import Ledger, ManualClock, RecoveryRule, ReserveRequest
 from rollout_lifecycle.model.records import LedgerEntry
@@ -213,7 +214,9 @@ def check_batch_is_atomic_per_item(led: Ledger, _clock: ManualClock) -> list[str
 
 
 def check_commit_exactness(led: Ledger, _clock: ManualClock) -> list[str]:
-    """A commit of anything but exactly what the update holds is refused, atomically."""
+    """A commit of anything but exactly what the update holds is refused, atomically, and
+    poisons the update (issue 31): its exact commit is refused as well (UpdatePoisoned),
+    its abort returns what it holds, and another update then commits them."""
     out = []
     for rid in ("c1", "c2"):
         e = led.add(_entry(rid))
@@ -227,7 +230,20 @@ def check_commit_exactness(led: Ledger, _clock: ManualClock) -> list[str]:
             pass
     if led.snapshot() != before:
         out.append("a refused commit changed records")
-    done = led.commit("L.1", ["c2", "c1"])
+    record = led.update("L.1")
+    if record is None or record.status != "poisoned":
+        out.append(f"a refused commit left its update recorded as {record}")
+    try:
+        led.commit("L.1", ["c2", "c1"])
+        out.append("a poisoned update's exact commit landed")
+    except UpdatePoisoned:
+        pass
+    if led.snapshot() != before:
+        out.append("a poisoned update's refused commit changed records")
+    led.abort("L.1")
+    for rid in ("c1", "c2"):
+        led.reserve(rid, led.get(rid).revision, "L.2", STAMP)
+    done = led.commit("L.2", ["c2", "c1"])
     if sorted(e.rollout_id for e in done) != ["c1", "c2"] or any(
         e.state != "consumed" or e.reserved_by is not None for e in done
     ):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import math
 import tempfile
 from pathlib import Path
@@ -42,9 +43,15 @@ from hypothesis.stateful import (
 import rollout_lifecycle.model.api as api_mod
 import rollout_lifecycle.model.coordinator as coord_mod
 import rollout_lifecycle.model.gate as gate_mod
-from rollout_lifecycle.model.errors import GateConfigError
+from rollout_lifecycle.model.errors import DispatchRefused, GateConfigError, UpdatePoisoned
 from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule, ReserveRequest
-from rollout_lifecycle.model.records import AdmissionPolicy, Disposition, LedgerEntry, Rollout
+from rollout_lifecycle.model.records import (
+    AdmissionPolicy,
+    Disposition,
+    LedgerEntry,
+    Rollout,
+    RolloutIdentity,
+)
 from rollout_lifecycle.spec.invariants import OPEN_STATES, Violation
 from rollout_lifecycle.stateful_tests.backends import (
     Stack,
@@ -114,6 +121,13 @@ def stamp_policy(version_at_dispatch: int, version_at_completion: int) -> int:
     this module's global so a mutant can replace it.
     """
     return version_at_dispatch
+
+
+def _chain_of(rollout: Rollout) -> str:
+    """The attempt chain a rollout's identity names, as the model reads the rule (dataset,
+    prompt id, sample index, as a JSON list)."""
+    i = rollout.identity
+    return json.dumps([i.dataset, i.prompt_id, i.sample_index])
 
 
 @attrs.frozen
@@ -191,6 +205,15 @@ class EndToEndMachine(RuleBasedStateMachine):
             self._load(w, corrupt=False)
         self._try_activate(0)
 
+    def _retired(self) -> set[int]:
+        """Rolled-back versions whose rollouts are retired (the registry's record)."""
+        return {
+            a.version
+            for a in self.coord.artifacts()
+            if a.state == "rolled_back"
+            and (a.failure is None or a.failure.cause != "rolled_back_kept")
+        }
+
     def _pointer(self) -> tuple[int, str]:
         p = self.coord.pointer()
         assert p is not None, "bootstrap activated v0"
@@ -254,7 +277,23 @@ class EndToEndMachine(RuleBasedStateMachine):
             req.rollout_id, int(req.rollout_id[1:]), version, artifact_hash(version), req.evidence
         )
         led = self.stack.ledger
-        entry = led.add(rollout)
+        # the recorded pacing policy judges the add as a dispatch (issue 31): the model says
+        # whether it fits (its identity is a chain of its own: sample index = its number)
+        want, _ = self._expect_dispatch(version, _chain_of(rollout))
+        try:
+            entry = led.add(rollout)
+        except DispatchRefused as exc:
+            if exc.reason != want:
+                raise self.recorder.fail(
+                    f"add of {req.rollout_id} (v{version}) refused {exc.reason!r}; the model "
+                    f"expects {want!r} under {self.policy} at v{self._pointer()[0]}"
+                ) from None
+            self.recorder.note(f"pacing:add_refused:{exc.reason}")
+            return
+        if want != "dispatched":
+            raise self.recorder.fail(
+                f"add of {req.rollout_id} (v{version}) landed; the model expects {want!r}"
+            )
         if entry.state == "quarantined":
             # the ledger quarantines arrivals of a version that once failed a distribution
             # attempt, even after a retry made it active; tolerated, counted, reported
@@ -415,7 +454,25 @@ class EndToEndMachine(RuleBasedStateMachine):
         """Commit (and publish the next version), abort, or fail the learner's update."""
         led = self.stack.ledger
         owned = set(led.reserved_by(self.update_id))
-        if outcome == "commit" and owned == self.held:
+        retired = self._retired()
+        snap = led.snapshot()
+        if (
+            outcome == "commit"
+            and owned == self.held
+            and any(snap[r].behavior_version in retired for r in owned)
+        ):
+            # a rollback retired what it holds (issue 31): the commit is refused, nothing
+            # consumed, the update poisoned; it returns what it holds
+            try:
+                led.commit(self.update_id, sorted(owned))
+            except UpdatePoisoned:
+                self.recorder.note("commit_refused:retired_version")
+            else:
+                raise self.recorder.fail(
+                    f"{self.update_id} committed rollouts of a rolled-back version"
+                )
+            self._returned(led.abort(self.update_id))
+        elif outcome == "commit" and owned == self.held:
             got = led.commit(self.update_id, sorted(owned))
             self.recorder.checked(["consumed_once", "consumed_version_was_active"])
             for e in got:
@@ -603,7 +660,25 @@ class EndToEndMachine(RuleBasedStateMachine):
     def expire(self) -> None:
         """A lease's worth of time passes and expired reservations are returned."""
         self.clock.advance(LEASE)
-        self._returned(self.stack.ledger.expire_leases())
+        led = self.stack.ledger
+        got = led.expire_leases()
+        self._returned(got)
+        if not {e.rollout_id for e in got} & self.held:
+            return
+        # issue 31: the update lost a lease, so the ledger poisoned it: no commit of it
+        # lands, not even of what it still holds; the learner returns the rest
+        record = led.update(self.update_id)
+        if record is None or record.status != "poisoned":
+            raise self.recorder.fail(f"{self.update_id} lost a lease but is recorded {record}")
+        try:
+            led.commit(self.update_id, led.reserved_by(self.update_id))
+        except UpdatePoisoned:
+            self.recorder.note("commit_refused:lease_expired")
+        else:
+            raise self.recorder.fail(f"{self.update_id} committed after it lost a lease")
+        self._returned(led.abort(self.update_id))
+        self.update_no += 1
+        self.held = set()
 
     def _returned(self, entries: list[LedgerEntry]) -> None:
         """Released rollouts are admitted afresh before anyone reserves them again."""
@@ -619,6 +694,8 @@ class EndToEndMachine(RuleBasedStateMachine):
         snap = self.stack.ledger.snapshot()
         states = [snap[rid].state for rid in self.chains.get(chain, [])]
         attempt = len(states) + 1
+        if version in self._retired():
+            return "version_retired", attempt
         if version > p or version not in self.activated:
             return "not_active", attempt
         if p - version > pol.max_lag:
@@ -650,11 +727,13 @@ class EndToEndMachine(RuleBasedStateMachine):
         assert truth.serving is not None
         version = max(0, self._pointer()[0] - offset)
         weights = truth.serving if offset == 0 else (version, artifact_hash(version))
-        key = f"p{chain}"
-        want, attempt = self._expect_dispatch(version, key)
         rid = f"r{self.next_id}"
-        rollout = make_rollout(rid, self.next_id, weights[0], weights[1], "ok")
-        out = self.stack.ledger.dispatch(rollout, chain=key)
+        made = make_rollout(rid, self.next_id, weights[0], weights[1], "ok")
+        # prompt `chain`, sample 0: its identity is the chain (the deployment's chain_key)
+        rollout = attrs.evolve(made, identity=RolloutIdentity(rid, f"p{chain}", "paced", 0))
+        key = _chain_of(rollout)
+        want, attempt = self._expect_dispatch(weights[0], key)
+        out = self.stack.ledger.dispatch(rollout)
         self.recorder.note(f"pacing:{out.reason}")
         if (out.dispatched, out.reason, out.attempt) != (want == "dispatched", want, attempt):
             raise self.recorder.fail(
@@ -835,7 +914,7 @@ class EndToEndMachine(RuleBasedStateMachine):
         )
         snap = self.stack.ledger.snapshot()
         reg = self.stack.registry
-        world = world_of(snap, reg.artifacts(), reg.pointer(), reg)
+        world = world_of(snap, reg.artifacts(), reg.pointer(), reg, self.stack.ledger)
         raise_violations(rec, "stores", check_snapshot(rec, world))
         rec.checked(["trace_matches_store"])
         if self.checker.world != world:

@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from rollout_lifecycle.model.errors import CommitMismatch
 from rollout_lifecycle.model.events import (
     ArtifactChanged,
     EntryChanged,
@@ -33,9 +34,13 @@ from rollout_lifecycle.model.records import (
     AdmissionStamp,
     ArtifactRecord,
     AttemptToken,
+    BehaviorPolicy,
     Disposition,
+    GenerationConditions,
     LedgerEntry,
     Reward,
+    Rollout,
+    RolloutIdentity,
     WorkerAck,
 )
 from rollout_lifecycle.spec.invariants import check_trace
@@ -129,12 +134,14 @@ class HandRegistry:
         self.pointer = pa
         self.log.record(evs)
 
-    def stage(self, v: int) -> None:
-        """Register, commit and distribute v (attempt 1): it awaits acks."""
+    def stage(self, v: int, trained_by: tuple[str, ...] = ()) -> None:
+        """Register (with lineage `trained_by`), commit and distribute v (attempt 1): it
+        awaits acks."""
         rb = None if self.pointer is None else self.pointer.version
-        self.emit(
-            [(v, "register", ArtifactRecord(version=v, artifact_hash=None, rollback_version=rb))]
+        rec = ArtifactRecord(
+            version=v, artifact_hash=None, rollback_version=rb, trained_by=trained_by
         )
+        self.emit([(v, "register", rec)])
         a = self.arts[v]
         self.emit(
             [(v, "commit_artifact", attrs.evolve(a, state="committed", artifact_hash=f"h{v}"))]
@@ -144,10 +151,10 @@ class HandRegistry:
             tokens=issued(v, 1),
         )
 
-    def activate(self, v: int) -> None:
+    def activate(self, v: int, trained_by: tuple[str, ...] = ()) -> None:
         """Take v through register, commit, distribute, every ack, activate."""
         h = f"h{v}"
-        self.stage(v)
+        self.stage(v, trained_by)
         self.report(v, h)
         acks = tuple(WorkerAck(w, v, h, 0, self.seq, 1, token(v, 1, w)) for w in WORKERS)
         changes = [(v, "activate", attrs.evolve(self.arts[v], state="active"))]
@@ -225,6 +232,47 @@ def correct_history() -> tuple[list[TraceEvent], MemoryLedger, HandRegistry]:
     led.quarantine_version(2, "distribution failed")
     reg.rollback()
     return log.events(), led, reg
+
+
+def lineage_history(
+    lineages: Sequence[tuple[str, ...]], *, poison: str | None = None
+) -> list[TraceEvent]:
+    """u1 and u2 each reserve and commit one rollout of v0 through the real MemoryLedger
+    (both land); `poison`'s next commit names a rollout it never reserved (CommitMismatch:
+    the ledger records it poisoned); then versions 1, 2, ... are activated by hand, each
+    recording the lineage given for it."""
+    log = EventLog()
+    led = MemoryLedger(clock=ManualClock(), event_log=log)
+    reg = HandRegistry(log)
+    reg.activate(0)
+    for rid, uid in (("a", "u1"), ("b", "u2")):
+        rewarded(led, rid, 0)
+        assert led.reserve(rid, 2, uid, stamp(0, 0)).reserved
+        led.commit(uid, [rid])
+    if poison is not None:
+        try:
+            led.commit(poison, ["never-reserved"])
+        except CommitMismatch:
+            pass
+        else:  # pragma: no cover - the ledger must refuse it
+            raise AssertionError("a commit of an unreserved rollout landed")
+    for v, lineage in enumerate(lineages, 1):
+        reg.activate(v, lineage)
+    return log.events()
+
+
+def hash_mismatch_history() -> list[TraceEvent]:
+    """v0 (hash h0) active; a rollout stamped v0 with a hash v0 never had is added and
+    reserved through a MemoryLedger that sees no registry (so nothing refuses it)."""
+    log = EventLog()
+    led = MemoryLedger(clock=ManualClock(), event_log=log)
+    reg = HandRegistry(log)
+    reg.activate(0)
+    led.add(LedgerEntry(rollout_id="x", behavior_version=0, artifact_hash="h-never"))
+    led.transition("x", "generation_done", 0)
+    led.transition("x", "reward_ready", 1, reward=REWARD)
+    assert led.reserve("x", 2, "u1", stamp(0, 0)).reserved
+    return log.events()
 
 
 def restamped(rid: str, update: str, admission: AdmissionStamp) -> list[TraceEvent]:
@@ -317,8 +365,8 @@ def random_history(rng: random.Random, steps: int = 40) -> list[TraceEvent]:
                 clock.advance(11)
                 expired = {e.rollout_id for e in led.expire_leases()}
                 for uid in list(held):
-                    held[uid] = [r for r in held[uid] if r not in expired]
-                    if not held[uid]:
+                    if any(r in expired for r in held[uid]):  # poisoned: return the rest
+                        led.abort(uid)
                         del held[uid]
             elif choice < 0.6 and reg.arts[pv].rollback_version is not None and not held:
                 reg.rollback(kept=rng.random() < 0.3)
@@ -449,6 +497,39 @@ def served_history(restart_first: bool) -> list[TraceEvent]:
         return be.trace()
 
 
+SERVED_CASES = ("synced", "stale_ack_kept", "no_restart_recorded", "other_version")
+
+
+def served_trace(case: str) -> list[TraceEvent]:
+    """A serving history written event by event, no coordinator in the way: v0 active, w1
+    (naming itself `w1@<incarnation>/<n>` in its rollout ids) acked v0 as incarnation 0,
+    then restarted as incarnation 1 and adds a rollout of v0.
+
+    `synced`: after the restart w1 reloaded v0 and acked it as incarnation 1 (good).
+    `stale_ack_kept`: the restart raised w1's floor to 1 but its stored ack is still the
+    incarnation-0 ack (a coordinator that forgot to void it; the real one always does):
+    incarnation 1 serves on an ack of a previous incarnation. `no_restart_recorded`: the
+    restart was never reported, the incarnation-0 ack is stored, incarnation 1 serves.
+    `other_version`: incarnation 0 serves v1, a version it never acked.
+    """
+    if case not in SERVED_CASES:
+        raise ValueError(f"case must be one of {SERVED_CASES}, got {case!r}")
+    log = EventLog()
+    reg = HandRegistry(log)
+    reg.activate(0)
+    w1 = WORKERS[0]
+    old = WorkerAck(w1, 0, "h0", 0, reg.seq, 1, token(0, 1, w1))
+    if case == "synced":
+        log.record([WorkerReported(0, 0, 0.0, w1, 1, None)])
+        log.record([WorkerReported(0, 0, 0.0, w1, 1, WorkerAck(w1, 0, "h0", 1, reg.seq + 1))])
+    elif case == "stale_ack_kept":
+        log.record([WorkerReported(0, 0, 0.0, w1, 1, old)])
+    inc, v = (0, 1) if case == "other_version" else (1, 0)
+    added = LedgerEntry(rollout_id=f"{w1}@{inc}/0", behavior_version=v, artifact_hash=f"h{v}")
+    log.record([EntryChanged(0, 0, 0.0, added.rollout_id, "add", None, added)])
+    return log.events()
+
+
 PACED = AdmissionPolicy(max_lag=1, max_drift=0.2, batch_size=1, max_attempts=2)
 
 
@@ -469,9 +550,11 @@ def paced_history() -> list[TraceEvent]:
             coord.record_ack(WorkerAck(w, v, h, token=coord.attempt_token(w, v)))
         assert coord.try_activate(v).activated
 
-    def entry(rid: str, v: int) -> LedgerEntry:
-        return LedgerEntry(
-            rollout_id=rid, behavior_version=v, artifact_hash=f"{v:x}".rjust(64, "c")
+    def ro(rid: str, v: int, prompt: str) -> Rollout:
+        return Rollout(
+            RolloutIdentity(rid, prompt, "d", 0),
+            BehaviorPolicy(v, f"{v:x}".rjust(64, "c")),
+            GenerationConditions("tok", 1.0, 1.0, -1, 8),
         )
 
     with open_backend("memory://") as be:
@@ -479,7 +562,7 @@ def paced_history() -> list[TraceEvent]:
         coord = ActivationCoordinator(be.registry, WORKERS, ledger=led, policy=PACED)
         activate(coord, 0)
         for rid, chain in (("a1", "p1"), ("b1", "p2")):
-            assert led.dispatch(entry(rid, 0), chain=chain).dispatched
+            assert led.dispatch(ro(rid, 0, chain)).dispatched
             led.transition(rid, "generation_done", 0, tokens=5 if rid == "a1" else 40)
             led.transition(rid, "reward_ready", 1, reward=REWARD)
         assert led.reserve("a1", 2, "u1", stamp(0, 0)).reserved
@@ -487,19 +570,26 @@ def paced_history() -> list[TraceEvent]:
         activate(coord, 1)
         activate(coord, 2)
         assert [e.rollout_id for e in led.retire_stale()] == ["b1"]
-        assert led.dispatch(entry("b2", 2), chain="p2").attempt == 2
-        assert led.dispatch(entry("c1", 2), chain="p3").dispatched
-        assert led.dispatch(entry("d1", 2), chain="p4").reason == "no_capacity"
+        assert led.dispatch(ro("b2", 2, "p2")).attempt == 2
+        assert led.dispatch(ro("c1", 2, "p3")).dispatched
+        assert led.dispatch(ro("d1", 2, "p4")).reason == "no_capacity"
         return be.trace()
 
 
-def dispatched_event(rid: str, v: int, chain: str, attempt: int) -> EntryChanged:
-    """A dispatch as a ledger would record it, for appending to a history by hand."""
+def prompt_chain(prompt: str) -> str:
+    """The attempt chain the paced history's prompt `prompt` is counted on: its identity's
+    (dataset 'd', sample 0), written out here as the ledger keys it (a JSON list)."""
+    return f'["d", "{prompt}", 0]'
+
+
+def dispatched_event(rid: str, v: int, prompt: str, attempt: int) -> EntryChanged:
+    """A dispatch of `prompt` as a ledger would record it, for appending to a history by
+    hand."""
     after = LedgerEntry(
         rollout_id=rid,
         behavior_version=v,
         artifact_hash=f"{v:x}".rjust(64, "c"),
-        chain=chain,
+        chain=prompt_chain(prompt),
         attempt=attempt,
     )
     return EntryChanged(10_000, 10_000, 0.0, rid, "add", None, after)

@@ -86,6 +86,7 @@ class RefEntry:
     version: int
     releases: int = 0
     lease: float | None = None
+    renewed: bool = False  # the current lease was set by a heartbeat, not the reservation
 
 
 @attrs.frozen
@@ -149,6 +150,8 @@ class LedgerRaceMachine(RuleBasedStateMachine):
         self.registered: dict[int, str] = {0: artifact_hash(0)}
         self.skipped: list[int] = []
         self.bad: set[int] = set()
+        # updates the reference holds poisoned (issue 31): a lost lease, a refused commit
+        self.poisoned: set[str] = set()
         self.stamps: dict[str, AdmissionStamp] = {}
         self.judged: dict[str, int] = {}  # rollout -> version it was last judged against
         self.checker = TraceChecker(self.recorder, with_registry=False)
@@ -231,6 +234,8 @@ class LedgerRaceMachine(RuleBasedStateMachine):
             return "revision_conflict"
         if r.state != "rewarded":
             return "not_rewarded"
+        if update_id in self.poisoned:
+            return "update_poisoned"
         if stamp is None or not stamp.accepted or stamp.behavior_version != r.version:
             return "not_admitted"
         return "reserved"
@@ -294,6 +299,7 @@ class LedgerRaceMachine(RuleBasedStateMachine):
             self._move(rid, "reserve")
             r.owner = update_id
             r.lease = self.clock.now + LEASE
+            r.renewed = False
         ln = self.learners[ticket_learner]
         if ok and ln.update_id == update_id:
             ln.believed.add(rid)
@@ -508,14 +514,20 @@ class LedgerRaceMachine(RuleBasedStateMachine):
             others = sorted(set(self.ref) - ids)
             ids = set(sorted(ids)[1:]) if ids else {others[0]} if others else {"r-none"}
         owned = self._owned(ln.update_id)
+        poisoned = ln.update_id in self.poisoned
         try:
             got = self.ledger.commit(ln.update_id, sorted(ids))
         except CommitMismatch:
-            if ids == owned:
+            if ids == owned and not poisoned:
                 raise self.recorder.fail(
                     f"commit of exactly what {ln.update_id} reserved {sorted(ids)} was refused"
                 ) from None
+            if ids == owned:
+                self.recorder.note("poisoned_commit_refused")
+            self.poisoned.add(ln.update_id)  # a refused commit poisons its update
             return
+        if poisoned:
+            raise self.recorder.fail(f"commit by {ln.update_id}, a poisoned update, landed")
         if ids != owned:
             raise self.recorder.fail(
                 f"commit by {ln.update_id} of {sorted(ids)} succeeded, but it holds {sorted(owned)}"
@@ -582,7 +594,9 @@ class LedgerRaceMachine(RuleBasedStateMachine):
     def renew(self, pick: int) -> None:
         """A long update's heartbeat: every lease it holds runs a full lease from now."""
         busy = self._busy_learners()
-        ln = self.learners[busy[pick % len(busy)]]
+        self._renew(self.learners[busy[pick % len(busy)]])
+
+    def _renew(self, ln: Learner) -> None:
         owned = self._owned(ln.update_id)
         got = self.ledger.renew_leases(ln.update_id)
         self._same_ids(f"renew_leases of {ln.update_id}", got, owned)
@@ -595,6 +609,30 @@ class LedgerRaceMachine(RuleBasedStateMachine):
         for rid in owned:
             self._move(rid, "renew_lease")
             self.ref[rid].lease = self.clock.now + LEASE
+            self.ref[rid].renewed = True
+
+    def _holders(self) -> list[int]:
+        """Learners whose current update holds a reservation."""
+        return [i for i, ln in enumerate(self.learners) if self._owned(ln.update_id)]
+
+    @rule(pick=picks)
+    @precondition(lambda self: bool(self._holders()))
+    @counted
+    def outlive_renewal(self, pick: int) -> None:
+        """A heartbeat, then the update goes quiet: half a lease passes and it renews, an
+        expiry pass runs at the OLD deadline (nothing of it is due: the renewal moved it),
+        and another expiry pass runs at the renewed deadline, which returns it. A store
+        that forgot the renewed deadline (an index still keyed by the old one) expires
+        nothing at the second pass; one that kept the old one expires too early at the
+        first. Every renewal is thus followed, in some run, by time passing its deadline."""
+        holders = self._holders()
+        ln = self.learners[holders[pick % len(holders)]]
+        self.clock.advance(LEASE / 2)
+        self._renew(ln)
+        self.clock.advance(LEASE / 2)  # the reservation's own deadline, or later
+        self._expire()
+        self.clock.advance(LEASE / 2)  # exactly the renewed deadline
+        self._expire()
 
     @rule(pick=picks)
     @precondition(lambda self: bool(self._busy_learners()))
@@ -630,10 +668,19 @@ class LedgerRaceMachine(RuleBasedStateMachine):
     @counted
     def expire_leases(self) -> None:
         """Return every reservation whose lease ran out."""
+        self._expire()
+
+    def _expire(self) -> None:
         due = self._due()
         got = self.ledger.expire_leases()
         self._same_ids("expire_leases", got, due)
+        if any(self.ref[rid].renewed for rid in due):
+            self.recorder.reached("renewed_then_expired")
         for rid in due:
+            self.ref[rid].renewed = False
+            owner = self.ref[rid].owner
+            if owner is not None:  # it may have trained on it: poisoned (issue 31)
+                self.poisoned.add(owner)
             self._release(rid, "expire_lease")
 
     # ---- policy versions ---------------------------------------------------------------------

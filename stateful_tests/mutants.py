@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import functools
 import hashlib
 import importlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -86,6 +88,14 @@ CLASSES: dict[str, str] = {
     "input": "a bug only inputs nobody generated expose (NaN, empty masks, one-figure lies, "
     "conflicting acks, a rollback between admission and reservation)",
     "budget": "a bug found only at a boundary a small budget rarely reaches",
+    # issue 37's classes of what the campaign could still not see
+    "integration": "an integration the campaign never ran (verl's v1 replay buffer on a real "
+    "TransferQueue: steps, a resume that redoes a step, eviction and refill)",
+    "time": "an order of events in time no run made (a lease renewed, then outlived)",
+    "skew": "a client clock off by minutes against the server's, with the server clock on",
+    "recorded": "a recorded choice no run read back (a rollback's kept or retired cause)",
+    "window": "a race window too narrow for a timed race to hit (the premise lock between "
+    "a write's guard and its compare-and-set)",
 }
 
 
@@ -99,13 +109,18 @@ class Mutant:
     patch: Callable[[], contextlib.AbstractContextManager[None]]
     # which checkers can reach it: 'fuzz', 'explore', 'race' (real processes, each with its
     # own connection), 'checkers' (the known-bad histories and the differential stage),
-    # 'adapter' (the verl adapter fuzz), with which machine / model
+    # 'adapter' (the verl adapter fuzz), 'interleavings' (scripted gaps between two
+    # connections, stateful_tests/interleavings.py), with which machine / model
     reach: tuple[str, ...] = ("fuzz", "explore")
     explorer_model: str = "ledger"
     fuzz_machine: str = "ledger"
     klass: str = "protocol"
-    # the backend whose code it breaks: its campaign runs there ('postgresql' needs a server)
+    # the backend whose code it breaks: its campaign runs there ('postgresql' needs a server,
+    # 'memory' is the in-process store the default campaign never runs)
     backend: str = "sqlite"
+    # a module the patched code needs (an optional extra): without it the mutant is not
+    # reached, never counted as killed
+    needs: str | None = None
 
     def __call__(self) -> contextlib.AbstractContextManager[None]:
         return self.patch()
@@ -129,6 +144,7 @@ def _buggy_reserve(
         *,
         premise: Any,
         lease_expires_at: float | None,
+        poisoned: bool = False,  # the update's record: not what this bug is about
     ) -> tuple[ReserveOutcome, LedgerEntry | None]:
         if entry is None:
             return ReserveOutcome(rollout_id, False, MISSING, None), None
@@ -413,6 +429,7 @@ def _stamp_only(
     self: ledger_mod.ActivationPremise,
     admission: Any,
     behavior_version: int,
+    artifact_hash: str | None = None,
     *,
     stamp_passed: bool = False,  # judged here all the same
 ) -> tuple[str, str] | None:
@@ -427,6 +444,7 @@ def _trust_accepted(
     self: ledger_mod.ActivationPremise,
     admission: Any,
     behavior_version: int,
+    artifact_hash: str | None = None,
     *,
     stamp_passed: bool = False,  # judged here all the same
 ) -> tuple[str, str] | None:
@@ -447,6 +465,7 @@ def _stamp_bounds_trusted(
     self: ledger_mod.ActivationPremise,
     admission: Any,
     behavior_version: int,
+    artifact_hash: str | None = None,
     *,
     stamp_passed: bool = False,  # judged here all the same
 ) -> tuple[str, str] | None:
@@ -461,6 +480,8 @@ def _stamp_bounds_trusted(
         self.was_active,
         loose if self.policy is not None else None,
         self.retired,
+        artifact_hash,
+        self.hashes,
     )
 
 
@@ -755,22 +776,112 @@ def _strict_expiry() -> Iterator[None]:
         yield
 
 
+class _RowsAsPeeked:
+    """A unit of work whose `read_rows` answers with the rows read before the step."""
+
+    def __init__(self, uow: Any, peeked: dict[str, Any]) -> None:
+        self._uow, self._peeked = uow, peeked
+
+    def read_rows(self, rollout_ids: Any) -> dict[str, Any]:
+        got: dict[str, Any] = self._uow.read_rows(rollout_ids)
+        got.update({r: self._peeked[r] for r in rollout_ids if self._peeked.get(r) is not None})
+        return got
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._uow, name)
+
+
+def _stale_row_refusal(reserve: Any) -> Any:
+    """StoreLedger.reserve whose step judges the row as read before the step (issue 33):
+    the premise's refusal is built on that earlier read, as it was."""
+
+    @functools.wraps(reserve)
+    def stale(self: Any, rollout_id: str, *args: Any, **kwargs: Any) -> Any:
+        store = self.store
+        peeked: dict[str, Any] = {}
+        real_find, real_peek, real_atomic = (
+            store.find_with_update,
+            getattr(store, "peek", None),
+            store.atomic,
+        )
+
+        def find(rid: str, *rest: Any) -> Any:  # the row read before the step (and its update)
+            got = real_find(rid, *rest)
+            peeked[rid] = got[0]
+            return got
+
+        def peek(rid: str, *rest: Any) -> Any:
+            assert real_peek is not None
+            got = real_peek(rid, *rest)
+            peeked[rid] = got[0]
+            return got
+
+        def atomic(body: Any, step: Any) -> Any:
+            if step.what != "reserve" or not inspect.isfunction(body):
+                return real_atomic(body, step)  # (a one-statement write is not a body)
+            return real_atomic(lambda uow: body(_RowsAsPeeked(uow, peeked)), step)
+
+        names = ("find_with_update", "atomic", "peek")
+        own = {n: vars(store)[n] for n in names if n in vars(store)}  # a test's own hooks
+        store.find_with_update, store.atomic = find, atomic
+        if real_peek is not None:
+            store.peek = peek
+        try:
+            return reserve(self, rollout_id, *args, **kwargs)
+        finally:
+            for name in names:
+                vars(store).pop(name, None)
+            vars(store).update(own)
+
+    return stale
+
+
+_REFUSALS = frozenset(
+    {
+        "missing_rollout",
+        "revision_conflict",
+        "not_rewarded",
+        "not_admitted",
+        "stamp_contradicts_itself",
+        "no_admission_policy",
+        "looser_than_policy",
+        "version_not_active",
+        "version_retired",
+        "pointer_moved",
+    }
+)
+
+
+def _any_refusal(answer: Any) -> Any:
+    """The model's reservation answer, any refusal standing for any other."""
+
+    def loose(ask: Any) -> Any:
+        allowed = answer(ask)
+        if any(held for _, held in allowed):
+            return allowed
+        return allowed | {(r, False) for r in _REFUSALS}
+
+    return loose
+
+
 _PACING = "rollout_lifecycle.model.pacing"
 
 
 def _budget_ignored(plan: Any) -> Any:
     """plan_dispatch as if nothing were live: the budget never refuses."""
-    return lambda entry, chain, premise: plan(entry, chain, attrs.evolve(premise, live_window=0))
+    return lambda entry, chain, premise, **kw: plan(
+        entry, chain, attrs.evolve(premise, live_window=0), **kw
+    )
 
 
 def _attempts_unbounded(plan: Any) -> Any:
     """plan_dispatch with the policy's max_attempts dropped: a chain is requeued forever."""
 
-    def planned(entry: Any, chain: str, premise: Any) -> Any:
+    def planned(entry: Any, chain: str, premise: Any, **kw: Any) -> Any:
         pol = premise.policy
         if pol is not None:
             premise = attrs.evolve(premise, policy=attrs.evolve(pol, max_attempts=None))
-        return plan(entry, chain, premise)
+        return plan(entry, chain, premise, **kw)
 
     return planned
 
@@ -997,7 +1108,7 @@ CATALOGUE += (
             _wrap(_PG, "PostgresStore.atomic", _skip_premise),
             _wrap(_PG, "PostgresStore.write_one", _write_one_skips_premise),
         ),
-        reach=("race",),
+        reach=("race", "premise-window"),
         klass="unloaded",
         backend="postgresql",
     ),
@@ -1063,6 +1174,40 @@ CATALOGUE += (
         "`ledger check` takes each event's stored hash as its own: an edited event passes",
         None,
         _wrap("rollout_lifecycle.spec.audit", "row_hash", lambda f: lambda ev: ev.hash),
+        reach=("checkers",),
+        klass="checker",
+    ),
+    Mutant(
+        "linearizability_any_refusal",
+        "the linearizability model takes any refusal of a reservation for the true one, as "
+        "long as the reservation was refused at that instant",
+        None,
+        _wrap("rollout_lifecycle.spec.call_model", "reserve_answer", _any_refusal),
+        reach=("checkers",),
+        klass="checker",
+    ),
+    Mutant(
+        "linearizability_no_common_instant",
+        "the linearizability check skips its consistency pass: each rollout alone is "
+        "explained, a batch seen half applied passes",
+        None,
+        _wrap(
+            "rollout_lifecycle.spec.linearizability", "_consistent", lambda f: lambda *a: (0, [])
+        ),
+        reach=("checkers",),
+        klass="checker",
+    ),
+    Mutant(
+        "audit_head_by_seq_only",
+        "`ledger check` compares the chain's head with the last event by seq only: a last "
+        "event replaced in place with its hash recomputed (or any event, with the chain "
+        "recomputed after it) passes",
+        None,
+        _wrap(
+            "rollout_lifecycle.spec.audit",
+            "head_matches",
+            lambda f: lambda head, last: head.last_seq == last.seq,
+        ),
         reach=("checkers",),
         klass="checker",
     ),
@@ -1146,6 +1291,14 @@ CATALOGUE += (
         fuzz_machine="e2e",
         explorer_model="pacing",
     ),
+    Mutant(
+        "stale_row_refusal",
+        "a single reservation's step refuses on the premise of its own moment but with the "
+        "row read before the step: an answer no instant of the call makes true (issue 33)",
+        None,
+        _wrap(ledger_mod.__name__, "StoreLedger.reserve", _stale_row_refusal),
+        reach=("interleavings", "race"),
+    ),
     # ---- class 5: a boundary a small budget rarely reaches
     Mutant(
         "lease_expiry_strict",
@@ -1155,6 +1308,185 @@ CATALOGUE += (
         reach=("fuzz",),
         fuzz_machine="ledger",
         klass="budget",
+    ),
+)
+
+# ---- issue 37: what the campaign could still not see ---------------------------------------
+
+_VERL_V1 = "rollout_lifecycle.gpu_check.verl_v1"
+
+
+def _settles_redone_step_as_landed(settle: Any) -> Any:
+    """The buffer settles as if `global_steps` itself had landed (`<=` for `<`): a resumed
+    trainer consumes the reservations of the step it is about to redo, made by the process
+    that died before that step's update landed."""
+
+    def settled(self: Any, global_steps: int) -> Any:
+        return settle(self, global_steps + 1)
+
+    return settled
+
+
+def _forget_renewed_deadline(index_many: Any) -> Any:
+    """The memory store's lease heap is not told the renewed deadline (a renewal keeps its
+    owner, so the index takes it for a write that changes nothing it indexes): the old
+    deadline surfaces, finds the lease not yet due and is dropped, and the renewed lease
+    never expires."""
+
+    def index(self: Any, writes: Any) -> Any:
+        def forget(before: Any, after: Any) -> Any:
+            if (
+                before is not None
+                and before.state == after.state == "reserved"
+                and before.reserved_by == after.reserved_by
+            ):
+                after = copy.copy(after)
+                object.__setattr__(after, "lease_expires_at", None)
+            return before, after
+
+        return index_many(self, (forget(b, a) for b, a in writes))
+
+    return index
+
+
+def _batch_lease_from_client_clock(reserve_batch: Any) -> Any:
+    """A batch reservation's lease deadline is the CLIENT's clock plus the lease length,
+    not the deployment's (the server's, on PostgreSQL); single reservations, renewals and
+    expiry keep the server's clock."""
+
+    def batch(self: Any, update_id: str, requests: Any) -> Any:
+        self._now = lambda _uow: self.clock()
+        try:
+            return reserve_batch(self, update_id, requests)
+        finally:
+            del self._now
+
+    return batch
+
+
+_PREMISE_LOCK = "PERFORM pg_advisory_xact_lock_shared({lock}, hashtext(current_schema()));"
+
+
+@contextlib.contextmanager
+def _write_one_without_premise_lock() -> Iterator[None]:
+    """The single reservation's server-side write keeps its guard (the premise is still
+    the one its plan was judged on) but no longer takes the premise lock first: a pointer
+    switch that commits between the guard and the compare-and-set goes unseen. (The
+    function is created under another name, so a correct one already in the schema does
+    not hide the bug.)"""
+    pg = importlib.import_module(_PG)
+    common = importlib.import_module("rollout_lifecycle.model.postgres_common")
+    lock = _PREMISE_LOCK.format(lock=common.K_PREMISE)
+    if lock not in pg._WRITE_ONE_DDL:
+        raise AssertionError("the write-one function no longer takes the premise lock this way")
+    with write_one_variant("_nolock", lambda ddl: ddl.replace(lock, "NULL;")):
+        yield
+
+
+@contextlib.contextmanager
+def write_one_variant(suffix: str, edit: Callable[[str], str]) -> Iterator[None]:
+    """`write_one`'s server-side function rebuilt as `edit` of its DDL, under its name plus
+    `suffix` (variants compose: each renames what the last one made)."""
+    pg = importlib.import_module(_PG)
+    name = pg.WRITE_ONE
+    new = name + suffix
+    with contextlib.ExitStack() as stack:
+        for attr, value in (
+            ("_WRITE_ONE_DDL", edit(pg._WRITE_ONE_DDL).replace(name, new)),
+            ("_WRITE_ONE_SIGNATURE", pg._WRITE_ONE_SIGNATURE.replace(name, new)),
+            ("_WRITE_ONE_CALL", pg._WRITE_ONE_CALL.replace(name, new)),
+            ("WRITE_ONE", new),
+        ):
+            stack.enter_context(patch_everywhere(pg, attr, value))
+        yield
+
+
+def _rollback_recorded_as_kept(change: Any) -> Any:
+    """A rollback that retires its version's rollouts (and quarantines them) records the
+    cause 'rolled_back_kept': the record says the operator kept them."""
+
+    def recorded(rec: Any, event: str, guards: Any = None, **kw: Any) -> Any:
+        failure = kw.get("failure")
+        if event == "roll_back" and failure is not None and failure.cause == "rolled_back":
+            kw["failure"] = attrs.evolve(failure, cause="rolled_back_kept")
+        return change(rec, event, guards, **kw)
+
+    return recorded
+
+
+def _ignores_incarnation(holds: Any) -> Any:
+    """The served_after_sync checker compares the version and hash of the stored ack with
+    the rollout's, never the incarnation: an ack of a previous incarnation still counts."""
+
+    def lenient(rep: Any, incarnation: int, e: Any) -> bool:
+        ack = rep.ack
+        return ack is not None and (ack.version, ack.artifact_hash) == (
+            e.behavior_version,
+            e.artifact_hash,
+        )
+
+    return lenient
+
+
+CATALOGUE += (
+    Mutant(
+        "verl_v1_resume_commits_redone_step",
+        "verl v1 buffer: a resumed trainer settles the step it redoes as if it had landed, "
+        "consuming the dead process's reservations of it (before, only a hang in one unit test)",
+        13,
+        _wrap(_VERL_V1, "LedgerReplayBuffer.settle", _settles_redone_step_as_landed),
+        reach=("verl-v1",),
+        klass="integration",
+        needs="transfer_queue",
+    ),
+    Mutant(
+        "memory_renewal_forgets_deadline",
+        "the memory store's expiry index never learns a renewed deadline: a renewed lease "
+        "whose old deadline already surfaced never expires",
+        10,
+        _wrap(ledger_mod.__name__, "MemoryStore._index_many", _forget_renewed_deadline),
+        reach=("fuzz",),
+        fuzz_machine="ledger",
+        klass="time",
+        backend="memory",
+    ),
+    Mutant(
+        "pg_batch_lease_from_client_clock",
+        "a batch reservation takes its lease deadline from the client's clock, not the "
+        "server's: a learner minutes behind holds leases a janitor expires at once",
+        10,
+        _wrap(ledger_mod.__name__, "StoreLedger.reserve_batch", _batch_lease_from_client_clock),
+        reach=("clock-skew",),
+        klass="skew",
+        backend="postgresql",
+    ),
+    Mutant(
+        "pg_write_one_drops_premise_lock",
+        "PostgreSQL's single-reservation write checks its premise but without the premise "
+        "lock: a pointer switch committed between that guard and the write goes unseen",
+        None,
+        _write_one_without_premise_lock,
+        reach=("premise-window",),
+        klass="window",
+        backend="postgresql",
+    ),
+    Mutant(
+        "rollback_recorded_as_kept",
+        "a rollback that retires its version's rollouts records the cause 'kept'",
+        None,
+        _wrap(coord_mod.__name__, "_change", _rollback_recorded_as_kept),
+        explorer_model="seams",
+        fuzz_machine="activation",
+        klass="recorded",
+    ),
+    Mutant(
+        "served_check_ignores_incarnation",
+        "the served_after_sync checker accepts an ack of a previous incarnation: a restarted "
+        "worker serving before it resynced passes",
+        11,
+        _wrap("rollout_lifecycle.spec.invariants", "_holds", _ignores_incarnation),
+        reach=("checkers",),
+        klass="checker",
     ),
 )
 

@@ -8,6 +8,7 @@ explorer runs the mutant's model at CI bounds (so "states until the kill" is too
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import tempfile
 import time
@@ -21,6 +22,7 @@ from rollout_lifecycle.spec.bounds import CI_MODELS, EXPLORER_MODELS, README_MOD
 from rollout_lifecycle.spec.explorer import explore
 from rollout_lifecycle.stateful_tests.backends import durable_url
 from rollout_lifecycle.stateful_tests.checkers import CaseFailure, run_checker_checks
+from rollout_lifecycle.stateful_tests.interleavings import run_interleavings
 from rollout_lifecycle.stateful_tests.mutants import CATALOGUE, Mutant
 from rollout_lifecycle.stateful_tests.race import RaceConfig, run_race
 from rollout_lifecycle.stateful_tests.runner import (
@@ -33,6 +35,7 @@ from rollout_lifecycle.stateful_tests.runner import (
     README_SEED,
     run_campaign,
 )
+from rollout_lifecycle.stateful_tests.stages import STAGES, StageContext, run_stage
 
 
 @attrs.frozen
@@ -45,6 +48,8 @@ class Kill:
     unit: str
     seconds: float
     detail: str = ""
+    # the campaign's stage that killed it ('checkers', 'race', 'fuzz ledger', 'verl-v1', ...)
+    stage: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able dict."""
@@ -86,6 +91,7 @@ class MutantResult:
             "description": self.description,
             "peer_bug": self.peer_bug,
             "killed_by": list(self.killed_by),
+            "killed_by_stage": self.campaign.stage,
             "fuzz": self.fuzz.to_json(),
             "explore": self.explore.to_json(),
             "campaign": self.campaign.to_json(),
@@ -172,7 +178,8 @@ def explore_kill(
 
 
 def _stage_kill(stage: str, effort: int, unit: str, t0: float, detail: str) -> Kill:
-    return Kill("campaign", True, effort, unit, time.perf_counter() - t0, f"{stage}: {detail}")
+    seconds = time.perf_counter() - t0
+    return Kill("campaign", True, effort, unit, seconds, f"{stage}: {detail}", stage)
 
 
 def checker_verdicts(failures: Sequence[CaseFailure]) -> tuple[list[CaseFailure], list[str]]:
@@ -195,16 +202,29 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
     """Whether the README campaign, exactly as `make campaign` runs it, kills the mutant.
 
     Its stages run in the campaign's order, the first that fails kills it: the checker
-    stage (known-bad histories, the differential of rules and spec); the verl adapter fuzz
+    stage (known-bad histories, the differential of rules and spec); the scripted
+    interleavings of two connections (on the mutant's backend); the verl adapter fuzz
     (when verl is installed); the race (real processes, each patched, on the mutant's
-    backend: SQLite, or a fresh schema on `postgres_url` for PostgreSQL code); the fuzz
+    backend: SQLite, or a fresh schema on `postgres_url` for PostgreSQL code); the targeted
+    stages of stateful_tests/stages.py the mutant names in its reach (verl-v1, clock-skew,
+    premise-window; a stage that does not apply to the backend is not run); the fuzz
     stage (every machine, README seed and examples, on the mutant's backend, its own
     machine leading); the explore stage (the README models at README bounds). A checker
     case that only crashed kills nothing (`checker_verdicts`). A mutant of PostgreSQL code
-    without a server is not reached (None), never counted as killed.
+    without a server, or of code whose extra is not installed, is not reached (None), never
+    counted as killed; a mutant of the memory store runs its campaign on memory.
     """
     t0 = time.perf_counter()
-    backend = README_BACKEND
+    backend = "memory" if mutant.backend == "memory" else README_BACKEND
+    if mutant.needs is not None and importlib.util.find_spec(mutant.needs) is None:
+        return Kill(
+            "campaign",
+            None,
+            None,
+            "examples",
+            0.0,
+            f"needs {mutant.needs} (an extra not installed)",
+        )
     if mutant.backend == "postgresql":
         if postgres_url is None:
             return Kill(
@@ -222,6 +242,12 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
     if verdicts:
         n = checked.bad_cases + checked.good_cases
         return _stage_kill("checkers", n, "cases", t0, str(verdicts[0]))
+    if backend != "memory":  # two connections need a durable store, as in the campaign
+        with mutant():  # the scripted interleavings run in this process, on the backend
+            scripted = run_interleavings(backend, workdir / "interleavings")
+        wrong = [p for problems in scripted.values() for p in problems]
+        if wrong:
+            return _stage_kill("interleavings", len(scripted), "scenarios", t0, wrong[0])
     adapter = _adapter_fuzz()
     if adapter is not None:
         with mutant():
@@ -247,6 +273,12 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
         if raced.violations or raced.errors:
             first = raced.violations[0] if raced.violations else raced.errors[0]
             return _stage_kill("race", raced.calls, "calls", t0, str(first))
+    for name, stage in STAGES.items():  # the targeted stages this mutant's code is on
+        if name not in mutant.reach or not stage.applies_to(backend):
+            continue
+        staged = run_stage(name, StageContext(backend, workdir / name, README_SEED, mutant.name))
+        if staged.failures:
+            return _stage_kill(name, 1, "runs", t0, staged.failures[0])
     order = [mutant.fuzz_machine, *(m for m in FUZZ_MACHINES if m != mutant.fuzz_machine)]
     examples = 0
     for machine in order:

@@ -62,9 +62,11 @@ def quiesce_copy(
         policy=registry.policy(),
         tokens=registry.attempt_tokens(),
     )
+    updates = ledger.updates()
     led = ledger_mod.MemoryLedger.restore(
         snapshot.values(),
         getattr(ledger, "bad_versions", frozenset()),
+        updates.values(),
         clock=clock,
         lease_seconds=lease_seconds,
         recovery=recovery,
@@ -74,7 +76,7 @@ def quiesce_copy(
     coord = coord_mod.ActivationCoordinator(reg, ledger=led, clock=clock)
     truth = {w: t.copy() for w, t in workers.items()}
     checker = TraceChecker(
-        recorder, with_registry=True, world=world_of(snapshot, artifacts, pointer, reg)
+        recorder, with_registry=True, world=world_of(snapshot, artifacts, pointer, reg, led)
     )
     problems: list[str] = []
     try:
@@ -87,7 +89,7 @@ def quiesce_copy(
         problems.append(f"liveness driver was refused: {type(exc).__name__}: {exc}")
     events = log.events()
     problems.extend(str(v) for v in checker.feed(events, observe=False))
-    final = world_of(led.snapshot(), reg.artifacts(), reg.pointer(), reg)
+    final = world_of(led.snapshot(), reg.artifacts(), reg.pointer(), reg, led)
     recorder.checked(EVENTUALLY_NAMES)
     problems.extend(str(v) for v in check_quiescent(final))
     return [f"liveness: {p}" for p in problems]

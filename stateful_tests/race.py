@@ -43,12 +43,13 @@ import attrs
 import numpy as np
 
 from rollout_lifecycle.model.backends import open_backend, redact_url
-from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.errors import (
     ActivationError,
     BackendURLError,
+    DispatchRefused,
     RevisionConflict,
     RolloutLifecycleError,
+    UpdatePoisoned,
 )
 from rollout_lifecycle.model.events import (
     ArtifactChanged,
@@ -58,6 +59,7 @@ from rollout_lifecycle.model.events import (
 )
 from rollout_lifecycle.model.gate import AdmissionGate, GatePolicy
 from rollout_lifecycle.model.ledger import ReserveRequest
+from rollout_lifecycle.model.pacing import identity_chain
 from rollout_lifecycle.model.records import (
     ActionEvidence,
     AdmissionPolicy,
@@ -82,7 +84,18 @@ from rollout_lifecycle.spec.invariants import (
     stored_world,
     violated_names,
 )
+from rollout_lifecycle.spec.linearizability import LinReport, check_calls
+from rollout_lifecycle.spec.linearizability import parse as parse_calls
 from rollout_lifecycle.stateful_tests import race_roles
+from rollout_lifecycle.stateful_tests.history import (
+    CallLog,
+    RecordingLedger,
+    RecordingRegistry,
+    attach,
+    entries_json,
+    history_header,
+    write_history,
+)
 
 WORKERS = ("gen-0", "gen-1")
 REWARD = Reward("race-rm", "1", 1.0)
@@ -186,8 +199,10 @@ def _generator(cfg: RaceConfig, line: Any, out: Any, url: str) -> None:
     deadline = _start(cfg, line)
     rng = random.Random(cfg.seed * 31337)
     stats: Counter[str] = Counter()
+    log = CallLog("generator")
     try:
-        with open_backend(url) as b:
+        with open_backend(url) as raw:
+            b = _recorded(raw, log)
             serving = b.registry.pointer()
             n = 0
             while time.time() < deadline:
@@ -196,9 +211,11 @@ def _generator(cfg: RaceConfig, line: Any, out: Any, url: str) -> None:
                 # generators switch a little later: rollouts in flight lag behind
                 serving = now if rng.random() < 0.7 else serving
                 time.sleep(rng.uniform(0.02, 0.2))
-        out.put({"role": "generator", "stats": dict(stats)})
+        out.put({"role": "generator", "stats": dict(stats), "history": log.calls})
     except Exception as exc:
-        out.put({"role": "generator", "stats": dict(stats), "error": repr(exc)})
+        out.put(
+            {"role": "generator", "stats": dict(stats), "history": log.calls, "error": repr(exc)}
+        )
 
 
 def _operator(cfg: RaceConfig, line: Any, out: Any, url: str) -> None:
@@ -207,40 +224,40 @@ def _operator(cfg: RaceConfig, line: Any, out: Any, url: str) -> None:
     deadline = _start(cfg, line)
     rng = random.Random(cfg.seed * 7907)
     stats: Counter[str] = Counter()
+    log = CallLog("operator")
     try:
-        with open_backend(url) as b:
-            coord = ActivationCoordinator(b.registry, ledger=b.ledger)
+        with open_backend(url) as raw:
+            b = _recorded(raw, log)
+            coord = attach(log, raw.registry, ledger=b.ledger)
             while time.time() < deadline:
                 time.sleep(rng.uniform(0.1, 0.4))
                 try:
                     _churn(coord, rng, stats, cfg.max_lag, cfg.worker_ids())
                 except ActivationError as exc:  # e.g. a rollback while acks are awaited
                     stats[f"refused:{type(exc).__name__}"] += 1
-        out.put({"role": "operator", "stats": dict(stats)})
+        out.put({"role": "operator", "stats": dict(stats), "history": log.calls})
     except Exception as exc:
-        out.put({"role": "operator", "stats": dict(stats), "error": repr(exc)})
+        out.put(
+            {"role": "operator", "stats": dict(stats), "history": log.calls, "error": repr(exc)}
+        )
 
 
 def _fill_pool(
     cfg: RaceConfig, b: Any, serving: Any, n: int, stats: Counter[str], tag: str = "a0"
 ) -> int:
     """Add a batch of rewarded rollouts at the served version while the pool runs low;
-    how many were added."""
+    how many ids were used."""
     waiting = b.ledger.statistics().by_state.get("rewarded", 0)
     if waiting >= cfg.pool or serving is None:
         return 0
     entries = [
-        LedgerEntry(
-            rollout_id=f"{tag}.{n + i}",
-            behavior_version=serving.version,
-            artifact_hash=serving.artifact_hash,
-            state="rewarded",
-            reward=REWARD,
-        )
-        for i in range(BATCH)
+        _generated(f"{tag}.{n + i}", serving.version, serving.artifact_hash) for i in range(BATCH)
     ]
-    b.ledger.add_many(entries)
-    stats["generated"] += BATCH
+    try:  # under a pacing policy the budget covers these adds too
+        b.ledger.add_many(entries)
+        stats["generated"] += BATCH
+    except DispatchRefused as exc:
+        stats[f"generator:{exc.reason}"] += 1
     return BATCH
 
 
@@ -251,9 +268,11 @@ def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: 
     started: list[str] = []  # dispatched by this process, not yet rewarded or ended
     opened = deadline - cfg.seconds  # the race's start, as _start set it
     n = 0
+    log = CallLog(f"dispatcher-{index}")
     try:
-        with open_backend(url) as b:
-            clock: Callable[[], float] = getattr(b.ledger, "clock", time.time)
+        with open_backend(url) as raw:
+            b = _recorded(raw, log)
+            clock: Callable[[], float] = getattr(raw.ledger, "clock", time.time)
             while time.time() < deadline:
                 time.sleep(rng.uniform(0.005, 0.03))  # a generator's pace, not a busy loop
                 pointer = b.registry.pointer()
@@ -267,14 +286,14 @@ def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: 
                 # a sliding window of `chains` prompts, the same in every process: chains
                 # are retried, run out of attempts, and new prompts keep arriving
                 base = int((time.time() - opened) * 4)
-                chain = f"c{base + rng.randrange(cfg.chains)}"
                 rid = f"d{index}.{n}"
                 n += 1
-                entry = LedgerEntry(
-                    rollout_id=rid, behavior_version=v, artifact_hash=version_hash(v)
-                )
+                # the prompt's identity names its chain (the deployment's chain_key)
+                identity = RolloutIdentity(rid, f"c{base + rng.randrange(cfg.chains)}", "race", 0)
+                chain = identity_chain(identity)
+                ro = Rollout(identity, BehaviorPolicy(v, version_hash(v)), CONDITIONS)
                 t0 = clock()
-                got = b.ledger.dispatch(entry, chain=chain)
+                got = b.ledger.dispatch(ro)
                 calls.append(
                     {
                         "kind": "dispatch",
@@ -292,13 +311,23 @@ def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: 
                     started.append(rid)
                 if rng.random() < 0.05:
                     stats["retired_stale"] += len(b.ledger.retire_stale())
-        out.put({"role": f"dispatcher-{index}", "stats": dict(stats), "calls": calls})
+                if rng.random() < 0.05:  # a learner's pick of what to train next
+                    b.ledger.oldest_admissible(8)
+        out.put(
+            {
+                "role": f"dispatcher-{index}",
+                "stats": dict(stats),
+                "calls": calls,
+                "history": log.calls,
+            }
+        )
     except Exception as exc:  # reported with the calls made so far, which are judged too
         out.put(
             {
                 "role": f"dispatcher-{index}",
                 "stats": dict(stats),
                 "calls": calls,
+                "history": log.calls,
                 "error": repr(exc),
             }
         )
@@ -329,13 +358,29 @@ def _advance_attempt(
     started.remove(rid)
 
 
+def _generated(rid: str, version: int, digest: str) -> Rollout:
+    """A rollout the activators' generator adds already rewarded: its own prompt (so its
+    identity names a chain of its own), its entry at `rewarded`."""
+    status = LedgerEntry(
+        rollout_id=rid,
+        behavior_version=version,
+        artifact_hash=digest,
+        state="rewarded",
+        reward=REWARD,
+    )
+    identity = RolloutIdentity(rid, f"g-{rid}", "race", 0)
+    return Rollout(identity, BehaviorPolicy(version, digest), CONDITIONS, status=status)
+
+
 def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: str) -> None:
     rng = random.Random(cfg.seed * 7919 + index)
     stats: Counter[str] = Counter()
+    log = CallLog(f"activator-{index}")
     roles = url != cfg.url  # its own login: the other parties generate, ack and churn
     try:
-        with open_backend(url) as b:
-            coord = ActivationCoordinator(b.registry, ledger=b.ledger)
+        with open_backend(url) as raw:
+            b = _recorded(raw, log)
+            coord = attach(log, raw.registry, ledger=b.ledger)
             serving = coord.pointer()
             n = 0
             while time.time() < deadline:
@@ -362,12 +407,19 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: 
                 except ActivationError as exc:
                     stats[f"refused:{type(exc).__name__}"] += 1
                 time.sleep(rng.uniform(0.02, 0.2))
-        out.put({"role": f"activator-{index}", "stats": dict(stats)})
+        out.put({"role": f"activator-{index}", "stats": dict(stats), "history": log.calls})
     except Exception as exc:  # the parent reports why a child failed (no child traceback)
-        out.put({"role": f"activator-{index}", "stats": dict(stats), "error": repr(exc)})
+        out.put(
+            {
+                "role": f"activator-{index}",
+                "stats": dict(stats),
+                "history": log.calls,
+                "error": repr(exc),
+            }
+        )
 
 
-def _await_acks(coord: ActivationCoordinator, v: int, stats: Counter[str]) -> Any:
+def _await_acks(coord: Any, v: int, stats: Counter[str]) -> Any:
     """With roles: try to activate `v` while its workers' acks arrive; give the attempt up
     (the version's rollouts quarantined) when they do not within ACK_WAIT_S."""
     until = time.time() + ACK_WAIT_S
@@ -383,7 +435,7 @@ def _await_acks(coord: ActivationCoordinator, v: int, stats: Counter[str]) -> An
 
 
 def _churn(
-    coord: ActivationCoordinator,
+    coord: Any,
     rng: random.Random,
     stats: Counter[str],
     max_lag: int,
@@ -398,9 +450,18 @@ def _churn(
     turn = stats["churn_turns"]
     if turn % 5 == 3 or rng.random() < 0.05:
         keep = rng.random() < 0.3  # the operator keeps the rolled-back version's rollouts
-        coord.rollback(keep_rollouts=keep)
+        reason = f"race churn {turn}.{rng.getrandbits(32):08x}"  # names this rollback
+        coord.rollback(keep_rollouts=keep, reason=reason)
         stats["rolled_back"] += 1
         stats["rolled_back_kept"] += keep
+        # the recorded choice, read back: what every later premise and reader goes by
+        # (found by its reason: another activator may have moved the pointer meanwhile)
+        want = "rolled_back_kept" if keep else "rolled_back"
+        got = [a.failure for a in coord.artifacts() if a.failure and a.failure.detail == reason]
+        if [f.cause for f in got] != [want]:  # not an ActivationError: that is a refusal
+            raise RuntimeError(
+                f"rolled back with keep_rollouts={keep}, but the record says {got or 'nothing'}"
+            )
     if turn % 4 == 2 or rng.random() < 0.05:
         now = coord.required_workers
         new = workers[:-1] if len(now) == len(workers) else workers
@@ -421,20 +482,22 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: str
     stats: Counter[str] = Counter()
     calls: list[dict[str, Any]] = []
     update = 0
+    log = CallLog(f"learner-{index}")
     try:
-        with open_backend(url) as b:
+        with open_backend(url) as raw:
+            b = _recorded(raw, log)
             hostile = index < cfg.hostile
-            clock: Callable[[], float] = getattr(b.ledger, "clock", time.time)
+            clock: Callable[[], float] = getattr(raw.ledger, "clock", time.time)
             gate = AdmissionGate(
                 GatePolicy(max_lag=10**6, max_drift=1e9)
                 if hostile
                 else GatePolicy(max_lag=cfg.max_lag, max_drift=cfg.max_drift),
-                registry=_hashes(b.registry),
+                registry=_hashes(raw.registry),
             )
             reader = _reader(url)
             while time.time() < deadline:
                 pointer = b.registry.pointer()
-                entries = _waiting(reader, rng)
+                entries = _waiting(reader, rng, log)
                 if pointer is None or not entries:
                     time.sleep(0.01)
                     continue
@@ -485,14 +548,37 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: str
                     outs = [*outs, *retried]
                 for o in outs:
                     stats[f"reserve:{o.reason}"] += 1
-                if won:
-                    b.ledger.commit(update_id, won)
-                    stats["committed"] += len(won)
+                if won and rng.random() < 0.1:  # a long update's heartbeat
+                    b.ledger.renew_leases(update_id)
+                if won and rng.random() < 0.08:  # the update failed: its rollouts go back
+                    stats["aborted"] += len(b.ledger.abort(update_id))
+                elif won:
+                    try:
+                        b.ledger.commit(update_id, won)
+                        stats["committed"] += len(won)
+                    except UpdatePoisoned as exc:  # e.g. a rollback retired what it held
+                        stats[f"commit_refused:{exc.cause}"] += 1
+                        b.ledger.abort(update_id)
+                if rng.random() < 0.05:  # a reaper's sweep (leases run 600 s: rarely due)
+                    b.ledger.expire_leases()
             reader.close()
-        out.put({"role": f"learner-{index}", "stats": dict(stats), "calls": calls})
+        out.put(
+            {
+                "role": f"learner-{index}",
+                "stats": dict(stats),
+                "calls": calls,
+                "history": log.calls,
+            }
+        )
     except Exception as exc:  # reported with the calls made so far, which are judged too
         out.put(
-            {"role": f"learner-{index}", "stats": dict(stats), "calls": calls, "error": repr(exc)}
+            {
+                "role": f"learner-{index}",
+                "stats": dict(stats),
+                "calls": calls,
+                "history": log.calls,
+                "error": repr(exc),
+            }
         )
 
 
@@ -562,8 +648,10 @@ def _reader(url: str) -> _Reader:
     return _Reader(url)
 
 
-def _waiting(reader: _Reader, rng: random.Random) -> list[LedgerEntry]:
-    entries = reader.rewarded(64)
+def _waiting(reader: _Reader, rng: random.Random, log: CallLog) -> list[LedgerEntry]:
+    entries = log.call(
+        "in_state", {"state": "rewarded", "limit": 64}, lambda: reader.rewarded(64), entries_json
+    )
     rng.shuffle(entries)
     return entries[: rng.randint(1, BATCH)]
 
@@ -589,11 +677,15 @@ class RaceReport:
     calls: int
     violations: tuple[Violation, ...]
     errors: tuple[str, ...]
+    linearizability: LinReport | None = None
+    history: str | None = None  # where the recorded calls were written (JSON lines)
 
     @property
     def ok(self) -> bool:
-        """No violation and no process failed."""
-        return not self.violations and not self.errors
+        """No violation and no process failed (an 'unknown' linearizability verdict is not
+        a pass either: the report says so, apart from a violation)."""
+        lin_ok = self.linearizability is None or self.linearizability.verdict == "ok"
+        return not self.violations and not self.errors and lin_ok
 
     def totals(self) -> dict[str, int]:
         """Counters summed over every process."""
@@ -617,40 +709,63 @@ class RaceReport:
             "by_invariant": dict(violated_names(self.violations)),
             "violations": [attrs.asdict(v) for v in self.violations[:200]],
             "errors": list(self.errors),
+            "linearizability": None
+            if self.linearizability is None
+            else {**self.linearizability.to_json(), "history": self.history},
         }
 
 
-def prepare(cfg: RaceConfig, logins: race_roles.RoleLogins | None = None) -> None:
+def prepare(cfg: RaceConfig, logins: race_roles.RoleLogins | None = None) -> list[dict[str, Any]]:
     """A fresh database with the worker set and policy recorded and v0 active: by one login,
-    or with roles by the operator, a coordinator and each worker, each with its own."""
+    or with roles by the operator, a coordinator and each worker, each with its own; the
+    calls it made (the history starts from an empty deployment)."""
     workers = cfg.worker_ids()
+    log = CallLog("setup")
 
     def url(party: str) -> str:
         return cfg.url if logins is None else logins.url(party)
 
-    with open_backend(url("operator")) as b:
-        ActivationCoordinator(b.registry, workers, ledger=b.ledger, policy=cfg.policy())
-    with open_backend(url("coordinator-0")) as b:
-        coord = ActivationCoordinator(b.registry, ledger=b.ledger)
+    with open_backend(url("operator")) as raw:
+        b = _recorded(raw, log)
+        attach(log, raw.registry, workers, ledger=b.ledger, policy=cfg.policy())
+    with open_backend(url("coordinator-0")) as raw:
+        b = _recorded(raw, log)
+        coord = attach(log, raw.registry, ledger=b.ledger)
         if coord.pointer() is not None:
-            return
+            return log.calls
         coord.prepare(0)
         coord.commit_artifact(0, version_hash(0))
         coord.distribute(0)
-        for w in workers:
-            if logins is None:
-                token = coord.attempt_token(w, 0)
+        if logins is None:
+            for w, token in coord.attempt_tokens(0).items():
                 coord.record_ack(WorkerAck(w, 0, version_hash(0), token=token))
-                continue
-            with open_backend(logins.url(f"worker-{w}")) as wb:
-                mine = ActivationCoordinator(wb.registry)
-                token = mine.attempt_token(w, 0)
-                mine.record_ack(WorkerAck(w, 0, version_hash(0), token=token))
+        else:
+            for w in workers:  # each worker reads its own token (only it may) and acks
+                with open_backend(logins.url(f"worker-{w}")) as wb:
+                    mine = attach(log, wb.registry)
+                    token = mine.attempt_token(w, 0)
+                    mine.record_ack(WorkerAck(w, 0, version_hash(0), token=token))
         coord.try_activate(0)
+    return log.calls
 
 
-def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> RaceReport:
-    """Race the processes for `cfg.seconds`, then judge the trace, the rows and every call."""
+def _recorded(b: Any, log: CallLog) -> Any:
+    """The backend's ledger and registry, every call recorded in `log`."""
+    return attrs.evolve(
+        b, ledger=RecordingLedger(b.ledger, log), registry=RecordingRegistry(b.registry, log)
+    )
+
+
+def run_race(
+    cfg: RaceConfig,
+    progress: Callable[[str], None] | None = None,
+    *,
+    history_path: Path | None = None,
+    lin_time_limit: float = 10.0,
+) -> RaceReport:
+    """Race the processes for `cfg.seconds`, then judge the trace, the rows and every call:
+    each answer against the trace, and the whole recorded history for linearizability
+    (written to `history_path` as JSON lines when given)."""
     logins = None
     if race_roles.wants_roles(cfg.url, cfg.roles, cfg.mutant):
         logins = race_roles.plan_logins(
@@ -664,16 +779,20 @@ def run_race(cfg: RaceConfig, progress: Callable[[str], None] | None = None) -> 
             ),
         )
     try:
-        return _run(cfg, logins, progress or (lambda _t: None))
+        return _run(cfg, logins, progress or (lambda _t: None), history_path, lin_time_limit)
     finally:
         if logins is not None:
             logins.drop()
 
 
 def _run(
-    cfg: RaceConfig, logins: race_roles.RoleLogins | None, say: Callable[[str], None]
+    cfg: RaceConfig,
+    logins: race_roles.RoleLogins | None,
+    say: Callable[[str], None],
+    history_path: Path | None,
+    lin_time_limit: float,
 ) -> RaceReport:
-    prepare(cfg, logins)
+    setup = prepare(cfg, logins)
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     started = time.time()
@@ -737,15 +856,38 @@ def _run(
     calls = [c for c in every if c.get("kind") != "dispatch"]
     dispatches = [c for c in every if c.get("kind") == "dispatch"]
     history = [*judge_calls(trace, calls), *judge_dispatches(trace, dispatches)]
+    recorded = [*setup, *(c for r in reports for c in r.get("history", []))]
+    header = history_header(max_releases=3, registry=True)
+    if history_path is not None:
+        write_history(history_path, recorded, header)
+    say(f"checking {len(recorded):,} recorded calls for linearizability")
+    lin = check_calls(header, parse_calls(recorded)[1], time_limit=lin_time_limit)
     return RaceReport(
         config=attrs.evolve(cfg, roles=logins is not None),
         elapsed_s=elapsed,
         stats={r["role"]: r.get("stats", {}) for r in reports},
         events=len(trace),
         calls=len(every),
-        violations=(*report.violations, *store, *history),
+        violations=(*report.violations, *store, *history, *lin_violations(lin)),
         errors=errors,
+        linearizability=lin,
+        history=None if history_path is None else str(history_path),
     )
+
+
+def lin_line(lin: LinReport, history: str | None = None) -> str:
+    """The linearizability check in one line, for a console."""
+    where = f"; history in {history}" if history else ""
+    return (
+        f"linearizability: {lin.verdict} ({lin.calls:,} calls, {lin.checked_calls:,} checked, "
+        f"{lin.partitions:,} partitions, the largest {lin.max_partition:,} calls, "
+        f"{lin.seconds:.1f}s){where}"
+    )
+
+
+def lin_violations(lin: LinReport) -> list[Violation]:
+    """The linearizability check's violations, named for the report."""
+    return [Violation("linearizable", f.message) for f in lin.findings if f.verdict == "violation"]
 
 
 def judge_calls(trace: Sequence[TraceEvent], calls: Sequence[dict[str, Any]]) -> list[Violation]:
@@ -846,6 +988,7 @@ class _PacingMoment:
     index: PacingIndex = attrs.field(factory=PacingIndex)
     pointer: int | None = None
     ever_active: set[int] = attrs.field(factory=set)
+    retired: set[int] = attrs.field(factory=set)
     policy: AdmissionPolicy | None = None
 
     def apply(self, ev: TraceEvent) -> None:
@@ -857,6 +1000,9 @@ class _PacingMoment:
             self.pointer = None if ev.pointer_after is None else ev.pointer_after.version
             if self.pointer is not None:
                 self.ever_active.add(self.pointer)
+            kept = ev.after.failure is not None and ev.after.failure.cause == "rolled_back_kept"
+            if ev.after.state == "rolled_back" and not kept:
+                self.retired.add(ev.version)
         elif isinstance(ev, PolicyChanged):
             self.policy = ev.after
 
@@ -866,6 +1012,8 @@ class _PacingMoment:
         states = [self.entries[r].state for r in self.index.chains.get(chain, [])]
         if reason == "not_active":
             return p is None or v > p or v not in self.ever_active
+        if reason == "version_retired":
+            return v in self.retired
         if reason == "chain_done":
             return "consumed" in states
         if reason == "chain_live":

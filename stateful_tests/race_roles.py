@@ -25,9 +25,10 @@ from typing import Any
 import attrs
 
 from rollout_lifecycle.model.backends import open_backend
-from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.errors import ActivationError, RolloutLifecycleError
+from rollout_lifecycle.model.postgres_functions import WRITE_ONE, WRITE_ONE_ARGS
 from rollout_lifecycle.model.records import WorkerAck
+from rollout_lifecycle.stateful_tests.history import CallLog, attach
 
 START_TIMEOUT_S = 180.0  # a child still importing after this is taken as dead
 
@@ -123,9 +124,10 @@ def worker(seconds: float, url: str, worker_id: str, line: Any, out: Any) -> Non
     deadline = start_line(seconds, line)
     stats: Counter[str] = Counter()
     acked: set[tuple[int, int]] = set()
+    log = CallLog(f"worker-{worker_id}")  # its acks are calls of the history too
     try:
         with open_backend(url) as b:
-            coord = ActivationCoordinator(b.registry)
+            coord = attach(log, b.registry)
             while time.time() < deadline:
                 time.sleep(0.01)
                 for rec in b.registry.artifacts():
@@ -143,9 +145,16 @@ def worker(seconds: float, url: str, worker_id: str, line: Any, out: Any) -> Non
                     )
                     stats[f"ack:{got.reason}"] += 1
                     acked.add(key)
-        out.put({"role": f"worker-{worker_id}", "stats": dict(stats)})
+        out.put({"role": f"worker-{worker_id}", "stats": dict(stats), "history": log.calls})
     except Exception as exc:
-        out.put({"role": f"worker-{worker_id}", "stats": dict(stats), "error": repr(exc)})
+        out.put(
+            {
+                "role": f"worker-{worker_id}",
+                "stats": dict(stats),
+                "history": log.calls,
+                "error": repr(exc),
+            }
+        )
 
 
 # ---- the hostile learner: each operation outside its role, straight at the server --------
@@ -167,13 +176,18 @@ def _attempts(conn: Any) -> list[tuple[str, Callable[[], Any]]]:
         "SELECT rollout_id, revision FROM rollouts WHERE state = 'rewarded' LIMIT 1"
     ).fetchone()
     rid, rev = (str(waiting[0]), int(waiting[1])) if waiting else ("none", 0)
-    one = f"SELECT ledger_write_one_v4({', '.join(['%s'] * 15)})"
+    one = f"SELECT {WRITE_ONE}({', '.join(['%s'] * len(WRITE_ONE_ARGS))})"
 
     def write_one(op: str, state: str) -> Callable[[], Any]:
         args = (op, 0, None, state, rev + 1, None, None, entry, rid, rev, "entry", "{}")
-        return lambda: conn.execute(one, (*args, "{writes}", "{1}", "hostile")).fetchone()
+        return lambda: conn.execute(one, (*args, "{writes}", "{1}", None, "hostile")).fetchone()
 
     add = json.dumps([{"rollout_id": "hostile-add", "state": "rewarded", "revision": 0}])
+    append = "SELECT * FROM rl_append(%s, %s::text[], %s::text[], %s::text[], NULL, %s::json)"
+    poison = json.dumps([{"u": "someone-else", "s": "poisoned", "c": "hostile", "d": ""}])
+    land = json.dumps(
+        [{"rollout_id": "hostile-land", "state": "rewarded", "revision": 0, "version": 0}]
+    )
     return [
         ("set_policy", registry("set_policy", {"policy": [1000, 1e9, None, None]})),
         ("change_membership", registry("change_membership", {"membership": ["fake"]})),
@@ -189,6 +203,18 @@ def _attempts(conn: Any) -> list[tuple[str, Callable[[], Any]]]:
         ),
         ("commit_unreserved", write_one("commit", "consumed")),
         ("reward_transition", write_one("transition reward_ready", "rewarded")),
+        # a learner's own operation may change an update only as it does: a reservation
+        # opens one, it never poisons another's
+        (
+            "poison_update",
+            lambda: conn.execute(append, ("reserve", ["update"], ["x"], ["{}"], poison)),
+        ),
+        # a trainer's landing needs the generator's role as well as the learner's
+        (
+            "land_and_reserve",
+            lambda: conn.execute("SELECT * FROM rl_insert_rows('land_and_reserve', %s)", (land,)),
+        ),
+        ("edit_updates", lambda: conn.execute("UPDATE ledger_updates SET status = status")),
         ("edit_rollouts", lambda: conn.execute("UPDATE rollouts SET revision = revision")),
         ("edit_pointer", lambda: conn.execute("DELETE FROM registry_pointer")),
         ("edit_events", lambda: conn.execute("TRUNCATE events")),

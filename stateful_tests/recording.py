@@ -18,6 +18,7 @@ from typing import Any, TypeVar, cast
 import attrs
 
 from rollout_lifecycle.model.events import TraceEvent
+from rollout_lifecycle.model.ledger import Ledger
 from rollout_lifecycle.model.machines import ACTIVATION, LIFECYCLE, MachineSpec
 from rollout_lifecycle.model.records import ActivePointer, ArtifactRecord, LedgerEntry
 from rollout_lifecycle.model.registry import RegistryStore
@@ -140,12 +141,25 @@ def world_of(
     artifacts: Iterable[ArtifactRecord] | None = None,
     pointer: ActivePointer | None = None,
     registry: RegistryStore | None = None,
+    ledger: Ledger | None = None,
 ) -> World:
     """A spec World from a ledger snapshot and (optionally) the registry's records; with
-    `registry`, its durable worker set, stored worker reports and attempt tokens too."""
+    `registry`, its durable worker set, stored worker reports and attempt tokens too; with
+    `ledger`, its update records."""
     arts = None if artifacts is None else {a.version: a for a in artifacts}
+    updates = {} if ledger is None else dict(ledger.updates())
+    # a world read from stores has no history to derive these from: the records say them
+    landed = frozenset(u for u, r in updates.items() if r.status == "landed")
+    poisoned = frozenset(u for u, r in updates.items() if r.status == "poisoned")
     if registry is None:
-        return World(entries=dict(entries), artifacts=arts, pointer=pointer)
+        return World(
+            entries=dict(entries),
+            artifacts=arts,
+            pointer=pointer,
+            updates=updates,
+            landed=landed,
+            poisoned=poisoned,
+        )
     return World(
         entries=dict(entries),
         artifacts=arts,
@@ -154,6 +168,9 @@ def world_of(
         workers=registry.workers(),
         policy=registry.policy(),
         tokens={(t.version, t.worker_id): t for t in registry.attempt_tokens()},
+        updates=updates,
+        landed=landed,
+        poisoned=poisoned,
     )
 
 

@@ -263,7 +263,7 @@ class SeamsMachine(RuleBasedStateMachine):
             )
         b = self.backends[0]
         world = world_of(
-            b.ledger.snapshot(), b.registry.artifacts(), b.registry.pointer(), b.registry
+            b.ledger.snapshot(), b.registry.artifacts(), b.registry.pointer(), b.registry, b.ledger
         )
         raise_violations(rec, "stores", check_snapshot(rec, world))
         if self.checker.world != world:

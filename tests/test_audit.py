@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from rollout_lifecycle.cli.main import cli
 from rollout_lifecycle.model.backends import Backend, open_backend
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
+from rollout_lifecycle.model.errors import HistoryTampered
 from rollout_lifecycle.model.events import (
     GENESIS,
     EntryChanged,
@@ -307,8 +308,9 @@ def test_deleted_run_of_events_is_flagged(store: Store) -> None:
     got = found(store.audit())
     assert set(got) == {"history_deleted", "stored_matches_trace"}, got
     assert [seq for seq, _ in got["history_deleted"]] == [after]
-    assert got["stored_matches_trace"] == [
-        (None, "r2: stored (rewarded) but no trace event wrote it")
+    assert sorted(m for _, m in got["stored_matches_trace"]) == [
+        "ledger counter writes: stored 13, the history records 10",  # the three writes gone
+        "r2: stored (rewarded) but no trace event wrote it",
     ]
 
 
@@ -374,74 +376,431 @@ def test_reordered_events_are_flagged(store: Store) -> None:
 
 
 def test_truncated_history_is_flagged(store: Store) -> None:
-    """The last two events (u1's commit) cut off: the head names what is missing."""
+    """The last three events (u1's commit: its two rollouts and the update landing) cut off:
+    the head names what is missing."""
     seqs = [int(s) for s, *_ in store.event_rows()]
-    _drop(store, seqs[-2:])
+    _drop(store, seqs[-3:])
     got = found(store.audit())
     assert "history_truncated" in got, got
     ((seq, msg),) = got["history_truncated"]
-    assert seq == seqs[-3] and f"names event #{seqs[-1]}" in msg, msg
-    # the rows still say consumed, the shortened history says reserved
-    assert len(got["stored_matches_trace"]) == 2
+    assert seq == seqs[-4] and f"names event #{seqs[-1]}" in msg, msg
+    # the rows still say consumed, the shortened history says reserved; the update's record
+    # says landed, its history open; the counters counted the two writes cut off
+    msgs = sorted(m for _, m in got["stored_matches_trace"])
+    assert [m[:3] for m in msgs] == ["led", "r0:", "r1:", "upd"], msgs
+    assert msgs[0] == "ledger counter writes: stored 13, the history records 11"
 
 
-def test_deleted_head_is_flagged(store: Store) -> None:
-    """The head deleted (so a cut-off tail would go unseen): named, and the next write
-    restarts the chain, which names the break instead of refusing to write."""
+def test_deleted_head_is_flagged_and_no_writer_chains_on(store: Store) -> None:
+    """The head deleted (so a cut-off tail would go unseen): named as a missing chain, and
+    the next write is refused (HistoryTampered naming `ledger check`) instead of starting
+    the chain again over the edited history; nothing is written."""
     if store.kind == "memory":
         pytest.skip("the memory log keeps its head beside the events, not in a table")
     store.sql("DELETE FROM events_chain")
     got = found(store.audit())
-    assert set(got) == {"history_truncated"}, got
-    assert "head is missing" in got["history_truncated"][0][1]
-    store.backend.ledger.add(LedgerEntry(rollout_id="r9", behavior_version=0, artifact_hash=H0))
-    got = found(store.audit())
-    assert "history_deleted" in got, got  # chained to GENESIS again, right after the break
+    assert "head is missing" in got.pop("history_missing")[0][1]
+    if store.kind == "sqlite":  # the counters are columns of SQLite's head: gone with it
+        assert all(m.startswith("ledger counter ") for _, m in got.pop("stored_matches_trace"))
+    assert got == {}
+    n = len(store.event_rows())
+    with pytest.raises(HistoryTampered, match=r"has no head.*ledger check --backend"):
+        store.backend.ledger.add(LedgerEntry(rollout_id="r9", behavior_version=0, artifact_hash=H0))
+    assert len(store.event_rows()) == n and store.backend.ledger.find("r9") is None
 
 
 # ---- databases from before the chain ------------------------------------------------------
 
 
 def _unchain(store: Store) -> None:
-    """Make the store look like one written before the chain existed."""
+    """Make the store look like one written before the chain existed: no chain, no seal,
+    no recorded rows, schema versions of a program before the chain (ledger 1; no registry
+    row: a writer creates it afresh). Every one of these is an edit a check alone cannot
+    tell from the real thing: only an anchor can (test_a_forged_old_store_needs_an_anchor)."""
+    store.sql(
+        "DELETE FROM events WHERE kind = 'row'",
+        "DELETE FROM schema_meta WHERE component <> 'ledger'",
+        "UPDATE schema_meta SET version = 1",
+    )
     if store.kind == "sqlite":
         store.sql(
             "ALTER TABLE events DROP COLUMN prev_hash",
             "ALTER TABLE events DROP COLUMN hash",
             "DROP TABLE events_chain",
+            # ledger schema 1 kept the counters in a table of their own
+            "CREATE TABLE ledger_counters (name TEXT PRIMARY KEY, n INTEGER NOT NULL)",
+            "INSERT INTO ledger_counters VALUES ('writes', 13), ('reservations', 2), "
+            "('commits', 1)",
         )
     else:
         store.sql(
             "ALTER TABLE events DROP COLUMN prev_hash, DROP COLUMN hash",
             "DROP TABLE events_chain",
             "DROP FUNCTION events_chain_link(bytea, bytea[])",
+            "DROP FUNCTION events_chain_prev()",
         )
 
 
-def test_events_from_before_the_chain_are_an_unchained_prefix(store: Store) -> None:
-    """Read-only, an old store has no chain (not a violation); the first writer migrates it,
-    the chain starts after the old events, and deleting one of those is still seen."""
-    if store.kind == "memory":
-        pytest.skip("a memory store is never older than the program holding it")
-    old = len(store.event_rows())
+def _whole_store(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Store:
+    """The deployment of `build`, its entry events stored whole (as before events held only
+    what changed, which only chaining programs write)."""
+    url = (
+        f"sqlite:///{tmp_path / 'old.db'}"
+        if kind == "sqlite"
+        else with_schema(postgres_url(), fresh_schema(postgres_url(), tmp_path))
+    )
+    with monkeypatch.context() as mp:
+        mp.setattr(SqlUnit, "payload", lambda self, ev, txn: _whole(ev, txn))
+        with open_backend(url) as b:
+            build(b)
+    return Store(kind, url, open_backend(url, create=False), tmp_path / "old.db")
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_events_from_before_the_chain_are_an_unchained_prefix(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read-only, a store from before the chain has none (not a violation: nothing says it
+    should); the first writer migrates it, the chain starts after the old events (sealed),
+    and deleting one of those is still seen."""
+    store = _whole_store(kind, tmp_path, monkeypatch)
     store.backend.close()
     _unchain(store)
+    old = len(store.event_rows())
     with open_backend(store.url, create=False) as reader:
         report = audit(reader.stored_rows())
-    assert report.violations == [] and not report.history.has_chain
-    assert report.history.unchained_prefix == old
+    assert report.violations == [] and not report.history.has_chain, report.violations
+    assert report.history.unchained_prefix == old and report.history.required is None
     res = CliRunner().invoke(cli, ["ledger", "check", "--backend", store.url, "--quiet"])
     assert res.exit_code == 0, res.output
     assert f"no hash chain yet ({old} events written before it" in res.stdout
-    with open_backend(store.url) as writer:  # a writer migrates on open
+    with open_backend(store.url) as writer:  # a writer migrates on open, and seals
         writer.ledger.add(LedgerEntry(rollout_id="new", behavior_version=0, artifact_hash=H0))
         report = audit(writer.stored_rows())
     assert report.violations == [], [str(v) for v in report.violations]
-    assert (report.history.unchained_prefix, report.history.chained) == (old, 1)
-    store.sql("DELETE FROM events WHERE seq = 1")
+    assert report.history.unchained_prefix == old and report.history.chained > 1
+    assert report.store.not_compared == {}
+    store.sql("DELETE FROM events WHERE seq = (SELECT MIN(seq) FROM events)")
     with open_backend(store.url, create=False) as reader:
         got = found(audit(reader.stored_rows()))
     assert "history_unchained" in got, got
+
+
+# ---- tamper evidence that stays on (issue 31 item 7) -----------------------------------------
+
+# Each edit a user with sqlite3 or psql can make without computing a hash, the finding
+# `ledger check` must name, and the backends with that table. Before issue 31, a stripped
+# head (with its hashes) and every bookkeeping edit exited 0; hashes NULLed or added under
+# an intact head were already named.
+TAMPERINGS: dict[str, tuple[tuple[str, ...], str, frozenset[str]]] = {
+    "the head dropped with every hash": (
+        ("DROP TABLE events_chain", "UPDATE events SET hash = NULL, prev_hash = NULL"),
+        "history_missing",
+        frozenset({"sqlite", "postgresql"}),
+    ),
+    "the head row deleted with every hash": (
+        ("DELETE FROM events_chain", "UPDATE events SET hash = NULL, prev_hash = NULL"),
+        "history_missing",
+        frozenset({"sqlite", "postgresql"}),
+    ),
+    "every hash NULLed": (
+        ("UPDATE events SET hash = NULL, prev_hash = NULL",),
+        "history_unchained",
+        frozenset({"sqlite", "postgresql"}),
+    ),
+    "one hash NULLed": (
+        ("UPDATE events SET hash = NULL WHERE seq = (SELECT MIN(seq) + 5 FROM events)",),
+        "history_unchained",
+        frozenset({"sqlite", "postgresql"}),
+    ),
+    "an unchained suffix": (
+        (
+            "INSERT INTO events(seq, txn, kind, subject, payload) SELECT seq + 1, txn + 1, "
+            "kind, subject, payload FROM events WHERE seq = (SELECT MAX(seq) FROM events)",
+        ),
+        "history_unchained",
+        frozenset({"sqlite", "postgresql"}),
+    ),
+    "the host clock's origin moved by 1e6 s": (
+        ("UPDATE host_clock SET origin = origin + 1e6",),
+        "stored_matches_trace",
+        frozenset({"sqlite"}),  # PostgreSQL's clock is the server's: no table
+    ),
+    "a bad-version mark edited": (
+        ("UPDATE ledger_bad_versions SET reason = 'nothing wrong'",),
+        "stored_matches_trace",
+        frozenset({"sqlite", "postgresql"}),
+    ),
+    "a bad-version mark lifted by hand": (
+        ("DELETE FROM ledger_bad_versions",),
+        "stored_matches_trace",
+        frozenset({"sqlite", "postgresql"}),
+    ),
+    "the writes counter edited": (
+        ("UPDATE events_chain SET writes = writes - 3",),
+        "stored_matches_trace",
+        frozenset({"sqlite"}),
+    ),
+    "the writes counter edited (a shard)": (
+        ("UPDATE ledger_counters SET n = n + 3 WHERE name = 'writes'",),
+        "stored_matches_trace",
+        frozenset({"postgresql"}),
+    ),
+    "a schema version edited": (
+        ("UPDATE schema_meta SET version = 1 WHERE component = 'ledger'",),
+        "stored_matches_trace",
+        frozenset({"sqlite", "postgresql"}),
+    ),
+    "the seal deleted": (
+        ("DELETE FROM schema_meta WHERE component = 'history'",),
+        "stored_matches_trace",
+        frozenset({"sqlite", "postgresql"}),
+    ),
+}
+
+
+def _check(store: Store, *extra: str) -> Any:
+    """`ledger check` of the store, as a user runs it."""
+    return CliRunner().invoke(cli, ["ledger", "check", "--backend", store.url, "--quiet", *extra])
+
+
+@pytest.mark.parametrize("name", sorted(TAMPERINGS))
+def test_every_tampering_of_item_7_is_named_and_exits_1(store: Store, name: str) -> None:
+    """Each edit needs no hash computation; `ledger check` names it and exits 1 (it said
+    "not verified, not a violation" for a stripped chain, and compared none of the
+    bookkeeping tables, before)."""
+    statements, invariant, kinds = TAMPERINGS[name]
+    if store.kind not in kinds:
+        pytest.skip(f"not a table of {store.kind}")
+    store.backend.ledger.quarantine_version(7, "a failed activation")  # a mark to edit
+    assert _check(store).exit_code == 0
+    store.sql(*statements)
+    res = _check(store, "--json")
+    assert res.exit_code == 1, res.output
+    data = json.loads(res.stdout)
+    assert invariant in data["by_invariant"], data["violations"]
+    res = _check(store)
+    assert f"{invariant}: " in res.stdout and "Traceback" not in res.output
+
+
+def test_memory_bookkeeping_is_compared(store: Store) -> None:
+    """Memory where it applies: a bad-version mark and a counter changed behind the
+    ledger's back are named (no table edits there, and no chain to strip)."""
+    if store.kind != "memory":
+        pytest.skip("the SQL stores: test_every_tampering_of_item_7_is_named_and_exits_1")
+    led, _ = _memory_parts(store)
+    led.store.counters["commits"] += 5  # counts calls: a raise is what it cannot tell
+    assert store.audit().violations == []
+    led.store.bad.add(9)
+    led.store.counters["expirations"] += 2
+    led.store.counters["commits"] -= 6  # fewer than the steps that committed: named
+    msgs = sorted(m for _, m in found(store.audit())["stored_matches_trace"])
+    assert msgs == [
+        "bad-version mark of '9': stored {'version': 9} but no trace event wrote it",
+        "ledger counter commits: stored 0, but the history holds 1 steps that committed rollouts",
+        "ledger counter expirations: stored 2, the history records 0",
+    ]
+
+
+def test_every_stored_table_is_verified(store: Store) -> None:
+    """A store using every feature (ledger, registry, policy, membership, attempt tokens, a
+    bad-version mark, the host clock) leaves no table out of `spec.audit.VERIFIED`: a
+    table a new feature adds fails here until it is declared (docs/design.md says how)."""
+    store.backend.ledger.quarantine_version(7, "a failed activation")
+    report = store.audit()
+    assert report.violations == [], [str(v) for v in report.violations]
+    assert report.store.not_compared == {}
+    want = {"rollouts", "registry_artifacts", "registry_policy", "ledger_bad_versions"}
+    want |= {"ledger_counters", "registry_attempt_tokens", "registry_workers"}
+    if store.kind != "memory":
+        want |= {"schema_meta"}
+    if store.kind == "sqlite":
+        want |= {"host_clock"}
+    if store.kind == "postgresql":
+        want |= {"commit_marks"}
+    assert want <= set(report.store.compared), report.store.compared
+
+
+def test_a_lease_clock_edit_is_refused_by_the_next_writer(store: Store) -> None:
+    """The host clock's origin moved by +1e6 s would make the next janitor expire every
+    live lease: the next writer to open the file checks the row against the event that
+    recorded it and refuses (and `ledger check` names it, above)."""
+    if store.kind != "sqlite":
+        pytest.skip("the host clock is SQLite's (PostgreSQL uses the server's clock)")
+    store.backend.close()
+    store.sql("UPDATE host_clock SET origin = origin + 1e6")
+    with pytest.raises(HistoryTampered, match="records the host_clock row"):
+        open_backend(store.url)
+    store.backend = open_backend(store.url, create=False)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        ("DROP TABLE events_chain", "UPDATE events SET hash = NULL, prev_hash = NULL"),
+        ("UPDATE events SET hash = NULL, prev_hash = NULL",),
+        ("UPDATE events SET hash = NULL WHERE seq = (SELECT MAX(seq) FROM events)",),
+        ("DELETE FROM events WHERE seq = (SELECT MAX(seq) FROM events)",),
+    ],
+    ids=["head-and-hashes", "hashes", "last-hash", "last-event"],
+)
+def test_no_writer_extends_a_stripped_chain(store: Store, edit: tuple[str, ...]) -> None:
+    """A stripped or cut chain is never extended: a writer already open refuses its next
+    write, a writer opening the store refuses to open it (HistoryTampered, naming `ledger
+    check`), and nothing is written either way; the store stays as evidence."""
+    if store.kind == "memory":
+        pytest.skip("nothing outside the process can edit a memory store")
+    store.sql(*edit)
+    before = store.event_rows()
+    entry = LedgerEntry(rollout_id="r9", behavior_version=0, artifact_hash=H0)
+    with pytest.raises(HistoryTampered, match="ledger check --backend"):
+        store.backend.ledger.add(entry)
+    store.backend.close()
+    with pytest.raises(HistoryTampered, match="ledger check --backend"):
+        open_backend(store.url)
+    store.backend = open_backend(store.url, create=False)
+    assert store.event_rows() == before and store.backend.ledger.find("r9") is None
+
+
+def _rechain_sql(store: Store) -> None:
+    """Recompute every stored hash and the head from the rows as they now are: what a
+    forger who knows the formula does after an edit (a script, not a hand edit)."""
+    rows = store.sql("SELECT seq, txn, kind, subject, payload FROM events ORDER BY seq")
+    prev = GENESIS
+    for seq, txn, kind, subject, payload in rows:
+        h = chain_hash(prev, int(seq), int(txn), kind, subject, payload)
+        store.sql("UPDATE events SET prev_hash = ?, hash = ? WHERE seq = ?", args=(prev, h, seq))
+        prev = h
+    store.sql("UPDATE events_chain SET last_hash = ?, last_seq = ?", args=(prev, rows[-1][0]))
+
+
+def test_a_rewritten_chain_is_caught_by_an_older_anchor(store: Store, tmp_path: Path) -> None:
+    """The operator anchors the head; a forger then erases consumed rollout r0 (its row and
+    every event of it) and recomputes every hash and the head. The store alone is
+    consistent (`ledger check` exits 0: the limit of a keyless chain), and r0 could be
+    trained again; with the anchor, check exits 1 naming it."""
+    if store.kind == "memory":
+        pytest.skip("nothing outside the process can edit a memory store")
+    anchors = tmp_path / "anchors.jsonl"
+    res = CliRunner().invoke(
+        cli, ["ledger", "anchor", "--backend", store.url, "--to", str(anchors), "--quiet"]
+    )
+    assert res.exit_code == 0, res.output
+    assert _check(store, "--anchor", str(anchors)).exit_code == 0
+    writes = len([r for r in store.event_rows() if r[1] == "entry" and r[2] == "r0"])
+    store.sql(
+        "DELETE FROM events WHERE kind = 'entry' AND subject = 'r0'",
+        "DELETE FROM rollouts WHERE rollout_id = 'r0'",
+    )
+    if store.kind == "sqlite":
+        store.sql(f"UPDATE events_chain SET writes = writes - {writes}, reservations = 1")
+    else:
+        store.sql(
+            "DELETE FROM ledger_counters WHERE name IN ('writes', 'reservations')",
+            "INSERT INTO ledger_counters(name, shard, n) SELECT 'writes', 0, "
+            "(SELECT COUNT(*) FROM events WHERE kind = 'entry')",
+            "INSERT INTO ledger_counters(name, shard, n) VALUES ('reservations', 0, 1)",
+        )
+    _rechain_sql(store)
+    res = _check(store)
+    assert res.exit_code == 0, res.output  # what no check of the store alone can see
+    res = _check(store, "--anchor", str(anchors), "--json")
+    assert res.exit_code == 1, res.output
+    data = json.loads(res.stdout)
+    assert set(data["by_invariant"]) == {"history_anchor"}, data["violations"]
+    assert data["violations"][0]["message"].startswith("anchor #1 (event #")
+    assert "rewritten since it was anchored" in data["violations"][0]["message"]
+    assert data["history"]["anchors_checked"] == 1
+
+
+def test_an_anchor_vouches_only_up_to_its_seq(store: Store, tmp_path: Path) -> None:
+    """What an anchor cannot stop: events written after it, then rewritten with the chain
+    and head recomputed, pass a check against it (anchor often)."""
+    if store.kind == "memory":
+        pytest.skip("nothing outside the process can edit a memory store")
+    anchors = tmp_path / "anchors.jsonl"
+    args = ["ledger", "anchor", "--backend", store.url, "--to", str(anchors), "--quiet"]
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    store.backend.ledger.add(LedgerEntry(rollout_id="late", behavior_version=0, artifact_hash=H0))
+    store.sql(
+        "UPDATE events SET payload = replace(payload, '\"late\"', '\"gone\"') "
+        "WHERE seq = (SELECT MAX(seq) FROM events)",
+        "UPDATE rollouts SET rollout_id = 'gone', entry = replace(entry, '\"late\"', '\"gone\"') "
+        "WHERE rollout_id = 'late'",
+    )
+    _rechain_sql(store)
+    assert _check(store, "--anchor", str(anchors)).exit_code == 0
+
+
+def test_a_forged_old_store_needs_an_anchor(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What tamper evidence cannot stop without an anchor: a store rewritten into the shape
+    of one from before the chain (no hashes, no head, no seal, no recorded rows, old schema
+    versions, whole payloads) is what a genuine old store looks like; the anchor taken
+    before tells them apart."""
+    if store.kind == "memory":
+        pytest.skip("nothing outside the process can edit a memory store")
+    old = _whole_store(store.kind, tmp_path, monkeypatch)
+    anchors = tmp_path / "anchors.jsonl"
+    args = ["ledger", "anchor", "--backend", old.url, "--to", str(anchors), "--quiet"]
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    old.backend.close()
+    _unchain(old)
+    assert _check(old).exit_code == 0
+    res = _check(old, "--anchor", str(anchors))
+    assert res.exit_code == 1 and "history_anchor: anchor #1" in res.stdout, res.output
+    assert "the store has no hash chain" in res.stdout
+
+
+def test_anchor_file_usage_errors(store: Store, tmp_path: Path) -> None:
+    """A missing, empty or garbled anchor file is a usage error (exit 2), never a pass; a
+    garbled file is left as it was by `ledger anchor`."""
+    if store.kind == "memory":
+        pytest.skip("one backend is enough for the file's handling")
+    missing = tmp_path / "nope.jsonl"
+    res = _check(store, "--anchor", str(missing))
+    assert res.exit_code == 2 and "does not exist" in res.output
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert _check(store, "--anchor", str(empty)).exit_code == 2
+    garbled = tmp_path / "garbled.jsonl"
+    garbled.write_text('{"seq": 3, "hash": "zz"}\n')
+    res = _check(store, "--anchor", str(garbled))
+    assert res.exit_code == 2 and "line 1 is not an anchor" in res.output
+    res = CliRunner().invoke(
+        cli, ["ledger", "anchor", "--backend", store.url, "--to", str(garbled), "--quiet"]
+    )
+    assert res.exit_code == 2 and garbled.read_text() == '{"seq": 3, "hash": "zz"}\n'
+    res = CliRunner().invoke(
+        cli,
+        ["ledger", "anchor", "--backend", store.url, "--to", str(tmp_path / "no" / "a.jsonl")],
+    )
+    assert res.exit_code == 2 and "does not exist" in res.output
+
+
+def test_anchor_appends_and_refuses_a_broken_chain(store: Store, tmp_path: Path) -> None:
+    """Each anchor adds one line (the file rewritten whole), the check passes through every
+    one; a chain with a finding is not anchored (exit 1, the file unchanged)."""
+    if store.kind == "memory":
+        pytest.skip("a memory store has no second process to anchor it")
+    anchors = tmp_path / "anchors.jsonl"
+    args = ["ledger", "anchor", "--backend", store.url, "--to", str(anchors), "--json"]
+    first = json.loads(CliRunner().invoke(cli, args).stdout)
+    store.backend.ledger.add(LedgerEntry(rollout_id="r7", behavior_version=0, artifact_hash=H0))
+    second = json.loads(CliRunner().invoke(cli, args).stdout)
+    assert (first["anchors"], second["anchors"]) == (1, 2) and second["seq"] > first["seq"]
+    lines = [json.loads(x) for x in anchors.read_text().splitlines()]
+    assert [(x["seq"], x["hash"]) for x in lines] == [
+        (first["seq"], first["hash"]),
+        (second["seq"], second["hash"]),
+    ]
+    assert _check(store, "--anchor", str(anchors)).exit_code == 0
+    store.sql("UPDATE events SET payload = payload || ' ' WHERE seq = 3")
+    text = anchors.read_text()
+    res = CliRunner().invoke(cli, args[:-1])
+    assert res.exit_code == 1 and "nothing anchored" in res.output
+    assert anchors.read_text() == text
 
 
 # ---- the command -------------------------------------------------------------------------
@@ -460,8 +819,12 @@ def test_ledger_check_names_findings_and_exits_1(tmp_path: Path) -> None:
     data = json.loads(res.stdout)
     assert data["history"]["has_chain"] and data["history"]["unchained_prefix"] == 0
     assert data["history"]["chained_events"] == data["events"]
-    assert "ledger_bad_versions" in data["not_compared"]
+    assert data["not_compared"] == {}  # every stored table is verified (spec.audit.VERIFIED)
+    assert {"ledger_bad_versions", "host_clock", "schema_meta"} <= set(data["compared"])
+    assert data["history"]["head_seq"] == data["events"]
+    assert len(data["history"]["head_hash"]) == 64
     assert "history_deleted" in data["checked"] and "stored_matches_trace" in data["checked"]
+    assert "history_anchor" not in data["checked"]  # only with --anchor
     conn = sqlite3.connect(path)
     conn.execute("UPDATE rollouts SET state = 'rewarded' WHERE rollout_id = 'r0'")
     conn.execute("DELETE FROM events WHERE kind = 'entry' AND subject = 'r2'")
@@ -474,7 +837,7 @@ def test_ledger_check_names_findings_and_exits_1(tmp_path: Path) -> None:
     assert res.exception is None or isinstance(res.exception, SystemExit)
     for name in ("history_deleted", "history_edited", "history_unreadable", "stored_matches_trace"):
         assert f"{name}: " in res.stdout, res.stdout
-    assert "history: " in res.stdout and "not compared: " in res.stdout
+    assert "history: " in res.stdout and "head: seq " in res.stdout
 
 
 def test_audit_pauses_the_collector_and_restores_it(store: Store) -> None:
@@ -628,7 +991,7 @@ def test_a_store_written_whole_then_by_changes_audits_clean(
         if k == "entry" and s == "r5"
     ]
     assert kinds == [(True, False)] * 3 + [(False, True)] * 2
-    assert store.sql("SELECT version FROM schema_meta WHERE component = 'ledger'") == [(2,)]
+    assert store.sql("SELECT version FROM schema_meta WHERE component = 'ledger'") == [(3,)]
 
 
 def _edited(store: Store, edit: Any) -> AuditReport:

@@ -6,10 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from rollout_lifecycle.cli.campaign_cmd import README_SEED
 from rollout_lifecycle.cli.main import cli
+from tests.test_report_schemas import validate
+
+# a known-long module: a larger limit than the suite's default (pyproject.toml)
+pytestmark = pytest.mark.timeout(1800)
 
 
 def test_campaign_fuzz_covers_everything(tmp_path: Path) -> None:
@@ -20,6 +25,8 @@ def test_campaign_fuzz_covers_everything(tmp_path: Path) -> None:
         [
             "campaign",
             "--no-explore",
+            "--stage",
+            "none",
             "--backend",
             "memory",
             "--seed",
@@ -58,6 +65,8 @@ def test_campaign_explore_subset(tmp_path: Path) -> None:
             "5",
             "--model",
             "activation-2v",
+            "--stage",
+            "none",
             "--out",
             str(out),
             "--quiet",
@@ -126,3 +135,71 @@ def test_budget_hints_name_the_examples_that_reach_a_goal() -> None:
     # fuzz goal: the hint names its example
     edge = next(g for g in load_first_reached()["first_reached"] if g.startswith("lifecycle: "))
     assert "--examples" in budget_hints([edge])[edge]
+
+
+def test_campaign_stages_report_and_say_where_they_do_not_run(tmp_path: Path) -> None:
+    """A PostgreSQL stage asked for on memory is skipped saying so; the report lists the
+    stages that ran (here none) under "stages"."""
+    out = tmp_path / "camp"
+    res = CliRunner().invoke(
+        cli,
+        [
+            "campaign",
+            "--no-explore",
+            "--backend",
+            "memory",
+            "--examples",
+            "1",
+            "--stage",
+            "clock-skew",
+            "--stage",
+            "premise-window",
+            "--out",
+            str(out),
+            "--report",
+            str(tmp_path / "summary.json"),
+        ],
+    )
+    assert res.exit_code in (0, 5), res.output
+    assert "clock-skew stage skipped" in res.output and "postgresql" in res.output
+    assert "premise-window stage skipped" in res.output
+    assert json.loads((tmp_path / "summary.json").read_text())["stages"] == []
+
+
+def test_campaign_on_sqlite_runs_the_interleavings_and_checks_the_race_history(
+    tmp_path: Path,
+) -> None:
+    """On a durable backend the campaign scripts the two-connection gaps (every answer
+    right) and checks the race's whole recorded history for linearizability, with its
+    counts in the report (issue 33)."""
+    out = tmp_path / "camp"
+    res = CliRunner().invoke(
+        cli,
+        [
+            "campaign",
+            "--no-explore",
+            "--backend",
+            "sqlite",
+            "--examples",
+            "1",
+            "--race-seconds",
+            "2",
+            "--stage",
+            "none",
+            "--out",
+            str(out),
+            "--report",
+            str(tmp_path / "summary.json"),
+            "--quiet",
+        ],
+    )
+    assert res.exit_code in (0, 5), res.output  # 1 example misses goals, violates nothing
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    validate(summary)  # the campaign report's schema, the race's inside it
+    assert summary["violations"] == 0
+    assert summary["interleavings"] and not any(summary["interleavings"].values())
+    lin = summary["race"]["linearizability"]
+    assert lin["verdict"] == "ok" and lin["calls"] > 0 and lin["partitions"] > 0, lin
+    assert lin["max_partition"] > 0 and lin["seconds"] >= 0
+    assert (out / "race" / "history.jsonl").exists()
+    assert "linearizability: ok" in res.output

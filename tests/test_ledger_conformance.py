@@ -24,6 +24,7 @@ from rollout_lifecycle.model.errors import (
     LedgerError,
     RevisionConflict,
     UnknownRollout,
+    UpdatePoisoned,
 )
 from rollout_lifecycle.model.events import EntryChanged
 from rollout_lifecycle.model.ledger import (
@@ -35,7 +36,7 @@ from rollout_lifecycle.model.ledger import (
     ReserveRequest,
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
-from rollout_lifecycle.model.records import AdmissionStamp, Disposition, LedgerEntry
+from rollout_lifecycle.model.records import AdmissionStamp, Disposition, LedgerEntry, UpdateRecord
 from tests.helpers_ledger import (
     HASH,
     REWARD,
@@ -431,19 +432,29 @@ def test_reserve_batch_refuses_duplicate_ids(ledger: Ledger) -> None:
     ids=["subset", "superset", "duplicate", "other-update", "unknown", "empty"],
 )
 def test_commit_must_name_exactly_what_was_reserved(ledger: Ledger, listed: list[str]) -> None:
-    """Any set other than exactly the update's reservations raises CommitMismatch, unchanged."""
+    """Any set other than exactly the update's reservations raises CommitMismatch, entries
+    unchanged; the refused commit poisons the update, so even the exact set is refused
+    afterwards (UpdatePoisoned) and abort returns its rollouts. Another update commits."""
     add_rewarded(ledger, ["a", "b", "c", "d"])
     ledger.reserve_batch("u", [ReserveRequest(r, 0, stamp()) for r in ("a", "b", "c")])
     ledger.reserve("d", 0, "v", stamp())
+    assert ledger.update("u") == UpdateRecord("u", "open")
     frozen = Frozen(ledger)
     with pytest.raises(CommitMismatch):
         ledger.commit("u", listed)
     frozen.assert_unchanged()
     assert ledger.statistics().commits == 0
-    done = ledger.commit("u", ["c", "a", "b"])
-    assert [e.rollout_id for e in done] == ["a", "b", "c"]
-    assert all(e.state == "consumed" and e.reserved_by is None and e.revision == 2 for e in done)
-    assert ledger.reserved_by("u") == [] and ledger.get("d").reserved_by == "v"
+    poisoned = ledger.update("u")
+    assert poisoned is not None and poisoned.status == "poisoned"
+    assert poisoned.cause == "commit_mismatch"
+    with pytest.raises(UpdatePoisoned, match="poisoned"):
+        ledger.commit("u", ["c", "a", "b"])
+    frozen.assert_unchanged()
+    assert ledger.update("u") == poisoned  # the first cause stands
+    assert [e.rollout_id for e in ledger.abort("u")] == ["a", "b", "c"]
+    done = ledger.commit("v", ["d"])
+    assert [e.state for e in done] == ["consumed"]
+    assert ledger.update("v") == UpdateRecord("v", "landed")
     assert ledger.statistics().commits == 1
 
 

@@ -18,6 +18,9 @@ from rollout_lifecycle.stateful_tests.mutants import BY_NAME, CATALOGUE, Mutant
 from rollout_lifecycle.stateful_tests.mutation import campaign_kill, checker_verdicts, fuzz_kill
 from rollout_lifecycle.stateful_tests.runner import README_SEED
 
+# a known-long module: a larger limit than the suite's default (pyproject.toml)
+pytestmark = pytest.mark.timeout(1800)
+
 
 def test_catalogue_has_at_least_twelve_distinct_mutants() -> None:
     """The issue asks for at least 12 realistic protocol mutants, each named once."""
@@ -72,6 +75,26 @@ def test_campaign_kills_checker_rule_and_adapter_mutants(name: str, tmp_path: Pa
     kill = campaign_kill(BY_NAME[name], workdir=tmp_path)
     assert kill.killed, kill.detail
     assert kill.detail.split(":")[0] in ("checkers", "adapter"), kill.detail
+
+
+def test_campaign_kills_the_stale_row_refusal_with_its_scripted_interleavings(
+    tmp_path: Path,
+) -> None:
+    """Issue 33's bug brought back: the campaign's scripted interleavings of two
+    connections kill it, before any race (a random schedule hits that gap rarely)."""
+    kill = campaign_kill(BY_NAME["stale_row_refusal"], workdir=tmp_path)
+    assert kill.killed, kill.detail
+    assert kill.detail.startswith("interleavings"), kill.detail
+
+
+def test_campaign_checker_stage_kills_the_head_compared_by_seq_only(tmp_path: Path) -> None:
+    """Issue 37's chain-head class: an audit that compares the head by seq only passes every
+    tampering that changes the sequence; the campaign's checker stage kills it with the
+    generators that keep the sequence (an event replaced in place, the chain recomputed)."""
+    kill = campaign_kill(BY_NAME["audit_head_by_seq_only"], workdir=tmp_path)
+    assert kill.killed, kill.detail
+    assert kill.detail.startswith("checkers: audit: bad input"), kill.detail
+    assert "replaced in place" in kill.detail and "history_rewritten" in kill.detail
 
 
 def test_postgres_mutant_needs_a_server_and_is_not_counted_without_one(tmp_path: Path) -> None:
@@ -139,6 +162,8 @@ def test_mutant_patches_code_and_leaves_it_as_it_found_it(mutant: Mutant) -> Non
     behind as the subclass's own copy, shadowing any later patch of the base class)."""
     if mutant.backend == "postgresql":
         pytest.importorskip("psycopg")
+    if mutant.needs is not None:
+        pytest.importorskip(mutant.needs)
     first = _project_bindings()
     with mutant():
         pass  # imports what the mutant patches (and what those modules import)
@@ -187,3 +212,79 @@ def test_budget_mutant_only_crashes_the_paced_history_builder() -> None:
     assert checked.failures
     verdicts, crashes = checker_verdicts(checked.failures)
     assert verdicts == [] and len(crashes) == len(checked.failures)
+
+
+# ---- issue 37: each class the campaign could not see, killed by a named stage ---------------
+
+ISSUE_37 = {
+    # mutant: (the stage of the README campaign that kills it, on the mutant's backend)
+    "memory_renewal_forgets_deadline": "fuzz ledger",
+    "rollback_recorded_as_kept": "fuzz activation",
+    "served_check_ignores_incarnation": "checkers",
+    "verl_v1_resume_commits_redone_step": "verl-v1",
+    "pg_batch_lease_from_client_clock": "clock-skew",
+    "pg_write_one_drops_premise_lock": "premise-window",
+}
+
+
+def test_issue_37_mutants_are_in_the_catalogue_with_their_class() -> None:
+    """Each class of issue 37 has its mutant, recorded with that class."""
+    klass = {BY_NAME[n].klass for n in ISSUE_37}
+    assert klass == {"integration", "time", "skew", "recorded", "window", "checker"}
+
+
+@pytest.mark.parametrize(
+    "name", [n for n, s in ISSUE_37.items() if BY_NAME[n].backend != "postgresql"]
+)
+def test_campaign_kills_issue_37_mutant_at_its_stage(name: str, tmp_path: Path) -> None:
+    """The README campaign, on the backend where the mutant's code lives, kills it, and the
+    report names the stage that did."""
+    mutant = BY_NAME[name]
+    if mutant.needs is not None:
+        pytest.importorskip(mutant.needs)
+    kill = campaign_kill(mutant, workdir=tmp_path)
+    assert kill.killed, kill.detail
+    assert kill.stage == ISSUE_37[name], kill.detail
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    "name",
+    [
+        *(n for n, s in ISSUE_37.items() if BY_NAME[n].backend == "postgresql"),
+        "pg_reserve_skips_premise_lock",
+    ],
+)
+def test_campaign_kills_postgres_issue_37_mutant_every_time(
+    name: str, tmp_path: Path, postgres_url: str
+) -> None:
+    """On PostgreSQL the skewed clients and the held-open premise window kill their mutants
+    deterministically (the window race needs no luck: a dropped premise lock is caught by
+    the stage even where the timed race misses it)."""
+    kill = campaign_kill(BY_NAME[name], workdir=tmp_path, postgres_url=postgres_url)
+    assert kill.killed, kill.detail
+    # the scripted interleavings (issue 33) run before these stages and may kill it first
+    assert kill.stage in (ISSUE_37.get(name, "premise-window"), "interleavings", "race"), (
+        kill.detail
+    )
+
+
+def test_a_mutant_whose_extra_is_missing_is_not_reached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mutant of code behind an extra that is not installed is n/a, never a kill."""
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    kill = campaign_kill(BY_NAME["verl_v1_resume_commits_redone_step"], workdir=Path("."))
+    assert kill.killed is None and "transfer_queue" in kill.detail
+
+
+def test_killed_by_stage_is_in_the_report() -> None:
+    """A result's JSON names the class and the campaign stage that killed the mutant."""
+    from rollout_lifecycle.stateful_tests.mutation import Kill, MutantResult
+
+    killed = Kill("campaign", True, 3, "examples", 1.0, "fuzz ledger: boom", "fuzz ledger")
+    none = Kill("fuzz", None, None, "examples", 0.0)
+    res = MutantResult("m", "d", None, none, none, killed, "time")
+    data = res.to_json()
+    assert data["class"] == "time" and data["killed_by_stage"] == "fuzz ledger"

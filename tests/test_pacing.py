@@ -9,27 +9,34 @@ import multiprocessing as mp
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 
 from rollout_lifecycle.model.backends import Backend, open_backend
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
-from rollout_lifecycle.model.errors import InvalidLedgerArgument, LedgerError
+from rollout_lifecycle.model.errors import DispatchRefused, InvalidLedgerArgument, LedgerError
 from rollout_lifecycle.model.ledger import MemoryLedger, WriteRefused
 from rollout_lifecycle.model.pacing import (
     ATTEMPTS_EXHAUSTED,
     CHAIN_DONE,
     CHAIN_LIVE,
     DISPATCHED,
+    LIVE_STATES,
     NO_CAPACITY,
     NOT_ACTIVE,
     STALE,
+    identity_chain,
     ks_distance,
     pacing_metrics,
 )
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
+    BehaviorPolicy,
+    GenerationConditions,
     LedgerEntry,
     Reward,
+    Rollout,
+    RolloutIdentity,
     WorkerAck,
 )
 from rollout_lifecycle.model.registry import set_admission_policy
@@ -65,6 +72,19 @@ def entry(rid: str, v: int) -> LedgerEntry:
     return LedgerEntry(rollout_id=rid, behavior_version=v, artifact_hash=H[v])
 
 
+CONDITIONS = GenerationConditions("tok", 1.0, 1.0, -1, 8)
+
+
+def ro(rid: str, v: int, prompt: str) -> Rollout:
+    """A rollout of `prompt` (sample 0 of dataset 'd'): its identity names its chain."""
+    return Rollout(RolloutIdentity(rid, prompt, "d", 0), BehaviorPolicy(v, H[v]), CONDITIONS)
+
+
+def key(prompt: str) -> str:
+    """The attempt chain `prompt`'s identity names."""
+    return identity_chain(RolloutIdentity("any", prompt, "d", 0))
+
+
 def to_rewarded(b: Backend, rid: str, tokens: int) -> int:
     b.ledger.transition(rid, "generation_done", 0, tokens=tokens)
     return b.ledger.transition(rid, "reward_ready", 1, reward=REWARD).revision
@@ -76,26 +96,26 @@ def test_budget_chains_and_retirement(kind: str, tmp_path: Path) -> None:
     stale one retired with its cause and its chain requeued, up to max_attempts."""
     with deployment(kind, tmp_path) as (b, coord):
         led = b.ledger
-        got = [led.dispatch(entry(f"r{i}", 0), chain=f"p{i}") for i in range(5)]
+        got = [led.dispatch(ro(f"r{i}", 0, f"p{i}")) for i in range(5)]
         assert [o.reason for o in got] == [DISPATCHED] * 4 + [NO_CAPACITY]
         assert [(o.capacity, o.live) for o in got] == [(4, 0), (3, 1), (2, 2), (1, 3), (0, 4)]
         assert [o.attempt for o in got[:4]] == [1, 1, 1, 1] and got[4].entry is None
         assert led.find("r4") is None  # a refusal writes nothing
-        assert led.dispatch(entry("r0x", 0), chain="p0").reason == CHAIN_LIVE
+        assert led.dispatch(ro("r0x", 0, "p0")).reason == CHAIN_LIVE
         # train p0: it leaves the budget, and its chain is done
         rev = to_rewarded(b, "r0", 5)
         assert led.reserve("r0", rev, "u1", stamp(0, 0)).reserved
         led.commit("u1", ["r0"])
-        assert led.dispatch(entry("r0y", 0), chain="p0").reason == CHAIN_DONE
-        assert led.dispatch(entry("r4", 0), chain="p4").dispatched
+        assert led.dispatch(ro("r0y", 0, "p0")).reason == CHAIN_DONE
+        assert led.dispatch(ro("r4", 0, "p4")).dispatched
         # p1 waits rewarded while the pointer moves two versions on: it is stale
         to_rewarded(b, "r1", 50)
         activate(coord, 1)
         assert [e.rollout_id for e in led.oldest_admissible(10)] == ["r1"]
         activate(coord, 2)
         assert led.oldest_admissible(10) == []
-        assert led.dispatch(entry("old", 0), chain="p9").reason == STALE
-        assert led.dispatch(entry("new", 3), chain="p9").reason == NOT_ACTIVE
+        assert led.dispatch(ro("old", 0, "p9")).reason == STALE
+        assert led.dispatch(ro("new", 3, "p9")).reason == NOT_ACTIVE
         retired = led.retire_stale()
         assert [e.rollout_id for e in retired] == ["r1"]
         d = retired[0].disposition
@@ -103,11 +123,11 @@ def test_budget_chains_and_retirement(kind: str, tmp_path: Path) -> None:
         assert (d.stage, d.cause) == ("admission", "stale") and "lag 2 > max_lag 1" in d.detail
         assert led.retire_stale() == []
         # the requeue: p1's second attempt, then the bound
-        again = led.dispatch(entry("r1b", 2), chain="p1")
+        again = led.dispatch(ro("r1b", 2, "p1"))
         assert again.dispatched and again.attempt == 2 and again.entry is not None
-        assert again.entry.chain == "p1" and again.entry.attempt == 2
+        assert again.entry.chain == key("p1") and again.entry.attempt == 2
         led.transition("r1b", "generation_failed", 0, tokens=7)
-        assert led.dispatch(entry("r1c", 2), chain="p1").reason == ATTEMPTS_EXHAUSTED
+        assert led.dispatch(ro("r1c", 2, "p1")).reason == ATTEMPTS_EXHAUSTED
         stats = led.statistics().pacing
         assert stats is not None
         assert stats.trained == 1 and stats.trained_lag_max == 0 and stats.max_attempts == 2
@@ -123,14 +143,14 @@ def test_oldest_first(kind: str, tmp_path: Path) -> None:
         led = b.ledger
         set_admission_policy(b.registry, AdmissionPolicy(2, 0.2, 10, 5), "wider")
         for rid, chain in (("z0", "c-z"), ("a0", "c-a")):
-            led.dispatch(entry(rid, 0), chain=chain)
+            led.dispatch(ro(rid, 0, chain))
             to_rewarded(b, rid, 3)
         activate(coord, 1)
-        led.dispatch(entry("m1", 1), chain="c-m")
+        led.dispatch(ro("m1", 1, "c-m"))
         to_rewarded(b, "m1", 3)
-        led.dispatch(entry("k1", 1), chain="c-k")
+        led.dispatch(ro("k1", 1, "c-k"))
         led.transition("k1", "generation_failed", 0)
-        led.dispatch(entry("k2", 1), chain="c-k")
+        led.dispatch(ro("k2", 1, "c-k"))
         to_rewarded(b, "k2", 3)
         order = [e.rollout_id for e in led.oldest_admissible(10)]
         assert order == ["a0", "z0", "k2", "m1"]
@@ -152,7 +172,7 @@ def test_chains_come_only_from_dispatch(kind: str, tmp_path: Path) -> None:
         with pytest.raises(WriteRefused, match="dispatch assigns"):
             led.dispatch(chained, chain="p")
         assert led.find("c") is None
-        led.dispatch(entry("c", 0), chain="p")
+        led.dispatch(ro("c", 0, "p"))
         with pytest.raises(LedgerError, match="tokens"):
             led.transition("c", "generation_done", 0, tokens=-1)
         led.transition("c", "generation_done", 0)
@@ -161,12 +181,80 @@ def test_chains_come_only_from_dispatch(kind: str, tmp_path: Path) -> None:
         assert led.get("c").revision == 1
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_add_counts_on_the_budget(kind: str, tmp_path: Path) -> None:
+    """Issue 31 item 4: with a budget of 4 live rollouts ((1 + 1) x 2), 20 plain adds of
+    fresh prompts leave 4 live; each later one is refused with DispatchRefused naming
+    ledger.dispatch, nothing added (add_many all or nothing); a bare LedgerEntry names no
+    prompt and is refused; each added rollout is its chain's first attempt."""
+    with deployment(kind, tmp_path) as (b, _):
+        led = b.ledger
+        added, refused = 0, []
+        for i in range(20):
+            try:
+                led.add(ro(f"a{i}", 0, f"q{i}"))
+                added += 1
+            except DispatchRefused as exc:
+                refused.append(exc.reason)
+                assert "ledger.dispatch(" in str(exc)
+        assert added == 4 and refused == [NO_CAPACITY] * 16
+        live = [e for e in led.snapshot().values() if e.state in LIVE_STATES]
+        assert sorted(e.rollout_id for e in live) == ["a0", "a1", "a2", "a3"]
+        assert {(e.chain, e.attempt) for e in live} == {(key(f"q{i}"), 1) for i in range(4)}
+        assert led.find("a4") is None
+        led.transition("a0", "generation_failed", 0)  # a slot frees up
+        with pytest.raises(DispatchRefused):
+            led.add_many([ro("m0", 0, "m0"), ro("m1", 0, "m1")])
+        assert led.find("m0") is None
+        assert [e.chain for e in led.add_many([ro("m0", 0, "m0")])] == [key("m0")]
+        with pytest.raises(DispatchRefused) as live_chain:
+            led.add(ro("a1b", 0, "q1"))  # q1's attempt is live
+        assert live_chain.value.reason == CHAIN_LIVE
+        with pytest.raises(InvalidLedgerArgument, match="names no prompt"):
+            led.add(entry("bare", 0))
+        rep = check_trace(b.trace())
+        assert rep.ok, rep.violations[:3]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fresh_chain_ids_cannot_reset_max_attempts(kind: str, tmp_path: Path) -> None:
+    """Issue 31 item 4: one prompt dispatched six times, each attempt failing, gets
+    max_attempts (2) attempts: the chain is its identity, and a caller's fresh chain id is
+    refused (InvalidLedgerArgument); an add of the same prompt counts on the same chain.
+    Only the operator's recorded chain_key 'caller' makes the caller's key the chain."""
+    with deployment(kind, tmp_path) as (b, _):
+        led = b.ledger
+        attempts = 0
+        for k in range(6):
+            with pytest.raises(InvalidLedgerArgument, match="chain_key 'identity'"):
+                led.dispatch(ro(f"x{k}", 0, "hard"), chain=f"fresh-{k}")
+            got = led.dispatch(ro(f"x{k}", 0, "hard"))
+            if got.dispatched:
+                attempts += 1
+                led.transition(f"x{k}", "generation_failed", 0)
+            else:
+                assert got.reason == ATTEMPTS_EXHAUSTED
+        assert attempts == PACED.max_attempts == 2
+        assert led.dispatch(ro("x6", 0, "hard"), chain=key("hard")).reason == ATTEMPTS_EXHAUSTED
+        with pytest.raises(DispatchRefused) as exhausted:
+            led.add(ro("x7", 0, "hard"))
+        assert exhausted.value.reason == ATTEMPTS_EXHAUSTED
+        caller = attrs.evolve(PACED, chain_key="caller")
+        set_admission_policy(b.registry, caller, "our generators key prompts themselves")
+        assert led.dispatch(ro("y0", 0, "hard"), chain="fresh").dispatched
+        with pytest.raises(InvalidLedgerArgument, match="names no chain"):
+            led.dispatch(ro("y1", 0, "hard"))
+        rep = check_trace(b.trace())
+        assert rep.ok, rep.violations[:3]
+
+
 def test_without_a_registry_there_is_no_budget() -> None:
     """A ledger on its own knows no pointer or policy: chains still hold, no budget does."""
     led = MemoryLedger()
     outs = [led.dispatch(entry(f"r{i}", 0), chain=f"p{i}") for i in range(50)]
     assert all(o.dispatched and o.capacity is None for o in outs)
     assert led.dispatch(entry("again", 0), chain="p0").reason == CHAIN_LIVE
+    assert led.dispatch(ro("again", 0, "p0")).reason == DISPATCHED  # its identity's chain
 
 
 def test_metrics_and_ks() -> None:
@@ -187,7 +275,7 @@ def _dispatcher(url: str, worker: int, n: int, out: mp.Queue) -> None:  # type: 
         with open_backend(url) as b:
             won = 0
             for i in range(n):
-                o = b.ledger.dispatch(entry(f"w{worker}-{i}", 0), chain=f"c{i % 5}")
+                o = b.ledger.dispatch(ro(f"w{worker}-{i}", 0, f"c{i % 5}"))
                 won += o.dispatched
             out.put(won)
     except BaseException as exc:  # reported, not waited for

@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.slow
+# a known-long module: a larger limit than the suite's default (pyproject.toml)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def run(cmd: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:
@@ -92,6 +93,8 @@ def test_wheel_holds_one_package(wheel: Path) -> None:
     assert tops == {"rollout_lifecycle"}, tops
     for sub in ("model", "spec", "stateful_tests", "gpu_check", "cli"):
         assert f"rollout_lifecycle/{sub}/__init__.py" in names
+    # verl's `+rollout_lifecycle=ledger` config group (docs/verl-v1.md)
+    assert "rollout_lifecycle/gpu_check/verl_config/rollout_lifecycle/ledger.yaml" in names
 
 
 def test_user_model_py_and_cli_do_not_shadow(fresh_env: Path, tmp_path: Path) -> None:

@@ -10,20 +10,28 @@ from rollout_lifecycle.spec.bounds import CI_MODELS, EXPLORER_MODELS
 from rollout_lifecycle.spec.explorer import explore
 from rollout_lifecycle.stateful_tests.mutants import CATALOGUE
 
+# a known-long module: a larger limit than the suite's default (pyproject.toml)
+pytestmark = pytest.mark.timeout(1200)
+
 # pinned like tlaplus/Examples pin TLC's counts: a change here means the model changed.
 # activation-small 26955 -> 43067 and activation-2v 1695 -> 2743 with attempt tokens (issue
 # 17): a stored ack of the current attempt keeps its token, a report of a version no attempt
 # asks for is stored without one, so two stores that used to look alike now differ (with
 # tokens left out of the canonical form the counts are 26958 and 1695 again)
+# issue 31: the ledger models keep the ledger's update records in their states, and a
+# poisoned update (a lost lease, a refused commit) reserves and commits nothing more, which
+# prunes what follows: ledger-small 5116 -> 3340, lifecycle 71545 -> 57597, pacing
+# 5023 -> 2513; seams 32546 -> 33404 (a commit holding a rolled-back version's rollout is
+# refused and its update aborts, where it used to land)
 PINNED = {
-    "ledger-small": 5116,
-    "lifecycle": 71545,  # 22,919 before the heartbeat (renew_lease) action
+    "ledger-small": 3340,
+    "lifecycle": 57597,  # 22,919 before the heartbeat (renew_lease) action
     "activation-small": 43067,
     "activation-2v": 2743,
     # paced dispatch (issue 21): a budget of one live rollout, one chain of at most 2
     # attempts, 3 dispatches; the other models are unchanged by it (no pacing policy)
-    "pacing": 5023,
-    "seams": 32546,  # 13,604 before the operator could roll back between admission and
+    "pacing": 2513,
+    "seams": 33404,  # 13,604 before the operator could roll back between admission and
     # reservation (issue 18); 12,948 before learner 1 lied with a looser-than-policy stamp
 }
 
@@ -36,6 +44,8 @@ def test_correct_model_has_no_violation_and_pinned_count(name: str) -> None:
     assert res.complete and res.ok, [c.property_name for c in res.violations]
     assert res.distinct_states == PINNED[name]
     assert all(w is not None for w in res.sometimes.values()), res.sometimes
+    if name == "lifecycle":  # the heartbeat is followed by time passing its deadline
+        assert model.observed["lease_expired_after_renewal"] > 0
 
 
 def test_activation_explorer_delays_acks_across_retries() -> None:

@@ -120,6 +120,19 @@ def test_ledger_reports(demo_url: str) -> None:
     validate(run_json(["ledger", "check", "--backend", demo_url]))
 
 
+def test_ledger_anchor_reports(demo_url: str, tmp_path: Path) -> None:
+    """ledger anchor and ledger check --anchor print reports that match their schemas."""
+    anchors = tmp_path / "anchors.jsonl"
+    anchored = run_json(["ledger", "anchor", "--backend", demo_url, "--to", str(anchors)])
+    validate(anchored)
+    assert anchored["anchors"] == 1 and len(anchored["hash"]) == 64
+    checked = run_json(["ledger", "check", "--backend", demo_url, "--anchor", str(anchors)])
+    validate(checked)
+    assert checked["history"]["anchors_checked"] == 1
+    assert checked["history"]["head_hash"] == anchored["hash"]
+    assert "history_anchor" in checked["checked"]
+
+
 def test_admit_and_race_reports(tmp_path: Path) -> None:
     """admit's summary and a short race's report match their schemas."""
     inp = tmp_path / "in.jsonl"
@@ -141,20 +154,36 @@ def test_admit_and_race_reports(tmp_path: Path) -> None:
             ]
         )
     )
-    validate(
-        run_json(
-            [
-                "race",
-                "--backend",
-                f"sqlite:///{tmp_path / 'r.db'}",
-                "--seconds",
-                "2",
-                "--learners",
-                "1",
-                "--quiet",
-            ]
-        )
+    history = tmp_path / "history.jsonl"
+    raced = run_json(
+        [
+            "race",
+            "--backend",
+            f"sqlite:///{tmp_path / 'r.db'}",
+            "--seconds",
+            "2",
+            "--learners",
+            "1",
+            "--history",
+            str(history),
+            "--quiet",
+        ]
     )
+    validate(raced)
+    lin = raced["linearizability"]
+    assert lin["verdict"] == "ok" and lin["history"] == str(history), lin
+    # every line of the history it wrote matches the call-history schema
+    (schema,) = [
+        doc
+        for f in SCHEMAS.glob("*.schema.json")
+        if (doc := json.loads(f.read_text()))["$id"] == "urn:rollout-lifecycle:call-history:1"
+    ]
+    check = Draft202012Validator(schema)
+    lines = [json.loads(line) for line in history.read_text().splitlines()]
+    assert lines[0]["schema"] == "rollout-lifecycle/call-history/1"
+    assert len(lines) - 1 == lin["calls"] > 0
+    for line in lines:
+        check.validate(line)
 
 
 def test_version_demo_and_diagram_reports(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from rollout_lifecycle.model.events import (
     MembershipChanged,
     PolicyChanged,
     TraceEvent,
+    UpdateChanged,
     WorkerReported,
 )
 from rollout_lifecycle.model.records import (
@@ -21,6 +22,7 @@ from rollout_lifecycle.model.records import (
     Disposition,
     LedgerEntry,
     Reward,
+    UpdateRecord,
 )
 from rollout_lifecycle.spec.invariants import (
     BY_NAME,
@@ -43,9 +45,11 @@ from rollout_lifecycle.stateful_tests.histories import (
     correct_history,
     flagged,
     forge,
+    hash_mismatch_history,
     is_art,
     is_entry,
     issued,
+    lineage_history,
     reserved_after_rollback,
     restamped,
     served_history,
@@ -264,6 +268,77 @@ def test_lineage_fenced_violation() -> None:
         for e in events
     ]
     assert "lineage_fenced" not in names(consistent)
+
+
+def test_lineage_fenced_poisoned_and_claimed_violations() -> None:
+    """Issue 31: a version naming an update poisoned after it landed (a refused commit),
+    or an update already in another version's lineage, is named; one landed update per
+    version passes; under the recorded opt-out (lineage 'off') neither is judged."""
+    good = lineage_history([("u1",), ("u2",)])
+    assert names(good) == set()
+    assert "lineage_fenced" in names(lineage_history([("u1",)], poison="u1"))
+    assert "lineage_fenced" in names(lineage_history([("u1",), ("u1", "u2")]))
+    off = attrs.evolve(POLICY, lineage="off")
+    is_pol = lambda e: isinstance(e, PolicyChanged)  # noqa: E731
+    twice = tamper(lineage_history([("u1",), ("u1", "u2")]), is_pol, after=off)
+    assert "lineage_fenced" not in names(twice)
+
+
+def test_update_status_follows_violation() -> None:
+    """A lost lease whose holder is not poisoned in the same step, a poisoned update moved
+    back to landed, and a reservation of an update the ledger never recorded are named."""
+    events, _, _ = correct_history()
+    assert any(isinstance(e, UpdateChanged) for e in events)
+    is_poison = lambda e: isinstance(e, UpdateChanged) and e.event == "poison"  # noqa: E731
+    assert "update_status_follows" in names([e for e in events if not is_poison(e)])
+    last = next(e for e in reversed(events) if is_poison(e))
+    assert isinstance(last, UpdateChanged)
+    back = UpdateChanged(999, 999, 0.0, "u3", "land", last.after, UpdateRecord("u3", "landed"))
+    assert "update_status_follows" in names([*events, back])
+    is_open = lambda e: isinstance(e, UpdateChanged) and e.update_id == "u3"  # noqa: E731
+    unrecorded = [e for e in events if not is_open(e)]
+    assert "update_status_follows" in names(unrecorded)
+
+
+def test_poisoned_update_never_lands_violation() -> None:
+    """An update that lost a lease reserving and committing again, and a commit of a
+    rollout of a rolled-back version, are named."""
+    events, _, _ = correct_history()
+    r4 = next(e for e in reversed(events) if isinstance(e, EntryChanged) and e.rollout_id == "r4")
+    held = attrs.evolve(
+        r4.after,
+        state="reserved",
+        revision=r4.after.revision + 1,
+        reserved_by="u3",
+        lease_expires_at=1e3,
+        admission=stamp(0, 0),
+    )
+    done = attrs.evolve(
+        held, state="consumed", revision=held.revision + 1, reserved_by=None, lease_expires_at=None
+    )
+    again = [
+        *events,
+        EntryChanged(998, 998, 0.0, "r4", "reserve", r4.after, held, "u3"),
+        EntryChanged(999, 999, 0.0, "r4", "commit", held, done, "u3"),
+    ]
+    assert "poisoned_update_never_lands" in names(again)
+    late = reserved_after_rollback(kept=False, admission=stamp(1, 0))
+    last = late[-1]
+    assert isinstance(last, EntryChanged)
+    spent = attrs.evolve(
+        last.after,
+        state="consumed",
+        revision=last.after.revision + 1,
+        reserved_by=None,
+        lease_expires_at=None,
+    )
+    commit = EntryChanged(999, 999, 0.0, "late", "commit", last.after, spent, "u9")
+    assert "poisoned_update_never_lands" in names([*late, commit])
+
+
+def test_a_hash_the_version_never_had_is_named() -> None:
+    """Issue 31 item 5: a reservation of a rollout stamped v0 with a hash v0 never had."""
+    assert "reserved_against_current_version" in names(hash_mismatch_history())
 
 
 def test_failures_have_stage_violation() -> None:

@@ -95,16 +95,19 @@ def test_an_old_file_is_migrated_and_audits_clean_after_new_writes(tmp_path: Pat
     assert "events_txn" not in _indexes(path)
     data = _check(path)
     assert data["violations"] == [], data["violations"]
-    # the counters moved into the head's row; the report still lists them as before
-    assert data["not_compared"] == before["not_compared"]
-    assert "ledger_counters" in data["not_compared"]
+    # unsealed, the old file's recorded tables could not be compared; the first writer of
+    # this version sealed it (their rows recorded in the chain), and now every table is
+    # compared, the counters (moved into the head's row) with the recorded writes
+    assert set(before["not_compared"]) == {"host_clock", "ledger_bad_versions", "schema_meta"}
+    assert data["not_compared"] == {}
+    assert {"ledger_counters", "schema_meta"} <= set(data["compared"])
     conn = sqlite3.connect(path)
     versions = dict(conn.execute("SELECT component, version FROM schema_meta").fetchall())
     rows = conn.execute("SELECT seq, txn FROM events WHERE seq > ? ORDER BY seq", (last_seq,))
     new = rows.fetchall()
     head = conn.execute("SELECT last_seq FROM events_chain").fetchone()[0]
     conn.close()
-    assert versions == {"ledger": 2, "registry": 5}
+    assert versions == {"ledger": 2, "registry": 5, "history": 1}  # history: the seal
     assert new[0] == (last_seq + 1, last_txn + 1)
     assert [s for s, _ in new] == list(range(last_seq + 1, last_seq + 1 + len(new)))
     assert all(a[1] <= b[1] for a, b in itertools.pairwise(new))
@@ -123,6 +126,8 @@ def test_a_deleted_tail_before_the_chain_is_not_numbered_again(tmp_path: Path) -
     conn.executescript(
         "DROP TABLE events_chain; UPDATE events SET prev_hash = NULL, hash = NULL;"
         "DELETE FROM events WHERE seq > 20;"
+        # as a program before the chain left it: the chain came with registry schema 3
+        "UPDATE schema_meta SET version = 2 WHERE component = 'registry';"
     )
     conn.close()
     with open_backend(f"sqlite:///{path}") as b:
@@ -130,7 +135,7 @@ def test_a_deleted_tail_before_the_chain_is_not_numbered_again(tmp_path: Path) -
     conn = sqlite3.connect(path)
     seqs = [r[0] for r in conn.execute("SELECT seq FROM events WHERE seq > 20")]
     conn.close()
-    assert seqs == [29]
+    assert seqs[0] == 29 and seqs == list(range(29, 29 + len(seqs)))  # the seal's, then n0's
 
 
 def test_a_new_file_has_the_new_layout(tmp_path: Path) -> None:
@@ -149,7 +154,11 @@ def test_a_new_file_has_the_new_layout(tmp_path: Path) -> None:
     conn.close()
     assert "AUTOINCREMENT" not in sql and "sqlite_sequence" not in tables
     assert "events_txn" not in _indexes(path) and "ledger_counters" not in tables
-    assert txns == [(1, 1), (2, 2)]
+    # the first steps seal the file (its schema rows, the host clock's origin: recorded
+    # in the chain), then the two adds, each a step of its own
+    assert [s for s, _ in txns] == list(range(1, len(txns) + 1))
+    assert all(a[1] <= b[1] for a, b in itertools.pairwise(txns))
+    assert txns[-1][1] == txns[-2][1] + 1
     assert _check(path)["not_compared"] == _check(tmp_path / "x.db")["not_compared"]
 
 

@@ -26,6 +26,7 @@ import rollout_lifecycle.model.ledger as ml
 from rollout_lifecycle.model.errors import LedgerError, RevisionConflict
 from rollout_lifecycle.model.events import EntryChanged
 from rollout_lifecycle.model.ledger import ManualClock, RecoveryRule, ReserveRequest
+from rollout_lifecycle.model.records import UpdateRecord
 from rollout_lifecycle.model.sqlite_ledger import SCHEMA_VERSION, SQLiteLedger
 from tests.helpers_ledger import add_rewarded, drive_to, ids, race_process, race_worker, stamp
 
@@ -306,31 +307,36 @@ def test_lost_cas_in_transition_raises(tmp_path: Path, monkeypatch: pytest.Monke
     other.close()
 
 
-def test_a_single_reservation_is_seven_statements(tmp_path: Path) -> None:
-    """The read outside the step, then one transaction: the registry probe and the events'
-    next txn/seq/head in ONE statement, the compare-and-set, the event, the chain head with
-    both counters (its columns) in ONE statement, COMMIT. The events still chain and the
-    counters still add."""
+def test_a_single_reservation_is_eight_statements(tmp_path: Path) -> None:
+    """The read of the row and the update's record outside the step, then one transaction:
+    the registry probe and the events' next txn/seq/head in ONE statement, the update's
+    record (read under the lock: a poisoned update reserves nothing), the compare-and-set,
+    the event, the chain head with both counters (its columns) in ONE statement, COMMIT.
+    The first reservation of an update also records it (one more row and event). The
+    events still chain and the counters still add."""
     led = SQLiteLedger(tmp_path / "l.db")
     add_rewarded(led, ["a", "b"])
+    assert led.reserve("a", 0, "u", stamp()).reserved  # the first records "u"
+    assert led.update("u") == UpdateRecord("u", "open")
     seen: list[str] = []
     led._conn().set_trace_callback(seen.append)
-    assert led.reserve("a", 0, "u", stamp()).reserved
+    assert led.reserve("b", 0, "u", stamp()).reserved
     led._conn().set_trace_callback(None)
     heads = [" ".join(s.split()[:3]) for s in seen]
     assert heads == [
-        "SELECT entry FROM",
+        "SELECT r.entry, u.update_id,",
         "BEGIN IMMEDIATE",
         "SELECT EXISTS (SELECT",
+        "SELECT update_id, status,",
         "UPDATE rollouts SET",
         "INSERT INTO events(seq,",
         "INSERT INTO events_chain(id,",
         "COMMIT",
     ], seen
-    assert led.reserve("b", 0, "u", stamp()).reserved
     evs = entries_of(led)
     assert [(e.event, e.rollout_id) for e in evs][-2:] == [("reserve", "a"), ("reserve", "b")]
-    assert len({e.txn for e in evs[-2:]}) == 2 and evs[-1].seq == evs[-2].seq + 1
+    # "u"'s record was written with "a"'s reservation, one event after it
+    assert len({e.txn for e in evs[-2:]}) == 2 and evs[-1].seq == evs[-2].seq + 2
     st = led.statistics()
     assert (st.writes, st.reservations) == (4, 2)
     rows = led.stored_rows()

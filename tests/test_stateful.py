@@ -31,6 +31,9 @@ from rollout_lifecycle.stateful_tests.runner import (
 )
 from rollout_lifecycle.stateful_tests.seams_machine import make_seams_machine
 
+# a known-long module: a larger limit than the suite's default (pyproject.toml)
+pytestmark = pytest.mark.timeout(1200)
+
 
 def _active() -> settings:
     """The loaded profile (conftest selects it)."""
@@ -183,8 +186,9 @@ def test_time_budget_runs_seeded_batches(tmp_path: Path) -> None:
 
 class BlindWriteLedger(MemoryLedger):
     """Availability judged on what the learner read, then an unconditional write (peer bug 1:
-    two consumers take the same sample). Admission is still respected, so only the race
-    can expose it."""
+    two consumers take the same sample), for an update the ledger has not recorded yet (a
+    recorded one, possibly poisoned, reserves through the real path). Admission is still
+    respected, so only the race can expose it."""
 
     def reserve(
         self,
@@ -200,6 +204,7 @@ class BlindWriteLedger(MemoryLedger):
             or entry.reserved_by == update_id
             or admission is None
             or not admission.accepted
+            or self.update(update_id) is not None
         ):
             return super().reserve(rollout_id, expected_revision, update_id, admission)
         new = attrs.evolve(

@@ -34,9 +34,10 @@ from rollout_lifecycle.model.errors import (
     CommitMismatch,
     GateConfigError,
     InvalidRecord,
+    UpdatePoisoned,
 )
 from rollout_lifecycle.model.gate import AdmissionGate, GatePolicy
-from rollout_lifecycle.model.ledger import ManualClock, ReserveRequest
+from rollout_lifecycle.model.ledger import ManualClock, MemoryLedger, ReserveRequest
 from rollout_lifecycle.model.records import (
     ActionEvidence,
     AdmissionPolicy,
@@ -49,6 +50,7 @@ from rollout_lifecycle.model.records import (
     WorkerAck,
 )
 from rollout_lifecycle.model.registry import activated_hash, set_admission_policy
+from rollout_lifecycle.spec.audit import audit
 from rollout_lifecycle.spec.invariants import check_trace
 from rollout_lifecycle.stateful_tests.backends import durable_url
 
@@ -307,14 +309,19 @@ def test_rollback_retires_the_rolled_back_version(kind: str, tmp_path: Path) -> 
         assert coord.artifact(2).state == "rolled_back"
         assert coord.artifact(2).failure is not None
         assert coord.artifact(2).failure.cause == "rolled_back"
-        # a rollout of v2 that was never quarantined (written by a ledger that missed the
-        # mark) is still refused by the reservation's own premise
-        ghost_rev = 0
+        # the mark lifted (a ledger that missed it): a late v2 rollout is still quarantined
+        # on arrival (retirement is read from the registry in the add's own step), and one
+        # that was never quarantined (forged into the store) is refused by the reservation
+        b.ledger.clear_bad_version(2)
+        b.ledger.add(rollout("late", 2))
+        assert b.ledger.get("late").state == "quarantined"
         if kind == "memory":
-            b.ledger.clear_bad_version(2)
-            ghost_rev = rewarded(b, rollout("ghost", 2))
-            out = b.ledger.reserve("ghost", ghost_rev, "u", good_stamp(2, 3))
+            assert isinstance(b.ledger, MemoryLedger)
+            ghost = attrs.evolve(rollout("ghost", 2).entry(), state="rewarded", reward=REWARD)
+            b.ledger.store.entries["ghost"] = ghost
+            out = b.ledger.reserve("ghost", ghost.revision, "u", good_stamp(2, 3))
             assert (out.reserved, out.reason) == (False, "version_retired")
+            del b.ledger.store.entries["ghost"]
         assert open_rev >= 0
         assert_clean(b)
 
@@ -353,7 +360,8 @@ def test_deployment_cli_sets_and_shows_the_policy(tmp_path: Path) -> None:
         cli, ["deployment", "set-policy", "--backend", url, "--max-lag", "1", "--max-drift", "0.2"]
     )
     assert res.exit_code == 0, res.output
-    assert "policy recorded: max_lag 1, max_drift 0.2 (was: none)" in res.output
+    described = "max_lag 1, max_drift 0.2, lineage ledger, chain_key identity"
+    assert f"policy recorded: {described} (was: none)" in res.output
     for bad in (
         ["--max-lag", "-1", "--max-drift", "0.2"],
         ["--max-lag", "1", "--max-drift", "nan"],
@@ -362,9 +370,45 @@ def test_deployment_cli_sets_and_shows_the_policy(tmp_path: Path) -> None:
         assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     res = runner.invoke(cli, ["deployment", "show", "--backend", url, "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["policy"] == {"max_lag": 1, "max_drift": 0.2}
+    shown = {"max_lag": 1, "max_drift": 0.2, "lineage": "ledger", "chain_key": "identity"}
+    assert json.loads(res.output)["policy"] == shown  # the modes shown at their defaults too
     res = runner.invoke(cli, ["deployment", "show", "--backend", url])
-    assert "admission policy: max_lag 1, max_drift 0.2" in res.output
+    assert f"admission policy: {described}" in res.output
+    # the recorded opt-outs (issue 31) are set by the operator and shown
+    opted = ["--lineage", "off", "--chain-key", "caller", "--reason", "tracked elsewhere"]
+    res = runner.invoke(
+        cli,
+        [
+            "deployment",
+            "set-policy",
+            "--backend",
+            url,
+            "--max-lag",
+            "1",
+            "--max-drift",
+            "0.2",
+            *opted,
+        ],
+    )
+    assert res.exit_code == 0 and "lineage off, chain_key caller" in res.output, res.output
+    res = runner.invoke(cli, ["deployment", "show", "--backend", url, "--json"])
+    assert json.loads(res.output)["policy"] == {**shown, "lineage": "off", "chain_key": "caller"}
+    res = runner.invoke(
+        cli,
+        [
+            "deployment",
+            "set-policy",
+            "--backend",
+            url,
+            "--max-lag",
+            "1",
+            "--max-drift",
+            "0.2",
+            "--lineage",
+            "maybe",
+        ],
+    )
+    assert res.exit_code == 2 and "Traceback" not in res.output
     res = runner.invoke(cli, ["ledger", "check", "--backend", url])
     assert res.exit_code == 0, res.output
 
@@ -478,10 +522,12 @@ def test_a_version_trained_by_an_update_whose_commit_did_not_land_is_refused(
         with pytest.raises(CommitMismatch):
             b.ledger.commit("update-A", ["r"])
         b.ledger.commit("update-B", ["r"])
-        with pytest.raises(ActivationError, match=r"update\(s\) \['update-A'\].*did not land"):
+        with pytest.raises(ActivationError, match=r"\['update-A: lease_expired'\] are poisoned"):
             coord.prepare(1, parent_version=0, trained_by=["update-A"])
-        with pytest.raises(ActivationError, match="did not land"):
+        with pytest.raises(ActivationError, match="poisoned"):
             coord.prepare(1, trained_by=["update-B", "update-A"])
+        with pytest.raises(ActivationError, match=r"\['ghost'\] have no landed commit"):
+            coord.prepare(1, trained_by=["ghost"])
         assert b.registry.artifact(1) is None
         rec = coord.prepare(1, parent_version=0, trained_by=["update-B"])
         assert rec.trained_by == ("update-B",)
@@ -494,6 +540,145 @@ def test_a_version_trained_by_an_update_whose_commit_did_not_land_is_refused(
         for bad in ("x", ["u", "u"], [""], [1]):
             with pytest.raises(ActivationError):
                 coord.prepare(2, trained_by=bad)  # type: ignore[arg-type]
+        assert_clean(b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_reservation_checks_the_behaviour_hash(kind: str, tmp_path: Path) -> None:
+    """Issue 31 item 5: a rollout stamped v0 with a hash v0 never had is refused
+    `artifact_hash_mismatch` by a single reservation (twice: the guarded path on
+    PostgreSQL once the update is recorded), by a batch and by admit_and_reserve; a version that
+    never was active is refused `version_not_active` first."""
+    with deployment(kind, tmp_path) as b:
+        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        activate(coord, 0)
+        ok_rev = rewarded(b, rollout("ok", 0))
+        assert b.ledger.reserve("ok", ok_rev, "u", good_stamp(0, 0)).reserved  # u recorded
+        forged = Rollout(
+            RolloutIdentity("forged", "p", "d", 0),
+            BehaviorPolicy(0, "f" * 64),
+            CONDITIONS,
+            ActionEvidence([1, 2, 3], [True, True, False], [-0.5, -0.5, 0.0]),
+        )
+        rev = rewarded(b, forged)
+        for update in ("u", "fresh"):
+            out = b.ledger.reserve("forged", rev, update, good_stamp(0, 0))
+            assert (out.reserved, out.reason) == (False, "artifact_hash_mismatch"), out
+        (batch,) = b.ledger.reserve_batch("u", [ReserveRequest("forged", rev, good_stamp(0, 0))])
+        assert batch.reason == "artifact_hash_mismatch"
+        lp = np.array([[-0.5, -0.5, 0.0]])
+        got = admit_and_reserve(b.ledger, b.registry, "u2", [forged], lp)
+        assert got.refused == {"forged": "artifact_hash_mismatch"}
+        never = Rollout(
+            RolloutIdentity("never", "p", "d", 0), BehaviorPolicy(5, "f" * 64), CONDITIONS
+        )
+        never_rev = rewarded(b, never)
+        out = b.ledger.reserve("never", never_rev, "u", good_stamp(5, 5))
+        assert out.reason == "version_not_active"
+        assert b.ledger.get("forged").state == "rewarded"
+        assert_clean(b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_lost_lease_poisons_its_update(kind: str, tmp_path: Path) -> None:
+    """Issue 31 item 2: L1 loses its lease on r1; L2 takes r1 and commits; L1's commit gets
+    CommitMismatch; L1's natural recovery, `commit(u, ['r2'])`, is refused too (poisoned);
+    `prepare(v, trained_by=['u-L1'])` is refused; the default `prepare(v)` records only
+    u-L2, which then cannot be named by a second version; L1's abort returns r2."""
+    clock = ManualClock(1000.0)
+    url = "memory://" if kind == "memory" else durable_url(kind, tmp_path)
+    with open_backend(url, clock=clock, lease_seconds=10) as b:
+        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        activate(coord, 0)
+        revs = {rid: rewarded(b, rollout(rid, 0)) for rid in ("r1", "r2")}
+        assert b.ledger.reserve("r1", revs["r1"], "u-L1", good_stamp(0, 0)).reserved
+        clock.advance(5)
+        assert b.ledger.reserve("r2", revs["r2"], "u-L1", good_stamp(0, 0)).reserved
+        clock.advance(6)  # r1's lease ran out, r2's has 4 s left
+        assert [e.rollout_id for e in b.ledger.expire_leases()] == ["r1"]
+        poisoned = b.ledger.update("u-L1")
+        assert poisoned is not None and poisoned.cause == "lease_expired"
+        out = b.ledger.reserve("r1", revs["r1"] + 2, "u-L2", good_stamp(0, 0))
+        assert out.reserved
+        b.ledger.commit("u-L2", ["r1"])
+        with pytest.raises(CommitMismatch):
+            b.ledger.commit("u-L1", ["r1", "r2"])
+        with pytest.raises(UpdatePoisoned, match="lease_expired"):
+            b.ledger.commit("u-L1", ["r2"])
+        assert b.ledger.get("r2").state == "reserved"
+        later = rewarded(b, rollout("r3", 0))
+        refused = b.ledger.reserve("r3", later, "u-L1", good_stamp(0, 0))
+        assert (refused.reserved, refused.reason) == (False, "update_poisoned")
+        with pytest.raises(ActivationError, match="poisoned"):
+            coord.prepare(1, trained_by=["u-L1"])
+        assert coord.prepare(1).trained_by == ("u-L2",)
+        with pytest.raises(ActivationError, match="another version's lineage"):
+            coord.prepare(2, trained_by=["u-L2"])
+        assert coord.prepare(2).trained_by == ()  # nothing landed since v1 claimed u-L2
+        assert [e.rollout_id for e in b.ledger.abort("u-L1")] == ["r2"]
+        assert {u: r.status for u, r in b.ledger.updates().items()} == {
+            "u-L1": "poisoned",
+            "u-L2": "landed",
+        }
+        assert_clean(b)
+        report = audit(b.stored_rows())
+        assert report.violations == [], [str(v) for v in report.violations]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_recorded_lineage_opt_out(kind: str, tmp_path: Path) -> None:
+    """Only the operator's recorded `lineage="off"` lets a version name what it likes (here
+    a poisoned update) and records nothing by default; a poisoned commit is still refused."""
+    clock = ManualClock(1000.0)
+    url = "memory://" if kind == "memory" else durable_url(kind, tmp_path)
+    with open_backend(url, clock=clock, lease_seconds=10) as b:
+        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        activate(coord, 0)
+        rev = rewarded(b, rollout("r", 0))
+        assert b.ledger.reserve("r", rev, "u", good_stamp(0, 0)).reserved
+        clock.advance(11)
+        b.ledger.expire_leases()
+        off = attrs.evolve(POLICY, lineage="off")
+        set_admission_policy(b.registry, off, "lineage is tracked elsewhere")
+        assert b.registry.policy() == off
+        assert coord.prepare(1, trained_by=["u"]).trained_by == ("u",)
+        assert coord.prepare(2).trained_by == ()
+        with pytest.raises(UpdatePoisoned):
+            b.ledger.commit("u", ["r"])
+        assert_clean(b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rollback_closes_every_door(kind: str, tmp_path: Path) -> None:
+    """Issue 31 item 6: v2 rolled back by a coordinator built WITHOUT the ledger. A
+    reservation taken before cannot commit (and poisons its update), dispatch refuses v2
+    (`version_retired`), a late v2 rollout is quarantined on arrival, `retire_stale()`
+    quarantines the open one, and the poisoned update's abort quarantines what it held."""
+    with deployment(kind, tmp_path) as b:
+        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        for v in (0, 1, 2):
+            activate(coord, v)
+        held_rev = rewarded(b, rollout("held", 2))
+        assert b.ledger.reserve("held", held_rev, "u-old", good_stamp(2, 2)).reserved
+        rewarded(b, rollout("open", 2))
+        assert ActivationCoordinator(b.registry).rollback().version == 1
+        assert b.ledger.bad_versions == frozenset()  # no ledger was told
+        with pytest.raises(UpdatePoisoned, match="retired_version"):
+            b.ledger.commit("u-old", ["held"])
+        assert b.ledger.get("held").state == "reserved"
+        record = b.ledger.update("u-old")
+        assert record is not None and record.cause == "retired_version"
+        assert b.ledger.dispatch(rollout("d", 2)).reason == "version_retired"
+        assert b.ledger.find("d") is None
+        b.ledger.add(rollout("late", 2))
+        assert b.ledger.get("late").state == "quarantined"
+        assert b.ledger.get("open").state == "rewarded"
+        assert [e.rollout_id for e in b.ledger.retire_stale()] == ["open"]
+        assert b.ledger.get("open").state == "quarantined"
+        (returned,) = b.ledger.abort("u-old")
+        assert returned.state == "quarantined"
+        activate(coord, 3)
+        assert b.ledger.dispatch(rollout("d", 2)).reason == "version_retired"
         assert_clean(b)
 
 
@@ -513,7 +698,7 @@ def test_lineage_of_a_version_is_shown(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     assert [c["version"] for c in data["chain"]] == [1, 0]
-    assert data["updates"] == {"update-1": {"landed": True, "rollouts": ["r"]}}
+    assert data["updates"] == {"update-1": {"landed": True, "rollouts": ["r"], "status": "landed"}}
     res = runner.invoke(cli, ["deployment", "lineage", "1", "--backend", url])
     assert "v1 (prepared): trained by update-1" in res.output and "1 rollouts: r" in res.output
     res = runner.invoke(cli, ["deployment", "lineage", "7", "--backend", url])

@@ -8,7 +8,10 @@ verl's CheckpointEngineRegistry. Skipped only where verl or transferqueue is mis
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,7 +41,15 @@ from rollout_lifecycle.gpu_check.verl_v1 import (  # noqa: E402
 )
 from rollout_lifecycle.model.backends import Backend, open_backend  # noqa: E402
 from rollout_lifecycle.model.coordinator import ActivationCoordinator  # noqa: E402
-from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck  # noqa: E402
+from rollout_lifecycle.model.ledger import Landing  # noqa: E402
+from rollout_lifecycle.model.records import (  # noqa: E402
+    AdmissionPolicy,
+    AdmissionStamp,
+    LedgerEntry,
+    Reward,
+    WorkerAck,
+)
+from rollout_lifecycle.model.registry import set_admission_policy  # noqa: E402
 
 ROLLOUT_CFG = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "response_length": 8}
 REWARD = RewardIdentity("gsm8k-rule", "1")
@@ -93,7 +104,13 @@ def activate(coord: ActivationCoordinator, v: int) -> None:
 
 
 def put_group(
-    tq: Any, uid: str, low: int, high: int | None = None, n: int = 2, status: str = "finished"
+    tq: Any,
+    uid: str,
+    low: int,
+    high: int | None = None,
+    n: int = 2,
+    status: str = "finished",
+    partition_id: str = "train",
 ) -> list[str]:
     """A GRPO group as verl's agent loop writes it: n trajectories, then the prompt key."""
     keys = []
@@ -102,7 +119,7 @@ def put_group(
         lp = torch.tensor([-0.5, -0.25, -1.0])
         tq.kv_put(
             key=key,
-            partition_id="train",
+            partition_id=partition_id,
             fields={
                 "responses": torch.tensor([5, 6, 7]),
                 "response_mask": torch.tensor([1, 1, 1]),
@@ -114,20 +131,31 @@ def put_group(
                 "global_steps": low,
                 "min_global_steps": low,
                 "max_global_steps": low if high is None else high,
+                "prompt_len": 3,
+                "response_len": 3,
                 "seq_len": 6,
             },
         )
         keys.append(key)
     tq.kv_put(
         key=uid,
-        partition_id="train",
+        partition_id=partition_id,
         tag={"is_prompt": True, "status": status, "global_steps": low},
     )
     return keys
 
 
 def buffer(
-    be: Backend, run_id: str, refills: list[int] | None = None, threshold: int | None = None
+    be: Backend,
+    run_id: str,
+    refills: list[int] | None = None,
+    threshold: int | None = None,
+    *,
+    mode: str = "separate_async",
+    strategy: str = "drop",
+    filter_groups_metric: str | None = None,
+    sync_refill_failed_groups: bool = False,
+    **kwargs: Any,
 ) -> LedgerReplayBuffer:
     from verl.utils.import_utils import load_extern_type
 
@@ -135,10 +163,10 @@ def buffer(
     assert cls is LedgerReplayBuffer
     sink = refills if refills is not None else []
     buf: LedgerReplayBuffer = cls(
-        trainer_mode="separate_async",
+        trainer_mode=mode,
         trainer_config={},
         max_off_policy_threshold=threshold,
-        max_off_policy_strategy="drop",
+        max_off_policy_strategy=strategy,
         sampler_kwargs={
             "ledger_url": be.url,
             "run_id": run_id,
@@ -146,9 +174,12 @@ def buffer(
             **ROLLOUT_CFG,
             "reward_fn_id": REWARD.function_id,
             "reward_fn_version": REWARD.function_version,
+            **kwargs,
         },
         poll_interval=0.05,
         refill_fn=sink.append,
+        filter_groups_metric=filter_groups_metric,
+        sync_refill_failed_groups=sync_refill_failed_groups,
         backend=be,
     )
     return buf
@@ -250,68 +281,66 @@ def test_sample_evicts_stale_with_cause_refills_and_reserves(clean: Any, tmp_pat
     be, _ = deployment(tmp_path / "s.db", versions=4)  # pointer v3, max_lag 1
     fresh = put_group(clean, "gfresh", 3)
     tol = put_group(clean, "gtol", 2, 3)
-    stale = put_group(clean, "gstale", 0)
+    put_group(clean, "gstale", 0)
     refills: list[int] = []
     buf = buffer(be, "run", refills)
     meta, metrics = buf.sample(global_steps=4, partition_id="train", batch_size=2)
     assert sorted(meta.keys) == sorted(fresh + tol)
     assert refills == [1]  # verl's refill_fn, once per evicted group
-    for k in stale:
-        e = be.ledger.get(k)
-        assert e.state == "retired_stale" and e.disposition is not None
-        assert e.disposition.cause == "lag_3_over_1"
-    for k in fresh + tol:
-        e = be.ledger.get(k)
-        assert e.state == "reserved" and e.reserved_by == "run.s00000004.m0.a0"
-    assert metrics["rollout_lifecycle/reserved"] == 4
+    e = be.ledger.get("gstale")  # one ledger rollout per GRPO group: verl's uid
+    assert e.state == "retired_stale" and e.disposition is not None
+    assert e.disposition.cause == "lag_3_over_1"
+    for uid in ("gfresh", "gtol"):
+        e = be.ledger.get(uid)
+        assert e.state == "reserved" and e.reserved_by == "run.s00000004.m0"
+        assert e.reward is not None and e.reward.value == pytest.approx(0.5)  # mean of 0, 1
+    assert metrics["rollout_lifecycle/reserved"] == 2
     assert metrics["rollout_lifecycle/lag_max"] == 1
     # the next step starts: step 4's update landed, its reservations are consumed
     more = put_group(clean, "gnext", 3)
     meta2, m2 = buf.sample(global_steps=5, partition_id="train", batch_size=1)
-    assert m2["rollout_lifecycle/committed"] == 4
-    # pacing figures logged with each step: 4 trained at lag <= 1, the stale group wasted
-    assert m2["rollout_lifecycle/pacing/trained"] == 4.0
+    assert m2["rollout_lifecycle/committed"] == 2
+    # pacing figures logged with each step: 2 groups trained at lag <= 1, one wasted
+    assert m2["rollout_lifecycle/pacing/trained"] == 2.0
     assert m2["rollout_lifecycle/pacing/staleness_max"] <= 1.0
-    assert "rollout_lifecycle/pacing/wasted_fraction" in m2
-    assert all(be.ledger.get(k).state == "consumed" for k in fresh + tol)
+    assert m2["rollout_lifecycle/pacing/wasted_tokens"] == 6.0
+    assert all(be.ledger.get(u).state == "consumed" for u in ("gfresh", "gtol"))
     assert sorted(meta2.keys) == sorted(more)
-    assert buf.finish(5)["committed"] == 2
+    assert buf.finish(5)["committed"] == 1
     be.close()
 
 
 def test_failed_group_is_retired_with_its_cause(clean: Any, tmp_path: Path) -> None:
     be, _ = deployment(tmp_path / "s.db", versions=2)
-    bad = put_group(clean, "gfail", 1, status="failure")
+    put_group(clean, "gfail", 1, status="failure")
     good = put_group(clean, "gok", 1)
     refills: list[int] = []
     buf = buffer(be, "run", refills)
     meta, _ = buf.sample(global_steps=2, partition_id="train", batch_size=1)
     assert sorted(meta.keys) == sorted(good)
     assert refills == [1]
-    for k in bad:
-        e = be.ledger.get(k)
-        assert e.state == "quarantined" and e.disposition is not None
-        assert e.disposition.cause == "group_failure"
+    e = be.ledger.get("gfail")
+    assert e.state == "quarantined" and e.disposition is not None
+    assert e.disposition.cause == "group_failure"
     be.close()
 
 
-def test_two_trainers_on_one_ledger_never_share_a_trajectory(clean: Any, tmp_path: Path) -> None:
+def test_two_trainers_on_one_ledger_never_share_a_group(clean: Any, tmp_path: Path) -> None:
     be, _ = deployment(tmp_path / "s.db", versions=2)
-    g1 = put_group(clean, "ga", 1)
+    put_group(clean, "ga", 1)
     g2 = put_group(clean, "gb", 1)
     # trainer A (another process, its own TransferQueue view) took group ga through the ledger
     other = open_backend(be.url)
-    conds = conditions_from_rollout_config(ROLLOUT_CFG, "tok")
-    td = clean.kv_batch_get(keys=g1, partition_id="train")
-    tags = [clean.kv_list("train")["train"][k] for k in g1]
-    items = trajectories(td, keys=g1, tags=tags)
-    register_trajectories(other.ledger, other.registry, items, REWARD)
-    cur = np.full((2, 3), -0.5)
-    assert admit_batch(other.ledger, other.registry, "A.s1", items, cur, conditions=conds).reserved
+    r = Reward(REWARD.function_id, REWARD.function_version, 0.5)
+    stamp = AdmissionStamp(1, 1, 1, 0.5, 0.0, "fresh", "ok", True)
+    got = other.ledger.land_and_reserve(  # type: ignore[attr-defined]
+        "A.s00000001.m0", [Landing("ga", 1, H[1], reward=r)], reserve={"ga": stamp}
+    )
+    assert got.reserved == ["ga"]
     buf = buffer(be, "B")
     meta, _ = buf.sample(global_steps=2, partition_id="train", batch_size=1)
     assert sorted(meta.keys) == sorted(g2)
-    assert {be.ledger.get(k).reserved_by for k in g1} == {"A.s1"}
+    assert be.ledger.get("ga").reserved_by == "A.s00000001.m0"
     other.close()
     be.close()
 
@@ -331,15 +360,15 @@ def test_resume_releases_the_redone_step_and_commits_landed_ones(
     )
     second = buffer(be, "run")
     meta, m = second.sample(global_steps=3, partition_id="train", batch_size=1)
-    assert m["rollout_lifecycle/released"] == 2
+    assert m["rollout_lifecycle/released"] == 1
     assert sorted(meta.keys) == sorted(g3)
-    e = be.ledger.get(g3[0])
+    e = be.ledger.get("gx")
     assert e.state == "reserved" and e.releases == 1
-    assert e.reserved_by == "run.s00000003.m0.a0"
+    assert e.reserved_by == "run.s00000003.m0"
     # the step then landed and the next process resumes at step 4: committed once
     third = buffer(be, "run")
-    assert third.settle(4)["committed"] == 2
-    assert all(be.ledger.get(k).state == "consumed" for k in g3)
+    assert third.settle(4)["committed"] == 1
+    assert be.ledger.get("gx").state == "consumed"
     be.close()
 
 
@@ -392,8 +421,6 @@ def test_weight_sync_activates_only_after_every_replica_acked(tmp_path: Path) ->
 
 
 def test_weight_sync_failure_keeps_pointer_records_stage_quarantines(tmp_path: Path) -> None:
-    from rollout_lifecycle.model.records import LedgerEntry
-
     url = f"sqlite:///{tmp_path / 's.db'}"
     actor, rollouts = _engines(tmp_path, url, 2)
     asyncio.run(_sync(actor, rollouts, 0, {"w": torch.zeros(2)}))
@@ -445,11 +472,14 @@ def test_train_verdict_names_every_failed_criterion() -> None:
     good = {
         "trajectories": {"lost": 0, "trained_twice": 0},
         "max_lag_trained": 1,
-        "policy": {"max_lag": 2},
+        "policy": {"max_lag": 2, "max_attempts": 3},
         "spec": {"violations": 0},
         "kills": [{"what": "trainer"}, {"what": "rollout_replica"}],
         "checkpoint_step": 6,
         "steps": 6,
+        "pacing": {"dispatch_refusals": 5, "never_trained": 0, "max_attempts": 2},
+        "activations": {"survivor_acks_not_counted": []},
+        "reserved_when_verl_ended": 0,
     }
     assert verdict(good) == []
     bad = {
@@ -459,24 +489,332 @@ def test_train_verdict_names_every_failed_criterion() -> None:
         "spec": {"violations": 4},
         "kills": [{"what": "trainer"}],
         "checkpoint_step": 5,
+        "pacing": {"dispatch_refusals": 0, "never_trained": 2, "max_attempts": 4},
+        "activations": {"survivor_acks_not_counted": [{"version": 5, "worker": "rollout-0"}]},
+        "reserved_when_verl_ended": 4,
     }
     why = verdict(bad)
-    assert len(why) == 6 and "no SIGKILL of the rollout_replica happened" in why
+    assert len(why) == 11 and "no SIGKILL of the rollout_replica happened" in why
+    assert any("never refused" in w for w in why) and any("survivi" in w for w in why)
+    assert any("still reserved when verl ended" in w for w in why)
 
 
 def test_resume_retires_what_verls_checkpoint_no_longer_holds(clean: Any, tmp_path: Path) -> None:
-    """On the run's own ledger, a trajectory registered after verl's last checkpoint is gone
+    """On the run's own ledger, a group registered after verl's last checkpoint is gone
     from the restored TransferQueue: it is retired with that cause, never left 'live'."""
-    from rollout_lifecycle.model.records import LedgerEntry, Reward
-
     be, _ = deployment(tmp_path / "s.db", versions=2)
-    be.ledger.add(LedgerEntry("gone_0_0", 1, H[1], state="rewarded", reward=Reward("r", "1", 0.0)))
+    be.ledger.add(LedgerEntry("gone", 1, H[1], state="rewarded", reward=Reward("r", "1", 0.0)))
     kept = put_group(clean, "gkept", 1)
     buf = buffer(be, "run")
     buf.settings = attrs.evolve(buf.settings, owns_ledger=True)
     meta, _ = buf.sample(global_steps=2, partition_id="train", batch_size=1)
     assert sorted(meta.keys) == sorted(kept)
-    e = be.ledger.get("gone_0_0")
+    e = be.ledger.get("gone")
     assert e.state == "quarantined" and e.disposition is not None
     assert (e.disposition.stage, e.disposition.cause) == ("admission", "dropped_by_resume")
+    be.close()
+
+
+# ---- (d) production: bounded waits, every partition, verl's options, flat cost ---------
+
+
+def test_weights_the_registry_never_activated_raise_after_a_bounded_wait(
+    clean: Any, tmp_path: Path
+) -> None:
+    """verl generates with v3 while the registry's pointer stays at v1 (another checkpoint
+    engine syncs the weights): no endless quarantine-and-refill, a typed error naming the fix."""
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    put_group(clean, "gahead", 3)
+    refills: list[int] = []
+    buf = buffer(be, "run", refills, version_wait_s=0.3)
+    with pytest.raises(verl_v1.VersionMismatchError, match=r"checkpoint_engine\.backend"):
+        buf.sample(global_steps=4, partition_id="train", batch_size=1)
+    assert refills == []  # nothing was evicted: the group waited for its weights
+    assert be.ledger.find("gahead") is None
+    be.close()
+
+
+def test_a_group_waits_for_its_weights_then_trains(clean: Any, tmp_path: Path) -> None:
+    """A group generated by weights still being activated is held, not quarantined."""
+    be, coord = deployment(tmp_path / "s.db", versions=2)
+    g = put_group(clean, "gsoon", 2)
+    buf = buffer(be, "run", version_wait_s=30)
+    timer = threading.Timer(0.5, activate, args=(coord, 2))
+    timer.start()
+    meta, _ = buf.sample(global_steps=3, partition_id="train", batch_size=1)
+    timer.join()
+    assert sorted(meta.keys) == sorted(g)
+    assert be.ledger.get("gsoon").state == "reserved"
+    be.close()
+
+
+def test_refills_are_bounded_per_sample_call(clean: Any, tmp_path: Path) -> None:
+    """Everything generated is too stale for the policy: the call stops with the causes."""
+    be, _ = deployment(tmp_path / "s.db", versions=6)  # pointer v5, max_lag 1
+
+    def refill(n: int) -> int:
+        for _ in range(n):
+            put_group(clean, f"g{uuid.uuid4().hex[:8]}", 0)
+        return n
+
+    put_group(clean, "gfirst", 0)
+    buf = buffer(be, "run", max_refills=5)
+    buf.refill_fn = buf._refill
+    buf._trainer_refill = refill
+    with pytest.raises(verl_v1.RefillLoopError, match="lag_5_over_1"):
+        buf.sample(global_steps=6, partition_id="train", batch_size=1)
+    be.close()
+
+
+def test_every_training_partition_goes_through_the_ledger(clean: Any, tmp_path: Path) -> None:
+    """A partition other than 'train' is the ledger's too; 'val' never is."""
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    part = f"p{uuid.uuid4().hex[:6]}"
+    g = put_group(clean, "gpart", 1, partition_id=part)
+    v = put_group(clean, "gval", 1, partition_id="val")
+    buf = buffer(be, "run")
+    meta, _ = buf.sample(global_steps=2, partition_id=part, batch_size=1)
+    assert sorted(meta.keys) == sorted(g) and meta.partition_id == part
+    assert be.ledger.get("gpart").state == "reserved"
+    vmeta, vm = buf.sample(global_steps=2, partition_id="val", batch_size=1)
+    assert sorted(vmeta.keys) == sorted(v) and vm == {}
+    assert be.ledger.find("gval") is None
+    clean.kv_clear(keys=g, partition_id=part)
+    clean.kv_clear(keys=v, partition_id="val")
+    be.close()
+
+
+def test_unsupported_verl_options_are_refused_or_warned(tmp_path: Path) -> None:
+    be, _ = deployment(tmp_path / "s.db", versions=1)
+    with pytest.raises(verl_v1.UnsupportedVerlOption, match="filter_groups"):
+        buffer(be, "run", filter_groups=True)
+    with pytest.raises(verl_v1.UnsupportedVerlOption, match="filter_groups"):
+        buffer(be, "run", filter_groups_metric="acc")
+    with pytest.raises(verl_v1.UnsupportedVerlOption, match="sync_refill_failed_groups"):
+        buffer(be, "run", sync_refill_failed_groups=True)
+    with pytest.warns(verl_v1.VerlOptionWarning, match="max_lag"):
+        buffer(be, "run", strategy="wait")
+    with pytest.raises(VerlIntegrationError, match="run_id"):
+        buffer(be, "a_b")
+    be.close()
+
+
+def test_sync_mode_follows_verls_sync_buffer(clean: Any, tmp_path: Path) -> None:
+    """trainer_mode=sync: verl's threshold drops nothing and a failed group's trajectories
+    are trained (verl pads the missing ones), as verl's own ReplayBuffer does."""
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    failed = put_group(clean, "gsf", 1, status="failure")
+    old = put_group(clean, "gso", 1)
+    buf = buffer(be, "run", threshold=1, mode="sync")
+    meta, _ = buf.sample(global_steps=5, partition_id="train", batch_size=2)
+    assert sorted(meta.keys) == sorted(failed + old)
+    assert {be.ledger.get(u).state for u in ("gsf", "gso")} == {"reserved"}
+    be.close()
+
+
+def test_ledger_work_per_sample_is_the_same_at_any_ledger_size(clean: Any, tmp_path: Path) -> None:
+    """The calls one sample makes do not depend on how many older rollouts the ledger
+    holds: no statistics(), no snapshot(), no per-group find, one land-and-reserve step."""
+    calls = []
+    for n_old in (0, 300):
+        be, _ = deployment(tmp_path / f"s{n_old}.db", versions=2)
+        r = Reward("r", "1", 0.0)
+        be.ledger.add_many(
+            [LedgerEntry(f"old{i}", 1, H[1], state="rewarded", reward=r) for i in range(n_old)]
+        )
+        buf = buffer(be, "run")
+        for step in (2, 3, 4):
+            put_group(clean, f"gs{n_old}x{step}", 1)
+            before = Counter(buf.ledger_calls)
+            buf.sample(global_steps=step, partition_id="train", batch_size=1)
+            if step > 2:  # the first call of a process probes for a dead one's updates
+                calls.append(dict(Counter(buf.ledger_calls) - before))
+        be.close()
+    assert calls[0] == calls[1] == calls[2] == calls[3], calls
+    assert calls[0]["ledger.land_and_reserve"] == 1 and calls[0]["ledger.commit"] == 1
+    assert not {"ledger.snapshot", "ledger.find", "ledger.statistics"} & set(calls[0])
+
+
+def test_rewards_tagged_by_the_worker_need_no_transferqueue_read(
+    clean: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    keys = put_group(clean, "gtag", 1)
+    clean.kv_batch_put(
+        keys=keys, partition_id="train", tags=[{verl_v1.REWARD_TAG: 0.25} for _ in keys]
+    )
+    reads: list[Any] = []
+    real = clean.kv_batch_get
+    monkeypatch.setattr(clean, "kv_batch_get", lambda **kw: reads.append(kw) or real(**kw))
+    buf = buffer(be, "run")
+    buf.sample(global_steps=2, partition_id="train", batch_size=1)
+    assert reads == []
+    reward = be.ledger.get("gtag").reward
+    assert reward is not None and reward.value == pytest.approx(0.25)
+    be.close()
+
+
+def test_publishing_a_step_commits_what_it_reserved(clean: Any, tmp_path: Path) -> None:
+    """verl's end-of-step weight sync (every trainer's on_step_end, the last step's too)
+    commits the step: nothing of the last step stays reserved when the trainer ends."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    actor, rollouts = _engines(tmp_path, url, 1, run_id="run")
+    asyncio.run(_sync(actor, rollouts, 0, {"w": torch.zeros(2)}))
+    be = open_backend(url)
+    set_admission_policy(be.registry, AdmissionPolicy(1, 0.5), "test", at=None)
+    put_group(clean, "glast", 0)
+    buf = buffer(be, "run")
+    buf.sample(global_steps=1, partition_id="train", batch_size=1)
+    assert be.ledger.get("glast").state == "reserved"
+    asyncio.run(_sync(actor, rollouts, 1, {"w": torch.ones(2)}))  # step 1's on_step_end
+    assert be.ledger.get("glast").state == "consumed"
+    assert actor.committed == {0: 0, 1: 1}
+    assert buf.settle(2)["committed"] == 0  # nothing left for the buffer's fallback
+    be.close()
+
+
+# ---- (e) pacing inside verl's generation ------------------------------------------------
+
+
+def _prompts(texts: list[str]) -> Any:
+    """Prompt rows as verl's trainer hands them to the agent loop; a jagged field as in a
+    batch read back from TransferQueue (a resumed trainer's re-issued prompts)."""
+    from verl.utils import tensordict_utils as tu
+
+    jagged = torch.nested.nested_tensor(
+        [torch.arange(2 + i % 3) for i in range(len(texts))], layout=torch.jagged
+    )
+    batch = tu.get_tensordict(
+        {
+            "input_ids": torch.zeros(len(texts), 3, dtype=torch.long),
+            "prompt_ids": jagged,
+            "uid": np.array([uuid.uuid4().hex for _ in texts], dtype=object),
+            "data_source": np.array(["arith"] * len(texts), dtype=object),
+            "raw_prompt": np.array([[{"role": "user", "content": t}] for t in texts], dtype=object),
+        }
+    )
+    tu.assign_non_tensor_data(batch, "global_steps", 1)
+    return batch
+
+
+def test_the_budget_decides_before_verl_generates(tmp_path: Path) -> None:
+    """(max_lag + 1) x batch_size = 4 groups may be live: of 6 prompts 4 reach verl's
+    generation, 2 are held and sent when capacity frees (a requeue); the same prompt
+    fetched again (new uid) is the next attempt of its chain, up to max_attempts; a
+    prompt whose attempts are spent is handed back to verl as a failed group."""
+    from rollout_lifecycle.gpu_check.verl_v1_pacing import Pacer
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    be = open_backend(url)
+    policy = AdmissionPolicy(1, 0.5, batch_size=2, max_attempts=2)
+    coord = ActivationCoordinator(be.registry, ["rollout-0"], ledger=be.ledger, policy=policy)
+    activate(coord, 0)
+    sent: list[list[str]] = []
+    failed: list[str] = []
+    book = verl_v1.DispatchBook()
+    settings = verl_v1.BufferSettings.from_kwargs({"ledger_url": url, "run_id": "run"})
+    pacer = Pacer(
+        verl_v1.step_ledger(be.ledger),
+        be.registry,
+        settings,
+        book,
+        lambda b: sent.append([str(u) for u in b["uid"]]),
+        mark_failed=failed.append,
+        log=tmp_path / "pacing.jsonl",
+    )
+    texts = [f"{i} + {i}" for i in range(6)]
+    batch = _prompts(texts)
+    pacer.submit(batch)
+    assert len(sent) == 1 and len(sent[0]) == 4 and len(pacer.held) == 2
+    assert book.counters["refused_no_capacity"] == 2
+    first = sent[0][0]
+    assert book.entry(first) is not None and book.entry(first).behavior_version == 0  # type: ignore[union-attr]
+    # the first group fails to generate: its slot frees and the held prompts go out
+    be.ledger.land_and_reserve(  # type: ignore[attr-defined]
+        None, close=[(first, "generation_failed", verl_v1.Disposition("generation", "x"))]
+    )
+    pacer.retry()
+    assert len(sent) == 2 and len(sent[1]) == 1 and book.counters["requeued"] == 1
+    # a newer batch arrives while one prompt is still held: the held one goes first
+    newer = _prompts(["7 + 7"])
+    held_uid = pacer.held[0].uid
+    be.ledger.land_and_reserve(  # type: ignore[attr-defined]
+        None, close=[(sent[1][0], "generation_failed", verl_v1.Disposition("generation", "x"))]
+    )
+    pacer.submit(newer)
+    assert sent[-1] == [held_uid] and [h.uid for h in pacer.held] == [str(newer["uid"][0])]
+    assert book.counters["requeued"] == 2
+    # the failed prompt fetched again: attempt 2 of the same chain
+    again = _prompts([texts[0]])
+    pacer.submit(again)
+    uid2 = str(again["uid"][0])
+    assert book.entry(uid2) is None and len(pacer.held) == 2  # no capacity yet: held
+    for uid in sent[0][1:]:
+        be.ledger.land_and_reserve(  # type: ignore[attr-defined]
+            None, close=[(uid, "generation_failed", verl_v1.Disposition("generation", "x"))]
+        )
+    pacer.retry()
+    e = be.ledger.get(uid2)
+    assert e.chain is not None and e.attempt == 2
+    assert be.ledger.get(first).chain == e.chain
+    # attempts spent: a third fetch of the prompt is handed back to verl as failed
+    be.ledger.land_and_reserve(  # type: ignore[attr-defined]
+        None, close=[(uid2, "generation_failed", verl_v1.Disposition("generation", "x"))]
+    )
+    third = _prompts([texts[0]])
+    pacer.submit(third)
+    assert failed == [str(third["uid"][0])] and str(third["uid"][0]) in book.refused
+    log = [json.loads(x) for x in (tmp_path / "pacing.jsonl").read_text().splitlines()]
+    assert {x["what"] for x in log} >= {"dispatched", "no_capacity", "dropped:attempts_exhausted"}
+    be.close()
+
+
+# ---- (f) item 9: a replica killed during a weight sync ----------------------------------
+
+
+def test_a_replica_killed_mid_sync_leaves_the_survivors_ack_counted(tmp_path: Path) -> None:
+    """Across a resume (fresh processes, fresh incarnations), one replica dies during v3's
+    sync: v3 fails naming the dead replica only; the survivor's ack of v3 is counted."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    actor, rollouts = _engines(tmp_path, url, 2, ack_timeout_s=1.0)
+    for v in range(2):
+        asyncio.run(_sync(actor, rollouts, v, {"w": torch.full((2,), float(v))}))
+    old = rollouts[0].incarnation
+    actor, rollouts = _engines(tmp_path, url, 2, ack_timeout_s=1.0)  # the resumed processes
+    assert rollouts[0].incarnation > old  # a later process's acks order after a dead one's
+    asyncio.run(_sync(actor, rollouts, 1, {"w": torch.full((2,), 1.0)}))  # already active
+    asyncio.run(_sync(actor, rollouts, 2, {"w": torch.full((2,), 2.0)}))
+    rollouts[0].fail_worker = "rollout-0"  # its server died: it never acks v3
+    asyncio.run(_sync(actor, rollouts, 3, {"w": torch.full((2,), 3.0)}))
+    be = open_backend(url)
+    rec = be.registry.artifact(3)
+    assert rec is not None and rec.failure is not None
+    assert rec.failure.detail == "missing [], mismatched ['rollout-0']"
+    assert rollouts[1].acks[-1] == (3, "counted")
+    survivor = be.registry.workers()["rollout-1"].ack
+    assert survivor is not None and survivor.version == 3 and survivor.token is not None
+    be.close()
+
+
+def test_an_ack_of_a_replaced_attempt_is_sent_again_with_the_current_token(
+    tmp_path: Path,
+) -> None:
+    """The master retried vN (new tokens) while a replica was loading vN with the previous
+    attempt's token: the replica holds the very artifact the retry distributes, so its ack
+    is re-sent with the current token and counts (it used to be refused as stale)."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    actor, rollouts = _engines(tmp_path, url, 1, ack_timeout_s=1.0)
+    asyncio.run(_sync(actor, rollouts, 0, {"w": torch.zeros(2)}))
+    rollouts[0].fail_worker = "rollout-0"
+    asyncio.run(_sync(actor, rollouts, 1, {"w": torch.ones(2)}))  # v1 fails: no ack
+    be = open_backend(url)
+    coord = ActivationCoordinator(be.registry)
+    rec = be.registry.artifact(1)
+    assert rec is not None and rec.state == "distribution_failed"
+    coord.retry(1)  # attempt 2: new tokens
+    _loaded, ack = rollouts[0]._load(1, "rollout-0")
+    coord.fail_distribution(1, "trainer_restarted", "the master died again")
+    coord.retry(1)  # attempt 3 while the replica was loading
+    res = rollouts[0]._ack(ack)
+    assert res.counted and coord.try_activate(1).activated
     be.close()

@@ -18,6 +18,8 @@ from rollout_lifecycle.gpu_check.extra import missing_modules
 
 REFERENCE = Path(__file__).parent.parent / "docs" / "gpu-check" / "trainer-cpu-reference.json"
 FIELDS = (
+    "pacing",
+    "reserved_when_verl_ended",
     "verl_version",
     "trainer_mode",
     "steps",
@@ -53,6 +55,17 @@ def judged_ok(doc: dict[str, Any]) -> list[str]:
     a = doc["activations"]
     if a["activated"] + a["failed"] != a["attempted"]:
         bad.append(f"activations {a}")
+    if a["survivor_acks_not_counted"]:
+        bad.append(f"surviving replicas' acks not counted: {a['survivor_acks_not_counted']}")
+    p = doc["pacing"]
+    if p["dispatch_refusals"] <= 0 or p["requeued"] <= 0:
+        bad.append(f"no pacing inside verl's loop: {p}")
+    if p["never_trained"] != 0:
+        bad.append(f"{p['never_trained']} chains never trained")
+    if p["max_attempts"] > doc["policy"]["max_attempts"]:
+        bad.append(f"max attempts {p['max_attempts']} over the policy")
+    if doc["reserved_when_verl_ended"] != 0:
+        bad.append(f"{doc['reserved_when_verl_ended']} reserved when verl ended")
     return bad
 
 
@@ -68,8 +81,8 @@ def test_committed_reference_has_the_fields_and_passes() -> None:
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(bool(missing_modules()), reason="the [verl] extra is not installed")
 def test_the_real_training_run_survives_kill_9(tmp_path: Path) -> None:
-    """`rollout-lifecycle gpu-check train` end to end on the CPU (about 9 minutes on 2
-    cores): exit 0 and the same judgement as the committed reference."""
+    """`rollout-lifecycle gpu-check train` end to end on the CPU (three verl processes, about
+    9 minutes on 2 loaded cores): exit 0 and the same judgement as the committed reference."""
     pytest.importorskip("transfer_queue")  # the [verl-v1] extra (make test installs it)
     exe = Path(sys.executable).with_name("rollout-lifecycle")
     report = tmp_path / "train.json"

@@ -1,0 +1,1 @@
+"""The `rollout_lifecycle` config group (a package only so setuptools ships its YAML)."""

@@ -1,0 +1,190 @@
+"""The trainer's per-step write in one step (issue 34): `dispatch_many` paces a batch of
+dispatches as dispatching them one by one would, and `land_and_reserve` lands a step's
+generations, closes what must not train and reserves, identically on every backend, with a
+history the spec accepts."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rollout_lifecycle.model.backends import Backend, open_backend
+from rollout_lifecycle.model.coordinator import ActivationCoordinator
+from rollout_lifecycle.model.errors import InvalidLedgerArgument
+from rollout_lifecycle.model.ledger import ALREADY_DISPATCHED, Landing
+from rollout_lifecycle.model.pacing import CHAIN_LIVE, DISPATCHED, NO_CAPACITY
+from rollout_lifecycle.model.records import (
+    AdmissionPolicy,
+    AdmissionStamp,
+    Disposition,
+    LedgerEntry,
+    Reward,
+    WorkerAck,
+)
+from rollout_lifecycle.spec.invariants import check_trace
+from rollout_lifecycle.stateful_tests.backends import durable_url
+
+KINDS = ["memory", "sqlite", "postgresql"]
+H = {v: f"{v:x}".rjust(64, "c") for v in range(8)}
+R = Reward("rm", "1", 0.5)
+PACED = AdmissionPolicy(max_lag=1, max_drift=0.2, batch_size=2, max_attempts=2)
+LOOSE = AdmissionPolicy(max_lag=1, max_drift=0.2)  # no pacing: an absent rollout is added
+# the generator names each chain (a LedgerEntry names no prompt)
+BY_CALLER = AdmissionPolicy(
+    max_lag=1, max_drift=0.2, batch_size=2, max_attempts=2, chain_key="caller"
+)
+
+
+@contextlib.contextmanager
+def deployment(
+    kind: str, tmp_path: Path, policy: AdmissionPolicy = PACED
+) -> Iterator[tuple[Backend, ActivationCoordinator]]:
+    url = "memory://" if kind == "memory" else durable_url(kind, tmp_path)
+    with open_backend(url) as b:
+        coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=policy)
+        activate(coord, 0)
+        yield b, coord
+
+
+def activate(coord: ActivationCoordinator, v: int) -> None:
+    coord.prepare(v)
+    coord.commit_artifact(v, H[v])
+    coord.distribute(v)
+    assert coord.record_ack(WorkerAck("w0", v, H[v], token=coord.attempt_token("w0", v))).counted
+    assert coord.try_activate(v).activated
+
+
+def stamp(current: int, behavior: int, policy: AdmissionPolicy = PACED) -> AdmissionStamp:
+    lag = current - behavior
+    fresh = "fresh" if lag == 0 else "tolerated"
+    return AdmissionStamp(
+        current, behavior, policy.max_lag, policy.max_drift, 0.0, fresh, "ok", True
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dispatch_many_paces_like_one_by_one(kind: str, tmp_path: Path) -> None:
+    """Budget (1 + 1) x 2 = 4 live: a batch of 6 dispatches 4, refuses 2 for capacity, a
+    second attempt on a live chain is refused, and an id already stored is returned as is."""
+    with deployment(kind, tmp_path, BY_CALLER) as (b, _):
+        led = b.ledger
+        got = led.dispatch_many(
+            [(LedgerEntry(f"g{i}", 0, H[0]), f"p{i}") for i in range(4)]
+            + [(LedgerEntry("g0b", 0, H[0]), "p0"), (LedgerEntry("g5", 0, H[0]), "p5")]
+        )
+        assert [o.reason for o in got] == [DISPATCHED] * 4 + [CHAIN_LIVE, NO_CAPACITY]
+        assert [o.attempt for o in got[:4]] == [1, 1, 1, 1]
+        again = led.dispatch_many([(LedgerEntry("g1", 0, H[0]), "p1")])
+        assert again[0].reason == ALREADY_DISPATCHED and again[0].entry is not None
+        assert again[0].entry.state == "dispatched" and again[0].entry.chain == "p1"
+        assert led.statistics().by_state["dispatched"] == 4
+        assert not check_trace(b.trace()).violations
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_land_and_reserve_in_one_step(kind: str, tmp_path: Path) -> None:
+    """A dispatched rollout is landed (generation_done, reward_ready) and reserved; an absent
+    one is added and reserved; a failed one is closed at stage generation; a stale one is
+    retired with its cause; one already landed is left alone; all in one step."""
+    with deployment(kind, tmp_path, LOOSE) as (b, coord):
+        led = b.ledger
+        led.dispatch_many([(LedgerEntry(f"d{i}", 0, H[0]), f"c{i}") for i in range(3)])
+        led.add(LedgerEntry("old", 0, H[0], state="rewarded", reward=R))
+        activate(coord, 1)
+        activate(coord, 2)  # v0 is now 2 behind (max_lag 1)
+        fail = Disposition("generation", "group_failure", "a session raised")
+        step = led.land_and_reserve(
+            "u.s1",
+            [
+                Landing("d0", 0, H[0], reward=R, tokens=7),
+                Landing("d1", 0, H[0], failure=fail),
+                Landing("new", 2, H[2], reward=R, tokens=3),
+                Landing("d2", 0, H[0], reward=R, tokens=5),
+            ],
+            close=[("d2", "retire_stale", Disposition("admission", "stale", "lag 2 > 1"))],
+            reserve={"new": stamp(2, 2), "d0": stamp(2, 0)},
+        )
+        assert step.reserved == ["new"]
+        by = {o.rollout_id: o for o in step.outcomes}
+        assert not by["d0"].reserved  # lag 2 > max_lag 1: the premise refuses the stamp
+        assert step.entries["new"].state == "reserved"
+        assert step.entries["new"].reserved_by == "u.s1" and step.entries["new"].tokens == 3
+        assert led.get("d0").state == "rewarded" and led.get("d0").tokens == 7
+        assert led.get("d1").state == "generation_failed"
+        assert led.get("d2").state == "retired_stale"
+        assert led.get("d2").disposition == Disposition("admission", "stale", "lag 2 > 1")
+        assert led.get("new").chain is None  # added, never dispatched
+        assert led.get("d0").chain == "c0" and led.get("d0").attempt == 1
+        again = led.land_and_reserve(
+            "u.s2", [Landing("d0", 0, H[0], reward=R, tokens=7)], reserve={"old": stamp(2, 0)}
+        )
+        assert again.skipped == {"d0": "rewarded"} and again.reserved == []
+        assert led.commit("u.s1", ["new"])[0].state == "consumed"
+        assert not check_trace(b.trace()).violations
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_under_pacing_only_dispatch_makes_entries(kind: str, tmp_path: Path) -> None:
+    """A pacing policy counts every entry on the budget and its prompt's chain: a landing of
+    a rollout never dispatched adds nothing ('not_dispatched'); a dispatched one lands."""
+    with deployment(kind, tmp_path, BY_CALLER) as (b, _):
+        led = b.ledger
+        led.dispatch_many([(LedgerEntry("d0", 0, H[0]), "c0")])
+        step = led.land_and_reserve(
+            "u.s1",
+            [Landing("d0", 0, H[0], reward=R), Landing("stray", 0, H[0], reward=R)],
+            reserve={"d0": stamp(0, 0), "stray": stamp(0, 0)},
+        )
+        assert step.reserved == ["d0"] and step.skipped == {"stray": "not_dispatched"}
+        assert led.find("stray") is None
+        assert not check_trace(b.trace()).violations
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_land_and_reserve_quarantines_a_bad_version_and_refuses_bad_input(
+    kind: str, tmp_path: Path
+) -> None:
+    with deployment(kind, tmp_path, LOOSE) as (b, _):
+        led = b.ledger
+        led.quarantine_version(3, "distribution failed")
+        step = led.land_and_reserve(
+            "u.s1", [Landing("late", 3, H[3], reward=R)], reserve={"late": stamp(0, 0)}
+        )
+        assert step.entries["late"].state == "quarantined" and step.reserved == []
+        with pytest.raises(InvalidLedgerArgument, match="close takes"):
+            led.land_and_reserve(None, close=[("late", "commit", Disposition("admission", "y"))])
+        with pytest.raises(InvalidLedgerArgument, match="update id"):
+            led.land_and_reserve(None, reserve={"late": stamp(0, 0)})
+        assert led.land_and_reserve(None).entries == {}
+        assert not check_trace(b.trace()).violations
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dispatch_many_counts_attempts_by_prompt_identity(kind: str, tmp_path: Path) -> None:
+    """Under the default chain_key 'identity' a batch's chains are the rollouts' prompt
+    identities, as `dispatch` chooses them: fresh ids of one prompt share its chain."""
+    from rollout_lifecycle.model.pacing import identity_chain
+    from rollout_lifecycle.model.records import (
+        BehaviorPolicy,
+        GenerationConditions,
+        Rollout,
+        RolloutIdentity,
+    )
+
+    cond = GenerationConditions("tok", 1.0, 1.0, -1, 8)
+
+    def rollout(rid: str, prompt: str) -> Rollout:
+        return Rollout(RolloutIdentity(rid, prompt, "ds", 0), BehaviorPolicy(0, H[0]), cond)
+
+    with deployment(kind, tmp_path) as (b, _):
+        led = b.ledger
+        got = led.dispatch_many([(rollout("a1", "p"), None), (rollout("a2", "p"), None)])
+        assert [o.reason for o in got] == [DISPATCHED, CHAIN_LIVE]
+        chain = identity_chain(RolloutIdentity("a1", "p", "ds", 0))
+        assert led.get("a1").chain == chain
+        with pytest.raises(InvalidLedgerArgument, match="LedgerEntry names no prompt"):
+            led.dispatch_many([(LedgerEntry("bare", 0, H[0]), "mine")])
+        assert not check_trace(b.trace()).violations
