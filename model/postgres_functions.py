@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import zlib
 from collections.abc import Sequence
 
 from rollout_lifecycle.model.errors import LedgerError
-from rollout_lifecycle.model.events import UpdateChange
+from rollout_lifecycle.model.events import UpdateChange, row_event
 from rollout_lifecycle.model.postgres_common import (
     CHAIN_CHECK,
     CHAIN_PREV,
@@ -55,6 +56,7 @@ from rollout_lifecycle.model.postgres_common import (
     K_UPDATE,
     Conn,
     PostgresDatabase,
+    append_events,
     append_statement,
     chain_message,
     quote_ident,
@@ -942,11 +944,21 @@ def install(conn: Conn, schema: str) -> None:
             "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
             operation_rows(),
         )
+    version = functions_version(ddl)
+    before = conn.execute(
+        "SELECT version FROM schema_meta WHERE component = %s", (COMPONENT,)
+    ).fetchone()
     conn.execute(
         "INSERT INTO schema_meta(component, version) VALUES (%s, %s) "
         "ON CONFLICT (component) DO UPDATE SET version = excluded.version",
-        (COMPONENT, functions_version(ddl)),
+        (COMPONENT, version),
     )
+    if before is None or int(before[0]) != version:
+        # the row is recorded in the chain, as every schema_meta row is (`ledger check`)
+        why = "created" if before is None else f"replaced {before[0]}"
+        row = {"component": COMPONENT, "version": version}
+        ev = row_event("schema_meta", COMPONENT, row, why, time.time())
+        append_events(conn, [ev], op=None, stamped=False)
 
 
 def ensure_functions(db: PostgresDatabase) -> None:

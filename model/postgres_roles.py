@@ -163,7 +163,8 @@ OPERATIONS: dict[str, Operation] = {
     "expire_leases": _ledger(
         ("learner", "coordinator", "operator"), "expire_lease", updates=_POISON
     ),
-    "retire_stale": _ledger(("generator", "learner", "operator"), "retire_stale"),
+    # it also quarantines the open rollouts of a rolled-back version (`ledger.retire_stale`)
+    "retire_stale": _ledger(("generator", "learner", "operator"), "retire_stale", "quarantine"),
     # a trainer's step (verl): it lands its generations (the generator's edges, adds
     # included), closes what must not train and reserves (the learner's): its login needs
     # both roles
