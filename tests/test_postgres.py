@@ -533,7 +533,7 @@ def test_incremental_event_reader_never_misses_a_commit(postgres_url: str) -> No
     source.close()
     assert errors == []
     whole = PostgresEventSource(PostgresDatabase(postgres_url))  # every kind: updates too
-    full = [e.seq for e in whole.new_events()]
+    full = [e.seq for e in whole.new_events() if e.kind != "row"]
     whole.close()
     assert collected == full and reads > 1
     assert {e.seq for e in led.history()} <= set(full)
