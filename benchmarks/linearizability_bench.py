@@ -41,6 +41,7 @@ from rollout_lifecycle.stateful_tests.history import (
     RecordingRegistry,
     attach,
     history_header,
+    operator_sets_policy,
 )
 
 REWARD = Reward("bench-rm", "1", 1.0)
@@ -60,12 +61,14 @@ def record(
     with open_backend("memory://") as raw:
         setup = CallLog("setup")
         logs.append(setup)
+        policy = AdmissionPolicy(1, 0.2, 16, 3)
+        operator_sets_policy(setup, raw.registry, policy, "the operator's")
         coord0 = attach(
             setup,
             raw.registry,
             WORKERS,
             ledger=RecordingLedger(raw.ledger, setup),
-            policy=AdmissionPolicy(1, 0.2, 16, 3),
+            policy=policy,
         )
         _publish(coord0, 0)
 

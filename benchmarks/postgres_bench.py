@@ -282,6 +282,7 @@ def _prepare(url: str, schema: str, workers: int, n: int, tags: tuple[str, ...] 
     from rollout_lifecycle.model.postgres_ledger import PostgresLedger
     from rollout_lifecycle.model.postgres_registry import PostgresRegistry
     from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck
+    from rollout_lifecycle.model.registry import set_admission_policy
 
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
@@ -290,6 +291,7 @@ def _prepare(url: str, schema: str, workers: int, n: int, tags: tuple[str, ...] 
     reg = PostgresRegistry(db)
     try:
         # reservations are judged against the deployment's recorded policy: record one
+        set_admission_policy(reg, AdmissionPolicy(1, 0.2), "set by the operator")
         c = ActivationCoordinator(reg, ["w0"], ledger=led, policy=AdmissionPolicy(1, 0.2))
         c.prepare(1)
         c.commit_artifact(1, HASH)

@@ -111,10 +111,12 @@ class Stream:
         from rollout_lifecycle.model.backends import open_backend
         from rollout_lifecycle.model.coordinator import ActivationCoordinator
         from rollout_lifecycle.model.records import AdmissionPolicy
+        from rollout_lifecycle.model.registry import set_admission_policy
 
         self.args, self.prefill = args, prefill
         tmp = Path(tempfile.mkdtemp(prefix="verl-v1-bench-", dir=args.ledger_dir))
         self.be = open_backend(f"sqlite:///{tmp / 'ledger.db'}")
+        set_admission_policy(self.be.registry, AdmissionPolicy(1, 0.5), "set by the operator")
         self.coord = ActivationCoordinator(
             self.be.registry, ["rollout-0"], ledger=self.be.ledger, policy=AdmissionPolicy(1, 0.5)
         )

@@ -18,7 +18,17 @@ from rollout_lifecycle.cli.output import make_console, progress_printer
 from rollout_lifecycle.model.atomic import check_target
 from rollout_lifecycle.model.errors import OutputError
 
-PARTS = ("admission", "ledgers", "checkers", "pacing", "gate", "admit", "startup", "ledger-check")
+PARTS = (
+    "admission",
+    "ledgers",
+    "checkers",
+    "pacing",
+    "gate",
+    "admit",
+    "startup",
+    "ledger-check",
+    "fleet",
+)
 FILES = ("bench.json", "README.md", "admission.png")
 
 
@@ -47,6 +57,31 @@ FILES = ("bench.json", "README.md", "admission.png")
     help="Also write the JSON report to this file.",
 )
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr.")
+@click.option(
+    "--fleet-seconds",
+    type=click.FloatRange(min=0.1, max=3600),
+    default=None,
+    help="fleet: seconds per cell (default 2; 0.3 with --quick). Longer: steadier figures.",
+)
+@click.option(
+    "--fleet-rounds",
+    type=click.IntRange(min=1, max=100),
+    default=None,
+    help="fleet: rounds of every cell, medians reported (default 1).",
+)
+@click.option(
+    "--fleet-dir",
+    type=click.Path(path_type=Path, file_okay=False, exists=True),
+    default=None,
+    help="fleet: folder for the SQLite files on disk (default: the system's temp folder); "
+    "tmpfs (/dev/shm) is measured too where it exists.",
+)
+@click.option(
+    "--fleet-postgres",
+    metavar="URL",
+    default=None,
+    help="fleet: also measure PostgreSQL at this URL (a schema per cell, dropped after).",
+)
 def bench(
     quick: bool,
     parts: tuple[str, ...],
@@ -55,6 +90,10 @@ def bench(
     as_json: bool,
     report: Path | None,
     quiet: bool,
+    fleet_seconds: float | None,
+    fleet_rounds: int | None,
+    fleet_dir: Path | None,
+    fleet_postgres: str | None,
 ) -> None:
     """Measure admission, ledgers and checkers against their baselines, and simulate pacing
     (issue 21), in one run.
@@ -90,16 +129,32 @@ def bench(
         out=None if no_docs else out,
         report=report,
         as_json=as_json,
-        command=_command_line(quick, parts, out, no_docs),
+        command=_command_line(quick, parts, out, no_docs, fleet_seconds, fleet_rounds),
         progress=progress,
+        fleet={
+            "seconds": fleet_seconds,
+            "rounds": fleet_rounds,
+            "folder": fleet_dir,
+            "postgres_url": fleet_postgres,
+        },
     )
 
 
-def _command_line(quick: bool, parts: tuple[str, ...], out: Path, no_docs: bool) -> str:
-    """The options that shape the figures, as a command someone can run again."""
+def _command_line(
+    quick: bool,
+    parts: tuple[str, ...],
+    out: Path,
+    no_docs: bool,
+    fleet_seconds: float | None = None,
+    fleet_rounds: int | None = None,
+) -> str:
+    """The options that shape the figures, as a command someone can run again (the
+    PostgreSQL URL is left out: it may hold a password)."""
     args = ["rollout-lifecycle", "bench"]
     args += ["--quick"] if quick else []
     args += [f"--part={p}" for p in parts]
+    args += [] if fleet_seconds is None else [f"--fleet-seconds={fleet_seconds:g}"]
+    args += [] if fleet_rounds is None else [f"--fleet-rounds={fleet_rounds}"]
     args += (
         ["--no-docs"] if no_docs else ([] if out == Path("docs/benchmarks") else [f"--out={out}"])
     )

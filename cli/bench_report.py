@@ -54,12 +54,20 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "",
         "## Goals (issues 13 and 22)",
         "",
-        "| goal | measured | target | met |",
-        "|---|---:|---:|:---:|",
+        "| goal | measured | target | met | load |",
+        "|---|---:|---:|:---:|---:|",
     ]
     for g in report["goals"]:
         met = "-" if g["met"] is None else ("yes" if g["met"] else "**no**")
-        lines.append(f"| {g['goal']} | {_fmt(g['measured'])} | {g['target']} | {met} |")
+        lines.append(
+            f"| {g['goal']} | {_fmt(g['measured'])} | {g['target']} | {met} | "
+            f"{_fmt(g.get('load1'))} |"
+        )
+    lines += [
+        "",
+        "load: the 1-minute load average when the figure was measured (- where the report "
+        "predates it).",
+    ]
     adm = report.get("admission")
     if adm:
         lines += [
@@ -71,8 +79,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
             "",
             "| library | B | T | gate arrays | gate records | bare | read-once | Python loop "
             "| verl | gate/bare | gate/read-once | records/arrays | verl/gate | peak mem gate "
-            "| peak mem bare |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| peak mem bare | load |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in adm["rows"]:
             ms, r, pk = row["ms"], row["ratios"], row["peak_extra_vs_inputs"]
@@ -82,7 +90,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
                 f"{_fmt(ms['python_loop'])} | {_fmt(ms.get('verl'))} | "
                 f"{_fmt(r['arrays_vs_bare'])} | {_fmt(r['arrays_vs_read_once'])} | "
                 f"{_fmt(r['records_vs_arrays'])} | {_fmt(r['verl_vs_arrays'])} | "
-                f"{_fmt(pk['gate_arrays'], 3)}x | {_fmt(pk['bare'], 3)}x |"
+                f"{_fmt(pk['gate_arrays'], 3)}x | {_fmt(pk['bare'], 3)}x | "
+                f"{_fmt(row.get('load1'))} |"
             )
         lines += ["", "Variants:", ""]
         lines += [f"- `{k}`: {v}" for k, v in adm["variants"].items()]
@@ -100,8 +109,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
             "## Ledgers",
             "",
             "| backend | single CAS /s | batch /s (size) | batch/single | commits /s "
-            "(ledger size) | baseline |",
-            "|---|---:|---:|---:|---|---|",
+            "(ledger size) | baseline | load |",
+            "|---|---:|---:|---:|---|---|---:|",
         ]
         for name, x in led.items():
             commits = ", ".join(f"{_fmt(v)} ({k})" for k, v in x["commits_per_s"].items())
@@ -109,7 +118,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
             lines.append(
                 f"| {name} | {_fmt(x['single_per_s'])} | {_fmt(x['batch_per_s'])} "
                 f"({x['batch_size']}) | {_fmt(x['ratios']['batch_vs_single'])} | {commits} | "
-                f"{base} |"
+                f"{base} | {_fmt(x.get('load1'))} |"
             )
         tmpfs = led.get("sqlite", {}).get("tmpfs")
         if tmpfs is not None:  # reports from before this measurement have none
@@ -198,10 +207,15 @@ def markdown(report: dict[str, Any], command: str) -> str:
 
     for block in bench_speed.markdown(report):
         lines += ["", *block]
+    from rollout_lifecycle.cli import bench_fleet  # issue 36's fleet, where it ran
+
+    fleet = bench_fleet.markdown(report)
+    if fleet:
+        lines += ["", *fleet]
     plot = report.get("plot")
     if plot:
         lines += ["", f"![admission times]({plot})"]
-    else:
+    elif report.get("admission"):  # the plot is of the admission part alone
         lines += ["", "(no plot: matplotlib is not installed)"]
     return "\n".join(lines) + "\n"
 
@@ -247,9 +261,10 @@ def run_and_write(
     as_json: bool,
     command: str,
     progress: Callable[[str], None],
+    fleet: dict[str, Any] | None = None,
 ) -> None:
     """Measure, then write the files (out=None: none) and print the JSON or a summary."""
-    result = B.run(B.QUICK if quick else B.FULL, parts=parts, progress=progress)
+    result = B.run(B.QUICK if quick else B.FULL, parts=parts, progress=progress, fleet=fleet)
     result["command"] = command
     png = None if out is None else plot_png(result)
     result["plot"] = "admission.png" if png is not None else None

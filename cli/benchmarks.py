@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -135,6 +136,14 @@ def _interleaved(variants: dict[str, Callable[[], Any]], repeats: int) -> dict[s
             prev = best[name]
             best[name] = dt if prev is None else min(prev, dt)
     return best
+
+
+def load1() -> float | None:
+    """The 1-minute load average now, printed and recorded beside each figure (None where
+    the platform has none): on a shared machine it says how disturbed a figure was."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    return round(os.getloadavg()[0], 2)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -316,7 +325,8 @@ def bench_admission(sizes: Sizes, progress: Progress = _nothing) -> dict[str, An
     for lib in libraries:
         for b in sizes.batches:
             for t in sizes.widths:
-                progress(f"admission {lib} B={b} T={t}")
+                load = load1()
+                progress(f"admission {lib} B={b} T={t} (load {load})")
                 data = _batch(b, t)
                 rollouts = _records(data)
                 if lib == "numpy":
@@ -344,6 +354,7 @@ def bench_admission(sizes: Sizes, progress: Progress = _nothing) -> dict[str, An
                             k: None if v is None else round(v / inputs, 4) for k, v in peaks.items()
                         },
                         "ratios": _admission_ratios(best),
+                        "load1": load,
                     }
                 )
     return {
@@ -416,46 +427,88 @@ def _ledger(backend: str, folder: Path, entries: Sequence[LedgerEntry]) -> Itera
         led.close()
 
 
+def _reserve_round(
+    backend: str,
+    folder: Path,
+    entries: list[LedgerEntry],
+    requests: list[ReserveRequest],
+    plain: Callable[[], contextlib.AbstractContextManager[_Plain]],
+    batch: int,
+    rep: int,
+    batches: bool,
+) -> dict[str, float]:
+    """One repeat of `_reserve_rates`: seconds each variant spent, every variant in turn
+    per chunk of `batch` rows, the order rotating with the chunk and the repeat."""
+    n = len(entries)
+    turn = 25  # single operations per turn
+    events = batches and backend != "memory"  # the batch baseline that also logs events
+    spent = dict.fromkeys(("single", "plain_single"), 0.0)
+    if batches:
+        spent.update(batch=0.0, plain_batch=0.0)
+        if events:
+            spent["plain_batch_events"] = 0.0
+    with contextlib.ExitStack() as stack:
+        led = stack.enter_context(_ledger(backend, folder, entries))
+        base = stack.enter_context(plain())
+        if batches:
+            led_b = stack.enter_context(_ledger(backend, folder, entries))
+            base_b = stack.enter_context(plain())
+            logged = stack.enter_context(plain()) if events else None
+
+        def singles(a: int, b: int) -> None:
+            for k in range(a, b, turn):
+                hi = min(b, k + turn)
+                t0 = time.perf_counter()
+                for e in entries[k:hi]:
+                    led.reserve(e.rollout_id, 0, "u", STAMP)
+                spent["single"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                base.single(k, hi)
+                spent["plain_single"] += time.perf_counter() - t0
+
+        def batched(a: int, b: int) -> None:
+            jobs: list[tuple[str, Callable[[], Any]]] = [
+                ("batch", lambda: led_b.reserve_batch(f"u{rep}-{a}", requests[a:b])),
+                ("plain_batch", lambda: base_b.many(a, b)),
+            ]
+            if logged is not None:
+                jobs.append(("plain_batch_events", lambda: logged.many_with_events(a, b)))
+            k = (rep + a // batch) % len(jobs)
+            for name, fn in jobs[k:] + jobs[:k]:
+                t0 = time.perf_counter()
+                fn()
+                spent[name] += time.perf_counter() - t0
+
+        for c, a in enumerate(range(0, n, batch)):
+            b = min(n, a + batch)
+            if not batches:
+                singles(a, b)
+            elif (rep + c) % 2:
+                batched(a, b)
+                singles(a, b)
+            else:
+                singles(a, b)
+                batched(a, b)
+    return spent
+
+
 def _reserve_rates(
     backend: str, folder: Path, n: int, batch: int, repeats: int, *, batches: bool = True
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Reservations per second, one CAS at a time and in batches, each next to its plain
-    baseline. The ledger and the baseline file are open side by side and take turns every
-    few operations, so a slow spell of the disk (fsync) or the CPU hits both alike. Without
-    `batches`, the single CAS and its baseline only."""
+    baseline, all in ONE phase: the ledgers (one reserving singly, one in batches) and the
+    baseline files are open side by side, and per chunk of `batch` rows each variant takes
+    its turn, the order rotating chunk by chunk (the singles and their plain UPDATEs
+    alternate every few rows inside their turn), so a slow spell of the disk (fsync) or
+    the CPU, and what one variant leaves behind (garbage, caches), fall on all alike. Each
+    batch is its own update (a fresh update id), as a trainer's are. Best of `repeats`.
+    Without `batches`, the single CAS and its baseline only."""
     entries = _entries(n)
     requests = [ReserveRequest(e.rollout_id, 0, STAMP) for e in entries]
     plain = _plain_memory(n) if backend == "memory" else _plain_sqlite(folder, n)
-    turn = 25  # single operations per turn
-    events = batches and backend != "memory"  # the batch baseline that also logs events
     totals: dict[str, float] = {}
-    for _ in range(repeats):
-        spent = dict.fromkeys(("single", "plain_single"), 0.0)
-        with _ledger(backend, folder, entries) as led, plain() as base:
-            for k in range(0, n, turn):
-                t0 = time.perf_counter()
-                for e in entries[k : k + turn]:
-                    led.reserve(e.rollout_id, 0, "u", STAMP)
-                spent["single"] += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                base.single(k, min(n, k + turn))
-                spent["plain_single"] += time.perf_counter() - t0
-        if batches:
-            spent.update(batch=0.0, plain_batch=0.0)
-            if events:
-                spent["plain_batch_events"] = 0.0
-            with _ledger(backend, folder, entries) as led, plain() as base, plain() as logged:
-                for k in range(0, n, batch):
-                    t0 = time.perf_counter()
-                    led.reserve_batch("u", requests[k : k + batch])
-                    spent["batch"] += time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                    base.many(k, min(n, k + batch))
-                    spent["plain_batch"] += time.perf_counter() - t0
-                    if events:
-                        t0 = time.perf_counter()
-                        logged.many_with_events(k, min(n, k + batch))
-                        spent["plain_batch_events"] += time.perf_counter() - t0
+    for rep in range(repeats):
+        spent = _reserve_round(backend, folder, entries, requests, plain, batch, rep, batches)
         for name, dt in spent.items():
             totals[name] = min(totals.get(name, dt), dt)
 
@@ -784,10 +837,11 @@ def _tmpfs_single(n: int, repeats: int, progress: Progress) -> dict[str, Any]:
     not measured."""
     if not TMPFS.is_dir() or not os.access(TMPFS, os.W_OK | os.X_OK):
         return {"folder": str(TMPFS), "measured": False, "why": f"{TMPFS} is missing here"}
-    progress(f"ledger sqlite: single reservations on tmpfs ({TMPFS}, {n} rollouts)")
+    load = load1()
+    progress(f"ledger sqlite: single reservations on tmpfs ({TMPFS}, {n} rollouts, load {load})")
     with tempfile.TemporaryDirectory(prefix="rl-bench-", dir=TMPFS) as tmp:
         rates, baseline = _reserve_rates("sqlite", Path(tmp), n, 1, repeats, batches=False)
-    return {"folder": str(TMPFS), "measured": True, **rates, "baseline": baseline}
+    return {"folder": str(TMPFS), "measured": True, **rates, "baseline": baseline, "load1": load}
 
 
 def bench_ledgers(sizes: Sizes, progress: Progress = _nothing) -> dict[str, Any]:
@@ -798,7 +852,8 @@ def bench_ledgers(sizes: Sizes, progress: Progress = _nothing) -> dict[str, Any]
         for backend in ("memory", "sqlite"):
             n = sizes.rollouts if backend == "memory" else sizes.sqlite_rollouts
             batch = 100 if backend == "memory" else 1000
-            progress(f"ledger {backend}: single and batch reservations ({n} rollouts)")
+            load = load1()
+            progress(f"ledger {backend}: single and batch reservations ({n} rollouts, load {load})")
             rates, baseline = _reserve_rates(backend, folder, n, batch, sizes.ledger_repeats)
             races = []
             for w in sizes.racers:
@@ -839,6 +894,7 @@ def bench_ledgers(sizes: Sizes, progress: Progress = _nothing) -> dict[str, Any]
                 extra = {"scale": _memory_scale(sizes.scale_rollouts, sizes.scale_repeats)}
             out[backend] = {
                 **extra,
+                "load1": load,
                 "rollouts": n,
                 "batch_size": batch,
                 **rates,
@@ -901,8 +957,9 @@ def bench_checkers(sizes: Sizes, progress: Progress = _nothing) -> dict[str, Any
 # ---- goals ---------------------------------------------------------------------------------
 
 
-def _goal(what: str, value: float | None, target: str) -> dict[str, Any]:
-    """One goal: `target` is '<= x' or '>= x'; `met` is None when nothing was measured."""
+def _goal(what: str, value: float | None, target: str, load: float | None = None) -> dict[str, Any]:
+    """One goal: `target` is '<= x' or '>= x'; `met` is None when nothing was measured;
+    `load` the 1-minute load average when it was measured, where known."""
     op, bound = target.split()
     met = (
         None if value is None else (value <= float(bound) if op == "<=" else value >= float(bound))
@@ -912,6 +969,7 @@ def _goal(what: str, value: float | None, target: str) -> dict[str, Any]:
         "measured": None if value is None else round(value, 3),
         "target": target,
         "met": met,
+        "load1": load,
     }
 
 
@@ -921,28 +979,28 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     for row in report.get("admission", {}).get("rows", []):
         if row["T"] != 4096 or row["B"] not in (1024, 4096):
             continue
+        g = functools.partial(_goal, load=row.get("load1"))
         case = f"{row['library']} B={row['B']} T={row['T']}"
         r = row["ratios"]
         out += [
-            _goal(f"{case}: gate time / bare expression", r["arrays_vs_bare"], "<= 1"),
-            _goal(f"{case}: gate time / read-once bound", r["arrays_vs_read_once"], "<= 2"),
-            _goal(f"{case}: verl seq_mean_k1 time / gate", r["verl_vs_arrays"], ">= 5"),
-            _goal(
+            g(f"{case}: gate time / bare expression", r["arrays_vs_bare"], "<= 1"),
+            g(f"{case}: gate time / read-once bound", r["arrays_vs_read_once"], "<= 2"),
+            g(f"{case}: verl seq_mean_k1 time / gate", r["verl_vs_arrays"], ">= 5"),
+            g(
                 f"{case}: peak extra memory / inputs",
                 row["peak_extra_vs_inputs"]["gate_arrays"],
                 "<= 0.25",
             ),
-            _goal(f"{case}: records path / array path", r["records_vs_arrays"], "<= 1.5"),
+            g(f"{case}: records path / array path", r["records_vs_arrays"], "<= 1.5"),
         ]
     ledgers = report.get("ledgers", {})
     if "memory" in ledgers:
         mem = ledgers["memory"]
+        g = functools.partial(_goal, load=mem.get("load1"))
         small, large = sorted(mem["commits_per_s"], key=int)
         out += [
-            _goal(
-                "memory: batch / single reservation rate", mem["ratios"]["batch_vs_single"], ">= 3"
-            ),
-            _goal(
+            g("memory: batch / single reservation rate", mem["ratios"]["batch_vs_single"], ">= 3"),
+            g(
                 f"memory: commit time at {large} / at {small} rollouts",
                 mem["ratios"]["commit_large_vs_small"],
                 "<= 1.5",
@@ -952,7 +1010,7 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
         if scale:
             sizes = sorted(scale["cpu_us_per_row"], key=int)
             out.append(
-                _goal(
+                g(
                     "memory: batch reservation CPU per row, most / least over "
                     f"{sizes[0]}..{sizes[-1]} rollouts, gc on",
                     scale["ratios"]["cpu_max_vs_min"],
@@ -961,26 +1019,27 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
             )
     if "sqlite" in ledgers:
         sq = ledgers["sqlite"]
+        g = functools.partial(_goal, load=sq.get("load1"))
         r = sq["ratios"]
         vs_update = r.get("single_vs_autocommit_update")
         wins = {x["workers"]: x["wins_per_s"] for x in sq["racing"]}
         out += [
-            _goal(
+            g(
                 "sqlite: batch reservation / executemany rate",
                 r.get("batch_vs_executemany"),
                 ">= 0.5",
             ),
-            _goal(
+            g(
                 "sqlite: single CAS time / autocommit UPDATE time",
                 None if not vs_update else 1 / vs_update,
                 "<= 1.5",
             ),
-            _goal(
+            g(
                 "sqlite: 8 racing threads / 1 thread (wins per s)",
                 _ratio(wins.get(8), wins.get(1)),
                 ">= 0.5",
             ),
-            _goal(
+            g(
                 f"sqlite: commit time at {max(sq['commits_per_s'], key=int)} / at "
                 f"{min(sq['commits_per_s'], key=int)} rollouts",
                 r["commit_large_vs_small"],
@@ -994,6 +1053,10 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     from rollout_lifecycle.cli import bench_speed  # issue 22's goals
 
     out += bench_speed.goals(report, _goal)
+    if report.get("fleet"):  # issue 36's fleet part (cli/bench_fleet.py)
+        from rollout_lifecycle.cli import bench_fleet
+
+        out += bench_fleet.goals(report, _goal)
     return out
 
 
@@ -1018,6 +1081,7 @@ def run(
     *,
     parts: Sequence[str] = ("admission", "ledgers", "checkers"),
     progress: Progress = _nothing,
+    fleet: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole report: machine, each part, and the goals with their measured ratios."""
     t0 = time.perf_counter()
@@ -1038,6 +1102,22 @@ def run(
         from rollout_lifecycle.cli import bench_speed
 
         report.update(bench_speed.run(sizes is QUICK, speed, progress))
+    if "fleet" in parts:  # issue 36's fleet (cli/bench_fleet.py): options in `fleet`
+        from rollout_lifecycle.cli import bench_fleet
+
+        opts = dict(fleet or {})
+        base = bench_fleet.QUICK if sizes is QUICK else bench_fleet.FULL
+        fsizes = attrs.evolve(
+            base,
+            seconds=opts.get("seconds") or base.seconds,
+            rounds=opts.get("rounds") or base.rounds,
+        )
+        report["fleet"] = bench_fleet.bench_fleet(
+            fsizes,
+            folder=opts.get("folder"),
+            postgres_url=opts.get("postgres_url"),
+            progress=progress,
+        )
     report["goals"] = goals(report)
     report["elapsed_s"] = round(time.perf_counter() - t0, 1)
     return report

@@ -56,6 +56,7 @@ from rollout_lifecycle.model.records import (
     Rollout,
     RolloutIdentity,
 )
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.spec.invariants import check_trace
 
 __all__ = ["demo"]
@@ -84,6 +85,9 @@ class _Demo:
         self.ledger: Ledger = backend.ledger
         self.store = store
         self.rng = np.random.default_rng(seed)
+        set_admission_policy(
+            backend.registry, AdmissionPolicy(MAX_LAG, MAX_DRIFT), "set by the operator"
+        )
         self.coordinator = ActivationCoordinator(
             backend.registry,
             WORKERS,

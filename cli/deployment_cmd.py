@@ -26,9 +26,15 @@ from rollout_lifecycle.cli.output import (
     quiet_option,
     report_options,
 )
-from rollout_lifecycle.model.backends import Backend, redact_url
+from rollout_lifecycle.model.backends import Backend, redact_url, sqlite_path
 from rollout_lifecycle.model.errors import BackendUnavailable, RolloutLifecycleError
-from rollout_lifecycle.model.records import CHAIN_KEYS, LINEAGE_MODES, AdmissionPolicy, to_jsonable
+from rollout_lifecycle.model.records import (
+    CHAIN_KEYS,
+    LINEAGE_MODES,
+    AdmissionPolicy,
+    text_problem,
+    to_jsonable,
+)
 from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.model.rules import retired_versions
 
@@ -76,6 +82,14 @@ def deployment() -> None:
     "requeued up to this many times). Default: unbounded.",
 )
 @click.option(
+    "--create",
+    is_flag=True,
+    help="Start a new deployment here: create the SQLite file, which must not exist yet "
+    "(or the tables in a PostgreSQL database that holds none). Without it the backend must "
+    "already hold this project's ledger: a mistyped path, an empty file or another "
+    "application's database is refused (exit 2) and nothing is created.",
+)
+@click.option(
     "--lineage",
     type=click.Choice(LINEAGE_MODES),
     default="ledger",
@@ -106,6 +120,7 @@ def set_policy(
     max_drift: float,
     batch_size: int | None,
     max_attempts: int | None,
+    create: bool,
     lineage: str,
     chain_key: str,
     reason: str,
@@ -113,11 +128,20 @@ def set_policy(
     report_path: Path | None,
     quiet: bool,
 ) -> None:
-    """Record the admission policy every reservation of this deployment is judged by."""
+    """Record the admission policy every reservation of this deployment is judged by.
+
+    The operator's step: coordinators and learners never write the policy (a coordinator
+    given another one refuses to start, naming this command). The backend must already
+    hold a ledger, unless --create starts a new deployment.
+    """
     del quiet  # one write, no progress to silence: accepted like on every command
     if not reason.strip():
         raise click.BadParameter("must not be empty", param_hint="--reason")
+    problem = text_problem(reason, max_length=None)
+    if problem is not None:
+        raise click.BadParameter(problem, param_hint="--reason")
     check_report_path(report_path)
+    _writable_deployment(url, create)
     with _opened(url, create=True) as b:
         before = b.registry.policy()
         wanted = AdmissionPolicy(max_lag, max_drift, batch_size, max_attempts, lineage, chain_key)
@@ -135,6 +159,34 @@ def set_policy(
     else:
         was = "none" if before is None else _described(before)
         click.echo(f"policy recorded: {_described(after)} (was: {was})")
+
+
+def _writable_deployment(url: str, create: bool) -> None:
+    """Refuse (exit 2, nothing created) a backend that holds no ledger of this project,
+    unless `create` names a SQLite file that does not exist yet (or a PostgreSQL database,
+    whose tables are created): a typo must never become a new deployment."""
+    if url.startswith("memory:"):
+        raise click.UsageError(
+            "--backend: memory:// lives in one process: a policy recorded there is gone when "
+            "this command exits; name the sqlite:/// file or postgresql:// database in use"
+        )
+    if create:
+        try:
+            path = sqlite_path(url) if url.startswith("sqlite:") else None
+        except RolloutLifecycleError as exc:
+            raise click.UsageError(f"--backend: {exc}") from None
+        if path is None or not (path.exists() or path.is_symlink()):
+            return  # a new file, or a server database (its tables are created)
+    try:
+        with _opened(url):  # read-only: refuses a missing file, an empty or foreign database
+            pass
+    except click.UsageError as exc:
+        if create:
+            raise
+        raise click.UsageError(
+            f"{exc.message}; to start a new deployment in a file that does not exist yet, "
+            "add --create"
+        ) from None
 
 
 def _described(p: AdmissionPolicy | Mapping[str, Any]) -> str:

@@ -199,9 +199,13 @@ def activation_drill(
     report_path: Path | None,
     quiet: bool,
 ) -> None:
-    """Activate policy versions across Ray workers under faults; judge the trace by the spec."""
+    """Activate policy versions across Ray workers under faults; judge the trace by the spec.
+
+    Needs the [verl] extra (ray, torch, transformers, peft): without it, exit 3 saying so,
+    before anything is written."""
     from rollout_lifecycle.gpu_check.drill import DrillConfig, DrillError, run_drill
-    from rollout_lifecycle.gpu_check.errors import ControlError, TechnicalFailure
+    from rollout_lifecycle.gpu_check.errors import ControlError, ExtraMissing, TechnicalFailure
+    from rollout_lifecycle.gpu_check.extra import require_drill_modules
 
     check_report_path(report_path)
     faults = _faults(faults_text)
@@ -220,6 +224,10 @@ def activation_drill(
         plan.check()
     except ControlError as exc:
         raise InputError(str(exc)) from None
+    try:  # a missing module would otherwise surface as a traceback inside a Ray actor
+        require_drill_modules()
+    except ExtraMissing as exc:
+        raise TechnicalError(str(exc)) from None
     out = (
         ensure_dir(out, "--out")
         if out is not None

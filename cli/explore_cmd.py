@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,12 @@ def explore_models(
     max_states: int | None,
     show_progress: bool,
     console: Console,
+    on_progress: Callable[[str, ExploreProgress], None] | None = None,
 ) -> dict[str, Any]:
-    """Explore each named model; return a JSON-able report with coverage and any violations."""
+    """Explore each named model; return a JSON-able report with coverage and any violations.
+
+    `on_progress(model, progress)`, when given, is told of each model's progress too (the
+    campaign's stage line)."""
     report: dict[str, Any] = {
         "schema": "rollout-lifecycle/explore-report/1",
         "models": {},
@@ -53,7 +58,9 @@ def explore_models(
         model = factory()
         tick = Progress(f"explore {name}") if show_progress else None
 
-        def on_progress(p: ExploreProgress, tick: Any = tick) -> None:
+        def on_model_progress(p: ExploreProgress, tick: Any = tick, name: str = name) -> None:
+            if on_progress is not None:
+                on_progress(name, p)
             if tick is not None:
                 tick(
                     f"{p.distinct_states:,} states, depth {p.depth}, queue {p.queue_size:,}",
@@ -62,7 +69,7 @@ def explore_models(
 
         t0 = time.perf_counter()
         result: ExplorationResult[Any] = run_explore(
-            model, max_states=max_states, progress=on_progress, progress_every=5_000
+            model, max_states=max_states, progress=on_model_progress, progress_every=5_000
         )
         elapsed = time.perf_counter() - t0
         edges.update(model.edges)

@@ -4,6 +4,10 @@ A thin layer over `stateful_tests.runner.run_campaign`: options in, a progress l
 second on stderr, a final table (steps, rules fired, declared edges covered out of all,
 invariants checked, sometimes-properties reached), the JSON report on request, and on a
 failure the shrunk program printed, saved as a replayable file, and exit status 1.
+
+Infrastructure is not a finding: a backend that cannot be reached (checked before
+anything is written), a server that dies or a disk that fills up mid-run is exit 3 naming
+the cause, with no program saved and no machine marked failed.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from rollout_lifecycle.cli.exitcodes import findings
+from rollout_lifecycle.cli.exitcodes import TechnicalError, findings
 from rollout_lifecycle.cli.output import (
     Progress,
     check_report_path,
@@ -26,15 +30,59 @@ from rollout_lifecycle.cli.output import (
     report_options,
 )
 from rollout_lifecycle.cli.params import COUNT, SEED, FiniteFloat, StrictInt
-from rollout_lifecycle.stateful_tests.backends import resolve_factory
+from rollout_lifecycle.model.errors import BackendUnavailable, RolloutLifecycleError
+from rollout_lifecycle.stateful_tests.backends import (
+    check_reachable,
+    fuzz_backend,
+    resolve_factory,
+)
 from rollout_lifecycle.stateful_tests.profiles import selected_profile_name
 from rollout_lifecycle.stateful_tests.runner import MACHINES as FUZZ_MACHINES
 from rollout_lifecycle.stateful_tests.runner import (
     PROFILES,
     CampaignReport,
+    InfrastructureFailure,
     ProgressEvent,
     run_campaign,
 )
+
+
+def checked_backend(backend: str, option: str = "--backend") -> str:
+    """The backend the machines run on, refused (exit 2) or found unreachable (exit 3)
+    before any file is written: `sqlite:///PATH` and `memory://` are taken as every other
+    command takes them; a postgresql:// server is connected to once."""
+    try:
+        name = fuzz_backend(backend)
+        resolve_factory(name)
+    except (ValueError, RolloutLifecycleError) as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from None
+    try:
+        check_reachable(name)
+    except BackendUnavailable as exc:
+        raise TechnicalError(f"{option}: {exc}") from None
+    except RolloutLifecycleError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from None
+    return name
+
+
+def sqlite_url_note(backend: str, name: str, where: Path) -> str | None:
+    """What a `sqlite:///PATH` backend means to a fuzz run (said once, not hidden)."""
+    if name != "sqlite" or not backend.startswith("sqlite:///") or backend == "sqlite:///":
+        return None
+    return (
+        f"{backend}: the machines run on SQLite, each instance on a fresh file under "
+        f"{where}/ (a fuzz run never writes into the file the URL names)"
+    )
+
+
+def stopped(exc: InfrastructureFailure, what: str) -> TechnicalError:
+    """Exit 3 for an infrastructure failure: the cause named, said not to be a finding."""
+    cause = str(exc).rstrip()
+    end = "" if cause.endswith((".", "?", "!")) else "."
+    return TechnicalError(
+        f"{what} stopped, not a finding: {cause}{end} Nothing was judged as a violation and "
+        "no program was saved; fix the backend or free the disk and run again"
+    )
 
 
 def progress_callback(*, quiet: bool) -> Any:
@@ -105,7 +153,9 @@ def print_fuzz_report(report: CampaignReport, console: Console) -> None:
     "--backend",
     default="sqlite",
     show_default=True,
-    help="Ledger backend: memory, sqlite, or module:factory for your own ledger.",
+    help="Ledger backend: memory, sqlite (or a sqlite:///PATH URL: each machine instance "
+    "still gets a fresh file under --out), a postgresql:// URL (a fresh schema per "
+    "instance), or module:factory for your own ledger.",
 )
 @click.option(
     "--examples",
@@ -158,16 +208,18 @@ def fuzz(
     """Fuzz the protocol machines against the spec; exit 1 on a violation."""
     chosen = profile or selected_profile_name()
     check_report_path(report_path)
-    try:  # a backend that cannot be used is refused before --out is created
-        resolve_factory(backend)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--backend") from None
+    # a backend that cannot be used is refused, and one that cannot be reached found out,
+    # before --out is created
+    name = checked_backend(backend)
     ensure_dir(out_dir, "--out")
     console = make_console(quiet=as_json)
+    note = sqlite_url_note(backend, name, out_dir)
+    if note is not None:
+        console.print(note, markup=False, highlight=False)
     try:
         report = run_campaign(
             list(machines) or list(FUZZ_MACHINES),
-            backend,
+            name,
             examples=examples,
             time_budget_s=time_budget,
             seed=seed,
@@ -176,6 +228,8 @@ def fuzz(
             progress=progress_callback(quiet=quiet),
             workdir=out_dir,
         )
+    except InfrastructureFailure as exc:
+        raise stopped(exc, "fuzz") from None
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     print_fuzz_report(report, console)
@@ -184,4 +238,11 @@ def fuzz(
         raise findings()
 
 
-__all__ = ["fuzz", "print_fuzz_report", "progress_callback"]
+__all__ = [
+    "checked_backend",
+    "fuzz",
+    "print_fuzz_report",
+    "progress_callback",
+    "sqlite_url_note",
+    "stopped",
+]

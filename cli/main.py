@@ -132,12 +132,13 @@ class _LazyGroup(click.Group):
             except ModuleNotFoundError as exc:
                 if (exc.name or "").partition(".")[0] != "hypothesis":
                     raise
-                # Hypothesis is the [campaign] extra: embedding never needs it, these do
-                raise click.UsageError(
+                # Hypothesis is the [campaign] extra: embedding never needs it, these do;
+                # a missing optional dependency is a technical failure (exit 3), as for
+                # every other extra
+                raise exitcodes.TechnicalError(
                     f"'{cmd_name}' needs Hypothesis, which is not installed: "
                     "pip install 'rollout-lifecycle[campaign]' (from a checkout: "
-                    "pip install -e '.[campaign]')",
-                    ctx,
+                    "pip install -e '.[campaign]')"
                 ) from None
             self.add_command(getattr(module, cmd_name.replace("-", "_")))
         return super().get_command(ctx, cmd_name)

@@ -2,8 +2,9 @@
 
 Each mutant is a realistic protocol bug (most of them shipped by a peer framework) injected
 by patching model/ at run time. The table says, per mutant, whether the fuzzer killed it and
-after how many examples, whether the explorer killed it and after how many states, and how
-long each took. Any survivor makes the command exit 1.
+after how many examples, whether the explorer killed it and after how many states, whether
+the campaign at `--profile` (fast by default: what `make campaign` runs) killed it and in
+which of its stages, and how long each took. Any survivor makes the command exit 1.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from rollout_lifecycle.cli.output import (
     report_options,
 )
 from rollout_lifecycle.cli.params import COUNT, SEED
+from rollout_lifecycle.stateful_tests.campaign_profiles import DEFAULT_PROFILE, PROFILES
 from rollout_lifecycle.stateful_tests.mutants import BY_NAME, CATALOGUE, CLASSES
 from rollout_lifecycle.stateful_tests.mutation import MutantResult, run_catalogue, summary
 
@@ -37,11 +39,12 @@ def _cell(k: object) -> str:
         return "n/a"
     if not k.killed:
         return f"[bold red]SURVIVED[/] ({k.effort:,} {k.unit})"
-    by = f"{k.stage}: " if k.stage else ""  # the campaign's stage that killed it
-    return f"{by}{k.effort:,} {k.unit}, {k.seconds:.1f}s"
+    return f"{k.effort:,} {k.unit}, {k.seconds:.1f}s"
 
 
-def print_mutants(results: list[MutantResult], console: Console) -> None:
+def print_mutants(
+    results: list[MutantResult], console: Console, profile: str = DEFAULT_PROFILE
+) -> None:
     """One row per mutant, then kill rates and median time to kill."""
     table = Table(title="mutation catalogue")
     for col in (
@@ -51,7 +54,8 @@ def print_mutants(results: list[MutantResult], console: Console) -> None:
         "killed by",
         "fuzzer",
         "explorer",
-        "README campaign",
+        f"campaign ({profile})",
+        "campaign stage",
     ):
         table.add_column(col)
     for r in results:
@@ -63,6 +67,7 @@ def print_mutants(results: list[MutantResult], console: Console) -> None:
             _cell(r.fuzz),
             _cell(r.explore),
             _cell(r.campaign),
+            r.campaign.stage or "-",
         )
     console.print(table)
     s = summary(results)
@@ -75,7 +80,12 @@ def print_mutants(results: list[MutantResult], console: Console) -> None:
             f"time to kill {c['median_seconds_to_kill']}s"
         )
     console.print(f"killed by at least one checker: {s['killed_by_any']}/{s['mutants']}")
-    per = Table(title="per class: killed by the README campaign")
+    if s["campaign_kills_by_stage"]:
+        console.print(
+            f"campaign ({profile}) kills by stage: "
+            + ", ".join(f"{k} {n}" for k, n in s["campaign_kills_by_stage"].items())
+        )
+    per = Table(title=f"per class: killed by the campaign ({profile} profile)")
     for col in ("class", "what it is", "mutants", "campaign reached", "campaign killed"):
         per.add_column(col)
     for klass, row in s["by_class"].items():
@@ -102,7 +112,15 @@ def print_mutants(results: list[MutantResult], console: Console) -> None:
     type=click.Choice(["all", "both", "fuzz", "explore", "campaign"]),
     default="all",
     show_default=True,
-    help="all: fuzzer, explorer and the README campaign; both: fuzzer and explorer.",
+    help="all: fuzzer, explorer and the campaign; both: fuzzer and explorer.",
+)
+@click.option(
+    "--profile",
+    "profile_name",
+    type=click.Choice(sorted(PROFILES)),
+    default=DEFAULT_PROFILE,
+    show_default=True,
+    help="The campaign profile whose stages (and budgets) the campaign checker runs.",
 )
 @click.option(
     "--examples",
@@ -132,6 +150,7 @@ def print_mutants(results: list[MutantResult], console: Console) -> None:
 def mutants(
     only: tuple[str, ...],
     checker: str,
+    profile_name: str,
     examples: int,
     seed: int,
     out_dir: Path | None,
@@ -153,8 +172,10 @@ def mutants(
 
     def on_result(r: MutantResult) -> None:
         done[0] += 1
+        stage = f" (campaign: {r.campaign.stage})" if r.campaign.stage else ""
         tick(
-            f"{done[0]}/{len(chosen)} {r.name}: killed by {', '.join(r.killed_by) or 'nobody'}",
+            f"{done[0]}/{len(chosen)} {r.name}: killed by "
+            f"{', '.join(r.killed_by) or 'nobody'}{stage}",
             done[0] == len(chosen),
         )
 
@@ -168,10 +189,12 @@ def mutants(
         workdir=out_dir,
         on_result=on_result,
         postgres_url=postgres_url,
+        profile=profile_name,
     )
-    print_mutants(results, console)
+    print_mutants(results, console, profile_name)
     data = {
         "schema": "rollout-lifecycle/mutants-report/1",
+        "campaign_profile": profile_name,
         "results": [r.to_json() for r in results],
         "summary": summary(results),
     }

@@ -92,6 +92,7 @@ from rollout_lifecycle.model.records import (
     RolloutIdentity,
     WorkerAck,
 )
+from rollout_lifecycle.model.registry import set_admission_policy
 
 STRATEGIES = ("discard", "capacity", "ours")
 LAGS = (1, 2, 4)
@@ -241,6 +242,7 @@ class Simulation:
             batch_size=self.B if ours else None,
             max_attempts=config.max_attempts if ours else None,
         )
+        set_admission_policy(self.backend.registry, self.policy, "the simulated operator's")
         self.coord = ActivationCoordinator(
             self.backend.registry,
             (WORKER,),

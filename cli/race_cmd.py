@@ -76,6 +76,21 @@ from rollout_lifecycle.stateful_tests.race import RaceConfig, check_fresh, lin_l
     "(docs/design.md, 'A call history'; schema cli/schemas/call-history.schema.json): "
     "what the linearizability check read, for any other checker to read too.",
 )
+@click.option(
+    "--faults",
+    is_flag=True,
+    help="Race the README's own forms under faults instead: learners and the activator "
+    "SIGKILLed and replaced, leases lost mid-update, rollbacks, careless lineages; judged "
+    "from the durable trace (no rollout in two published updates, none stale, none lost, "
+    "no attempt left past its ack deadline). Takes --learners, --seconds, --max-lag, --seed.",
+)
+@click.option(
+    "--kill-every",
+    type=FiniteFloat(0.0, 3600.0),
+    default=3.0,
+    show_default=True,
+    help="With --faults: mean seconds between two SIGKILLs (0: none).",
+)
 @report_options
 @quiet_option
 def race(
@@ -90,6 +105,8 @@ def race(
     workers: int,
     roles: bool | None,
     history_path: Path | None,
+    faults: bool,
+    kill_every: float,
     as_json: bool,
     report_path: Path | None,
     quiet: bool,
@@ -108,12 +125,29 @@ def race(
         raise click.BadParameter(
             f"{hostile} hostile learners out of {learners}", param_hint="--hostile"
         )
+    if faults:
+        given = {
+            "--activators": activators != 1,
+            "--hostile": hostile != 0,
+            "--churn": churn,
+            "--history": history_path is not None,
+        }
+        for flag, on in given.items():
+            if on:
+                raise click.BadParameter(
+                    "the fault race runs one activator (killed and replaced), rolls back "
+                    "on its own and records no call history",
+                    param_hint=f"{flag} with --faults",
+                )
     try:
         check_fresh(url)
     except BackendUnavailable as exc:
         raise TechnicalError(str(exc)) from None
     except RolloutLifecycleError as exc:
         raise InputError(str(exc)) from None
+    if faults:
+        _fault_race(url, learners, seconds, max_lag, seed, kill_every, as_json, report_path, quiet)
+        return
     cfg = RaceConfig(
         url=url,
         learners=learners,
@@ -151,6 +185,67 @@ def race(
     )
     if report.linearizability is not None:
         console.print(lin_line(report.linearizability, report.history))
+    emit_report(report.to_json(), as_json=as_json, report_path=report_path, console=console)
+    if report.infrastructure:  # the backend failed under it: its verdict is void, not a finding
+        raise TechnicalError(
+            "the race stopped, not a finding: the backend or the disk failed under "
+            f"{len(report.infrastructure)} process(es): {report.infrastructure[0]}"
+        )
+    if not report.ok:
+        raise findings()
+
+
+def _fault_race(
+    url: str,
+    learners: int,
+    seconds: float,
+    max_lag: int,
+    seed: int,
+    kill_every: float,
+    as_json: bool,
+    report_path: Path | None,
+    quiet: bool,
+) -> None:
+    """`race --faults`: the README pattern under SIGKILLs and lost leases, judged."""
+    import tempfile
+
+    from rollout_lifecycle.stateful_tests.fault_race import FaultRaceConfig, run_fault_race
+
+    tick = Progress("race --faults", quiet=quiet)
+    with tempfile.TemporaryDirectory(prefix="fault-race-") as work:
+        cfg = FaultRaceConfig(
+            url=url,
+            workdir=Path(work),
+            learners=learners,
+            seconds=seconds,
+            kill_every=kill_every,
+            max_lag=max_lag,
+            seed=seed,
+        )
+        try:
+            report = run_fault_race(cfg, progress=tick)
+        except RolloutLifecycleError as exc:
+            raise TechnicalError(f"the fault race could not run: {exc}") from None
+    tick("done", True)
+    console = make_console(quiet=as_json)
+    table = Table(title=f"fault race: {learners} learners, {seconds:.0f}s, SIGKILLs {report.kills}")
+    table.add_column("counter")
+    table.add_column("total", justify="right")
+    for key, n in {**report.counts, **report.facts}.items():
+        if isinstance(n, int):
+            table.add_row(key, f"{n:,}")
+    console.print(table)
+    for line in report.findings[:50]:
+        console.print(f"[red]{line}[/]")
+    for e in report.errors:
+        console.print(f"[red]process failed: {e}[/]")
+    f = report.facts
+    console.print(
+        f"{report.events:,} events judged: {f['rollouts_in_two_published_updates']} rollouts "
+        f"in two published updates, {f['stale_consumed']} stale, {f['lost']} lost, "
+        f"{f['awaiting_acks_at_end']} awaiting acks at the end; {f['lease_losses']} lease "
+        f"losses, {sum(report.kills.values())} SIGKILLs; {len(report.findings)} findings"
+    )
     emit_report(report.to_json(), as_json=as_json, report_path=report_path, console=console)
     if not report.ok:
         raise findings()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from rollout_lifecycle.cli.deployment_cmd import _writable_deployment
 from rollout_lifecycle.cli.ledger_cmd import _opened
 from rollout_lifecycle.cli.output import (
     check_report_path,
@@ -73,7 +74,8 @@ def _run_id(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
     "url",
     required=True,
     help="The run's ledger URL, reachable from every verl process: sqlite:////abs/ledger.db "
-    "or postgresql://... (created if absent).",
+    "or postgresql://... (a SQLite file is created if absent; an existing one must hold "
+    "this project's ledger).",
 )
 @click.option("--run-id", required=True, callback=_run_id, help="Names this run's updates.")
 @click.option(
@@ -110,6 +112,9 @@ def setup(
     del quiet
     check_report_path(report_path)
     wanted = AdmissionPolicy(max_lag, max_drift, batch_size, max_attempts)
+    # as `deployment set-policy --create`: a new file is created, an existing one must hold
+    # this project's ledger (an empty file or another application's database is refused)
+    _writable_deployment(url, create=True)
     with _opened(url, create=True) as b:
         policy = set_admission_policy(b.registry, wanted, f"verl setup of run {run_id}")
         canonical = b.url

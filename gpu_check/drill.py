@@ -53,7 +53,12 @@ from rollout_lifecycle.model.records import (
     AdmissionPolicy,
     Reward,
 )
-from rollout_lifecycle.model.registry import RegistryStep, RegistryView, counted_acks
+from rollout_lifecycle.model.registry import (
+    RegistryStep,
+    RegistryView,
+    counted_acks,
+    set_admission_policy,
+)
 from rollout_lifecycle.spec.audit import audit
 from rollout_lifecycle.spec.invariants import violated_names
 
@@ -176,7 +181,11 @@ def _ray_session(address: str | None, log: Path) -> Iterator[Any]:
     try:
         import ray
     except ImportError as exc:
-        raise TechnicalFailure("ray", f"not importable ({exc}); pip install 'ray'") from None
+        from rollout_lifecycle.gpu_check.extra import INSTALL_HINT
+
+        raise TechnicalFailure(
+            "ray", f"not importable ({exc}); the drill needs the [verl] extra: {INSTALL_HINT}"
+        ) from None
     try:
         if address:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
@@ -312,8 +321,9 @@ class ActivationDrill:
 
     def start_coordinator(self, first: bool) -> None:
         workers = [f"gen-{i}" for i in range(self.cfg.workers)] if first else None
-        policy = POLICY if first else None
-        self.coord = self.coord_cls.remote(self.url, self.store_root, workers, policy)
+        if first:  # the operator records the deployment's policy; coordinators only check it
+            set_admission_policy(self.backend.registry, POLICY, "drill: set by the operator")
+        self.coord = self.coord_cls.remote(self.url, self.store_root, workers, POLICY)
         self.coordinator_procs.append(self.get(self.coord.where.remote(), "coordinator start"))
 
     def start_worker(self, wid: str, incarnation: int) -> Any:

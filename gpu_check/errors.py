@@ -20,10 +20,12 @@ class GpuCheckError(RolloutLifecycleError):
 class ExtraMissing(GpuCheckError):
     """The optional `[verl]` extra (verl 0.9.1 and its worker-path needs) is not importable."""
 
-    def __init__(self, missing: Sequence[str], install_hint: str) -> None:
+    def __init__(
+        self, missing: Sequence[str], install_hint: str, what: str = "the real-run check"
+    ) -> None:
         self.missing = tuple(missing)
         super().__init__(
-            f"the real-run check needs the [verl] extra; not importable: {', '.join(missing)}. "
+            f"{what} needs the [verl] extra; not importable: {', '.join(missing)}. "
             f"Install it with: {install_hint}"
         )
 

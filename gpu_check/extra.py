@@ -54,10 +54,23 @@ INSTALL_HINT = (
 )
 
 
-def missing_modules() -> list[str]:
-    """Import names of the extra that cannot be found (without importing them)."""
+# what the activation drill imports (Ray actors building the small Qwen2 + LoRA model): all
+# of it comes with the [verl] extra (verl brings ray)
+DRILL_MODULES: dict[str, str] = {
+    "ray": "ray",
+    "torch": "torch",
+    "transformers": "transformers",
+    "peft": "peft",
+    "tokenizers": "tokenizers",
+    "safetensors": "safetensors",
+}
+
+
+def missing_modules(modules: dict[str, str] | None = None) -> list[str]:
+    """Import names of the extra (or of `modules`) that cannot be found, without importing
+    them."""
     out = []
-    for name in REQUIRED_MODULES:
+    for name in REQUIRED_MODULES if modules is None else modules:
         try:
             found = importlib.util.find_spec(name) is not None
         except (ImportError, ValueError):
@@ -72,6 +85,15 @@ def require_extra() -> None:
     missing = missing_modules()
     if missing:
         raise ExtraMissing([f"{m} ({REQUIRED_MODULES[m]})" for m in missing], INSTALL_HINT)
+
+
+def require_drill_modules() -> None:
+    """Raise ExtraMissing when the activation drill's modules are not all importable: the
+    drill needs the [verl] extra too (its workers are Ray actors building a real model)."""
+    missing = missing_modules(DRILL_MODULES)
+    if missing:
+        names = [f"{m} ({DRILL_MODULES[m]})" for m in missing]
+        raise ExtraMissing(names, INSTALL_HINT, what="the activation drill")
 
 
 def versions() -> dict[str, str | None]:

@@ -47,6 +47,7 @@ from rollout_lifecycle.model.records import (
     RolloutIdentity,
     WorkerAck,
 )
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.spec.invariants import Violation, check_reservation
 
 WORKER_ID = "generation-0"
@@ -107,12 +108,15 @@ class RunProtocol:
         self.url = f"sqlite:///{path}"
         self.backend = open_backend(self.url, clock=clock)
         self.store = ArtifactStore(artifact_root)
+        recorded = AdmissionPolicy(policy.max_lag, policy.max_drift)
+        # this group's own deployment: its operator records the policy the gate uses
+        set_admission_policy(self.backend.registry, recorded, "gpu-check group", at=clock())
         self.coordinator = ActivationCoordinator(
             self.backend.registry,
             [WORKER_ID],
             ledger=self.backend.ledger,
             clock=clock,
-            policy=AdmissionPolicy(policy.max_lag, policy.max_drift),
+            policy=recorded,
         )
         self.policy = policy
         self.gate = AdmissionGate(policy, registry=self.coordinator.activated_hash)

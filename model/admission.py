@@ -22,11 +22,12 @@ from typing import Any
 
 import attrs
 
+from rollout_lifecycle.model import rules
 from rollout_lifecycle.model.errors import GateConfigError
 from rollout_lifecycle.model.gate import AdmissionDecision, AdmissionGate, GatePolicy
 from rollout_lifecycle.model.ledger import Ledger, ReserveOutcome, ReserveRequest, check_update_id
 from rollout_lifecycle.model.records import GenerationConditions, Rollout
-from rollout_lifecycle.model.registry import RegistryStore, activated_hash
+from rollout_lifecycle.model.registry import RegistryStore, activated_hash, backend_url
 
 
 @attrs.frozen
@@ -83,10 +84,7 @@ def admit_and_reserve(
     else:
         policy, current, ever = premise.policy, premise.pointer_version, premise.was_active
     if policy is None:
-        raise GateConfigError(
-            "the deployment records no admission policy; set one with `rollout-lifecycle "
-            "deployment set-policy --max-lag N --max-drift X` (or set_admission_policy)"
-        )
+        raise GateConfigError(rules.no_policy_detail(backend_url(registry)))
     if current is None:
         raise GateConfigError("no policy version is active yet: nothing can be admitted")
 

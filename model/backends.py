@@ -200,8 +200,10 @@ def redact_url(url: str) -> str:
     return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
 
 
-def _bad(url: str, why: str) -> BackendURLError:
-    examples = "; ".join(EXAMPLES)
+def _bad(url: str, why: str, *, stored: bool = False) -> BackendURLError:
+    """A BackendURLError with valid examples; `stored`: the command reads a stored ledger,
+    so memory:// (which stores nothing) is not offered as one."""
+    examples = "; ".join(e for e in EXAMPLES if not (stored and e.startswith("memory:")))
     return BackendURLError(f"backend URL {brief(url)}: {why}. Valid examples: {examples}")
 
 
@@ -212,7 +214,8 @@ def _open_memory(url: str, rest: str, opts: OpenOptions) -> Backend:
         raise _bad(
             url,
             "memory:// starts empty in every process, so there is nothing stored to read; "
-            "point at the sqlite:/// file your run wrote",
+            "point at the sqlite:/// file your run wrote, or the postgresql:// database",
+            stored=True,
         )
     log = EventLog()
     registry = MemoryRegistry(event_log=log)
@@ -244,11 +247,12 @@ def sqlite_path(url: str) -> Path:
 def _check_existing(url: str, path: Path) -> None:
     """Refuse a missing file or one this project never wrote, before anything creates tables."""
     if not path.exists():
-        raise _bad(url, f"no such file {path} (reading never creates a ledger; check the path)")
+        why = f"no such file {path} (reading never creates a ledger; check the path)"
+        raise _bad(url, why, stored=True)
     if path.is_dir():
-        raise _bad(url, f"{path} is a directory, not a database file")
+        raise _bad(url, f"{path} is a directory, not a database file", stored=True)
     if not os.access(path, os.R_OK):
-        raise _bad(url, f"{path} cannot be read (permission denied)")
+        raise _bad(url, f"{path} cannot be read (permission denied)", stored=True)
     try:
         conn = connect_read_only(path)
         try:
@@ -256,9 +260,10 @@ def _check_existing(url: str, path: Path) -> None:
         finally:
             conn.close()
     except sqlite3.Error as exc:
-        raise _bad(url, f"{path} is not a readable SQLite database ({exc})") from None
+        raise _bad(url, f"{path} is not a readable SQLite database ({exc})", stored=True) from None
     if not found:
-        raise _bad(url, f"{path} is a SQLite file but holds no rollout-lifecycle ledger")
+        why = f"{path} is a SQLite file but holds no rollout-lifecycle ledger"
+        raise _bad(url, why, stored=True)
 
 
 def _read_only_storage(path: Path) -> bool:
@@ -381,12 +386,15 @@ def open_backend(
         hint = ""
         if url.endswith((".db", ".sqlite", ".sqlite3")):
             hint = f" (did you mean sqlite:///{url}?)"
-        raise _bad(url, f"it has no scheme{hint}")
+        raise _bad(url, f"it has no scheme{hint}", stored=not create)
     if scheme in PLANNED:
         raise _bad(url, PLANNED[scheme])
     opener = OPENERS.get(scheme)
     if opener is None:
-        raise _bad(url, f"unknown scheme {brief(scheme)} (known: {', '.join(sorted(OPENERS))})")
+        known = sorted(k for k in OPENERS if create or k != "memory")
+        raise _bad(
+            url, f"unknown scheme {brief(scheme)} (known: {', '.join(known)})", stored=not create
+        )
     lease = check_lease_seconds(lease_seconds)
     try:
         return opener(url, rest, OpenOptions(clock, lease, create))

@@ -15,15 +15,25 @@ before the worker left and re-joined the worker set, is refused with a typed rea
 of counted by arrival. Leaving the worker set voids a worker's ack and tokens; a worker that
 joins while a version awaits acks is issued a token of its own and must ack afresh. Reports
 of a version not awaiting acks ("I restored v0"), and every report of a non-member, are
-stored as what the worker holds: they can block an activation, never help one.
+stored as what the worker holds: they can block an activation, never help one. A token
+counts once, so a network duplicate of an ack the worker has since replaced never counts,
+even when `seq` is numbered by arrival.
 
 A failed activation quarantines that version's rollouts in the ledger after the registry
-step commits; `resume` re-applies it, so a crash in between is healed.
+step commits; `resume` re-applies it, so a crash in between is healed. Each distribution
+attempt has an ack deadline on the deployment's clock; `settle` (run first by distribute,
+retry, rollback, try_activate of another version and resume) activates an attempt whose
+acks are all in and fails one past its deadline, so a killed activator never stalls the
+deployment.
+
+The admission policy is never written here: `policy=` is an expectation checked at
+construction (the operator records it: `deployment set-policy`, `set_admission_policy`).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import secrets
 import threading
 import time
@@ -57,6 +67,7 @@ from rollout_lifecycle.model.registry import (
     WorkerReport,
     activated_hash,
     activation_decision,
+    backend_url,
     check_membership,
     check_policy,
     counted_acks,
@@ -66,9 +77,13 @@ from rollout_lifecycle.model.registry import (
     lineage_fenced,
     reconcile_membership,
     required_set,
-    set_admission_policy,
 )
-from rollout_lifecycle.model.rules import ROLLBACK_KEPT, ROLLBACK_RETIRED, retired_versions
+from rollout_lifecycle.model.rules import (
+    ROLLBACK_KEPT,
+    ROLLBACK_RETIRED,
+    retired_versions,
+    set_policy_command,
+)
 
 R = TypeVar("R")
 
@@ -83,6 +98,13 @@ STALE_INCARNATION = "stale_incarnation"
 MISSING_ATTEMPT_TOKEN = "missing_attempt_token"  # acks a version awaiting acks, no token
 STALE_ATTEMPT_TOKEN = "stale_attempt_token"  # a token of an earlier attempt (or membership)
 FOREIGN_ATTEMPT_TOKEN = "foreign_attempt_token"  # another worker's token of this attempt
+SPENT_ATTEMPT_TOKEN = "spent_attempt_token"  # a token that counted once already (its ack was
+# since replaced by a later report of the worker): a network duplicate, never counted again
+
+# the cause a distribution attempt fails with when its ack deadline passed unanswered
+ACK_DEADLINE_PASSED = "ack_deadline_passed"
+# how long a distribution attempt waits for acks by default (seconds, deployment clock)
+DEFAULT_ACK_TIMEOUT = 600.0
 
 # ActivationResult reasons beyond those of activate_policy_version
 NOT_COMMITTED = "artifact_not_committed"
@@ -131,6 +153,16 @@ class ActivationResult:
 
 
 @attrs.frozen
+class Settled:
+    """What `settle` resolved: versions activated (every ack was in), versions failed at
+    their ack deadline, and (version, deadline) of each attempt still awaiting acks."""
+
+    activated: tuple[int, ...]
+    failed: tuple[int, ...]
+    awaiting: tuple[tuple[int, float | None], ...]
+
+
+@attrs.frozen
 class PendingWork:
     """What a restarted caller must still drive: distribute, retry, fail or abandon."""
 
@@ -174,6 +206,25 @@ def judge_ack(report: WorkerReport, ack: WorkerAck) -> str:
         same = attrs.evolve(ack, token=None) == attrs.evolve(latest, token=None)
         return DUPLICATE if same else CONFLICTING
     return COUNTED if key > latest_key else OUT_OF_ORDER
+
+
+def judge_spent(
+    view: RegistryView, rec: ArtifactRecord, report: WorkerReport, ack: WorkerAck
+) -> str | None:
+    """Why an ack that echoes its current token and passed the ordering judgement may still
+    not count: a token counts once. When an ack echoing it was counted already, a copy of
+    that ack still standing as the worker's report is a DUPLICATE; any other ack echoing it
+    is SPENT_ATTEMPT_TOKEN (the worker reported something else since, or restarted: this is
+    a network duplicate of a voided ack, or an ack the attempt can no longer take; a retry
+    issues fresh tokens). Judged without `seq`, so it holds in the README's form, where seq
+    is numbered by arrival."""
+    mine = current_tokens(view, rec).get(ack.worker_id)
+    if mine is None or not mine.spent:
+        return None
+    standing = report.ack
+    if standing is not None and attrs.evolve(ack, seq=None) == attrs.evolve(standing, seq=None):
+        return DUPLICATE
+    return SPENT_ATTEMPT_TOKEN
 
 
 def number_ack(report: WorkerReport, ack: WorkerAck) -> WorkerAck:
@@ -268,6 +319,84 @@ def _text(v: object, what: str, *, free: bool = False) -> str:
     return v
 
 
+def check_expected_policy(registry: RegistryStore, expected: AdmissionPolicy) -> None:
+    """Refuse (ActivationError) unless `registry` records exactly `expected`; the message
+    gives the operator's command that records it, naming this registry's database."""
+    stored = registry.policy()
+    if stored == expected:
+        return
+    command = set_policy_command(backend_url(registry), expected)
+    if stored is None:
+        raise ActivationError(
+            f"the registry records no admission policy, and a coordinator never sets it "
+            f"(this one expects {expected!r}): the policy is the operator's. If that is the "
+            f"deployment's policy, the operator records it first with: {command}"
+        )
+    raise ActivationError(
+        f"the registry records admission policy {stored!r}; this coordinator expects "
+        f"{expected!r}. Run it with the deployment's policy (or without policy=); if the "
+        f"deployment's policy must change, the operator records it with: {command}"
+    )
+
+
+def _detail(v: object) -> str:
+    """A failure's detail: free text, or empty (refused typed like every other text)."""
+    return "" if v == "" else _text(v, "detail", free=True)
+
+
+def _activation(
+    view: RegistryView, rec: ArtifactRecord, now: float
+) -> tuple[RegistryStep, ActivationResult]:
+    """The step that activates `rec` (awaiting acks) if activate_policy_version says so on
+    the stored state, with the decision; a step that writes nothing otherwise."""
+    pointer = view.pointer()
+    decision = activation_decision(view, rec)
+    reports = counted_acks(view, rec)
+    required = required_set(view)
+    p = decision["active_pointer"]
+    result = ActivationResult(
+        activated=decision["activated"],
+        reason=decision["reason"],
+        active_pointer=None if p is None else ActivePointer(**p),
+        missing_workers=tuple(decision["missing_workers"]),
+        mismatched_workers=tuple(decision["mismatched_workers"]),
+    )
+    if not result.activated:
+        return RegistryStep(now), result
+    # only acks that exist are recorded: the spec, not a KeyError, must judge a bad decision
+    used = tuple(reports[w] for w in required if w in reports)
+    changes = [_change(rec, "activate", {"all_acked": True}, acks=used, required_workers=required)]
+    if pointer is not None:
+        changes.append(_change(_get(view, pointer.version), "supersede"))
+    return RegistryStep(now, tuple(changes), pointer=result.active_pointer), result
+
+
+def _awaiting(rec: ArtifactRecord, now: float) -> str:
+    """'v3 is still awaiting acks (...)', saying when its attempt's deadline passes."""
+    if rec.ack_deadline is None:
+        when = "its attempt records no ack deadline (written before deadlines existed)"
+    elif now >= rec.ack_deadline:
+        when = f"its ack deadline passed {now - rec.ack_deadline:.0f} s ago"
+    else:
+        when = (
+            f"its ack deadline passes in {rec.ack_deadline - now:.0f} s; then any "
+            "coordinator's next distribute, retry, rollback, resume or settle fails it"
+        )
+    return f"v{rec.version} is still awaiting acks ({when})"
+
+
+def _timeout(v: object) -> float:
+    """An ack timeout: a finite number of seconds > 0."""
+    try:
+        ok = not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) and v > 0
+    except OverflowError:
+        ok = False
+    if not ok:
+        raise ActivationError(f"ack_timeout must be a finite number of seconds > 0, got {brief(v)}")
+    assert isinstance(v, int | float)
+    return float(v)
+
+
 def _get(view: RegistryView, version: int) -> ArtifactRecord:
     rec = view.artifact(_version(version))
     if rec is None:
@@ -287,6 +416,7 @@ class ActivationCoordinator:
         clock: Callable[[], float] | None = None,
         policy: AdmissionPolicy | None = None,
         new_token: TokenSource = random_token,
+        ack_timeout: float = DEFAULT_ACK_TIMEOUT,
     ) -> None:
         """Attach to `registry`, whose durable required worker set every coordinator shares.
 
@@ -294,13 +424,26 @@ class ActivationCoordinator:
         change). On a registry that has one, `required_workers` may be omitted, and if
         given must equal it: a second coordinator with another set is refused, so it can
         never move the pointer on a partial worker set. Change the set explicitly with
-        `change_membership`. `policy` works the same way for the deployment's admission
-        policy (recorded if none is; refused if another one is; `set_policy` changes it).
+        `change_membership`.
+
+        `policy` is what this coordinator EXPECTS the deployment's admission policy to be;
+        it is never written (the policy is the operator's alone: `rollout-lifecycle
+        deployment set-policy`, or `set_admission_policy`). When the registry records no
+        policy, or another one, construction is refused with ActivationError naming the
+        command that records it on this very database, so a misconfigured process that
+        starts first can neither set the deployment's policy nor run under another one.
         `new_token(version, attempt, worker_id)` makes attempt tokens: random by default; a
         deterministic source is for exhaustive exploration only.
+
+        `ack_timeout` (seconds, > 0) is how long each distribution attempt waits for acks:
+        its deadline is recorded on the artifact from the deployment's clock (PostgreSQL's
+        server clock, the SQLite file's host clock), and once it has passed the next
+        coordinator action that a pending attempt would block fails it (see `settle`).
         """
         self.registry = registry
         self.ledger = ledger
+        self.ack_timeout = _timeout(ack_timeout)
+        self._injected_clock = clock is not None
         # steps are dated by the registry's clock where it has one (the SQLite file's host
         # clock), so ledger and registry events of one trace share one time line
         self.clock: Callable[[], float] = (
@@ -308,6 +451,9 @@ class ActivationCoordinator:
         )
         self.new_token = new_token
         wanted = None if required_workers is None else check_membership(required_workers)
+        expected = None if policy is None else check_policy(policy)
+        if expected is not None:  # before any write: a refused coordinator records nothing
+            check_expected_policy(registry, expected)
 
         def plan(view: RegistryView) -> tuple[RegistryStep, None]:
             initial = reconcile_membership(view.required_workers(), wanted)
@@ -319,26 +465,6 @@ class ActivationCoordinator:
             return step, None
 
         self._step(plan)
-        if policy is not None:
-            wanted_policy = check_policy(policy)
-
-            def plan_policy(view: RegistryView) -> tuple[RegistryStep, None]:
-                stored = view.policy()
-                if stored is None:
-                    step = RegistryStep(
-                        self.clock(), policy=wanted_policy, policy_reason="initial policy"
-                    )
-                    return step, None
-                if stored != wanted_policy:
-                    raise ActivationError(
-                        f"the registry records admission policy max_lag {stored.max_lag}, "
-                        f"max_drift {stored.max_drift}; this coordinator was given max_lag "
-                        f"{wanted_policy.max_lag}, max_drift {wanted_policy.max_drift}: omit "
-                        "policy, or change it explicitly with set_policy()"
-                    )
-                return RegistryStep(self.clock()), None
-
-            self._step(plan_policy)
         self._acks: Counter[str] = Counter()
         self._attempts: Counter[str] = Counter()
         self._counter_lock = threading.Lock()
@@ -378,6 +504,16 @@ class ActivationCoordinator:
     ) -> tuple[R, list[ArtifactChanged]]:
         return self.registry.transact(plan)
 
+    def _now(self, view: RegistryView) -> float:
+        """The deployment's time for a step: read inside the step where the store keeps the
+        clock (PostgreSQL's server clock), else the registry's (the SQLite file's host
+        clock) or this process's; an injected `clock` (tests, simulations) wins."""
+        if not self._injected_clock:
+            read = getattr(view, "now", None)
+            if callable(read):
+                return float(read())
+        return self.clock()
+
     def _move(
         self,
         version: int,
@@ -400,18 +536,22 @@ class ActivationCoordinator:
 
         def plan(view: RegistryView) -> tuple[RegistryStep, ArtifactRecord]:
             rec = _get(view, version)
+            now = self._now(view)
             if exclusive:
                 busy = [
-                    a.version
+                    a
                     for a in view.artifacts()
                     if a.state == "awaiting_acks" and a.version != version
                 ]
                 if busy:
                     raise ActivationError(
-                        f"v{busy[0]} is still awaiting acks; activate, fail or abandon it "
-                        f"before distributing v{version} (one distribution at a time)"
+                        f"{_awaiting(busy[0], now)}; activate, fail or abandon it before "
+                        f"distributing v{version} (one distribution at a time)"
                     )
-            ch = _change(rec, event, **fields(rec))  # the machine refuses illegal moves
+            changed = fields(rec)
+            if event in ATTEMPT_EVENTS:  # the attempt waits for acks until its deadline
+                changed["ack_deadline"] = now + self.ack_timeout
+            ch = _change(rec, event, **changed)  # the machine refuses illegal moves
             why = distribution_refusal(view, version) if exclusive else None
             if why is not None:
                 raise ActivationError(why)
@@ -422,7 +562,7 @@ class ActivationCoordinator:
                     AttemptToken(version, w, n, self.new_token(version, n, w))
                     for w in required_set(view)
                 )
-            return RegistryStep(self.clock(), (ch,), tokens=tokens), ch.after
+            return RegistryStep(now, (ch,), tokens=tokens), ch.after
 
         return self._step(plan)[0]
 
@@ -523,7 +663,7 @@ class ActivationCoordinator:
 
     def fail_commit(self, version: int, cause: str, detail: str = "") -> ArtifactRecord:
         """The artifact never became complete: stage 'artifact'; its rollouts are quarantined."""
-        d = Disposition("artifact", _text(cause, "cause", free=True), detail)
+        d = Disposition("artifact", _text(cause, "cause", free=True), _detail(detail))
         rec = self._move(version, "fail_commit", lambda _r: {"failure": d})
         self._quarantine(version, f"artifact v{version} failed to commit: {cause}")
         return rec
@@ -532,8 +672,11 @@ class ActivationCoordinator:
         """Weights are being sent: acks are awaited from now on (one more attempt).
 
         The attempt issues each required worker a fresh token: send it with the weights
-        (`attempt_token` / `attempt_tokens`); only an ack echoing it counts.
+        (`attempt_token` / `attempt_tokens`); only an ack echoing it counts, once. Its ack
+        deadline is now + `ack_timeout`. Another version's attempt awaiting acks is settled
+        first (see `settle`); if it still awaits, this is refused (one at a time).
         """
+        self._settle_others(version)
         return self._move(
             version, "distribute", lambda r: {"attempts": r.attempts + 1}, exclusive=True
         )
@@ -542,20 +685,22 @@ class ActivationCoordinator:
         """Distribute again after a failure; the last failure stays recorded on the record.
 
         New tokens replace the failed attempt's: an ack of that attempt, however late it
-        arrives, is refused ('stale_attempt_token') and never counts for this one.
+        arrives, is refused ('stale_attempt_token') and never counts for this one. Another
+        version's attempt awaiting acks is settled first, as for `distribute`.
         """
+        self._settle_others(version)
         return self._move(version, "retry", lambda r: {"attempts": r.attempts + 1}, exclusive=True)
 
     def fail_distribution(self, version: int, cause: str, detail: str = "") -> ArtifactRecord:
         """Loading failed on some worker: stage 'distribution', pointer unchanged, quarantine."""
-        d = Disposition("distribution", _text(cause, "cause", free=True), detail)
+        d = Disposition("distribution", _text(cause, "cause", free=True), _detail(detail))
         rec = self._move(version, "fail_distribution", lambda _r: {"failure": d})
         self._quarantine(version, f"distribution of v{version} failed: {cause}")
         return rec
 
     def abandon(self, version: int, cause: str, detail: str = "") -> ArtifactRecord:
         """Give the version up for good (stage 'distribution': it never got to all workers)."""
-        d = Disposition("distribution", _text(cause, "cause", free=True), detail)
+        d = Disposition("distribution", _text(cause, "cause", free=True), _detail(detail))
         rec = self._move(version, "abandon", lambda _r: {"failure": d})
         self._quarantine(version, f"v{version} abandoned: {cause}")
         return rec
@@ -571,7 +716,10 @@ class ActivationCoordinator:
         or a worker outside the required set) is stored without its token as what the
         worker holds ('reported', 'not_required'): it can block an activation, never help.
         Reports are ordered by (incarnation, seq); `seq` may be left unset (numbered by
-        arrival), and a report older than the stored one is refused.
+        arrival), and a report older than the stored one is refused. A token counts once:
+        counting an ack spends its token in the same step, and a later ack echoing it is a
+        'duplicate' while the counted one still stands, else 'spent_attempt_token' (the
+        worker reported something else since: a duplicate of a voided ack never counts).
         """
 
         if not isinstance(ack, WorkerAck):
@@ -593,6 +741,9 @@ class ActivationCoordinator:
             report = view.worker(ack.worker_id) or WorkerReport(ack.worker_id)
             numbered = number_ack(report, stored)
             reason = judge_ack(report, numbered)
+            if reason == COUNTED and answers:
+                assert rec is not None
+                reason = judge_spent(view, rec, report, numbered) or COUNTED
             if reason != COUNTED:
                 return RegistryStep(now), AckResult(False, reason)
             new = attrs.evolve(report, ack=numbered)
@@ -627,54 +778,100 @@ class ActivationCoordinator:
 
         On success one step moves the artifact awaiting_acks -> active (the event carries the
         acks used and the required workers) and the previously active one -> superseded.
+        Another version awaiting acks is settled first (see `settle`).
         """
         _version(version)
+        self._settle_others(version)
 
         def plan(view: RegistryView) -> tuple[RegistryStep, ActivationResult]:
             rec = _get(view, version)
-            pointer = view.pointer()
             now = self.clock()
             if rec.state != "awaiting_acks":
                 reason = NOT_COMMITTED if not rec.committed else NOT_AWAITING
-                return RegistryStep(now), ActivationResult(False, reason, pointer)
-            decision = activation_decision(view, rec)
-            reports = counted_acks(view, rec)
-            required = required_set(view)
-            p = decision["active_pointer"]
-            result = ActivationResult(
-                activated=decision["activated"],
-                reason=decision["reason"],
-                active_pointer=None if p is None else ActivePointer(**p),
-                missing_workers=tuple(decision["missing_workers"]),
-                mismatched_workers=tuple(decision["mismatched_workers"]),
-            )
-            if not result.activated:
-                return RegistryStep(now), result
-            # only acks that exist are recorded: the spec, not a KeyError, must judge a bad decision
-            used = tuple(reports[w] for w in required if w in reports)
-            changes = [
-                _change(
-                    rec,
-                    "activate",
-                    {"all_acked": True},
-                    acks=used,
-                    required_workers=required,
-                )
-            ]
-            if pointer is not None:
-                changes.append(_change(_get(view, pointer.version), "supersede"))
-            return RegistryStep(now, tuple(changes), pointer=result.active_pointer), result
+                return RegistryStep(now), ActivationResult(False, reason, view.pointer())
+            return _activation(view, rec, now)
 
         result = self._step(plan)[0]
+        self._activated(version, result)
+        return result
+
+    def _activated(self, version: int, result: ActivationResult) -> None:
+        """Count an activation attempt; lift the ledger's mark of a version that activated."""
         self._count(self._attempts, result.reason)
         if result.activated and self.ledger is not None:
             # a version that failed once and then activated on a retry is good from now on
             self.ledger.clear_bad_version(version)
-        return result
 
-    def set_policy(self, policy: AdmissionPolicy, reason: str) -> AdmissionPolicy:
-        """Record the deployment's admission policy (see registry.set_admission_policy)."""
-        return set_admission_policy(self.registry, policy, reason, at=self.clock())
+    def settle(self) -> Settled:
+        """Resolve every distribution attempt awaiting acks: the janitor of activation.
+
+        An attempt whose every required worker's counted ack is in is activated (its
+        activator died after the acks, or never called try_activate); one whose ack deadline
+        has passed (on the deployment's clock) is failed, stage 'distribution', cause
+        'ack_deadline_passed', and its version's rollouts are quarantined through the ledger
+        as `fail_distribution` does; any other is left alone, never failed before its
+        deadline. Each resolution is one atomic step judged on what that step reads, so
+        coordinators settling at once resolve each attempt once. `distribute`, `retry`,
+        `rollback`, `try_activate` of another version and `resume` settle first, so a
+        coordinator killed mid-activation never stalls the deployment for longer than the
+        deadline; call it from a loop of your own to resolve sooner.
+        """
+        activated: list[int] = []
+        failed: list[int] = []
+        for rec in self.registry.artifacts():  # which to look at; each step reads again
+            if rec.state != "awaiting_acks":
+                continue
+            outcome = self._settle_one(rec.version)
+            if outcome == "activated":
+                activated.append(rec.version)
+            elif outcome == "failed":
+                failed.append(rec.version)
+        waiting = tuple(
+            (a.version, a.ack_deadline)
+            for a in self.registry.artifacts()
+            if a.state == "awaiting_acks"
+        )
+        return Settled(tuple(activated), tuple(failed), waiting)
+
+    def _settle_one(self, version: int) -> str:
+        """Resolve `version`'s attempt if it can be: 'activated', 'failed' or 'waiting'."""
+
+        def plan(view: RegistryView) -> tuple[RegistryStep, tuple[str, ActivationResult | None]]:
+            rec = _get(view, version)
+            now = self._now(view)
+            if rec.state != "awaiting_acks":
+                return RegistryStep(now), ("waiting", None)
+            step, result = _activation(view, rec, now)
+            if result.activated:
+                return step, ("activated", result)
+            if rec.ack_deadline is None or now < rec.ack_deadline:
+                return RegistryStep(now), ("waiting", None)
+            missing = sorted({*result.missing_workers, *result.mismatched_workers})
+            d = Disposition(
+                "distribution",
+                ACK_DEADLINE_PASSED,
+                f"attempt {rec.attempts}: no matching ack of the current attempt from "
+                f"{missing} by its deadline {rec.ack_deadline!r} (settled at {now!r})",
+            )
+            return RegistryStep(now, (_change(rec, "fail_distribution", failure=d),)), (
+                "failed",
+                None,
+            )
+
+        outcome, result = self._step(plan)[0]
+        if result is not None:
+            self._activated(version, result)
+        if outcome == "failed":
+            self._quarantine(version, f"distribution of v{version} failed: {ACK_DEADLINE_PASSED}")
+        return outcome
+
+    def _settle_others(self, version: int | None = None) -> Settled | None:
+        """Settle first when a version other than `version` awaits acks (it would block)."""
+        if any(
+            a.state == "awaiting_acks" and a.version != version for a in self.registry.artifacts()
+        ):
+            return self.settle()
+        return None
 
     def policy(self) -> AdmissionPolicy | None:
         """The deployment's recorded admission policy (None until one is set)."""
@@ -696,14 +893,18 @@ class ActivationCoordinator:
         acks (workers reload the rollback target, so an ack collected before the rollback
         would no longer say what they hold: the stateful machines found that race). Workers
         still hold the rolled-back weights until they reload: see
-        `statistics().workers_out_of_sync`.
+        `statistics().workers_out_of_sync`. A distribution awaiting acks is settled first
+        (see `settle`); if settling activated it, the active version is no longer the one
+        the caller meant to roll back, so the call is refused: call it again to roll back
+        the version that is active now.
         """
 
         def plan(view: RegistryView) -> tuple[RegistryStep, tuple[ActivePointer, int]]:
-            busy = [a.version for a in view.artifacts() if a.state == "awaiting_acks"]
+            busy = [a for a in view.artifacts() if a.state == "awaiting_acks"]
             if busy:
                 raise ActivationError(
-                    f"v{busy[0]} is awaiting acks; activate, fail or abandon it before a rollback"
+                    f"{_awaiting(busy[0], self.clock())}; activate, fail or abandon it before "
+                    "a rollback"
                 )
             pointer = view.pointer()
             if pointer is None:
@@ -728,6 +929,13 @@ class ActivationCoordinator:
                 f"keep_rollouts must be True or False, got {brief(keep_rollouts)}"
             )
         keep, why = keep_rollouts, _text(reason, "reason", free=True)
+        settled = self._settle_others()
+        if settled is not None and settled.activated:
+            raise ActivationError(
+                f"settling the pending distribution activated v{settled.activated[-1]} (every "
+                "required worker's ack of it was in): the active version changed, nothing was "
+                "rolled back; call rollback() again to roll back the version active now"
+            )
         pointer, rolled = self._step(plan)[0]
         if not keep:
             self._quarantine(rolled, f"v{rolled} rolled back: {why}")
@@ -873,9 +1081,11 @@ class ActivationCoordinator:
             return dict(counter)
 
     def resume(self) -> PendingWork:
-        """After a restart: re-apply ledger quarantine for failed and retired (rolled-back)
-        versions (idempotent) and
-        return what is still pending, so the caller can re-distribute, retry or fail it."""
+        """After a restart: settle attempts awaiting acks (`settle`: activate one whose acks
+        are all in, fail one past its deadline), re-apply ledger quarantine for failed and
+        retired (rolled-back) versions (idempotent), and return what is still pending, so
+        the caller can re-distribute, retry or fail it."""
+        self.settle()
         arts = self.registry.artifacts()
         retired = retired_versions(arts)
         failed = [a for a in arts if a.state in QUARANTINE_STATES or a.version in retired]

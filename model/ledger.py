@@ -306,9 +306,12 @@ _LIVE = frozenset(LIVE_STATES)
 
 
 def check_limit(value: object) -> int:
-    """A result limit: a non-negative int."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidLedgerArgument(f"limit must be a non-negative int, got {brief(value)}")
+    """A result limit: a non-negative int under the 64-bit bound every backend's LIMIT takes
+    (PostgreSQL refuses a larger one, SQLite's driver overflows: refused alike, typed)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT64_MAX:
+        raise InvalidLedgerArgument(
+            f"limit must be a non-negative int of at most 2**63 - 1, got {brief(value)}"
+        )
     return value
 
 
@@ -1295,6 +1298,12 @@ class StoreView(Protocol):
         """The stored entries of these ids (absent ids are left out)."""
         ...
 
+    def lock_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+        """`read_rows`, each row held until the step ends where the store locks rows (in
+        rollout_id order): what a step refuses on is then still so when it commits, so
+        its refusals and its writes are true at one instant (issue 33)."""
+        ...
+
 
 class UnitOfWork(StoreView, Protocol):
     """What a step's body may do inside its store's atomic step.
@@ -1556,6 +1565,14 @@ class StoreLedger:
         uow.append(changes, self.clock(), {"writes": len(changes), **counts}, updates)
         return afters
 
+    def _located(self, out: ReserveOutcome) -> ReserveOutcome:
+        """A `no_admission_policy` refusal names this ledger's database in its hint: a bare
+        `deployment set-policy` would record the policy in a new ./rollout-lifecycle.db."""
+        url = getattr(self.store, "url", None)
+        if out.reason != NO_POLICY or not isinstance(url, str):
+            return out
+        return attrs.evolve(out, detail=rules.no_policy_detail(url))
+
     # ---- protocol --------------------------------------------------------------------------
 
     def add(self, rollout: Rollout | LedgerEntry) -> LedgerEntry:
@@ -1747,7 +1764,7 @@ class StoreLedger:
         )
         if new is None or entry is None:
             self._count_local({counter_of(out.reason): 1})
-            return out
+            return self._located(out)
         # the first reservation of an update also records it: that takes the step below
         if guarded is not None and record is not None:
             enforce([new])
@@ -1799,7 +1816,7 @@ class StoreLedger:
                     local[counter_of(again.reason)] += 1
                     return again
                 local["refused"] += 1
-                return ReserveOutcome(rollout_id, False, refusal[0], row, refusal[1])
+                return self._located(ReserveOutcome(rollout_id, False, refusal[0], row, refusal[1]))
             now, done, lease = uow.server_now(), planned, fresh
             if now is not None:  # the deadline is the server's, not this client's
                 lease = _evolve(fresh, lease_expires_at=now + self.lease_seconds)
@@ -1842,7 +1859,10 @@ class StoreLedger:
         def body(uow: UnitOfWork, local: Counter[str]) -> list[ReserveOutcome]:
             premise = uow.read_premise()
             lease = self._now(uow) + self.lease_seconds
-            entries = uow.read_rows(ids)
+            # locked: a row refused here cannot change before the step commits, so every
+            # answer of the batch holds at its commit (a concurrent commit between this
+            # read and the write made a refusal and a win true at no common instant)
+            entries = uow.lock_rows(ids)
             record = uow.read_updates([update_id]).get(update_id)
             outcomes, planned = plan_reserves(
                 entries,
@@ -1876,7 +1896,7 @@ class StoreLedger:
             local.update({k: v for k, v in counts.items() if k in PROCESS_LOCAL_COUNTERS})
             opened = open_change(update_id, record) if changes else []
             uow.append(changes, self.clock(), {"writes": len(changes), **durable}, opened)
-            return outcomes
+            return [self._located(o) for o in outcomes]
 
         return self._step(body, _RESERVE_BATCH)
 
@@ -2619,6 +2639,9 @@ class MemoryStore:
     def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
         got = self.entries.get
         return {rid: e for rid in rollout_ids if (e := got(rid)) is not None}
+
+    def lock_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+        return self.read_rows(rollout_ids)  # every step holds the store's lock
 
     def owned(self, update_id: str) -> list[LedgerEntry]:
         held = self.owners.get(update_id, ())

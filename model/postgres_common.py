@@ -427,6 +427,7 @@ class PostgresDatabase:
         if retry_seconds < 0:
             raise ValueError("retry_seconds must be >= 0")
         self.url = redact(url)
+        self._schema_option = schema
         self.params = url_params(url)
         self.where = describe(self.params)
         self.read_only = read_only
@@ -460,6 +461,15 @@ class PostgresDatabase:
         self.retries = 0
         self.in_doubt_resolved = 0
         self.schema = self._first_contact(create=not read_only)
+
+    @property
+    def backend_url(self) -> str:
+        """This database as a backend URL an operator can pass to `--backend` (password
+        masked; a schema given apart from the URL is folded into its options)."""
+        if self._schema_option is None:
+            return self.url
+        sep = "&" if "?" in self.url else "?"
+        return f"{self.url}{sep}options=-csearch_path%3D{self._schema_option}"
 
     # ---- connections -----------------------------------------------------------------------
 

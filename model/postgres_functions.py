@@ -600,6 +600,10 @@ BEGIN{_CHECK}
     ELSIF p_which = 'of_version' THEN
         RETURN QUERY SELECT entry FROM rollouts WHERE behavior_version = p_number::bigint
             AND state = ANY(p_states) ORDER BY rollout_id FOR UPDATE;
+    ELSIF p_which = 'ids' THEN  -- p_text: the ids, a JSON array
+        RETURN QUERY SELECT entry FROM rollouts
+            WHERE rollout_id = ANY(ARRAY(SELECT json_array_elements_text(p_text::json)))
+            ORDER BY rollout_id FOR UPDATE;
     ELSIF p_which = 'older_than' THEN
         RETURN QUERY SELECT entry FROM rollouts WHERE behavior_version < p_number
             AND state = ANY(p_states) ORDER BY rollout_id FOR UPDATE;
@@ -782,15 +786,16 @@ BEGIN{_CHECK}{_kinds_check()}
         END IF;
         IF v_was IS NULL THEN
             INSERT INTO registry_artifacts(version, artifact_hash, parent_version,
-                rollback_version, state, path, failure, attempts, trained_by)
+                rollback_version, state, path, failure, attempts, trained_by, ack_deadline)
             SELECT (r ->> 0)::bigint, r ->> 1, (r ->> 2)::bigint, (r ->> 3)::bigint, r ->> 4,
-                   r ->> 5, r ->> 6, (r ->> 7)::bigint, r ->> 8
+                   r ->> 5, r ->> 6, (r ->> 7)::bigint, r ->> 8, (r ->> 9)::float8
             FROM (SELECT a -> 'row' AS r) x;
         ELSE
             UPDATE registry_artifacts SET artifact_hash = r ->> 1,
                 parent_version = (r ->> 2)::bigint, rollback_version = (r ->> 3)::bigint,
                 state = r ->> 4, path = r ->> 5, failure = r ->> 6,
-                attempts = (r ->> 7)::bigint, trained_by = r ->> 8
+                attempts = (r ->> 7)::bigint, trained_by = r ->> 8,
+                ack_deadline = (r ->> 9)::float8
             FROM (SELECT a -> 'row' AS r) x
             WHERE version = (r ->> 0)::bigint;
         END IF;
@@ -834,17 +839,41 @@ BEGIN{_CHECK}{_kinds_check()}
         )
     };
         END IF;
+        -- a token counts once: an ack echoing a spent one is never stored again (one kept
+        -- as it was, a restart's, is no new ack)
+        IF (w ->> 2) IS NOT NULL AND ((w ->> 2)::json ->> 'token') IS NOT NULL AND EXISTS (
+            SELECT 1 FROM registry_attempt_tokens t
+            WHERE t.version = ((w ->> 2)::json ->> 'version')::bigint
+              AND t.worker_id = w ->> 0 AND t.token = ((w ->> 2)::json ->> 'token')
+              AND t.spent)
+           AND (SELECT rw.ack FROM registry_workers rw WHERE rw.worker_id = w ->> 0)
+               IS DISTINCT FROM w ->> 2
+        THEN
+            {
+        _refuse(
+            "an ack of % echoes a token already counted once; a token counts once",
+            "w ->> 0",
+        )
+    };
+        END IF;
         INSERT INTO registry_workers(worker_id, floor, ack)
         VALUES (w ->> 0, (w ->> 1)::bigint, w ->> 2)
         ON CONFLICT (worker_id) DO UPDATE SET floor = excluded.floor, ack = excluded.ack;
     END LOOP;
     DELETE FROM registry_attempt_tokens
     WHERE worker_id IN (SELECT json_array_elements_text(p_step -> 'revoked'));
-    INSERT INTO registry_attempt_tokens(version, worker_id, attempt, token)
-    SELECT (t ->> 0)::bigint, t ->> 1, (t ->> 2)::bigint, t ->> 3
+    -- a token is issued unspent; the acks this step stores spend the tokens they echo
+    INSERT INTO registry_attempt_tokens(version, worker_id, attempt, token, spent)
+    SELECT (t ->> 0)::bigint, t ->> 1, (t ->> 2)::bigint, t ->> 3, false
     FROM json_array_elements(p_step -> 'tokens') AS x(t)
     ON CONFLICT (version, worker_id) DO UPDATE SET attempt = excluded.attempt,
-        token = excluded.token;
+        token = excluded.token, spent = false;
+    UPDATE registry_attempt_tokens t SET spent = true
+    FROM json_array_elements(p_step -> 'workers') AS x(w)
+    WHERE (x.w ->> 2) IS NOT NULL AND ((x.w ->> 2)::json ->> 'token') IS NOT NULL
+      AND t.worker_id = x.w ->> 0
+      AND t.version = ((x.w ->> 2)::json ->> 'version')::bigint
+      AND t.token = ((x.w ->> 2)::json ->> 'token');
     IF p_step -> 'membership' IS NOT NULL THEN
         INSERT INTO registry_membership(id, workers)
         VALUES (1, (p_step -> 'membership')::text)

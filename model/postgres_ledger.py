@@ -451,6 +451,11 @@ class _Unit(SqlUnit):
         rows = self.conn.execute(_LOCK_ROWS, (self.op, which, text, number, list(states)))
         return [self.load(r[0]) for r in rows.fetchall()]
 
+    def lock_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+        """The rows a batch reads to write, locked by the function (see `_locked`)."""
+        got = self._locked("ids", json.dumps(list(rollout_ids)), None)
+        return {e.rollout_id: e for e in got}
+
     def owned(self, update_id: str) -> list[LedgerEntry]:
         return self._locked("owned", update_id, None)
 
@@ -484,6 +489,7 @@ class PostgresStore:
 
     def __init__(self, db: PostgresDatabase, *, server_clock: bool) -> None:
         self.db = db
+        self.url = db.backend_url  # named in hints (see StoreLedger._located)
         self.server_clock = server_clock
         self.registry_seen = False
         self.closed = False

@@ -49,6 +49,7 @@ from rollout_lifecycle.model.records import (
     to_jsonable,
 )
 from rollout_lifecycle.model.registry import (
+    _LATER_COLUMNS,
     RegistryStep,
     RegistryView,
     SqlView,
@@ -68,7 +69,8 @@ COMPONENT = "registry"
 # 2: the durable admission policy (registry_policy)
 # 3: the policy's pacing bounds (batch_size, max_attempts)
 # 4: the policy's lineage mode and attempt-chain key (issue 31)
-SCHEMA_VERSION = 4
+# 5: an attempt's ack deadline and spent attempt tokens (issue 31)
+SCHEMA_VERSION = 5
 # 1 -> 2 adds tables (created by the DDL) and the artifacts' lineage column
 MIGRATIONS = {
     1: "ALTER TABLE registry_artifacts ADD COLUMN IF NOT EXISTS trained_by text",
@@ -76,6 +78,14 @@ MIGRATIONS = {
     "ADD COLUMN IF NOT EXISTS max_attempts bigint",
     3: "ALTER TABLE registry_policy ADD COLUMN IF NOT EXISTS lineage text NOT NULL "
     "DEFAULT 'ledger', ADD COLUMN IF NOT EXISTS chain_key text NOT NULL DEFAULT 'identity'",
+    # a token some stored ack already echoed counted once: spent, as the history says
+    4: "ALTER TABLE registry_artifacts ADD COLUMN IF NOT EXISTS ack_deadline double precision;"
+    "ALTER TABLE registry_attempt_tokens ADD COLUMN IF NOT EXISTS spent boolean NOT NULL "
+    "DEFAULT false;"
+    "UPDATE registry_attempt_tokens t SET spent = true WHERE EXISTS (SELECT 1 FROM events e "
+    "WHERE e.kind = 'worker' AND e.subject = t.worker_id "
+    "AND (e.payload::jsonb -> 'ack' ->> 'version')::bigint = t.version "
+    "AND e.payload::jsonb -> 'ack' ->> 'token' = t.token)",
 }
 
 _DDL = """
@@ -88,7 +98,8 @@ CREATE TABLE IF NOT EXISTS registry_artifacts (
     path             text,
     failure          text,
     attempts         bigint NOT NULL CHECK (attempts >= 0),
-    trained_by       text
+    trained_by       text,
+    ack_deadline     double precision
 );
 CREATE TABLE IF NOT EXISTS registry_pointer (
     id            integer PRIMARY KEY CHECK (id = 1),
@@ -118,6 +129,7 @@ CREATE TABLE IF NOT EXISTS registry_attempt_tokens (
     worker_id text NOT NULL,
     attempt   bigint NOT NULL CHECK (attempt >= 0),
     token     text NOT NULL CHECK (token <> ''),
+    spent     boolean NOT NULL DEFAULT false,
     PRIMARY KEY (version, worker_id)
 );
 -- the two write-once rules, held even against a writer that bypasses this module
@@ -147,6 +159,16 @@ class _PgView(SqlView):
 
     PARAM = "%s"
     TOKENS_TABLE_SQL = "SELECT 1 WHERE to_regclass(%s) IS NOT NULL"
+    COLUMN_SQL = (
+        "SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema() "
+        "AND table_name = %s AND column_name = %s"
+    )
+
+    def now(self) -> float:
+        """The server's clock, read inside this step's transaction: activation deadlines
+        are set and judged on it, like lease deadlines (never a client's clock)."""
+        row = self._conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8")
+        return float(row.fetchone()[0])
 
 
 def step_operation(step: RegistryStep) -> str | None:
@@ -222,6 +244,8 @@ class PostgresRegistry:
         self._login = str(self.db.params.get("user") or os.environ.get("PGUSER") or "?")
         self._closed = False
         self._empty = False
+        # a writer migrates every later column in; a reader asks once which ones it has
+        self._columns = {} if self.read_only else dict.fromkeys(_LATER_COLUMNS, True)
         try:
             if self.read_only:
                 self._empty = self.db.check_readable(COMPONENT, SCHEMA_VERSION) is None
@@ -231,6 +255,11 @@ class PostgresRegistry:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def backend_url(self) -> str:
+        """This database as a backend URL (password masked) an operator's command names."""
+        return self.db.backend_url
 
     @property
     def where(self) -> str:
@@ -245,7 +274,7 @@ class PostgresRegistry:
         self._check_open()
         if self._empty:
             return fn(_EmptyView())
-        return self.db.read(lambda conn: fn(_PgView(conn)), what)
+        return self.db.read(lambda conn: fn(_PgView(conn, self._columns)), what)
 
     # ---- the store protocol ----------------------------------------------------------------
 
@@ -261,7 +290,7 @@ class PostgresRegistry:
 
         def body(conn: Conn) -> tuple[R, list[TraceEvent]]:
             lock(conn, K_REGISTRY)
-            view = _PgView(conn)
+            view = _PgView(conn, self._columns)
             step, result = plan(view)
             check_step(view, step)
             events = make_events(step, view.pointer(), view.required_workers(), view.policy())

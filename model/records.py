@@ -710,6 +710,12 @@ class ArtifactRecord:
     # lineage: the updates whose gradients this version contains; each must have a landed
     # commit in the ledger before the version is prepared, committed or activated
     trained_by: tuple[str, ...] = attrs.field(default=(), converter=_update_ids)
+    # when the current (or last) distribution attempt stops waiting for acks, on the
+    # deployment's clock: past it, the next coordinator action fails the attempt
+    # ('ack_deadline_passed') unless every required worker's ack is in (it activates then)
+    ack_deadline: float | None = attrs.field(
+        default=None, validator=_opt_finite, metadata={"omit_default": True}
+    )
 
     @property
     def committed(self) -> bool:
@@ -750,13 +756,19 @@ class AttemptToken:
 
     Random (never derived from anything a worker could guess or replay); a new attempt, or
     a worker joining while a version awaits acks, issues a new one. An ack counts only if it
-    echoes the token stored for its worker and version at the moment of the decision.
+    echoes the token stored for its worker and version at the moment of the decision, and
+    only once (`spent`).
     """
 
     version: int = attrs.field(validator=_nonneg_int)
     worker_id: str = attrs.field(validator=_nonempty_str)
     attempt: int = attrs.field(validator=_nonneg_int)
     token: str = attrs.field(validator=_nonempty_str)
+    # an ack echoing it was counted: a token counts once, so no later ack echoing it is
+    # ever stored (a network duplicate of an ack the worker has since replaced is refused)
+    spent: bool = attrs.field(
+        default=False, validator=_strict_bool, metadata={"omit_default": True}
+    )
 
 
 # ---- (de)serialisation ---------------------------------------------------------------------

@@ -39,6 +39,7 @@ from rollout_lifecycle.model.events import (
 )
 from rollout_lifecycle.model.ledger import ActivationPremise, update_from_row
 from rollout_lifecycle.model.records import (
+    INT64_MAX,
     ActivePointer,
     AdmissionPolicy,
     ArtifactRecord,
@@ -57,6 +58,7 @@ from rollout_lifecycle.model.sqlite_common import (
     ensure_schema,
     has_component,
     read_events,
+    sqlite_url,
     write_failed,
 )
 from rollout_lifecycle.model.sqlite_files import FileGuard, hand_back, read_file_id
@@ -70,7 +72,9 @@ COMPONENT = "registry"
 # 5: the file's events are numbered without AUTOINCREMENT (sqlite_common.NEXT_COLUMNS): a
 #    registry this version creates could not be appended to by an older program
 # 6: the policy's lineage mode and attempt-chain key (issue 31)
-SCHEMA_VERSION = 6
+# 7: an attempt's ack deadline (registry_artifacts.ack_deadline) and spent attempt tokens
+#    (registry_attempt_tokens.spent) (issue 31)
+SCHEMA_VERSION = 7
 # 1 -> 2 only adds a table, which the DDL creates if missing; 2 -> 3 adds tables and the
 # artifacts' lineage column
 MIGRATIONS = {
@@ -81,6 +85,14 @@ MIGRATIONS = {
     4: "",
     5: "ALTER TABLE registry_policy ADD COLUMN lineage TEXT NOT NULL DEFAULT 'ledger' ;"
     "ALTER TABLE registry_policy ADD COLUMN chain_key TEXT NOT NULL DEFAULT 'identity' ",
+    # a token some stored ack already echoed counted once: spent, as the history says
+    6: "ALTER TABLE registry_artifacts ADD COLUMN ack_deadline REAL ;"
+    "ALTER TABLE registry_attempt_tokens ADD COLUMN spent INTEGER NOT NULL DEFAULT 0 "
+    "CHECK (spent IN (0, 1)) ;"
+    "UPDATE registry_attempt_tokens SET spent = 1 WHERE EXISTS (SELECT 1 FROM events "
+    "WHERE kind = 'worker' AND subject = registry_attempt_tokens.worker_id "
+    "AND json_extract(payload, '$.ack.version') = registry_attempt_tokens.version "
+    "AND json_extract(payload, '$.ack.token') = registry_attempt_tokens.token)",
 }
 
 
@@ -191,12 +203,35 @@ class RegistryStore(Protocol):
 
 
 def check_policy(policy: object) -> AdmissionPolicy:
-    """An admission policy to record: an AdmissionPolicy (its fields are validated there)."""
+    """An admission policy to record: an AdmissionPolicy (its fields are validated there)
+    whose integers fit the signed 64-bit columns of every backend (PostgreSQL refuses a
+    larger one, SQLite's driver overflows: refused here alike, before any write)."""
     if not isinstance(policy, AdmissionPolicy):
         raise ActivationError(
             f"an admission policy is an AdmissionPolicy(max_lag, max_drift), got {brief(policy)}"
         )
+    for name in ("max_lag", "batch_size", "max_attempts"):
+        value = getattr(policy, name)
+        if value is not None and value > INT64_MAX:
+            raise ActivationError(f"{name} must be at most 2**63 - 1, got {brief(value)}")
     return policy
+
+
+def check_reason(reason: object, what: str = "reason") -> str:
+    """Free text the registry stores (a reason, a path): non-empty, storable on every
+    backend (no NUL: PostgreSQL text cannot hold one, and the JSON of an event would)."""
+    problem = text_problem(reason, max_length=None)
+    if problem is not None:
+        raise ActivationError(f"{what} {problem}")
+    assert isinstance(reason, str)
+    return reason
+
+
+def backend_url(store: object) -> str | None:
+    """The backend URL an operator's `--backend` must name to reach `store`'s deployment
+    (password masked), or None for a registry that has none (memory: one process)."""
+    url = getattr(store, "backend_url", None)
+    return url if isinstance(url, str) else None
 
 
 def set_admission_policy(
@@ -209,8 +244,7 @@ def set_admission_policy(
     stricter, never looser. Setting the same policy again writes nothing.
     """
     new = check_policy(policy)
-    if not isinstance(reason, str) or not reason:
-        raise ActivationError(f"reason must be a non-empty string, got {brief(reason)}")
+    reason = check_reason(reason)
     clock = getattr(registry, "clock", time.time)
     now = clock() if at is None else at
 
@@ -420,10 +454,15 @@ def check_step(view: RegistryView, step: RegistryStep) -> None:
             raise ActivationError("an admission policy change is a step of its own")
         if not step.policy_reason:
             raise ActivationError("an admission policy change records its reason")
+        check_reason(step.policy_reason)
+    if not isinstance(step.membership, _Unchanged):
+        check_reason(step.membership_reason, "membership reason")
     for ch in step.artifacts:
         v = ch.after.version
         if v in seen:
             raise ActivationError(f"one step changes artifact v{v} twice")
+        if ch.after.path is not None:
+            check_reason(ch.after.path, f"artifact v{v} path")
         seen.add(v)
         if ch.before is not None and ch.before.version != v:
             raise ActivationError(f"change of v{v} carries a before-image of v{ch.before.version}")
@@ -486,13 +525,16 @@ def _check_tokens(view: RegistryView, step: RegistryStep) -> None:
     Tokens are issued only by a distribution attempt (a fresh one to every required worker)
     or by a membership change (to a worker joining while a version awaits acks); a worker
     that leaves loses its tokens and its stored ack in that same step; a stored ack carries
-    a token only if it is the current one of its worker, version and attempt.
+    a token only if it is the current one of its worker, version and attempt, and only
+    once: an ack echoing a spent token is never stored again.
     """
     required = view.required_workers() or ()
     issued: dict[tuple[int, str], AttemptToken] = {}
     stored: dict[int, dict[str, AttemptToken]] = {}
     for t in step.tokens:
         key = (t.version, t.worker_id)
+        if t.spent:
+            raise ActivationError(f"v{t.version}: a token is issued unspent ({t.worker_id!r})")
         if key in issued:
             raise ActivationError(f"one step issues v{t.version} two tokens for {t.worker_id!r}")
         issued[key] = t
@@ -547,6 +589,11 @@ def _check_tokens(view: RegistryView, step: RegistryStep) -> None:
             raise ActivationError(
                 f"{w.worker_id!r}'s ack of v{a.version} is stored with a token that is not the "
                 "current attempt's; only an ack echoing it may be stored with one"
+            )
+        if cur.spent:
+            raise ActivationError(
+                f"{w.worker_id!r}'s ack of v{a.version} echoes a token already counted once; "
+                "a token counts once (a later report voided that ack)"
             )
 
 
@@ -852,6 +899,10 @@ class MemoryRegistry(_ViewReads):
                 del self._tokens[key]
             for t in step.tokens:
                 self._tokens[(t.version, t.worker_id)] = t
+            for v, worker, token in spent_by(step):
+                held = self._tokens.get((v, worker))
+                if held is not None and held.token == token:
+                    self._tokens[(v, worker)] = attrs.evolve(held, spent=True)
             stamped = self.log.record(events) if events else []
             return result, _artifact_events(stamped)
 
@@ -884,7 +935,8 @@ CREATE TABLE IF NOT EXISTS registry_artifacts (
     path             TEXT,
     failure          TEXT,
     attempts         INTEGER NOT NULL CHECK (attempts >= 0),
-    trained_by       TEXT
+    trained_by       TEXT,
+    ack_deadline     REAL
 );
 CREATE TABLE IF NOT EXISTS registry_pointer (
     id            INTEGER PRIMARY KEY CHECK (id = 1),
@@ -914,6 +966,7 @@ CREATE TABLE IF NOT EXISTS registry_attempt_tokens (
     worker_id TEXT NOT NULL,
     attempt   INTEGER NOT NULL CHECK (attempt >= 0),
     token     TEXT NOT NULL CHECK (token != ''),
+    spent     INTEGER NOT NULL DEFAULT 0 CHECK (spent IN (0, 1)),
     PRIMARY KEY (version, worker_id)
 )
 """
@@ -933,14 +986,22 @@ _TRIGGERS = (
 
 _ART_COLS = (
     "version, artifact_hash, parent_version, rollback_version, state, path, failure, attempts, "
-    "trained_by"
+    "trained_by, ack_deadline"
 )
+# the columns a schema-5 (or older) registry lacks, read as NULL / false by a read-only open
+_LATER_COLUMNS = {("registry_artifacts", "ack_deadline"), ("registry_attempt_tokens", "spent")}
 
 
 def _int(x: object) -> int:
     if not isinstance(x, int):
         raise ActivationError(f"registry database holds {brief(x)} where an integer belongs")
     return x
+
+
+def _float(x: object) -> float:
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        raise ActivationError(f"registry database holds {brief(x)} where a number belongs")
+    return float(x)
 
 
 def _opt_int(x: object) -> int | None:
@@ -952,7 +1013,7 @@ def _opt_str(x: object) -> str | None:
 
 
 def _row_to_record(row: Sequence[object]) -> ArtifactRecord:
-    version, h, parent, rollback, state, path, failure, attempts, trained_by = row
+    version, h, parent, rollback, state, path, failure, attempts, trained_by, deadline = row
     return ArtifactRecord(
         version=_int(version),
         artifact_hash=_opt_str(h),
@@ -963,6 +1024,7 @@ def _row_to_record(row: Sequence[object]) -> ArtifactRecord:
         failure=None if failure is None else from_jsonable(Disposition, json.loads(str(failure))),
         attempts=_int(attempts),
         trained_by=() if trained_by is None else tuple(json.loads(str(trained_by))),
+        ack_deadline=None if deadline is None else _float(deadline),
     )
 
 
@@ -978,6 +1040,7 @@ def _record_to_row(r: ArtifactRecord) -> tuple[object, ...]:
         failure,
         r.attempts,
         json.dumps(list(r.trained_by)) if r.trained_by else None,
+        r.ack_deadline,
     )
 
 
@@ -1025,21 +1088,39 @@ class SqlView:
     """
 
     PARAM = "?"
+    COLUMN_SQL = "SELECT 1 FROM pragma_table_info(?) WHERE name = ?"
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, columns: dict[tuple[str, str], bool] | None = None) -> None:
         self._conn = conn
         self._tables: set[str] = set()
+        # which later columns the stored schema has (a read-only open of an older registry
+        # lacks them; a writer migrated them in): asked once per store, kept by the caller
+        self._columns = {} if columns is None else columns
+
+    def _column(self, table: str, column: str, default: str) -> str:
+        """`column`, or a literal `default` where an older schema opened read-only lacks it."""
+        key = (table, column)
+        if key not in _LATER_COLUMNS:
+            return column
+        if key not in self._columns:
+            found = self._conn.execute(self.COLUMN_SQL, key).fetchone()
+            self._columns[key] = found is not None
+        return column if self._columns[key] else f"{default} AS {column}"
+
+    def _art_cols(self) -> str:
+        deadline = self._column("registry_artifacts", "ack_deadline", "NULL")
+        return _ART_COLS.replace("ack_deadline", deadline)
 
     def artifact(self, version: int) -> ArtifactRecord | None:
         row = self._conn.execute(
-            f"SELECT {_ART_COLS} FROM registry_artifacts WHERE version = {self.PARAM}",
+            f"SELECT {self._art_cols()} FROM registry_artifacts WHERE version = {self.PARAM}",
             (version,),
         ).fetchone()
         return None if row is None else _row_to_record(row)
 
     def artifacts(self) -> list[ArtifactRecord]:
         rows = self._conn.execute(
-            f"SELECT {_ART_COLS} FROM registry_artifacts ORDER BY version"
+            f"SELECT {self._art_cols()} FROM registry_artifacts ORDER BY version"
         ).fetchall()
         return [_row_to_record(r) for r in rows]
 
@@ -1120,31 +1201,53 @@ class SqlView:
             self._has_tokens = found.fetchone() is not None
             if not self._has_tokens:
                 return []
-        sql = "SELECT version, worker_id, attempt, token FROM registry_attempt_tokens"
+        spent = self._column("registry_attempt_tokens", "spent", "0")
+        sql = f"SELECT version, worker_id, attempt, token, {spent} FROM registry_attempt_tokens"
         args: tuple[object, ...] = ()
         if version is not None:
             sql += f" WHERE version = {self.PARAM}"
             args = (version,)
         rows = self._conn.execute(sql + " ORDER BY version, worker_id", args).fetchall()
-        return [AttemptToken(_int(r[0]), str(r[1]), _int(r[2]), str(r[3])) for r in rows]
+        return [
+            AttemptToken(_int(r[0]), str(r[1]), _int(r[2]), str(r[3]), bool(r[4])) for r in rows
+        ]
+
+
+def spent_by(step: RegistryStep) -> list[tuple[int, str, str]]:
+    """(version, worker, token) of every ack a checked step stores with a token: that token
+    is spent from now on (it counts once; storing a kept ack again changes nothing)."""
+    return [
+        (a.version, w.worker_id, a.token)
+        for w in step.workers
+        if (a := w.ack) is not None and a.token is not None
+    ]
 
 
 def token_statements(step: RegistryStep, param: str) -> list[tuple[str, tuple[object, ...]]]:
     """The SQL that writes a checked step's attempt tokens (the same on SQLite and PostgreSQL,
-    up to the parameter marker): withdraw the leavers' tokens, then store the issued ones."""
+    up to the parameter marker): withdraw the leavers' tokens, store the issued ones, then
+    mark spent the tokens the step's stored acks echo."""
     out: list[tuple[str, tuple[object, ...]]] = [
         (f"DELETE FROM registry_attempt_tokens WHERE worker_id = {param}", (w,))
         for w in step.revoked
     ]
-    marks = ", ".join([param] * 4)
+    marks = ", ".join([param] * 5)
     out.extend(
         (
-            "INSERT INTO registry_attempt_tokens(version, worker_id, attempt, token) "
+            "INSERT INTO registry_attempt_tokens(version, worker_id, attempt, token, spent) "
             f"VALUES ({marks}) ON CONFLICT (version, worker_id) DO UPDATE SET "
-            "attempt = excluded.attempt, token = excluded.token",
-            (t.version, t.worker_id, t.attempt, t.token),
+            "attempt = excluded.attempt, token = excluded.token, spent = excluded.spent",
+            (t.version, t.worker_id, t.attempt, t.token, t.spent),
         )
         for t in step.tokens
+    )
+    out.extend(
+        (
+            f"UPDATE registry_attempt_tokens SET spent = {param} WHERE version = {param} "
+            f"AND worker_id = {param} AND token = {param}",
+            (True, v, w, token),
+        )
+        for v, w, token in spent_by(step)
     )
     return out
 
@@ -1245,7 +1348,9 @@ class SQLiteRegistry(_ViewReads):
             self._conn = connect(self.path, read_only=read_only)
         except sqlite3.Error as exc:
             raise _unusable(self.path, exc) from None
-        view: RegistryView = SqlView(self._conn)
+        # a writer migrates every later column in; a reader asks once which ones it has
+        known = None if read_only else dict.fromkeys(_LATER_COLUMNS, True)
+        view: RegistryView = SqlView(self._conn, known)
         try:
             if read_only:
                 version = has_component(self._conn, COMPONENT)
@@ -1275,6 +1380,11 @@ class SQLiteRegistry(_ViewReads):
         self._pid = os.getpid()
         # steps are dated by the ledger file's clock, like the ledger's events (model.clocks)
         self.clock = sqlite_host_clock(self._conn, read_only=read_only)
+
+    @property
+    def backend_url(self) -> str:
+        """This file as the backend URL (absolute) an operator's command names."""
+        return sqlite_url(self.path)
 
     def _lost(self, give_back: bool) -> bool:
         """The file is gone (see sqlite_files.lose_file): if asked, fold its -wal back into
@@ -1314,14 +1424,14 @@ class SQLiteRegistry(_ViewReads):
                     if ch.before is None:
                         conn.execute(
                             f"INSERT INTO registry_artifacts({_ART_COLS}) "
-                            "VALUES (?,?,?,?,?,?,?,?,?)",
+                            "VALUES (?,?,?,?,?,?,?,?,?,?)",
                             row,
                         )
                     else:
                         conn.execute(
                             "UPDATE registry_artifacts SET artifact_hash=?, parent_version=?, "
                             "rollback_version=?, state=?, path=?, failure=?, attempts=?, "
-                            "trained_by=? WHERE version=?",
+                            "trained_by=?, ack_deadline=? WHERE version=?",
                             (*row[1:], row[0]),
                         )
                 if not isinstance(step.pointer, _Unchanged):

@@ -56,6 +56,46 @@ ROLLBACK_RETIRED = "rolled_back"
 ROLLBACK_KEPT = "rolled_back_kept"
 
 
+def set_policy_command(url: str | None, policy: AdmissionPolicy | None = None) -> str:
+    """The operator's step that records `policy` (placeholders when None) on the deployment
+    at `url`: the CLI command naming that very database (a bare `set-policy` would write a
+    new ./rollout-lifecycle.db instead), or, for a registry that has no URL (memory), the
+    library call."""
+    lag = "N" if policy is None else str(policy.max_lag)
+    drift = "X" if policy is None else repr(policy.max_drift)
+    if url is None:
+        return (
+            f"model.registry.set_admission_policy(registry, {policy!r}, reason) (the operator's "
+            "step; a memory:// registry lives in one process)"
+            if policy is not None
+            else "model.registry.set_admission_policy(registry, AdmissionPolicy(N, X), reason)"
+        )
+    out = (
+        f"rollout-lifecycle deployment set-policy --backend {url} --max-lag {lag} "
+        f"--max-drift {drift}"
+    )
+    if policy is not None and policy.batch_size is not None:
+        out += f" --batch-size {policy.batch_size}"
+    if policy is not None and policy.max_attempts is not None:
+        out += f" --max-attempts {policy.max_attempts}"
+    if policy is not None and policy.lineage != "ledger":
+        out += f" --lineage {policy.lineage}"
+    if policy is not None and policy.chain_key != "identity":
+        out += f" --chain-key {policy.chain_key}"
+    return out
+
+
+def no_policy_detail(url: str | None) -> str:
+    """The detail of a `no_admission_policy` refusal: what to run, on which database
+    (`url` None: not known where the refusal is decided; the ledger names it)."""
+    return "the deployment records no admission policy; the operator sets it with " + (
+        "`rollout-lifecycle deployment set-policy --backend URL-OF-THIS-DATABASE --max-lag N "
+        "--max-drift X` (or model.registry.set_admission_policy)"
+        if url is None
+        else f"`{set_policy_command(url)}`"
+    )
+
+
 # ---- one ledger entry --------------------------------------------------------------------
 
 
@@ -312,11 +352,7 @@ def reservation_refusal(
     if was_active is None:
         return None
     if policy is None:
-        return (
-            NO_POLICY,
-            "the deployment records no admission policy; set one with `rollout-lifecycle "
-            "deployment set-policy --max-lag N --max-drift X` (or set_admission_policy)",
-        )
+        return NO_POLICY, no_policy_detail(None)
     if stamp.max_lag > policy.max_lag or stamp.max_drift > policy.max_drift:
         return (
             LOOSER_THAN_POLICY,

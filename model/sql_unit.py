@@ -253,6 +253,14 @@ class SqlUnit:
         sql = f"SELECT entry FROM rollouts WHERE {where} ORDER BY rollout_id{self.row_locks}"
         return [self.load(r[0]) for r in self.run(sql, args).fetchall()]
 
+    def lock_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+        """`read_rows`, locked in rollout_id order where the store locks rows (SQLite's
+        steps hold the database's write lock: nothing to add)."""
+        if not self.row_locks:
+            return self.read_rows(rollout_ids)  # type: ignore[attr-defined, no-any-return]
+        got = self.select("rollout_id = ANY(?::text[])", (list(rollout_ids),))
+        return {e.rollout_id: e for e in got}
+
     def owned(self, update_id: str) -> list[LedgerEntry]:
         return self.select("reserved_by = ?", (update_id,))
 

@@ -180,6 +180,12 @@ CREATE TABLE IF NOT EXISTS schema_meta (
 """
 
 
+def sqlite_url(path: str | Path) -> str:
+    """The backend URL of the SQLite file at `path`, absolute: what an operator's command
+    (`--backend`) must name, whatever folder it is run from."""
+    return "sqlite:///" + str(Path(path).absolute())
+
+
 def connect_read_only(path: Path) -> sqlite3.Connection:
     """Open an existing database so that nothing can be written through the connection.
 

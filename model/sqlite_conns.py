@@ -7,9 +7,11 @@ Kept apart from the ledger's store so that the store holds only what the ledger 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import sqlite3
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -19,6 +21,7 @@ from rollout_lifecycle.model.errors import LedgerError, newer_schema
 from rollout_lifecycle.model.sqlite_common import (
     FileReplaced,
     connect,
+    create_private,
     ensure_schema,
     has_component,
     write_failed,
@@ -32,15 +35,20 @@ class _Handle:
     """One thread's connection. The thread-local drops it when its thread ends, and then it
     closes the connection, so short-lived threads do not leak open files."""
 
-    __slots__ = ("__weakref__", "conn", "pid")
+    __slots__ = ("__weakref__", "conn", "pid", "turn")
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, turn: int | None) -> None:
         self.conn = conn
         self.pid = os.getpid()
+        self.turn = turn  # this connection's descriptor of the writers' queue file
 
     def close(self) -> None:
         with contextlib.suppress(sqlite3.Error):
             self.conn.close()
+        if self.turn is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.turn)
+            self.turn = None
 
     def __del__(self) -> None:
         # a forked child must not close what it inherited: SQLite's POSIX locks are per
@@ -70,6 +78,9 @@ class Connections:
         self._inherited: list[_Handle] = []
         self.lock = threading.Lock()
         self._closed = False
+        # where a benchmark asks for it (cli/bench_fleet.py), each write's wait for the
+        # file's write lock (BEGIN IMMEDIATE), in seconds; None: nothing is recorded
+        self.lock_waits: list[float] | None = None
         # fails every use closed once the path stops naming this file (sqlite_files)
         self._guard: FileGuard | None = None
         try:
@@ -117,7 +128,7 @@ class Connections:
             if self._closed:
                 conn.close()
                 raise LedgerError(f"ledger {self.path} is closed; open a new SQLiteLedger")
-            handle = _Handle(conn)
+            handle = _Handle(conn, None if self.read_only else _open_turn(self.path))
             self._handles.add(handle)
         self.local.handle = handle
         if self._guard is not None:
@@ -130,12 +141,23 @@ class Connections:
         if self.read_only:
             raise LedgerError(f"ledger {self.path} was opened read-only; nothing was written")
         conn = self.conn()
+        turn: int | None = self.local.handle.turn
+        waits = self.lock_waits
+        t0 = time.perf_counter() if waits is not None else 0.0
+        if turn is not None:
+            try:
+                fcntl.flock(turn, fcntl.LOCK_EX)
+            except OSError:
+                turn = None  # no queue here (a file system without flock): SQLite's alone
         try:
             if conn.in_transaction:
                 # only a failed ROLLBACK can leave one open; never build on its leftovers
                 conn.execute("ROLLBACK")
             conn.execute("BEGIN IMMEDIATE")
+            if waits is not None:
+                waits.append(time.perf_counter() - t0)
         except sqlite3.Error as exc:
+            _leave(turn)
             raise LedgerError(f"{self.path}: cannot start a write ({exc})") from exc
         try:
             self.check_file()
@@ -147,6 +169,8 @@ class Connections:
             if isinstance(exc, sqlite3.Error):
                 raise write_failed(str(self.path), exc) from exc
             raise
+        finally:
+            _leave(turn)
         return out
 
     @contextlib.contextmanager
@@ -204,3 +228,27 @@ class Connections:
             h.close()
         if self._guard is not None:
             self._guard.release()  # after the connections: see sqlite_files._OpenFile
+
+
+def _open_turn(path: Path) -> int | None:
+    """A descriptor of the writers' queue beside the database (`<file>-writers`), or None
+    where it cannot be made (a read-only folder: SQLite's own lock alone then).
+
+    SQLite's busy handler polls: a waiting writer sleeps up to 100 ms between tries, and a
+    writer in a tight loop re-takes the lock in between, so under contention the others
+    wait for seconds. Writers that block on an flock of this file first are woken the
+    moment it is released, so the lock passes between them (SQLite's lock still decides
+    who writes; the queue only orders who asks). It is created with the database's mode
+    (`file_mode`: owner-only unless ROLLOUT_LIFECYCLE_SQLITE_MODE says otherwise)."""
+    sidecar = Path(f"{path}-writers")
+    try:
+        create_private(sidecar)
+        return os.open(sidecar, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return None
+
+
+def _leave(turn: int | None) -> None:
+    if turn is not None:
+        with contextlib.suppress(OSError):
+            fcntl.flock(turn, fcntl.LOCK_UN)

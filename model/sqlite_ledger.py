@@ -63,6 +63,7 @@ from rollout_lifecycle.model.sqlite_common import (
     read_counters,
     read_events,
     read_stored,
+    sqlite_url,
 )
 from rollout_lifecycle.model.sqlite_conns import Connections
 
@@ -258,6 +259,7 @@ class SQLiteStore:
         if path.is_dir():
             raise LedgerError(f"{path} is a directory; give a database file path inside it")
         self.path = path
+        self.url = sqlite_url(path)  # named in hints (see StoreLedger._located)
         self.read_only = read_only
         self._registry_seen = False
         # the entry `find` read last, with its stored text when it is exactly what `dump`

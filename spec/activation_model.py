@@ -181,6 +181,7 @@ class ActivationModel:
         log = EventLog()
         reg = registry_mod.MemoryRegistry(log)
         led = ledger_mod.MemoryLedger(event_log=log, clock=lambda: 0.0, activation=reg)
+        registry_mod.set_admission_policy(reg, self.policy, "the operator's", at=0.0)
         co = coord_mod.ActivationCoordinator(
             reg,
             self.worker_ids,
@@ -439,9 +440,11 @@ class ActivationModel:
         """Workers are interchangeable: a state is the same up to renaming them (symmetry).
 
         Each worker's signature holds everything that mentions it (truth, stored report,
-        acks in flight) minus its name; sorting signatures gives one form per orbit. The
-        stored tokens are left out: with a fixed worker set and `attempt_token` they follow
-        from the artifacts' attempt counts, and tokens in acks keep only their attempt.
+        acks in flight, which of its tokens were spent) minus its name; sorting signatures
+        gives one form per orbit. The token strings are left out: with a fixed worker set
+        and `attempt_token` they follow from the artifacts' attempt counts, and tokens in
+        acks keep only their attempt; whether a token counted already does not follow, so
+        each worker's spent tokens are kept by the attempt they belong to.
         """
         reports = {r.worker_id: r for r in s.reports}
         sigs = []
@@ -449,7 +452,14 @@ class ActivationModel:
             rep = reports.get(w.worker_id)
             rep_sig = None if rep is None else (rep.floor, _strip(rep.ack))
             flight = tuple(_strip(a) for a in s.network if a.worker_id == w.worker_id)
-            sigs.append((w.incarnation, w.loaded, w.seq, rep_sig, flight))
+            spent = tuple(
+                sorted(
+                    (t.version, t.attempt)
+                    for t in s.tokens
+                    if t.worker_id == w.worker_id and t.spent
+                )
+            )
+            sigs.append((w.incarnation, w.loaded, w.seq, rep_sig, flight, spent))
         sigs.sort(key=repr)
         return (
             tuple(sigs),

@@ -30,6 +30,13 @@ EXPLORER_MODELS: dict[str, tuple[ModelFactory, str]] = {
         "2 rollouts from dispatch, 2 learners, every failure path, a heartbeat: all "
         "lifecycle edges",
     ),
+    "lifecycle-small": (
+        lambda: LedgerRaceModel(
+            n_rollouts=1, n_learners=2, start="dispatched", max_updates=1, allow_renew=True
+        ),
+        "1 rollout from dispatch, 2 learners racing for it, every failure path, a heartbeat: "
+        "all lifecycle edges in a second (the fast campaign's)",
+    ),
     "activation": (
         lambda: ActivationModel(n_workers=3, n_versions=1, max_in_flight=2),
         "3 workers, 1 new version, one crash, one corrupt load, one duplicate, 2 acks in flight",

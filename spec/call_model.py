@@ -344,12 +344,14 @@ class Outcome(NamedTuple):
 
 def dispatch_reasons(chain_rows: Sequence[Row], version: int, view: View) -> frozenset[str]:
     """The answers a dispatch may get at this instant: the first refusal of the documented
-    order (version, then chain, then budget). The live budget counts rollouts of every
-    chain, which no single chain's partition sees, so where no earlier refusal applies
-    'dispatched' and 'no_capacity' are both possible (the spec's `dispatch_paced` judges
-    the budget on the trace)."""
+    order (version: not rolled back, active, not stale; then chain, then budget). The live
+    budget counts rollouts of every chain, which no single chain's partition sees, so where
+    no earlier refusal applies 'dispatched' and 'no_capacity' are both possible (the spec's
+    `dispatch_paced` judges the budget on the trace)."""
     pol, p = view.policy, view.pointer
     if view.attached:
+        if version in view.retired:  # before the pointer: a rollback leaves it above it
+            return frozenset({"version_retired"})
         if p is None or version > p or version not in view.ever:
             return frozenset({"not_active"})
         if pol is not None and p - version > pol[0]:
@@ -493,17 +495,17 @@ def registry_step(reg: Registry, op: str, args: Mapping[str, Any], out: Outcome)
 def _attach(reg: Registry, args: Mapping[str, Any], out: Outcome) -> Registry | None:
     wanted = args.get("workers")
     pol = policy_of(args.get("policy"))
+    if pol is not None and reg.policy != pol:
+        # the policy is the operator's: a coordinator expecting another one, or one where
+        # none is recorded, is refused before it writes anything (not even the worker set)
+        return reg if _err(out, "ActivationError") else None
     if reg.members is None and wanted is None:
         return reg if _err(out, "ActivationError") else None
     if reg.members is not None and wanted is not None and set(wanted) != set(reg.members):
         return reg if _err(out, "ActivationError") else None
-    new = reg if reg.members is not None else reg._replace(members=tuple(wanted or ()))
-    if pol is not None and new.policy is not None and new.policy != pol:
-        # the worker set was recorded in a step of its own before the policy was refused
-        return new if _err(out, "ActivationError") else None
     if out.error is not None:
         return None
-    return new._replace(policy=pol) if pol is not None and new.policy is None else new
+    return reg if reg.members is not None else reg._replace(members=tuple(wanted or ()))
 
 
 def _prepare(reg: Registry, args: Mapping[str, Any], out: Outcome) -> Registry | None:
@@ -606,10 +608,6 @@ def _record_ack(reg: Registry, args: Mapping[str, Any], out: Outcome) -> Registr
             judged = "stale_attempt_token"
         if judged is not None:
             return reg if (reason, counted) == (judged, False) else None
-        if (reason, counted) == ("spent_attempt_token", False) and token in reg.spent:
-            # an ack counts once (a change of the coordinator refuses its token's reuse;
-            # before it, the reuse is counted again: both are allowed here for now)
-            return reg
         stored_token = token
     else:
         stored_token = None
@@ -624,6 +622,16 @@ def _record_ack(reg: Registry, args: Mapping[str, Any], out: Outcome) -> Registr
             if not counted and reason in ("duplicate", "out_of_order", "conflicting_report")
             else None
         )
+    if answers and token in reg.spent:
+        # a token counts once: a copy of the counted ack still standing is a duplicate,
+        # any other ack echoing it (the worker reported something else since) is refused
+        standing = (
+            old is not None
+            and old.token == token
+            and (old.incarnation, old.version, old.hash) == (inc, v, args["hash"])
+        )
+        want_spent = ("duplicate" if standing else "spent_attempt_token", False)
+        return reg if (reason, counted) == want_spent else None
     want = ("counted", True) if answers else ("reported" if member else "not_required", False)
     if (reason, counted) != want:
         return None
@@ -676,6 +684,41 @@ def _try_activate(reg: Registry, args: Mapping[str, Any], out: Outcome) -> Regis
         if old is not None:
             new = new.put(old._replace(state="superseded"))
     return new._replace(pointer=(a.v, a.hash))
+
+
+def _settle(reg: Registry, args: Mapping[str, Any], out: Outcome) -> Registry | None:
+    """`settle`: each version it says it activated was awaiting acks with every required
+    worker's counted ack of it matching (as try_activate judges); each it says it failed
+    was awaiting acks (its deadline is the coordinator's clock, which the model keeps
+    none of: a failure is accepted, never an activation without its acks)."""
+    if out.error is not None:
+        return None
+    new = reg
+    for v, h in out.result["activated"]:
+        a = new.art(v)
+        if a is None or a.state != "awaiting_acks" or a.hash != h:
+            return None
+        members = new.members or ()
+        counted = {w: r for w in members if (r := counted_report(new, a, w)) is not None}
+        if not members or len(counted) != len(members):
+            return None
+        if any((r.version, r.hash) != (a.v, a.hash) for r in counted.values()):
+            return None
+        if new.pointer is not None and a.v <= new.pointer[0]:
+            return None
+        after = new.put(a._replace(state="active"))
+        if new.pointer is not None:
+            old = after.art(new.pointer[0])
+            if old is not None:
+                after = after.put(old._replace(state="superseded"))
+        new = after._replace(pointer=(a.v, h))
+    for v in out.result["failed"]:
+        a = new.art(v)
+        dest = None if a is None else act(a.state, "fail_distribution")
+        if a is None or dest is None:
+            return None
+        new = new.put(a._replace(state=dest))
+    return new
 
 
 def _rollback(reg: Registry, args: Mapping[str, Any], out: Outcome) -> Registry | None:
@@ -772,6 +815,7 @@ REGISTRY_OPS: dict[str, Callable[[Registry, Mapping[str, Any], Outcome], Registr
     "attempt_tokens": _attempt_tokens,
     "record_ack": _record_ack,
     "try_activate": _try_activate,
+    "settle": _settle,
     "rollback": _rollback,
     "change_membership": _change_membership,
     "set_policy": _set_policy,
@@ -789,14 +833,16 @@ REGISTRY_OPS: dict[str, Callable[[Registry, Mapping[str, Any], Outcome], Registr
 
 def view_effect(view: View, op: str, args: Mapping[str, Any], out: Outcome) -> View:
     """The View after a registry change that landed (the ones `changes_view` names)."""
-    if op in ("attach", "set_policy"):
+    if op == "set_policy":  # an attach only checks the policy, never records it
         pol = policy_of(args.get("policy"))
-        if pol is None or (op == "attach" and view.policy is not None):
-            return view
-        return view._replace(policy=pol)
+        return view if pol is None else view._replace(policy=pol)
     if op == "try_activate":
         v, h = out.result["pointer"]
         return view._replace(pointer=v, ever=view.ever | {v}, hashes=view.hashes | {(v, h)})
+    if op == "settle":
+        for v, h in out.result["activated"]:
+            view = view._replace(pointer=v, ever=view.ever | {v}, hashes=view.hashes | {(v, h)})
+        return view
     if op == "rollback":
         v = out.result[0]
         retired = view.retired
@@ -816,4 +862,6 @@ def changes_view(op: str, out: Outcome) -> bool:
         return False
     if op == "try_activate":
         return bool(out.result.get("activated"))
-    return op in ("attach", "set_policy", "rollback", "quarantine_version", "clear_bad_version")
+    if op == "settle":
+        return bool(out.result.get("activated"))
+    return op in ("set_policy", "rollback", "quarantine_version", "clear_bad_version")

@@ -76,7 +76,17 @@ def next_tokens(
 ) -> Mapping[TokenKey, AttemptToken]:
     """The attempt tokens current after `ev` (`tokens` itself if `ev` leaves them alone), by
     the spec's own rule: a distribution attempt replaces every token of its version with the
-    ones it issued; a membership change withdraws the leavers' tokens, adds the joiners'."""
+    ones it issued; a membership change withdraws the leavers' tokens, adds the joiners';
+    an ack stored echoing a current token spends it (it counts once)."""
+    if isinstance(ev, WorkerReported):
+        ack = ev.ack
+        if ack is None or ack.token is None:
+            return tokens
+        key = (ack.version, ev.worker_id)
+        held = tokens.get(key)
+        if held is None or held.token != ack.token or held.spent:
+            return tokens
+        return {**tokens, key: attrs.evolve(held, spent=True)}
     if isinstance(ev, ArtifactChanged) and ev.event in ATTEMPT_EVENTS:
         out = {k: t for k, t in tokens.items() if k[0] != ev.version}
     elif isinstance(ev, MembershipChanged):
@@ -846,12 +856,15 @@ def _membership_explicit(before: World, events: Sequence[TraceEvent], _after: Wo
 
 
 def _acks_bound_to_attempt(before: World, events: Sequence[TraceEvent], after: World) -> list[str]:
-    """Tokens come from attempts and joins only; leaving voids; a stored token is current.
+    """Tokens come from attempts and joins only; leaving voids; a stored token is current
+    and counts once.
 
     Every distribution attempt issues one fresh token per required worker, for its own
     attempt number; a membership change issues tokens only to joiners, for the version
     awaiting acks, and leaves no leaver's ack standing; an ack is stored with a token only
-    if it echoes the current token of its worker and version, awaiting acks.
+    if it echoes the current token of its worker and version, awaiting acks; and a token
+    stored once is never stored again after the worker's report moved on (a later report
+    voids it: a duplicate of the voided ack must not count).
     """
     out: list[str] = []
     required = before.required_workers
@@ -904,6 +917,11 @@ def _acks_bound_to_attempt(before: World, events: Sequence[TraceEvent], after: W
                     f"{ev.worker_id!r}'s ack of v{ack.version} stored with token {ack.token!r}, "
                     "which is not its current attempt token"
                 )
+            elif cur.spent and (prev is None or prev.ack is None or prev.ack.token != ack.token):
+                out.append(
+                    f"{ev.worker_id!r}'s ack of v{ack.version} counted token {ack.token!r} "
+                    "again after a later report voided it (an attempt token counts once)"
+                )
         tokens = next_tokens(tokens, ev, required)
         if isinstance(ev, MembershipChanged):
             required = ev.after
@@ -937,6 +955,45 @@ def _attempt_issue_problems(
             out.append(
                 f"artifact v{ev.version}: {ev.event} reissues {t.worker_id!r}'s previous token"
             )
+    return out
+
+
+# the cause of a distribution attempt failed at its ack deadline (model.coordinator states it
+# too; stated here on its own, as the trace records it)
+_ACK_DEADLINE_PASSED = "ack_deadline_passed"
+
+
+def _ack_deadline_respected(
+    before: World, events: Sequence[TraceEvent], _after: World
+) -> list[str]:
+    """A distribution attempt records a deadline after its own time; an attempt is failed
+    for a passed deadline only once the deadline it recorded has passed, on the step's own
+    clock (a record written before deadlines existed carries none and is not judged)."""
+    out = []
+    arts: ChainMap[int, ArtifactRecord] = _overlay(before.artifacts or {})
+    for ev in events:
+        if not isinstance(ev, ArtifactChanged):
+            continue
+        prior = arts.get(ev.version, ev.before)
+        arts[ev.version] = ev.after
+        deadline = ev.after.ack_deadline
+        if ev.event in ATTEMPT_EVENTS and deadline is not None and not deadline > ev.at:
+            out.append(
+                f"artifact v{ev.version}: {ev.event} at {ev.at!r} records ack deadline "
+                f"{deadline!r}, not after the attempt itself"
+            )
+        failure = ev.after.failure
+        if (
+            ev.event == "fail_distribution"
+            and failure is not None
+            and failure.cause == _ACK_DEADLINE_PASSED
+        ):
+            due = None if prior is None else prior.ack_deadline
+            if due is None or ev.at < due:
+                out.append(
+                    f"artifact v{ev.version}: failed for a passed ack deadline at {ev.at!r}, "
+                    f"before the attempt's recorded deadline {due!r}"
+                )
     return out
 
 
@@ -1321,8 +1378,18 @@ INVARIANTS: tuple[Invariant, ...] = (
         "activation",
         "Each distribution attempt issues every required worker a fresh token; a joiner gets "
         "one for the version awaiting acks; leaving the worker set voids a worker's ack; an "
-        "ack is stored with a token only if it echoes its worker's current one.",
+        "ack is stored with a token only if it echoes its worker's current one, and a token "
+        "counts once: after a later report voided its ack, it is never stored again.",
         step_check=_acks_bound_to_attempt,
+    ),
+    Invariant(
+        "ack_deadline_respected",
+        "step",
+        "activation",
+        "Each distribution attempt records an ack deadline after its own time; an attempt "
+        "is failed for a passed deadline ('ack_deadline_passed') only at or after the "
+        "deadline it recorded.",
+        step_check=_ack_deadline_respected,
     ),
     Invariant(
         "membership_explicit",

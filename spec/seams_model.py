@@ -20,7 +20,7 @@ worker set, records the spec rejects, older-than-active distributions.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -130,6 +130,7 @@ class Composition:
         *,
         observed: Counter[str] | None = None,
         new_token: coord_mod.TokenSource = coord_mod.random_token,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.ledgers = list(ledgers)
         self.registries = list(registries)
@@ -138,8 +139,11 @@ class Composition:
         self.observed: Counter[str] = observed if observed is not None else Counter()
         self.problems: list[str] = []
         self.new_token = new_token
+        # None: the deployment's clock; the explorer fixes it, so an attempt's recorded ack
+        # deadline is the same in every state that is otherwise the same
+        self.clock = clock
         self.coord_a = coord_mod.ActivationCoordinator(
-            self.registries[0], ledger=self.ledgers[0], new_token=new_token
+            self.registries[0], ledger=self.ledgers[0], new_token=new_token, clock=clock
         )
         self.coord_b = self._second_coordinator()
 
@@ -148,13 +152,15 @@ class Composition:
         registry refuses, so it attaches with the registry's own set."""
         try:
             c = coord_mod.ActivationCoordinator(
-                self.registries[-1], PARTIAL, new_token=self.new_token
+                self.registries[-1], PARTIAL, new_token=self.new_token, clock=self.clock
             )
             self.observed["partial_set_accepted"] += 1
             return c
         except ActivationError:
             self.observed["partial_set_refused"] += 1
-            return coord_mod.ActivationCoordinator(self.registries[-1], new_token=self.new_token)
+            return coord_mod.ActivationCoordinator(
+                self.registries[-1], new_token=self.new_token, clock=self.clock
+            )
 
     def coordinator(self, who: int) -> coord_mod.ActivationCoordinator:
         """Coordinator 0 (the trainer's) or 1 (the second one)."""
@@ -485,6 +491,7 @@ class SeamsModel:
             list(s.learners),
             observed=self.observed,
             new_token=attempt_token,
+            clock=lambda: 0.0,
         )
         return comp, log, led, reg
 
@@ -493,8 +500,9 @@ class SeamsModel:
         log = EventLog()
         reg = registry_mod.MemoryRegistry(log)
         led = ledger_mod.MemoryLedger(event_log=log, clock=lambda: 0.0, activation=reg)
+        registry_mod.set_admission_policy(reg, POLICY, "the operator's", at=0.0)
         c = coord_mod.ActivationCoordinator(
-            reg, WORKERS, ledger=led, policy=POLICY, new_token=attempt_token
+            reg, WORKERS, ledger=led, policy=POLICY, new_token=attempt_token, clock=lambda: 0.0
         )
         c.prepare(0)
         c.commit_artifact(0, version_hash(0))

@@ -218,8 +218,23 @@ class ActivationMachine(RuleBasedStateMachine):
             return ActivationError
         return None
 
+    def _ref_settle(self) -> list[int]:
+        """What the coordinator's settle does first when an attempt awaiting acks would block
+        a call: an attempt whose every ack is in activates (this machine's clock never
+        reaches an ack deadline, so none is failed for one)."""
+        done = []
+        for u in self._versions("awaiting_acks"):
+            if self._expect_activation(u) == "activated":
+                self._ref_activated(u)
+                done.append(u)
+        return done
+
     def _apply(self, v: int, event: str) -> None:
         """Perform one coordinator call whose refusal (or success) the reference predicts."""
+        if event in ("distribute", "retry") and any(
+            u != v for u in self._versions("awaiting_acks")
+        ):
+            self._ref_settle()
         want = self._expect(v, event)
         try:
             self._call(v, event)
@@ -321,12 +336,15 @@ class ActivationMachine(RuleBasedStateMachine):
             )
         if want in STORED_REASONS:
             # only an answer to the current attempt keeps its token: a report never counts
-            ref.latest = ack if want == "counted" else attrs.evolve(ack, token=None)
+            if want == "counted":
+                ref.counted(ack)
+            else:
+                ref.latest = attrs.evolve(ack, token=None)
             if want == "not_required":
                 self.recorder.reached("non_member_report_recorded")
         elif want == "stale_incarnation":
             self.recorder.reached("restart_ack_refused")
-        elif want in ("stale_attempt_token", "foreign_attempt_token"):
+        elif want in ("stale_attempt_token", "foreign_attempt_token", "spent_attempt_token"):
             self.recorder.reached("stale_token_refused")
         elif want == "missing_attempt_token":
             self.recorder.reached("missing_token_refused")
@@ -334,7 +352,6 @@ class ActivationMachine(RuleBasedStateMachine):
             self.recorder.reached("stale_ack_refused")
 
     def _try_activate(self, v: int) -> None:
-        a = self.arts[v]
         reason = self._expect_activation(v)
         res = self.coord.try_activate(v)
         self.recorder.checked(["activation_as_reference"])
@@ -344,21 +361,25 @@ class ActivationMachine(RuleBasedStateMachine):
                 f"expects {reason!r} (acks {self._latest_summary()})"
             )
         if res.activated:
-            if self.pointer is not None:
-                self.arts[self.pointer[0]].state = "superseded"
-            a.state = "active"
-            # a version that failed once and activated on a retry is good from now on: its
-            # late rollouts are no longer quarantined on arrival (the coordinator lifts the
-            # ledger's mark in the same call)
-            self.failed.discard(v)
-            assert a.hash is not None
-            self.pointer = (v, a.hash)
-            for t in self.truth.values():
-                t.serving = t.loaded
+            self._ref_activated(v)
         elif reason == "worker_mismatch" and any(
             (r := self.reports[w].latest) is not None and r.version < v for w in self.members
         ):
             self.recorder.reached("stale_ack_refused")
+
+    def _ref_activated(self, v: int) -> None:
+        a = self.arts[v]
+        if self.pointer is not None:
+            self.arts[self.pointer[0]].state = "superseded"
+        a.state = "active"
+        # a version that failed once and activated on a retry is good from now on: its
+        # late rollouts are no longer quarantined on arrival (the coordinator lifts the
+        # ledger's mark in the same call)
+        self.failed.discard(v)
+        assert a.hash is not None
+        self.pointer = (v, a.hash)
+        for t in self.truth.values():
+            t.serving = t.loaded
 
     def _expect_activation(self, v: int) -> str:
         a = self.arts[v]
@@ -596,6 +617,30 @@ class ActivationMachine(RuleBasedStateMachine):
         if self.arts[v].state == "distribution_failed" and self._expect(v, "retry") is None:
             self._apply(v, "retry")
 
+    @rule()
+    @precondition(lambda self: self._awaiting() is not None and self.step_no % 5 == 2)
+    @counted
+    def activator_dies(self) -> None:
+        """The activator is killed mid-distribution and its ack deadline passes: the next
+        coordinator's `settle` activates the attempt if every ack is in (it died after
+        them), else fails it ('ack_deadline_passed', its rollouts quarantined)."""
+        v = self._awaiting()
+        assert v is not None
+        self.clock.advance(coord_mod.DEFAULT_ACK_TIMEOUT)
+        activates = self._expect_activation(v) == "activated"
+        got = self.coord.settle()
+        self.recorder.checked(["settled_as_reference"])
+        want = ((v,), ()) if activates else ((), (v,))
+        if (got.activated, got.failed) != want or got.awaiting:
+            raise self.recorder.fail(f"settle at v{v}'s deadline gave {got}; expected {want}")
+        if activates:
+            self._ref_activated(v)
+            return
+        failure = self.coord.artifact(v).failure
+        if failure is None or failure.cause != coord_mod.ACK_DEADLINE_PASSED:
+            raise self.recorder.fail(f"v{v} failed at its deadline with {failure}")
+        self._ref_apply(v, "fail_distribution")
+
     @rule(pick=picks)
     @precondition(lambda self: bool(self._late_acks()))
     @counted
@@ -659,7 +704,16 @@ class ActivationMachine(RuleBasedStateMachine):
         return target is not None and self.arts[target].state == "superseded"
 
     def _rollback(self) -> None:
-        """Roll back, or (with no superseded target) check the refusal changes nothing."""
+        """Roll back, or (with no superseded target) check the refusal changes nothing.
+
+        A distribution awaiting acks is settled first; if that activated it, the rollback
+        is refused (the active version is no longer the one the caller meant)."""
+        if self._versions("awaiting_acks") and self._ref_settle():
+            try:
+                self.coord.rollback()
+            except ActivationError:
+                return
+            raise self.recorder.fail("rollback succeeded after settling activated a version")
         if not self._can_roll_back():
             try:
                 self.coord.rollback()
@@ -794,6 +848,7 @@ class ActivationMachine(RuleBasedStateMachine):
             **self.options,
         )
         self.reopened_at = self.step_no
+        self._ref_settle()  # resume settles: an attempt whose every ack is in activates
         self.coord.resume()
 
     @rule()

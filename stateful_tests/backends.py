@@ -37,6 +37,7 @@ import rollout_lifecycle.model.ledger as ledger_mod
 import rollout_lifecycle.model.registry as registry_mod
 import rollout_lifecycle.model.sqlite_ledger as sqlite_ledger_mod
 from rollout_lifecycle.model.backends import redact_url
+from rollout_lifecycle.model.errors import BackendUnavailable
 from rollout_lifecycle.model.events import EntryStates, EventLog, TraceEvent
 from rollout_lifecycle.model.ledger import Clock, Ledger
 from rollout_lifecycle.model.records import AdmissionPolicy
@@ -215,6 +216,53 @@ def resolve_factory(backend: str | LedgerFactory) -> tuple[str, LedgerFactory]:
     return (f"{module}:{label}" if module else label), backend
 
 
+def fuzz_backend(backend: str) -> str:
+    """The backend name the machines run on for a URL every other command takes.
+
+    `memory://` is `memory`; `sqlite:///PATH` is `sqlite` (the path is checked, never
+    written: every machine instance needs a fresh database, so the machines make their own
+    files under the run's work folder); a postgresql:// URL, a backend name or a
+    `module:factory` are returned as they are. A malformed SQLite URL is BackendURLError."""
+    if backend == "memory://":
+        return "memory"
+    if backend.startswith("sqlite:"):
+        if backend not in ("sqlite://", "sqlite:///"):
+            from rollout_lifecycle.model.backends import sqlite_path
+
+            sqlite_path(backend)
+        return "sqlite"
+    return backend
+
+
+def check_reachable(backend: str | LedgerFactory) -> None:
+    """Connect once to a PostgreSQL backend's server, before any work: BackendUnavailable
+    when it cannot be reached (or psycopg is not installed), BackendURLError when the URL,
+    the credentials or the database are wrong. Other backends need no server."""
+    if not is_postgres(backend):
+        return
+    assert isinstance(backend, str)
+    url = postgres_url(backend)
+    try:
+        import psycopg
+
+        common = importlib.import_module("rollout_lifecycle.model.postgres_common")
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"the PostgreSQL backend needs psycopg 3 ({exc}); install the extra "
+            "rollout-lifecycle[postgres] (from a checkout: pip install -e '.[postgres]')"
+        ) from None
+    params = common.url_params(url)
+    kwargs: dict[str, Any] = {"autocommit": True}
+    if "connect_timeout" not in params:
+        kwargs["connect_timeout"] = 10
+    target = url if not url.startswith("postgres://") else "postgresql" + url[8:]
+    try:
+        conn = psycopg.connect(target, **kwargs)
+    except psycopg.Error as exc:
+        raise common.connect_error(exc, common.describe(params), params) from None
+    conn.close()
+
+
 def load_factory(spec: str) -> LedgerFactory:
     """Import ``package.module:attribute`` and return it; errors say what to fix."""
     module_name, sep, attr = spec.partition(":")
@@ -383,6 +431,22 @@ def event_source(url: str) -> TraceSource:
     return source
 
 
+def operated(
+    registry: RegistryStore,
+    workers: tuple[str, ...],
+    ledger: Ledger,
+    clock: ledger_mod.ManualClock,
+    policy: AdmissionPolicy | None,
+) -> coord_mod.ActivationCoordinator:
+    """A coordinator on a deployment whose operator recorded `policy` first (the operator's
+    own step: a coordinator only checks it), or on one with no policy when None."""
+    if policy is not None:
+        registry_mod.set_admission_policy(registry, policy, "set by the operator", at=clock())
+    return coord_mod.ActivationCoordinator(
+        registry, workers, ledger=ledger, clock=clock, policy=policy
+    )
+
+
 def _postgres_stack(
     backend: str,
     tmp_path: Path,
@@ -399,7 +463,7 @@ def _postgres_stack(
     db = common.PostgresDatabase(url, schema=schema)
     led: Ledger = pg_ledger.PostgresLedger(db, clock=clock, **ledger_options)
     reg: RegistryStore = pg_registry.PostgresRegistry(db)
-    coord = coord_mod.ActivationCoordinator(reg, workers, ledger=led, clock=clock, policy=policy)
+    coord = operated(reg, workers, led, clock, policy)
     label = "postgresql" if backend == "postgresql" else redact_url(backend)
     return Stack(label, led, reg, coord, PostgresEventSource(db), url=backend)
 
@@ -414,7 +478,7 @@ def open_stack(
 ) -> Stack:
     """Ledger + registry + coordinator on `backend`: 'memory', 'sqlite' (one file), or
     PostgreSQL ('postgresql' or a URL: one fresh schema); `policy` is recorded as the
-    deployment's admission policy."""
+    deployment's admission policy by the operator's step (`operated`)."""
     if backend == "memory":
         log = EventLog()
         mem_reg = registry_mod.MemoryRegistry(event_log=log)
@@ -422,17 +486,13 @@ def open_stack(
             clock=clock, event_log=log, activation=mem_reg, **ledger_options
         )
         mem_registry: RegistryStore = mem_reg
-        coord = coord_mod.ActivationCoordinator(
-            mem_registry, workers, ledger=mem_ledger, clock=clock, policy=policy
-        )
+        coord = operated(mem_registry, workers, mem_ledger, clock, policy)
         return Stack(backend, mem_ledger, mem_registry, coord, LogSource(log))
     if backend == "sqlite":
         path = tmp_path / DB_NAME
         sql_ledger: Ledger = sqlite_ledger_mod.SQLiteLedger(path, clock=clock, **ledger_options)
         sql_registry: RegistryStore = registry_mod.SQLiteRegistry(path)
-        coord = coord_mod.ActivationCoordinator(
-            sql_registry, workers, ledger=sql_ledger, clock=clock, policy=policy
-        )
+        coord = operated(sql_registry, workers, sql_ledger, clock, policy)
         return Stack(backend, sql_ledger, sql_registry, coord, SQLiteEventSource(path))
     if is_postgres(backend):
         schema = fresh_schema(postgres_url(backend), tmp_path)
@@ -475,7 +535,7 @@ def reopen_stack(
     path = tmp_path / DB_NAME
     led: Ledger = sqlite_ledger_mod.SQLiteLedger(path, clock=clock, **ledger_options)
     reg: RegistryStore = registry_mod.SQLiteRegistry(path)
-    coord = coord_mod.ActivationCoordinator(reg, workers, ledger=led, clock=clock, policy=policy)
+    coord = operated(reg, workers, led, clock, policy)
     return Stack(stack.backend, led, reg, coord, stack.source)
 
 

@@ -5,9 +5,10 @@ small deployment set up the way the race sets one up (a worker set, a policy, v0
 then a few processes whose calls overlap in time. The known-bad ones answer something no
 instant of their call makes true (the issue's stale-row refusal, a double reservation, a
 lost commit, a retry answered differently, a batch half applied, a pointer that goes
-back); each has a known-good twin that differs in the one answer. `generated_history`
-records a seeded sequential workload on the memory backend through the recorders: the
-code's own answers, which the model must explain call by call.
+back, a settle that activates before the ack or fails what was not awaiting acks); each
+has a known-good twin that differs in the one answer. `generated_history` records a
+seeded sequential workload on the memory backend through the recorders: the code's own
+answers, which the model must explain call by call.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from rollout_lifecycle.stateful_tests.history import (
     RecordingRegistry,
     attach,
     history_header,
+    operator_sets_policy,
 )
 
 Line = dict[str, Any]
@@ -159,7 +161,9 @@ class Script:
 
     def setup(self, rollouts: Sequence[str] = ("r",)) -> Script:
         """The deployment (worker 'w0', max_lag 1, v0 active) and rewarded v0 rollouts."""
-        self.call("setup", "attach", {"workers": ["w0"], "policy": POLICY}, 0.0, 0.0005, None)
+        # the operator records the policy; the coordinator attaches expecting it
+        self.call("setup", "set_policy", {"policy": POLICY}, 0.0, 0.0002, POLICY)
+        self.call("setup", "attach", {"workers": ["w0"], "policy": POLICY}, 0.0003, 0.0005, None)
         self.activate(0, 0.001, proc="setup")
         docs = [{"id": r, "state": "rewarded", "v": 0, "hash": h(0)} for r in rollouts]
         return self.call(
@@ -274,6 +278,70 @@ def pointer_goes_back(second: int = 0) -> list[Line]:
     return s.call("reader", "pointer", {}, 1.3, 1.4, [second, h(second)]).lines
 
 
+def _awaiting(s: Script, v: int, at: float) -> Script:
+    """v prepared, committed and distributed by the activator, its token issued to w0."""
+    art = {"v": v, "hash": h(v)}
+    s.call(
+        "activator",
+        "prepare",
+        {"v": v, "parent": None, "rollback": "current", "trained_by": []},
+        at,
+        at + 0.001,
+        {**art, "hash": None, "attempts": 0, "state": "prepared"},
+    )
+    s.call(
+        "activator",
+        "commit_artifact",
+        {"v": v, "hash": h(v)},
+        at + 0.002,
+        at + 0.003,
+        {**art, "attempts": 0, "state": "committed"},
+    )
+    s.call(
+        "activator",
+        "distribute",
+        {"v": v},
+        at + 0.004,
+        at + 0.005,
+        {**art, "attempts": 1, "state": "awaiting_acks"},
+    )
+    return s.call(
+        "activator", "attempt_tokens", {"v": v}, at + 0.006, at + 0.007, {"w0": f"tok{v}"}
+    )
+
+
+def settle_before_the_ack(early: bool = True) -> list[Line]:
+    """Issue 31 item 8: the next coordinator action settles an attempt its activator left
+    awaiting acks. v1 is distributed; a settle, w0's ack, a settle. With `early`, the first
+    settle says it activated v1, before any ack of it was counted (untrue at every instant
+    of that call); the twin's first settle resolves nothing and the second activates."""
+    s = Script().setup()
+    _awaiting(s, 1, 1.0)
+    none: dict[str, Any] = {"activated": [], "failed": []}
+    done = {"activated": [[1, h(1)]], "failed": []}
+    s.call("other", "settle", {}, 1.1, 1.2, done if early else none)
+    ack = {"worker": "w0", "v": 1, "hash": h(1), "token": "tok1", "incarnation": 0, "seq": None}
+    s.call(
+        "worker",
+        "record_ack",
+        ack,
+        1.3,
+        1.4,
+        {"counted": True, "reason": "counted", "recorded": True},
+    )
+    s.call("other", "settle", {}, 1.5, 1.6, none if early else done)
+    return s.call("reader", "pointer", {}, 1.7, 1.8, [1, h(1)]).lines
+
+
+def settle_fails_what_was_not_awaiting(version: int = 0) -> list[Line]:
+    """A settle that says it failed a version at its ack deadline: only an attempt still
+    awaiting acks can fail (v1 here); failing the active v0 is untrue."""
+    s = Script().setup()
+    _awaiting(s, 1, 1.0)
+    s.call("other", "settle", {}, 1.1, 1.2, {"activated": [], "failed": [version]})
+    return s.call("reader", "pointer", {}, 1.3, 1.4, [0, h(0)]).lines
+
+
 def concurrent_reads(n: int) -> list[Line]:
     """`n` overlapping reserve calls on one rollout, every answer a conflict: a search
     whose every order is valid (for the time limit's 'unknown')."""
@@ -297,7 +365,8 @@ def concurrent_reads(n: int) -> list[Line]:
 
 def generated_history(seed: int, steps: int = 120) -> list[Line]:
     """A seeded sequential workload on the memory backend, every call recorded: the code's
-    own answers (activations, rollbacks, policy changes, reservations with honest and bad
+    own answers (activations, settles of attempts left awaiting acks, rollbacks, policy
+    changes, reservations with honest and bad
     stamps, retries, batches, commits, aborts, renewals, lease expiry, dispatch on chains,
     retire_stale), which the model must explain."""
     rng = random.Random(seed)
@@ -306,9 +375,9 @@ def generated_history(seed: int, steps: int = 120) -> list[Line]:
     with open_backend("memory://", clock=clock, lease_seconds=30.0) as raw:
         ledger = RecordingLedger(raw.ledger, log)
         registry = RecordingRegistry(raw.registry, log)
-        coord = attach(
-            log, raw.registry, ["w0", "w1"], ledger=ledger, policy=AdmissionPolicy(1, 0.2, 4, 2)
-        )
+        policy = AdmissionPolicy(1, 0.2, 4, 2)
+        operator_sets_policy(log, raw.registry, policy, "the operator's")
+        coord = attach(log, raw.registry, ["w0", "w1"], ledger=ledger, policy=policy)
         n, version, updates = 0, 0, 0
         held: dict[str, list[str]] = {}
 
@@ -331,6 +400,8 @@ def generated_history(seed: int, steps: int = 120) -> list[Line]:
             coord.commit_artifact(v, h(v))
             coord.distribute(v)
             acks(v)
+            if rng.random() < 0.15:
+                return  # left awaiting acks (its activator died): the next action settles it
             for _ in range(3):
                 if coord.try_activate(v).activated:
                     return

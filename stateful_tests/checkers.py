@@ -85,6 +85,7 @@ from rollout_lifecycle.stateful_tests.histories import (
     HandRegistry,
     churned_history,
     correct_history,
+    deadline_history,
     dispatched_event,
     flagged,
     forge,
@@ -97,6 +98,7 @@ from rollout_lifecycle.stateful_tests.histories import (
     lineage_history,
     paced_history,
     random_history,
+    recounted_history,
     reserved_after_rollback,
     restamped,
     rewarded,
@@ -128,6 +130,15 @@ class CheckerCase:
         """(passed, what the checker flagged)."""
         got = self.run()
         return (not got if self.expect is None else self.expect in got), got
+
+
+def _raises(exc: Exception) -> Run:
+    """A case whose input could not be built: judging it raises what building it raised."""
+
+    def run() -> set[str]:
+        raise exc
+
+    return run
 
 
 def _world(w: World) -> Run:
@@ -450,6 +461,31 @@ def spec_cases() -> list[CheckerCase]:
         "acks_bound_to_attempt",
         "leaving the set voids nothing",
         _trace(lambda: churned_history(void=False, fresh=True)),
+    )
+    add(
+        "acks_bound_to_attempt",
+        "a duplicate of a voided ack counted again",
+        _trace(lambda: recounted_history(recount=True)),
+    )
+    add(
+        None,
+        "an ack voided by a later report, not counted again",
+        _trace(lambda: recounted_history(recount=False)),
+    )
+    add(
+        "ack_deadline_respected",
+        "an attempt failed for its deadline before the deadline",
+        _trace(lambda: deadline_history(failed_at=50.0)),
+    )
+    add(
+        "ack_deadline_respected",
+        "an attempt whose deadline is before the attempt",
+        _trace(lambda: deadline_history(failed_at=150.0, deadline=5.0)),
+    )
+    add(
+        None,
+        "an attempt failed once its deadline passed",
+        _trace(lambda: deadline_history(failed_at=100.0)),
     )
     add(
         "distributed_newer_than_active",
@@ -1009,7 +1045,8 @@ def _lin(lines: Sequence[dict[str, Any]], time_limit: float = 5.0) -> Run:
 def linearizability_cases(seed: int, generated: int) -> list[CheckerCase]:
     """Histories no single order explains (issue 33's stale-row refusal, a double
     reservation, a lost commit, a retry answered differently, a batch half applied, a
-    pointer that goes back), each beside its good twin; a search too big for its time
+    pointer that goes back, a settle that activates before the ack or fails what was not
+    awaiting acks), each beside its good twin; a search too big for its time
     limit ('unknown', never 'ok'); sequential workloads through the real code (the model
     must explain every answer) and the same with one answer changed."""
     name = "linearizable"
@@ -1026,6 +1063,8 @@ def linearizability_cases(seed: int, generated: int) -> list[CheckerCase]:
         ),
         ("batch half applied", H.batch_half_applied, "rewarded", "reserved"),
         ("pointer goes back", H.pointer_goes_back, 0, 1),
+        ("a settle that activates before the ack", H.settle_before_the_ack, True, False),
+        ("a settle that fails what was not awaiting", H.settle_fails_what_was_not_awaiting, 0, 1),
     ]
     cases = []
     for what, build, bad, good in pairs:
@@ -1041,7 +1080,12 @@ def linearizability_cases(seed: int, generated: int) -> list[CheckerCase]:
     )
     rng = random.Random(seed)
     for i in range(generated):
-        lines = H.generated_history(seed * 1000 + i, steps=120)
+        try:
+            lines = H.generated_history(seed * 1000 + i, steps=120)
+        except Exception as exc:  # the write path refused the workload (under a mutant)
+            crash = _raises(exc)  # a crash, reported as one: no checker's verdict
+            cases.append(CheckerCase("linearizability:generated", f"workload {i}", None, crash))
+            continue
         cases.append(CheckerCase("linearizability:generated", f"workload {i}", None, _lin(lines)))
         bad_lines = H.corrupted(lines, rng)
         if bad_lines is not None:
@@ -1065,8 +1109,10 @@ def _stored() -> StoredRows:
     (built once per `run_checker_checks`, under whatever patch that run is in: every
     audit case edits a copy, never these rows)."""
     from rollout_lifecycle.model.coordinator import ActivationCoordinator
+    from rollout_lifecycle.model.registry import set_admission_policy
 
     b = open_backend("memory://")
+    set_admission_policy(b.registry, AdmissionPolicy(1, 0.2), "set by the operator")
     coord = ActivationCoordinator(
         b.registry, WORKERS, ledger=b.ledger, policy=AdmissionPolicy(1, 0.2)
     )
@@ -1306,7 +1352,9 @@ _EXACT_COUNTERS = ("writes", "reservations", "expirations")
 
 
 def _edited(value: Any, rng: random.Random) -> Any:
-    if isinstance(value, bool) or value is None:
+    if isinstance(value, bool):  # True == 1: an edit to 1 would read the same
+        return rng.choice((not value, "x"))
+    if value is None:
         return rng.choice((1, "x"))
     if isinstance(value, int | float):
         return value + rng.choice((1, 2, -1))

@@ -52,6 +52,7 @@ from rollout_lifecycle.model.records import (
     Rollout,
     RolloutIdentity,
 )
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.spec.invariants import OPEN_STATES, Violation
 from rollout_lifecycle.stateful_tests.backends import (
     Stack,
@@ -173,6 +174,10 @@ class EndToEndMachine(RuleBasedStateMachine):
         self.evidence: dict[str, str] = {}
         self.judged: dict[str, int] = {}
         self.activated: set[int] = set()  # ghost: versions that really became active
+        # a token counts once: the tokens an ack was counted with, and per worker the token
+        # its later answer was refused for ('spent_attempt_token': the attempt needs a retry)
+        self.counted_tokens: set[str] = set()
+        self.voided: dict[str, str] = {}
         self.consumed: set[str] = set()  # ghost: rollouts consumed so far
         self.update_no = 0
         self.held: set[str] = set()  # what the learner believes its update reserved
@@ -319,7 +324,9 @@ class EndToEndMachine(RuleBasedStateMachine):
         """Record a pacing policy per example: a small budget of (MAX_LAG + 1) x batch_size
         live rollouts and a small attempt bound, so both refusals are reached."""
         self.policy = AdmissionPolicy(MAX_LAG, MAX_DRIFT, batch_size, max_attempts)
-        self.coord.set_policy(self.policy, "pacing for this example")
+        set_admission_policy(
+            self.stack.registry, self.policy, "pacing for this example", at=self.clock()
+        )
 
     def _admit_batch(self, *, tensors: bool = False) -> None:
         """Admit up to BATCH rewarded rollouts at once; cross-check every row; reserve."""
@@ -507,7 +514,11 @@ class EndToEndMachine(RuleBasedStateMachine):
             worker, v, artifact_hash(v), corrupt_hash(v), rec.attempts, token, corrupt=corrupt
         )
         res = self.coord.record_ack(ack)
-        if not res.counted and res.reason != "duplicate":
+        if res.counted:
+            self.counted_tokens.add(token)
+        elif res.reason == "spent_attempt_token" and token in self.counted_tokens:
+            self.voided[worker] = token  # it counted once, then the worker moved on
+        elif res.reason != "duplicate":
             raise self.recorder.fail(f"{worker}'s fresh ack {ack} was not counted: {res.reason}")
 
     def _try_activate(self, v: int) -> None:
@@ -517,6 +528,7 @@ class EndToEndMachine(RuleBasedStateMachine):
             t.loaded == (v, artifact_hash(v))
             and t.last_sent is not None
             and t.last_sent.token == tokens[w]
+            and self.voided.get(w) != tokens[w]
             for w, t in self.truth.items()
         )
         p = self.coord.pointer()
@@ -586,6 +598,12 @@ class EndToEndMachine(RuleBasedStateMachine):
                 self.coord.distribute(v)
             else:
                 tokens = self.coord.attempt_tokens(v)
+                if any(self.voided.get(w) == tokens[w] for w in WORKERS):
+                    # a worker reloaded after its ack counted: its token is spent, so the
+                    # activator opens a new attempt (fresh tokens) for the reload to count
+                    self.coord.fail_distribution(v, "reloaded_after_ack")
+                    self.coord.retry(v)
+                    return
                 for w in WORKERS:
                     sent = self.truth[w].last_sent
                     if sent is None or (sent.version, sent.token) != (v, tokens[w]):
@@ -877,7 +895,13 @@ class EndToEndMachine(RuleBasedStateMachine):
             **self.options,
         )
         self.reopened_at = self.step_no
-        self.coord.resume()
+        before = self.coord.pointer()
+        self.coord.resume()  # settles: an attempt whose every ack is in activates
+        after = self.coord.pointer()
+        if after is not None and after != before:
+            self.activated.add(after.version)
+            for t in self.truth.values():
+                t.serving = t.loaded  # the switch, as in _try_activate
 
     @rule()
     @precondition(lambda self: self._pending() is not None or bool(self._entries("reserved")))

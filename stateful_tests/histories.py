@@ -108,8 +108,9 @@ class HandRegistry:
         new_ptr: Any = "same",
         acks: tuple[WorkerAck, ...] = (),
         tokens: tuple[AttemptToken, ...] = (),
+        at: float = 0.0,
     ) -> None:
-        """One registry step: these artifact changes, and the pointer after it."""
+        """One registry step at time `at`: these artifact changes, and the pointer after it."""
         evs: list[TraceEvent] = []
         pb = self.pointer
         pa = pb if new_ptr == "same" else new_ptr
@@ -118,7 +119,7 @@ class HandRegistry:
                 ArtifactChanged(
                     seq=0,
                     txn=0,
-                    at=0.0,
+                    at=at,
                     version=v,
                     event=ev,
                     before=self.arts.get(v),
@@ -463,6 +464,48 @@ def churned_history(void: bool, fresh: bool) -> list[TraceEvent]:
     return log.events()
 
 
+def recounted_history(recount: bool) -> list[TraceEvent]:
+    """v1 distributed; both workers ack it (w0's ack counted, its token spent); w0 then
+    reports it restored v0; with `recount` a network duplicate of w0's v1 ack is stored
+    again (counted a second time) and v1 activates on it while w0 holds v0."""
+    log = EventLog()
+    reg = HandRegistry(log)
+    reg.activate(0)
+    reg.stage(1)
+    reg.report(1, "h1")
+    w0 = WORKERS[0]
+    first = WorkerAck(w0, 1, "h1", 0, reg.seq, 1, token(1, 1, w0))
+    log.record([WorkerReported(0, 0, 0.0, w0, 0, WorkerAck(w0, 0, "h0", 0, reg.seq + 1))])
+    if recount:
+        again = attrs.evolve(first, seq=reg.seq + 2)  # numbered by arrival: a "newer" report
+        log.record([WorkerReported(0, 0, 0.0, w0, 0, again)])
+        acks = (again, *(WorkerAck(w, 1, "h1", 0, reg.seq, 1, token(1, 1, w)) for w in WORKERS[1:]))
+        changes = [
+            (1, "activate", attrs.evolve(reg.arts[1], state="active")),
+            (0, "supersede", attrs.evolve(reg.arts[0], state="superseded")),
+        ]
+        reg.emit(changes, ActivePointer(1, "h1"), acks)
+    return log.events()
+
+
+def deadline_history(*, failed_at: float, deadline: float = 100.0) -> list[TraceEvent]:
+    """v1 distributed at time 10 with ack deadline `deadline`; no ack arrives; the attempt
+    is failed for a passed deadline ('ack_deadline_passed') at `failed_at`."""
+    log = EventLog()
+    reg = HandRegistry(log)
+    reg.activate(0)
+    reg.emit([(1, "register", ArtifactRecord(version=1, artifact_hash=None, rollback_version=0))])
+    reg.emit(
+        [(1, "commit_artifact", attrs.evolve(reg.arts[1], state="committed", artifact_hash="h1"))]
+    )
+    staged = attrs.evolve(reg.arts[1], state="awaiting_acks", attempts=1, ack_deadline=deadline)
+    reg.emit([(1, "distribute", staged)], tokens=issued(1, 1), at=10.0)
+    failure = Disposition("distribution", "ack_deadline_passed", "no ack by the deadline")
+    failed = attrs.evolve(reg.arts[1], state="distribution_failed", failure=failure)
+    reg.emit([(1, "fail_distribution", failed)], at=failed_at)
+    return log.events()
+
+
 def served_history(restart_first: bool) -> list[TraceEvent]:
     """A worker naming itself in its rollout ids (`<worker>@<incarnation>/<n>`, as the
     activation drill writes them) serves v0 after acking it; with `restart_first` it
@@ -475,6 +518,7 @@ def served_history(restart_first: bool) -> list[TraceEvent]:
         Rollout,
         RolloutIdentity,
     )
+    from rollout_lifecycle.model.registry import set_admission_policy
 
     h = "ab" * 32
 
@@ -483,6 +527,7 @@ def served_history(restart_first: bool) -> list[TraceEvent]:
         return Rollout(RolloutIdentity(rid, "p", "d", 0), BehaviorPolicy(0, h), cond)
 
     with open_backend("memory://") as be:
+        set_admission_policy(be.registry, POLICY, "set by the operator")
         coord = ActivationCoordinator(be.registry, WORKERS, ledger=be.ledger, policy=POLICY)
         coord.prepare(0)
         coord.commit_artifact(0, h)
@@ -540,6 +585,7 @@ def paced_history() -> list[TraceEvent]:
     runs on v2; the budget of (1 + 1) x 1 live rollouts is full at the end."""
     from rollout_lifecycle.model.backends import open_backend
     from rollout_lifecycle.model.coordinator import ActivationCoordinator
+    from rollout_lifecycle.model.registry import set_admission_policy
 
     def activate(coord: ActivationCoordinator, v: int) -> None:
         h = f"{v:x}".rjust(64, "c")
@@ -559,6 +605,7 @@ def paced_history() -> list[TraceEvent]:
 
     with open_backend("memory://") as be:
         led = be.ledger
+        set_admission_policy(be.registry, PACED, "set by the operator")
         coord = ActivationCoordinator(be.registry, WORKERS, ledger=led, policy=PACED)
         activate(coord, 0)
         for rid, chain in (("a1", "p1"), ("b1", "p2")):

@@ -31,6 +31,7 @@ from rollout_lifecycle.model.coordinator import (
     AckResult,
     ActivationCoordinator,
     ActivationResult,
+    Settled,
 )
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 from rollout_lifecycle.model.ledger import Ledger, LedgerStatistics, ReserveOutcome, ReserveRequest
@@ -44,7 +45,7 @@ from rollout_lifecycle.model.records import (
     WorkerAck,
     to_jsonable,
 )
-from rollout_lifecycle.model.registry import RegistryStore
+from rollout_lifecycle.model.registry import RegistryStore, set_admission_policy
 
 SCHEMA = "rollout-lifecycle/call-history/1"
 T = TypeVar("T")
@@ -367,6 +368,19 @@ class RecordingRegistry:
         )
 
 
+def operator_sets_policy(
+    log: CallLog, registry: Any, policy: AdmissionPolicy, reason: str
+) -> AdmissionPolicy:
+    """The operator records the deployment's policy (`set_admission_policy`), as one
+    recorded 'set_policy' call."""
+    return log.call(
+        "set_policy",
+        {"policy": policy_json(policy)},
+        lambda: set_admission_policy(registry, policy, reason),
+        policy_json,
+    )
+
+
 def attach(
     log: CallLog,
     registry: Any,
@@ -432,12 +446,33 @@ class RecordingCoordinator:
             artifact_json,
         )
 
+    def settle(self) -> Settled:
+        """`settle`, recorded with what it activated (version, hash) and failed."""
+
+        def encode(s: Settled) -> dict[str, Any]:
+            hashes = {v: self._coord.artifact(v).artifact_hash for v in s.activated}
+            return {"activated": [[v, h] for v, h in hashes.items()], "failed": list(s.failed)}
+
+        return self._log.call("settle", {}, self._coord.settle, encode)
+
+    def _settle_first(self, version: int | None = None) -> None:
+        """What distribute, retry, rollback and try_activate of another version do first
+        (the coordinator's own settle), as a recorded call of its own, so the history says
+        what it resolved; the call's own settle then finds nothing left (one activator)."""
+        if any(
+            a.state == "awaiting_acks" and a.version != version
+            for a in self._coord.registry.artifacts()
+        ):
+            self.settle()
+
     def distribute(self, version: int) -> ArtifactRecord:
+        self._settle_first(version)
         return self._log.call(
             "distribute", {"v": version}, lambda: self._coord.distribute(version), artifact_json
         )
 
     def retry(self, version: int) -> ArtifactRecord:
+        self._settle_first(version)
         return self._log.call(
             "retry", {"v": version}, lambda: self._coord.retry(version), artifact_json
         )
@@ -489,6 +524,7 @@ class RecordingCoordinator:
                 "mismatched": list(r.mismatched_workers),
             }
 
+        self._settle_first(version)
         return self._log.call(
             "try_activate", {"v": version}, lambda: self._coord.try_activate(version), encode
         )
@@ -496,6 +532,7 @@ class RecordingCoordinator:
     def rollback(
         self, *, keep_rollouts: bool = False, reason: str = "operator rollback"
     ) -> ActivePointer:
+        self._settle_first()
         return self._log.call(
             "rollback",
             {"keep": keep_rollouts},
@@ -513,12 +550,9 @@ class RecordingCoordinator:
         )
 
     def set_policy(self, policy: AdmissionPolicy, reason: str) -> AdmissionPolicy:
-        return self._log.call(
-            "set_policy",
-            {"policy": policy_json(policy)},
-            lambda: self._coord.set_policy(policy, reason),
-            policy_json,
-        )
+        """The operator's step, taken by this process (coordinators never write the policy:
+        `set_admission_policy` on the coordinator's registry), recorded as 'set_policy'."""
+        return operator_sets_policy(self._log, self._coord.registry, policy, reason)
 
     def policy(self) -> AdmissionPolicy | None:
         return self._log.call("policy", {}, self._coord.policy, policy_json)

@@ -35,6 +35,7 @@ from rollout_lifecycle.model.records import (
     Reward,
     WorkerAck,
 )
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.stateful_tests.backends import DB_NAME, durable_url
 
 WORKERS = ("w0",)
@@ -222,6 +223,7 @@ SCENARIOS = (
 def run_scenario(url: str, scenario: Scenario) -> list[str]:
     """Run one scenario on fresh state at `url` (two opens: two connections); problems."""
     with open_backend(url) as learner, open_backend(url) as other:
+        set_admission_policy(other.registry, POLICY, "set by the operator")
         coord = ActivationCoordinator(other.registry, WORKERS, ledger=other.ledger, policy=POLICY)
         activate(coord, 0)
         learner.ledger.add(

@@ -886,6 +886,27 @@ def _attempts_unbounded(plan: Any) -> Any:
     return planned
 
 
+# ---- issue 31's fences, as the fault race meets them ------------------------------------
+
+
+def _lineage_admits_poisoned(refusal: Any) -> Any:
+    """lineage_refusal judging only the updates that were never poisoned: a version naming
+    a poisoned update (one that lost a lease: its rollouts went to another) registers."""
+
+    def refused(view: Any, rec: Any) -> str | None:
+        found = view.updates(rec.trained_by)
+        kept = tuple(u for u in rec.trained_by if u not in found or found[u].status != "poisoned")
+        return refusal(view, attrs.evolve(rec, trained_by=kept)) if kept else None
+
+    return refused
+
+
+def _ack_timeout_forever(timeout: Any) -> Any:
+    """Every attempt's ack deadline lies a year ahead (a timeout read in the wrong unit):
+    an attempt whose activator died awaits acks for good."""
+    return lambda v: timeout(v) * 3.15e7
+
+
 CATALOGUE: tuple[Mutant, ...] = (
     Mutant(
         "blind_reserve",
@@ -1487,6 +1508,24 @@ CATALOGUE += (
         _wrap("rollout_lifecycle.spec.invariants", "_holds", _ignores_incarnation),
         reach=("checkers",),
         klass="checker",
+    ),
+    Mutant(
+        "lineage_admits_poisoned",
+        "a version may name an update that lost a lease as its lineage: the rollouts it "
+        "trained on and lost are consumed by another update, and both are published",
+        None,
+        _wrap("rollout_lifecycle.model.registry", "lineage_refusal", _lineage_admits_poisoned),
+        reach=("faults",),
+        klass="fence",
+    ),
+    Mutant(
+        "ack_deadline_never_passes",
+        "the ack timeout is read in the wrong unit: an attempt whose activator was killed "
+        "awaits acks for a year, and no settle fails it",
+        None,
+        _wrap(coord_mod.__name__, "_timeout", _ack_timeout_forever),
+        reach=("faults",),
+        klass="fence",
     ),
 )
 

@@ -18,9 +18,14 @@ from typing import Any
 
 import attrs
 
-from rollout_lifecycle.spec.bounds import CI_MODELS, EXPLORER_MODELS, README_MODELS
+from rollout_lifecycle.spec.bounds import CI_MODELS, EXPLORER_MODELS
 from rollout_lifecycle.spec.explorer import explore
 from rollout_lifecycle.stateful_tests.backends import durable_url
+from rollout_lifecycle.stateful_tests.campaign_profiles import (
+    DEFAULT_PROFILE,
+    PROFILES,
+    CampaignProfile,
+)
 from rollout_lifecycle.stateful_tests.checkers import CaseFailure, run_checker_checks
 from rollout_lifecycle.stateful_tests.interleavings import run_interleavings
 from rollout_lifecycle.stateful_tests.mutants import CATALOGUE, Mutant
@@ -30,9 +35,6 @@ from rollout_lifecycle.stateful_tests.runner import (
 )
 from rollout_lifecycle.stateful_tests.runner import (
     README_BACKEND,
-    README_EXAMPLES,
-    README_RACE_SECONDS,
-    README_SEED,
     run_campaign,
 )
 from rollout_lifecycle.stateful_tests.stages import STAGES, StageContext, run_stage
@@ -48,7 +50,8 @@ class Kill:
     unit: str
     seconds: float
     detail: str = ""
-    # the campaign's stage that killed it ('checkers', 'race', 'fuzz ledger', 'verl-v1', ...)
+    # the campaign's stage that killed it ("checkers", "interleavings", "adapter", "race",
+    # "verl-v1", "fuzz e2e", "explore seams"); None for the other checkers and a survivor
     stage: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -198,22 +201,31 @@ def checker_verdicts(failures: Sequence[CaseFailure]) -> tuple[list[CaseFailure]
     return verdicts, crashes
 
 
-def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = None) -> Kill:
-    """Whether the README campaign, exactly as `make campaign` runs it, kills the mutant.
+def campaign_kill(
+    mutant: Mutant,
+    *,
+    workdir: Path,
+    postgres_url: str | None = None,
+    profile: CampaignProfile | str = DEFAULT_PROFILE,
+) -> Kill:
+    """Whether the campaign at `profile` (the fast default of `make campaign`, unless told
+    otherwise), with that profile's budgets, kills the mutant; `Kill.stage` names the stage.
 
-    Its stages run in the campaign's order, the first that fails kills it: the checker
-    stage (known-bad histories, the differential of rules and spec); the scripted
-    interleavings of two connections (on the mutant's backend); the verl adapter fuzz
-    (when verl is installed); the race (real processes, each patched, on the mutant's
-    backend: SQLite, or a fresh schema on `postgres_url` for PostgreSQL code); the targeted
-    stages of stateful_tests/stages.py the mutant names in its reach (verl-v1, clock-skew,
-    premise-window; a stage that does not apply to the backend is not run); the fuzz
-    stage (every machine, README seed and examples, on the mutant's backend, its own
-    machine leading); the explore stage (the README models at README bounds). A checker
-    case that only crashed kills nothing (`checker_verdicts`). A mutant of PostgreSQL code
-    without a server, or of code whose extra is not installed, is not reached (None), never
-    counted as killed; a mutant of the memory store runs its campaign on memory.
+    Its stages run cheapest first, the first that fails kills it: the checker stage
+    (known-bad histories, the differential of rules and spec); the scripted interleavings
+    of two connections (on the mutant's durable backend); the verl adapter fuzz (when verl
+    is installed); the race (real processes, each patched, on the mutant's backend: SQLite,
+    or a fresh schema on `postgres_url` for PostgreSQL code); the targeted stages of
+    stateful_tests/stages.py that both the profile runs and the mutant names in its reach
+    (verl-v1 in thorough and ci; clock-skew, premise-window in every profile, on PostgreSQL
+    only); the fuzz stage (every machine at the profile's examples and seed, on the
+    mutant's backend, its own machine leading); the explore stage (the profile's models,
+    the mutant's own family first). A checker case that only crashed kills nothing
+    (`checker_verdicts`). A mutant of PostgreSQL code without a server, or of code whose
+    extra is not installed, is not reached (None), never counted as killed; a mutant of the
+    memory store runs its campaign on memory.
     """
+    prof = PROFILES[profile] if isinstance(profile, str) else profile
     t0 = time.perf_counter()
     backend = "memory" if mutant.backend == "memory" else README_BACKEND
     if mutant.needs is not None and importlib.util.find_spec(mutant.needs) is None:
@@ -224,6 +236,19 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
             "examples",
             0.0,
             f"needs {mutant.needs} (an extra not installed)",
+        )
+    only = [n for n in mutant.reach if n in STAGES]
+    if only and only == list(mutant.reach) and not set(only) & set(prof.stages):
+        # its code runs only in targeted stages this profile leaves out: not reached
+        runs_in = sorted({p for n in only for p in PROFILES if n in PROFILES[p].stages})
+        return Kill(
+            "campaign",
+            None,
+            None,
+            "examples",
+            0.0,
+            f"only the {', '.join(only)} stage reaches it, which the {prof.name} profile "
+            f"does not run (--profile {' or '.join(runs_in) or 'none'} runs it)",
         )
     if mutant.backend == "postgresql":
         if postgres_url is None:
@@ -237,7 +262,7 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
             )
         backend = postgres_url
     with mutant():
-        checked = run_checker_checks(seed=README_SEED)
+        checked = run_checker_checks(seed=prof.seed)
     verdicts, crashes = checker_verdicts(checked.failures)
     if verdicts:
         n = checked.bad_cases + checked.good_cases
@@ -251,10 +276,11 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
     adapter = _adapter_fuzz()
     if adapter is not None:
         with mutant():
-            rep = adapter(seed=README_SEED, examples=README_EXAMPLES)
+            rep = adapter(seed=prof.seed, examples=prof.adapter_examples)
         if rep["failures"]:
             return _stage_kill("adapter", rep["batches"], "batches", t0, rep["failures"][0])
-    if "race" in mutant.reach:  # real processes: the patch is entered in each child
+    if "race" in mutant.reach and prof.race_seconds > 0 and backend != "memory":
+        # the patch is entered in each child
         race_dir = workdir / "race"
         race_dir.mkdir(parents=True, exist_ok=True)
         for old in race_dir.glob("state.db*"):
@@ -263,8 +289,8 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
             RaceConfig(
                 url=durable_url(backend, race_dir),
                 learners=3,
-                seconds=README_RACE_SECONDS,
-                seed=README_SEED,
+                seconds=prof.race_seconds,
+                seed=prof.seed,
                 hostile=1,
                 churn=True,
                 mutant=mutant.name,
@@ -273,10 +299,10 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
         if raced.violations or raced.errors:
             first = raced.violations[0] if raced.violations else raced.errors[0]
             return _stage_kill("race", raced.calls, "calls", t0, str(first))
-    for name, stage in STAGES.items():  # the targeted stages this mutant's code is on
-        if name not in mutant.reach or not stage.applies_to(backend):
+    for name in prof.stages:  # the profile's targeted stages this mutant's code is on
+        if name not in mutant.reach or not STAGES[name].applies_to(backend):
             continue
-        staged = run_stage(name, StageContext(backend, workdir / name, README_SEED, mutant.name))
+        staged = run_stage(name, StageContext(backend, workdir / name, prof.seed, mutant.name))
         if staged.failures:
             return _stage_kill(name, 1, "runs", t0, staged.failures[0])
     order = [mutant.fuzz_machine, *(m for m in FUZZ_MACHINES if m != mutant.fuzz_machine)]
@@ -285,9 +311,11 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
         report = run_campaign(
             [machine],
             backend,
-            examples=README_EXAMPLES,
-            seed=README_SEED,
-            profile="ci",
+            examples=prof.max_examples,
+            stop_after=prof.examples[machine] if prof.cut else None,
+            seed=prof.seed,
+            profile=prof.hypothesis,
+            steps=prof.steps,
             workdir=workdir / machine,
             mutant=mutant(),
             mutant_name=mutant.name,
@@ -298,9 +326,13 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
         if run.failure is not None:
             detail = _first_line(run.failure.exception)
             return _stage_kill(f"fuzz {machine}", examples, "examples", t0, detail)
-    models = [mutant.explorer_model, *(m for m in README_MODELS if m != mutant.explorer_model)]
+    own = {mutant.explorer_model, CI_MODELS.get(mutant.explorer_model, "")}
+    models = [
+        *(m for m in prof.models if m in own or m.startswith(f"{mutant.explorer_model}-")),
+        *prof.models,
+    ]
     states = 0
-    for name in dict.fromkeys(m for m in models if m in README_MODELS):
+    for name in dict.fromkeys(models):
         with mutant():
             res = explore(EXPLORER_MODELS[name][0]())
         states += res.distinct_states
@@ -313,7 +345,8 @@ def campaign_kill(mutant: Mutant, *, workdir: Path, postgres_url: str | None = N
         examples,
         "examples",
         time.perf_counter() - t0,
-        f"survived the README checkers, fuzz ({examples} examples) and explorer ({states} states)"
+        f"survived the {prof.name} campaign's checkers, fuzz ({examples} examples) and "
+        f"explorer ({states} states)"
         + (f"; the checker stage only crashed ({len(crashes)}): {crashes[0]}" if crashes else ""),
     )
 
@@ -338,6 +371,7 @@ def run_catalogue(
     on_result: Callable[[MutantResult], None] | None = None,
     campaign: bool = False,
     postgres_url: str | None = None,
+    profile: CampaignProfile | str = DEFAULT_PROFILE,
 ) -> list[MutantResult]:
     """Every mutant against the chosen checkers, in catalogue order."""
     out = []
@@ -355,7 +389,12 @@ def run_catalogue(
                 else Kill("explore", None, None, "states", 0.0, "not run")
             )
             cp = (
-                campaign_kill(m, workdir=base / m.name / "campaign", postgres_url=postgres_url)
+                campaign_kill(
+                    m,
+                    workdir=base / m.name / "campaign",
+                    postgres_url=postgres_url,
+                    profile=profile,
+                )
                 if campaign
                 else Kill("campaign", None, None, "examples", 0.0, "not run")
             )
@@ -394,4 +433,10 @@ def summary(results: Sequence[MutantResult]) -> dict[str, Any]:
         row["campaign_killed"] += bool(r.campaign.killed)
     out["by_class"] = by_class
     out["killed_by_any"] = sum(1 for r in results if r.killed_by)
+    stages: dict[str, int] = {}
+    for r in results:
+        if r.campaign.killed:
+            stage = r.campaign.stage.split()[0] if r.campaign.stage else "?"
+            stages[stage] = stages.get(stage, 0) + 1
+    out["campaign_kills_by_stage"] = dict(sorted(stages.items()))
     return out

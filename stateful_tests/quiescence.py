@@ -118,13 +118,22 @@ def _resolve_activations(
             rec = awaiting[0]
             v = rec.version
             tokens = coord.attempt_tokens(v)  # sent with the weights, one per required worker
+            spent = False
             for w in sorted(truth):
                 if w not in tokens:
                     continue  # not in the worker set: nothing is asked of it
                 ack = truth[w].answer(w, v, true_hash(v), corrupt_hash(v), rec.attempts, tokens[w])
                 res = coord.record_ack(ack)
-                if not res.counted and res.reason != "duplicate":  # a re-sent answer
+                if res.reason in (coord_mod.SPENT_ATTEMPT_TOKEN, coord_mod.CONFLICTING):
+                    # its token counted once already (or a garbled copy of this very answer
+                    # was counted): only a new attempt's fresh token can count its reload
+                    spent = True
+                elif not res.counted and res.reason != "duplicate":  # a re-sent answer
                     problems.append(f"{w}'s fresh ack of v{v} was not counted ({res.reason})")
+            if spent:
+                coord.fail_distribution(v, QUIESCE_CAUSE, "a worker's token was spent")
+                coord.retry(v)
+                continue
             before = len(log_of(reg))
             result = coord.try_activate(v)
             # the ghost is judged at the moment of activation, not after later loads

@@ -94,8 +94,10 @@ from rollout_lifecycle.stateful_tests.history import (
     attach,
     entries_json,
     history_header,
+    operator_sets_policy,
     write_history,
 )
+from rollout_lifecycle.stateful_tests.infrastructure import infrastructure_cause
 
 WORKERS = ("gen-0", "gen-1")
 REWARD = Reward("race-rm", "1", 1.0)
@@ -145,6 +147,11 @@ class RaceConfig:
     def worker_ids(self) -> tuple[str, ...]:
         """The deployment's required workers."""
         return WORKERS if self.workers == 2 else tuple(f"gen-{i}" for i in range(self.workers))
+
+    # each distribution attempt's ack deadline: an attempt left awaiting acks (its
+    # try_activate refused after a membership change) is failed by the next distribute
+    # once it passes, so an activator never stalls for the rest of the run
+    ack_timeout: float = 2.0
 
     def policy(self) -> AdmissionPolicy:
         """The deployment's admission policy this race records."""
@@ -329,6 +336,7 @@ def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: 
                 "calls": calls,
                 "history": log.calls,
                 "error": repr(exc),
+                "infrastructure": infrastructure_cause(exc) is not None,
             }
         )
 
@@ -380,7 +388,7 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: 
     try:
         with open_backend(url) as raw:
             b = _recorded(raw, log)
-            coord = attach(log, raw.registry, ledger=b.ledger)
+            coord = attach(log, raw.registry, ledger=b.ledger, ack_timeout=cfg.ack_timeout)
             serving = coord.pointer()
             n = 0
             while time.time() < deadline:
@@ -415,6 +423,7 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: 
                 "stats": dict(stats),
                 "history": log.calls,
                 "error": repr(exc),
+                "infrastructure": infrastructure_cause(exc) is not None,
             }
         )
 
@@ -578,6 +587,7 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: str
                 "calls": calls,
                 "history": log.calls,
                 "error": repr(exc),
+                "infrastructure": infrastructure_cause(exc) is not None,
             }
         )
 
@@ -677,6 +687,9 @@ class RaceReport:
     calls: int
     violations: tuple[Violation, ...]
     errors: tuple[str, ...]
+    # the errors that were the backend's or the disk's (a lost server, a full disk): not
+    # findings, and the race's verdict is void (exit 3, not 1)
+    infrastructure: tuple[str, ...] = ()
     linearizability: LinReport | None = None
     history: str | None = None  # where the recorded calls were written (JSON lines)
 
@@ -709,6 +722,7 @@ class RaceReport:
             "by_invariant": dict(violated_names(self.violations)),
             "violations": [attrs.asdict(v) for v in self.violations[:200]],
             "errors": list(self.errors),
+            "infrastructure_errors": list(self.infrastructure),
             "linearizability": None
             if self.linearizability is None
             else {**self.linearizability.to_json(), "history": self.history},
@@ -716,9 +730,9 @@ class RaceReport:
 
 
 def prepare(cfg: RaceConfig, logins: race_roles.RoleLogins | None = None) -> list[dict[str, Any]]:
-    """A fresh database with the worker set and policy recorded and v0 active: by one login,
-    or with roles by the operator, a coordinator and each worker, each with its own; the
-    calls it made (the history starts from an empty deployment)."""
+    """A fresh database with the operator's policy and the worker set recorded and v0
+    active: by one login, or with roles by the operator, a coordinator and each worker,
+    each with its own; the calls it made (the history starts from an empty deployment)."""
     workers = cfg.worker_ids()
     log = CallLog("setup")
 
@@ -727,6 +741,8 @@ def prepare(cfg: RaceConfig, logins: race_roles.RoleLogins | None = None) -> lis
 
     with open_backend(url("operator")) as raw:
         b = _recorded(raw, log)
+        # the operator's step: coordinators and learners never write the policy
+        operator_sets_policy(log, raw.registry, cfg.policy(), "race: set by the operator")
         attach(log, raw.registry, workers, ledger=b.ledger, policy=cfg.policy())
     with open_backend(url("coordinator-0")) as raw:
         b = _recorded(raw, log)
@@ -844,6 +860,7 @@ def _run(
         p.join(timeout=30)
     elapsed = time.time() - started
     errors = tuple(f"{r['role']}: {r['error']}" for r in reports if "error" in r)
+    infrastructure = tuple(f"{r['role']}: {r['error']}" for r in reports if r.get("infrastructure"))
     errors += tuple(f"process {p.name} exited {p.exitcode}" for p in procs if p.exitcode)
     say("judging the trace, the stored rows and every call")
     # with roles, through the auditor's login: what `ledger check` reads is its to read
@@ -870,6 +887,7 @@ def _run(
         calls=len(every),
         violations=(*report.violations, *store, *history, *lin_violations(lin)),
         errors=errors,
+        infrastructure=infrastructure,
         linearizability=lin,
         history=None if history_path is None else str(history_path),
     )

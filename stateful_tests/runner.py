@@ -10,6 +10,10 @@ replaying it with steps deleted), saved as a replayable Python file under `workd
 Deterministic with a seed: batch k of machine m runs with a seed derived from (seed, m, k)
 and no example database. Without a seed, a time-budgeted campaign draws a base seed and
 reports it, so any run can be repeated.
+
+Infrastructure is not a finding: when the backend cannot be reached, the server dies or the
+disk fills up under a machine, `run_campaign` raises `InfrastructureFailure` naming the
+cause; no program is saved and no machine is marked failed (nothing was judged).
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from __future__ import annotations
 import contextlib
 import random
 import re
+import sys
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,13 @@ from rollout_lifecycle.stateful_tests import (
     seams_machine,
 )
 from rollout_lifecycle.stateful_tests.backends import LedgerFactory, resolve_factory, stack_backend
+from rollout_lifecycle.stateful_tests.infrastructure import (
+    InfrastructureFailure as InfrastructureFailure,
+)
+from rollout_lifecycle.stateful_tests.infrastructure import (
+    InfrastructureStop,
+    infrastructure_cause,
+)
 from rollout_lifecycle.stateful_tests.minimize import minimize
 from rollout_lifecycle.stateful_tests.profiles import register_profiles
 from rollout_lifecycle.stateful_tests.recording import DECLARED, Recorder
@@ -74,6 +86,50 @@ _INVARIANT_NAMES = {
     "seams": seams_machine.INVARIANT_NAMES,
     "artifacts": artifact_machine.INVARIANT_NAMES,
 }
+
+
+class BudgetSpent(BaseException):
+    """Raised when a machine starts its example number `stop_after + 1`: the batch ends
+    there, as if Hypothesis's `max_examples` had been reached, but the examples before it
+    were generated exactly as under the full `max_examples` (a smaller `max_examples` makes
+    Hypothesis generate a different sequence). A BaseException, so Hypothesis stops."""
+
+
+@attrs.define
+class _RunState:
+    """What the hooks of one batch share: whether an example of it has failed (after a
+    failure every example is a shrinking attempt, which a budget never cuts short)."""
+
+    failed: bool = False
+
+
+def _guarded(cls: type[RuleBasedStateMachine], state: _RunState) -> type[RuleBasedStateMachine]:
+    """`cls` whose construction turns an infrastructure error into `InfrastructureStop`
+    (a BaseException, so Hypothesis stops at once instead of shrinking against a dead server):
+    when the server died under a rule, the shrinker's next machine cannot connect, and the
+    run stops there instead of shrinking for minutes. It also notes in `state` when an
+    example failed (teardown runs in Hypothesis's `finally`, so it sees the exception)."""
+
+    class Guarded(cls):  # type: ignore[valid-type,misc]
+        def __init__(self) -> None:
+            try:
+                super().__init__()
+            except Exception as exc:
+                cause = infrastructure_cause(exc)
+                if cause is None:
+                    state.failed = True
+                    raise
+                raise InfrastructureStop(cause) from exc
+
+        def teardown(self) -> None:
+            failure = sys.exc_info()[1]
+            if isinstance(failure, Exception):
+                state.failed = True
+            super().teardown()
+
+    Guarded.__name__ = cls.__name__
+    Guarded.__qualname__ = cls.__qualname__
+    return Guarded
 
 
 @attrs.frozen
@@ -121,6 +177,8 @@ class MachineRun:
     seeds: list[int | None] = attrs.field(factory=list)
     examples_until_failure: int | None = None
     failure: Failure | None = None
+    # goal -> the example of this machine that first reached it
+    first_reached: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def steps_per_s(self) -> float:
@@ -141,6 +199,7 @@ class MachineRun:
             "seeds": list(self.seeds),
             "examples_until_failure": self.examples_until_failure,
             "failure": None if self.failure is None else self.failure.to_json(),
+            "first_reached": dict(sorted(self.first_reached.items())),
         }
 
 
@@ -152,7 +211,7 @@ class CampaignReport:
     profile: str
     seed: int | None
     steps_per_example: int
-    examples_requested: int | None
+    examples_requested: int | dict[str, int] | None
     time_budget_s: float | None
     mutant: str | None
     elapsed_s: float
@@ -207,7 +266,11 @@ class CampaignReport:
             "profile": self.profile,
             "seed": self.seed,
             "steps_per_example": self.steps_per_example,
-            "examples_requested": self.examples_requested,
+            "examples_requested": (
+                dict(self.examples_requested)
+                if isinstance(self.examples_requested, Mapping)
+                else self.examples_requested
+            ),
             "time_budget_s": self.time_budget_s,
             "mutant": self.mutant,
             "elapsed_s": round(self.elapsed_s, 3),
@@ -388,7 +451,7 @@ def run_campaign(
     machines: Sequence[str],
     backend: str | LedgerFactory,
     *,
-    examples: int | None = None,
+    examples: int | Mapping[str, int] | None = None,
     time_budget_s: float | None = None,
     seed: int | None = None,
     profile: str = "ci",
@@ -398,24 +461,57 @@ def run_campaign(
     mutant: AbstractContextManager[Any] | None = None,
     mutant_name: str | None = None,
     shrink: bool = True,
+    stop_after: int | Mapping[str, int] | None = None,
 ) -> CampaignReport:
     """Run each machine on `backend` and report coverage, checks, paths and failures.
 
     `examples` alone: one batch of that many examples per machine (the profile's count if
-    None). With `time_budget_s`: batches of `examples` (default 25) with fresh seeds until
-    each machine's share of the budget is spent. `mutant` is entered around the whole run.
+    None; a mapping gives each machine its own count). With `time_budget_s`: batches of
+    `examples` (default 25) with fresh seeds until each machine's share of the budget is
+    spent. `mutant` is entered around the whole run.
     `shrink=False` skips Hypothesis's shrinker (it can take minutes) and keeps only the
     replay minimiser, which is what "examples until the kill" measurements want.
+
+    `stop_after` (one count, or one per machine) ends a machine's batch when it starts
+    its example number `stop_after + 1`, with every example before it generated exactly as
+    under the full `examples`: the campaign's fast profile runs the thorough profile's
+    Hypothesis settings this way, so "first reached at example n" means the same in both.
+    Never with `time_budget_s`; a failure's shrinking is never cut short.
+
+    Raises `InfrastructureFailure` when the backend or the disk fails under a machine (the
+    machines after it are not started).
     """
     unknown = [m for m in machines if m not in MACHINES]
     if unknown or not machines:
         raise ValueError(f"machines must be some of {list(MACHINES)}, got {list(machines)}")
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {list(PROFILES)}, got {profile!r}")
-    if examples is not None and examples < 1:
-        raise ValueError("examples must be >= 1")
+    per_machine: dict[str, int] | None = None
+    one: int | None = None
+    if isinstance(examples, Mapping):
+        per_machine = dict(examples)
+        missing = [m for m in machines if m not in per_machine]
+        if missing:
+            raise ValueError(f"examples gives no count for {missing}")
+        if any(not isinstance(n, int) or n < 1 for n in per_machine.values()):
+            raise ValueError("examples must be >= 1")
+    elif examples is not None:
+        if examples < 1:
+            raise ValueError("examples must be >= 1")
+        one = examples
     if time_budget_s is not None and time_budget_s <= 0:
         raise ValueError("time_budget_s must be > 0")
+    stops: dict[str, int] = {}
+    if stop_after is not None:
+        if time_budget_s is not None:
+            raise ValueError("stop_after and time_budget_s exclude each other")
+        stops = (
+            dict(stop_after)
+            if isinstance(stop_after, Mapping)
+            else dict.fromkeys(machines, stop_after)
+        )
+        if any(not isinstance(n, int) or n < 1 for n in stops.values()):
+            raise ValueError("stop_after must be >= 1")
     if steps is not None and steps < 1:
         raise ValueError("steps must be >= 1")
     work = Path(workdir)
@@ -427,7 +523,7 @@ def run_campaign(
     base_seed = seed
     if base_seed is None and budgeted:
         base_seed = random.SystemRandom().randrange(2**31)
-    per_batch = examples or (BATCH_EXAMPLES if budgeted else base.max_examples)
+    default_batch: int = one or (BATCH_EXAMPLES if budgeted else base.max_examples)
     label = resolve_factory(backend)[0]
     started = time.perf_counter()
     runs: dict[str, MachineRun] = {}
@@ -446,13 +542,14 @@ def run_campaign(
                 rec,
                 work,
                 profile=profile,
-                per_batch=per_batch,
+                per_batch=per_machine[machine] if per_machine is not None else default_batch,
                 n_steps=n_steps,
                 base_seed=base_seed,
                 share_s=share,
                 progress=progress,
                 mutant_name=mutant_name,
                 shrink=shrink,
+                stop_after=stops.get(machine),
             )
     return _report(
         label,
@@ -482,8 +579,18 @@ def _run_machine(
     progress: Callable[[ProgressEvent], None] | None,
     mutant_name: str | None,
     shrink: bool,
+    stop_after: int | None = None,
 ) -> MachineRun:
-    cls, label = _machine_class(machine, backend, rec, work)
+    try:
+        cls, label = _machine_class(machine, backend, rec, work)
+    except Exception as exc:
+        cause = infrastructure_cause(exc)
+        if cause is None:
+            raise
+        label = resolve_factory(backend)[0]
+        raise InfrastructureFailure(f"the {machine} machine", label, cause) from None
+    state = _RunState()
+    cls = _guarded(cls, state)
     run = MachineRun(machine, label)
     t0 = time.perf_counter()
     last = [0.0]
@@ -503,6 +610,8 @@ def _run_machine(
             )
 
     def on_example(r: Recorder) -> None:
+        if stop_after is not None and r.examples > stop_after and not state.failed:
+            raise BudgetSpent()
         now = time.perf_counter()
         if progress is not None and now - last[0] >= PROGRESS_EVERY_S:
             last[0] = now
@@ -518,49 +627,109 @@ def _run_machine(
             cls if batch_seed is None else hypothesis_seed(batch_seed)(cls)
         )
         reported: list[str] = []
+        state.failed = False
+        spent = False
         try:
             with with_reporter(_collector(reported)):
                 run_state_machine_as_test(
                     seeded_cls,
                     settings=_settings(profile, per_batch, n_steps, batch_seed is not None, shrink),
                 )
-        except Exception as exc:  # a failure of the model (or of the machine) is the result
-            run.batches = batch + 1
-            text = _exception_text(exc)
-            # Hypothesis attaches the shrunk program to the exception's notes; older versions
-            # printed it through the reporter instead
-            lines = _program_lines([str(n) for n in getattr(exc, "__notes__", [])])
-            lines = lines or _program_lines(reported)
-            # replayed against a fresh class (its own recorder), still inside the mutant
-            replay_cls, _ = _machine_class(machine, backend, Recorder(machine), work)
-            lines = minimize(replay_cls, lines, _INVARIANT_NAMES[machine])
-            program, path = _save_program(
-                work, machine, backend, label, lines, text, batch_seed, batch, mutant_name
-            )
-            run.failure = Failure(
-                machine=machine,
-                backend=label,
-                exception=text,
-                program=program,
-                program_path=str(path),
-                program_steps=program_steps(program, _INVARIANT_NAMES[machine]),
-                seed=batch_seed,
-                batch=batch,
-            )
-            run.examples_until_failure = rec.first_failure_example or rec.examples
-            emit("failure", batch)
-            break
+        except InfrastructureStop as stop:
+            raise InfrastructureFailure(f"the {machine} machine", label, stop.cause) from None
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and not _budget_spent(exc):
+                raise  # KeyboardInterrupt and the like
+            spent = _budget_spent(exc)
+            if not spent:
+                _record_failure(
+                    run,
+                    rec,
+                    exc,
+                    machine,
+                    backend,
+                    label,
+                    work,
+                    batch,
+                    batch_seed,
+                    reported,
+                    mutant_name,
+                )
+                run.examples_until_failure = rec.first_failure_example or rec.examples
+                emit("failure", batch)
+                break
         batch += 1
         run.batches = batch
         emit("batch", batch)
-        if share_s is None or time.perf_counter() - t0 >= share_s:
+        if spent or share_s is None or time.perf_counter() - t0 >= share_s:
             break
-    run.examples = rec.examples
+    run.examples = rec.examples if stop_after is None else min(rec.examples, stop_after)
     run.steps = rec.steps
     run.rules = dict(rec.rules)
+    run.first_reached = {**rec.first_edge, **rec.first_sometimes}
     run.elapsed_s = time.perf_counter() - t0
     emit("done", run.batches)
     return run
+
+
+def _budget_spent(exc: BaseException) -> bool:
+    """Whether `exc` is (or wraps, as Hypothesis does) the runner's BudgetSpent."""
+    stack: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, BudgetSpent):
+            return True
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(e.exceptions)
+        stack.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return False
+
+
+def _record_failure(
+    run: MachineRun,
+    rec: Recorder,
+    exc: BaseException,
+    machine: str,
+    backend: str | LedgerFactory,
+    label: str,
+    work: Path,
+    batch: int,
+    batch_seed: int | None,
+    reported: list[str],
+    mutant_name: str | None,
+) -> None:
+    """The machine failed (the model, or the machine itself): shrink further, save the
+    program, and record the failure, unless the backend or the disk was the cause
+    (`InfrastructureFailure`: nothing was judged, nothing is saved)."""
+    cause = infrastructure_cause(exc)
+    if cause is not None:
+        raise InfrastructureFailure(f"the {machine} machine", label, cause) from None
+    run.batches = batch + 1
+    text = _exception_text(exc)
+    # Hypothesis attaches the shrunk program to the exception's notes; older versions
+    # printed it through the reporter instead
+    lines = _program_lines([str(n) for n in getattr(exc, "__notes__", [])])
+    lines = lines or _program_lines(reported)
+    # replayed against a fresh class (its own recorder), still inside the mutant
+    replay_cls, _ = _machine_class(machine, backend, Recorder(machine), work)
+    lines = minimize(replay_cls, lines, _INVARIANT_NAMES[machine])
+    program, path = _save_program(
+        work, machine, backend, label, lines, text, batch_seed, batch, mutant_name
+    )
+    run.failure = Failure(
+        machine=machine,
+        backend=label,
+        exception=text,
+        program=program,
+        program_path=str(path),
+        program_steps=program_steps(program, _INVARIANT_NAMES[machine]),
+        seed=batch_seed,
+        batch=batch,
+    )
 
 
 def _report(
@@ -568,7 +737,7 @@ def _report(
     profile: str,
     base_seed: int | None,
     n_steps: int,
-    examples: int | None,
+    examples: int | Mapping[str, int] | None,
     budget: float | None,
     mutant_name: str | None,
     elapsed: float,
@@ -597,7 +766,7 @@ def _report(
         profile=profile,
         seed=base_seed,
         steps_per_example=n_steps,
-        examples_requested=examples,
+        examples_requested=dict(examples) if isinstance(examples, Mapping) else examples,
         time_budget_s=budget,
         mutant=mutant_name,
         elapsed_s=elapsed,

@@ -23,6 +23,7 @@ from rollout_lifecycle.model.errors import RolloutLifecycleError
 from rollout_lifecycle.model.events import EventLog
 from rollout_lifecycle.model.ledger import MemoryLedger
 from rollout_lifecycle.model.records import WorkerAck
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.spec.invariants import Violation
 from rollout_lifecycle.spec.seams_model import (
     POLICY,
@@ -123,6 +124,7 @@ class SeamsMachine(RuleBasedStateMachine):
 
     def _bootstrap(self, b: Backend) -> None:
         """v0 active on both workers, through the real coordinator."""
+        set_admission_policy(b.registry, POLICY, "set by the operator")
         c = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
         c.prepare(0)
         c.commit_artifact(0, version_hash(0))

@@ -40,6 +40,7 @@ from rollout_lifecycle.model.records import (
     Reward,
     WorkerAck,
 )
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.spec.invariants import check_trace, compare_with_store, stored_world
 from rollout_lifecycle.stateful_tests.backends import durable_url
 from rollout_lifecycle.stateful_tests.stages import StageContext, StageReport, entered
@@ -80,6 +81,7 @@ def run_skew_stage(ctx: StageContext) -> StageReport:
     faketime = shutil.which("faketime")
     clients = _clients(faketime)
     with open_backend(url) as admin:
+        set_admission_policy(admin.registry, POLICY, "set by the operator")
         coord = ActivationCoordinator(admin.registry, WORKERS, ledger=admin.ledger, policy=POLICY)
         coord.prepare(0)
         coord.commit_artifact(0, HASH0)

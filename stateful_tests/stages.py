@@ -15,7 +15,10 @@ the campaign, its profiles and the mutation runner pick them by name:
 * `premise-window`: on PostgreSQL, a pause injected into a test build of the reservation's
   write, between its premise check and its compare-and-set, while a pointer switch tries
   to commit: a dropped premise lock is caught every run, not by luck
-  (stateful_tests/windows.py).
+  (stateful_tests/windows.py);
+* `faults`: the README pattern raced with SIGKILLs of learners and activators, lost
+  leases, rollbacks and careless lineages, judged from the durable trace
+  (stateful_tests/fault_race.py).
 
 A stage that cannot run (an extra not installed, a backend it does not apply to) reports
 `skipped` with the reason and what to do; a skip is never a pass of a stage that ran.
@@ -101,10 +104,27 @@ class Stage:
     profiles: tuple[str, ...]
     entry: str
     seconds_hint: str
+    # modules of an optional extra the stage imports, and how to install them: a profile
+    # that requires every stage (ci) refuses to start without them, before writing anything
+    needs: tuple[str, ...] = ()
+    install: str = ""
 
     def applies_to(self, backend: str) -> bool:
         """Whether the stage runs on this backend."""
         return backend_kind(backend) in self.backends
+
+    def missing(self) -> str | None:
+        """The first module the stage needs that is not installed (None: all are)."""
+        import importlib.util
+
+        for module in self.needs:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                return module
+        return None
 
     def load(self) -> StageFn:
         """The stage's function."""
@@ -127,6 +147,9 @@ STAGES: dict[str, Stage] = {
             ("thorough", "ci"),
             "rollout_lifecycle.stateful_tests.verl_v1_stage:run_verl_v1_stage",
             "about 30-60 s (Ray and TransferQueue start-up dominate)",
+            needs=("ray", "transfer_queue", "verl", "torch", "omegaconf"),
+            install="install the [verl-v1] extra: pip install torch==2.13.0 (or your CUDA "
+            "build) first, then pip install -e '.[verl-v1]'",
         ),
         Stage(
             "clock-skew",
@@ -147,6 +170,17 @@ STAGES: dict[str, Stage] = {
             ("default", "thorough", "ci"),
             "rollout_lifecycle.stateful_tests.windows:run_window_stage",
             "about 5-10 s",
+        ),
+        Stage(
+            "faults",
+            "the README pattern in separate processes with SIGKILLed learners and "
+            "activators, leases lost mid-update, rollbacks and careless lineages: no rollout "
+            "in two published updates, none stale, none lost, no attempt left past its ack "
+            "deadline (stateful_tests/fault_race.py)",
+            ("sqlite", "postgresql"),
+            ("default", "thorough", "ci"),
+            "rollout_lifecycle.stateful_tests.fault_race:run_fault_stage",
+            "about 20-25 s",
         ),
     )
 }

@@ -36,6 +36,7 @@ from rollout_lifecycle.model.backends import Backend, open_backend
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.events import EntryChanged
 from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.spec.invariants import check_trace
 from rollout_lifecycle.stateful_tests.backends import durable_url
 from rollout_lifecycle.stateful_tests.stages import (
@@ -209,6 +210,7 @@ def _scenario(ctx: StageContext, tq: Any) -> tuple[list[str], dict[str, Any]]:
         return opened[-1]
 
     admin = connect()
+    set_admission_policy(admin.registry, POLICY, "set by the operator")
     coord = ActivationCoordinator(admin.registry, [WORKER], ledger=admin.ledger, policy=POLICY)
 
     def activate(v: int) -> None:

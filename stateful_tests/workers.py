@@ -97,6 +97,8 @@ class ReportRef:
 
     floor: int = 0
     latest: WorkerAck | None = None
+    # the tokens an ack of this worker was counted with: each counts once
+    spent: set[str] = attrs.field(factory=set)
 
     def expect(
         self,
@@ -112,7 +114,9 @@ class ReportRef:
         An ack of a version awaiting acks from a member must echo that worker's token of
         the current attempt (`token`; `others` are the other workers' ones): else it is
         refused for its token. Then reports are ordered by (incarnation, seq), floor first;
-        a report that passes is stored, and named by what it is (STORED_REASONS).
+        an answer whose token counted once already is a duplicate of the ack still standing,
+        else refused as spent; a report that passes is stored, and named by what it is
+        (STORED_REASONS). Call `stored` with what the coordinator kept.
         """
         answers = member and awaiting
         if answers:
@@ -130,9 +134,22 @@ class ReportRef:
                 return "duplicate" if same else "conflicting_report"
             if key < latest_key:
                 return "out_of_order"
+        if answers and ack.token in self.spent:
+            standing = self.latest
+            if standing is not None and attrs.evolve(ack, seq=None) == attrs.evolve(
+                standing, seq=None
+            ):
+                return "duplicate"
+            return "spent_attempt_token"
         if answers:
             return "counted"
         return "reported" if member else "not_required"
+
+    def counted(self, ack: WorkerAck) -> None:
+        """`ack` was counted: it is the latest report, and its token is spent."""
+        self.latest = ack
+        if ack.token is not None:
+            self.spent.add(ack.token)
 
     def restarted(self, incarnation: int) -> None:
         """Raise the floor; a counted ack below it no longer counts."""

@@ -34,6 +34,7 @@ from rollout_lifecycle.model.records import (
     RolloutIdentity,
     WorkerAck,
 )
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.spec.invariants import check_trace, violated_names
 
 # a known-long module: a larger limit than the suite's default (pyproject.toml)
@@ -145,6 +146,7 @@ def test_served_after_sync_names_a_restarted_worker_that_serves_before_resync() 
     may serve only once it reported a load of its new incarnation."""
     h = "ab" * 32
     with open_backend("memory://") as be:
+        set_admission_policy(be.registry, AdmissionPolicy(1, 0.2), "set by the operator")
         coord = ActivationCoordinator(
             be.registry, ["w0", "w1", "w2"], ledger=be.ledger, policy=AdmissionPolicy(1, 0.2)
         )

@@ -35,11 +35,12 @@ from rollout_lifecycle.model.records import (
     Reward,
     WorkerAck,
 )
-from rollout_lifecycle.model.registry import MemoryRegistry
+from rollout_lifecycle.model.registry import MemoryRegistry, set_admission_policy
 from rollout_lifecycle.model.sql_unit import SqlUnit
 from rollout_lifecycle.model.sqlite_common import read_events as sqlite_read_events
 from rollout_lifecycle.spec.audit import AuditReport, audit, row_hash
 from rollout_lifecycle.stateful_tests.backends import fresh_schema, postgres_url, with_schema
+from rollout_lifecycle.stateful_tests.tamperings import TAMPERINGS
 
 H0 = "a" * 64
 REWARD = Reward("rm", "1", 1.0)
@@ -60,7 +61,7 @@ def build(b: Backend) -> None:
     """v0 active under a recorded policy; each rollout added at dispatch and driven through
     generation_done and reward_ready; r0 and r1 reserved and consumed by u1, r2 rewarded."""
     c = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger)
-    c.set_policy(AdmissionPolicy(1, 0.2), "audit test")
+    set_admission_policy(b.registry, AdmissionPolicy(1, 0.2), "audit test")
     c.prepare(0)
     c.commit_artifact(0, H0)
     c.distribute(0)
@@ -487,76 +488,6 @@ def test_events_from_before_the_chain_are_an_unchained_prefix(
 
 
 # ---- tamper evidence that stays on (issue 31 item 7) -----------------------------------------
-
-# Each edit a user with sqlite3 or psql can make without computing a hash, the finding
-# `ledger check` must name, and the backends with that table. Before issue 31, a stripped
-# head (with its hashes) and every bookkeeping edit exited 0; hashes NULLed or added under
-# an intact head were already named.
-TAMPERINGS: dict[str, tuple[tuple[str, ...], str, frozenset[str]]] = {
-    "the head dropped with every hash": (
-        ("DROP TABLE events_chain", "UPDATE events SET hash = NULL, prev_hash = NULL"),
-        "history_missing",
-        frozenset({"sqlite", "postgresql"}),
-    ),
-    "the head row deleted with every hash": (
-        ("DELETE FROM events_chain", "UPDATE events SET hash = NULL, prev_hash = NULL"),
-        "history_missing",
-        frozenset({"sqlite", "postgresql"}),
-    ),
-    "every hash NULLed": (
-        ("UPDATE events SET hash = NULL, prev_hash = NULL",),
-        "history_unchained",
-        frozenset({"sqlite", "postgresql"}),
-    ),
-    "one hash NULLed": (
-        ("UPDATE events SET hash = NULL WHERE seq = (SELECT MIN(seq) + 5 FROM events)",),
-        "history_unchained",
-        frozenset({"sqlite", "postgresql"}),
-    ),
-    "an unchained suffix": (
-        (
-            "INSERT INTO events(seq, txn, kind, subject, payload) SELECT seq + 1, txn + 1, "
-            "kind, subject, payload FROM events WHERE seq = (SELECT MAX(seq) FROM events)",
-        ),
-        "history_unchained",
-        frozenset({"sqlite", "postgresql"}),
-    ),
-    "the host clock's origin moved by 1e6 s": (
-        ("UPDATE host_clock SET origin = origin + 1e6",),
-        "stored_matches_trace",
-        frozenset({"sqlite"}),  # PostgreSQL's clock is the server's: no table
-    ),
-    "a bad-version mark edited": (
-        ("UPDATE ledger_bad_versions SET reason = 'nothing wrong'",),
-        "stored_matches_trace",
-        frozenset({"sqlite", "postgresql"}),
-    ),
-    "a bad-version mark lifted by hand": (
-        ("DELETE FROM ledger_bad_versions",),
-        "stored_matches_trace",
-        frozenset({"sqlite", "postgresql"}),
-    ),
-    "the writes counter edited": (
-        ("UPDATE events_chain SET writes = writes - 3",),
-        "stored_matches_trace",
-        frozenset({"sqlite"}),
-    ),
-    "the writes counter edited (a shard)": (
-        ("UPDATE ledger_counters SET n = n + 3 WHERE name = 'writes'",),
-        "stored_matches_trace",
-        frozenset({"postgresql"}),
-    ),
-    "a schema version edited": (
-        ("UPDATE schema_meta SET version = 1 WHERE component = 'ledger'",),
-        "stored_matches_trace",
-        frozenset({"sqlite", "postgresql"}),
-    ),
-    "the seal deleted": (
-        ("DELETE FROM schema_meta WHERE component = 'history'",),
-        "stored_matches_trace",
-        frozenset({"sqlite", "postgresql"}),
-    ),
-}
 
 
 def _check(store: Store, *extra: str) -> Any:

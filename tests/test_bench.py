@@ -117,8 +117,43 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     assert all(m["distinct_states"] > 0 for m in report["checkers"]["explore"].values())
 
     for g in report["goals"]:
-        assert set(g) == {"goal", "measured", "target", "met"}
+        assert set(g) == {"goal", "measured", "target", "met", "load1"}
         assert g["met"] in (True, False, None)
+        assert g["load1"] is None or _number(g["load1"])
+    # the load beside every figure (issue 36): admission rows, each ledger, the gate rows
+    assert all(_number(r["load1"]) for r in rows)
+    assert all(_number(report["ledgers"][b]["load1"]) for b in ("memory", "sqlite"))
+    if report["gate"] is not None:
+        for r in report["gate"]["rows"]:
+            assert _number(r["load1"]) and _number(r["ms"]["bare_warm"])
+            assert r["gate_vs_bare_warm"] == pytest.approx(
+                r["ms"]["gate"] / r["ms"]["bare_warm"], rel=0.02, abs=2e-3
+            )
+            assert r["bare_warm_threads"] == 1  # the gate's own thread count up to 2
+
+    # the fleet: every store here x N, the ledger and plain SQL side by side
+    fleet = report["fleet"]
+    stores = ["sqlite-disk"] + (["sqlite-tmpfs"] if Path("/dev/shm").is_dir() else [])
+    assert [(c["store"], c["N"]) for c in fleet["cells"]] == [
+        (s, n) for s in stores for n in (1, 2)
+    ]
+    for c in fleet["cells"]:
+        assert (c["reservers"], c["adders"]) == ((1, 0) if c["N"] == 1 else (1, 1))
+        for variant in ("ledger", "plain"):
+            v = c[variant]
+            # SQLite's lock may starve a plain reserver for a whole short cell: no timing
+            # is asserted, only the shape
+            assert _number(v["reservations_per_s"])
+            if v["reservations_per_s"] > 0:
+                assert _number(v["p50_ms"]) and v["p99_ms"] >= v["p50_ms"]
+            assert len(v["lock_wait_p99_ms"]) == c["N"]  # one per writer
+            assert v["lock_wait_p99_ms_max"] == max(v["lock_wait_p99_ms"])
+            assert v["adds_per_s"] == 0 if c["N"] == 1 else _number(v["adds_per_s"])
+        if c["plain"]["reservations_per_s"] > 0:
+            assert c["ledger_vs_plain"] == pytest.approx(
+                c["ledger"]["reservations_per_s"] / c["plain"]["reservations_per_s"], rel=0.01
+            )
+    assert "## Fleet (issue 36)" in (out / "README.md").read_text()
 
     written = json.loads((out / "bench.json").read_text())
     assert written == report
@@ -170,6 +205,60 @@ def test_committed_benchmark_doc_is_its_result_file() -> None:
     complete = {k: v["distinct_states"] for k, v in explored.items() if v["complete"]}
     assert complete and all(k in PINNED for k in complete), complete
     assert complete == {k: PINNED[k] for k in complete}
+
+
+def test_committed_fleet_doc_is_its_result_file() -> None:
+    """docs/benchmarks/fleet/README.md (issue 36's one measurement run of the parts it
+    changed) is exactly what its committed bench.json renders to."""
+    folder = DOCS / "fleet"
+    render = (
+        "import json, sys\n"
+        "from rollout_lifecycle.cli.bench_report import markdown\n"
+        "d = json.load(open(sys.argv[1]))\n"
+        "sys.stdout.write(markdown(d, d['command']))\n"
+    )
+    res = subprocess.run(  # rendered apart: see the module docstring
+        [sys.executable, "-c", render, str(folder / "bench.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert res.stdout == (folder / "README.md").read_text()
+    report = json.loads((folder / "bench.json").read_text())
+    assert {"ledgers", "gate", "fleet"} <= set(report) and not report["quick"]
+    assert [c["N"] for c in report["fleet"]["cells"]][:4] == [1, 2, 4, 8]
+    assert all(g["load1"] is not None for g in report["goals"])
+
+
+def test_fleet_on_postgres_quick(postgres_url: str) -> None:
+    """The fleet measures PostgreSQL when given a URL: its cells, no lock waits (those are
+    SQLite's), and every schema it made is dropped."""
+    res = bench(
+        "--quick",
+        "--part=fleet",
+        "--no-docs",
+        "--json",
+        "--quiet",
+        f"--fleet-postgres={postgres_url}",
+        "--fleet-seconds=0.2",
+    )
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert postgres_url not in res.stdout  # the command line leaves the URL out
+    cells = [c for c in report["fleet"]["cells"] if c["store"] == "postgres"]
+    assert [c["N"] for c in cells] == [1, 2] and report["fleet"]["postgres"] is True
+    for c in cells:
+        for variant in ("ledger", "plain"):
+            assert _number(c[variant]["reservations_per_s"])
+            assert "lock_wait_p99_ms" not in c[variant]
+    import psycopg
+
+    with psycopg.connect(postgres_url) as conn:
+        left = conn.execute(
+            "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'fleet_%'"
+        ).fetchall()
+    assert left == []
 
 
 def test_drift_gate_benchmark_script_runs(tmp_path: Path) -> None:

@@ -141,12 +141,13 @@ print("ok")
 
 
 def test_fuzzing_commands_without_hypothesis_say_what_to_install(tmp_path: Path) -> None:
-    """campaign, fuzz and mutants need Hypothesis: without it, exit 2 and the extra to install,
-    no traceback; nothing is created in the working folder."""
+    """campaign, fuzz and mutants need Hypothesis: without it, exit 3 (a missing optional
+    dependency, as the README's exit-code list says) and the extra to install, no traceback;
+    nothing is created in the working folder."""
     for name in NEEDS_HYPOTHESIS:
         code = f"import sys\nfrom rollout_lifecycle.cli.main import run\nsys.exit(run([{name!r}]))"
         res = _without_hypothesis(code, tmp_path)
-        assert res.returncode == 2, (name, res.stdout, res.stderr)
+        assert res.returncode == 3, (name, res.stdout, res.stderr)
         assert "rollout-lifecycle[campaign]" in res.stderr, res.stderr
         assert "Traceback" not in res.stderr, res.stderr
     assert list(tmp_path.iterdir()) == []

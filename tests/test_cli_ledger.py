@@ -28,6 +28,7 @@ from rollout_lifecycle.model.records import (
     WorkerAck,
     to_jsonable,
 )
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.model.sqlite_common import append_events, connect
 
 H0 = "0" * 64
@@ -48,6 +49,7 @@ def ledger_url(tmp_path: Path) -> str:
     """A ledger file: v0 active; r0 consumed by update-1, r1 rewarded, r2 reward timed out."""
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     with open_backend(url) as b:
+        set_admission_policy(b.registry, AdmissionPolicy(1, 0.2), "set by the operator")
         coord = ActivationCoordinator(
             b.registry, ["w0"], ledger=b.ledger, policy=AdmissionPolicy(1, 0.2)
         )

@@ -36,7 +36,7 @@ from rollout_lifecycle.model.records import (
     Reward,
     WorkerAck,
 )
-from rollout_lifecycle.model.registry import MemoryRegistry
+from rollout_lifecycle.model.registry import MemoryRegistry, set_admission_policy
 from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
 
 CLI = str(Path(sys.executable).parent / "rollout-lifecycle")
@@ -293,6 +293,7 @@ def test_ledger_show_survives_a_lease_of_1e300(tmp_path: Path) -> None:
     """A lease far outside any calendar is shown as a number, not a traceback."""
     url = f"sqlite:///{tmp_path / 'l.db'}"
     with open_backend(url) as b:
+        set_admission_policy(b.registry, AdmissionPolicy(1, 0.2), "set by the operator")
         c = ActivationCoordinator(
             b.registry, ["g0"], ledger=b.ledger, policy=AdmissionPolicy(1, 0.2)
         )
@@ -409,6 +410,7 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
 def test_registry_on_a_full_disk_says_so(full_disk: Path) -> None:
     """A full disk is reported as such (typed), not as 'cannot rollback'."""
     with open_backend(f"sqlite:///{full_disk / 's.db'}") as b:
+        set_admission_policy(b.registry, AdmissionPolicy(1, 0.2), "set by the operator")
         coord = ActivationCoordinator(
             b.registry, ["g0"], ledger=b.ledger, policy=AdmissionPolicy(1, 0.2)
         )

@@ -253,3 +253,40 @@ def test_admit_bad_input_is_a_usage_error(tmp_path: Path) -> None:
     assert res.returncode == 2, res.stderr
     assert "line 1" in res.stderr and "Traceback" not in res.stderr
     assert not out.exists()
+
+
+def test_drill_without_its_extra_names_the_extra_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The drill needs the [verl] extra (ray, torch, transformers, peft): with transformers
+    missing it exits 3 (a missing optional dependency) with one line naming the extra and
+    how to install it, never a traceback from inside a Ray actor, and writes nothing."""
+    import importlib.util
+
+    from rollout_lifecycle.cli.main import run
+
+    real = importlib.util.find_spec
+
+    def without_transformers(name: str, *args: object) -> object:
+        return None if name == "transformers" else real(name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_transformers)
+    rc = run(["activation-drill", "--out", str(tmp_path / "d"), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 3, err
+    assert "[verl]" in err and "transformers" in err and "torch==2.13.0" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "d").exists()
+
+
+def test_reading_memory_is_refused_without_offering_memory(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`ledger check --backend memory://` is refused (exit 2: memory:// stores nothing to
+    read) by a message whose valid examples do not include memory:// itself."""
+    from rollout_lifecycle.cli.main import run
+
+    assert run(["ledger", "check", "--backend", "memory://", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    valid = err.split("Valid examples:", 1)[1]
+    assert "memory://" not in valid and "sqlite:///" in valid and "postgresql://" in valid

@@ -24,6 +24,7 @@ from rollout_lifecycle.model.records import (
     Reward,
     WorkerAck,
 )
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.spec.invariants import check_trace
 from rollout_lifecycle.stateful_tests.backends import durable_url
 
@@ -44,6 +45,7 @@ def deployment(
 ) -> Iterator[tuple[Backend, ActivationCoordinator]]:
     url = "memory://" if kind == "memory" else durable_url(kind, tmp_path)
     with open_backend(url) as b:
+        set_admission_policy(b.registry, policy, "set by the operator")
         coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=policy)
         activate(coord, 0)
         yield b, coord

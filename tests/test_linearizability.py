@@ -36,6 +36,8 @@ PAIRS: list[tuple[str, Callable[..., Any], Any, Any]] = [
     ("retry", H.retry_answered_differently, "revision_conflict", "idempotent_retry"),
     ("batch_half_applied", H.batch_half_applied, "rewarded", "reserved"),
     ("pointer_goes_back", H.pointer_goes_back, 0, 1),
+    ("settle_before_the_ack", H.settle_before_the_ack, True, False),
+    ("settle_fails_what_was_not_awaiting", H.settle_fails_what_was_not_awaiting, 0, 1),
 ]
 
 
@@ -111,6 +113,28 @@ def test_refusal_order_is_the_documented_one() -> None:
     assert got == {poisoned, ("pointer_moved", False)}
     moved = row._replace(rev=4)  # the row moved on too: the revision comes first
     assert cm.reserve_answer(cm.Ask(moved, 2, "u", st, view)) == {("revision_conflict", False)}
+
+
+def test_dispatch_of_a_rolled_back_version_is_version_retired_first() -> None:
+    """The model's dispatch order is the ledger's (docs/pacing.md): a version a rollback
+    retired is refused `version_retired` before anything else (it sits above the pointer
+    the rollback went back to), and only such a version; a kept rollback retires nothing.
+    Without it the race's recorded history was called unlinearizable for every dispatch
+    the ledger refused after a rollback (found merging issue 31's refusal with issue 33's
+    checker)."""
+    view = cm.EMPTY_VIEW._replace(pointer=3, ever=frozenset({0, 1, 2, 3, 4}), policy=(1, 0.2, 8, 3))
+    assert cm.dispatch_reasons([], 3, view) == {"dispatched", "no_capacity"}
+    assert cm.dispatch_reasons([], 4, view) == {"not_active"}  # above the pointer
+    back = cm.view_effect(
+        view._replace(pointer=4), "rollback", {"keep": False}, cm.Outcome([3], None)
+    )
+    assert back.retired == {4} and back.pointer == 3
+    assert cm.dispatch_reasons([], 4, back) == {"version_retired"}
+    assert cm.dispatch_reasons([], 3, back) == {"dispatched", "no_capacity"}
+    kept = cm.view_effect(
+        view._replace(pointer=4), "rollback", {"keep": True}, cm.Outcome([3], None)
+    )
+    assert cm.dispatch_reasons([], 4, kept) == {"not_active"}
 
 
 def test_recorder_passes_answers_and_errors_through(tmp_path: Path) -> None:

@@ -74,7 +74,17 @@ def test_campaign_kills_checker_rule_and_adapter_mutants(name: str, tmp_path: Pa
     pytest.importorskip("verl")
     kill = campaign_kill(BY_NAME[name], workdir=tmp_path)
     assert kill.killed, kill.detail
-    assert kill.detail.split(":")[0] in ("checkers", "adapter"), kill.detail
+    assert kill.stage in ("checkers", "adapter"), kill.detail
+    assert kill.detail.split(":")[0] == kill.stage
+
+
+def test_default_campaign_kills_the_conflicting_ack_at_fifty_steps(tmp_path: Path) -> None:
+    """At dev's 40 steps per example the activation machine never delivered a garbled ack
+    after its original (seed 20261130, 243 examples); the campaign profiles run 50, and the
+    default (fast) campaign kills the mutant in its activation fuzz."""
+    kill = campaign_kill(BY_NAME["conflicting_ack_counted"], workdir=tmp_path)
+    assert kill.killed, kill.detail
+    assert kill.stage == "fuzz activation", kill.detail
 
 
 def test_campaign_kills_the_stale_row_refusal_with_its_scripted_interleavings(
@@ -138,7 +148,11 @@ def test_mutants_report_a_table_per_class(tmp_path: Path) -> None:
         "checker": {"mutants": 1, "campaign_reached": 1, "campaign_killed": 1}
     }
     assert data["results"][0]["class"] == "checker"
-    assert "per class" in res.output
+    # the stage of the default (fast) campaign that killed it, in the report and the table
+    assert data["campaign_profile"] == "fast"
+    assert data["results"][0]["campaign_stage"] == "checkers"
+    assert data["summary"]["campaign_kills_by_stage"] == {"checkers": 1}
+    assert "per class" in res.output and "campaign stage" in res.output
 
 
 def _project_bindings() -> dict[tuple[str, ...], int]:
@@ -237,14 +251,26 @@ def test_issue_37_mutants_are_in_the_catalogue_with_their_class() -> None:
     "name", [n for n, s in ISSUE_37.items() if BY_NAME[n].backend != "postgresql"]
 )
 def test_campaign_kills_issue_37_mutant_at_its_stage(name: str, tmp_path: Path) -> None:
-    """The README campaign, on the backend where the mutant's code lives, kills it, and the
-    report names the stage that did."""
+    """The ci campaign (the fast budget and every targeted stage), on the backend where the
+    mutant's code lives, kills it, and the report names the stage that did."""
     mutant = BY_NAME[name]
     if mutant.needs is not None:
         pytest.importorskip(mutant.needs)
-    kill = campaign_kill(mutant, workdir=tmp_path)
+    kill = campaign_kill(mutant, workdir=tmp_path, profile="ci")
     assert kill.killed, kill.detail
     assert kill.stage == ISSUE_37[name], kill.detail
+
+
+def test_the_fast_profile_does_not_reach_the_verl_v1_mutant_and_says_who_does(
+    tmp_path: Path,
+) -> None:
+    """Only the verl-v1 stage runs the mutated buffer, and the fast profile leaves that
+    stage out: the mutant is not reached there (None, never a survivor or a kill), and the
+    detail names the profiles that run it."""
+    pytest.importorskip("transfer_queue")
+    kill = campaign_kill(BY_NAME["verl_v1_resume_commits_redone_step"], workdir=tmp_path)
+    assert kill.killed is None, kill.detail
+    assert "verl-v1" in kill.detail and "--profile ci or thorough" in kill.detail
 
 
 @pytest.mark.slow
@@ -262,7 +288,7 @@ def test_campaign_kills_postgres_issue_37_mutant_every_time(
     """On PostgreSQL the skewed clients and the held-open premise window kill their mutants
     deterministically (the window race needs no luck: a dropped premise lock is caught by
     the stage even where the timed race misses it)."""
-    kill = campaign_kill(BY_NAME[name], workdir=tmp_path, postgres_url=postgres_url)
+    kill = campaign_kill(BY_NAME[name], workdir=tmp_path, postgres_url=postgres_url)  # fast
     assert kill.killed, kill.detail
     # the scripted interleavings (issue 33) run before these stages and may kill it first
     assert kill.stage in (ISSUE_37.get(name, "premise-window"), "interleavings", "race"), (

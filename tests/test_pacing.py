@@ -54,6 +54,7 @@ PACED = AdmissionPolicy(max_lag=1, max_drift=0.2, batch_size=2, max_attempts=2)
 def deployment(kind: str, tmp_path: Path) -> Iterator[tuple[Backend, ActivationCoordinator]]:
     url = "memory://" if kind == "memory" else durable_url(kind, tmp_path)
     with open_backend(url) as b:
+        set_admission_policy(b.registry, PACED, "set by the operator")
         coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=PACED)
         activate(coord, 0)
         yield b, coord
@@ -289,6 +290,7 @@ def test_racing_dispatchers_never_share_a_slot(kind: str, tmp_path: Path) -> Non
     budget of four is never exceeded; the spec agrees on the recorded history."""
     url = durable_url(kind, tmp_path)
     with open_backend(url) as b:
+        set_admission_policy(b.registry, PACED, "set by the operator")
         coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=PACED)
         activate(coord, 0)
     ctx = mp.get_context("spawn")

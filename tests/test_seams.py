@@ -44,6 +44,7 @@ from rollout_lifecycle.model.records import (
     WorkerAck,
     to_jsonable,
 )
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.model.sqlite_common import FileReplaced, connect
 from rollout_lifecycle.stateful_tests.backends import durable_url
 
@@ -97,6 +98,7 @@ def test_pointer_moved_between_admission_and_reservation_is_refused(
     """Problem 1: the README pattern (admit against the pointer, then reserve) is refused
     with 'pointer_moved' when another process activated a version in between."""
     with two_processes(kind, tmp_path) as (learner, activator):
+        set_admission_policy(activator.registry, POLICY, "set by the operator")
         coord = ActivationCoordinator(
             activator.registry, WORKERS, ledger=activator.ledger, policy=POLICY
         )
@@ -131,6 +133,7 @@ def test_pointer_moved_between_admission_and_reservation_is_refused(
 def test_version_that_never_activated_is_not_reserved(kind: str, tmp_path: Path) -> None:
     """A rollout of a version that never became active is refused at the write."""
     with two_processes(kind, tmp_path) as (learner, activator):
+        set_admission_policy(activator.registry, POLICY, "set by the operator")
         coord = ActivationCoordinator(
             activator.registry, WORKERS, ledger=activator.ledger, policy=POLICY
         )

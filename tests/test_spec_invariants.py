@@ -43,6 +43,7 @@ from rollout_lifecycle.stateful_tests.histories import (
     HandRegistry,
     churned_history,
     correct_history,
+    deadline_history,
     flagged,
     forge,
     hash_mismatch_history,
@@ -50,6 +51,7 @@ from rollout_lifecycle.stateful_tests.histories import (
     is_entry,
     issued,
     lineage_history,
+    recounted_history,
     reserved_after_rollback,
     restamped,
     served_history,
@@ -599,6 +601,27 @@ def test_acks_bound_to_attempt_violation() -> None:
     ok = names(_churned_history(void=True, fresh=True))
     assert "acks_bound_to_attempt" not in ok and "activation_needs_all_acks" in ok
     assert "acks_bound_to_attempt" in names(_churned_history(void=False, fresh=True))
+
+
+def test_a_token_counted_again_after_a_later_report_is_named() -> None:
+    """Issue 31 item 3: w0's v1 ack is counted, w0 then reports v0, and a network duplicate
+    of the v1 ack is stored again (numbered by arrival, so "newer"): the token counted twice
+    is named, and only then; the spec's replay marks the token spent, as the store does."""
+    got = check_trace(recounted_history(recount=True)).violations
+    msgs = [v.message for v in got if v.invariant == "acks_bound_to_attempt"]
+    assert any("counted token" in m and "again" in m for m in msgs), [str(v) for v in got]
+    assert check_trace(recounted_history(recount=False)).ok
+    final = check_trace(recounted_history(recount=False)).final
+    assert final.tokens[(1, WORKERS[0])].spent and final.tokens[(1, WORKERS[1])].spent
+
+
+def test_ack_deadline_respected_violation() -> None:
+    """An attempt failed for a passed deadline before its recorded deadline, or an attempt
+    whose deadline is not after its own time, is named; failing at the deadline is fine."""
+    assert "ack_deadline_respected" in names(deadline_history(failed_at=50.0))
+    assert "ack_deadline_respected" in names(deadline_history(failed_at=150.0, deadline=5.0))
+    assert "ack_deadline_respected" not in names(deadline_history(failed_at=100.0))
+    assert check_trace(deadline_history(failed_at=100.0)).ok
 
 
 def test_activation_on_an_ack_from_before_leaving_is_named() -> None:

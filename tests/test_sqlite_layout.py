@@ -22,6 +22,8 @@ from rollout_lifecycle.model.backends import open_backend
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.ledger import ReserveRequest
 from rollout_lifecycle.model.records import AdmissionStamp, Reward
+from rollout_lifecycle.model.registry import SCHEMA_VERSION as REGISTRY_SCHEMA
+from rollout_lifecycle.model.sqlite_ledger import SCHEMA_VERSION as LEDGER_SCHEMA
 from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
 from tests.data.old_layout_builder import rollout
 
@@ -107,7 +109,8 @@ def test_an_old_file_is_migrated_and_audits_clean_after_new_writes(tmp_path: Pat
     new = rows.fetchall()
     head = conn.execute("SELECT last_seq FROM events_chain").fetchone()[0]
     conn.close()
-    assert versions == {"ledger": 2, "registry": 5, "history": 1}  # history: the seal
+    # history: the seal
+    assert versions == {"ledger": LEDGER_SCHEMA, "registry": REGISTRY_SCHEMA, "history": 1}
     assert new[0] == (last_seq + 1, last_txn + 1)
     assert [s for s, _ in new] == list(range(last_seq + 1, last_seq + 1 + len(new)))
     assert all(a[1] <= b[1] for a, b in itertools.pairwise(new))
@@ -212,7 +215,7 @@ def test_old_code_writes_then_new_code_writes_then_old_code_is_refused(tmp_path:
         f"SQLiteLedger({str(path)!r})",
     )
     assert ledger.returncode != 0
-    assert "ledger schema version 2, this program expects 1" in ledger.stderr
+    assert f"ledger schema version {LEDGER_SCHEMA}, this program expects 1" in ledger.stderr
     assert "newer rollout-lifecycle" in ledger.stderr
     registry = _run_old(
         code,
@@ -220,7 +223,7 @@ def test_old_code_writes_then_new_code_writes_then_old_code_is_refused(tmp_path:
         f"SQLiteRegistry({str(path)!r})",
     )
     assert registry.returncode != 0
-    assert "registry schema version 5, this program expects 4" in registry.stderr
+    assert f"registry schema version {REGISTRY_SCHEMA}, this program expects 4" in registry.stderr
 
 
 def test_the_head_stores_every_durable_counter_the_statistics_read() -> None:

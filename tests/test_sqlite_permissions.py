@@ -1,6 +1,7 @@
 """A SQLite file is one trust domain: whoever can write it is the operator (docs/trust-
 boundary.md), so the database file and its -wal and -shm are created owner-only, unless
-ROLLOUT_LIFECYCLE_SQLITE_MODE says otherwise."""
+ROLLOUT_LIFECYCLE_SQLITE_MODE says otherwise; so is the writers' queue file beside it
+(`-writers`, model/sqlite_conns.py)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ from rollout_lifecycle.model.backends import open_backend
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 from rollout_lifecycle.model.records import AdmissionPolicy, LedgerEntry, Reward
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.model.sqlite_common import FILE_MODE_ENV
 
 
 def _use(path: Path, rid: str = "r") -> dict[str, int]:
     """Open a deployment in `path`, write to it, and return each file's permissions."""
     with open_backend(f"sqlite:///{path}") as b:
-        ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=AdmissionPolicy(1, 0.2))
+        policy = AdmissionPolicy(1, 0.2)
+        set_admission_policy(b.registry, policy, "the operator's step")
+        ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=policy)
         b.ledger.add(
             LedgerEntry(
                 rollout_id=rid,
@@ -32,7 +36,7 @@ def _use(path: Path, rid: str = "r") -> dict[str, int]:
         )
         return {
             suffix: stat.S_IMODE(Path(f"{path}{suffix}").stat().st_mode)
-            for suffix in ("", "-wal", "-shm")
+            for suffix in ("", "-wal", "-shm", "-writers")
             if Path(f"{path}{suffix}").exists()
         }
 
@@ -47,10 +51,11 @@ def umask_022() -> object:
 def test_files_are_created_owner_only(
     tmp_path: Path, umask_022: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With a umask that lets others read, the file, -wal and -shm are still 0600."""
+    """With a umask that lets others read, the file, -wal, -shm and -writers are still
+    0600."""
     monkeypatch.delenv(FILE_MODE_ENV, raising=False)
     modes = _use(tmp_path / "l.db")
-    assert set(modes) == {"", "-wal", "-shm"}
+    assert set(modes) == {"", "-wal", "-shm", "-writers"}
     assert set(modes.values()) == {0o600}, modes
 
 

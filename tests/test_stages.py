@@ -83,6 +83,25 @@ def test_premise_window_stage_passes_on_postgres(tmp_path: Path) -> None:
     assert all(r["switch"] == "activated" and all(r["reserved"].values()) for r in rounds)
 
 
+@pytest.mark.postgres
+def test_premise_window_stage_fails_when_its_switch_never_hits_the_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round counts only when the switch started while the learner was in its window:
+    with no pause, the single reservation returns before it is seen in its window, every
+    attempt is a miss, and the stage fails rather than passing without having tested."""
+    from rollout_lifecycle.stateful_tests import windows
+
+    monkeypatch.setattr(windows, "PAUSE_S", 0.0)
+    monkeypatch.setattr(windows, "ATTEMPTS", 2)
+    rep = run_stage("premise-window", StageContext("postgresql", tmp_path))
+    assert rep.ran and not rep.ok
+    missed = [f for f in rep.failures if "never started while the learner was in" in f]
+    assert missed and all("(single)" in f for f in missed), rep.failures
+    assert rep.facts["missed"] >= 2 * len(missed)
+    assert not any(f.startswith("spec:") for f in rep.failures), rep.failures
+
+
 def test_skew_judge_flags_client_deadlines_and_wrong_expiries() -> None:
     """The skew stage's judge, on recorded calls: a deadline off by the client's skew, a
     lease expired before its server deadline and one left past it are each named."""

@@ -171,6 +171,31 @@ def test_campaign_is_deterministic_with_a_seed(tmp_path: Path) -> None:
     assert run("a") == run("b")
 
 
+def test_stop_after_is_a_prefix_of_the_full_run(tmp_path: Path) -> None:
+    """`stop_after=n` ends each machine after n examples of the run that `examples` would
+    make (not a run with max_examples=n, which Hypothesis generates differently): every goal
+    the full run first reached by example n is first reached at the same example."""
+
+    def run(sub: str, stop: int | None) -> dict[str, Any]:
+        doc = run_campaign(
+            ["ledger", "activation"],
+            "memory",
+            examples=30,
+            stop_after=stop,
+            seed=7,
+            workdir=tmp_path / sub,
+        ).to_json()
+        return doc["runs"]
+
+    full, cut = run("full", None), run("cut", 8)
+    for m in ("ledger", "activation"):
+        assert cut[m]["examples"] == 8 and full[m]["examples"] >= 30
+        early = {g: n for g, n in full[m]["first_reached"].items() if n <= 8}
+        assert early and cut[m]["first_reached"] == early, m
+    with pytest.raises(ValueError, match="stop_after"):
+        run_campaign(["ledger"], "memory", examples=2, stop_after=0, workdir=tmp_path / "x")
+
+
 def test_time_budget_runs_seeded_batches(tmp_path: Path) -> None:
     """A time budget runs batches with fresh seeds and reports the base seed it drew."""
     report = run_campaign(

@@ -34,6 +34,7 @@ from rollout_lifecycle.model.errors import (
     CommitMismatch,
     GateConfigError,
     InvalidRecord,
+    LedgerError,
     UpdatePoisoned,
 )
 from rollout_lifecycle.model.gate import AdmissionGate, GatePolicy
@@ -49,7 +50,7 @@ from rollout_lifecycle.model.records import (
     RolloutIdentity,
     WorkerAck,
 )
-from rollout_lifecycle.model.registry import activated_hash, set_admission_policy
+from rollout_lifecycle.model.registry import activated_hash, backend_url, set_admission_policy
 from rollout_lifecycle.spec.audit import audit
 from rollout_lifecycle.spec.invariants import check_trace
 from rollout_lifecycle.stateful_tests.backends import durable_url
@@ -119,8 +120,14 @@ def good_stamp(bv: int, cv: int, **over: Any) -> AdmissionStamp:
     return AdmissionStamp(**base)
 
 
+def operated(b: Backend) -> ActivationCoordinator:
+    """The operator records POLICY; the coordinator, built expecting it, never writes it."""
+    set_admission_policy(b.registry, POLICY, "set by the operator")
+    return ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+
+
 def at_v10(b: Backend) -> ActivationCoordinator:
-    coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+    coord = operated(b)
     for v in range(11):
         activate(coord, v)
     return coord
@@ -190,7 +197,7 @@ def test_self_contradicting_stamps_are_refused(kind: str, tmp_path: Path) -> Non
     rejection reason, a freshness the lag does not give: refused with a typed reason
     (and the record's validators refuse them at construction already)."""
     with deployment(kind, tmp_path) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         rev = rewarded(b, rollout("r", 0))
         ok = good_stamp(0, 0)
@@ -228,12 +235,59 @@ def test_no_recorded_policy_admits_nothing(kind: str, tmp_path: Path) -> None:
         rev = rewarded(b, ro)
         out = b.ledger.reserve("r", rev, "u", good_stamp(0, 0))
         assert (out.reserved, out.reason) == (False, "no_admission_policy")
-        assert "set-policy" in out.detail
-        with pytest.raises(GateConfigError, match="no admission policy"):
+        where = backend_url(b.registry)
+        if where is None:  # memory: the library call, in this process
+            assert "set_admission_policy" in out.detail
+        else:  # the command names this very database, never the default file
+            assert f"set-policy --backend {where} " in out.detail, out.detail
+        with pytest.raises(GateConfigError, match="no admission policy") as err:
             admit_and_reserve(b.ledger, b.registry, "u", [ro], np.full((1, 3), -0.5))
-        coord.set_policy(POLICY, "the operator sets it")
+        assert where is None or f"--backend {where} " in str(err.value)
+        set_admission_policy(b.registry, POLICY, "the operator sets it")
         assert b.ledger.reserve("r", rev, "u", good_stamp(0, 0)).reserved
         assert [e.kind for e in b.registry.trace()].count("policy") == 1
+        assert_clean(b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_misconfigured_coordinator_started_first_sets_no_policy(
+    kind: str, tmp_path: Path
+) -> None:
+    """Issue 31 item 1: a coordinator built with AdmissionPolicy(1000, 1e9) before the
+    operator acted records nothing (no policy, no membership) and is refused with the
+    command naming this database; the operator's policy is then the one that judges, and a
+    lag-10 rollout admitted by the loose configuration is refused."""
+    loose = AdmissionPolicy(1000, 1e9)
+    with deployment(kind, tmp_path) as b:
+        with pytest.raises(ActivationError, match="records no admission policy") as err:
+            ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=loose)
+        where = backend_url(b.registry)
+        if where is not None:
+            wanted = f"set-policy --backend {where} --max-lag 1000 --max-drift 1000000000.0"
+            assert wanted in str(err.value), str(err.value)
+            assert "rollout-lifecycle.db" not in str(err.value)
+        else:
+            assert "set_admission_policy(registry, AdmissionPolicy(max_lag=1000, " in str(err.value)
+        assert b.registry.policy() is None and b.registry.required_workers() is None
+        assert b.registry.trace() == []
+        coord = at_v10(b)  # the operator records POLICY (lag 1), then the coordinator runs
+        with pytest.raises(ActivationError, match="records admission policy") as err:
+            ActivationCoordinator(b.registry, ledger=b.ledger, policy=loose)
+        assert where is None or f"--backend {where} --max-lag 1000 " in str(err.value)
+        assert b.registry.policy() == POLICY
+        ro = rollout("old", 0)
+        rev = rewarded(b, ro)
+        gate = AdmissionGate(
+            GatePolicy(1000, 1e9), registry=lambda v: activated_hash(b.registry, v)
+        )
+        (d,) = gate.assess_batch([ro], np.full((1, 3), -0.5), 10, ledger=b.ledger)
+        assert d.accepted and d.lag == 10
+        out = b.ledger.reserve("old", rev, "u1", d.stamp())
+        assert (out.reserved, out.reason) == (False, "looser_than_policy")
+        got = admit_and_reserve(b.ledger, b.registry, "u2", [ro], np.full((1, 3), -0.5))
+        assert got.reserved == [] and got.refused == {"old": "stale_policy"}
+        assert [e.after for e in b.registry.trace() if e.kind == "policy"] == [POLICY]
+        assert coord.policy() == POLICY
         assert_clean(b)
 
 
@@ -244,7 +298,7 @@ def test_policy_changes_are_recorded_steps_judged_at_each_reservation(
     """Tightening the recorded policy refuses a stamp that passed under the old one; a
     second coordinator given another policy is refused; the trace holds each change."""
     with deployment(kind, tmp_path) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         activate(coord, 1)
         rev = rewarded(b, rollout("r", 0))
@@ -252,9 +306,9 @@ def test_policy_changes_are_recorded_steps_judged_at_each_reservation(
         set_admission_policy(b.registry, AdmissionPolicy(0, 0.2), "tighten after a blow-up")
         out = b.ledger.reserve("r", rev, "u", stamp)
         assert (out.reserved, out.reason) == (False, "looser_than_policy")
-        with pytest.raises(ActivationError, match="set_policy"):
+        with pytest.raises(ActivationError, match="records admission policy"):
             ActivationCoordinator(b.registry, policy=POLICY)
-        coord.set_policy(POLICY, "relax again")
+        set_admission_policy(b.registry, POLICY, "relax again")
         assert b.ledger.reserve("r", rev, "u", stamp).reserved
         pols = [e for e in b.registry.trace() if e.kind == "policy"]
         assert [p.after for p in pols] == [POLICY, AdmissionPolicy(0, 0.2), POLICY]
@@ -267,7 +321,7 @@ def test_admit_and_reserve_computes_drift_from_evidence(kind: str, tmp_path: Pat
     """The one call reads policy and pointer from the registry and drift from the
     log-probs: a rollout whose real drift is 6.0 is refused whatever a stamp would claim."""
     with deployment(kind, tmp_path) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         activate(coord, 1)
         good, far, behind = rollout("good", 1), rollout("far", 1, old=-6.5), rollout("b", 0)
@@ -297,7 +351,7 @@ def test_rollback_retires_the_rolled_back_version(kind: str, tmp_path: Path) -> 
     """After rolling v2 back to v1, v2 rollouts are quarantined on arrival and never
     reserved, not even once v3 is active (lag 1); keep_rollouts=True is recorded."""
     with deployment(kind, tmp_path) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         for v in (0, 1, 2):
             activate(coord, v)
         open_rev = rewarded(b, rollout("before", 2))
@@ -332,7 +386,7 @@ def test_rollback_keeping_rollouts_is_an_explicit_recorded_choice(
 ) -> None:
     """keep_rollouts=True keeps v2's rollouts trainable and records the choice."""
     with deployment(kind, tmp_path) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         for v in (0, 1, 2):
             activate(coord, v)
         rev = rewarded(b, rollout("kept", 2))
@@ -356,9 +410,10 @@ def test_deployment_cli_sets_and_shows_the_policy(tmp_path: Path) -> None:
     runner = CliRunner()
     res = runner.invoke(cli, ["deployment", "show", "--backend", url])
     assert res.exit_code == 2 and "no such file" in res.output
-    res = runner.invoke(
-        cli, ["deployment", "set-policy", "--backend", url, "--max-lag", "1", "--max-drift", "0.2"]
-    )
+    args = ["deployment", "set-policy", "--backend", url, "--max-lag", "1", "--max-drift", "0.2"]
+    res = runner.invoke(cli, args)
+    assert res.exit_code == 2 and "add --create" in res.output, res.output
+    res = runner.invoke(cli, [*args, "--create"])
     assert res.exit_code == 0, res.output
     described = "max_lag 1, max_drift 0.2, lineage ledger, chain_key identity"
     assert f"policy recorded: {described} (was: none)" in res.output
@@ -450,7 +505,7 @@ def test_a_learner_700s_behind_gets_a_full_lease(kind: str, tmp_path: Path) -> N
     second update can take the rollout while the first one trains."""
     url = durable_url(kind, tmp_path)
     with open_backend(url) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         rev = rewarded(b, rollout("r", 0))
     reason, deadline, learner_now = _run_skewed("-700s", url, "r", str(rev))
@@ -471,7 +526,7 @@ def test_a_janitor_whose_clock_jumps_ahead_expires_nothing_early(kind: str, tmp_
     leases stay live, and a crashed learner's lease ends 600 s after it was taken."""
     url = durable_url(kind, tmp_path)
     with open_backend(url) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         rev = rewarded(b, rollout("r", 0))
     _, deadline, _ = _run_skewed("+3600s", url, "r", str(rev))
@@ -512,7 +567,7 @@ def test_a_version_trained_by_an_update_whose_commit_did_not_land_is_refused(
     a forged record that names A is refused again at commit and at activation."""
     url = "memory://" if kind == "memory" else durable_url(kind, tmp_path)
     with open_backend(url, lease_seconds=0.3) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         rev = _lose_the_lease(b, coord)
         time.sleep(0.6)
@@ -550,7 +605,7 @@ def test_every_reservation_checks_the_behaviour_hash(kind: str, tmp_path: Path) 
     PostgreSQL once the update is recorded), by a batch and by admit_and_reserve; a version that
     never was active is refused `version_not_active` first."""
     with deployment(kind, tmp_path) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         ok_rev = rewarded(b, rollout("ok", 0))
         assert b.ledger.reserve("ok", ok_rev, "u", good_stamp(0, 0)).reserved  # u recorded
@@ -588,7 +643,7 @@ def test_a_lost_lease_poisons_its_update(kind: str, tmp_path: Path) -> None:
     clock = ManualClock(1000.0)
     url = "memory://" if kind == "memory" else durable_url(kind, tmp_path)
     with open_backend(url, clock=clock, lease_seconds=10) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         revs = {rid: rewarded(b, rollout(rid, 0)) for rid in ("r1", "r2")}
         assert b.ledger.reserve("r1", revs["r1"], "u-L1", good_stamp(0, 0)).reserved
@@ -632,7 +687,7 @@ def test_a_recorded_lineage_opt_out(kind: str, tmp_path: Path) -> None:
     clock = ManualClock(1000.0)
     url = "memory://" if kind == "memory" else durable_url(kind, tmp_path)
     with open_backend(url, clock=clock, lease_seconds=10) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         rev = rewarded(b, rollout("r", 0))
         assert b.ledger.reserve("r", rev, "u", good_stamp(0, 0)).reserved
@@ -655,7 +710,7 @@ def test_rollback_closes_every_door(kind: str, tmp_path: Path) -> None:
     (`version_retired`), a late v2 rollout is quarantined on arrival, `retire_stale()`
     quarantines the open one, and the poisoned update's abort quarantines what it held."""
     with deployment(kind, tmp_path) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         for v in (0, 1, 2):
             activate(coord, v)
         held_rev = rewarded(b, rollout("held", 2))
@@ -687,7 +742,7 @@ def test_lineage_of_a_version_is_shown(tmp_path: Path) -> None:
     rollouts it consumed; an unknown version is a clean error."""
     url = f"sqlite:///{tmp_path / 'd.db'}"
     with open_backend(url) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         rev = rewarded(b, rollout("r", 0))
         assert b.ledger.reserve("r", rev, "update-1", good_stamp(0, 0)).reserved
@@ -713,7 +768,7 @@ def test_a_long_update_renews_its_leases(kind: str, tmp_path: Path) -> None:
     clock = ManualClock(1000.0)
     url = "memory://" if kind == "memory" else durable_url(kind, tmp_path)
     with open_backend(url, clock=clock, lease_seconds=10) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         revs = {rid: rewarded(b, rollout(rid, 0)) for rid in ("a", "b")}
         for rid, rev in revs.items():
@@ -736,10 +791,125 @@ def test_postgres_renews_on_the_server_clock(postgres_url: str, tmp_path: Path) 
     learner whose process clock is far behind still gets a full lease."""
     url = durable_url("postgresql", tmp_path)
     with open_backend(url, lease_seconds=600) as b:
-        coord = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        coord = operated(b)
         activate(coord, 0)
         rev = rewarded(b, rollout("r", 0))
         assert b.ledger.reserve("r", rev, "u", good_stamp(0, 0)).reserved
         b.ledger.clock = lambda: 0.0  # the process clock only dates events now
         (e,) = b.ledger.renew_leases("u")
         assert e.lease_expires_at is not None and e.lease_expires_at > time.time() + 590
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_set_policy_never_creates_a_deployment_by_mistake(tmp_path: Path) -> None:
+    """Issue 31 item 9: `set-policy` on a missing file, an empty file or another
+    application's SQLite database exits 2 and creates nothing (no file, no table, no
+    -wal); --create starts a new file only where none exists."""
+    import sqlite3
+
+    foreign = tmp_path / "other.db"
+    conn = sqlite3.connect(foreign)
+    conn.execute("CREATE TABLE notes(x TEXT)")
+    conn.commit()
+    conn.close()
+    (tmp_path / "empty.db").write_bytes(b"")
+    before = _files(tmp_path)
+    runner = CliRunner()
+    policy = ["--max-lag", "1", "--max-drift", "0.2"]
+    for name, create in (
+        ("missing.db", False),
+        ("empty.db", False),
+        ("other.db", False),
+        ("empty.db", True),
+        ("other.db", True),
+    ):
+        url = f"sqlite:///{tmp_path / name}"
+        extra = ["--create"] if create else []
+        res = runner.invoke(cli, ["deployment", "set-policy", "--backend", url, *policy, *extra])
+        assert res.exit_code == 2, (name, create, res.output)
+        assert "Traceback" not in res.output
+        assert _files(tmp_path) == before, (name, create)
+    res = runner.invoke(cli, ["deployment", "set-policy", "--backend", "memory://", *policy])
+    assert res.exit_code == 2 and "one process" in res.output
+    new = f"sqlite:///{tmp_path / 'new.db'}"
+    res = runner.invoke(cli, ["deployment", "set-policy", "--backend", new, *policy, "--create"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(cli, ["deployment", "show", "--backend", new])
+    assert "admission policy: max_lag 1, max_drift 0.2" in res.output
+
+
+@pytest.mark.postgres
+def test_set_policy_on_a_postgres_database_without_a_ledger_creates_nothing(
+    tmp_path: Path,
+) -> None:
+    """Issue 31 item 9 on PostgreSQL: an empty schema is refused (exit 2) and stays empty
+    without --create; with it, the tables are created and the policy recorded."""
+    import psycopg
+
+    url = durable_url("postgresql", tmp_path)
+    runner = CliRunner()
+    args = ["deployment", "set-policy", "--backend", url, "--max-lag", "1", "--max-drift", "0.2"]
+    res = runner.invoke(cli, args)
+    assert res.exit_code == 2 and "holds no rollout-lifecycle ledger" in res.output, res.output
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = current_schema()"
+        ).fetchone()
+    assert row == (0,)
+    res = runner.invoke(cli, [*args, "--create"])
+    assert res.exit_code == 0, res.output
+    with open_backend(url, create=False) as b:
+        assert b.registry.policy() == AdmissionPolicy(1, 0.2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_out_of_range_policies_and_limits_are_refused_typed(kind: str, tmp_path: Path) -> None:
+    """Issue 31 item 9: batch_size 2**63, max_attempts 2**64 and oldest_admissible(2**63)
+    raise the same typed errors on every backend (ActivationError, a LedgerError), never an
+    OverflowError; nothing is recorded."""
+    with deployment(kind, tmp_path) as b:
+        for pol in (AdmissionPolicy(1, 0.2, 2**63, None), AdmissionPolicy(1, 0.2, None, 2**64)):
+            with pytest.raises(ActivationError, match="at most 2\\*\\*63 - 1"):
+                set_admission_policy(b.registry, pol, "too big")
+        with pytest.raises(LedgerError, match="at most 2\\*\\*63 - 1"):
+            b.ledger.oldest_admissible(2**63)
+        assert b.ledger.oldest_admissible(2**63 - 1) == []
+        assert b.registry.policy() is None and b.registry.trace() == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_nul_in_free_text_is_refused_typed_on_every_backend(kind: str, tmp_path: Path) -> None:
+    """Issue 31 item 9: a NUL in a policy-change reason, a membership reason, a failure's
+    cause or detail, a rollback reason or an artifact path is refused with ActivationError
+    before anything is written (PostgreSQL would store it escaped in an event's JSON)."""
+    with deployment(kind, tmp_path) as b:
+        with pytest.raises(ActivationError, match="NUL"):
+            set_admission_policy(b.registry, POLICY, "set\x00by me")
+        coord = operated(b)
+        activate(coord, 0)
+        activate(coord, 1)
+        coord.prepare(2)
+        with pytest.raises(ActivationError, match="NUL"):
+            coord.commit_artifact(2, H[2], path="/weights/v2\x00.bin")
+        coord.commit_artifact(2, H[2], path="/weights/v2")
+        coord.distribute(2)
+        calls = (
+            lambda: coord.change_membership(["gen-0"], "shrink\x00"),
+            lambda: coord.fail_distribution(2, "timeout\x00"),
+            lambda: coord.fail_distribution(2, "timeout", "on gen-1\x00"),
+            lambda: coord.abandon(2, "gave up", "\x00"),
+            lambda: set_admission_policy(b.registry, AdmissionPolicy(0, 0.1), "\x00"),
+        )
+        trace = b.registry.trace()
+        for call in calls:
+            with pytest.raises(ActivationError, match="NUL"):
+                call()
+        coord.fail_distribution(2, "timeout", "on gen-1")
+        with pytest.raises(ActivationError, match="NUL"):
+            coord.rollback(reason="bad eval\x00")
+        assert b.registry.trace()[: len(trace)] == trace
+        assert b.registry.policy() == POLICY and coord.required_workers == tuple(WORKERS)
+        assert_clean(b)

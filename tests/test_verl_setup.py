@@ -49,6 +49,28 @@ def test_setup_records_the_policy_on_the_runs_ledger(
     assert missing.exit_code == 2 and "--backend" in missing.output
 
 
+def test_setup_refuses_a_file_that_holds_no_ledger(tmp_path: Path) -> None:
+    """Issue 31 item 9, as for `deployment set-policy`: an empty file or another
+    application's SQLite database is refused (exit 2) and nothing is created in it."""
+    import sqlite3
+
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE notes(x)")
+    for path in (empty, other):
+        before = path.read_bytes()
+        res = CliRunner().invoke(
+            cli, ["verl", "setup", "--backend", f"sqlite:///{path}", "--run-id", "r",
+                   "--artifact-root", str(tmp_path / "art"), "--max-lag", "1",
+                   "--max-drift", "0.1"],
+        )  # fmt: skip
+        assert res.exit_code == 2, res.output
+        assert "holds no rollout-lifecycle ledger" in res.output or "not a" in res.output
+        assert path.read_bytes() == before
+
+
 def test_printed_overrides_compose_with_verls_ppo_trainer(tmp_path: Path) -> None:
     """The config group carries every key, each resolving to the rollout config it names."""
     verl = pytest.importorskip("verl")

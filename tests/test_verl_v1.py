@@ -86,6 +86,7 @@ def deployment(
 ) -> tuple[Backend, ActivationCoordinator]:
     """A SQLite ledger + registry with v0..v{versions-1} activated by one worker's acks."""
     be = open_backend(f"sqlite:///{path}")
+    set_admission_policy(be.registry, AdmissionPolicy(max_lag, 0.5), "set by the operator")
     coord = ActivationCoordinator(
         be.registry, ["rollout-0"], ledger=be.ledger, policy=AdmissionPolicy(max_lag, 0.5)
     )
@@ -707,6 +708,7 @@ def test_the_budget_decides_before_verl_generates(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 's.db'}"
     be = open_backend(url)
     policy = AdmissionPolicy(1, 0.5, batch_size=2, max_attempts=2)
+    set_admission_policy(be.registry, policy, "set by the operator")
     coord = ActivationCoordinator(be.registry, ["rollout-0"], ledger=be.ledger, policy=policy)
     activate(coord, 0)
     sent: list[list[str]] = []

@@ -47,9 +47,11 @@ def _deployment() -> dict[str, Any]:
     from rollout_lifecycle.model.backends import open_backend
     from rollout_lifecycle.model.coordinator import ActivationCoordinator
     from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck
+    from rollout_lifecycle.model.registry import set_admission_policy
 
     path = Path(tempfile.mkdtemp(prefix="verl-upstream-")) / "ledger.db"
     be = open_backend(f"sqlite:///{path}")
+    set_admission_policy(be.registry, AdmissionPolicy(1000, 1e6), "set by the operator")
     coord = ActivationCoordinator(
         be.registry, ["rollout-0"], ledger=be.ledger, policy=AdmissionPolicy(1000, 1e6)
     )
