@@ -38,6 +38,7 @@ from rollout_lifecycle.model.records import (
     Reward,
     WorkerAck,
 )
+from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.spec.invariants import check_trace, compare_with_store, stored_world
 from tests import pg_server
 
@@ -151,6 +152,7 @@ def deployment() -> Iterator[Deployment]:
     logins = party_logins(db, admin, {names[p]: role for p, role in PARTIES.items()})
     d = Deployment(admin, {p: logins[names[p]] for p in PARTIES})
     op = d.backend("operator")
+    set_admission_policy(op.registry, POLICY, "the operator's setup step")
     ActivationCoordinator(op.registry, WORKERS, ledger=op.ledger, policy=POLICY)
     _activate(d, 0)
     gen = d.backend("generator").ledger
@@ -208,9 +210,7 @@ def test_show_says_which_role_the_login_is(deployment: Deployment) -> None:
 _OUTSIDE: dict[str, tuple[tuple[str, ...], Any]] = {
     "set_policy": (
         ("coordinator", "worker0", "generator", "learner", "auditor"),
-        lambda b: ActivationCoordinator(b.registry).set_policy(
-            AdmissionPolicy(1000, 1e9), "hostile"
-        ),
+        lambda b: set_admission_policy(b.registry, AdmissionPolicy(1000, 1e9), "hostile"),
     ),
     "change_membership": (
         ("coordinator", "worker0", "generator", "learner", "auditor"),
@@ -471,7 +471,7 @@ def test_the_issue_hostile_sequence_fails_at_its_first_step(deployment: Deployme
     b = deployment.backend("learner")
     learner = ActivationCoordinator(b.registry)
     steps = [
-        lambda: learner.set_policy(AdmissionPolicy(1000, 1e9), "hostile"),
+        lambda: set_admission_policy(b.registry, AdmissionPolicy(1000, 1e9), "hostile"),
         lambda: b.ledger.reserve("a4", 0, "u-h", _stamp(0, 10, max_lag=1000)),
         lambda: (
             [
@@ -556,6 +556,7 @@ def test_the_cli_says_which_role_is_needed(deployment: Deployment) -> None:
 def test_a_database_without_roles_says_so(postgres_url: str) -> None:
     """Without `deployment roles`, one login does everything, and show says roles: off."""
     with open_backend(postgres_url) as b:
+        set_admission_policy(b.registry, POLICY, "the operator's setup step")
         c = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
         c.prepare(0)
         info = roles_info(b.ledger.db)  # type: ignore[attr-defined]
