@@ -5,7 +5,8 @@ Five group roles, named for what the protocol lets each party do, and one that o
 
     operator     policy, worker set, rollback, retirement, clearing bad versions
     coordinator  prepare, commit artifacts, distribute, retry, activate (and quarantine
-                 the versions that failed)
+                 the versions that failed); the operator may settle (activate an attempt
+                 every worker acked, fail one past its ack deadline)
     worker       ack or report for its own worker id only; reads only its own tokens
     generator    add and dispatch rollouts, their generation and reward transitions
     learner      reserve, renew, commit, release and fail its updates (and route away
@@ -96,6 +97,7 @@ _GEN = ("generator",)
 _LEARN = ("learner",)
 _COORD = ("coordinator",)
 _OP = ("operator",)
+_SETTLE = ("coordinator", "operator")
 _ENTRY = ("entry",)
 
 
@@ -188,9 +190,11 @@ OPERATIONS: dict[str, Operation] = {
     "fail_commit": _registry(_COORD, "fail_commit"),
     "distribute": _registry(_COORD, "distribute", parts=("tokens",)),
     "retry": _registry(_COORD, "retry", parts=("tokens",)),
-    "fail_distribution": _registry(_COORD, "fail_distribution"),
+    # what `settle` resolves (an attempt all acked: activate; one past its ack deadline:
+    # fail it) is also the operator's, whose rollback settles first (model.coordinator)
+    "fail_distribution": _registry(_SETTLE, "fail_distribution"),
     "abandon": _registry(_COORD, "abandon"),
-    "activate": _registry(_COORD, "activate", "supersede", parts=("pointer",)),
+    "activate": _registry(_SETTLE, "activate", "supersede", parts=("pointer",)),
     "rollback": _registry(_OP, "roll_back", "reinstate", parts=("pointer",)),
     "set_policy": Operation(_OP, "activation", kinds=("policy",), parts=("policy",)),
     "change_membership": Operation(

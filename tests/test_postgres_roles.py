@@ -361,9 +361,9 @@ def test_a_worker_cannot_ack_for_another_worker(deployment: Deployment) -> None:
 
 def test_the_pointer_moves_only_on_every_workers_ack(deployment: Deployment) -> None:
     """Straight to the function: a learner or worker may not activate at all; the
-    coordinator may not activate a version its workers did not ack (the server judges
-    the acks and tokens itself), nor the operator roll back anywhere but the recorded
-    rollback version."""
+    coordinator or the operator (who may settle) may not activate a version its workers
+    did not ack (the server judges the acks and tokens itself), nor the operator roll back
+    anywhere but the recorded rollback version."""
     coord = ActivationCoordinator(deployment.backend("coordinator").registry)
     coord.prepare(4)
     coord.commit_artifact(4, H[4])
@@ -373,19 +373,20 @@ def test_the_pointer_moves_only_on_every_workers_ack(deployment: Deployment) -> 
     step = json.dumps({"artifacts": [{"event": "activate", "row": row}], "pointer": [4, H[4]]})
     call = "SELECT * FROM rl_registry_write('activate', %s::json, %s, %s, %s)"
     try:
-        for party in ("learner", "worker0", "generator", "operator"):
+        for party in ("learner", "worker0", "generator"):
             with (
                 deployment.conn(party) as conn,
                 pytest.raises(psycopg.errors.InsufficientPrivilege),
             ):
                 conn.execute(call, (step, [], [], []))
-        with (
-            deployment.conn("coordinator") as conn,
-            pytest.raises(
-                psycopg.errors.InsufficientPrivilege, match="every required worker acked"
-            ),
-        ):
-            conn.execute(call, (step, [], [], []))
+        for party in ("coordinator", "operator"):
+            with (
+                deployment.conn(party) as conn,
+                pytest.raises(
+                    psycopg.errors.InsufficientPrivilege, match="every required worker acked"
+                ),
+            ):
+                conn.execute(call, (step, [], [], []))
         # the recorded rollback version of v1 is v0: only with v1 stepping down and v0
         # reinstated in the same step, and nowhere else
         back = "SELECT * FROM rl_registry_write('rollback', %s::json, %s, %s, %s)"
