@@ -636,3 +636,39 @@ def test_grant_refuses_what_it_cannot_map(deployment: Deployment) -> None:
         )
         assert res.returncode == 2, (args, res.stderr)
         assert said in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_the_functions_write_ack_deadlines_and_spend_tokens(postgres_url: str) -> None:
+    """Issue 31's columns through `rl_registry_write`: a distribution attempt records its
+    ack deadline, a worker's counted ack spends its token, and the function itself refuses
+    to store another ack echoing a spent token (a token counts once)."""
+    with open_backend(postgres_url) as b:
+        set_admission_policy(b.registry, POLICY, "the operator's setup step")
+        c = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        c.prepare(0)
+        c.commit_artifact(0, H[0])
+        c.distribute(0)
+        token = c.attempt_token("gen-0", 0)
+        assert c.record_ack(WorkerAck("gen-0", 0, H[0], token=token)).counted
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        (deadline,) = conn.execute(
+            "SELECT ack_deadline FROM registry_artifacts WHERE version = 0"
+        ).fetchone()
+        assert deadline is not None
+        spent = dict(
+            conn.execute(
+                "SELECT worker_id, spent FROM registry_attempt_tokens WHERE version = 0"
+            ).fetchall()
+        )
+        assert spent == {"gen-0": True, "gen-1": False}
+        floor, ack = conn.execute(
+            "SELECT floor, ack FROM registry_workers WHERE worker_id = 'gen-0'"
+        ).fetchone()
+        other = json.loads(ack)
+        other["received_at"] = (other.get("received_at") or 0) + 1  # another ack, same token
+        step = json.dumps({"workers": [["gen-0", floor, json.dumps(other)]]})
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="counts once"):
+            conn.execute(
+                "SELECT * FROM rl_registry_write('report', %s::json, %s, %s, %s)",
+                (step, [], [], []),
+            )
