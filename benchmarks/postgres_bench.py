@@ -39,6 +39,7 @@ Standalone and importable: `run_bench(url, ...)` returns the rows as dicts.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -536,6 +537,214 @@ def _cpu_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+_ROLES_OPS = ("reserve", "reserve_batch", "ack")
+
+
+def _in_schema(url: str, schema: str) -> str:
+    """`url` with its search_path set to `schema`."""
+    sep = "&" if "?" in url else "?"
+    return f"{url}{sep}options=-csearch_path%3D{schema}"
+
+
+def _roles_side(url: str, schema: str, roles: bool, rows: int) -> dict[str, Any]:
+    """One deployment in `schema`: v1 active, policy (1, 0.2), `rows` rollouts of v1
+    waiting, v2 awaiting acks from its one worker w0. With `roles`, a learner login and a
+    worker login (the URLs returned); without, the admin's login does everything."""
+    from rollout_lifecycle.model.backends import open_backend
+    from rollout_lifecycle.model.coordinator import ActivationCoordinator
+    from rollout_lifecycle.model.postgres_common import PostgresDatabase
+    from rollout_lifecycle.model.postgres_setup import party_logins, setup_roles
+    from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck
+
+    admin = _in_schema(url, schema)
+    with open_backend(admin) as b:
+        coord = ActivationCoordinator(
+            b.registry, ["w0"], ledger=b.ledger, policy=AdmissionPolicy(1, 0.2)
+        )
+        for v in (1, 2):
+            coord.prepare(v, rollback_version=None)
+            coord.commit_artifact(v, HASH if v == 1 else "c" * 64)
+            coord.distribute(v)
+            if v == 1:
+                token = coord.attempt_token("w0", 1)
+                coord.record_ack(WorkerAck("w0", 1, HASH, token=token))
+                assert coord.try_activate(1).activated
+        rids = _ids(0, rows, schema)
+        for i in range(0, rows, 5000):
+            b.ledger.add_many([_entry(r) for r in rids[i : i + 5000]])  # type: ignore[attr-defined]
+    learner = worker = admin
+    if roles:
+        db = PostgresDatabase(admin).acquire()
+        try:
+            setup_roles(db)
+            tag = f"bench{os.getpid()}"
+            made = party_logins(
+                db,
+                admin,
+                {f"{tag}_learner": ("learner", None), f"{tag}_worker": ("worker", "w0")},
+            )
+        finally:
+            db.release()
+        learner, worker = made[f"{tag}_learner"], made[f"{tag}_worker"]
+    return {"rids": rids, "learner": learner, "worker": worker, "admin": admin}
+
+
+def _time_ops(calls: Sequence[Any], pid: int) -> tuple[float, float | None]:
+    """(wall ms, CPU ms client + server) per call, running `calls` in order; the CPU is
+    None when the server backend could not be read before and after (another machine's
+    server, or the pool replaced the connection meanwhile)."""
+    s0, c0, w0 = _cpu_of(pid), time.process_time(), time.perf_counter()
+    for call in calls:
+        call()
+    wall, client, s1 = time.perf_counter() - w0, time.process_time() - c0, _cpu_of(pid)
+    if s0 is None or s1 is None:
+        return 1e3 * wall / len(calls), None
+    return 1e3 * wall / len(calls), 1e3 * (client + s1 - s0) / len(calls)
+
+
+def run_roles(
+    url: str,
+    *,
+    rounds: int = 5,
+    single_n: int = 200,
+    batches: int = 4,
+    chunk: int = 250,
+    acks: int = 200,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Per-operation cost with roles against without, in one run: the same deployment in
+    two schemas of one database, one with `deployment roles` and a login per party, one
+    with none (the admin's login); `reserve`, `reserve_batch(chunk)` and a worker's `ack`
+    timed in interleaved rounds (the order flips each round), one process, one connection
+    each. Medians of wall and CPU (client + the server backend's) per operation, and the
+    median of the per-round ratios roles / none."""
+    from rollout_lifecycle.model.coordinator import ActivationCoordinator
+    from rollout_lifecycle.model.postgres_ledger import PostgresLedger
+    from rollout_lifecycle.model.postgres_registry import PostgresRegistry
+    from rollout_lifecycle.model.records import WorkerAck
+
+    say = progress or (lambda _t: None)
+    per_round = single_n + batches * chunk
+    sides = {
+        mode: _roles_side(url, f"roles_{mode}", mode == "on", rounds * per_round + 1)
+        for mode in ("off", "on")
+    }
+    load = [os.getloadavg()]
+    open_: dict[str, Any] = {}
+    for mode, side in sides.items():
+        led = PostgresLedger(side["learner"], pool_size=1)
+        reg = PostgresRegistry(side["worker"], pool_size=1)
+        coord = ActivationCoordinator(reg)
+        token = coord.attempt_token("w0", 2)
+        open_[mode] = (led, reg, coord, token, led.db.read(_backend_pid), reg.db.read(_backend_pid))
+        led.reserve(side["rids"][-1], 0, "warm", _stamp())  # pools and plans warmed
+        coord.record_ack(WorkerAck("w0", 2, "c" * 64, seq=0, token=token))
+    results: dict[str, list[float | None]] = {
+        f"{op}:{mode}:{m}": []
+        for op in _ROLES_OPS
+        for mode in ("off", "on")
+        for m in ("wall", "cpu")
+    }
+    seq = {"off": 1, "on": 1}
+    for r in range(rounds):
+        order = ("off", "on") if r % 2 == 0 else ("on", "off")
+        for mode in order:
+            led, reg, coord, token, _, _ = open_[mode]
+            # the backends serving them now (a pool may have replaced a connection)
+            lpid, rpid = led.db.read(_backend_pid), reg.db.read(_backend_pid)
+            rids = sides[mode]["rids"][r * per_round : (r + 1) * per_round]
+            stamp = _stamp()
+            singles = [
+                functools.partial(_reserve_one, led, rid, f"u{mode}{r}", stamp)
+                for rid in rids[:single_n]
+            ]
+            batch = [
+                functools.partial(
+                    _reserve_many,
+                    led,
+                    f"b{mode}{r}.{k}",
+                    rids[single_n + k * chunk : single_n + (k + 1) * chunk],
+                    stamp,
+                )
+                for k in range(batches)
+            ]
+            acked = [functools.partial(_ack, coord, token, seq[mode] + i + 1) for i in range(acks)]
+            seq[mode] += acks
+            for op, calls, pid in (
+                ("reserve", singles, lpid),
+                ("reserve_batch", batch, lpid),
+                ("ack", acked, rpid),
+            ):
+                wall, cpu = _time_ops(calls, pid)
+                results[f"{op}:{mode}:wall"].append(wall)
+                results[f"{op}:{mode}:cpu"].append(cpu)
+        say(f"round {r + 1}/{rounds} done")
+    load.append(os.getloadavg())
+    for led, reg, *_ in open_.values():
+        led.close()
+        reg.close()
+    out: dict[str, Any] = {"load": load, "rounds": rounds, "ops": {}}
+    for op in _ROLES_OPS:
+        row: dict[str, Any] = {}
+        for m in ("wall", "cpu"):
+            # rounds where both sides were measured (a CPU figure may be missing)
+            pairs = [
+                (a, b)
+                for a, b in zip(results[f"{op}:off:{m}"], results[f"{op}:on:{m}"], strict=True)
+                if a is not None and b is not None
+            ]
+            row[f"off_{m}_ms"] = _median([a for a, _ in pairs]) if pairs else None
+            row[f"on_{m}_ms"] = _median([b for _, b in pairs]) if pairs else None
+            row[f"ratio_{m}"] = _median([b / a for a, b in pairs]) if pairs else None
+            row[f"rounds_{m}"] = len(pairs)
+        out["ops"][op] = row
+    return out
+
+
+def _reserve_one(led: Any, rid: str, update: str, stamp: Any) -> None:
+    out = led.reserve(rid, 0, update, stamp)
+    assert out.reserved, out
+
+
+def _reserve_many(led: Any, update: str, rids: Sequence[str], stamp: Any) -> None:
+    from rollout_lifecycle.model.ledger import ReserveRequest
+
+    outs = led.reserve_batch(update, [ReserveRequest(x, 0, stamp) for x in rids])
+    assert all(o.reserved for o in outs), [o.reason for o in outs if not o.reserved][:3]
+
+
+def _ack(coord: Any, token: str, seq: int) -> None:
+    """A worker's ack of v2 echoing its token (a later seq each time: each one is stored)."""
+    from rollout_lifecycle.model.records import WorkerAck
+
+    got = coord.record_ack(WorkerAck("w0", 2, "c" * 64, seq=seq, token=token))
+    assert got.counted, got
+
+
+def _roles_table(res: dict[str, Any], chunk: int) -> str:
+    def f(v: float | None, width: int) -> str:
+        return f"{'-':>{width}}" if v is None else f"{v:>{width}.3f}"
+
+    lines = [
+        f"{'operation':<22}{'none ms':>10}{'roles ms':>10}{'ratio':>8}"
+        f"{'none CPU':>10}{'roles CPU':>10}{'ratio':>8}{'rounds':>8}"
+    ]
+    for op, row in res["ops"].items():
+        name = f"reserve_batch({chunk})" if op == "reserve_batch" else op
+        lines.append(
+            f"{name:<22}{f(row['off_wall_ms'], 10)}{f(row['on_wall_ms'], 10)}"
+            f"{f(row['ratio_wall'], 8)}{f(row['off_cpu_ms'], 10)}{f(row['on_cpu_ms'], 10)}"
+            f"{f(row['ratio_cpu'], 8)}{row['rounds_cpu']:>8}"
+        )
+    first, last = res["load"][0], res["load"][-1]
+    lines.append(
+        f"(ms per operation, medians of {res['rounds']} rounds, CPU over the rounds where "
+        "both backends were read; ratio = roles / none, median of per-round ratios; load "
+        f"average {first[0]:.2f} -> {last[0]:.2f})"
+    )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line: print the table (and write JSON with --json)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -546,6 +755,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=250, help="rollouts per batch statement")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds (medians)")
+    ap.add_argument(
+        "--roles",
+        action="store_true",
+        help="instead: per-operation cost (reserve, reserve_batch(--chunk), ack) with PostgreSQL "
+        "roles against without, in one run (--repeats rounds, default 5)",
+    )
+    ap.add_argument("--acks", type=int, default=600, help="acks per round, with --roles")
     ap.add_argument(
         "--code",
         type=Path,
@@ -564,6 +780,27 @@ def main(argv: list[str] | None = None) -> int:
         server = create_server()
         url = new_database(server, "bench")
         print(f"throwaway server on port {server.port} (fsync off, synchronous_commit on)")
+    if args.roles:
+        try:
+            res = run_roles(
+                url,
+                rounds=max(args.repeats, 5) if args.repeats == 1 else args.repeats,
+                single_n=args.single_n,
+                batches=max(1, args.batch_n // args.chunk),
+                chunk=args.chunk,
+                acks=args.acks,
+                progress=print,
+            )
+        finally:
+            if server is not None:
+                server.remove()
+        print()
+        print(_roles_table(res, args.chunk))
+        if args.json is not None:
+            from rollout_lifecycle.model.atomic import atomic_write
+
+            atomic_write(args.json, json.dumps(res, indent=2) + "\n")
+        return 0
     try:
         rows = run_bench(
             url,

@@ -32,7 +32,7 @@ Batch of `--chunk` (baseline: `same`, `postgres_bench.py`'s same-columns write: 
 transaction of ``UPDATE ... FROM unnest(...)`` of the same columns and JSON plus an INSERT of
 the same event rows):
 
-    cas            the batch compare-and-set statement (`_CAS_MANY`) alone, one transaction
+    cas            the batch compare-and-set statement (`CAS_MANY`) alone, one transaction
     statements     the statements of a reservation batch with every value computed before the
                    clock (locks, premise, reading the rows, the CAS, the events with their
                    chain and counters, the commit mark): the server's share of the design
@@ -152,6 +152,7 @@ def run_floor(
     per-round ratios baseline / total (`plain` for single, `same` for batch)."""
     import psycopg
 
+    from rollout_lifecycle.model import postgres_functions as pf
     from rollout_lifecycle.model import postgres_ledger as pl
     from rollout_lifecycle.model.events import entry_events, event_subject
     from rollout_lifecycle.model.ledger import ReserveRequest
@@ -209,7 +210,8 @@ def run_floor(
         assert got is not None and got[0] == "won", got
 
     def fn(rid: str, guard: int) -> None:
-        args = (guard, premise if guard else None, "reserved", 1, "u", time.time(), entry, rid)
+        args = ("reserve", guard, premise if guard else None, "reserved", 1, "u", time.time())
+        args = (*args, entry, rid)
         counters = ("{reservations,writes}", "{1,1}")
         got = conn.execute(
             pl._WRITE_ONE_CALL,
@@ -248,7 +250,7 @@ def run_floor(
         for i in range(0, batch_n, chunk):
             part, pays = rows[i : i + chunk], payloads[i : i + chunk]
             ids, *cols = _columns(part)
-            cas = (ids, [0] * len(part), *cols, ids)
+            cas = (ids, [0] * len(part), *cols)
             same = (ids, *cols, ids)
             before = [_entry(r) for r in ids]
             evs = entry_events(
@@ -267,8 +269,20 @@ def run_floor(
             conn.execute(_FLOOR_EVENTS, (ids, pays, [bytes(32)] * len(ids)))
 
     def cas_batch(c: Any) -> None:
+        ids, expected, states, revisions, owners, leases, entries = c[1]
+        named = {
+            "ids": ids,
+            "expected": expected,
+            "states": states,
+            "revisions": revisions,
+            "owners": owners,
+            "leases": leases,
+            "entries": entries,
+            "edges": ["rewarded>reserved"],
+            "versions": None,  # no registry: the stamp alone, as in `_prepare`
+        }
         with conn.transaction():
-            got = conn.execute(pl._CAS_MANY, c[1]).fetchall()
+            got = conn.execute(pf.CAS_MANY, named).fetchall()
         assert len(got) == len(c[0]), len(got)
 
     def statements(c: Any) -> None:
@@ -280,7 +294,7 @@ def run_floor(
                 "SELECT rollout_id, entry FROM rollouts WHERE rollout_id = ANY(%s::text[])",
                 (ids,),
             ).fetchall()
-            got = conn.execute(pl._CAS_MANY, cas).fetchall()
+            got = conn.execute(pl._WRITE_ROWS, ("reserve_batch", *cas)).fetchall()
             assert len(got) == len(ids), len(got)
             text = dict(zip(ids, pays, strict=True))  # by subject: one event per row
             append_events(
@@ -289,11 +303,9 @@ def run_floor(
                 counters={"reservations": len(ids), "writes": len(ids)},
                 payload_of=lambda e, _: text[event_subject(e)],
                 stamped=False,
+                op="reserve_batch",
             )
-            conn.execute(
-                f"INSERT INTO commit_marks(token) SELECT '{os.urandom(16).hex()}' "
-                "WHERE pg_current_xact_id_if_assigned() IS NOT NULL; COMMIT"
-            )
+            conn.execute(f"SELECT rl_mark('{os.urandom(16).hex()}'); COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
             raise

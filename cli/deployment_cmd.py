@@ -2,7 +2,10 @@
 
 The admission policy (L_max, D_max) is deployment state, like the required worker set: it
 is set by a recorded step (`set-policy`), and every reservation is judged against it inside
-its own atomic step, whatever a learner was configured with. `show` prints that state.
+its own atomic step, whatever a learner was configured with. `show` prints that state, and
+on PostgreSQL whether roles are on and which the connected login acts as. `roles` sets a
+PostgreSQL deployment up for least privilege (model.postgres_roles), `grant` maps a login
+to one of its roles.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import click
 
-from rollout_lifecycle.cli.exitcodes import InputError
+from rollout_lifecycle.cli.exitcodes import InputError, TechnicalError
 from rollout_lifecycle.cli.ledger_cmd import _opened, backend_option
 from rollout_lifecycle.cli.output import (
     check_report_path,
@@ -23,8 +26,8 @@ from rollout_lifecycle.cli.output import (
     quiet_option,
     report_options,
 )
-from rollout_lifecycle.model.backends import Backend, sqlite_path
-from rollout_lifecycle.model.errors import RolloutLifecycleError
+from rollout_lifecycle.model.backends import Backend, redact_url, sqlite_path
+from rollout_lifecycle.model.errors import BackendUnavailable, RolloutLifecycleError
 from rollout_lifecycle.model.records import (
     CHAIN_KEYS,
     LINEAGE_MODES,
@@ -143,7 +146,7 @@ def set_policy(
         before = b.registry.policy()
         wanted = AdmissionPolicy(max_lag, max_drift, batch_size, max_attempts, lineage, chain_key)
         after = set_admission_policy(b.registry, wanted, reason)
-    data = {
+    data: dict[str, Any] = {
         "changed": before != after,
         "before": None if before is None else to_jsonable(before),
         "policy": to_jsonable(after),
@@ -198,11 +201,34 @@ def _described(p: AdmissionPolicy | Mapping[str, Any]) -> str:
     return out
 
 
+def _roles(b: Backend) -> dict[str, Any]:
+    """The roles line of `show`: on PostgreSQL read from the schema; a SQLite file (or a
+    process's memory) is one trust domain."""
+    db = getattr(b.ledger, "db", None)
+    if db is None or not hasattr(db, "conninfo"):
+        return {
+            "on": False,
+            "text": "roles: none (one trust domain: whoever can write the file is the operator)",
+        }
+    from rollout_lifecycle.model.postgres_setup import roles_info
+
+    info = roles_info(db)
+    return {
+        "on": info.on,
+        "login": info.login,
+        "you_are": list(info.mine),
+        "worker_id": info.worker_id,
+        "names": info.names,
+        "text": info.describe(),
+    }
+
+
 def _state(b: Backend) -> dict[str, Any]:
     reg = b.registry
     arts = reg.artifacts()
     policy = reg.policy()
     return {
+        "roles": _roles(b),
         # the lineage and chain-key modes shown even at their defaults: an opt-out is visible
         "policy": None
         if policy is None
@@ -251,6 +277,7 @@ def show(url: str, as_json: bool, report_path: Path | None, quiet: bool) -> None
     )
     retired = state["retired_versions"]
     click.echo("retired (rolled back): " + (", ".join(f"v{v}" for v in retired) or "none"))
+    click.echo(state["roles"]["text"])
 
 
 @deployment.command("lineage")
@@ -278,7 +305,7 @@ def lineage(version: int, url: str, as_json: bool, report_path: Path | None, qui
             if ev.event == "commit" and ev.update_id in consumed:
                 consumed[ev.update_id].append(ev.rollout_id)
         statuses = {u: _status(b, u) for u in consumed}
-    data = {
+    data: dict[str, Any] = {
         "version": version,
         "chain": [
             {
@@ -314,3 +341,169 @@ def _status(b: Backend, update_id: str) -> str:
     if rec is None:
         return "not recorded"
     return rec.status if rec.cause is None else f"{rec.status}: {rec.cause}"
+
+
+def _postgres(url: str) -> Any:
+    """A PostgreSQL database handle for the set-up commands (held until released)."""
+    from rollout_lifecycle.model.postgres_common import PostgresDatabase, is_postgres_url
+
+    if not is_postgres_url(url):
+        raise click.UsageError(
+            "--backend: roles are PostgreSQL's (a SQLite file is one trust domain: whoever "
+            "can write it is the operator); give a postgresql:// URL"
+        )
+    try:
+        return PostgresDatabase(url).acquire()
+    except BackendUnavailable as exc:
+        raise TechnicalError(f"--backend: {exc}") from None
+    except RolloutLifecycleError as exc:
+        raise click.UsageError(f"--backend: {exc}") from None
+
+
+def _run_setup(fn: Any) -> Any:
+    """Project errors of a set-up step as one-line CLI errors (exit 3 or 2)."""
+    try:
+        return fn()
+    except BackendUnavailable as exc:
+        raise TechnicalError(str(exc)) from None
+    except (RolloutLifecycleError, ValueError) as exc:
+        raise InputError(str(exc)) from None
+
+
+@deployment.command("roles")
+@backend_option
+@click.option(
+    "--prefix",
+    default=None,
+    help="Names of the group roles: <prefix>operator, <prefix>learner ... Roles are "
+    "cluster-wide, so the default rl_<database>_<schema>_ keeps deployments apart.",
+)
+@click.option(
+    "--sql",
+    "as_sql",
+    is_flag=True,
+    help="Print the SQL (for a new schema) for a DBA to apply, instead of running it.",
+)
+@report_options
+@quiet_option
+def roles(
+    url: str,
+    prefix: str | None,
+    as_sql: bool,
+    as_json: bool,
+    report_path: Path | None,
+    quiet: bool,
+) -> None:
+    """Set a PostgreSQL deployment up for least privilege (idempotent).
+
+    Creates (or migrates) the tables and server-side functions, the NOLOGIN group roles
+    (operator, coordinator, worker, generator, learner, auditor) and their owner, and the
+    grants: no role may write a table; each may EXECUTE the functions of its operations,
+    which refuse any other operation. Run it as the deployment's administrator (a
+    superuser, or a login with CREATEROLE that owns the schema); map logins to roles with
+    `deployment grant`.
+    """
+    from rollout_lifecycle.model import postgres_setup as ps
+    from rollout_lifecycle.model.postgres_roles import (
+        OWNER,
+        ROLES,
+        check_prefix,
+        default_prefix,
+        role_names,
+    )
+
+    del quiet  # one step, no progress to silence: accepted like on every command
+    check_report_path(report_path)
+    if as_sql:
+        try:
+            database, schema = ps.connect_names(url)
+        except BackendUnavailable as exc:
+            raise TechnicalError(f"--backend: {exc}") from None
+        except RolloutLifecycleError as exc:
+            raise click.UsageError(f"--backend: {exc}") from None
+        statements = _run_setup(lambda: ps.setup_script(database, schema, prefix))
+        chosen = check_prefix(prefix) if prefix else default_prefix(database, schema)
+    else:
+        db = _postgres(url)
+        try:
+            chosen, statements = _run_setup(lambda: ps.setup_roles(db, prefix))
+        finally:
+            db.release()
+    names = role_names(chosen)
+    data: dict[str, Any] = {
+        "applied": not as_sql,
+        "prefix": chosen,
+        "owner": names[OWNER],
+        "roles": {r: names[r] for r in ROLES},
+        "statements": [f"{st.rstrip().rstrip(';')};" for st in statements],
+    }
+    emit_report(data, as_json=as_json, report_path=report_path, console=make_console(True))
+    if as_json:
+        return
+    if as_sql:
+        click.echo("\n".join(data["statements"]))
+        return
+    applied = sum(1 for st in statements if not st.startswith("--"))
+    click.echo(
+        f"roles on for {redact_url(url)}: {', '.join(names[r] for r in ROLES)} (owner "
+        f"{names[OWNER]}); {applied} statements applied"
+    )
+    click.echo(
+        "map a login to each: rollout-lifecycle deployment grant ROLE LOGIN --backend URL "
+        "(a worker login with --worker-id)"
+    )
+
+
+@deployment.command("grant")
+@click.argument(
+    "role",
+    type=click.Choice(["operator", "coordinator", "worker", "generator", "learner", "auditor"]),
+)
+@click.argument("login")
+@backend_option
+@click.option("--worker-id", default=None, help="The worker id a worker login acks for.")
+@click.option("--sql", "as_sql", is_flag=True, help="Print the SQL instead of running it.")
+@report_options
+@quiet_option
+def grant(
+    role: str,
+    login: str,
+    url: str,
+    worker_id: str | None,
+    as_sql: bool,
+    as_json: bool,
+    report_path: Path | None,
+    quiet: bool,
+) -> None:
+    """Let LOGIN act as ROLE in this deployment (a worker login for --worker-id only)."""
+    from rollout_lifecycle.model import postgres_setup as ps
+
+    del quiet  # one step, no progress to silence: accepted like on every command
+    check_report_path(report_path)
+    if (role == "worker") != (worker_id is not None):
+        raise click.UsageError(
+            "a worker login is granted with the worker id it acks for (--worker-id ID), and "
+            "only a worker login is"
+        )
+    db = _postgres(url)
+    try:
+        statements = _run_setup(
+            lambda: ps.grant_login(db, role, login, worker_id, apply=not as_sql)
+        )
+    finally:
+        db.release()
+    data: dict[str, Any] = {
+        "applied": not as_sql,
+        "login": login,
+        "role": role,
+        "worker_id": worker_id,
+        "statements": [f"{st};" for st in statements],
+    }
+    emit_report(data, as_json=as_json, report_path=report_path, console=make_console(True))
+    if as_json:
+        return
+    if as_sql:
+        click.echo("\n".join(data["statements"]))
+        return
+    wid = f" for worker id {worker_id}" if worker_id else ""
+    click.echo(f"{login} acts as {role}{wid}")

@@ -54,6 +54,21 @@ from rollout_lifecycle.stateful_tests.race import RaceConfig, check_fresh, lin_l
     "shrink and restore the required worker set.",
 )
 @click.option(
+    "--workers",
+    type=StrictInt(1, 16),
+    default=2,
+    show_default=True,
+    help="Required workers of the deployment (gen-0, gen-1, ...).",
+)
+@click.option(
+    "--roles/--no-roles",
+    default=None,
+    help="PostgreSQL: every party under its own login in its own role, and a hostile "
+    "learner that must be refused everything else (the URL's login must be able to create "
+    "roles). Off by default: under roles the history check still reports findings "
+    "(see tests/test_postgres_roles.py).",
+)
+@click.option(
     "--history",
     "history_path",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -88,6 +103,8 @@ def race(
     seed: int,
     hostile: int,
     churn: bool,
+    workers: int,
+    roles: bool | None,
     history_path: Path | None,
     faults: bool,
     kill_every: float,
@@ -141,6 +158,8 @@ def race(
         seed=seed,
         hostile=hostile,
         churn=churn,
+        workers=workers,
+        roles=roles,
     )
     tick = Progress("race", quiet=quiet)
     try:

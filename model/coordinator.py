@@ -1010,14 +1010,26 @@ class ActivationCoordinator:
         required worker set (add it with change_membership: it is issued a token then).
         """
         _text(worker_id, "worker_id")
-        tokens = self.attempt_tokens(version)
-        if worker_id not in tokens:
+        # only this worker's token is read: on PostgreSQL with roles a worker sees its own
+        # tokens and no other worker's (row-level security), so `attempt_tokens` is the
+        # coordinator's
+        rec = self.artifact(version)
+        if rec.state != "awaiting_acks":
+            self.attempt_tokens(version)  # raises: no attempt of it is open
+        required = self.required_workers
+        if worker_id not in required:
             raise ActivationError(
-                f"{worker_id!r} is not a required worker ({sorted(tokens)}), so it has no "
+                f"{worker_id!r} is not a required worker ({sorted(required)}), so it has no "
                 f"token for v{version}: its reports are recorded but never count; add it "
                 "with change_membership() to issue it one"
             )
-        return tokens[worker_id]
+        for t in self.registry.attempt_tokens(version):
+            if t.worker_id == worker_id and t.attempt == rec.attempts:
+                return t.token
+        raise ActivationError(
+            f"no token is stored for {[worker_id]} on v{version} attempt {rec.attempts} (the "
+            "registry changed meanwhile?); read again, or retry the distribution"
+        )
 
     def activated_hash(self, version: int) -> str | None:
         """The hash of `version` if it ever became active, else None (an admission registry)."""

@@ -137,6 +137,22 @@ class InvalidLedgerArgument(LedgerError, ValueError):
     """An argument of a ledger call of the wrong type or range (nothing was read or written)."""
 
 
+class RoleRefused(LedgerError, ActivationError):
+    """The database refused an operation outside the caller's role (PostgreSQL roles, see
+    docs/postgres.md): nothing was written. A ledger and an activation error both, so the
+    handlers of either layer see it; not a technical failure (the CLI exits 2).
+
+    `operation` is what was asked (a ledger step such as 'reserve', a registry step such as
+    'set_policy', or a read), `needed` the roles that may run it, `login` who asked.
+    """
+
+    def __init__(
+        self, message: str, *, operation: str, needed: tuple[str, ...], login: str
+    ) -> None:
+        self.operation, self.needed, self.login = operation, needed, login
+        super().__init__(message)
+
+
 _BRIEF = reprlib.Repr()
 _BRIEF.maxstring = 80
 _BRIEF.maxother = 80

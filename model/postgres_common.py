@@ -25,7 +25,8 @@ two steps can wait on each other in a cycle):
 A lost connection is retried while nothing can have been committed (the server rolled the
 open transaction back). One lost during COMMIT is resolved on a new connection once the
 server answers again, by a mark: every transaction that wrote something inserts a random
-token into `commit_marks` in its COMMIT round trip, so the token is there exactly when its
+token into `commit_marks` in its COMMIT round trip (through `rl_mark`: with roles no login
+may write a table), so the token is there exactly when its
 writes landed (one that wrote nothing leaves no mark, and running it again is harmless).
 The transaction id cannot decide it: a server that restarts before the transaction's WAL
 reached the kernel hands the same id to a later transaction, and `pg_xact_status` then
@@ -58,6 +59,7 @@ from rollout_lifecycle.model.errors import (
     BackendUnavailable,
     BackendURLError,
     LedgerError,
+    RoleRefused,
     RolloutLifecycleError,
     StorageFull,
     newer_schema,
@@ -81,6 +83,7 @@ from rollout_lifecycle.model.events import (
     row_event,
     stored_payload,
 )
+from rollout_lifecycle.model.postgres_roles import refused
 
 T = TypeVar("T")
 Conn = psycopg.Connection[Any]
@@ -136,6 +139,9 @@ ZERO_HASH = "decode(repeat('00', 32), 'hex')"  # the chain's start (model.events
 # own snapshot, taken before it waited for the lock, would not).
 CHAIN_PREV = "events_chain_prev"
 TAMPERED = "RLH01"  # the SQLSTATE of a refused append (class RL: this project's own)
+# CHAIN_PREV as the tables' owner (model.postgres_functions creates it, every login may call
+# it): a deployment role may not lock the head row itself
+CHAIN_CHECK = "rl_check_chain"
 
 # The hash chain (see model.events): two columns on events, the head, and the function that
 # links one step's events in one pass (plpgsql, so the append stays ONE statement). Added to
@@ -214,6 +220,7 @@ $$;
 MARKS_KEPT = "1 day"  # a mark only matters while its writer may still be resolving it
 _PRUNE_EVERY = 1000  # each object prunes old marks once per this many commits
 _PRUNE_MARKS = f"DELETE FROM commit_marks WHERE at < now() - interval '{MARKS_KEPT}'; "
+_PRUNE_CALL = "SELECT rl_prune_marks(); "  # the same, by the function every role may call
 
 # connection failures that leave nothing committed (or in doubt only during COMMIT)
 _LOST_STATES = {"57P01", "57P02", "57P03", "08000", "08003", "08006", "08001", "08004"}
@@ -354,6 +361,7 @@ class _Attempt:
     token: str = attrs.field(factory=new_token)
     committing: bool = False
     result: Any = None
+    ddl: bool = False  # a schema step: its mark is written directly, not by `rl_mark`
 
 
 @attrs.frozen
@@ -567,13 +575,16 @@ class PostgresDatabase:
         *,
         error: type[RolloutLifecycleError] = LedgerError,
         prologue: str = "",
+        ddl: bool = False,
     ) -> T:
         """Run `body` in one READ COMMITTED transaction and commit it; see the module doc.
 
         `prologue` (SQL without parameters, e.g. taking a lock) runs right after BEGIN in the
         same round trip. Exceptions raised by `body` itself roll the transaction back and
         propagate as they are; database errors become `error` (or BackendUnavailable) with
-        what to do.
+        what to do. A step of the protocol leaves its commit mark through `rl_mark` (its
+        login may write no table); `ddl` (creating or migrating the schema, whose login
+        owns it) writes the mark itself, before any function exists.
         """
         if self.read_only:
             raise error(f"{self.where} was opened read-only; nothing was written ({what})")
@@ -582,6 +593,7 @@ class PostgresDatabase:
         while True:
             attempt = _Attempt()
             try:
+                attempt.ddl = ddl
                 return self._write_once(body, attempt, prologue)
             except _ConnectionBroke as exc:
                 if attempt.committing:
@@ -631,12 +643,15 @@ class PostgresDatabase:
                 # the mark rides in the COMMIT round trip (a hex token: safe as a literal),
                 # and only a transaction that wrote something has an id and gets one: a step
                 # that wrote nothing (a lost compare-and-set) leaves nothing behind at all
-                ending = (
-                    f"INSERT INTO commit_marks(token) SELECT '{attempt.token}' "
-                    "WHERE pg_current_xact_id_if_assigned() IS NOT NULL; "
-                )
-                if prune:
-                    ending += _PRUNE_MARKS
+                if attempt.ddl:
+                    ending = (
+                        f"INSERT INTO commit_marks(token) SELECT '{attempt.token}' "
+                        "WHERE pg_current_xact_id_if_assigned() IS NOT NULL; "
+                    )
+                    ending += _PRUNE_MARKS if prune else ""
+                else:
+                    ending = f"SELECT rl_mark('{attempt.token}'); "
+                    ending += _PRUNE_CALL if prune else ""
                 attempt.committing = True
                 conn.execute(ending + "COMMIT")
                 return result
@@ -655,7 +670,7 @@ class PostgresDatabase:
             self._commits += 1
             prune = self._commits % _PRUNE_EVERY == 0
         if prune:  # before the step, so that its failure can never follow a commit
-            conn.execute(_PRUNE_MARKS)
+            conn.execute(_PRUNE_CALL)
         attempt.result = step.landed
         attempt.committing = True
         row = conn.execute(step.sql, (*step.params, attempt.token)).fetchone()
@@ -782,10 +797,8 @@ class PostgresDatabase:
         if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
             return error(f"{self.where} was opened read-only; nothing was written ({what})")
         if isinstance(exc, psycopg.errors.InsufficientPrivilege):
-            return error(
-                f"{self.where}: permission denied during {what} ({first}); grant the role "
-                "the rights it needs on this schema"
-            )
+            login = str(self.params.get("user") or os.environ.get("PGUSER") or "?")
+            return refused(exc, what, login, self.where)
         if isinstance(exc, psycopg.errors.DiskFull):
             # the same typed error as SQLite's full disk, from the ledger and the registry
             return StorageFull(
@@ -844,8 +857,10 @@ class PostgresDatabase:
         ):
             # no DDL, but no writer starts on an edited history either (HistoryTampered):
             # the head's row lock, held by every append while it inserts, makes the check
-            # see a head and a newest event that belong together
-            self.read(lambda conn: conn.execute(f"SELECT {CHAIN_PREV}()").fetchone(), "opening")
+            # see a head and a newest event that belong together (that lock needs UPDATE on
+            # the head, which no deployment role holds: it checks through CHAIN_CHECK, run
+            # as the tables' owner, where the schema has it)
+            self.read(_open_check, "opening")
             return
 
         def body(conn: Conn) -> None:
@@ -886,9 +901,17 @@ class PostgresDatabase:
             # the DDL's table locks: K_EVENTS is the last lock a step takes)
             lock(conn, K_EVENTS)
             self._check_chain(conn)
-            append_events(conn, _seal(conn) or recorded, stamped=False)
+            append_events(conn, _seal(conn) or recorded, op=None, stamped=False)
 
-        self.write(body, f"creating the {component} schema")
+        try:
+            self.write(body, f"creating the {component} schema", ddl=True)
+        except RoleRefused as exc:
+            raise LedgerError(
+                f"{self.where}: the {component} schema is missing or older than this program, "
+                f"and this login may not create or migrate it ({exc.login}); run "
+                "`rollout-lifecycle deployment roles --backend URL` as the deployment's "
+                "administrator"
+            ) from None
 
     def _ensure_chain(self, conn: Conn) -> None:
         """The chain's columns, head and functions where missing (a database whose events
@@ -1034,10 +1057,6 @@ def append_statement(*, counted: bool, result: str = "txn, last FROM t") -> str:
     return _APPEND.replace("{counting}", _COUNTING if counted else "").replace("{result}", result)
 
 
-_APPEND_PLAIN = append_statement(counted=False)
-_APPEND_COUNTED = append_statement(counted=True)
-
-
 def event_columns(
     events: Sequence[TraceEvent], payload_of: Payload = stored_payload
 ) -> dict[str, list[str]]:
@@ -1051,35 +1070,55 @@ def event_columns(
     }
 
 
+_APPEND_CALL = (
+    "SELECT o_txn, o_last FROM rl_append(%s, %b::text[], %b::text[], %b::text[], %s, %s::json)"
+)
+_APPEND_PLAIN = append_statement(counted=False)
+
+
 def append_events(
     conn: Conn,
     events: Sequence[TraceEvent],
     *,
+    op: str | None,
     counters: Mapping[str, int] | None = None,
     payload_of: Payload = stored_payload,
     stamped: bool = True,
+    updates: str | None = None,
 ) -> list[TraceEvent]:
-    """Append one atomic step's events inside the caller's transaction, in ONE statement
-    that first takes K_EVENTS (held to COMMIT), so txn and seq numbers are handed out in
-    commit order, and chains them by hash onto the head (see model.events), moving the
-    head in the same statement. The ledger's `counters` (name -> increment, table
-    ledger_counters) ride along in the same statement. Returns the events with their seq
-    and txn (none when not `stamped`)."""
-    if not events:
-        return []
-    params: dict[str, Any] = {"key": K_EVENTS, "n": len(events)}
-    params.update(event_columns(events, payload_of))
-    query = _APPEND_PLAIN
+    """Append one atomic step's events (and the ledger's `counters`, name -> increment, and
+    its update records, `updates` as `rl_append` takes them) inside the caller's
+    transaction, in ONE call of `rl_append` for operation `op`, whose one statement first
+    takes K_EVENTS (held to COMMIT), so txn and seq numbers are handed out in commit order,
+    and chains them by hash onto the head (see model.events), moving the head in the same
+    statement. `op` None: the schema step's own append (its login owns the tables, and the
+    functions may not exist yet), the statement itself. Returns the events with their seq
+    and txn (none when not `stamped`, or with no events: then only the counters move)."""
     counts = sorted((k, v) for k, v in (counters or {}).items() if v)
-    if counts:
-        query = _APPEND_COUNTED
-        params["counters"] = json.dumps([{"name": k, "n": v} for k, v in counts])
-    row = conn.execute(query, params).fetchone()
-    assert row is not None
-    txn, last = int(row[0]), int(row[1])
-    first = last - len(events) + 1
-    if not stamped:
+    if not events and not counts and updates is None:
         return []
+    cols = event_columns(events, payload_of)
+    if op is None:
+        if counts or updates is not None:
+            raise ValueError("the schema step's append records events only")
+        if not events:
+            return []
+        row = conn.execute(_APPEND_PLAIN, {"key": K_EVENTS, "n": len(events), **cols}).fetchone()
+    else:
+        doc = json.dumps([{"name": k, "n": v} for k, v in counts]) if counts else None
+        row = conn.execute(
+            _APPEND_CALL,
+            (op, cols["kinds"], cols["subjects"], cols["payloads"], doc, updates),
+        ).fetchone()
+    if not events or not stamped:
+        return []
+    assert row is not None
+    return stamp_events(events, int(row[0]), int(row[1]))
+
+
+def stamp_events(events: Sequence[TraceEvent], txn: int, last: int) -> list[TraceEvent]:
+    """`events` with the txn and seq numbers the server gave them (`last` is the last seq)."""
+    first = last - len(events) + 1
     return [attrs.evolve(ev, seq=first + i, txn=txn) for i, ev in enumerate(events)]
 
 
@@ -1132,6 +1171,14 @@ def has_chain(conn: Conn) -> bool:
         "AND attname = 'hash' AND NOT attisdropped)"
     ).fetchone()
     return bool(row and row[0])
+
+
+def _open_check(conn: Conn) -> None:
+    """The chain's check at open (HistoryTampered on an edited history), through CHAIN_CHECK
+    where the schema has it (with roles, only it may take the head's lock)."""
+    row = conn.execute(f"SELECT to_regprocedure('{CHAIN_CHECK}()') IS NOT NULL").fetchone()
+    name = CHAIN_CHECK if row is not None and row[0] else CHAIN_PREV
+    conn.execute(f"SELECT {name}()").fetchone()
 
 
 def _has_hashes(conn: Conn) -> bool:
@@ -1193,8 +1240,10 @@ def _seal(conn: Conn) -> list[TraceEvent]:
     return recorded_rows(conn, present, "recorded when the store was sealed")
 
 
-# the chain itself: the audit reads events and head on their own
-_NOT_STATE = ("events", "events_chain")
+# the chain itself: the audit reads events and head on their own; the role tables say who
+# may do what (model.postgres_roles, as the server's own catalogs of roles and grants do),
+# not what happened
+_NOT_STATE = ("events", "events_chain", "rl_operations", "rl_roles", "rl_logins")
 
 
 def read_stored(conn: Conn) -> StoredRows:

@@ -2,11 +2,14 @@
 
 `PostgresStore` is the ledger's store (see `model.ledger.Store`): every step of
 `StoreLedger` runs as one READ COMMITTED transaction of `PostgresDatabase.write`, and this
-module only makes "check the revision and write" indivisible there:
+module only makes "check the revision and write" indivisible there. It writes nothing
+itself: every write is one call of a server-side function named for the step's operation
+(model.postgres_functions), which a login may run only in a role that may run that
+operation (model.postgres_roles), with or without roles the same calls:
 
-- A compare-and-set is ONE conditional statement: ``UPDATE rollouts ... WHERE rollout_id =
-  %s AND revision = %s`` for one row, ``UPDATE ... FROM unnest(...)`` (the columns as
-  binary arrays: no JSON to quote or parse) with RETURNING the winners for a set. Under
+- A compare-and-set is ONE conditional statement, the one statement of `rl_write_rows`:
+  ``UPDATE ... FROM unnest(...)`` (the columns as binary arrays: no JSON to quote or
+  parse) with RETURNING the winners, for one row or a set. Under
   READ COMMITTED a racing UPDATE waits for the
   winner's COMMIT, re-checks the WHERE on the new row and matches nothing: the loser gets 0
   rows, never an error and never an overwrite. The set statement's CTE locks the matching
@@ -21,14 +24,15 @@ module only makes "check the revision and write" indivisible there:
   exist before the first activation, and FOR SHARE from many transactions costs a
   multixact each.)
 - Steps that read a set of rows and write them (commit, abort, fail_update, expire_leases,
-  quarantine_version) lock that set with ``SELECT ... ORDER BY rollout_id FOR UPDATE``;
+  quarantine_version) lock that set with ``SELECT ... ORDER BY rollout_id FOR UPDATE``
+  (inside `rl_lock_rows`: FOR UPDATE needs the UPDATE right no role has);
   under READ COMMITTED the predicate is re-checked on rows that changed while waiting.
   The bad-version lock (shared for add/abort/expiry, exclusive for quarantine_version)
   keeps a rollout of a version being marked bad from slipping through open.
 - A single reservation (`peek`, `write_one`: the ledger's `GuardedStore`) is two round
   trips. One autocommit read takes the row, the premise and the server's time; the ledger
   plans, judges and enforces on them; then ONE call of the server-side function
-  `ledger_write_one_v5` (created on open) takes the premise lock SHARED, checks that the
+  `ledger_write_one_v6` (created on open) takes the premise lock SHARED, checks that the
   premise is still the one the plan was judged on (an equality of the stored facts, no
   rule), compare-and-sets the row, appends its event and counters by the steps of the
   statement `append_events` sends (as plain statements, in the same order), and inserts
@@ -36,7 +40,8 @@ module only makes "check the revision and write" indivisible there:
   moved sends the reservation through the step above; a row that moved is re-read.
 
 Events and counters are written last, in one statement under the events lock (see
-`postgres_common`), in the same transaction as the rows they describe.
+`postgres_common`; one call of `rl_append`), in the same transaction as the rows they
+describe.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from rollout_lifecycle.model.events import (
     TraceEvent,
     UpdateChange,
     entry_events,
+    row_event,
     update_events,
 )
 from rollout_lifecycle.model.ledger import (
@@ -78,30 +84,35 @@ from rollout_lifecycle.model.ledger import (
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.postgres_common import (
-    CHAIN_PREV,
-    COUNTER_SHARDS,
     K_BAD,
     K_DISPATCH,
-    K_EVENTS,
     K_PREMISE,
-    K_SCHEMA,
     K_UPDATE,
     Conn,
     OneStatement,
     PostgresDatabase,
     append_events,
-    chain_message,
     has_table,
     lock_sql,
     read_events,
     read_stored,
 )
+from rollout_lifecycle.model.postgres_functions import (
+    CAS_STEP,
+    PREMISE,
+    WRITE_ONE_ARGS,
+    WRITE_ONE_CALL,
+    WRITE_ONE_DDL,
+    ensure_functions,
+    update_document,
+)
+from rollout_lifecycle.model.postgres_functions import WRITE_ONE as WRITE_ONE
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
     LedgerEntry,
     UpdateRecord,
 )
-from rollout_lifecycle.model.rules import WAS_ACTIVE_STATES, retired_from_rows
+from rollout_lifecycle.model.rules import retired_from_rows
 from rollout_lifecycle.model.sql_unit import UPDATE_COLUMNS, SqlUnit, read_bad
 
 T = TypeVar("T")
@@ -154,76 +165,14 @@ CREATE TABLE IF NOT EXISTS ledger_counters (
 );
 """
 
+# The statements of every write live in the server-side functions (model.postgres_functions);
+# this module calls them, one call per write, naming the step's operation. The plain
+# compare-and-set of one row is kept for benchmarks/postgres_floor.py's baselines.
 _CAS_ONE = (
     "UPDATE rollouts SET state = %s, revision = %s, reserved_by = %s, lease_expires_at = %s, "
     "entry = %s WHERE rollout_id = %s AND revision = %s RETURNING rollout_id"
 )
-
-# ONE statement compare-and-sets a whole set of rows: `locked` takes the row locks of the
-# rows whose revision still matches, in rollout_id order (deadlock-free against any other
-# batch), re-checking the revision of rows that changed while it waited; the UPDATE then
-# writes exactly those rows and returns their ids: the winners. `locked` finds the rows by
-# the ids array (the last parameter, the first column again) through the primary key (a
-# join with `v` alone was planned as a hash over the whole table: every batch cost as much
-# as the table was big), and the UPDATE joins `locked` itself (with the ids array, an
-# `IN (SELECT ...)` got a generic plan 3x slower; psycopg prepares a statement run 5 times).
-# The UPDATE names the locked rows `v` again: they are the batch's rows, now locked.
-_CAS_MANY = """
-WITH v AS (
-    SELECT * FROM unnest(%b::text[], %b::bigint[], %b::text[], %b::bigint[], %b::text[],
-                         %b::float8[], %b::text[])
-        AS v(rollout_id, expected, state, revision, reserved_by, lease, entry)
-), locked AS (
-    SELECT v.* FROM rollouts r JOIN v ON r.rollout_id = v.rollout_id
-    WHERE r.rollout_id = ANY(%b::text[]) AND r.revision = v.expected
-    ORDER BY r.rollout_id
-    FOR UPDATE OF r
-)
-UPDATE rollouts r SET state = v.state, revision = v.revision, reserved_by = v.reserved_by,
-    lease_expires_at = v.lease, entry = v.entry
-FROM locked v
-WHERE r.rollout_id = v.rollout_id AND r.revision = v.expected
-RETURNING r.rollout_id
-"""
-
-_INSERT_MANY = """
-INSERT INTO rollouts(rollout_id, state, revision, reserved_by, lease_expires_at,
-                     behavior_version, entry)
-SELECT * FROM json_to_recordset(%s::json)
-    AS n(rollout_id text, state text, revision bigint, reserved_by text, lease float8,
-         version bigint, entry text)
-ORDER BY rollout_id
-ON CONFLICT (rollout_id) DO NOTHING
-RETURNING rollout_id
-"""
-
-_BUMP = f"""
-INSERT INTO ledger_counters(name, shard, n)
-SELECT c.name, pg_backend_pid() %% {COUNTER_SHARDS}, c.n
-FROM json_to_recordset(%s::json) AS c(name text, n bigint)
-ORDER BY c.name
-ON CONFLICT (name, shard) DO UPDATE SET n = ledger_counters.n + excluded.n
-"""
-
-_WAS_ACTIVE = sorted(WAS_ACTIVE_STATES)
-
-# The reservation's premise as ONE deterministic JSON text (sets in order): read inside a
-# step (`read_premise`), read with a row outside any step (`peek`), and compared, under the
-# premise lock, by a single reservation's write with the text its plan was judged on. The
-# comparison is an equality of facts, not a rule: every rule stays in Python.
-_PREMISE = (
-    "json_build_array((SELECT version FROM registry_pointer WHERE id = 1), "
-    "(SELECT json_agg(json_build_array(version, artifact_hash) ORDER BY version) "
-    "FROM registry_artifacts WHERE state = ANY(ARRAY["
-    + ", ".join(f"'{s}'" for s in _WAS_ACTIVE)
-    + "])), "
-    # by name (to_jsonb): a registry not yet migrated to the newer columns reads defaults
-    "(SELECT json_build_array(max_lag, max_drift, batch_size, max_attempts, "
-    "to_jsonb(p) ->> 'lineage', to_jsonb(p) ->> 'chain_key') "
-    "FROM registry_policy p WHERE id = 1), "
-    "(SELECT json_agg(json_build_array(version, failure) ORDER BY version) "
-    "FROM registry_artifacts WHERE state = 'rolled_back'))::text"
-)
+_PREMISE = PREMISE
 _NOW = "extract(epoch FROM clock_timestamp())::float8"
 # the update's record as one JSON text (the table is the ledger's own: it always exists)
 _UPDATE_TEXT = (
@@ -237,105 +186,19 @@ _PEEK_BARE = (
     f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}, "
     "to_regclass('registry_pointer') IS NOT NULL"
 )
-# The single compare-and-set of `write_one` as ONE server-side function, so that it is ONE
-# autocommit statement (one round trip) with its plans cached by the server: the premise
-# lock (shared, taken first: the statements after it see every switch committed before),
-# the guard (the premise is still what the plan was judged on: an equality of facts, no
-# rule), the compare-and-set, the event, its chain link and the counters, and the commit
-# mark, inserted only when the row was written. Under READ COMMITTED each statement of the
-# function reads what committed before it started.
-# p_guard: 0 no premise (no lock), 1 a premise read with no registry, 2 a registry premise.
-# The append is the steps of `append_events`'s statement, one plain statement each, in the
-# same order (K_EVENTS, txn and seq numbers, the head's row lock, the event linked with
-# `chain_message`, the head, the counters). A single compare-and-set writes one row and so
-# one event, whose subject is the row's id: v3 takes it as scalars (v2 took arrays of
-# events and looped), the counters as two arrays the client sends as constant text, and
-# moves the head with a plain UPDATE of the row it locked (v2: INSERT ... ON CONFLICT).
-# v4 chained through CHAIN_PREV (the head checked against the newest event: a write onto an
-# edited history is refused), where v3 read the head row itself and started a missing one;
-# another v4 guarded the reserving update (`p_update`): still recorded and not poisoned, or
-# 'moved' (the premise of the plan: an equality of facts, as the premise's). v5 does both.
-WRITE_ONE = "ledger_write_one_v5"  # a changed body gets a new name (v1-v4: see above)
-_WRITE_ONE_ARGS = (
-    ("p_guard", "integer"),
-    ("p_premise", "text"),
-    ("p_state", "text"),
-    ("p_revision", "bigint"),
-    ("p_reserved_by", "text"),
-    ("p_lease", "double precision"),
-    ("p_entry", "text"),
-    ("p_rollout_id", "text"),
-    ("p_expected", "bigint"),
-    ("p_kind", "text"),
-    ("p_payload", "text"),
-    ("p_names", "text[]"),
-    ("p_counts", "bigint[]"),
-    ("p_update", "text"),
-    ("p_token", "text"),
-)
-# the compare-and-set inside the function, over its parameters (benchmarks/postgres_floor.py
-# times it alone in functions of its own)
-_CAS_STEP = """\
-    UPDATE rollouts SET state = p_state, revision = p_revision, reserved_by = p_reserved_by,
-        lease_expires_at = p_lease, entry = p_entry
-    WHERE rollout_id = p_rollout_id AND revision = p_expected;
-    IF NOT FOUND THEN
-        RETURN 'lost';
-    END IF;
-"""
+# the single compare-and-set, its arguments and its call (see postgres_functions)
+_CAS_STEP = CAS_STEP
+_WRITE_ONE_ARGS = WRITE_ONE_ARGS
 _WRITE_ONE_SIGNATURE = f"{WRITE_ONE}({', '.join(t for _, t in _WRITE_ONE_ARGS)})"
-_WRITE_ONE_DDL = f"""
-CREATE OR REPLACE FUNCTION {WRITE_ONE}({", ".join(f"{n} {t}" for n, t in _WRITE_ONE_ARGS)})
-RETURNS text LANGUAGE plpgsql VOLATILE AS $fn$
-DECLARE
-    v_txn bigint;
-    v_seq bigint;
-    v_prev bytea;
-    v_hash bytea;
-BEGIN
-    IF p_guard > 0 THEN
-        PERFORM pg_advisory_xact_lock_shared({K_PREMISE}, hashtext(current_schema()));
-    END IF;
-    IF p_guard = 1 AND to_regclass('registry_pointer') IS NOT NULL THEN
-        RETURN 'moved';
-    END IF;
-    IF p_guard = 2 THEN  -- nested: the registry's tables are planned only where they exist
-        IF {_PREMISE} IS DISTINCT FROM p_premise THEN
-            RETURN 'moved';
-        END IF;
-    END IF;
-    IF p_update IS NOT NULL THEN  -- shared: a step that poisons it waits for this write
-        PERFORM pg_advisory_xact_lock_shared(
-            {K_UPDATE}, hashtext(current_schema() || '/' || p_update));
-        IF NOT EXISTS (
-            SELECT 1 FROM ledger_updates WHERE update_id = p_update AND status <> 'poisoned'
-        ) THEN
-            RETURN 'moved';
-        END IF;
-    END IF;
-{_CAS_STEP}    PERFORM pg_advisory_xact_lock({K_EVENTS}, hashtext(current_schema()));
-    v_txn := nextval('events_txn');
-    v_seq := nextval('events_seq');
-    v_prev := {CHAIN_PREV}();
-    v_hash := sha256(v_prev || {
-    chain_message("v_seq", "v_txn", "p_kind", "p_rollout_id", "p_payload")
-});
-    INSERT INTO events(seq, txn, kind, subject, payload, prev_hash, hash)
-    VALUES (v_seq, v_txn, p_kind, p_rollout_id, p_payload, v_prev, v_hash);
-    UPDATE events_chain SET last_seq = v_seq, last_hash = v_hash WHERE id = 1;
-    INSERT INTO ledger_counters(name, shard, n)
-    SELECT c.name, pg_backend_pid() % {COUNTER_SHARDS}, c.n
-    FROM unnest(p_names, p_counts) AS c(name, n)
-    ORDER BY c.name
-    ON CONFLICT (name, shard) DO UPDATE SET n = ledger_counters.n + excluded.n;
-    INSERT INTO commit_marks(token) VALUES (p_token);
-    RETURN 'won';
-END
-$fn$;
-"""
-# positional parameters, the token last (`OneStatement` appends it); scalars travel as
-# text, the counters' arrays as array literals, cached per set of counters (`_counters`)
-_WRITE_ONE_CALL = f"SELECT {WRITE_ONE}({', '.join(['%s'] * len(_WRITE_ONE_ARGS))})"
+_WRITE_ONE_CALL = WRITE_ONE_CALL
+_WRITE_ONE_DDL = WRITE_ONE_DDL  # the definition test builds edit (stateful_tests.mutants)
+_WRITE_ROWS = (
+    "SELECT * FROM rl_write_rows(%s, %b::text[], %b::bigint[], %b::text[], %b::bigint[], "
+    "%b::text[], %b::float8[], %b::text[])"
+)
+_INSERT_ROWS = "SELECT * FROM rl_insert_rows(%s, %s::json)"
+_LOCK_ROWS = "SELECT * FROM rl_lock_rows(%s, %s, %s, %s, %s::text[])"
+_BAD_VERSION = "SELECT rl_bad_version(%s, %s, %s, %s)"
 _COUNTER_TEXTS: dict[tuple[tuple[str, int], ...], tuple[str, str]] = {}
 
 
@@ -479,9 +342,10 @@ class _Unit(SqlUnit):
     mark = "%s"
     row_locks = " FOR UPDATE"  # re-checked after any wait, under READ COMMITTED
 
-    def __init__(self, store: PostgresStore, conn: Conn) -> None:
+    def __init__(self, store: PostgresStore, conn: Conn, op: str) -> None:
         super().__init__(conn)
         self.store = store
+        self.op = op  # the operation this step's writes run for (model.postgres_roles)
         self.now: float | None = None  # the server's clock, once this step read it
 
     def field(self, *path: str, integer: bool = False) -> str:
@@ -531,7 +395,8 @@ class _Unit(SqlUnit):
             }
             for e in entries
         ]
-        got = {str(r[0]) for r in self.conn.execute(_INSERT_MANY, (json.dumps(doc),)).fetchall()}
+        rows = self.conn.execute(_INSERT_ROWS, (self.op, json.dumps(doc))).fetchall()
+        got = {str(r[0]) for r in rows}
         if len(got) != len(entries):
             dup = sorted({e.rollout_id for e in entries} - got) or sorted(
                 k for k, n in Counter(e.rollout_id for e in entries).items() if n > 1
@@ -541,12 +406,8 @@ class _Unit(SqlUnit):
             )
 
     def write(self, pairs: Sequence[tuple[LedgerEntry, LedgerEntry]]) -> set[str]:
-        """Compare-and-set every pair in ONE statement; the ids that won."""
-        if len(pairs) == 1:
-            b, a = pairs[0]
-            args = (a.state, a.revision, a.reserved_by, a.lease_expires_at, self.dump_after(b, a))
-            row = self.conn.execute(_CAS_ONE, (*args, a.rollout_id, b.revision)).fetchone()
-            return set() if row is None else {a.rollout_id}
+        """Compare-and-set every pair in ONE call (the function's one statement); the ids
+        that won."""
         columns = (
             [a.rollout_id for _, a in pairs],
             [b.revision for b, _ in pairs],
@@ -556,8 +417,7 @@ class _Unit(SqlUnit):
             [a.lease_expires_at for _, a in pairs],
             [self.dump_after(b, a) for b, a in pairs],
         )
-        # the ids again, for `locked`'s index scan (a join alone hashes the whole table)
-        return {str(r[0]) for r in self.conn.execute(_CAS_MANY, (*columns, columns[0])).fetchall()}
+        return {str(r[0]) for r in self.conn.execute(_WRITE_ROWS, (self.op, *columns)).fetchall()}
 
     def append(
         self,
@@ -566,42 +426,62 @@ class _Unit(SqlUnit):
         counts: Mapping[str, int],
         updates: Sequence[UpdateChange] = (),
     ) -> None:
-        rows = sorted((k, v) for k, v in counts.items() if v)
-        recorded = self.recorded_events(at)
-        if changes or updates or recorded:  # counters ride in the events' statement
-            events: list[TraceEvent] = [*entry_events(changes, at)]
-            if updates:
-                self.put_updates(updates)
-                events += update_events(updates, at)
-            events += recorded
-            append_events(
-                self.conn,
-                events,
-                counters=dict(rows),
-                payload_of=self.payload,
-                stamped=False,
-            )
-        elif rows:
-            self.conn.execute(_BUMP, (json.dumps([{"name": k, "n": v} for k, v in rows]),))
+        # the counters, and the update records the step leaves, ride in the events' call
+        # (the counters alone, when nothing changed)
+        events: list[TraceEvent] = [*entry_events(changes, at)] if changes else []
+        if updates:
+            events += update_events(updates, at)
+        events += self.recorded_events(at)
+        append_events(
+            self.conn,
+            events,
+            op=self.op,
+            counters=counts,
+            payload_of=self.payload,
+            stamped=False,
+            updates=update_document(updates) if updates else None,
+        )
 
+    def _locked(
+        self, which: str, text: str | None, number: float | None, states: Sequence[str] = ()
+    ) -> list[LedgerEntry]:
+        """Rows this step reads to write, locked in rollout_id order by the function (a
+        login that may write no table may not lock its rows either: FOR UPDATE needs UPDATE
+        rights)."""
+        rows = self.conn.execute(_LOCK_ROWS, (self.op, which, text, number, list(states)))
+        return [self.load(r[0]) for r in rows.fetchall()]
 
-def _ensure_write_one(db: PostgresDatabase) -> None:
-    """Create the function of `write_one` where it is missing (a new database, or one made
-    before it existed: added like the event chain, it changes no table)."""
+    def lock_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
+        """The rows a batch reads to write, locked by the function (see `_locked`)."""
+        got = self._locked("ids", json.dumps(list(rollout_ids)), None)
+        return {e.rollout_id: e for e in got}
 
-    def exists(conn: Conn) -> bool:
-        row = conn.execute("SELECT to_regprocedure(%s)", (_WRITE_ONE_SIGNATURE,)).fetchone()
-        return row is not None and row[0] is not None
+    def owned(self, update_id: str) -> list[LedgerEntry]:
+        return self._locked("owned", update_id, None)
 
-    if db.read(exists, f"looking for {WRITE_ONE}"):
-        return
+    def due(self, now: float) -> list[LedgerEntry]:
+        return self._locked("due", None, now)
 
-    def body(conn: Conn) -> None:
-        conn.execute("SELECT pg_advisory_xact_lock(%s, 0)", (K_SCHEMA,))
-        if not exists(conn):
-            conn.execute(_WRITE_ONE_DDL)
+    def of_version(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
+        return self._locked("of_version", None, version, states)
 
-    db.write(body, f"creating {WRITE_ONE}")
+    def older_than(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
+        return self._locked("older_than", None, version, states)
+
+    def mark_bad(self, version: int, reason: str) -> None:
+        if self._bad_version(version, reason, mark=True):
+            row = {"version": version, "reason": reason}
+            self.recorded.append(row_event("ledger_bad_versions", version, row, "marked bad"))
+
+    def clear_bad(self, version: int) -> None:
+        if self._bad_version(version, "", mark=False):
+            self.recorded.append(row_event("ledger_bad_versions", version, None, "mark lifted"))
+
+    def _bad_version(self, version: int, reason: str, *, mark: bool) -> bool:
+        """Mark or clear through `rl_bad_version`: whether a row was written (a second mark
+        keeps the first reason; then nothing is recorded)."""
+        row = self.conn.execute(_BAD_VERSION, (self.op, version, reason, mark)).fetchone()
+        return bool(row and row[0])
 
 
 class PostgresStore:
@@ -633,7 +513,9 @@ class PostgresStore:
         if step.premise:
             locks.append(_LOCKS["premise"])
         prologue = "; ".join(locks)
-        return self.db.write(lambda conn: body(_Unit(self, conn)), step.what, prologue=prologue)
+        return self.db.write(
+            lambda conn: body(_Unit(self, conn, step.what)), step.what, prologue=prologue
+        )
 
     def peek(
         self, rollout_id: str, update_id: str
@@ -702,6 +584,7 @@ class PostgresStore:
         # a reservation writes only while its update is recorded and not poisoned
         owner = after.reserved_by if step.premise else None
         params = (
+            step.what,
             guard,
             premise,
             after.state,
@@ -721,7 +604,7 @@ class PostgresStore:
     def view(self, body: Callable[[StoreView], T], what: str) -> T:
         """One read-only REPEATABLE READ snapshot: the body's statements (the premise, then
         the rows) see one instant, so what it answers was true at that instant."""
-        return self._read(lambda conn: body(_Unit(self, conn)), what, snapshot=True)
+        return self._read(lambda conn: body(_Unit(self, conn, what)), what, snapshot=True)
 
     def _read(self, body: Callable[[Conn], T], what: str, *, snapshot: bool = False) -> T:
         self._check_open()
@@ -758,7 +641,7 @@ class PostgresStore:
             sums = conn.execute("SELECT name, SUM(n) FROM ledger_counters GROUP BY name")
             by_state = {str(s): int(n) for s, n in states.fetchall()}
             counters = {str(k): int(n) for k, n in sums.fetchall()}
-            return by_state, counters, read_bad(conn), _Unit(self, conn).pacing_rows()
+            return by_state, counters, read_bad(conn), _Unit(self, conn, "statistics").pacing_rows()
 
         return self._read(body, "statistics", snapshot=True)
 
@@ -821,7 +704,7 @@ class PostgresLedger(StoreLedger):
                     )
             else:
                 db.ensure_schema(COMPONENT, SCHEMA_VERSION, _DDL, migrations=MIGRATIONS)
-                _ensure_write_one(db)
+                ensure_functions(db)
         except BaseException:
             self.close()
             raise

@@ -12,15 +12,20 @@ matches version and hash, whatever the coordinator believed.
 A step that changes an artifact or the pointer also takes the premise lock exclusive
 before writing, so no reservation reads the pointer while it moves (see
 `postgres_ledger`); a step that only stores a worker's ack does not, and never blocks
-reservations. Events go to the `events` table shared with the ledger, under the events
-lock: one global order, commit order.
+reservations. The step's rows and its events (to the `events` table shared with the
+ledger, under the events lock: one global order, commit order) are written by ONE call of
+`rl_registry_write` for the step's operation (`step_operation`), which the server refuses
+to a role that may not run it and for a change outside it (model.postgres_functions).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import psycopg
 
 from rollout_lifecycle.model.errors import ActivationError
 from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, RowRecorded, TraceEvent
@@ -29,10 +34,13 @@ from rollout_lifecycle.model.postgres_common import (
     K_REGISTRY,
     Conn,
     PostgresDatabase,
-    append_events,
+    event_columns,
     lock,
     read_events,
+    stamp_events,
 )
+from rollout_lifecycle.model.postgres_functions import ensure_functions
+from rollout_lifecycle.model.postgres_roles import refused, registry_operation
 from rollout_lifecycle.model.records import (
     ActivePointer,
     AdmissionPolicy,
@@ -41,9 +49,7 @@ from rollout_lifecycle.model.records import (
     to_jsonable,
 )
 from rollout_lifecycle.model.registry import (
-    _ART_COLS,
     _LATER_COLUMNS,
-    POLICY_UPSERT,
     RegistryStep,
     RegistryView,
     SqlView,
@@ -55,7 +61,6 @@ from rollout_lifecycle.model.registry import (
     check_step,
     make_events,
     policy_row,
-    token_statements,
 )
 
 R = TypeVar("R")
@@ -166,52 +171,46 @@ class _PgView(SqlView):
         return float(row.fetchone()[0])
 
 
-def _write_step(conn: Conn, step: RegistryStep) -> None:
-    """The rows of a checked step (the caller holds the registry and, if needed, premise lock)."""
-    for ch in step.artifacts:
-        row = _record_to_row(ch.after)
-        if ch.before is None:
-            conn.execute(
-                f"INSERT INTO registry_artifacts({_ART_COLS}) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                row,
-            )
-        else:
-            cur = conn.execute(
-                "UPDATE registry_artifacts SET artifact_hash = %s, parent_version = %s, "
-                "rollback_version = %s, state = %s, path = %s, failure = %s, attempts = %s, "
-                "trained_by = %s, ack_deadline = %s WHERE version = %s",
-                (*row[1:], row[0]),
-            )
-            if cur.rowcount != 1:
-                raise ActivationError(f"artifact v{ch.after.version} vanished during the step")
+def step_operation(step: RegistryStep) -> str | None:
+    """The operation (model.postgres_roles) a checked step is; None when it writes nothing."""
+    return registry_operation(
+        policy=not isinstance(step.policy, _Unchanged),
+        membership=not isinstance(step.membership, _Unchanged),
+        artifact_events=[ch.event for ch in step.artifacts],
+        workers=bool(step.workers),
+    )
+
+
+def step_document(step: RegistryStep) -> dict[str, Any]:
+    """What a checked step writes, as `rl_registry_write` reads it: only the parts it has."""
+    doc: dict[str, Any] = {}
+    if step.artifacts:
+        doc["artifacts"] = [
+            {"event": ch.event, "row": list(_record_to_row(ch.after))} for ch in step.artifacts
+        ]
     if not isinstance(step.pointer, _Unchanged):
         if step.pointer is None:
-            conn.execute("DELETE FROM registry_pointer")
-        else:
-            conn.execute(
-                "INSERT INTO registry_pointer(id, version, artifact_hash) VALUES (1, %s, %s) "
-                "ON CONFLICT (id) DO UPDATE SET version = excluded.version, "
-                "artifact_hash = excluded.artifact_hash",
-                (step.pointer.version, step.pointer.artifact_hash),
-            )
-    for w in step.workers:
-        ack = None if w.ack is None else json.dumps(to_jsonable(w.ack))
-        conn.execute(
-            "INSERT INTO registry_workers(worker_id, floor, ack) VALUES (%s, %s, %s) "
-            "ON CONFLICT (worker_id) DO UPDATE SET floor = excluded.floor, ack = excluded.ack",
-            (w.worker_id, w.floor, ack),
-        )
-    for sql, args in token_statements(step, "%s"):
-        conn.execute(sql, args)
+            raise ActivationError("the active pointer is never cleared")
+        doc["pointer"] = [step.pointer.version, step.pointer.artifact_hash]
+    if step.workers:
+        doc["workers"] = [
+            [w.worker_id, w.floor, None if w.ack is None else json.dumps(to_jsonable(w.ack))]
+            for w in step.workers
+        ]
+    if step.revoked:
+        doc["revoked"] = list(step.revoked)
+    if step.tokens:
+        doc["tokens"] = [[t.version, t.worker_id, t.attempt, t.token] for t in step.tokens]
     if not isinstance(step.membership, _Unchanged):
-        conn.execute(
-            "INSERT INTO registry_membership(id, workers) VALUES (1, %s) "
-            "ON CONFLICT (id) DO UPDATE SET workers = excluded.workers",
-            (json.dumps(list(step.membership)),),
-        )
+        doc["membership"] = list(step.membership)
     if not isinstance(step.policy, _Unchanged):
-        conn.execute(POLICY_UPSERT.replace("?", "%s"), policy_row(step.policy))
+        doc["policy"] = list(policy_row(step.policy))
+    return doc
+
+
+_REGISTRY_WRITE = (
+    "SELECT o_txn, o_last FROM rl_registry_write(%s, %s::json, %b::text[], %b::text[], %b::text[])"
+)
 
 
 class PostgresRegistry:
@@ -242,6 +241,7 @@ class PostgresRegistry:
                 retry_seconds=retry_seconds,
             ).acquire()
         self.read_only = self.db.read_only
+        self._login = str(self.db.params.get("user") or os.environ.get("PGUSER") or "?")
         self._closed = False
         self._empty = False
         # a writer migrates every later column in; a reader asks once which ones it has
@@ -251,6 +251,7 @@ class PostgresRegistry:
                 self._empty = self.db.check_readable(COMPONENT, SCHEMA_VERSION) is None
             else:
                 self.db.ensure_schema(COMPONENT, SCHEMA_VERSION, _DDL, migrations=MIGRATIONS)
+                ensure_functions(self.db)
         except BaseException:
             self.close()
             raise
@@ -300,8 +301,27 @@ class PostgresRegistry:
             ):
                 # no reservation reads the pointer, artifact states or policy while they change
                 lock(conn, K_PREMISE)
-            _write_step(conn, step)
-            return result, append_events(conn, events)
+            op = step_operation(step)
+            if op is None:
+                return result, []  # a step that writes nothing (an empty step, a refusal)
+            cols = event_columns(events)
+            try:
+                row = conn.execute(
+                    _REGISTRY_WRITE,
+                    (
+                        op,
+                        json.dumps(step_document(step)),
+                        cols["kinds"],
+                        cols["subjects"],
+                        cols["payloads"],
+                    ),
+                ).fetchone()
+            except psycopg.errors.InsufficientPrivilege as exc:
+                raise refused(exc, op, self._login, self.db.where) from None
+            if not events:
+                return result, []
+            assert row is not None
+            return result, stamp_events(events, int(row[0]), int(row[1]))
 
         result, stamped = self.db.write(body, "registry step", error=ActivationError)
         return result, _artifact_events(stamped)

@@ -262,6 +262,50 @@ def has_component(conn: sqlite3.Connection, component: str) -> int | None:
     return None if found is None else int(found[0])
 
 
+FILE_MODE_ENV = "ROLLOUT_LIFECYCLE_SQLITE_MODE"
+DEFAULT_FILE_MODE = 0o600
+
+
+def file_mode() -> int | None:
+    """The permissions a new database file (and so its -wal and -shm, which SQLite gives
+    the database file's) is created with: owner-only by default, since a SQLite file is one
+    trust domain (whoever can write it is the operator). ROLLOUT_LIFECYCLE_SQLITE_MODE
+    names another, in octal (e.g. 0640), or `umask` for SQLite's own (0644 less the
+    process's umask); None then."""
+    raw = os.environ.get(FILE_MODE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_FILE_MODE
+    if raw == "umask":
+        return None
+    try:
+        mode = int(raw, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777 or not mode & 0o600 == 0o600:
+        raise LedgerError(
+            f"{FILE_MODE_ENV}={raw!r}: give permissions in octal that let the owner read and "
+            "write (e.g. 0600, 0640), or 'umask' for SQLite's default"
+        )
+    return mode
+
+
+def create_private(path: Path) -> None:
+    """Create `path` empty with `file_mode()` if it does not exist yet, so SQLite (which
+    gives a new file's -wal and -shm the database file's permissions) never makes any of
+    the three readable by others; an existing file keeps its permissions."""
+    mode = file_mode()
+    if mode is None:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        return
+    try:
+        os.fchmod(fd, mode)  # exactly this mode, whatever the umask
+    finally:
+        os.close(fd)
+
+
 def connect(path: str | Path, *, read_only: bool = False) -> sqlite3.Connection:
     """Open a database in autocommit mode with WAL and a long busy timeout.
 
@@ -277,6 +321,7 @@ def connect(path: str | Path, *, read_only: bool = False) -> sqlite3.Connection:
         return connect_read_only(p)
     if str(p) != ":memory:":
         guard_open(p)  # before SQLite reads a -wal that may be another file's
+        create_private(p)
     with connecting():  # its locks are taken here (see sqlite_files.close_unlocked)
         conn = sqlite3.connect(
             str(p), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False

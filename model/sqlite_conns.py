@@ -21,6 +21,7 @@ from rollout_lifecycle.model.errors import LedgerError, newer_schema
 from rollout_lifecycle.model.sqlite_common import (
     FileReplaced,
     connect,
+    create_private,
     ensure_schema,
     has_component,
     write_failed,
@@ -237,9 +238,12 @@ def _open_turn(path: Path) -> int | None:
     writer in a tight loop re-takes the lock in between, so under contention the others
     wait for seconds. Writers that block on an flock of this file first are woken the
     moment it is released, so the lock passes between them (SQLite's lock still decides
-    who writes; the queue only orders who asks)."""
+    who writes; the queue only orders who asks). It is created with the database's mode
+    (`file_mode`: owner-only unless ROLLOUT_LIFECYCLE_SQLITE_MODE says otherwise)."""
+    sidecar = Path(f"{path}-writers")
     try:
-        return os.open(f"{path}-writers", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        create_private(sidecar)
+        return os.open(sidecar, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError:
         return None
 

@@ -650,8 +650,11 @@ _PG = "rollout_lifecycle.model.postgres_ledger"
 
 
 def _cas_many_unconditional(sql: str) -> str:
-    """The batch compare-and-set without its revision condition."""
+    """The batch compare-and-set without its revision condition (and without the
+    server's check of the operation's edges, which alone would keep a second reservation
+    of a reserved row out)."""
     out = sql.replace("WHERE r.revision = v.expected", "WHERE TRUE")
+    out = out.replace("AND (r.state || '>' || v.state) = ANY(%(edges)b::text[])", "")
     return out.replace("AND r.revision = v.expected", "")
 
 
@@ -1112,7 +1115,9 @@ CATALOGUE += (
         "PostgreSQL's batch compare-and-set drops its revision condition: two learners on two "
         "connections both win a rollout",
         1,
-        _wrap(_PG, "_CAS_MANY", _cas_many_unconditional),
+        # the statement of the server-side function, which the patched processes create
+        # again (its text changed) before they call it
+        _wrap("rollout_lifecycle.model.postgres_functions", "CAS_MANY", _cas_many_unconditional),
         reach=("race",),
         klass="unloaded",
         backend="postgresql",

@@ -18,6 +18,12 @@ retire what went stale. The spec judges the budget and the chains from the trace
 `dispatched` answer must be the trace's one write of that attempt inside the call's
 window, a refusal must be true at some moment of it.
 
+On PostgreSQL, when the race's login may create roles, every party runs under its own
+login in its own role (stateful_tests/race_roles.py: an operator, the coordinators, one
+worker process per worker id acking with the token only it can read, the generators, the
+learners, and a hostile learner trying every operation outside its role, which the server
+must refuse); the trace is judged through an auditor's login.
+
     rollout-lifecycle race --backend sqlite:///race.db --learners 4 --seconds 60
     rollout-lifecycle race --backend postgresql://user@host/racedb --learners 4 --seconds 60
 """
@@ -27,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import random
-import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -81,6 +86,7 @@ from rollout_lifecycle.spec.invariants import (
 )
 from rollout_lifecycle.spec.linearizability import LinReport, check_calls
 from rollout_lifecycle.spec.linearizability import parse as parse_calls
+from rollout_lifecycle.stateful_tests import race_roles
 from rollout_lifecycle.stateful_tests.history import (
     CallLog,
     RecordingLedger,
@@ -99,7 +105,7 @@ CONDITIONS = GenerationConditions("race-tok", 1.0, 1.0, -1, 4)
 EVIDENCE = ActionEvidence((1, 2, 3, 4), (True, True, True, True), (-1.0, -1.0, -1.0, -1.0))
 BATCH = 16
 SCHEMA = "rollout-lifecycle/race-report/1"
-START_TIMEOUT_S = 180.0  # a child still importing after this is taken as dead
+ACK_WAIT_S = 3.0  # with roles, how long a coordinator waits for its workers' acks
 
 
 def version_hash(v: int) -> str:
@@ -132,6 +138,16 @@ class RaceConfig:
     batch_size: int = 8
     max_attempts: int = 3
     chains: int = 32
+    # the required workers (gen-0, gen-1, ...)
+    workers: int = 2
+    # PostgreSQL roles, a login per party (race_roles): True = required; None or False =
+    # one login for all (see race_roles.wants_roles: off by default while findings remain)
+    roles: bool | None = None
+
+    def worker_ids(self) -> tuple[str, ...]:
+        """The deployment's required workers."""
+        return WORKERS if self.workers == 2 else tuple(f"gen-{i}" for i in range(self.workers))
+
     # each distribution attempt's ack deadline: an attempt left awaiting acks (its
     # try_activate refused after a membership change) is failed by the next distribute
     # once it passes, so an activator never stalls for the rest of the run
@@ -160,35 +176,99 @@ def _with_mutant(cfg: RaceConfig) -> Any:
 
 
 def _start(cfg: RaceConfig, line: Any) -> float:
-    """Wait at the start line until every process has started, then race `cfg.seconds`.
-
-    Spawned children import the project before they run; on a loaded machine that can take
-    longer than a short race, which then judged nothing. A broken line (a child that died
-    before reaching it) starts this one anyway: the parent reports the dead child."""
-    with contextlib.suppress(threading.BrokenBarrierError):
-        line.wait(timeout=START_TIMEOUT_S)
-    return time.time() + cfg.seconds
+    """Wait at the start line until every process has started, then race `cfg.seconds`
+    (see `race_roles.start_line`)."""
+    return race_roles.start_line(cfg.seconds, line)
 
 
-def _activator(cfg: RaceConfig, index: int, line: Any, out: Any) -> None:
-    """Publish version after version (and generate rollouts at the version workers serve)."""
+def _activator(cfg: RaceConfig, index: int, line: Any, out: Any, url: str = "") -> None:
+    """Publish version after version (and, without roles, generate rollouts at the version
+    workers serve, ack for the workers, and churn as the operator)."""
     with _with_mutant(cfg):
-        _activate_loop(cfg, index, _start(cfg, line), out)
+        _activate_loop(cfg, index, _start(cfg, line), out, url or cfg.url)
 
 
-def _learner(cfg: RaceConfig, index: int, line: Any, out: Any) -> None:
+def _learner(cfg: RaceConfig, index: int, line: Any, out: Any, url: str = "") -> None:
     """The README pattern in a loop: pointer -> assess_batch -> reserve_batch -> commit."""
     with _with_mutant(cfg):
-        _learn_loop(cfg, index, _start(cfg, line), out)
+        _learn_loop(cfg, index, _start(cfg, line), out, url or cfg.url)
 
 
-def _dispatcher(cfg: RaceConfig, index: int, line: Any, out: Any) -> None:
+def _dispatcher(cfg: RaceConfig, index: int, line: Any, out: Any, url: str = "") -> None:
     """Paced generation: dispatch attempts on shared chains, finish them, retire the stale."""
     with _with_mutant(cfg):
-        _dispatch_loop(cfg, index, _start(cfg, line), out)
+        _dispatch_loop(cfg, index, _start(cfg, line), out, url or cfg.url)
 
 
-def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
+def _generator(cfg: RaceConfig, line: Any, out: Any, url: str) -> None:
+    """With roles: the generator's login keeps the pool of rewarded rollouts filled at the
+    version the workers serve (without roles the first activator does it)."""
+    deadline = _start(cfg, line)
+    rng = random.Random(cfg.seed * 31337)
+    stats: Counter[str] = Counter()
+    log = CallLog("generator")
+    try:
+        with open_backend(url) as raw:
+            b = _recorded(raw, log)
+            serving = b.registry.pointer()
+            n = 0
+            while time.time() < deadline:
+                n += _fill_pool(cfg, b, serving, n, stats)
+                now = b.registry.pointer()
+                # generators switch a little later: rollouts in flight lag behind
+                serving = now if rng.random() < 0.7 else serving
+                time.sleep(rng.uniform(0.02, 0.2))
+        out.put({"role": "generator", "stats": dict(stats), "history": log.calls})
+    except Exception as exc:
+        out.put(
+            {"role": "generator", "stats": dict(stats), "history": log.calls, "error": repr(exc)}
+        )
+
+
+def _operator(cfg: RaceConfig, line: Any, out: Any, url: str) -> None:
+    """With roles and churn: the operator's login rolls back, changes the worker set and
+    the policy, on the cadence of `_churn` (without roles the activators do)."""
+    deadline = _start(cfg, line)
+    rng = random.Random(cfg.seed * 7907)
+    stats: Counter[str] = Counter()
+    log = CallLog("operator")
+    try:
+        with open_backend(url) as raw:
+            b = _recorded(raw, log)
+            coord = attach(log, raw.registry, ledger=b.ledger)
+            while time.time() < deadline:
+                time.sleep(rng.uniform(0.1, 0.4))
+                try:
+                    _churn(coord, rng, stats, cfg.max_lag, cfg.worker_ids())
+                except ActivationError as exc:  # e.g. a rollback while acks are awaited
+                    stats[f"refused:{type(exc).__name__}"] += 1
+        out.put({"role": "operator", "stats": dict(stats), "history": log.calls})
+    except Exception as exc:
+        out.put(
+            {"role": "operator", "stats": dict(stats), "history": log.calls, "error": repr(exc)}
+        )
+
+
+def _fill_pool(
+    cfg: RaceConfig, b: Any, serving: Any, n: int, stats: Counter[str], tag: str = "a0"
+) -> int:
+    """Add a batch of rewarded rollouts at the served version while the pool runs low;
+    how many ids were used."""
+    waiting = b.ledger.statistics().by_state.get("rewarded", 0)
+    if waiting >= cfg.pool or serving is None:
+        return 0
+    entries = [
+        _generated(f"{tag}.{n + i}", serving.version, serving.artifact_hash) for i in range(BATCH)
+    ]
+    try:  # under a pacing policy the budget covers these adds too
+        b.ledger.add_many(entries)
+        stats["generated"] += BATCH
+    except DispatchRefused as exc:
+        stats[f"generator:{exc.reason}"] += 1
+    return BATCH
+
+
+def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: str) -> None:
     rng = random.Random(cfg.seed * 15485863 + index)
     stats: Counter[str] = Counter()
     calls: list[dict[str, Any]] = []
@@ -197,7 +277,7 @@ def _dispatch_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
     n = 0
     log = CallLog(f"dispatcher-{index}")
     try:
-        with open_backend(cfg.url) as raw:
+        with open_backend(url) as raw:
             b = _recorded(raw, log)
             clock: Callable[[], float] = getattr(raw.ledger, "clock", time.time)
             while time.time() < deadline:
@@ -300,45 +380,38 @@ def _generated(rid: str, version: int, digest: str) -> Rollout:
     return Rollout(identity, BehaviorPolicy(version, digest), CONDITIONS, status=status)
 
 
-def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
+def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: str) -> None:
     rng = random.Random(cfg.seed * 7919 + index)
     stats: Counter[str] = Counter()
     log = CallLog(f"activator-{index}")
+    roles = url != cfg.url  # its own login: the other parties generate, ack and churn
     try:
-        with open_backend(cfg.url) as raw:
+        with open_backend(url) as raw:
             b = _recorded(raw, log)
             coord = attach(log, raw.registry, ledger=b.ledger, ack_timeout=cfg.ack_timeout)
             serving = coord.pointer()
             n = 0
             while time.time() < deadline:
-                if index == 0:  # the generator: rollouts from the weights being served
-                    waiting = b.ledger.statistics().by_state.get("rewarded", 0)
-                    if waiting < cfg.pool and serving is not None:
-                        entries = [
-                            _generated(f"a{index}.{n + i}", serving.version, serving.artifact_hash)
-                            for i in range(BATCH)
-                        ]
-                        n += BATCH
-                        try:  # under a pacing policy the budget covers these adds too
-                            b.ledger.add_many(entries)
-                            stats["generated"] += BATCH
-                        except DispatchRefused as exc:
-                            stats[f"generator:{exc.reason}"] += 1
+                if index == 0 and not roles:  # the generator: rollouts of the served weights
+                    n += _fill_pool(cfg, b, serving, n, stats, tag=f"a{index}")
                 try:
                     top = coord.registry.max_version() or 0
                     v = top + 1
                     coord.prepare(v)
                     coord.commit_artifact(v, version_hash(v))
                     coord.distribute(v)
-                    for w, token in coord.attempt_tokens(v).items():  # sent with the weights
-                        coord.record_ack(WorkerAck(w, v, version_hash(v), token=token))
-                    res = coord.try_activate(v)
+                    if roles:
+                        res = _await_acks(coord, v, stats)
+                    else:
+                        for w, token in coord.attempt_tokens(v).items():  # sent with weights
+                            coord.record_ack(WorkerAck(w, v, version_hash(v), token=token))
+                        res = coord.try_activate(v)
                     stats[f"activate:{res.reason}"] += 1
                     if res.activated:
                         # generators switch a little later: rollouts in flight lag behind
                         serving = coord.pointer() if rng.random() < 0.7 else serving
-                    if cfg.churn:
-                        _churn(coord, rng, stats, cfg.max_lag)
+                    if cfg.churn and not roles:
+                        _churn(coord, rng, stats, cfg.max_lag, cfg.worker_ids())
                 except ActivationError as exc:
                     stats[f"refused:{type(exc).__name__}"] += 1
                 time.sleep(rng.uniform(0.02, 0.2))
@@ -355,7 +428,28 @@ def _activate_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> No
         )
 
 
-def _churn(coord: Any, rng: random.Random, stats: Counter[str], max_lag: int) -> None:
+def _await_acks(coord: Any, v: int, stats: Counter[str]) -> Any:
+    """With roles: try to activate `v` while its workers' acks arrive; give the attempt up
+    (the version's rollouts quarantined) when they do not within ACK_WAIT_S."""
+    until = time.time() + ACK_WAIT_S
+    while True:
+        res = coord.try_activate(v)
+        if res.activated or time.time() > until or res.reason == "not_awaiting_acks":
+            break
+        time.sleep(0.01)
+    if not res.activated and coord.artifact(v).state == "awaiting_acks":
+        coord.fail_distribution(v, "acks did not arrive in time")
+        stats["distribution_failed"] += 1
+    return res
+
+
+def _churn(
+    coord: Any,
+    rng: random.Random,
+    stats: Counter[str],
+    max_lag: int,
+    workers: tuple[str, ...] = WORKERS,
+) -> None:
     """Every few activations roll back (the rolled-back version's rollouts are retired,
     or kept, while learners hold stamps admitted against it), shrink or restore the
     required worker set, and tighten or restore the admission policy: registry moves
@@ -379,7 +473,7 @@ def _churn(coord: Any, rng: random.Random, stats: Counter[str], max_lag: int) ->
             )
     if turn % 4 == 2 or rng.random() < 0.05:
         now = coord.required_workers
-        new = WORKERS[:1] if len(now) == len(WORKERS) else WORKERS
+        new = workers[:-1] if len(now) == len(workers) else workers
         coord.change_membership(new, f"race churn: {len(now)} -> {len(new)} workers")
         stats["membership_changed"] += 1
     policy = coord.policy()
@@ -392,14 +486,14 @@ def _churn(coord: Any, rng: random.Random, stats: Counter[str], max_lag: int) ->
         stats["policy_changed"] += 1
 
 
-def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
+def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any, url: str) -> None:
     rng = random.Random(cfg.seed * 104729 + index)
     stats: Counter[str] = Counter()
     calls: list[dict[str, Any]] = []
     update = 0
     log = CallLog(f"learner-{index}")
     try:
-        with open_backend(cfg.url) as raw:
+        with open_backend(url) as raw:
             b = _recorded(raw, log)
             hostile = index < cfg.hostile
             clock: Callable[[], float] = getattr(raw.ledger, "clock", time.time)
@@ -409,7 +503,7 @@ def _learn_loop(cfg: RaceConfig, index: int, deadline: float, out: Any) -> None:
                 else GatePolicy(max_lag=cfg.max_lag, max_drift=cfg.max_drift),
                 registry=_hashes(raw.registry),
             )
-            reader = _reader(cfg.url)
+            reader = _reader(url)
             while time.time() < deadline:
                 pointer = b.registry.pointer()
                 entries = _waiting(reader, rng, log)
@@ -635,22 +729,39 @@ class RaceReport:
         }
 
 
-def prepare(cfg: RaceConfig) -> list[dict[str, Any]]:
+def prepare(cfg: RaceConfig, logins: race_roles.RoleLogins | None = None) -> list[dict[str, Any]]:
     """A fresh database with the operator's policy and the worker set recorded and v0
-    active; the calls it made (the history starts from an empty deployment)."""
+    active: by one login, or with roles by the operator, a coordinator and each worker,
+    each with its own; the calls it made (the history starts from an empty deployment)."""
+    workers = cfg.worker_ids()
     log = CallLog("setup")
-    with open_backend(cfg.url) as raw:
+
+    def url(party: str) -> str:
+        return cfg.url if logins is None else logins.url(party)
+
+    with open_backend(url("operator")) as raw:
         b = _recorded(raw, log)
         # the operator's step: coordinators and learners never write the policy
         operator_sets_policy(log, raw.registry, cfg.policy(), "race: set by the operator")
-        coord = attach(log, raw.registry, WORKERS, ledger=b.ledger, policy=cfg.policy())
-        if coord.pointer() is None:
-            coord.prepare(0)
-            coord.commit_artifact(0, version_hash(0))
-            coord.distribute(0)
+        attach(log, raw.registry, workers, ledger=b.ledger, policy=cfg.policy())
+    with open_backend(url("coordinator-0")) as raw:
+        b = _recorded(raw, log)
+        coord = attach(log, raw.registry, ledger=b.ledger)
+        if coord.pointer() is not None:
+            return log.calls
+        coord.prepare(0)
+        coord.commit_artifact(0, version_hash(0))
+        coord.distribute(0)
+        if logins is None:
             for w, token in coord.attempt_tokens(0).items():
                 coord.record_ack(WorkerAck(w, 0, version_hash(0), token=token))
-            coord.try_activate(0)
+        else:
+            for w in workers:  # each worker reads its own token (only it may) and acks
+                with open_backend(logins.url(f"worker-{w}")) as wb:
+                    mine = attach(log, wb.registry)
+                    token = mine.attempt_token(w, 0)
+                    mine.record_ack(WorkerAck(w, 0, version_hash(0), token=token))
+        coord.try_activate(0)
     return log.calls
 
 
@@ -671,24 +782,67 @@ def run_race(
     """Race the processes for `cfg.seconds`, then judge the trace, the rows and every call:
     each answer against the trace, and the whole recorded history for linearizability
     (written to `history_path` as JSON lines when given)."""
-    say = progress or (lambda _t: None)
-    setup = prepare(cfg)
+    logins = None
+    if race_roles.wants_roles(cfg.url, cfg.roles, cfg.mutant):
+        logins = race_roles.plan_logins(
+            cfg.url,
+            race_roles.parties(
+                activators=cfg.activators,
+                learners=cfg.learners,
+                dispatchers=cfg.dispatchers,
+                workers=cfg.worker_ids(),
+                churn=cfg.churn,
+            ),
+        )
+    try:
+        return _run(cfg, logins, progress or (lambda _t: None), history_path, lin_time_limit)
+    finally:
+        if logins is not None:
+            logins.drop()
+
+
+def _run(
+    cfg: RaceConfig,
+    logins: race_roles.RoleLogins | None,
+    say: Callable[[str], None],
+    history_path: Path | None,
+    lin_time_limit: float,
+) -> RaceReport:
+    setup = prepare(cfg, logins)
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     started = time.time()
-    n = cfg.activators + cfg.learners + cfg.dispatchers
-    line = ctx.Barrier(n + 1)  # the start line: the race's clock starts when all stand at it
-    procs = (
-        [
-            ctx.Process(target=_activator, args=(cfg, i, line, results))
+
+    def url(party: str) -> str:
+        return "" if logins is None else logins.url(party)
+
+    targets: list[tuple[Any, tuple[Any, ...]]] = [
+        *(
+            (_activator, (cfg, i, None, results, url(f"coordinator-{i}")))
             for i in range(cfg.activators)
-        ]
-        + [ctx.Process(target=_learner, args=(cfg, i, line, results)) for i in range(cfg.learners)]
-        + [
-            ctx.Process(target=_dispatcher, args=(cfg, i, line, results))
+        ),
+        *((_learner, (cfg, i, None, results, url(f"learner-{i}"))) for i in range(cfg.learners)),
+        *(
+            (_dispatcher, (cfg, i, None, results, url(f"dispatcher-{i}")))
             for i in range(cfg.dispatchers)
+        ),
+    ]
+    if logins is not None:
+        targets += [
+            (_generator, (cfg, None, results, url("generator"))),
+            *(
+                (race_roles.worker, (cfg.seconds, url(f"worker-{w}"), w, None, results))
+                for w in cfg.worker_ids()
+            ),
+            (race_roles.hostile_learner, (cfg.seconds, url("hostile-learner"), None, results)),
         ]
-    )
+        if cfg.churn:
+            targets.append((_operator, (cfg, None, results, url("operator"))))
+    line = ctx.Barrier(len(targets) + 1)  # the start line: the clock starts when all stand
+    procs = [
+        ctx.Process(target=fn, args=tuple(line if a is None else a for a in args))
+        for fn, args in targets
+    ]
     for p in procs:
         p.start()
     say(f"{len(procs)} processes starting")
@@ -709,7 +863,9 @@ def run_race(
     infrastructure = tuple(f"{r['role']}: {r['error']}" for r in reports if r.get("infrastructure"))
     errors += tuple(f"process {p.name} exited {p.exitcode}" for p in procs if p.exitcode)
     say("judging the trace, the stored rows and every call")
-    with open_backend(cfg.url, create=False) as b:
+    # with roles, through the auditor's login: what `ledger check` reads is its to read
+    judge = cfg.url if logins is None else logins.url("auditor")
+    with open_backend(judge, create=False) as b:
         trace = b.trace()
         report = check_trace(trace, with_registry=True)
         store = compare_with_store(report.final, stored_world(b.ledger, b.registry))
@@ -724,7 +880,7 @@ def run_race(
     say(f"checking {len(recorded):,} recorded calls for linearizability")
     lin = check_calls(header, parse_calls(recorded)[1], time_limit=lin_time_limit)
     return RaceReport(
-        config=cfg,
+        config=attrs.evolve(cfg, roles=logins is not None),
         elapsed_s=elapsed,
         stats={r["role"]: r.get("stats", {}) for r in reports},
         events=len(trace),

@@ -254,7 +254,8 @@ def _record_statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_batch_reservation_is_one_compare_and_set_statement(
     postgres_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """However many rollouts a batch names, ONE UPDATE writes them, in one transaction."""
+    """However many rollouts a batch names, ONE call of the row-writing function (whose one
+    statement is the compare-and-set) writes them, in one transaction."""
     led = _ledger(postgres_url)
     add_rewarded(led, ids(600))
     seen = _record_statements(monkeypatch)
@@ -264,7 +265,7 @@ def test_batch_reservation_is_one_compare_and_set_statement(
         reqs = [ReserveRequest(r, 0, stamp()) for r in ids(600)[start : start + size]]
         outs = led.reserve_batch(f"u{size}", reqs)
         assert all(o.reserved for o in outs)
-        updates = [q for q in seen if "UPDATE rollouts" in q]
+        updates = [q for q in seen if "rl_write_rows" in q]
         assert len(updates) == 1, updates
         counts.append(len(seen))
     assert counts[0] == counts[1]  # statements per batch do not grow with its size
@@ -279,25 +280,37 @@ def test_batch_compare_and_set_reaches_its_rows_by_key(postgres_url: str, plans:
     """The batch compare-and-set locks and writes its rows through the primary key, in the
     plan the server makes for it and in the generic plan of a prepared statement: locked by
     a join alone, it hashed the whole table, so every batch cost as much as the table."""
+    import re
+
     import psycopg
 
-    from rollout_lifecycle.model.postgres_ledger import _CAS_MANY
+    from rollout_lifecycle.model.postgres_functions import CAS_MANY
 
     led = _ledger(postgres_url)
     add_rewarded(led, ids(3000))
     led.close()
     batch = ids(3000)[1000:1250]
-    columns = (batch, [0] * 250, ["reserved"] * 250, [1] * 250, ["u"] * 250, [1.0] * 250)
-    parts = _CAS_MANY.split("%b")
-    prepared = parts[0] + "".join(f"${i}{part}" for i, part in enumerate(parts[1:], 1))
+    values = {
+        "ids": batch,
+        "expected": [0] * 250,
+        "states": ["reserved"] * 250,
+        "revisions": [1] * 250,
+        "owners": ["u"] * 250,
+        "leases": [1.0] * 250,
+        "entries": ["{}"] * 250,
+        "edges": ["rewarded>reserved"],
+        "versions": [0, 1],
+    }
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)b", CAS_MANY)))
+    prepared = re.sub(r"%\((\w+)\)b", lambda m: f"${names.index(m.group(1)) + 1}", CAS_MANY)
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute("ANALYZE rollouts")
         conn.execute(f"SET plan_cache_mode = {plans}")
         conn.execute(f"PREPARE cas AS {prepared}")
         conn.execute("BEGIN")
-        marks = ", ".join(["%s"] * (len(parts) - 1))
+        marks = ", ".join(["%s"] * len(names))
         with psycopg.ClientCursor(conn) as cur:  # EXECUTE takes no protocol parameters
-            cur.execute(f"EXPLAIN EXECUTE cas({marks})", (*columns, ["{}"] * 250, batch))
+            cur.execute(f"EXPLAIN EXECUTE cas({marks})", [values[n] for n in names])
             text = "\n".join(str(r[0]) for r in cur.fetchall())
         conn.execute("ROLLBACK")
     assert "Seq Scan on rollouts" not in text, text
@@ -1207,7 +1220,18 @@ def test_campaign_runs_on_postgresql(postgres_url: str, tmp_path: Path) -> None:
 def test_race_command_on_postgresql(postgres_url: str) -> None:
     """`race --backend postgresql://...`: activators and learners in real processes, judged
     clean; a second race on the same database is refused (its checks need fresh state)."""
-    res = _cli("race", "--backend", postgres_url, "--seconds", "3", "--learners", "2", "--json")
+    # one login for all (tests/test_postgres_roles.py races with a login per party)
+    res = _cli(
+        "race",
+        "--backend",
+        postgres_url,
+        "--seconds",
+        "3",
+        "--learners",
+        "2",
+        "--no-roles",
+        "--json",
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     report = json.loads(res.stdout[res.stdout.index("{") :])
     assert report["ok"] and report["violation_count"] == 0
