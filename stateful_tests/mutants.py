@@ -658,6 +658,20 @@ def _cas_many_unconditional(sql: str) -> str:
     return out.replace("AND r.revision = v.expected", "")
 
 
+@contextlib.contextmanager
+def _batch_cas_unconditional() -> Iterator[None]:
+    """The batch compare-and-set without its revision condition, and the batch's read of
+    its rows without their locks (locked rows alone would keep the CAS honest)."""
+    from rollout_lifecycle.model import postgres_ledger as pg
+
+    def unlocked(self: Any, rollout_ids: Any) -> Any:
+        return self.read_rows(rollout_ids)
+
+    cas = _wrap("rollout_lifecycle.model.postgres_functions", "CAS_MANY", _cas_many_unconditional)
+    with cas(), patch_everywhere(pg._Unit, "lock_rows", unlocked):
+        yield
+
+
 def _skip_premise(atomic: Any) -> Any:
     def no_lock(self: Any, body: Any, step: Any) -> Any:
         return atomic(self, body, attrs.evolve(step, premise=False))
@@ -1117,7 +1131,7 @@ CATALOGUE += (
         1,
         # the statement of the server-side function, which the patched processes create
         # again (its text changed) before they call it
-        _wrap("rollout_lifecycle.model.postgres_functions", "CAS_MANY", _cas_many_unconditional),
+        _batch_cas_unconditional,
         reach=("race",),
         klass="unloaded",
         backend="postgresql",

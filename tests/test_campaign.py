@@ -183,8 +183,13 @@ def test_profiles_fast_budget_is_first_reached_plus_margin() -> None:
     )
     # the targeted stages (stateful_tests/stages.py): each where its registry entry says;
     # verl-v1 is too slow for the five-minute verdict, ci runs every one
-    assert fast.stages == ("clock-skew", "premise-window")
-    assert set(thorough.stages) == set(ci.stages) == {"verl-v1", "clock-skew", "premise-window"}
+    assert fast.stages == ("clock-skew", "premise-window", "faults")
+    assert set(thorough.stages) == set(ci.stages) == {
+        "verl-v1",
+        "clock-skew",
+        "premise-window",
+        "faults",
+    }
     for p in PROFILES.values():
         assert (p.hypothesis, p.steps, p.seed) == ("dev", 50, README_SEED)
         assert p.max_examples == 200
@@ -395,7 +400,7 @@ def test_skipped_adapter_stage_is_said_loudly_and_ci_refuses_it(
     assert "SKIPPED: adapter, race" in res.output
     # beside them, the profile's PostgreSQL stages, said not to run on memory (not SKIPPED)
     skipped = json.loads((tmp_path / "r.json").read_text())["skipped"]
-    assert set(skipped) == {"adapter", "race", "clock-skew", "premise-window"}
+    assert set(skipped) == {"adapter", "race", "clock-skew", "premise-window", "faults"}
     assert "postgresql only" in skipped["premise-window"]
     res = CliRunner().invoke(cli, ["campaign", "--profile", "ci", "--out", str(tmp_path / "ci")])
     assert res.exit_code == 3 and "[verl]" in res.output, res.output

@@ -150,7 +150,7 @@ def test_mutants_report_a_table_per_class(tmp_path: Path) -> None:
     assert data["results"][0]["class"] == "checker"
     # the stage of the default (fast) campaign that killed it, in the report and the table
     assert data["campaign_profile"] == "fast"
-    assert data["results"][0]["campaign_stage"] == "checkers"
+    assert data["results"][0]["killed_by_stage"] == "checkers"
     assert data["summary"]["campaign_kills_by_stage"] == {"checkers": 1}
     assert "per class" in res.output and "campaign stage" in res.output
 
@@ -230,10 +230,11 @@ def test_budget_mutant_only_crashes_the_paced_history_builder() -> None:
 
 # ---- issue 37: each class the campaign could not see, killed by a named stage ---------------
 
-ISSUE_37 = {
+ISSUE_37: dict[str, str | tuple[str, ...]] = {
     # mutant: (the stage of the README campaign that kills it, on the mutant's backend)
     "memory_renewal_forgets_deadline": "fuzz ledger",
-    "rollback_recorded_as_kept": "fuzz activation",
+    # the fast fuzz budget or, where its draws miss it, the explorer's seams model
+    "rollback_recorded_as_kept": ("fuzz activation", "explore seams"),
     "served_check_ignores_incarnation": "checkers",
     "verl_v1_resume_commits_redone_step": "verl-v1",
     "pg_batch_lease_from_client_clock": "clock-skew",
@@ -258,7 +259,8 @@ def test_campaign_kills_issue_37_mutant_at_its_stage(name: str, tmp_path: Path) 
         pytest.importorskip(mutant.needs)
     kill = campaign_kill(mutant, workdir=tmp_path, profile="ci")
     assert kill.killed, kill.detail
-    assert kill.stage == ISSUE_37[name], kill.detail
+    want = ISSUE_37[name]
+    assert kill.stage in ((want,) if isinstance(want, str) else want), kill.detail
 
 
 def test_the_fast_profile_does_not_reach_the_verl_v1_mutant_and_says_who_does(

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(900)
 
 def test_stages_are_registered_with_backends_profiles_and_entry_points() -> None:
     """Every stage names where it runs, the profiles it belongs in, and an entry point."""
-    assert set(STAGES) == {"verl-v1", "clock-skew", "premise-window"}
+    assert set(STAGES) == {"verl-v1", "clock-skew", "premise-window", "faults"}
     for s in STAGES.values():
         assert s.backends and set(s.backends) <= {"memory", "sqlite", "postgresql"}
         assert "ci" in s.profiles and s.entry.count(":") == 1 and s.seconds_hint

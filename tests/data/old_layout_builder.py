@@ -40,6 +40,12 @@ def build(path: str) -> None:
     """v0 active; r0 reserved (single) and committed, r1 and r2 reserved in a batch and the
     batch aborted, r3 rewarded, r4 reward timed out."""
     with open_backend(f"sqlite:///{path}") as b:
+        try:  # the operator's step since issue 31 (the old code had no such function)
+            from rollout_lifecycle.model.registry import set_admission_policy
+        except ImportError:
+            pass
+        else:
+            set_admission_policy(b.registry, AdmissionPolicy(1, 0.2), "set by the operator")
         coord = ActivationCoordinator(
             b.registry, ["w0"], ledger=b.ledger, policy=AdmissionPolicy(1, 0.2)
         )
