@@ -184,12 +184,16 @@ def test_profiles_fast_budget_is_first_reached_plus_margin() -> None:
     # the targeted stages (stateful_tests/stages.py): each where its registry entry says;
     # verl-v1 is too slow for the five-minute verdict, ci runs every one
     assert fast.stages == ("clock-skew", "premise-window", "faults")
-    assert set(thorough.stages) == set(ci.stages) == {
-        "verl-v1",
-        "clock-skew",
-        "premise-window",
-        "faults",
-    }
+    assert (
+        set(thorough.stages)
+        == set(ci.stages)
+        == {
+            "verl-v1",
+            "clock-skew",
+            "premise-window",
+            "faults",
+        }
+    )
     for p in PROFILES.values():
         assert (p.hypothesis, p.steps, p.seed) == ("dev", 50, README_SEED)
         assert p.max_examples == 200
