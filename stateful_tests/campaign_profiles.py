@@ -105,13 +105,13 @@ MODEL_S: dict[str, float] = {
 MODEL_STATES: dict[str, int] = {
     "lifecycle-small": 671,
     "ledger-small": 3_340,
-    "activation-small": 43_067,
-    "activation-2v": 2_743,
+    "activation-small": 53_327,
+    "activation-2v": 3_195,
     "seams": 33_404,
     "pacing": 2_513,
     "lifecycle": 57_597,
     "ledger": 79_455,
-    "activation": 527_064,
+    "activation": 682_398,
 }
 
 
