@@ -210,7 +210,8 @@ def run_floor(
         assert got is not None and got[0] == "won", got
 
     def fn(rid: str, guard: int) -> None:
-        args = ("reserve", guard, premise if guard else None, "reserved", 1, "u", time.time())
+        # the update the spare reservation recorded: the write function guards its status
+        args = ("reserve", guard, premise if guard else None, "reserved", 1, "u0", time.time())
         args = (*args, entry, rid)
         counters = ("{reservations,writes}", "{1,1}")
         got = conn.execute(
