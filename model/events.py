@@ -811,3 +811,24 @@ class EventLog:
     def __bool__(self) -> bool:
         # an empty log is still a log: `log or EventLog()` must not swap in a fresh one
         return True
+
+
+def chain_evidence(query: Callable[[str, tuple[Any, ...]], Any], contains: str) -> str | None:
+    """What in a store's own tables says it once had a hash chain (None: nothing), shared
+    by both SQL stores' `chain_required`: `query(sql, args)` runs SQL written with ``?``
+    marks and returns its cursor; `contains` is the dialect's "payload contains ?" test."""
+    for component, version in query("SELECT component, version FROM schema_meta", ()):
+        if component == SEAL[0]:
+            return "its schema_meta says it was sealed"
+        since = CHAINED_SINCE.get(str(component))
+        if since is not None and int(version) >= since:
+            return (
+                f"its {component} schema is version {version}, which only chaining programs write"
+            )
+    if query("SELECT 1 FROM events WHERE kind = 'row' LIMIT 1", ()).fetchone():
+        return "it holds recorded-row events, which only chaining programs write"
+    if query(
+        f"SELECT 1 FROM events WHERE kind = 'entry' AND {contains} LIMIT 1", (f'"{CHANGED}":',)
+    ).fetchone():
+        return "it holds entry events that store what changed, which only chaining programs write"
+    return None

@@ -67,8 +67,6 @@ from rollout_lifecycle.model.errors import (
     tampered,
 )
 from rollout_lifecycle.model.events import (
-    CHAINED_SINCE,
-    CHANGED,
     RECORDED_TABLES,
     SEAL,
     ChainHead,
@@ -77,6 +75,7 @@ from rollout_lifecycle.model.events import (
     StoredEvent,
     StoredRows,
     TraceEvent,
+    chain_evidence,
     event_subject,
     events_where,
     recorded_rows,
@@ -1200,22 +1199,10 @@ def chain_required(conn: Conn) -> str | None:
         and conn.execute("SELECT 1 FROM events WHERE hash IS NOT NULL LIMIT 1").fetchone()
     ):
         return "its events carry hashes"
-    for component, version in conn.execute("SELECT component, version FROM schema_meta"):
-        if component == SEAL[0]:
-            return "its schema_meta says it was sealed"
-        since = CHAINED_SINCE.get(str(component))
-        if since is not None and int(version) >= since:
-            return (
-                f"its {component} schema is version {version}, which only chaining programs write"
-            )
-    if conn.execute("SELECT 1 FROM events WHERE kind = 'row' LIMIT 1").fetchone():
-        return "it holds recorded-row events, which only chaining programs write"
-    if conn.execute(
-        "SELECT 1 FROM events WHERE kind = 'entry' AND strpos(payload, %s) > 0 LIMIT 1",
-        (f'"{CHANGED}":',),
-    ).fetchone():
-        return "it holds entry events that store what changed, which only chaining programs write"
-    return None
+    return chain_evidence(
+        lambda sql, args: conn.execute(sql.replace("?", "%s"), args or None),
+        "strpos(payload, ?) > 0",
+    )
 
 
 def _sealed(conn: Conn) -> bool:

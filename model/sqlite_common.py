@@ -21,8 +21,6 @@ import attrs
 
 from rollout_lifecycle.model.errors import LedgerError, StorageFull, schema_steps, tampered
 from rollout_lifecycle.model.events import (
-    CHAINED_SINCE,
-    CHANGED,
     GENESIS,
     SEAL,
     ChainHead,
@@ -33,6 +31,7 @@ from rollout_lifecycle.model.events import (
     StoredRows,
     TraceEvent,
     chain_broken,
+    chain_evidence,
     chain_hash,
     event_subject,
     events_where,
@@ -436,22 +435,7 @@ def chain_required(conn: sqlite3.Connection) -> str | None:
     head is missing: a writer must then refuse rather than start a chain over the events."""
     if conn.execute("SELECT 1 FROM events WHERE hash IS NOT NULL LIMIT 1").fetchone():
         return "its events carry hashes"
-    for component, version in conn.execute("SELECT component, version FROM schema_meta"):
-        if component == SEAL[0]:
-            return "its schema_meta says it was sealed"
-        since = CHAINED_SINCE.get(str(component))
-        if since is not None and int(version) >= since:
-            return (
-                f"its {component} schema is version {version}, which only chaining programs write"
-            )
-    if conn.execute("SELECT 1 FROM events WHERE kind = 'row' LIMIT 1").fetchone():
-        return "it holds recorded-row events, which only chaining programs write"
-    if conn.execute(
-        "SELECT 1 FROM events WHERE kind = 'entry' AND instr(payload, ?) LIMIT 1",
-        (f'"{CHANGED}":',),
-    ).fetchone():
-        return "it holds entry events that store what changed, which only chaining programs write"
-    return None
+    return chain_evidence(conn.execute, "instr(payload, ?)")
 
 
 def _where(conn: sqlite3.Connection) -> tuple[str, str]:

@@ -181,26 +181,32 @@ def test_bad_destinations_are_refused_before_any_work(tmp_path: Path) -> None:
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 
 
-def test_committed_benchmark_doc_is_its_result_file() -> None:
-    """docs/benchmarks/README.md is exactly what the committed bench.json renders to (so no
-    figure in it can drift from the file), and every explorer count there that is complete
-    is the count tests/test_protocol_models.py pins (so the file cannot go stale either)."""
-    from tests.test_protocol_models import PINNED
-
+def _rendered(result: Path) -> str:
+    """The Markdown a committed bench.json renders to, rendered apart (see the module
+    docstring)."""
     render = (
         "import json, sys\n"
         "from rollout_lifecycle.cli.bench_report import markdown\n"
         "d = json.load(open(sys.argv[1]))\n"
         "sys.stdout.write(markdown(d, d['command']))\n"
     )
-    res = subprocess.run(  # rendered apart: see the module docstring
-        [sys.executable, "-c", render, str(DOCS / "bench.json")],
+    res = subprocess.run(
+        [sys.executable, "-c", render, str(result)],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     )
-    assert res.stdout == (DOCS / "README.md").read_text()
+    return res.stdout
+
+
+def test_committed_benchmark_doc_is_its_result_file() -> None:
+    """docs/benchmarks/README.md is exactly what the committed bench.json renders to (so no
+    figure in it can drift from the file), and every explorer count there that is complete
+    is the count tests/test_protocol_models.py pins (so the file cannot go stale either)."""
+    from tests.test_protocol_models import PINNED
+
+    assert _rendered(DOCS / "bench.json") == (DOCS / "README.md").read_text()
     explored = json.loads((DOCS / "bench.json").read_text())["checkers"]["explore"]
     complete = {k: v["distinct_states"] for k, v in explored.items() if v["complete"]}
     assert complete and all(k in PINNED for k in complete), complete
@@ -211,20 +217,7 @@ def test_committed_fleet_doc_is_its_result_file() -> None:
     """docs/benchmarks/fleet/README.md (issue 36's one measurement run of the parts it
     changed) is exactly what its committed bench.json renders to."""
     folder = DOCS / "fleet"
-    render = (
-        "import json, sys\n"
-        "from rollout_lifecycle.cli.bench_report import markdown\n"
-        "d = json.load(open(sys.argv[1]))\n"
-        "sys.stdout.write(markdown(d, d['command']))\n"
-    )
-    res = subprocess.run(  # rendered apart: see the module docstring
-        [sys.executable, "-c", render, str(folder / "bench.json")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    assert res.stdout == (folder / "README.md").read_text()
+    assert _rendered(folder / "bench.json") == (folder / "README.md").read_text()
     report = json.loads((folder / "bench.json").read_text())
     assert {"ledgers", "gate", "fleet"} <= set(report) and not report["quick"]
     assert [c["N"] for c in report["fleet"]["cells"]][:4] == [1, 2, 4, 8]
