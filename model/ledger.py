@@ -1011,6 +1011,8 @@ class Ledger(Protocol):
 
     def reserved_by(self, update_id: str) -> list[str]: ...
 
+    def in_state(self, state: str, limit: int | None = None) -> list[LedgerEntry]: ...
+
     def update(self, update_id: str) -> UpdateRecord | None: ...
 
     def updates(self) -> dict[str, UpdateRecord]: ...
@@ -1412,6 +1414,10 @@ class Store(Protocol):
 
     def reserved_by(self, update_id: str) -> list[str]:
         """Ids reserved by `update_id`, sorted."""
+        ...
+
+    def in_state(self, state: str, limit: int | None) -> list[LedgerEntry]:
+        """Entries in `state`, by rollout id (at most `limit`)."""
         ...
 
     def snapshot(self) -> dict[str, LedgerEntry]:
@@ -2057,6 +2063,16 @@ class StoreLedger:
     def reserved_by(self, update_id: str) -> list[str]:
         """Ids currently reserved by `update_id`, sorted."""
         return self.store.reserved_by(update_id)
+
+    def in_state(self, state: str, limit: int | None = None) -> list[LedgerEntry]:
+        """Entries in `state`, by rollout id (at most `limit`): a learner's 'what is waiting'."""
+        if state not in LIFECYCLE.states:
+            raise ValueError(f"unknown lifecycle state {state!r}")
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
+        ):
+            raise ValueError(f"limit must be a whole number >= 0 or None, not {limit!r}")
+        return self.store.in_state(state, limit)
 
     def update(self, update_id: str) -> UpdateRecord | None:
         """The ledger's record of `update_id` (open, landed or poisoned), or None when it
@@ -2787,6 +2803,11 @@ class MemoryStore:
     def reserved_by(self, update_id: str) -> list[str]:
         with self.lock:
             return sorted(self.owners.get(update_id, ()))
+
+    def in_state(self, state: str, limit: int | None) -> list[LedgerEntry]:
+        with self.lock:
+            found = [self.entries[k] for k in sorted(self.entries)]
+        return [e for e in found if e.state == state][:limit]
 
     def snapshot(self) -> dict[str, LedgerEntry]:
         with self.lock:

@@ -617,9 +617,11 @@ RETURNS SETOF text LANGUAGE plpgsql VOLATILE {sd} AS $fn$
 DECLARE
     o rl_operations;
     v_bad text;
-    v_moves boolean := EXISTS (SELECT 1 FROM unnest(o.edges) e WHERE e NOT LIKE '>%');
+    v_moves boolean;
     v_versions bigint[];
 BEGIN{_CHECK}
+    -- after the check has read the operation (a DECLARE default would see o still NULL)
+    v_moves := EXISTS (SELECT 1 FROM unnest(o.edges) e WHERE e NOT LIKE '>%');
     IF '>reserved' = ANY(o.edges) THEN  -- a landing reserved in its own step: the premise
         PERFORM pg_advisory_xact_lock_shared({K_PREMISE}, hashtext(current_schema()));
         v_versions := rl_reservable();

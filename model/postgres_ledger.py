@@ -63,7 +63,6 @@ from rollout_lifecycle.model.events import (
     TraceEvent,
     UpdateChange,
     entry_events,
-    row_event,
     update_events,
 )
 from rollout_lifecycle.model.ledger import (
@@ -82,7 +81,6 @@ from rollout_lifecycle.model.ledger import (
     load_entry,
     update_from_row,
 )
-from rollout_lifecycle.model.machines import LIFECYCLE
 from rollout_lifecycle.model.postgres_common import (
     K_BAD,
     K_DISPATCH,
@@ -442,44 +440,20 @@ class _Unit(SqlUnit):
             updates=update_document(updates) if updates else None,
         )
 
-    def _locked(
+    def locked(
         self, which: str, text: str | None, number: float | None, states: Sequence[str] = ()
     ) -> list[LedgerEntry]:
-        """Rows this step reads to write, locked in rollout_id order by the function (a
-        login that may write no table may not lock its rows either: FOR UPDATE needs UPDATE
-        rights)."""
+        """Locked by `rl_lock_rows` in rollout_id order (a login that may write no table
+        may not lock its rows either: FOR UPDATE needs UPDATE rights)."""
         rows = self.conn.execute(_LOCK_ROWS, (self.op, which, text, number, list(states)))
         return [self.load(r[0]) for r in rows.fetchall()]
 
     def lock_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
-        """The rows a batch reads to write, locked by the function (see `_locked`)."""
-        got = self._locked("ids", json.dumps(list(rollout_ids)), None)
+        got = self.locked("ids", json.dumps(list(rollout_ids)), None)
         return {e.rollout_id: e for e in got}
 
-    def owned(self, update_id: str) -> list[LedgerEntry]:
-        return self._locked("owned", update_id, None)
-
-    def due(self, now: float) -> list[LedgerEntry]:
-        return self._locked("due", None, now)
-
-    def of_version(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
-        return self._locked("of_version", None, version, states)
-
-    def older_than(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
-        return self._locked("older_than", None, version, states)
-
-    def mark_bad(self, version: int, reason: str) -> None:
-        if self._bad_version(version, reason, mark=True):
-            row = {"version": version, "reason": reason}
-            self.recorded.append(row_event("ledger_bad_versions", version, row, "marked bad"))
-
-    def clear_bad(self, version: int) -> None:
-        if self._bad_version(version, "", mark=False):
-            self.recorded.append(row_event("ledger_bad_versions", version, None, "mark lifted"))
-
-    def _bad_version(self, version: int, reason: str, *, mark: bool) -> bool:
-        """Mark or clear through `rl_bad_version`: whether a row was written (a second mark
-        keeps the first reason; then nothing is recorded)."""
+    def bad_version(self, version: int, reason: str, *, mark: bool) -> bool:
+        """Through `rl_bad_version` (the tables are the functions' to write)."""
         row = self.conn.execute(_BAD_VERSION, (self.op, version, reason, mark)).fetchone()
         return bool(row and row[0])
 
@@ -494,17 +468,17 @@ class PostgresStore:
         self.registry_seen = False
         self.closed = False
 
-    def _check_open(self) -> None:
+    def _check_open(self, *, write: bool = False) -> None:
         if self.closed:
             raise LedgerError(f"ledger on {self.db.where} is closed; open a new PostgresLedger")
+        if write and self.db.read_only:
+            raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
 
     def atomic(self, body: Callable[[UnitOfWork], T] | OneStatement[T], step: Step) -> T:
         """One transaction; the step's advisory locks are taken right after BEGIN, in the
         same round trip and in the fixed order (dispatch budget, bad versions, premise).
         A `OneStatement` body is a server-side function that takes them itself."""
-        self._check_open()
-        if self.db.read_only:
-            raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
+        self._check_open(write=True)
         if isinstance(body, OneStatement):  # it takes the step's locks itself
             return self.db.write(body, step.what)
         locks = [_LOCKS[step.live]] if step.live is not None else []
@@ -522,8 +496,7 @@ class PostgresStore:
     ) -> tuple[LedgerEntry | None, UpdateRecord | None, Peeked]:
         """The row, the update's record and the premise (and the server's time) in ONE
         autocommit statement."""
-        if self.db.read_only:  # what a reservation peeks for is a write
-            raise LedgerError(f"ledger on {self.db.where} was opened read-only; nothing written")
+        self._check_open(write=True)  # what a reservation peeks for is a write
 
         def body(conn: Conn) -> tuple[str | None, str | None, str | None, float]:
             if not self.registry_seen:
@@ -723,12 +696,6 @@ class PostgresLedger(StoreLedger):
     def where(self) -> str:
         """host:port/dbname of the server, for messages."""
         return self.store.db.where
-
-    def in_state(self, state: str, limit: int | None = None) -> list[LedgerEntry]:
-        """Entries in `state`, by rollout id (at most `limit`): a learner's 'what is waiting'."""
-        if state not in LIFECYCLE.states:
-            raise ValueError(f"unknown lifecycle state {state!r}")
-        return self.store.in_state(state, limit)
 
     def stored_rows(self) -> StoredRows:
         """Every table of the schema (ledger and registry), the events with their hash chain

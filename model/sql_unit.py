@@ -262,17 +262,34 @@ class SqlUnit:
         return {e.rollout_id: e for e in got}
 
     def owned(self, update_id: str) -> list[LedgerEntry]:
-        return self.select("reserved_by = ?", (update_id,))
+        return self.locked("owned", update_id, None)
 
     def due(self, now: float) -> list[LedgerEntry]:
-        return self.select(
-            "reserved_by IS NOT NULL AND lease_expires_at IS NOT NULL AND lease_expires_at <= ?",
-            (now,),
-        )
+        return self.locked("due", None, now)
 
     def of_version(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
+        return self.locked("of_version", None, version, states)
+
+    def older_than(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
+        return self.locked("older_than", None, version, states)
+
+    def locked(
+        self, which: str, text: str | None, number: float | None, states: Sequence[str] = ()
+    ) -> list[LedgerEntry]:
+        """The rows a step reads to rewrite, named as PostgreSQL's `rl_lock_rows` names
+        them (`which`: owned by update `text`, lease due by `number`, of or older than
+        version `number` in `states`), locked where the store locks rows."""
         marks = ",".join("?" * len(states))
-        return self.select(f"behavior_version = ? AND state IN ({marks})", (version, *states))
+        if which == "owned":
+            return self.select("reserved_by = ?", (text,))
+        if which == "due":
+            return self.select(
+                "reserved_by IS NOT NULL AND lease_expires_at IS NOT NULL "
+                "AND lease_expires_at <= ?",
+                (number,),
+            )
+        op = {"of_version": "=", "older_than": "<"}[which]
+        return self.select(f"behavior_version {op} ? AND state IN ({marks})", (number, *states))
 
     def count(self, states: Sequence[str], min_version: int | None = None) -> int:
         marks = ",".join("?" * len(states))
@@ -283,10 +300,6 @@ class SqlUnit:
     def chain_states(self, chain: str) -> tuple[str, ...]:
         sql = f"SELECT state FROM rollouts WHERE {self.field('chain')} = ?"
         return tuple(str(r[0]) for r in self.run(sql, (chain,)).fetchall())
-
-    def older_than(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
-        marks = ",".join("?" * len(states))
-        return self.select(f"behavior_version < ? AND state IN ({marks})", (version, *states))
 
     def rewarded_between(self, low: int | None, high: int | None, limit: int) -> list[LedgerEntry]:
         # the order of model.pacing.oldest_first, so LIMIT keeps the same first rows
@@ -322,19 +335,23 @@ class SqlUnit:
             self.run(_UPDATE_UPSERT, (a.update_id, a.status, a.cause, a.detail))
 
     def mark_bad(self, version: int, reason: str) -> None:
-        cur = self.run(
-            "INSERT INTO ledger_bad_versions(version, reason) VALUES (?, ?) "
-            "ON CONFLICT (version) DO NOTHING",
-            (version, reason),
-        )
-        if cur.rowcount == 1:  # a second mark keeps the first reason: nothing to record
+        if self.bad_version(version, reason, mark=True):
             row = {"version": version, "reason": reason}
             self.recorded.append(row_event("ledger_bad_versions", version, row, "marked bad"))
 
     def clear_bad(self, version: int) -> None:
-        cur = self.run("DELETE FROM ledger_bad_versions WHERE version = ?", (version,))
-        if cur.rowcount == 1:
+        if self.bad_version(version, "", mark=False):
             self.recorded.append(row_event("ledger_bad_versions", version, None, "mark lifted"))
+
+    def bad_version(self, version: int, reason: str, *, mark: bool) -> bool:
+        """Mark (or clear) a bad version: whether a row was written (a second mark keeps
+        the first reason; then nothing is recorded)."""
+        sql = "DELETE FROM ledger_bad_versions WHERE version = ?"
+        args: tuple[object, ...] = (version,)
+        if mark:
+            sql = "INSERT INTO ledger_bad_versions(version, reason) VALUES (?, ?) "
+            sql, args = sql + "ON CONFLICT (version) DO NOTHING", (version, reason)
+        return bool(self.run(sql, args).rowcount == 1)
 
     def recorded_events(self, at: float) -> list[TraceEvent]:
         """The rows this step wrote to recorded tables (RowRecorded, dated `at`), taken: the

@@ -382,6 +382,12 @@ class SQLiteStore:
             sql = "SELECT rollout_id FROM rollouts WHERE reserved_by = ?"
             return sorted(r[0] for r in conn.execute(sql, (update_id,)).fetchall())
 
+    def in_state(self, state: str, limit: int | None) -> list[LedgerEntry]:
+        sql = "SELECT entry FROM rollouts WHERE state = ? ORDER BY rollout_id LIMIT ?"
+        with self.conns.read() as conn:
+            rows = conn.execute(sql, (state, -1 if limit is None else limit)).fetchall()
+        return [load_entry(r[0]) for r in rows]
+
     def snapshot(self) -> dict[str, LedgerEntry]:
         with self.conns.read() as conn:
             rows = conn.execute("SELECT rollout_id, entry FROM rollouts").fetchall()

@@ -91,16 +91,7 @@ def test_dispatch_many_paces_like_one_by_one(kind: str, tmp_path: Path) -> None:
     [
         "memory",
         "sqlite",
-        pytest.param(
-            "postgresql",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="KNOWN REGRESSION (issue 32 merge): under the roles' functions "
-                "rl_insert_rows refuses an absent rollout added, landed and reserved in one "
-                "land_and_reserve step ('may not add rollout new (reserved, revision 1)'); "
-                "the operation's edges include '>reserved', the cause is not found yet",
-            ),
-        ),
+        "postgresql",
     ],
 )
 def test_land_and_reserve_in_one_step(kind: str, tmp_path: Path) -> None:

@@ -123,6 +123,23 @@ def test_backend_implements_the_ledger_protocol(ledger: Ledger) -> None:
     assert isinstance(ledger, Ledger)
 
 
+def test_in_state_lists_a_state_in_id_order_on_every_backend(ledger: Ledger) -> None:
+    """`in_state` (a learner's 'what is waiting') answers alike on every backend: the
+    entries in the state by rollout id, at most `limit`; an unknown state or a bad limit is
+    a ValueError that reads nothing."""
+    for rid in ("c", "a", "b"):
+        ledger.add(LedgerEntry(rollout_id=rid, behavior_version=1, artifact_hash=HASH))
+    ledger.transition("b", "generation_done", 0)
+    assert [e.rollout_id for e in ledger.in_state("dispatched")] == ["a", "c"]
+    assert [e.rollout_id for e in ledger.in_state("dispatched", 1)] == ["a"]
+    assert ledger.in_state("dispatched", 0) == []
+    assert [e.rollout_id for e in ledger.in_state("generated")] == ["b"]
+    assert ledger.in_state("consumed") == []
+    for bad in ({"state": "nope"}, {"state": "dispatched", "limit": -1}):
+        with pytest.raises(ValueError):
+            ledger.in_state(**bad)  # type: ignore[arg-type]
+
+
 def test_normal_path_dispatch_to_consumed(ledger: Ledger) -> None:
     """dispatched -> generated -> rewarded -> reserved -> consumed, revision +1 per step."""
     e0 = ledger.add(LedgerEntry(rollout_id="a", behavior_version=2, artifact_hash=HASH))

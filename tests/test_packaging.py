@@ -201,21 +201,25 @@ def test_resolves_beside_verl(fresh_env: Path, wheel: Path, tmp_path: Path) -> N
 
 
 def test_readme_install_instructions_match_the_package(wheel: Path) -> None:
-    """The README says how to install from a checkout or a built wheel (the package is not
-    on the index, so never a bare `pip install rollout-lifecycle`), names the wheel the build
-    really makes, and describes exactly the extras pyproject.toml declares."""
+    """The README says how to install from a checkout (the package is not on the index, so
+    never a bare `pip install rollout-lifecycle`) and points at docs/install.md, which names
+    the wheel the build really makes and describes exactly the extras pyproject.toml
+    declares."""
     import re
     import tomllib
 
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Install as a library", 1)[1].split("\n## ", 1)[0]
-    assert not re.search(r"pip install '?rollout-lifecycle\b", readme)
+    guide = (ROOT / "docs" / "install.md").read_text()
+    for text in (readme, guide):
+        assert not re.search(r"pip install '?rollout-lifecycle\b", text)
+    assert "pip install ." in section and "(docs/install.md)" in section
     for line in ("pip install .", "pip install -e .", "python -m build"):
-        assert line in section, line
-    named = re.findall(r"dist/(rollout_lifecycle-[\w.]+-py3-none-any\.whl)", section)
+        assert line in guide, line
+    named = re.findall(r"dist/(rollout_lifecycle-[\w.]+-py3-none-any\.whl)", guide)
     assert named and set(named) == {wheel.name}, (named, wheel.name)
     extras = set(
         tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     )
-    described = set(re.findall(r"^\| `([a-z0-9-]+)` \|", section, flags=re.M))
+    described = set(re.findall(r"^\| `([a-z0-9-]+)` \|", guide, flags=re.M))
     assert described == extras
