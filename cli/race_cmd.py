@@ -64,9 +64,8 @@ from rollout_lifecycle.stateful_tests.race import RaceConfig, check_fresh, lin_l
     "--roles/--no-roles",
     default=None,
     help="PostgreSQL: every party under its own login in its own role, and a hostile "
-    "learner that must be refused everything else (the URL's login must be able to create "
-    "roles). Off by default: under roles the history check still reports findings "
-    "(see tests/test_postgres_roles.py).",
+    "learner that must be refused everything else. Default: when the URL's login may "
+    "create roles.",
 )
 @click.option(
     "--history",

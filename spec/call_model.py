@@ -856,6 +856,27 @@ def view_effect(view: View, op: str, args: Mapping[str, Any], out: Outcome) -> V
     return view
 
 
+# The registry's fields a call reads and writes, in three groups: the policy, the bad
+# versions, and everything else (artifacts, pointer, worker set, reports, tokens). Calls
+# whose groups do not conflict commute in `registry_step`, so the order the registry's own
+# search happened to pick between them is one of several: a rollout partition may need the
+# other (an activation and a policy change by two processes at once, say).
+VIEW_LANES = {"set_policy": 0, "try_activate": 1, "settle": 1, "rollback": 1}
+VIEW_LANES |= {"quarantine_version": 2, "clear_bad_version": 2}
+_POLICY, _BAD, _MAIN = frozenset({"policy"}), frozenset({"bad"}), frozenset({"main"})
+
+
+def registry_footprint(op: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(what `op` reads, what it writes) of the registry, as field groups."""
+    if op == "set_policy":
+        return frozenset(), _POLICY
+    if op in ("quarantine_version", "clear_bad_version"):
+        return frozenset(), _BAD
+    if op in ("attach", "policy"):  # an attach is refused unless the policy is the expected
+        return _POLICY | _MAIN, _MAIN if op == "attach" else frozenset()
+    return _MAIN, _MAIN
+
+
 def changes_view(op: str, out: Outcome) -> bool:
     """Whether a registry call's recorded outcome says it changed what rollouts read."""
     if out.error is not None:

@@ -167,12 +167,12 @@ def read_history(path: str) -> tuple[dict[str, Any], list[Call]]:
 
 class Entry(NamedTuple):
     """A call as one search sees it: its window, its step, and its place among the
-    registry changes replayed here (None: not one)."""
+    registry changes replayed here, as (lane, rank in the lane) (None: not one)."""
 
     inv: float
     ret: float
     step: Step
-    shared: int | None
+    shared: tuple[int, int] | None
 
 
 @attrs.frozen
@@ -191,7 +191,9 @@ def linearize(entries: Sequence[Entry], init: State, deadline: float) -> Searche
     """Wing-Gong search with Lowe's memo, over Porcupine's list of call/return events.
 
     Calls are tried earliest-invoked first, so where an order is free every partition
-    picks the same one; a replayed registry change is taken only in its registry order."""
+    picks the same one; a replayed registry change is taken only in its registry order
+    among the changes of its lane (`call_model.VIEW_LANES`): changes of different lanes
+    commute in the registry, so their order is the partition's to find."""
     n = len(entries)
     if n == 0:
         return Searched("ok")
@@ -229,8 +231,9 @@ def linearize(entries: Sequence[Entry], init: State, deadline: float) -> Searche
                 prv[q] = e
 
     cache: set[tuple[int, int, State]] = set()
-    stack: list[tuple[int, State, int]] = []
-    state, lin, done = init, 0, 0
+    stack: list[tuple[int, State, tuple[int, ...]]] = []
+    state, lin = init, 0
+    done = (0,) * (1 + max((s[0] for s in shared if s is not None), default=0))
     entry = nxt[head]
     best, stuck, count = -1, None, 0
     while nxt[head] != -1:
@@ -240,7 +243,7 @@ def linearize(entries: Sequence[Entry], init: State, deadline: float) -> Searche
         if is_call[entry]:
             i = op_of[entry]
             s = shared[i]
-            new = steps[i](state) if s is None or s == done else None
+            new = steps[i](state) if s is None or s[1] == done[s[0]] else None
             if new is not None:
                 grown = lin | 1 << i
                 # the set as (first call not linearized, the bits above it): a search runs
@@ -251,7 +254,8 @@ def linearize(entries: Sequence[Entry], init: State, deadline: float) -> Searche
                     cache.add(key)
                     stack.append((i, state, done))
                     state, lin = new, grown
-                    done += s is not None
+                    if s is not None:
+                        done = (*done[: s[0]], s[1] + 1, *done[s[0] + 1 :])
                     lift(i)
                     entry = nxt[head]
                     continue
@@ -889,8 +893,19 @@ def _entries(
     p: Partition, calls: Sequence[Call], windows: Windows
 ) -> tuple[list[int], list[Entry]]:
     order = sorted(p.subs, key=lambda ci: (_window(calls, windows, ci), ci))
-    rank = {ci: n for n, ci in enumerate(p.replayed)}
+    rank = _lane_ranks(p.replayed, calls)
     return order, [Entry(*_window(calls, windows, ci), p.subs[ci], rank.get(ci)) for ci in order]
+
+
+def _lane_ranks(changes: Sequence[int], calls: Sequence[Call]) -> dict[int, tuple[int, int]]:
+    """Each replayed change (given in registry order) as (its lane, its rank in the lane)."""
+    seen: dict[int, int] = defaultdict(int)
+    out: dict[int, tuple[int, int]] = {}
+    for ci in changes:
+        lane = cm.VIEW_LANES[calls[ci].op]
+        out[ci] = (lane, seen[lane])
+        seen[lane] += 1
+    return out
 
 
 def _narrowed(p: Partition, calls: Sequence[Call]) -> dict[int, tuple[float, float]]:
@@ -899,7 +914,7 @@ def _narrowed(p: Partition, calls: Sequence[Call]) -> dict[int, tuple[float, flo
     returned (earliest and latest times along the order's constraints)."""
     succ: dict[int, list[int]] = defaultdict(list)
     pred: dict[int, list[int]] = defaultdict(list)
-    for x, y in _constraints(p):
+    for x, y in _constraints(p, calls):
         succ[x].append(y)
         pred[y].append(x)
     lo: dict[int, float] = {}
@@ -991,7 +1006,7 @@ def _assign_times(b: _Builder, calls: Sequence[Call]) -> tuple[set[str], str] | 
     nodes: set[int] = set()
     for p in b.parts.values():
         nodes.update(p.order)
-        for x, y in _constraints(p):
+        for x, y in _constraints(p, calls):
             keys = succ[x].get(y)
             if keys is None:
                 keys = succ[x][y] = set()
@@ -1026,20 +1041,21 @@ def _assign_times(b: _Builder, calls: Sequence[Call]) -> tuple[set[str], str] | 
     return keys, f"the partitions order calls in a cycle (through {calls[cycle[0]].brief()})"
 
 
-def _constraints(p: Partition, reach: int = 8) -> list[tuple[int, int]]:
+def _constraints(p: Partition, calls: Sequence[Call], reach: int = 8) -> list[tuple[int, int]]:
     """The order a partition's linearization imposes, and no more (the consistency pass
     holds other partitions to these edges only).
 
     A rollout partition's state is (rows, View), and the two move apart: the calls that
     change the rows keep the order found among themselves, the replayed registry changes
-    keep the registry's order among themselves, and every other call is bound only by
-    the changes that bound the run of states in which its answer holds: a row write by
-    the registry changes it cannot cross (its answer or its rows would differ), a call
-    that changes nothing also by the row writes around it (up to `reach` either way: a
-    run of views where it holds on its rows, then each row state around them on which it
-    holds with every view of that run). Calls
-    that change nothing commute, so no other partition is held to an order this one chose
-    freely. The registry (one state) is the special case with no View."""
+    keep the registry's order within each lane (`call_model.VIEW_LANES`), and every other
+    call is bound only by the changes that bound the run of states in which its answer
+    holds: a row write by the registry changes it cannot cross (its answer or its rows
+    would differ), a call that changes nothing also by the row writes around it (up to
+    `reach` either way: a run of views where it holds on its rows, then each row state
+    around them on which it holds with every view of that run). Calls that change nothing
+    commute, so no other partition is held to an order this one chose freely. The
+    registry (one state) is the special case with no View: its writes keep their order
+    only where they conflict (`_conflicting`)."""
     if p.edges is not None and p.edges[0] == p.order:
         return p.edges[1]
     split = p.key != REGISTRY
@@ -1067,7 +1083,14 @@ def _constraints(p: Partition, reach: int = 8) -> list[tuple[int, int]]:
         if view_change:
             view_changes.append(ci)
             views.append(new_view)
-    out = [*itertools.pairwise(row_writes), *itertools.pairwise(view_changes)]
+    if split:  # each lane's changes in the registry's order (lanes commute)
+        lanes: dict[int, list[int]] = defaultdict(list)
+        for ci in view_changes:
+            lanes[cm.VIEW_LANES[calls[ci].op]].append(ci)
+        out = [*itertools.pairwise(row_writes)]
+        out += [pair for lane in lanes.values() for pair in itertools.pairwise(lane)]
+    else:
+        out = _conflicting(row_writes, calls)
 
     def holds(ci: int, r: int, v: int, writes: bool) -> bool:
         st = (rows[r], views[v]) if split else rows[r]
@@ -1109,6 +1132,28 @@ def _constraints(p: Partition, reach: int = 8) -> list[tuple[int, int]]:
     return out
 
 
+def _conflicting(writes: Sequence[int], calls: Sequence[Call]) -> list[tuple[int, int]]:
+    """The order among a registry linearization's writes that matters: each write after
+    the last earlier write of a group it reads or writes, and after every earlier write
+    since then that read a group it writes (`call_model.registry_footprint`). Writes of
+    groups neither reads of the other commute, so any order of them that keeps these
+    edges replays to the same registry."""
+    out: list[tuple[int, int]] = []
+    last: dict[str, int] = {}  # group -> its last writer so far
+    readers: dict[str, list[int]] = defaultdict(list)  # group -> writes reading it since
+    for ci in writes:
+        reads, wrote = cm.registry_footprint(calls[ci].op)
+        for g in reads | wrote:
+            if g in last:
+                out.append((last[g], ci))
+        for g in wrote:
+            out.extend((x, ci) for x in readers.pop(g, ()) if x != ci)
+            last[g] = ci
+        for g in reads - wrote:
+            readers[g].append(ci)
+    return out
+
+
 def _cycle(left: set[int], succ: Mapping[int, Mapping[int, set[str]]]) -> list[int]:
     """A cycle among `left`, where every node has a predecessor: walking back from any
     node along predecessors in `left` must repeat one."""
@@ -1139,7 +1184,7 @@ def _joint_search(
         {ci for p in parts for ci in p.subs}, key=lambda ci: (_window(calls, b.windows, ci), ci)
     )
     replayed = sorted({ci for p in parts for ci in p.replayed}, key=b.rank.__getitem__)
-    rank = {ci: n for n, ci in enumerate(replayed)}
+    rank = _lane_ranks(replayed, calls)
     entries = []
     for ci in every:
         subs = [(j, p.subs[ci]) for j, p in enumerate(parts) if ci in p.subs]

@@ -96,9 +96,15 @@ class Script:
         return self
 
     def activate(
-        self, v: int, at: float, proc: str = "activator", previous: int | None = None
+        self,
+        v: int,
+        at: float,
+        proc: str = "activator",
+        previous: int | None = None,
+        until: float | None = None,
     ) -> Script:
-        """Publish v through the whole protocol, one worker 'w0', calls 1 ms each from `at`."""
+        """Publish v through the whole protocol, one worker 'w0', calls 1 ms each from `at`
+        (the activation's own call returning at `until`, when given)."""
         t = at
         art = {"v": v, "hash": None, "attempts": 0}
 
@@ -144,11 +150,15 @@ class Script:
             *nxt(),
             {"counted": True, "reason": "counted", "recorded": True},
         )
+        inv, ret = nxt()
+        if until is not None:
+            ret, t = until, until + 0.001
         self.call(
             proc,
             "try_activate",
             {"v": v},
-            *nxt(),
+            inv,
+            ret,
             {
                 "activated": True,
                 "reason": "activated",
@@ -197,6 +207,21 @@ class Script:
             ret,
             {"id": rid, "reserved": reserved, "reason": reason, "entry": entry},
         )
+
+
+def policy_and_activation_at_once(policy_returns: float = 2.0) -> list[Line]:
+    """Two processes at once: the operator tightens the policy (max_lag 1 -> 0) while an
+    activator publishes v1, and a learner reserves the v0 row with a stamp made at v1.
+    'reserved' is true only after the activation and before the policy change. With their
+    windows overlapping that order is one of two the registry allows (the two changes
+    commute there, and the registry's own search may pick the other): ok. When the policy
+    change returned before the activation began, no instant makes it true."""
+    s = Script().setup()
+    tight = {**POLICY, "max_lag": 0}
+    s.call("operator", "set_policy", {"policy": tight}, 0.9, policy_returns, tight)
+    s.activate(1, 1.0, until=2.0)
+    reserved = row("r", "reserved", 1, by="u1")
+    return s.reserve("learner", "r", 0, "u1", 1.2, 1.3, "reserved", reserved, current=1).lines
 
 
 def stale_row_refusal(answer: str = "pointer_moved") -> list[Line]:

@@ -1065,6 +1065,12 @@ def linearizability_cases(seed: int, generated: int) -> list[CheckerCase]:
         ("pointer goes back", H.pointer_goes_back, 0, 1),
         ("a settle that activates before the ack", H.settle_before_the_ack, True, False),
         ("a settle that fails what was not awaiting", H.settle_fails_what_was_not_awaiting, 0, 1),
+        (
+            "a policy change and an activation at once",
+            H.policy_and_activation_at_once,
+            0.95,
+            2.0,
+        ),
     ]
     cases = []
     for what, build, bad, good in pairs:

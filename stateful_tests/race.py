@@ -140,8 +140,8 @@ class RaceConfig:
     chains: int = 32
     # the required workers (gen-0, gen-1, ...)
     workers: int = 2
-    # PostgreSQL roles, a login per party (race_roles): True = required; None or False =
-    # one login for all (see race_roles.wants_roles: off by default while findings remain)
+    # PostgreSQL roles, a login per party (race_roles): None = when the login may create
+    # roles and no mutant is entered; True = required; False = one login for all
     roles: bool | None = None
 
     def worker_ids(self) -> tuple[str, ...]:

@@ -69,14 +69,10 @@ class RoleLogins:
 
 
 def wants_roles(url: str, roles: bool | None, mutant: str | None) -> bool:
-    """Whether the race runs with roles: only when asked for (None: off). Under roles the
-    linearizability check still reports findings main's race without roles does not (a
-    dispatch refused 'stale' or 'chain_live', a reserve refused 'looser_than_policy' or
-    'pointer_moved' while the operator's process churns), so the default campaign and
-    `race` stay on one login until they are explained."""
+    """Whether the race runs with roles: asked for, or (None) when the server allows it."""
     from rollout_lifecycle.model.postgres_common import is_postgres_url
 
-    if not roles or not is_postgres_url(url):
+    if roles is False or not is_postgres_url(url):
         if roles:
             raise RolloutLifecycleError("roles are PostgreSQL's: give a postgresql:// URL")
         return False
@@ -95,11 +91,11 @@ def wants_roles(url: str, roles: bool | None, mutant: str | None) -> bool:
         able = can_create_roles(db)
     finally:
         db.release()
-    if not able:
+    if roles and not able:
         raise RolloutLifecycleError(
             "the race's login may not create roles (it needs CREATEROLE or superuser)"
         )
-    return True
+    return able
 
 
 def plan_logins(url: str, parties: dict[str, tuple[str, str | None]]) -> RoleLogins:

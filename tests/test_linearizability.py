@@ -38,6 +38,7 @@ PAIRS: list[tuple[str, Callable[..., Any], Any, Any]] = [
     ("pointer_goes_back", H.pointer_goes_back, 0, 1),
     ("settle_before_the_ack", H.settle_before_the_ack, True, False),
     ("settle_fails_what_was_not_awaiting", H.settle_fails_what_was_not_awaiting, 0, 1),
+    ("policy_and_activation_at_once", H.policy_and_activation_at_once, 0.95, 2.0),
 ]
 
 
@@ -169,3 +170,17 @@ def test_a_malformed_history_is_a_typed_error() -> None:
     with pytest.raises(HistoryError, match="before its invocation"):
         line = {"proc": "p", "seq": 0, "op": "get", "args": {"id": "r"}, "inv": 2, "ret": 1}
         check_history([json.dumps(line)])
+
+
+def test_registry_writes_keep_their_order_only_where_they_conflict() -> None:
+    """The consistency pass holds the registry's writes to the order of groups they share
+    (call_model.registry_footprint): a policy change and an activation commute; an attach
+    (it reads the policy) stays after the policy it saw and before the next change of it."""
+    from rollout_lifecycle.spec.linearizability import Call, _conflicting
+
+    ops = ["set_policy", "attach", "try_activate", "set_policy", "quarantine_version"]
+    calls = [
+        Call("p", i, op, {}, float(i), i + 0.5, cm.Outcome(None, None)) for i, op in enumerate(ops)
+    ]
+    edges = set(_conflicting(range(len(ops)), calls))
+    assert edges == {(0, 1), (1, 2), (1, 3), (0, 3)}, edges  # not (0, 2), nothing to 4

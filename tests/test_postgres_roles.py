@@ -586,14 +586,6 @@ def test_a_second_deployment_on_the_server_gets_its_own_roles(
 # ---- the race, each party its own login --------------------------------------------------
 
 
-@pytest.mark.skip(
-    reason="KNOWN FINDING (issue 32, after merging main 76d1c61): with roles the race's "
-    "linearizability check reports, in about half the runs, calls no order explains: a "
-    "dispatch refused 'stale' or 'chain_live', a reserve refused 'looser_than_policy' or "
-    "'pointer_moved', a registry pointer() read, while the operator's process churns the "
-    "policy and rolls back; the same race without roles is clean (tests/test_race.py). "
-    "Not yet explained; the race's roles are opt-in (--roles) until it is"
-)
 def test_the_race_runs_each_party_in_its_role_and_refuses_the_hostile_learner(
     postgres_url: str,
 ) -> None:
