@@ -555,9 +555,12 @@ def _roles_side(url: str, schema: str, roles: bool, rows: int) -> dict[str, Any]
     from rollout_lifecycle.model.postgres_common import PostgresDatabase
     from rollout_lifecycle.model.postgres_setup import party_logins, setup_roles
     from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck
+    from rollout_lifecycle.model.registry import set_admission_policy
 
     admin = _in_schema(url, schema)
     with open_backend(admin) as b:
+        # the policy is the operator's to record (a coordinator only expects it)
+        set_admission_policy(b.registry, AdmissionPolicy(1, 0.2), "set by the operator")
         coord = ActivationCoordinator(
             b.registry, ["w0"], ledger=b.ledger, policy=AdmissionPolicy(1, 0.2)
         )
@@ -589,17 +592,30 @@ def _roles_side(url: str, schema: str, roles: bool, rows: int) -> dict[str, Any]
     return {"rids": rids, "learner": learner, "worker": worker, "admin": admin}
 
 
-def _time_ops(calls: Sequence[Any], pid: int) -> tuple[float, float | None]:
+def _time_ops(calls: Sequence[Any], pid: int, between: Any = None) -> tuple[float, float | None]:
     """(wall ms, CPU ms client + server) per call, running `calls` in order; the CPU is
     None when the server backend could not be read before and after (another machine's
-    server, or the pool replaced the connection meanwhile)."""
-    s0, c0, w0 = _cpu_of(pid), time.process_time(), time.perf_counter()
+    server, or the pool replaced the connection meanwhile). `between`, when given, runs
+    untimed before each call (on another connection: the backend `pid` does none of it)."""
+    if between is None:
+        s0, c0, w0 = _cpu_of(pid), time.process_time(), time.perf_counter()
+        for call in calls:
+            call()
+        wall, client, s1 = time.perf_counter() - w0, time.process_time() - c0, _cpu_of(pid)
+        if s0 is None or s1 is None:
+            return 1e3 * wall / len(calls), None
+        return 1e3 * wall / len(calls), 1e3 * (client + s1 - s0) / len(calls)
+    wall = client = 0.0
+    server: float | None = 0.0
     for call in calls:
+        between()
+        s0, c0, w0 = _cpu_of(pid), time.process_time(), time.perf_counter()
         call()
-    wall, client, s1 = time.perf_counter() - w0, time.process_time() - c0, _cpu_of(pid)
-    if s0 is None or s1 is None:
-        return 1e3 * wall / len(calls), None
-    return 1e3 * wall / len(calls), 1e3 * (client + s1 - s0) / len(calls)
+        wall, client = wall + time.perf_counter() - w0, client + time.process_time() - c0
+        s1 = _cpu_of(pid)
+        server = None if server is None or s0 is None or s1 is None else server + s1 - s0
+    cpu = None if server is None else 1e3 * (client + server) / len(calls)
+    return 1e3 * wall / len(calls), cpu
 
 
 def run_roles(
@@ -631,10 +647,12 @@ def run_roles(
     }
     load = [os.getloadavg()]
     open_: dict[str, Any] = {}
+    admins: dict[str, Any] = {}  # the operator's coordinator: a fresh attempt for each ack
     for mode, side in sides.items():
         led = PostgresLedger(side["learner"], pool_size=1)
         reg = PostgresRegistry(side["worker"], pool_size=1)
         coord = ActivationCoordinator(reg)
+        admins[mode] = ActivationCoordinator(PostgresRegistry(side["admin"], pool_size=1))
         token = coord.attempt_token("w0", 2)
         open_[mode] = (led, reg, coord, token, led.db.read(_backend_pid), reg.db.read(_backend_pid))
         led.reserve(side["rids"][-1], 0, "warm", _stamp())  # pools and plans warmed
@@ -668,14 +686,18 @@ def run_roles(
                 )
                 for k in range(batches)
             ]
-            acked = [functools.partial(_ack, coord, token, seq[mode] + i + 1) for i in range(acks)]
+            # a token counts once (issue 31): each ack is of a fresh attempt, which the
+            # operator's login makes untimed before it
+            fresh = {"token": token}
+            acked = [functools.partial(_ack, coord, fresh, seq[mode] + i + 1) for i in range(acks)]
             seq[mode] += acks
-            for op, calls, pid in (
-                ("reserve", singles, lpid),
-                ("reserve_batch", batch, lpid),
-                ("ack", acked, rpid),
+            renew = functools.partial(_fresh_attempt, admins[mode], fresh)
+            for op, calls, pid, between in (
+                ("reserve", singles, lpid, None),
+                ("reserve_batch", batch, lpid, None),
+                ("ack", acked, rpid, renew),
             ):
-                wall, cpu = _time_ops(calls, pid)
+                wall, cpu = _time_ops(calls, pid, between)
                 results[f"{op}:{mode}:wall"].append(wall)
                 results[f"{op}:{mode}:cpu"].append(cpu)
         say(f"round {r + 1}/{rounds} done")
@@ -683,6 +705,8 @@ def run_roles(
     for led, reg, *_ in open_.values():
         led.close()
         reg.close()
+    for admin in admins.values():
+        admin.registry.close()
     out: dict[str, Any] = {"load": load, "rounds": rounds, "ops": {}}
     for op in _ROLES_OPS:
         row: dict[str, Any] = {}
@@ -713,12 +737,19 @@ def _reserve_many(led: Any, update: str, rids: Sequence[str], stamp: Any) -> Non
     assert all(o.reserved for o in outs), [o.reason for o in outs if not o.reserved][:3]
 
 
-def _ack(coord: Any, token: str, seq: int) -> None:
-    """A worker's ack of v2 echoing its token (a later seq each time: each one is stored)."""
+def _ack(coord: Any, fresh: dict[str, str], seq: int) -> None:
+    """A worker's ack of v2 echoing the token of the attempt now awaiting acks."""
     from rollout_lifecycle.model.records import WorkerAck
 
-    got = coord.record_ack(WorkerAck("w0", 2, "c" * 64, seq=seq, token=token))
+    got = coord.record_ack(WorkerAck("w0", 2, "c" * 64, seq=seq, token=fresh["token"]))
     assert got.counted, got
+
+
+def _fresh_attempt(admin: Any, fresh: dict[str, str]) -> None:
+    """The operator fails v2's attempt and distributes it again: a new token to echo."""
+    admin.fail_distribution(2, "bench", "a fresh attempt for the next timed ack")
+    admin.retry(2)
+    fresh["token"] = admin.attempt_tokens(2)["w0"]
 
 
 def _roles_table(res: dict[str, Any], chunk: int) -> str:

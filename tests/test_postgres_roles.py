@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -664,3 +665,20 @@ def test_the_functions_write_ack_deadlines_and_spend_tokens(postgres_url: str) -
                 "SELECT * FROM rl_registry_write('report', %s::json, %s, %s, %s)",
                 (step, [], [], []),
             )
+
+
+def test_the_roles_benchmark_measures_both_sides(postgres_url: str) -> None:
+    """`benchmarks/postgres_bench.py --roles` (docs/postgres.md cites its figures) still runs
+    on the protocol as it is: the operator records the policy, every reservation wins and
+    every ack is taken, in tiny rounds; each operation has a ratio from each round."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "postgres_bench.py"
+    spec = importlib.util.spec_from_file_location("postgres_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    got = bench.run_roles(postgres_url, rounds=2, single_n=3, batches=1, chunk=4, acks=3)
+    assert set(got["ops"]) == {"reserve", "reserve_batch", "ack"}
+    for op, row in got["ops"].items():
+        assert row["rounds_wall"] == 2 and row["ratio_wall"] > 0, (op, row)
