@@ -42,10 +42,6 @@ from rollout_lifecycle.model.postgres_common import (
 from rollout_lifecycle.model.postgres_functions import ensure_functions
 from rollout_lifecycle.model.postgres_roles import refused, registry_operation
 from rollout_lifecycle.model.records import (
-    ActivePointer,
-    AdmissionPolicy,
-    ArtifactRecord,
-    AttemptToken,
     to_jsonable,
 )
 from rollout_lifecycle.model.registry import (
@@ -53,7 +49,7 @@ from rollout_lifecycle.model.registry import (
     RegistryStep,
     RegistryView,
     SqlView,
-    WorkerReport,
+    ViewReads,
     _artifact_events,
     _EmptyView,
     _record_to_row,
@@ -213,7 +209,7 @@ _REGISTRY_WRITE = (
 )
 
 
-class PostgresRegistry:
+class PostgresRegistry(ViewReads):
     """The registry in a PostgreSQL database, beside the ledger's tables (component "registry").
 
     `url` is a postgresql:// URL or a `PostgresDatabase` shared with a ledger. With
@@ -325,38 +321,6 @@ class PostgresRegistry:
 
         result, stamped = self.db.write(body, "registry step", error=ActivationError)
         return result, _artifact_events(stamped)
-
-    def artifact(self, version: int) -> ArtifactRecord | None:
-        """The record of `version`, or None."""
-        return self._view_read(lambda v: v.artifact(version), "artifact")
-
-    def artifacts(self) -> list[ArtifactRecord]:
-        """Every record, by version."""
-        return self._view_read(lambda v: v.artifacts(), "artifacts")
-
-    def pointer(self) -> ActivePointer | None:
-        """The active pointer (None before the first activation)."""
-        return self._view_read(lambda v: v.pointer(), "pointer")
-
-    def workers(self) -> dict[str, WorkerReport]:
-        """Latest report per worker."""
-        return self._view_read(lambda v: v.workers(), "workers")
-
-    def max_version(self) -> int | None:
-        """Highest version ever registered."""
-        return self._view_read(lambda v: v.max_version(), "max_version")
-
-    def required_workers(self) -> tuple[str, ...] | None:
-        """The deployment's durable required worker set (None until first set)."""
-        return self._view_read(lambda v: v.required_workers(), "required_workers")
-
-    def policy(self) -> AdmissionPolicy | None:
-        """The deployment's recorded admission policy (None until first set)."""
-        return self._view_read(lambda v: v.policy(), "policy")
-
-    def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
-        """The stored attempt tokens (of one version), by version and worker."""
-        return self._view_read(lambda v: v.attempt_tokens(version), "attempt_tokens")
 
     def history(self, version: int | None = None) -> list[ArtifactChanged]:
         """Artifact events in global order (shared with the ledger's), optionally of one version."""

@@ -725,51 +725,56 @@ def _artifact_events(events: Sequence[TraceEvent]) -> list[ArtifactChanged]:
 # ---- memory --------------------------------------------------------------------------------
 
 
-class _ViewReads:
-    """Read methods both registries share: each reads its view under its own lock."""
+class ViewReads:
+    """The registry's read methods, once for every store: each store gives `_view_read`,
+    which runs a read of its view the store's own way (under its lock, or in a
+    transaction of its server)."""
+
+    def _view_read(self, fn: Callable[[RegistryView], R], what: str) -> R:
+        raise NotImplementedError
+
+    def artifact(self, version: int) -> ArtifactRecord | None:
+        """The record of `version`, or None."""
+        return self._view_read(lambda v: v.artifact(version), "artifact")
+
+    def artifacts(self) -> list[ArtifactRecord]:
+        """Every record, by version."""
+        return self._view_read(lambda v: v.artifacts(), "artifacts")
+
+    def pointer(self) -> ActivePointer | None:
+        """The active pointer (None before the first activation)."""
+        return self._view_read(lambda v: v.pointer(), "pointer")
+
+    def workers(self) -> dict[str, WorkerReport]:
+        """Latest report per worker."""
+        return self._view_read(lambda v: v.workers(), "workers")
+
+    def max_version(self) -> int | None:
+        """Highest version ever registered."""
+        return self._view_read(lambda v: v.max_version(), "max_version")
+
+    def required_workers(self) -> tuple[str, ...] | None:
+        """The deployment's durable required worker set (None until first set)."""
+        return self._view_read(lambda v: v.required_workers(), "required_workers")
+
+    def policy(self) -> AdmissionPolicy | None:
+        """The deployment's recorded admission policy (None until first set)."""
+        return self._view_read(lambda v: v.policy(), "policy")
+
+    def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
+        """The stored attempt tokens (of one version), by version and worker."""
+        return self._view_read(lambda v: v.attempt_tokens(version), "attempt_tokens")
+
+
+class _LockedReads(ViewReads):
+    """Reads of a view held in this process, under the store's lock."""
 
     _lock: contextlib.AbstractContextManager[Any]
     _view: RegistryView
 
-    def artifact(self, version: int) -> ArtifactRecord | None:
-        """The record of `version`, or None."""
+    def _view_read(self, fn: Callable[[RegistryView], R], what: str) -> R:
         with self._lock:
-            return self._view.artifact(version)
-
-    def artifacts(self) -> list[ArtifactRecord]:
-        """Every record, by version."""
-        with self._lock:
-            return self._view.artifacts()
-
-    def pointer(self) -> ActivePointer | None:
-        """The active pointer (None before the first activation)."""
-        with self._lock:
-            return self._view.pointer()
-
-    def workers(self) -> dict[str, WorkerReport]:
-        """Latest report per worker."""
-        with self._lock:
-            return self._view.workers()
-
-    def max_version(self) -> int | None:
-        """Highest version ever registered."""
-        with self._lock:
-            return self._view.max_version()
-
-    def required_workers(self) -> tuple[str, ...] | None:
-        """The deployment's durable required worker set (None until first set)."""
-        with self._lock:
-            return self._view.required_workers()
-
-    def policy(self) -> AdmissionPolicy | None:
-        """The deployment's recorded admission policy (None until first set)."""
-        with self._lock:
-            return self._view.policy()
-
-    def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
-        """The stored attempt tokens (of one version), by version and worker."""
-        with self._lock:
-            return self._view.attempt_tokens(version)
+            return fn(self._view)
 
 
 class _MemoryView:
@@ -816,7 +821,7 @@ class _MemoryView:
         ]
 
 
-class MemoryRegistry(_ViewReads):
+class MemoryRegistry(_LockedReads):
     """In-process registry; share `event_log` with a MemoryLedger for one global trace."""
 
     _lock: threading.RLock
@@ -1329,7 +1334,7 @@ class _FileCheckedLock:
         self.rlock.release()
 
 
-class SQLiteRegistry(_ViewReads):
+class SQLiteRegistry(_LockedReads):
     """The registry in a SQLite file, beside the ledger's tables (component "registry").
 
     Each step is one ``BEGIN IMMEDIATE ... COMMIT`` holding the record writes, the pointer
