@@ -14,6 +14,8 @@ from typing import Any
 import attrs
 
 from rollout_lifecycle.model.events import (
+    ENTRY_FIELDS,
+    ENTRY_VALUES,
     EntryChanged,
     RowRecorded,
     TraceEvent,
@@ -86,6 +88,13 @@ def reservation_fields(after: LedgerEntry) -> tuple[str, str, str]:
     )
 
 
+# `"name":` of each LedgerEntry field, in declaration order (the keys of `entry_changes`)
+_CHANGE_KEYS = tuple(f"{json_scalar(n)}:" for n in ENTRY_FIELDS)
+# field values `json_scalar` encodes as json.dumps does; anything else goes through
+# to_jsonable and json.dumps, as `entry_changes` and `stored_payload` do
+_SCALAR_TYPES = frozenset({str, int, float, type(None)})
+
+
 # the stamp whose JSON was made last, by any step (held, so its id is not reused)
 _LAST_STAMP: list[tuple[object, str]] = [(object(), "")]
 
@@ -112,6 +121,8 @@ class SqlUnit:
         # reuse it instead of encoding each entry again (kept with the entry: ids are reused)
         self.texts: dict[int, tuple[LedgerEntry, str]] = {}
         self.stamps: dict[int, tuple[AdmissionStamp, str]] = {}
+        # nested records' JSON as an event's changed fields hold it (see `_value_json`)
+        self.records: dict[int, tuple[object, str]] = {}
         # after -> before of each write `dump_after` spliced: they differ in `_SPLICED`
         # fields only, so their event's changed fields are found among those five
         self.spliced: dict[int, tuple[LedgerEntry, LedgerEntry]] = {}
@@ -197,7 +208,34 @@ class SqlUnit:
                 found = self.spliced.get(id(after))
                 if found is not None and found[0] is after and found[1] is before:
                     return changed_payload(ev, txn, self._changed(before, after))
+                return changed_payload(ev, txn, self._changes_json(before, after))
         return stored_payload(ev, txn)
+
+    def _changes_json(self, before: LedgerEntry, after: LedgerEntry) -> str:
+        """`json.dumps(entry_changes(before, after))`, compact, written field by field: a
+        scalar by `json_scalar`, a nested record's JSON once per record per step (a step's
+        events of one row, or of a batch sharing one stamp, reuse it). The same bytes."""
+        parts = []
+        for key, old, new in zip(
+            _CHANGE_KEYS, ENTRY_VALUES(before), ENTRY_VALUES(after), strict=True
+        ):
+            if old is new or (type(old) is type(new) and old == new):
+                continue  # not `field_differs`: the same test, inlined (a hot loop)
+            parts.append(key + self._value_json(new))
+        return "{" + ",".join(parts) + "}"
+
+    def _value_json(self, value: object) -> str:
+        """A field value as `json.dumps(to_jsonable(value))` writes it, compact."""
+        t = type(value)
+        if t in _SCALAR_TYPES:
+            return json_scalar(value)
+        found = self.records.get(id(value))
+        if found is not None and found[0] is value:
+            return found[1]
+        text = json.dumps(to_jsonable(value), separators=(",", ":"))
+        if attrs.has(t):  # frozen records: the text stays right while the object lives
+            self.records[id(value)] = (value, text)
+        return text
 
     def _changed(self, before: LedgerEntry, after: LedgerEntry) -> str:
         """`entry_changes(before, after)` as compact JSON, for entries that differ in
