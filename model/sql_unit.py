@@ -30,7 +30,13 @@ from rollout_lifecycle.model.events import (
 )
 from rollout_lifecycle.model.ledger import dump_entry, read_entry, update_from_row
 from rollout_lifecycle.model.pacing import PacingRow, rows_from_columns
-from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, UpdateRecord, to_jsonable
+from rollout_lifecycle.model.records import (
+    AdmissionStamp,
+    LedgerEntry,
+    Reward,
+    UpdateRecord,
+    to_jsonable,
+)
 
 # the ledger's update records (issue 31): the same table on SQLite and PostgreSQL
 UPDATE_COLUMNS = "update_id, status, cause, detail"
@@ -52,6 +58,12 @@ def read_bad(conn: Any) -> frozenset[int]:
 _SPLICED = ("state", "revision", "reserved_by", "lease_expires_at", "admission")
 _SPLICED_VALUES = operator.attrgetter(*_SPLICED)
 _KEPT = operator.attrgetter(*(a.name for a in attrs.fields(LedgerEntry) if a.name not in _SPLICED))
+# A landing that is reserved in the same step (land_and_reserve) also sets the reward and
+# the tokens: `splice_landed` rewrites those too; every other field must be the same object.
+_LANDED = (*_SPLICED, "reward", "tokens")
+_LANDED_KEPT = operator.attrgetter(
+    *(a.name for a in attrs.fields(LedgerEntry) if a.name not in _LANDED)
+)
 
 
 def splice_entry(before_text: str, fields: tuple[str, str, str], admission_json: str) -> str | None:
@@ -75,6 +87,41 @@ def splice_entry(before_text: str, fields: tuple[str, str, str], admission_json:
     return (
         f'{before_text[:i]}{head}{revision}{tail}{before_text[j:m]},"admission":'
         f"{admission_json}{before_text[k:]}"
+    )
+
+
+def splice_landed(
+    before_text: str,
+    fields: tuple[str, str, str],
+    admission_json: str,
+    reward_json: str,
+    tokens: int | None,
+) -> str | None:
+    """`splice_entry`, and the reward (`reward_text`, as `dump_entry` nests it) and the
+    tokens of an entry whose stored text has none (`tokens` None: it still has none); None
+    when the text is not laid out as expected.
+
+    The reward's value ends where ',"disposition":' begins: no text inside a compact JSON
+    string holds an unescaped quote. `tokens` is the last field `dump_entry` writes.
+    """
+    text = splice_entry(before_text, fields, admission_json)
+    if text is None or not text.endswith("}"):
+        return None
+    j = text.find(',"reward":', text.find(',"lease_expires_at":'))
+    d = text.find(',"disposition":', j)
+    if j < 0 or d < 0:
+        return None
+    tail = text[d:] if tokens is None else f'{text[d:-1]},"tokens":{json_scalar(tokens)}}}'
+    return f'{text[:j]},"reward":{reward_json}{tail}'
+
+
+def reward_text(r: Reward | None) -> str:
+    """A reward as `dump_entry` nests it and `to_jsonable` makes it: its three fields."""
+    if r is None:
+        return "null"
+    return (
+        f'{{"function_id":{json_scalar(r.function_id)},'
+        f'"function_version":{json_scalar(r.function_version)},"value":{json_scalar(r.value)}}}'
     )
 
 
@@ -161,6 +208,19 @@ class SqlUnit:
                     self.texts[id(after)] = (after, text)
                     self.spliced[id(after)] = (after, before)
                     return text
+            elif before.tokens is None and all(
+                map(operator.is_, _LANDED_KEPT(before), _LANDED_KEPT(after))
+            ):  # landed and reserved in one step: its event changes are not a splice's
+                text = splice_landed(
+                    found[1],
+                    self._fields(after),
+                    self._admission_json(after),
+                    self._value_json(after.reward),
+                    after.tokens,
+                )
+                if text is not None:
+                    self.texts[id(after)] = (after, text)
+                    return text
         return self.dump(after)
 
     def _fields(self, after: LedgerEntry) -> tuple[str, str, str]:
@@ -225,16 +285,22 @@ class SqlUnit:
         return "{" + ",".join(parts) + "}"
 
     def _value_json(self, value: object) -> str:
-        """A field value as `json.dumps(to_jsonable(value))` writes it, compact."""
-        t = type(value)
-        if t in _SCALAR_TYPES:
-            return json_scalar(value)
+        """A field value as `json.dumps(to_jsonable(value))` writes it, compact, once per
+        value per step: a batch's rows share their state, owner, lease and stamp, and a
+        row's reward was written into its stored text first (`dump_after`)."""
         found = self.records.get(id(value))
         if found is not None and found[0] is value:
             return found[1]
-        text = json.dumps(to_jsonable(value), separators=(",", ":"))
-        if attrs.has(t):  # frozen records: the text stays right while the object lives
-            self.records[id(value)] = (value, text)
+        t = type(value)
+        if t in _SCALAR_TYPES:
+            text = json_scalar(value)
+        elif t is Reward:
+            text = reward_text(value)  # type: ignore[arg-type]
+        else:
+            text = json.dumps(to_jsonable(value), separators=(",", ":"))
+            if not attrs.has(t):
+                return text  # not a frozen record: not kept
+        self.records[id(value)] = (value, text)  # the object is held: its id is not reused
         return text
 
     def _changed(self, before: LedgerEntry, after: LedgerEntry) -> str:
