@@ -545,12 +545,16 @@ def entry_payload(ev: EntryChanged, txn: int | None, after: str) -> str:
     return f'{start}{json_scalar(ev.rollout_id)}{middle}"before":null,"after":{after}{end}'
 
 
-def changed_payload(ev: EntryChanged, txn: int | None, changed: str) -> str:
+def changed_payload(
+    ev: EntryChanged, txn: int | None, changed: str, rollout_id: str | None = None
+) -> str:
     """`stored_payload(ev, txn)` of a change of an existing entry, from `changed`: the
     compact JSON object of `entry_changes(ev.before, ev.after)`, made by a caller that
-    knows which fields a step can have changed."""
+    knows which fields a step can have changed (`rollout_id`: the id's JSON, when the
+    caller has it already: a row's events share it)."""
     start, middle, end = _shared_parts(ev, txn)
-    return f'{start}{json_scalar(ev.rollout_id)}{middle}"{CHANGED}":{changed}{end}'
+    rid = json_scalar(ev.rollout_id) if rollout_id is None else rollout_id
+    return f'{start}{rid}{middle}"{CHANGED}":{changed}{end}'
 
 
 # the latest steps' shared parts of entry payloads, newest first, by the identity of what

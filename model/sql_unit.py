@@ -268,7 +268,8 @@ class SqlUnit:
                 found = self.spliced.get(id(after))
                 if found is not None and found[0] is after and found[1] is before:
                     return changed_payload(ev, txn, self._changed(before, after))
-                return changed_payload(ev, txn, self._changes_json(before, after))
+                changed = self._changes_json(before, after)
+                return changed_payload(ev, txn, changed, self._value_json(ev.rollout_id))
         return stored_payload(ev, txn)
 
     def _changes_json(self, before: LedgerEntry, after: LedgerEntry) -> str:
