@@ -548,6 +548,31 @@ def group_of(
 ) -> Group:
     """A terminal group from its trajectories' tags (no TransferQueue read)."""
     rows = [tags[k] for k in keys]
+    low: int | None = None
+    high: int | None = None
+    rewards: list[float] = []
+    tokens = 0
+    for t in rows:  # verl's tags as its agent loop writes them: plain ints, a reward each
+        lo, hi = t.get("min_global_steps"), t.get("max_global_steps")
+        r, n = t.get(REWARD_TAG), t.get("response_len")
+        if type(lo) is not int or (hi is not None and type(hi) is not int):
+            return _group_of_any(uid, keys, rows, failed)
+        if r is None or type(n) is not int:
+            return _group_of_any(uid, keys, rows, failed)
+        top = lo if hi is None else hi
+        low = lo if low is None or lo < low else low
+        high = top if high is None or top > high else high
+        rewards.append(float(r))
+        tokens += n
+    if not rows:
+        return _group_of_any(uid, keys, rows, failed)
+    return Group(uid, tuple(keys), low, high, tuple(rewards), tokens, failed)
+
+
+def _group_of_any(
+    uid: str, keys: Sequence[str], rows: Sequence[Mapping[str, Any]], failed: bool
+) -> Group:
+    """`group_of` of tags with missing or other-typed values."""
     lows = [_int_or_none(t.get("min_global_steps")) for t in rows]
     highs = [_int_or_none(t.get("max_global_steps")) for t in rows]
     known = [v for v in lows if v is not None]
