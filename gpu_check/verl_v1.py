@@ -547,20 +547,47 @@ def group_of(
     uid: str, keys: Sequence[str], tags: Mapping[str, Mapping[str, Any]], failed: bool
 ) -> Group:
     """A terminal group from its trajectories' tags (no TransferQueue read)."""
-    lows = [_int_or_none(tags[k].get("min_global_steps")) for k in keys]
-    highs = [_int_or_none(tags[k].get("max_global_steps")) for k in keys]
+    rows = [tags[k] for k in keys]
+    low: int | None = None
+    high: int | None = None
+    rewards: list[float] = []
+    tokens = 0
+    for t in rows:  # verl's tags as its agent loop writes them: plain ints, a reward each
+        lo, hi = t.get("min_global_steps"), t.get("max_global_steps")
+        r, n = t.get(REWARD_TAG), t.get("response_len")
+        if type(lo) is not int or (hi is not None and type(hi) is not int):
+            return _group_of_any(uid, keys, rows, failed)
+        if r is None or type(n) is not int:
+            return _group_of_any(uid, keys, rows, failed)
+        top = lo if hi is None else hi
+        low = lo if low is None or lo < low else low
+        high = top if high is None or top > high else high
+        rewards.append(float(r))
+        tokens += n
+    if not rows:
+        return _group_of_any(uid, keys, rows, failed)
+    return Group(uid, tuple(keys), low, high, tuple(rewards), tokens, failed)
+
+
+def _group_of_any(
+    uid: str, keys: Sequence[str], rows: Sequence[Mapping[str, Any]], failed: bool
+) -> Group:
+    """`group_of` of tags with missing or other-typed values."""
+    lows = [_int_or_none(t.get("min_global_steps")) for t in rows]
+    highs = [_int_or_none(t.get("max_global_steps")) for t in rows]
     known = [v for v in lows if v is not None]
-    tops = [h if h is not None else lo for h, lo in zip(highs, lows, strict=True)]
-    tops_known = [v for v in tops if v is not None]
-    rewards = [r for k in keys if (r := tags[k].get(REWARD_TAG)) is not None]
-    lengths = [n for k in keys if (n := tags[k].get("response_len")) is not None]
+    tops = [
+        v for h, lo in zip(highs, lows, strict=True) if (v := lo if h is None else h) is not None
+    ]
+    rewards = [r for t in rows if (r := t.get(REWARD_TAG)) is not None]
+    lengths = [n for t in rows if (n := t.get("response_len")) is not None]
     return Group(
         uid,
         tuple(keys),
-        min(known) if known and len(known) == len(lows) else None,
-        max(tops_known) if tops_known else None,
-        tuple(float(r) for r in rewards) if keys and len(rewards) == len(keys) else None,
-        sum(int(n) for n in lengths) if keys and len(lengths) == len(keys) else None,
+        min(known) if rows and len(known) == len(rows) else None,
+        max(tops) if tops else None,
+        tuple(float(r) for r in rewards) if rows and len(rewards) == len(rows) else None,
+        sum(int(n) for n in lengths) if rows and len(lengths) == len(rows) else None,
         failed,
     )
 
@@ -934,11 +961,12 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
                 "record: verl's LLM server client sets the tag (a custom server must too), or "
                 "dispatch through LedgerAgentLoopManager (the config group sets it)"
             )
-        span = {v} | set(range(g.low if g.low is not None else v, (g.high or v) + 1))
-        if span & bad:
-            return "quarantine", Disposition(
-                "admission", "failed_version", f"v{sorted(span & bad)} failed to activate"
-            )
+        if bad:  # the versions it spans matter only when one of them failed to activate
+            span = {v} | set(range(g.low if g.low is not None else v, (g.high or v) + 1))
+            if span & bad:
+                return "quarantine", Disposition(
+                    "admission", "failed_version", f"v{sorted(span & bad)} failed to activate"
+                )
         if pointer is None or policy is None:
             return None
         top = max(v, g.high if g.high is not None else v)

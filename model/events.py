@@ -478,8 +478,9 @@ def stored_payload(ev: TraceEvent, txn: int | None) -> str:
 
 CHANGED = "changed"
 
-_ENTRY_FIELDS = tuple(a.name for a in attrs.fields(LedgerEntry))
-_ENTRY_VALUES = operator.attrgetter(*_ENTRY_FIELDS)
+ENTRY_FIELDS = tuple(a.name for a in attrs.fields(LedgerEntry))
+ENTRY_VALUES = operator.attrgetter(*ENTRY_FIELDS)  # every field's value, in that order
+_ENTRY_FIELDS, _ENTRY_VALUES = ENTRY_FIELDS, ENTRY_VALUES
 _ENTRY_FIELD_SET = frozenset(_ENTRY_FIELDS)
 
 
@@ -520,17 +521,20 @@ def json_scalar(value: object) -> str:
 
 def _shared_parts(ev: EntryChanged, txn: int | None) -> tuple[str, str, str]:
     """The text of an entry payload around its rollout id and its entries, which a step's
-    events share (its txn, time, event, update and kind): encoded once per step."""
+    events share (its txn, time, event, update and kind): encoded once per step and event
+    (a step that lands and reserves a batch interleaves a few events row by row)."""
     key = (txn, ev.at, ev.event, ev.update_id, ev.kind)
-    known, parts = _PAYLOAD_PARTS[0]
-    if not all(map(operator.is_, known, key)):
-        head = "{" if txn is None else f'{{"txn":{json_scalar(txn)},'
-        parts = (
-            f'{head}"at":{json_scalar(ev.at)},"rollout_id":',
-            f',"event":{json_scalar(ev.event)},',
-            f',"update_id":{json_scalar(ev.update_id)},"kind":{json_scalar(ev.kind)}}}',
-        )
-        _PAYLOAD_PARTS[0] = (key, parts)
+    known = _PAYLOAD_PARTS[0]
+    for seen, parts in known:
+        if all(map(operator.is_, seen, key)):
+            return parts
+    head = "{" if txn is None else f'{{"txn":{json_scalar(txn)},'
+    parts = (
+        f'{head}"at":{json_scalar(ev.at)},"rollout_id":',
+        f',"event":{json_scalar(ev.event)},',
+        f',"update_id":{json_scalar(ev.update_id)},"kind":{json_scalar(ev.kind)}}}',
+    )
+    _PAYLOAD_PARTS[0] = ((key, parts), *known[: _PARTS_KEPT - 1])  # one atomic replacement
     return parts
 
 
@@ -541,22 +545,23 @@ def entry_payload(ev: EntryChanged, txn: int | None, after: str) -> str:
     return f'{start}{json_scalar(ev.rollout_id)}{middle}"before":null,"after":{after}{end}'
 
 
-def changed_payload(ev: EntryChanged, txn: int | None, changed: str) -> str:
+def changed_payload(
+    ev: EntryChanged, txn: int | None, changed: str, rollout_id: str | None = None
+) -> str:
     """`stored_payload(ev, txn)` of a change of an existing entry, from `changed`: the
     compact JSON object of `entry_changes(ev.before, ev.after)`, made by a caller that
-    knows which fields a step can have changed."""
+    knows which fields a step can have changed (`rollout_id`: the id's JSON, when the
+    caller has it already: a row's events share it)."""
     start, middle, end = _shared_parts(ev, txn)
-    return f'{start}{json_scalar(ev.rollout_id)}{middle}"{CHANGED}":{changed}{end}'
+    rid = json_scalar(ev.rollout_id) if rollout_id is None else rollout_id
+    return f'{start}{rid}{middle}"{CHANGED}":{changed}{end}'
 
 
-# the last step's shared parts of entry payloads, by the identity of what they encode (the
-# objects are held, so no id is reused; racing threads each store parts they encoded)
-_PAYLOAD_PARTS: list[tuple[tuple[object, ...], tuple[str, str, str]]] = [
-    (
-        (object(),) * 5,
-        ("", "", ""),
-    )
-]
+# the latest steps' shared parts of entry payloads, newest first, by the identity of what
+# they encode (the objects are held, so no id is reused; racing threads each store the
+# parts they encoded)
+_PARTS_KEPT = 4
+_PAYLOAD_PARTS: list[tuple[tuple[tuple[object, ...], tuple[str, str, str]], ...]] = [()]
 
 
 def events_where(

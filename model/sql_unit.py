@@ -14,6 +14,8 @@ from typing import Any
 import attrs
 
 from rollout_lifecycle.model.events import (
+    ENTRY_FIELDS,
+    ENTRY_VALUES,
     EntryChanged,
     RowRecorded,
     TraceEvent,
@@ -28,7 +30,13 @@ from rollout_lifecycle.model.events import (
 )
 from rollout_lifecycle.model.ledger import dump_entry, read_entry, update_from_row
 from rollout_lifecycle.model.pacing import PacingRow, rows_from_columns
-from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, UpdateRecord, to_jsonable
+from rollout_lifecycle.model.records import (
+    AdmissionStamp,
+    LedgerEntry,
+    Reward,
+    UpdateRecord,
+    to_jsonable,
+)
 
 # the ledger's update records (issue 31): the same table on SQLite and PostgreSQL
 UPDATE_COLUMNS = "update_id, status, cause, detail"
@@ -50,6 +58,12 @@ def read_bad(conn: Any) -> frozenset[int]:
 _SPLICED = ("state", "revision", "reserved_by", "lease_expires_at", "admission")
 _SPLICED_VALUES = operator.attrgetter(*_SPLICED)
 _KEPT = operator.attrgetter(*(a.name for a in attrs.fields(LedgerEntry) if a.name not in _SPLICED))
+# A landing that is reserved in the same step (land_and_reserve) also sets the reward and
+# the tokens: `splice_landed` rewrites those too; every other field must be the same object.
+_LANDED = (*_SPLICED, "reward", "tokens")
+_LANDED_KEPT = operator.attrgetter(
+    *(a.name for a in attrs.fields(LedgerEntry) if a.name not in _LANDED)
+)
 
 
 def splice_entry(before_text: str, fields: tuple[str, str, str], admission_json: str) -> str | None:
@@ -76,6 +90,41 @@ def splice_entry(before_text: str, fields: tuple[str, str, str], admission_json:
     )
 
 
+def splice_landed(
+    before_text: str,
+    fields: tuple[str, str, str],
+    admission_json: str,
+    reward_json: str,
+    tokens: int | None,
+) -> str | None:
+    """`splice_entry`, and the reward (`reward_text`, as `dump_entry` nests it) and the
+    tokens of an entry whose stored text has none (`tokens` None: it still has none); None
+    when the text is not laid out as expected.
+
+    The reward's value ends where ',"disposition":' begins: no text inside a compact JSON
+    string holds an unescaped quote. `tokens` is the last field `dump_entry` writes.
+    """
+    text = splice_entry(before_text, fields, admission_json)
+    if text is None or not text.endswith("}"):
+        return None
+    j = text.find(',"reward":', text.find(',"lease_expires_at":'))
+    d = text.find(',"disposition":', j)
+    if j < 0 or d < 0:
+        return None
+    tail = text[d:] if tokens is None else f'{text[d:-1]},"tokens":{json_scalar(tokens)}}}'
+    return f'{text[:j]},"reward":{reward_json}{tail}'
+
+
+def reward_text(r: Reward | None) -> str:
+    """A reward as `dump_entry` nests it and `to_jsonable` makes it: its three fields."""
+    if r is None:
+        return "null"
+    return (
+        f'{{"function_id":{json_scalar(r.function_id)},'
+        f'"function_version":{json_scalar(r.function_version)},"value":{json_scalar(r.value)}}}'
+    )
+
+
 def reservation_fields(after: LedgerEntry) -> tuple[str, str, str]:
     """The `fields` of `splice_entry` for `after`."""
     return (
@@ -84,6 +133,13 @@ def reservation_fields(after: LedgerEntry) -> tuple[str, str, str]:
         f',"reserved_by":{json_scalar(after.reserved_by)}'
         f',"lease_expires_at":{json_scalar(after.lease_expires_at)}',
     )
+
+
+# `"name":` of each LedgerEntry field, in declaration order (the keys of `entry_changes`)
+_CHANGE_KEYS = tuple(f"{json_scalar(n)}:" for n in ENTRY_FIELDS)
+# field values `json_scalar` encodes as json.dumps does; anything else goes through
+# to_jsonable and json.dumps, as `entry_changes` and `stored_payload` do
+_SCALAR_TYPES = frozenset({str, int, float, type(None)})
 
 
 # the stamp whose JSON was made last, by any step (held, so its id is not reused)
@@ -112,6 +168,8 @@ class SqlUnit:
         # reuse it instead of encoding each entry again (kept with the entry: ids are reused)
         self.texts: dict[int, tuple[LedgerEntry, str]] = {}
         self.stamps: dict[int, tuple[AdmissionStamp, str]] = {}
+        # nested records' JSON as an event's changed fields hold it (see `_value_json`)
+        self.records: dict[int, tuple[object, str]] = {}
         # after -> before of each write `dump_after` spliced: they differ in `_SPLICED`
         # fields only, so their event's changed fields are found among those five
         self.spliced: dict[int, tuple[LedgerEntry, LedgerEntry]] = {}
@@ -149,6 +207,19 @@ class SqlUnit:
                 if text is not None:
                     self.texts[id(after)] = (after, text)
                     self.spliced[id(after)] = (after, before)
+                    return text
+            elif before.tokens is None and all(
+                map(operator.is_, _LANDED_KEPT(before), _LANDED_KEPT(after))
+            ):  # landed and reserved in one step: its event changes are not a splice's
+                text = splice_landed(
+                    found[1],
+                    self._fields(after),
+                    self._admission_json(after),
+                    self._value_json(after.reward),
+                    after.tokens,
+                )
+                if text is not None:
+                    self.texts[id(after)] = (after, text)
                     return text
         return self.dump(after)
 
@@ -197,7 +268,41 @@ class SqlUnit:
                 found = self.spliced.get(id(after))
                 if found is not None and found[0] is after and found[1] is before:
                     return changed_payload(ev, txn, self._changed(before, after))
+                changed = self._changes_json(before, after)
+                return changed_payload(ev, txn, changed, self._value_json(ev.rollout_id))
         return stored_payload(ev, txn)
+
+    def _changes_json(self, before: LedgerEntry, after: LedgerEntry) -> str:
+        """`json.dumps(entry_changes(before, after))`, compact, written field by field: a
+        scalar by `json_scalar`, a nested record's JSON once per record per step (a step's
+        events of one row, or of a batch sharing one stamp, reuse it). The same bytes."""
+        parts = []
+        for key, old, new in zip(
+            _CHANGE_KEYS, ENTRY_VALUES(before), ENTRY_VALUES(after), strict=True
+        ):
+            if old is new or (type(old) is type(new) and old == new):
+                continue  # not `field_differs`: the same test, inlined (a hot loop)
+            parts.append(key + self._value_json(new))
+        return "{" + ",".join(parts) + "}"
+
+    def _value_json(self, value: object) -> str:
+        """A field value as `json.dumps(to_jsonable(value))` writes it, compact, once per
+        value per step: a batch's rows share their state, owner, lease and stamp, and a
+        row's reward was written into its stored text first (`dump_after`)."""
+        found = self.records.get(id(value))
+        if found is not None and found[0] is value:
+            return found[1]
+        t = type(value)
+        if t in _SCALAR_TYPES:
+            text = json_scalar(value)
+        elif t is Reward:
+            text = reward_text(value)  # type: ignore[arg-type]
+        else:
+            text = json.dumps(to_jsonable(value), separators=(",", ":"))
+            if not attrs.has(t):
+                return text  # not a frozen record: not kept
+        self.records[id(value)] = (value, text)  # the object is held: its id is not reused
+        return text
 
     def _changed(self, before: LedgerEntry, after: LedgerEntry) -> str:
         """`entry_changes(before, after)` as compact JSON, for entries that differ in

@@ -41,7 +41,13 @@ from rollout_lifecycle.model.records import (
     from_jsonable,
     to_jsonable,
 )
-from rollout_lifecycle.model.sql_unit import SqlUnit, reservation_fields, splice_entry
+from rollout_lifecycle.model.sql_unit import (
+    SqlUnit,
+    reservation_fields,
+    reward_text,
+    splice_entry,
+    splice_landed,
+)
 from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
 
 STAMP = AdmissionStamp(3, 3, 1, 0.5, 0.01, "fresh", "ok", True)
@@ -241,6 +247,46 @@ def test_an_event_payload_from_stored_texts_is_byte_for_byte_the_same(txn: int |
         assert SqlUnit(None).payload(ev, txn) == stored_payload(ev, txn)
 
 
+@pytest.mark.parametrize("txn", [None, 7])
+def test_any_change_written_field_by_field_is_byte_for_byte_stored_payload(
+    txn: int | None,
+) -> None:
+    """A change that is not a splice (a landing: tokens and reward; a failure: releases and
+    a disposition; pacing fields; an int lease where a float was) has its changed fields
+    written one by one, each record once per step: the same bytes as `stored_payload`, also
+    when a step interleaves events of several kinds and records are shared or equal but
+    distinct objects."""
+    entries = _entries()
+    dispatched = LedgerEntry("r1", 3, "a" * 64, state="dispatched", chain="p", attempt=1)
+    generated = attrs.evolve(dispatched, state="generated", revision=1, tokens=512)
+    scored = attrs.evolve(generated, state="rewarded", revision=2, reward=Reward("f", "1", 0.5))
+    pairs = [
+        (dispatched, generated),
+        (generated, scored),
+        (generated, attrs.evolve(scored, reward=Reward("f", "1", 1))),  # an int value
+        (
+            scored,
+            attrs.evolve(
+                scored,
+                state="reserved",
+                revision=3,
+                reserved_by="u",
+                lease_expires_at=9,
+                admission=STAMP,
+            ),
+        ),
+        *itertools.permutations(entries, 2),
+        *((a, b) for b, a in _tricky()),
+        (entries[0], entries[0]),  # nothing changed: an empty object
+    ]
+    unit = SqlUnit(None)
+    for round_ in range(2):  # the second round reuses the texts the first one kept
+        for i, (before, after) in enumerate(pairs):
+            event = ("generation_done", "reward_ready", "reserve")[(i + round_) % 3]
+            ev = EntryChanged(0, 0, 1.5e9 + round_, before.rollout_id, event, before, after, "u")
+            assert unit.payload(ev, txn) == stored_payload(ev, txn), (before, after)
+
+
 def test_a_change_stores_only_the_fields_that_differ() -> None:
     """An entry event over an existing entry stores the differing top-level fields (as
     `dump_entry` encodes them) and the event's own fields; a creation stores the whole entry."""
@@ -404,6 +450,46 @@ def test_a_spliced_entry_is_byte_for_byte_its_full_encoding() -> None:
 def _reservation_of(after: LedgerEntry) -> dict[str, object]:
     names = ("state", "revision", "reserved_by", "lease_expires_at", "admission")
     return {n: getattr(after, n) for n in names}
+
+
+def test_a_landing_reserved_in_one_step_is_spliced_byte_for_byte() -> None:
+    """A dispatched (or generated) row landed and reserved in one step changes its reward
+    and tokens too: its stored text is spliced, the same bytes as `dump_entry`, also with
+    ids, hashes, chains and reward names that look like the keys the splice finds."""
+    texts = ('x,"state":y', 'q\\",\\"disposition\\":', 'r,"reward":1', "\u00fc\u2028", "r1")
+    reserved = {"state": "reserved", "revision": 3, "reserved_by": 'u,"reward":'}
+    n = 0
+    for rid, chain, name in itertools.product(texts, (None, *texts), texts):
+        attempt = 0 if chain is None else 2
+        for state, tokens in (("dispatched", None), ("generated", None)):
+            before = LedgerEntry(rid, 3, rid + "h", state=state, chain=chain, attempt=attempt)
+            for reward, lease, stamp, toks in (
+                (Reward(name, "1", 0.25), 1e9 + 0.5, STAMP, 512),
+                (Reward(name, name, 1), 3, None, tokens),
+                (None, 1 / 3, STAMP, 0),
+            ):
+                unit = SqlUnit(None)
+                loaded = unit.load(dump_entry(before))
+                after = _evolve(
+                    loaded,
+                    reward=reward,
+                    tokens=toks,
+                    lease_expires_at=lease,
+                    admission=stamp,
+                    **reserved,
+                )
+                text = unit.dump_after(loaded, after)
+                assert text == dump_entry(after)
+                assert id(after) not in unit.spliced  # its events are not a splice's
+                fields = reservation_fields(after)
+                stamp_json = "null" if stamp is None else json.dumps(to_jsonable(stamp))
+                stamp_json = stamp_json.replace(", ", ",").replace(": ", ":")
+                got = splice_landed(
+                    dump_entry(loaded), fields, stamp_json, reward_text(after.reward), toks
+                )
+                assert got == text  # the splice path, not a fallback
+                n += 1
+    assert n > 100
 
 
 def test_splicing_needs_the_exact_text_and_nothing_else_changed() -> None:

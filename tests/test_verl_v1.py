@@ -820,3 +820,35 @@ def test_an_ack_of_a_replaced_attempt_is_sent_again_with_the_current_token(
     res = rollouts[0]._ack(ack)
     assert res.counted and coord.try_activate(1).activated
     be.close()
+
+
+def test_a_group_read_from_plain_tags_is_the_group_any_tags_give() -> None:
+    """`group_of`'s one pass over verl's plain int tags gives the group the checked path
+    gives, and any tag that is missing, a bool or a text takes the checked path."""
+    base = {
+        "min_global_steps": 4,
+        "max_global_steps": 5,
+        "response_len": 64,
+        verl_v1.REWARD_TAG: 0.5,
+    }
+    variants: list[dict[str, Any]] = [
+        {},
+        {"max_global_steps": None},
+        {"min_global_steps": 2, "max_global_steps": None},
+        {"min_global_steps": None},
+        {"min_global_steps": True},
+        {"max_global_steps": "7"},
+        {"response_len": None},
+        {"response_len": 3.0},
+        {verl_v1.REWARD_TAG: None},
+        {verl_v1.REWARD_TAG: 1},
+        {"min_global_steps": 9, "max_global_steps": 3},
+    ]
+    for n in (0, 1, 3):
+        for i, v in enumerate(variants):
+            for j, w in enumerate(variants):
+                keys = [f"g_{s}_0" for s in range(n)]
+                tags = {k: {**base, **(v if s % 2 else w)} for s, k in enumerate(keys)}
+                got = verl_v1.group_of("g", keys, tags, i == j)
+                want = verl_v1._group_of_any("g", keys, [tags[k] for k in keys], i == j)
+                assert got == want, (n, v, w)
