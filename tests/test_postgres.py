@@ -317,26 +317,28 @@ def test_batch_compare_and_set_reaches_its_rows_by_key(postgres_url: str, plans:
     assert "rollouts_pkey" in text, text
 
 
-def test_single_reservation_is_two_round_trips(
+def test_single_reservation_is_one_round_trip(
     postgres_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A winning single reservation sends two statements: one read of the row with the
-    premise, and ONE call of the server-side write (premise lock, guard, compare-and-set,
-    events, counters and commit mark); no BEGIN, no COMMIT, nothing else."""
+    """A winning single reservation of a recorded update sends ONE statement: the call of
+    the server-side write in its one-call form (premise lock, the premise and the row
+    judged, the entry spliced, compare-and-set, events, counters and commit mark); no
+    read, no BEGIN, no COMMIT. The first reservation of an update (it records the update)
+    takes the full path: the one call answers 'moved', then the read and a step."""
 
     with open_backend(postgres_url) as b:
         set_admission_policy(b.registry, POLICY, "set by the operator")
         coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY)
         _activate(coord, 1)
         add_rewarded(b.ledger, ["a", "b", "c"])
-        assert b.ledger.reserve("a", 0, "u", stamp()).reserved  # pool and registry warmed
         seen = _record_statements(monkeypatch)
+        assert b.ledger.reserve("a", 0, "u", stamp()).reserved  # records u: the full path
+        assert seen[0].startswith("SELECT ledger_write_one") and len(seen) > 2, seen
         for rid in ("b", "c"):
             seen.clear()
             assert b.ledger.reserve(rid, 0, "u", stamp()).reserved
-            assert len(seen) == 2, seen
-            assert seen[0].startswith("SELECT") and "rollouts" in seen[0]
-            assert seen[1].startswith("SELECT ledger_write_one")
+            assert len(seen) == 1, seen
+            assert seen[0].startswith("SELECT ledger_write_one")
         monkeypatch.undo()
         assert [e.event for e in b.ledger.history("b")] == ["add", "reserve"]
         assert b.ledger.statistics().reservations == 3
