@@ -480,18 +480,21 @@ _ONE_CALL = f"""\
         ) THEN
             RETURN 'moved';
         END IF;
-        -- `reservation_refusal` with the registry's facts now (none: only the stamp)
-        IF to_regclass('registry_pointer') IS NOT NULL AND NOT EXISTS (
-            SELECT 1 FROM registry_artifacts a, registry_pointer p, registry_policy l,
-                registry_artifacts c
-            WHERE p.id = 1 AND l.id = 1 AND a.version = v_version
-              AND a.version IN ({_RESERVABLE.format(version="v_version")})
-              AND q.max_lag <= l.max_lag AND q.max_drift <= l.max_drift
-              AND a.artifact_hash = (v_entry::json ->> 'artifact_hash')
-              AND c.version = q.stamp_current AND c.state = ANY({_WAS_ACTIVE})
-              AND p.version - v_version BETWEEN 0 AND least(q.max_lag, l.max_lag))
-        THEN
-            RETURN 'moved';
+        -- `reservation_refusal` with the registry's facts now (none: only the stamp);
+        -- nested: the registry's tables are planned only where they exist
+        IF to_regclass('registry_pointer') IS NOT NULL THEN
+            IF NOT EXISTS (
+                SELECT 1 FROM registry_artifacts a, registry_pointer p, registry_policy l,
+                    registry_artifacts c
+                WHERE p.id = 1 AND l.id = 1 AND a.version = v_version
+                  AND a.version IN ({_RESERVABLE.format(version="v_version")})
+                  AND q.max_lag <= l.max_lag AND q.max_drift <= l.max_drift
+                  AND a.artifact_hash = (v_entry::json ->> 'artifact_hash')
+                  AND c.version = q.stamp_current AND c.state = ANY({_WAS_ACTIVE})
+                  AND p.version - v_version BETWEEN 0 AND least(q.max_lag, l.max_lag))
+            THEN
+                RETURN 'moved';
+            END IF;
         END IF;
         IF q.seconds IS NOT NULL THEN
             p_lease := extract(epoch FROM clock_timestamp())::float8 + q.seconds;
