@@ -29,8 +29,16 @@ operation (model.postgres_roles), with or without roles the same calls:
   under READ COMMITTED the predicate is re-checked on rows that changed while waiting.
   The bad-version lock (shared for add/abort/expiry, exclusive for quarantine_version)
   keeps a rollout of a version being marked bad from slipping through open.
-- A single reservation (`peek`, `write_one`: the ledger's `GuardedStore`) is two round
-  trips. One autocommit read takes the row, the premise and the server's time; the ledger
+- A single reservation of an update already recorded is ONE round trip (`reserve_one`,
+  the ledger's `OneCallStore`): one call of the write-one function in its one-call form
+  (p_guard 3) takes the premise lock SHARED, judges the row and the premise as
+  `plan_reserve` would, splices the entry and the event's payload the way the client's
+  `SqlUnit` does (the lease the server's clock plus the lease's seconds), and writes only
+  a certain win; anything else (a refusal, a lost compare-and-set, the update's first
+  reservation, a row laid out otherwise) writes nothing and answers 'moved', and the
+  reservation takes the path below, whose own read gives every refusal (issue 33).
+- Otherwise a single reservation (`peek`, `write_one`: the ledger's `GuardedStore`) is two
+  round trips. One autocommit read takes the row, the premise and the server's time; the ledger
   plans, judges and enforces on them; then ONE call of the server-side function
   `ledger_write_one_v7` (created on open) takes the premise lock SHARED, checks that the
   premise is still the one the plan was judged on (an equality of the stored facts, no

@@ -972,7 +972,9 @@ def test_server_down_longer_than_the_retry_budget_is_a_clear_error(tmp_path: Pat
         pytest.skip(str(exc))
     try:
         url = pg_server.new_database(server)
-        led = _ledger(url, retry_seconds=1.0)
+        # a budget past psycopg_pool's reconnect backoff (1 s, then 2 s, ...): with 1 s the
+        # first call after the restart passed or not by the phase of that backoff
+        led = _ledger(url, retry_seconds=3.0)
         add_rewarded(led, ["a", "b"])
         server.stop()
         with pytest.raises(BackendUnavailable, match=r"PostgreSQL at 127\.0\.0\.1"):
