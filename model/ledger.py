@@ -1184,6 +1184,7 @@ def stored_shapes(cls: type[Any]) -> list[tuple[str, ...]]:
     """The key tuples `read_entry` trusts for `cls` (an entry or a record nested in one)."""
     return list(_SHAPES[cls])
 
+
 # json.loads' own scanner (C where the interpreter has it), set up as json.loads sets it up
 _scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
@@ -1787,8 +1788,7 @@ class StoreLedger:
         if (
             one is not None
             and type(admission) is AdmissionStamp
-            and rules.reservation_refusal(admission, admission.behavior_version, None, None)
-            is None
+            and rules.reservation_refusal(admission, admission.behavior_version, None, None) is None
         ):  # the stamp alone passes: the store may judge the rest and write in one call
             won = one.reserve_one(
                 check_id(rollout_id),
