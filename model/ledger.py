@@ -1782,6 +1782,10 @@ class StoreLedger:
         was judged on still holds under the premise lock (else the step judges it again).
         Every answer is true at one instant inside the call: a refusal the step's premise
         gives is paired with the row the step itself reads (issue 33).
+
+        A `OneCallStore` (PostgreSQL) first tries the whole reservation in one round trip,
+        for a stamp that passes on its own: the store writes only a certain win, judged at
+        the write's instant, and otherwise writes nothing and this path runs as above.
         """
         check_update_id(update_id)
         one = self._one_call

@@ -1000,6 +1000,7 @@ def test_commit_whose_answer_was_lost_is_resolved_not_repeated(
     (Transaction ids decide nothing: a server restarted before the WAL reached the kernel
     reuses them, and the restart test once saw pg_xact_status call a lost commit landed.)"""
     from rollout_lifecycle.model import postgres_common as pc
+    from rollout_lifecycle.model.postgres_ledger import PostgresStore
 
     led = _ledger(postgres_url)
     add_rewarded(led, ["a", "b", "c"])
@@ -1039,6 +1040,8 @@ def test_commit_whose_answer_was_lost_is_resolved_not_repeated(
 
     monkeypatch.setattr(pc.PostgresDatabase, "_write_once", flaky)
     monkeypatch.setattr(pc.PostgresDatabase, "_fate", spy)
+    # the full step's lost commit (the one-call form's: test_postgres_one_call)
+    monkeypatch.setattr(PostgresStore, "reserve_one", lambda *_: None)
     out = led.reserve("a", 0, "u1", stamp())
     assert out.reserved and mode["calls"] == 1 and db.in_doubt_resolved == 1
     assert fates == ["committed"]

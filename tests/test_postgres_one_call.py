@@ -221,3 +221,31 @@ def test_the_request_texts_are_the_full_paths_encoding() -> None:
         assert req["before"] in dump_entry(before)
         ev = EntryChanged(0, 0, 7.25, before.rollout_id, "reserve", before, after, owner)
         assert payload + repr(lease) + req["tail"] == stored_payload(ev, None)
+
+
+def test_a_one_call_whose_answer_was_lost_is_resolved_by_its_mark(
+    deployment: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one call committed but its answer never came: the commit mark says it landed,
+    so it is not sent again, and the reservation returns the row as stored."""
+    from rollout_lifecycle.model import postgres_common as pc
+
+    b, _, url = deployment
+    add_rewarded(b.ledger, ["primer", "a"])
+    assert b.ledger.reserve("primer", 0, "u", stamp()).reserved
+    real = pc.PostgresDatabase._write_once
+    sent: list[int] = []
+
+    def lost(self: Any, body: Any, attempt: Any, prologue: str = "") -> Any:
+        sent.append(1)
+        real(self, body, attempt, prologue)  # it committed ...
+        attempt.committing = True
+        raise pc._ConnectionBroke("server closed the connection")  # ... the answer got lost
+
+    monkeypatch.setattr(pc.PostgresDatabase, "_write_once", lost)
+    out = b.ledger.reserve("a", 0, "u", stamp())
+    monkeypatch.undo()
+    assert out.reserved and out.reason == "reserved" and len(sent) == 1
+    assert out.entry == b.ledger.get("a") and out.entry.reserved_by == "u"
+    assert [e.event for e in b.ledger.history("a")] == ["add", "reserve"]
+    assert audit(b.ledger.stored_rows()).violations == []
