@@ -230,7 +230,7 @@ def test_a_one_call_whose_answer_was_lost_is_resolved_by_its_mark(
     so it is not sent again, and the reservation returns the row as stored."""
     from rollout_lifecycle.model import postgres_common as pc
 
-    b, _, url = deployment
+    b, _, _ = deployment
     add_rewarded(b.ledger, ["primer", "a"])
     assert b.ledger.reserve("primer", 0, "u", stamp()).reserved
     real = pc.PostgresDatabase._write_once
