@@ -474,8 +474,8 @@ _ONE_CALL = f"""\
             SELECT 1 FROM (SELECT '' AS f, v_entry::json AS j
                            UNION ALL SELECT n, v_entry::json -> n FROM unnest(q.nested) n) x
             WHERE json_typeof(x.j) <> 'null' AND (json_typeof(x.j) <> 'object' OR
-                (x.f || ':' || (SELECT string_agg(t.k, ',' ORDER BY t.i)
-                                FROM json_object_keys(x.j) WITH ORDINALITY AS t(k, i)))
+                (x.f || ':' || coalesce((SELECT string_agg(t.k, ',' ORDER BY t.i)
+                                FROM json_object_keys(x.j) WITH ORDINALITY AS t(k, i)), ''))
                 <> ALL(q.shapes))
         ) THEN
             RETURN 'moved';
