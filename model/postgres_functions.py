@@ -68,7 +68,9 @@ from rollout_lifecycle.model.postgres_roles import (
     REFUSAL_MARK,
     operation_rows,
 )
+from rollout_lifecycle.model.ledger import NESTED_IN_ENTRY
 from rollout_lifecycle.model.rules import ROLLBACK_KEPT, WAS_ACTIVE_STATES
+from rollout_lifecycle.model.sql_unit import STORED_SHAPES
 
 COMPONENT = "functions"
 
@@ -441,17 +443,22 @@ def _cas_many_body() -> str:
 # `model.sql_unit.one_call_request`): the stamp's version, current version, max_lag and
 # max_drift (the stamp alone was judged by the client), the row's expected text between
 # ',"state":' and ',"reward":' (rewarded at the expected revision, no owner, no lease),
-# the stamp's JSON, the tail of the event's payload, the lease's seconds (NULL: `p_lease`
-# is the deadline, from an injected clock) and the key layouts `read_entry` trusts.
+# the stamp's JSON, the tail of the event's payload and the lease's seconds (NULL:
+# `p_lease` is the deadline, from an injected clock); the key layouts `read_entry` trusts
+# are constants of the definition.
 # `p_entry` and `p_payload` carry the texts before the lease's value; the lease is the
 # server's clock plus the seconds, written as Python's repr writes it (a shortest
 # round-trip decimal; any other form of the float8's text is a doubt). The splice is
 # `model.sql_unit.splice_entry`'s, for a row whose stamp is null.
+# the key layouts `read_entry` trusts ("field:key,...", '' the entry's own) and the
+# fields that hold nested records: identifiers, commas and colons only
+_SHAPES_SQL = "ARRAY[" + ", ".join(f"'{x}'" for x in STORED_SHAPES) + "]::text[]"
+_NESTED_SQL = "ARRAY[" + ", ".join(f"'{x}'" for x in sorted(NESTED_IN_ENTRY)) + "]::text[]"
+assert all(re.fullmatch(r"[a-z_:,]+", x) for x in STORED_SHAPES)
 _ONE_CALL = f"""\
         SELECT * INTO q FROM json_to_record(p_premise::json) AS x(
             version bigint, stamp_current bigint, max_lag bigint, max_drift float8,
-            before text, admission text, tail text, seconds float8, shapes text[],
-            nested text[]);
+            before text, admission text, tail text, seconds float8);
         IF v_rev IS DISTINCT FROM p_expected OR v_was IS DISTINCT FROM 'rewarded'
            OR v_version IS DISTINCT FROM q.version THEN
             RETURN 'moved';
@@ -469,15 +476,18 @@ _ONE_CALL = f"""\
            OR substr(v_entry, v_i, v_j - v_i) IS DISTINCT FROM q.before THEN
             RETURN 'moved';
         END IF;
-        -- a shape `read_entry` trusts, at the top and in each nested record
-        IF EXISTS (
-            SELECT 1 FROM (SELECT '' AS f, v_entry::json AS j
-                           UNION ALL SELECT n, v_entry::json -> n FROM unnest(q.nested) n) x
-            WHERE json_typeof(x.j) <> 'null' AND (json_typeof(x.j) <> 'object' OR
-                (x.f || ':' || coalesce((SELECT string_agg(t.k, ',' ORDER BY t.i)
-                                FROM json_object_keys(x.j) WITH ORDINALITY AS t(k, i)), ''))
-                <> ALL(q.shapes))
-        ) THEN
+        -- a shape `read_entry` trusts, at the top and in each nested record, and the
+        -- row's artifact hash, in one pass over the stored text
+        SELECT string_agg(t.k, ',' ORDER BY t.i),
+               bool_and(t.k <> ALL({_NESTED_SQL}) OR json_typeof(t.v) = 'null'
+                   OR (json_typeof(t.v) = 'object' AND (t.k || ':' || coalesce((
+                       SELECT string_agg(x.k, ',' ORDER BY x.i)
+                       FROM json_object_keys(t.v) WITH ORDINALITY AS x(k, i)), ''))
+                       = ANY({_SHAPES_SQL}))),
+               max(t.v #>> '{{}}') FILTER (WHERE t.k = 'artifact_hash')
+        INTO v_keys, v_ok, v_digest
+        FROM json_each(v_entry::json) WITH ORDINALITY AS t(k, v, i);
+        IF v_ok IS NOT TRUE OR (':' || coalesce(v_keys, '')) <> ALL({_SHAPES_SQL}) THEN
             RETURN 'moved';
         END IF;
         -- `reservation_refusal` with the registry's facts now (none: only the stamp);
@@ -489,7 +499,7 @@ _ONE_CALL = f"""\
                 WHERE p.id = 1 AND l.id = 1 AND a.version = v_version
                   AND a.version IN ({_RESERVABLE.format(version="v_version")})
                   AND q.max_lag <= l.max_lag AND q.max_drift <= l.max_drift
-                  AND a.artifact_hash = (v_entry::json ->> 'artifact_hash')
+                  AND a.artifact_hash = v_digest
                   AND c.version = q.stamp_current AND c.state = ANY({_WAS_ACTIVE})
                   AND p.version - v_version BETWEEN 0 AND least(q.max_lag, l.max_lag))
             THEN
@@ -535,6 +545,9 @@ DECLARE
     v_j integer;
     v_k integer;
     v_lease text;
+    v_keys text;
+    v_ok boolean;
+    v_digest text;
 BEGIN{_CHECK}
     IF NOT p_kind = ANY(o.kinds) THEN
         {_refuse("operation % may not record events of kind %", "p_op, p_kind")};

@@ -108,13 +108,12 @@ def stamp_json(stamp: AdmissionStamp) -> str:
 
 
 # Every key layout `read_entry` trusts, as "field:key,key,..." ('' for the entry itself):
-# the one-call reservation splices only a row laid out as one of them (see below)
+# the PostgreSQL one-call reservation splices only a row laid out as one of them
 STORED_SHAPES = sorted(
     f"{where}:{','.join(shape)}"
     for where, cls in (("", LedgerEntry), *NESTED_IN_ENTRY.items())
     for shape in stored_shapes(cls)
 )
-_NESTED = sorted(NESTED_IN_ENTRY)
 
 
 def one_call_texts(
@@ -154,8 +153,6 @@ def one_call_texts(
         "admission": admission,
         "tail": f',"admission":{admission}}},"update_id":{owner},"kind":"entry"}}',
         "seconds": seconds,
-        "shapes": STORED_SHAPES,
-        "nested": _NESTED,
     }
     return fields, payload, json.dumps(request, separators=(",", ":"))
 

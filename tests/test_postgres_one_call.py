@@ -249,3 +249,32 @@ def test_a_one_call_whose_answer_was_lost_is_resolved_by_its_mark(
     assert out.entry == b.ledger.get("a") and out.entry.reserved_by == "u"
     assert [e.event for e in b.ledger.history("a")] == ["add", "reserve"]
     assert audit(b.ledger.stored_rows()).violations == []
+
+
+def test_a_row_that_kept_its_stamp_takes_the_full_path(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollout whose lease expired is rewarded again with its old stamp still stored: the
+    one call splices only a row whose stamp is null, so it answers 'moved' and the full
+    path writes it, dump_entry's text either way."""
+    with open_backend(postgres_url) as b:  # the registry's premise, judged by the audit
+        set_admission_policy(b.registry, POLICY, "set by the operator")
+        _activate(ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY), 1)
+    now = [1_700_000_000.5]
+    led = PostgresLedger(postgres_url, clock=lambda: now[0], lease_seconds=10.0)
+    try:
+        add_rewarded(led, ["p1", "p2", "a"])
+        assert led.reserve("p1", 0, "u1", stamp()).reserved
+        assert led.reserve("a", 0, "u1", stamp()).reserved
+        now[0] += 60.0
+        led.expire_leases()
+        again = led.get("a")
+        assert again.state == "rewarded" and again.admission is not None, again
+        assert led.reserve("p2", 0, "u2", stamp()).reserved  # records u2
+        calls = _calls(monkeypatch)
+        out = led.reserve("a", again.revision, "u2", stamp())
+        assert out.reserved and out.entry is not None and calls == [None]
+        assert _stored(postgres_url, "a")[0] == dump_entry(out.entry)
+        assert audit(led.stored_rows()).violations == []
+    finally:
+        led.close()
