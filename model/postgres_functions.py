@@ -48,6 +48,7 @@ from collections.abc import Sequence
 
 from rollout_lifecycle.model.errors import LedgerError
 from rollout_lifecycle.model.events import UpdateChange, row_event
+from rollout_lifecycle.model.ledger import NESTED_IN_ENTRY
 from rollout_lifecycle.model.postgres_common import (
     CHAIN_CHECK,
     CHAIN_PREV,
@@ -68,7 +69,6 @@ from rollout_lifecycle.model.postgres_roles import (
     REFUSAL_MARK,
     operation_rows,
 )
-from rollout_lifecycle.model.ledger import NESTED_IN_ENTRY
 from rollout_lifecycle.model.rules import ROLLBACK_KEPT, WAS_ACTIVE_STATES
 from rollout_lifecycle.model.sql_unit import STORED_SHAPES
 
