@@ -630,7 +630,8 @@ class PostgresStore:
             *counts,
             update_id,
         )
-        got = self.atomic(OneStatement(_WRITE_ONE_CALL, params, _one_call, ""), _RESERVE_STEP)
+        call: OneStatement[str | None] = OneStatement(_WRITE_ONE_CALL, params, _one_call, "")
+        got = self.atomic(call, _RESERVE_STEP)
         if got is None:
             return None
         if not got:  # written, but the answer was lost (the commit mark says it landed)
