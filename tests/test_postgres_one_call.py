@@ -155,6 +155,43 @@ def test_anything_but_a_certain_win_writes_nothing_and_the_full_path_answers(
     """Each refusal (and a win the one call cannot be sure of: the update's first
     reservation records it) is answered by the full path, as before: the one call wrote
     nothing (None), or was not tried at all for a stamp that fails on its own."""
+    _doubt(deployment, monkeypatch, setup, request_, reason)
+
+
+_JUDGED = ("        -- `reservation_refusal` with the registry's facts now", "        IF q.seconds")
+
+
+def test_the_doubts_catch_a_one_call_that_does_not_judge_the_premise(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test above kills a one call built without its judgement of the stamp against the
+    registry (a stamp looser than the policy then wins in one call)."""
+    from rollout_lifecycle.model import postgres_ledger as pl
+    from rollout_lifecycle.stateful_tests.mutants import write_one_variant
+
+    a, b = (pl._WRITE_ONE_DDL.index(m) for m in _JUDGED)
+    with write_one_variant(
+        "_unjudged", lambda d: d[: d.index(_JUDGED[0])] + d[d.index(_JUDGED[1]) :]
+    ):
+        assert b > a
+        with open_backend(postgres_url) as bk:
+            set_admission_policy(bk.registry, POLICY, "set by the operator")
+            coord = ActivationCoordinator(bk.registry, ["w0"], ledger=bk.ledger, policy=POLICY)
+            _activate(coord, 1)
+            looser = ("a", 0, "u", attrs.evolve(stamp(), max_lag=2))
+            with pytest.raises(AssertionError) as caught:
+                _doubt((bk, coord, postgres_url), monkeypatch, None, looser, "looser_than_policy")
+            # it won, in one call, what the full path refuses
+            assert "reserved=True, reason='reserved'" in str(caught.value), caught.value
+
+
+def _doubt(
+    deployment: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    setup: Any,
+    request_: tuple[str, int, str, Any],
+    reason: str,
+) -> None:
     b, coord, url = deployment
     add_rewarded(b.ledger, ["primer", "a"])
     b.ledger.add(rewarded("v0", version=0))
