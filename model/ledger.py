@@ -1177,6 +1177,13 @@ _BUILDERS = {
 
 
 _NESTED_BUILDERS = tuple((k, _BUILDERS[cls]) for k, cls in _NESTED_IN_ENTRY.items())
+NESTED_IN_ENTRY: Mapping[str, type[Any]] = _NESTED_IN_ENTRY  # the records nested in an entry
+
+
+def stored_shapes(cls: type[Any]) -> list[tuple[str, ...]]:
+    """The key tuples `read_entry` trusts for `cls` (an entry or a record nested in one)."""
+    return list(_SHAPES[cls])
+
 
 # json.loads' own scanner (C where the interpreter has it), set up as json.loads sets it up
 _scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
@@ -1490,6 +1497,30 @@ class GuardedStore(Protocol):
         ...
 
 
+@runtime_checkable
+class OneCallStore(Protocol):
+    """A store that can make a whole single reservation in one round trip where it is
+    certainly a win (PostgreSQL: the server judges the premise and splices the row)."""
+
+    def reserve_one(
+        self,
+        rollout_id: str,
+        expected_revision: int,
+        update_id: str,
+        stamp: AdmissionStamp,
+        at: float,
+        lease_expires_at: float,
+        lease_seconds: float,
+    ) -> LedgerEntry | None:
+        """Reserve `rollout_id` at `expected_revision` for `update_id`, judged and written
+        in one atomic call, but only where `plan_reserve` on the row and premise of that
+        instant would plan exactly this write (the row rewarded at that revision, the
+        update recorded and not poisoned, `stamp` (which passed on its own) reservable
+        now): the entry written; None when anything else may be the answer, having
+        written nothing (the caller runs the full path, whose own read answers)."""
+        ...
+
+
 class StoreLedger:
     """The one ledger: the protocol over any `Store`.
 
@@ -1516,6 +1547,7 @@ class StoreLedger:
         self._outcomes: Counter[str] = Counter()
         self._outcomes_lock = threading.Lock()
         self._guarded = store if isinstance(store, GuardedStore) else None
+        self._one_call = store if isinstance(store, OneCallStore) else None
         # whether an add must hold the dispatch lock alone (it counts the live budget under
         # a pacing policy): assumed until a step reads that no pacing policy is recorded
         self._adds_count = True
@@ -1750,8 +1782,29 @@ class StoreLedger:
         was judged on still holds under the premise lock (else the step judges it again).
         Every answer is true at one instant inside the call: a refusal the step's premise
         gives is paired with the row the step itself reads (issue 33).
+
+        A `OneCallStore` (PostgreSQL) first tries the whole reservation in one round trip,
+        for a stamp that passes on its own: the store writes only a certain win, judged at
+        the write's instant, and otherwise writes nothing and this path runs as above.
         """
         check_update_id(update_id)
+        one = self._one_call
+        if (
+            one is not None
+            and type(admission) is AdmissionStamp
+            and rules.reservation_refusal(admission, admission.behavior_version, None, None) is None
+        ):  # the stamp alone passes: the store may judge the rest and write in one call
+            won = one.reserve_one(
+                check_id(rollout_id),
+                check_revision(expected_revision),
+                update_id,
+                admission,
+                self.clock(),
+                self.clock() + self.lease_seconds,
+                self.lease_seconds,
+            )
+            if won is not None:
+                return ReserveOutcome(rollout_id, True, RESERVED, won)
         guarded, seen, start = self._guarded, None, None
         if guarded is not None:  # the row and the premise in one read: judged right here
             entry, record, seen = guarded.peek(check_id(rollout_id), update_id)

@@ -8,9 +8,11 @@ refuses (SQLSTATE 42501, insufficient_privilege, its DETAIL naming the operation
 roles it needs) an operation the caller's role may not run, and a change the operation
 does not make:
 
-    ledger_write_one_v6  a single compare-and-set with its event, counters and commit mark
+    ledger_write_one_v7  a single compare-and-set with its event, counters and commit mark
                          (a reservation's update still recorded and not poisoned; the
-                         chain's head checked against the newest event)
+                         chain's head checked against the newest event); with p_guard 3
+                         a whole reservation in one call, only where it certainly wins
+                         (`_ONE_CALL`), else 'moved' and nothing written
     rl_write_rows        a set of compare-and-sets (`CAS_MANY`), the winners returned
     rl_lock_rows         the rows a step reads to write (FOR UPDATE needs UPDATE rights)
     rl_insert_rows       new rollouts (add, dispatch)
@@ -46,6 +48,7 @@ from collections.abc import Sequence
 
 from rollout_lifecycle.model.errors import LedgerError
 from rollout_lifecycle.model.events import UpdateChange, row_event
+from rollout_lifecycle.model.ledger import NESTED_IN_ENTRY
 from rollout_lifecycle.model.postgres_common import (
     CHAIN_CHECK,
     CHAIN_PREV,
@@ -67,16 +70,18 @@ from rollout_lifecycle.model.postgres_roles import (
     operation_rows,
 )
 from rollout_lifecycle.model.rules import ROLLBACK_KEPT, WAS_ACTIVE_STATES
+from rollout_lifecycle.model.sql_unit import STORED_SHAPES
 
 COMPONENT = "functions"
 
 # what a step's one statement returns when the function raised nothing
 # a changed body gets a new name: v1-v3 before roles; v4 (roles) the operation's checks;
 # v5 (main, without roles) the chain's check and the update guard; v6 all of them
-WRITE_ONE = "ledger_write_one_v6"
+# v7 the one-call reservation (p_guard 3: judged and spliced by the server, see `_ONE_CALL`)
+WRITE_ONE = "ledger_write_one_v7"
 # every name this program's functions ever had here: dropped before (re)creating them, so
 # a changed signature or return type leaves no stale overload behind
-OLD_NAMES = ("ledger_write_one_v4", "ledger_write_one_v5")
+OLD_NAMES = ("ledger_write_one_v4", "ledger_write_one_v5", "ledger_write_one_v6")
 
 # The batch compare-and-set, the one statement inside `rl_write_rows`. `locked` takes the
 # row locks of the rows whose revision still matches, in rollout_id order (deadlock-free
@@ -431,6 +436,89 @@ def _cas_many_body() -> str:
     return re.sub(r"%\((\w+)\)b", lambda m: _CAS_VARS[m.group(1)], CAS_MANY).strip()
 
 
+# The one-call reservation (p_guard 3), inside the write-one function after the premise
+# lock: it writes only where `model.ledger.plan_reserve` would certainly plan this very
+# write, and answers 'moved' (nothing written: the client runs the full path, whose own
+# read gives every refusal) on any doubt. The request (`p_premise`, JSON, see
+# `model.sql_unit.one_call_request`): the stamp's version, current version, max_lag and
+# max_drift (the stamp alone was judged by the client), the row's expected text between
+# ',"state":' and ',"reward":' (rewarded at the expected revision, no owner, no lease),
+# the stamp's JSON, the tail of the event's payload and the lease's seconds (NULL:
+# `p_lease` is the deadline, from an injected clock); the key layouts `read_entry` trusts
+# are constants of the definition.
+# `p_entry` and `p_payload` carry the texts before the lease's value; the lease is the
+# server's clock plus the seconds, written as Python's repr writes it (a shortest
+# round-trip decimal; any other form of the float8's text is a doubt). The splice is
+# `model.sql_unit.splice_entry`'s, for a row whose stamp is null.
+# the key layouts `read_entry` trusts ("field:key,...", '' the entry's own) and the
+# fields that hold nested records: identifiers, commas and colons only
+_SHAPES_SQL = "ARRAY[" + ", ".join(f"'{x}'" for x in STORED_SHAPES) + "]::text[]"
+_NESTED_SQL = "ARRAY[" + ", ".join(f"'{x}'" for x in sorted(NESTED_IN_ENTRY)) + "]::text[]"
+assert all(re.fullmatch(r"[a-z_:,]+", x) for x in STORED_SHAPES)
+_ONE_CALL = f"""\
+        SELECT * INTO q FROM json_to_record(p_premise::json) AS x(
+            version bigint, stamp_current bigint, max_lag bigint, max_drift float8,
+            before text, admission text, tail text, seconds float8);
+        IF v_rev IS DISTINCT FROM p_expected OR v_was IS DISTINCT FROM 'rewarded'
+           OR v_version IS DISTINCT FROM q.version THEN
+            RETURN 'moved';
+        END IF;
+        -- the layout `splice_entry` reads: first ',"state":', the first ',"reward":'
+        -- after it, the last ',"releases":', with ',"admission":null' right before it
+        v_i := strpos(v_entry, ',"state":');
+        v_j := strpos(substr(v_entry, v_i + 1), ',"reward":') + v_i;
+        v_k := strpos(reverse(v_entry), reverse(',"releases":'));
+        IF v_i = 0 OR v_j = v_i OR v_k = 0 THEN
+            RETURN 'moved';
+        END IF;
+        v_k := length(v_entry) - v_k - length(',"releases":') + 2;
+        IF v_k - 17 < v_j OR substr(v_entry, v_k - 17, 17) <> ',"admission":null'
+           OR substr(v_entry, v_i, v_j - v_i) IS DISTINCT FROM q.before THEN
+            RETURN 'moved';
+        END IF;
+        -- a shape `read_entry` trusts, at the top and in each nested record, and the
+        -- row's artifact hash, in one pass over the stored text
+        SELECT string_agg(t.k, ',' ORDER BY t.i),
+               bool_and(t.k <> ALL({_NESTED_SQL}) OR json_typeof(t.v) = 'null'
+                   OR (json_typeof(t.v) = 'object' AND (t.k || ':' || coalesce((
+                       SELECT string_agg(x.k, ',' ORDER BY x.i)
+                       FROM json_object_keys(t.v) WITH ORDINALITY AS x(k, i)), ''))
+                       = ANY({_SHAPES_SQL}))),
+               max(t.v #>> '{{}}') FILTER (WHERE t.k = 'artifact_hash')
+        INTO v_keys, v_ok, v_digest
+        FROM json_each(v_entry::json) WITH ORDINALITY AS t(k, v, i);
+        IF v_ok IS NOT TRUE OR (':' || coalesce(v_keys, '')) <> ALL({_SHAPES_SQL}) THEN
+            RETURN 'moved';
+        END IF;
+        -- `reservation_refusal` with the registry's facts now (none: only the stamp);
+        -- nested: the registry's tables are planned only where they exist
+        IF to_regclass('registry_pointer') IS NOT NULL THEN
+            IF NOT EXISTS (
+                SELECT 1 FROM registry_artifacts a, registry_pointer p, registry_policy l,
+                    registry_artifacts c
+                WHERE p.id = 1 AND l.id = 1 AND a.version = v_version
+                  AND a.version IN ({_RESERVABLE.format(version="v_version")})
+                  AND q.max_lag <= l.max_lag AND q.max_drift <= l.max_drift
+                  AND a.artifact_hash = v_digest
+                  AND c.version = q.stamp_current AND c.state = ANY({_WAS_ACTIVE})
+                  AND p.version - v_version BETWEEN 0 AND least(q.max_lag, l.max_lag))
+            THEN
+                RETURN 'moved';
+            END IF;
+        END IF;
+        IF q.seconds IS NOT NULL THEN
+            p_lease := extract(epoch FROM clock_timestamp())::float8 + q.seconds;
+        END IF;
+        v_lease := p_lease::text;
+        IF v_lease !~ '^[0-9]+[.][0-9]+$' OR v_lease::float8 <> p_lease THEN
+            RETURN 'moved';
+        END IF;
+        p_entry := substr(v_entry, 1, v_i - 1) || p_entry || v_lease
+            || substr(v_entry, v_j, v_k - 17 - v_j) || ',"admission":' || q.admission
+            || substr(v_entry, v_k);
+        p_payload := p_payload || v_lease || q.tail;"""
+
+
 _SD = "@SECURITY_DEFINER@"  # where the write-one template says how it runs
 
 
@@ -451,14 +539,31 @@ DECLARE
     v_rev bigint;
     v_version bigint;
     v_update text;
+    v_entry text;
+    q record;
+    v_i integer;
+    v_j integer;
+    v_k integer;
+    v_lease text;
+    v_keys text;
+    v_ok boolean;
+    v_digest text;
 BEGIN{_CHECK}
     IF NOT p_kind = ANY(o.kinds) THEN
         {_refuse("operation % may not record events of kind %", "p_op, p_kind")};
     END IF;
-    SELECT state, revision, behavior_version INTO v_was, v_rev, v_version
-    FROM rollouts WHERE rollout_id = p_rollout_id;
+    IF p_guard = 3 THEN  -- the one-call reservation splices the row's stored text
+        SELECT state, revision, behavior_version, entry INTO v_was, v_rev, v_version, v_entry
+        FROM rollouts WHERE rollout_id = p_rollout_id;
+    ELSE
+        SELECT state, revision, behavior_version INTO v_was, v_rev, v_version
+        FROM rollouts WHERE rollout_id = p_rollout_id;
+    END IF;
     IF p_guard > 0 OR {reserving} THEN
         PERFORM pg_advisory_xact_lock_shared({K_PREMISE}, hashtext(current_schema()));
+    END IF;
+    IF p_guard = 3 THEN
+{_ONE_CALL}
     END IF;
     IF p_guard = 1 AND to_regclass('registry_pointer') IS NOT NULL THEN
         RETURN 'moved';
@@ -519,6 +624,9 @@ BEGIN{_CHECK}
     ORDER BY c.name
     ON CONFLICT (name, shard) DO UPDATE SET n = ledger_counters.n + excluded.n;
     INSERT INTO commit_marks(token) VALUES (p_token);
+    IF p_guard = 3 THEN
+        RETURN p_entry;  -- the row as written: the client needs no other read
+    END IF;
     RETURN 'won';
 END
 $fn$;

@@ -29,10 +29,18 @@ operation (model.postgres_roles), with or without roles the same calls:
   under READ COMMITTED the predicate is re-checked on rows that changed while waiting.
   The bad-version lock (shared for add/abort/expiry, exclusive for quarantine_version)
   keeps a rollout of a version being marked bad from slipping through open.
-- A single reservation (`peek`, `write_one`: the ledger's `GuardedStore`) is two round
-  trips. One autocommit read takes the row, the premise and the server's time; the ledger
+- A single reservation of an update already recorded is ONE round trip (`reserve_one`,
+  the ledger's `OneCallStore`): one call of the write-one function in its one-call form
+  (p_guard 3) takes the premise lock SHARED, judges the row and the premise as
+  `plan_reserve` would, splices the entry and the event's payload the way the client's
+  `SqlUnit` does (the lease the server's clock plus the lease's seconds), and writes only
+  a certain win; anything else (a refusal, a lost compare-and-set, the update's first
+  reservation, a row laid out otherwise) writes nothing and answers 'moved', and the
+  reservation takes the path below, whose own read gives every refusal (issue 33).
+- Otherwise a single reservation (`peek`, `write_one`: the ledger's `GuardedStore`) is two
+  round trips. One autocommit read takes the row, the premise and the server's time; the ledger
   plans, judges and enforces on them; then ONE call of the server-side function
-  `ledger_write_one_v6` (created on open) takes the premise lock SHARED, checks that the
+  `ledger_write_one_v7` (created on open) takes the premise lock SHARED, checks that the
   premise is still the one the plan was judged on (an equality of the stored facts, no
   rule), compare-and-sets the row, appends its event and counters by the steps of the
   statement `append_events` sends (as plain statements, in the same order), and inserts
@@ -107,11 +115,12 @@ from rollout_lifecycle.model.postgres_functions import (
 from rollout_lifecycle.model.postgres_functions import WRITE_ONE as WRITE_ONE
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
+    AdmissionStamp,
     LedgerEntry,
     UpdateRecord,
 )
 from rollout_lifecycle.model.rules import retired_from_rows
-from rollout_lifecycle.model.sql_unit import UPDATE_COLUMNS, SqlUnit, read_bad
+from rollout_lifecycle.model.sql_unit import UPDATE_COLUMNS, SqlUnit, one_call_texts, read_bad
 
 T = TypeVar("T")
 
@@ -218,6 +227,17 @@ def _counters(counts: Mapping[str, int]) -> tuple[str, str]:
 
 
 _COUNTER_NAME = re.compile(r"(?!null$)[a-z_]+")  # an array literal's bare word, not NULL
+
+
+_RESERVED_COUNTS = {"writes": 1, "reservations": 1}
+_RESERVE_STEP = Step("reserve", premise=True)
+
+
+def _one_call(row: tuple[Any, ...] | None) -> str | None:
+    """The one-call reservation's answer: the entry's text when it wrote, else None."""
+    assert row is not None and row[0] is not None, row
+    text = str(row[0])
+    return text if text.startswith("{") else None
 
 
 def _won(row: tuple[Any, ...] | None) -> WriteOutcome:
@@ -573,6 +593,50 @@ class PostgresStore:
             owner,
         )
         return self.atomic(OneStatement(_WRITE_ONE_CALL, params, _won, "won"), step)
+
+    def reserve_one(
+        self,
+        rollout_id: str,
+        expected_revision: int,
+        update_id: str,
+        stamp: AdmissionStamp,
+        at: float,
+        lease_expires_at: float,
+        lease_seconds: float,
+    ) -> LedgerEntry | None:
+        """A whole reservation in ONE call of the write-one function (p_guard 3): the
+        server judges it under the premise lock and writes it only where the step would
+        certainly plan exactly this write (see `postgres_functions._ONE_CALL`); the entry
+        written, or None: nothing was written, run the full path. `lease_expires_at` is
+        the deadline of an injected clock (used only without the server's)."""
+        seconds = lease_seconds if self.server_clock else None
+        fields, payload, request = one_call_texts(
+            rollout_id, expected_revision, update_id, stamp, at, seconds
+        )
+        counts = _counters(_RESERVED_COUNTS)
+        params = (
+            "reserve",
+            3,
+            request,
+            "reserved",
+            expected_revision + 1,
+            update_id,
+            None if self.server_clock else lease_expires_at,
+            fields,
+            rollout_id,
+            expected_revision,
+            "entry",
+            payload,
+            *counts,
+            update_id,
+        )
+        call: OneStatement[str | None] = OneStatement(_WRITE_ONE_CALL, params, _one_call, "")
+        got = self.atomic(call, _RESERVE_STEP)
+        if got is None:
+            return None
+        if not got:  # written, but the answer was lost (the commit mark says it landed)
+            return self._read(lambda c: _rows(c, [rollout_id]).get(rollout_id), "reserve")
+        return load_entry(got)
 
     def view(self, body: Callable[[StoreView], T], what: str) -> T:
         """One read-only REPEATABLE READ snapshot: the body's statements (the premise, then

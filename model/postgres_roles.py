@@ -218,7 +218,7 @@ def _rows(op: Operation) -> bool:
 # which operations call each server-side function: their roles may EXECUTE it (every
 # function also checks, itself, that the operation it is asked for is the caller's)
 CALLED_BY: dict[str, Callable[[Operation], bool]] = {
-    "ledger_write_one_v6": _rows,
+    "ledger_write_one_v7": _rows,
     "rl_write_rows": _rows,
     "rl_lock_rows": _rows,
     "rl_insert_rows": lambda op: op.machine == "lifecycle" and bool(op.inserts),

@@ -28,7 +28,13 @@ from rollout_lifecycle.model.events import (
     row_event,
     stored_payload,
 )
-from rollout_lifecycle.model.ledger import dump_entry, read_entry, update_from_row
+from rollout_lifecycle.model.ledger import (
+    NESTED_IN_ENTRY,
+    dump_entry,
+    read_entry,
+    stored_shapes,
+    update_from_row,
+)
 from rollout_lifecycle.model.pacing import PacingRow, rows_from_columns
 from rollout_lifecycle.model.records import (
     AdmissionStamp,
@@ -146,6 +152,67 @@ _SCALAR_TYPES = frozenset({str, int, float, type(None)})
 _LAST_STAMP: list[tuple[object, str]] = [(object(), "")]
 
 
+def stamp_json(stamp: AdmissionStamp) -> str:
+    """A stamp's JSON as `dump_entry` nests it (the last stamp's kept: a caller reserving
+    one rollout per step mostly passes the same one)."""
+    last = _LAST_STAMP[0]
+    if last[0] is stamp:
+        return last[1]
+    text = json.dumps(to_jsonable(stamp), separators=(",", ":"))
+    _LAST_STAMP[0] = (stamp, text)
+    return text
+
+
+# Every key layout `read_entry` trusts, as "field:key,key,..." ('' for the entry itself):
+# the PostgreSQL one-call reservation splices only a row laid out as one of them
+STORED_SHAPES = sorted(
+    f"{where}:{','.join(shape)}"
+    for where, cls in (("", LedgerEntry), *NESTED_IN_ENTRY.items())
+    for shape in stored_shapes(cls)
+)
+
+
+def one_call_texts(
+    rollout_id: str,
+    expected_revision: int,
+    update_id: str,
+    stamp: AdmissionStamp,
+    at: float,
+    seconds: float | None,
+    event: str = "reserve",
+    state: str = "reserved",
+) -> tuple[str, str, str]:
+    """What the PostgreSQL one-call reservation needs to write exactly what the step would:
+    (the entry's fields through '"lease_expires_at":', the event payload through the same
+    key, the request JSON). The server puts the lease's value after each, splices the
+    entry as `splice_entry` does (over a row whose stamp is null) and ends the payload with
+    the request's tail: the bytes of `dump_entry(after)` and of `stored_payload(event)`
+    (`changed_payload` with state, revision, owner, lease and stamp changed). `seconds`
+    None: the caller passes the deadline itself (an injected clock)."""
+    revision, owner = json_scalar(expected_revision + 1), json_scalar(update_id)
+    fields = (
+        f',"state":{json_scalar(state)},"revision":{revision},"reserved_by":{owner}'
+        ',"lease_expires_at":'
+    )
+    admission = stamp_json(stamp)
+    payload = (
+        f'{{"at":{json_scalar(at)},"rollout_id":{json_scalar(rollout_id)},'
+        f'"event":{json_scalar(event)},"changed":{{{fields[1:]}'
+    )
+    request = {
+        "version": stamp.behavior_version,
+        "stamp_current": stamp.current_version,
+        "max_lag": stamp.max_lag,
+        "max_drift": stamp.max_drift,
+        "before": f',"state":"rewarded","revision":{json_scalar(expected_revision)}'
+        ',"reserved_by":null,"lease_expires_at":null',
+        "admission": admission,
+        "tail": f',"admission":{admission}}},"update_id":{owner},"kind":"entry"}}',
+        "seconds": seconds,
+    }
+    return fields, payload, json.dumps(request, separators=(",", ":"))
+
+
 @functools.cache
 def _marked(sql: str, mark: str) -> str:
     return sql if mark == "?" else sql.replace("?", mark)
@@ -242,12 +309,7 @@ class SqlUnit:
         found = self.stamps.get(id(stamp))
         if found is not None and found[0] is stamp:
             return found[1]
-        last = _LAST_STAMP[0]  # a caller reserving one rollout per step, same stamp
-        if last[0] is stamp:
-            text = last[1]
-        else:
-            text = json.dumps(to_jsonable(entry)["admission"], separators=(",", ":"))
-            _LAST_STAMP[0] = (stamp, text)
+        text = stamp_json(stamp)  # a caller reserving one rollout per step, same stamp
         self.stamps[id(stamp)] = (stamp, text)
         return text
 

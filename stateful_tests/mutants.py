@@ -691,6 +691,16 @@ def _write_one_skips_premise(write_one: Any) -> Any:
     return no_lock
 
 
+def _no_one_call(reserve_one: Any) -> Any:
+    """The one-call reservation never tried: every single reservation takes the full path
+    (a read, then the one-statement write)."""
+
+    def never(self: Any, *args: Any) -> Any:
+        return None
+
+    return never
+
+
 def _both(
     *patches: Callable[[], contextlib.AbstractContextManager[None]],
 ) -> Callable[[], contextlib.AbstractContextManager[None]]:
@@ -1142,9 +1152,13 @@ CATALOGUE += (
         "committed between its read and its write goes unseen",
         None,
         # the batch's step and the single reservation's one-statement write both lose it
+        # (the one-call reservation, whose lock is the server's, is left out: the single
+        # reservation takes the path that lost it; pg_write_one_drops_premise_lock drops
+        # the server's own)
         _both(
             _wrap(_PG, "PostgresStore.atomic", _skip_premise),
             _wrap(_PG, "PostgresStore.write_one", _write_one_skips_premise),
+            _wrap(_PG, "PostgresStore.reserve_one", _no_one_call),
         ),
         reach=("race", "premise-window"),
         klass="unloaded",

@@ -412,7 +412,7 @@ def test_the_pointer_moves_only_on_every_workers_ack(deployment: Deployment) -> 
 
 
 def _write_one(op: str, rid: str, state: str, owner: str | None, entry: str) -> tuple[Any, ...]:
-    """Arguments of ledger_write_one_v6 for a forged compare-and-set of `rid` at revision 0."""
+    """Arguments of ledger_write_one_v7 for a forged compare-and-set of `rid` at revision 0."""
     return (
         op,
         0,
@@ -447,7 +447,7 @@ def test_a_hostile_learner_cannot_reserve_a_stale_rollout_or_move_rows_it_does_n
     got = deployment.backend("learner").ledger.reserve("s-open", 0, "u", _stamp(1, 1))
     assert got.reserved, got
     entry = json.dumps({"rollout_id": "x"})
-    sql = f"SELECT ledger_write_one_v6({', '.join(['%s'] * 16)})"
+    sql = f"SELECT ledger_write_one_v7({', '.join(['%s'] * 16)})"
     with deployment.conn("learner") as conn:
         for args, why in (
             (_write_one("reserve", "s-future", "reserved", "u", entry), "may not be reserved"),

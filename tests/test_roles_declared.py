@@ -80,6 +80,6 @@ def test_grants_follow_the_list() -> None:
         line = next(s for s in sql if s.startswith(f'GRANT EXECUTE ON FUNCTION "s"."{fn}"'))
         assert sorted(re.findall(r'"(p_\w+)"', line)) == sorted(names[r] for r in who), fn
     assert grantees("rl_registry_write") == ("operator", "coordinator", "worker")
-    assert "auditor" not in grantees("ledger_write_one_v6")
+    assert "auditor" not in grantees("ledger_write_one_v7")
     assert set(grantees("rl_mark")) == set(ROLES)
     assert grant_statements("s", names, "worker", "w", "gen-0")[0] == 'GRANT "p_worker" TO "w"'
