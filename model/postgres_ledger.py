@@ -55,7 +55,6 @@ describe.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -113,14 +112,15 @@ from rollout_lifecycle.model.postgres_functions import (
     update_document,
 )
 from rollout_lifecycle.model.postgres_functions import WRITE_ONE as WRITE_ONE
+from rollout_lifecycle.model.postgres_one_call import OneCallReservations
+from rollout_lifecycle.model.postgres_one_call import counter_arrays as _counters
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
-    AdmissionStamp,
     LedgerEntry,
     UpdateRecord,
 )
 from rollout_lifecycle.model.rules import retired_from_rows
-from rollout_lifecycle.model.sql_unit import UPDATE_COLUMNS, SqlUnit, one_call_texts, read_bad
+from rollout_lifecycle.model.sql_unit import UPDATE_COLUMNS, SqlUnit, read_bad
 
 T = TypeVar("T")
 
@@ -206,38 +206,6 @@ _WRITE_ROWS = (
 _INSERT_ROWS = "SELECT * FROM rl_insert_rows(%s, %s::json)"
 _LOCK_ROWS = "SELECT * FROM rl_lock_rows(%s, %s, %s, %s, %s::text[])"
 _BAD_VERSION = "SELECT rl_bad_version(%s, %s, %s, %s)"
-_COUNTER_TEXTS: dict[tuple[tuple[str, int], ...], tuple[str, str]] = {}
-
-
-def _counters(counts: Mapping[str, int]) -> tuple[str, str]:
-    """The counters a write bumps as the text of two arrays (names, increments), by name:
-    a step's counters come from a handful of constant sets, so each is formatted once."""
-    key = tuple(sorted((k, v) for k, v in counts.items() if v))
-    found = _COUNTER_TEXTS.get(key)
-    if found is None:
-        if not all(_COUNTER_NAME.fullmatch(k) for k, _ in key):
-            raise LedgerError(f"counter names must be lowercase words, got {sorted(counts)}")
-        found = (
-            "{" + ",".join(k for k, _ in key) + "}",
-            "{" + ",".join(str(int(v)) for _, v in key) + "}",
-        )
-        if len(_COUNTER_TEXTS) < 256:  # a bound, in case a caller makes up increments
-            _COUNTER_TEXTS[key] = found
-    return found
-
-
-_COUNTER_NAME = re.compile(r"(?!null$)[a-z_]+")  # an array literal's bare word, not NULL
-
-
-_RESERVED_COUNTS = {"writes": 1, "reservations": 1}
-_RESERVE_STEP = Step("reserve", premise=True)
-
-
-def _one_call(row: tuple[Any, ...] | None) -> str | None:
-    """The one-call reservation's answer: the entry's text when it wrote, else None."""
-    assert row is not None and row[0] is not None, row
-    text = str(row[0])
-    return text if text.startswith("{") else None
 
 
 def _won(row: tuple[Any, ...] | None) -> WriteOutcome:
@@ -478,7 +446,7 @@ class _Unit(SqlUnit):
         return bool(row and row[0])
 
 
-class PostgresStore:
+class PostgresStore(OneCallReservations):
     """The ledger's tables on a PostgreSQL server; see the module doc."""
 
     def __init__(self, db: PostgresDatabase, *, server_clock: bool) -> None:
@@ -593,50 +561,6 @@ class PostgresStore:
             owner,
         )
         return self.atomic(OneStatement(_WRITE_ONE_CALL, params, _won, "won"), step)
-
-    def reserve_one(
-        self,
-        rollout_id: str,
-        expected_revision: int,
-        update_id: str,
-        stamp: AdmissionStamp,
-        at: float,
-        lease_expires_at: float,
-        lease_seconds: float,
-    ) -> LedgerEntry | None:
-        """A whole reservation in ONE call of the write-one function (p_guard 3): the
-        server judges it under the premise lock and writes it only where the step would
-        certainly plan exactly this write (see `postgres_functions._ONE_CALL`); the entry
-        written, or None: nothing was written, run the full path. `lease_expires_at` is
-        the deadline of an injected clock (used only without the server's)."""
-        seconds = lease_seconds if self.server_clock else None
-        fields, payload, request = one_call_texts(
-            rollout_id, expected_revision, update_id, stamp, at, seconds
-        )
-        counts = _counters(_RESERVED_COUNTS)
-        params = (
-            "reserve",
-            3,
-            request,
-            "reserved",
-            expected_revision + 1,
-            update_id,
-            None if self.server_clock else lease_expires_at,
-            fields,
-            rollout_id,
-            expected_revision,
-            "entry",
-            payload,
-            *counts,
-            update_id,
-        )
-        call: OneStatement[str | None] = OneStatement(_WRITE_ONE_CALL, params, _one_call, "")
-        got = self.atomic(call, _RESERVE_STEP)
-        if got is None:
-            return None
-        if not got:  # written, but the answer was lost (the commit mark says it landed)
-            return self._read(lambda c: _rows(c, [rollout_id]).get(rollout_id), "reserve")
-        return load_entry(got)
 
     def view(self, body: Callable[[StoreView], T], what: str) -> T:
         """One read-only REPEATABLE READ snapshot: the body's statements (the premise, then
