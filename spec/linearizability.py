@@ -777,8 +777,9 @@ def _view_step(ix: dict[str, int], c: Call) -> Step:
 
 
 def _sweep_step(ix: dict[str, int], c: Call) -> Step:
-    """retire_stale in one partition: every rewarded row below the window's floor at the
-    instant is retired, and only those."""
+    """retire_stale in one partition: at the instant, every open row of a rolled-back
+    (retired) version is quarantined, every other rewarded row below the window's floor is
+    retired, and only those."""
     got = {e["id"]: e for e in c.out.result or ()} if c.out.error is None else None
 
     def step(st: State) -> State | None:
@@ -788,14 +789,18 @@ def _sweep_step(ix: dict[str, int], c: Call) -> Step:
         lo, _ = cm.window(view)
         for rid, k in ix.items():
             row = rows[k]
-            due = (
+            dest = None
+            if row is not None and row.version in view.retired and row.state in cm.QUARANTINABLE:
+                dest = "quarantined"
+            elif (
                 lo is not None and row is not None and row.state == "rewarded" and row.version < lo
-            )
-            if due != (rid in got):
+            ):
+                dest = "retired_stale"
+            if (dest is not None) != (rid in got):
                 return None
-            if due:
+            if dest is not None:
                 assert row is not None
-                new = row._replace(state="retired_stale", rev=row.rev + 1)
+                new = row._replace(state=dest, rev=row.rev + 1)
                 if not cm.entry_matches(new, got[rid]):
                     return None
                 rows = _put(rows, k, new)

@@ -224,6 +224,20 @@ def policy_and_activation_at_once(policy_returns: float = 2.0) -> list[Line]:
     return s.reserve("learner", "r", 0, "u1", 1.2, 1.3, "reserved", reserved, current=1).lines
 
 
+def sweep_after_a_rollback(state: str = "quarantined") -> list[Line]:
+    """v1 is activated, a v1 rollout lands, the operator rolls back to v0 (a coordinator
+    without the ledger: nothing is quarantined by the rollback), then a dispatcher's
+    retire_stale sweeps: the open rollouts of a rolled-back version are quarantined there
+    (issue 31's item 6), never retired as stale (v1 is above the pointer, not below the
+    window)."""
+    s = Script().setup()
+    s.activate(1, 1.0)
+    doc = {"id": "r1", "state": "rewarded", "v": 1, "hash": h(1)}
+    s.call("gen", "add_many", {"entries": [doc]}, 1.1, 1.11, [row("r1", "rewarded", 0, v=1)])
+    s.call("operator", "rollback", {"keep": False}, 1.2, 1.21, [0, h(0)])
+    return s.call("sweeper", "retire_stale", {}, 1.3, 1.31, [row("r1", state, 1, v=1)]).lines
+
+
 def stale_row_refusal(answer: str = "pointer_moved") -> list[Line]:
     """Issue 33: during one reservation the pointer moves v0 -> v1, another update reserves
     and aborts the rollout (revision 0 -> 2), the pointer moves to v2. 'pointer_moved' on

@@ -1071,6 +1071,12 @@ def linearizability_cases(seed: int, generated: int) -> list[CheckerCase]:
             0.95,
             2.0,
         ),
+        (
+            "a sweep after a rollback",
+            H.sweep_after_a_rollback,
+            "retired_stale",
+            "quarantined",
+        ),
     ]
     cases = []
     for what, build, bad, good in pairs:

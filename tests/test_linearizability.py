@@ -39,6 +39,7 @@ PAIRS: list[tuple[str, Callable[..., Any], Any, Any]] = [
     ("settle_before_the_ack", H.settle_before_the_ack, True, False),
     ("settle_fails_what_was_not_awaiting", H.settle_fails_what_was_not_awaiting, 0, 1),
     ("policy_and_activation_at_once", H.policy_and_activation_at_once, 0.95, 2.0),
+    ("sweep_after_a_rollback", H.sweep_after_a_rollback, "retired_stale", "quarantined"),
 ]
 
 
