@@ -523,7 +523,7 @@ _SD = "@SECURITY_DEFINER@"  # where the write-one template says how it runs
 
 
 def _write_one_template() -> str:
-    """`ledger_write_one_v6`'s definition, `_SD` standing for how it runs (its schema)."""
+    """The write-one function's definition (`WRITE_ONE`), `_SD` standing for how it runs."""
     sd = _SD
     reserving = "p_state = 'reserved' AND v_was IS DISTINCT FROM 'reserved'"
     return f"""
