@@ -2121,11 +2121,7 @@ class StoreLedger:
         """Entries in `state`, by rollout id (at most `limit`): a learner's 'what is waiting'."""
         if state not in LIFECYCLE.states:
             raise ValueError(f"unknown lifecycle state {state!r}")
-        if limit is not None and (
-            isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
-        ):
-            raise ValueError(f"limit must be a whole number >= 0 or None, not {limit!r}")
-        return self.store.in_state(state, limit)
+        return self.store.in_state(state, None if limit is None else check_limit(limit))
 
     def update(self, update_id: str) -> UpdateRecord | None:
         """The ledger's record of `update_id` (open, landed or poisoned), or None when it

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from rollout_lifecycle.model.errors import LedgerError
 from rollout_lifecycle.model.ledger import Step, UnitOfWork, load_entry
@@ -54,19 +54,21 @@ def _one_call(row: tuple[Any, ...] | None) -> str | None:
     return text if text.startswith("{") else None
 
 
-class OneCallReservations:
-    """The store's one-call reservation (the ledger's `OneCallStore`)."""
+class _Store(Protocol):
+    """What the one call needs of PostgreSQL's store."""
 
     server_clock: bool
 
-    def atomic(self, body: Callable[[UnitOfWork], T] | OneStatement[T], step: Step) -> T:
-        raise NotImplementedError
+    def atomic(self, body: Callable[[UnitOfWork], T] | OneStatement[T], step: Step) -> T: ...
 
-    def find(self, rollout_id: str) -> LedgerEntry | None:
-        raise NotImplementedError
+    def find(self, rollout_id: str) -> LedgerEntry | None: ...
+
+
+class OneCallReservations:
+    """The store's one-call reservation (the ledger's `OneCallStore`)."""
 
     def reserve_one(
-        self,
+        self: _Store,
         rollout_id: str,
         expected_revision: int,
         update_id: str,

@@ -725,43 +725,46 @@ def _artifact_events(events: Sequence[TraceEvent]) -> list[ArtifactChanged]:
 # ---- memory --------------------------------------------------------------------------------
 
 
+class _ReadsViews(Protocol):
+    """What `ViewReads` needs of its store: a read of the store's view, the store's own
+    way (under its lock, or in a transaction of its server)."""
+
+    def _view_read(self, fn: Callable[[RegistryView], R], what: str) -> R: ...
+
+
 class ViewReads:
-    """The registry's read methods, once for every store: each store gives `_view_read`,
-    which runs a read of its view the store's own way (under its lock, or in a
-    transaction of its server)."""
+    """The registry's read methods, once for every store: each store gives `_view_read`
+    (`_ReadsViews`)."""
 
-    def _view_read(self, fn: Callable[[RegistryView], R], what: str) -> R:
-        raise NotImplementedError
-
-    def artifact(self, version: int) -> ArtifactRecord | None:
+    def artifact(self: _ReadsViews, version: int) -> ArtifactRecord | None:
         """The record of `version`, or None."""
         return self._view_read(lambda v: v.artifact(version), "artifact")
 
-    def artifacts(self) -> list[ArtifactRecord]:
+    def artifacts(self: _ReadsViews) -> list[ArtifactRecord]:
         """Every record, by version."""
         return self._view_read(lambda v: v.artifacts(), "artifacts")
 
-    def pointer(self) -> ActivePointer | None:
+    def pointer(self: _ReadsViews) -> ActivePointer | None:
         """The active pointer (None before the first activation)."""
         return self._view_read(lambda v: v.pointer(), "pointer")
 
-    def workers(self) -> dict[str, WorkerReport]:
+    def workers(self: _ReadsViews) -> dict[str, WorkerReport]:
         """Latest report per worker."""
         return self._view_read(lambda v: v.workers(), "workers")
 
-    def max_version(self) -> int | None:
+    def max_version(self: _ReadsViews) -> int | None:
         """Highest version ever registered."""
         return self._view_read(lambda v: v.max_version(), "max_version")
 
-    def required_workers(self) -> tuple[str, ...] | None:
+    def required_workers(self: _ReadsViews) -> tuple[str, ...] | None:
         """The deployment's durable required worker set (None until first set)."""
         return self._view_read(lambda v: v.required_workers(), "required_workers")
 
-    def policy(self) -> AdmissionPolicy | None:
+    def policy(self: _ReadsViews) -> AdmissionPolicy | None:
         """The deployment's recorded admission policy (None until first set)."""
         return self._view_read(lambda v: v.policy(), "policy")
 
-    def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
+    def attempt_tokens(self: _ReadsViews, version: int | None = None) -> list[AttemptToken]:
         """The stored attempt tokens (of one version), by version and worker."""
         return self._view_read(lambda v: v.attempt_tokens(version), "attempt_tokens")
 
