@@ -1068,6 +1068,10 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
         landings: list[Landing] = []
         close: list[tuple[str, str, Disposition]] = []
         self._gone_now = {g.uid for g in groups if g.uid in self._gone}
+        # a group the pacer refused for good (its chain's attempts are spent) is verl's to
+        # refill with a fresh prompt: dispatching its prompt again would be refused again,
+        # failed again and evicted again, without end (read before `forget` clears it)
+        spent = {g.uid for g in groups if g.uid in self.book.refused}
         for g in groups:
             v = self._version(g)
             if g.uid in self._gone:
@@ -1102,7 +1106,7 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
             row = None if step is None else step.entries.get(g.uid)
             self.counters[f"evicted/{row.state if row else 'ended'}"] += 1
         self._refills += len(groups)
-        again = [g.uid for g in groups if g.uid not in self._gone_now]
+        again = [g.uid for g in groups if g.uid not in self._gone_now and g.uid not in spent]
         if again and self.book.pacing:
             self._requeued += self.book.requeue(partition_id, again)
         bound = self._refill_bound

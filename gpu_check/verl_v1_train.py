@@ -61,6 +61,7 @@ class TrainPlan:
     max_attempts: int = 3
     device: str = "cpu"
     phase_timeout_s: float = 900.0
+    ack_timeout_s: float = 240.0  # the checkpoint engine's bound on every replica's ack
     kill_trainer_at: int = 3  # SIGKILL the trainer once step N's batch is reserved
     kill_replica_at: int = 5  # during the resume, SIGKILL one replica at step N
     kill_replica_rank: int = 1  # which replica's server (its pid file names it)
@@ -153,7 +154,11 @@ def overrides(plan: TrainPlan, model: Path) -> list[str]:
     cpu = plan.device == "cpu"
     keys = [
         *ledger_overrides(plan.url, RUN_ID, str(out / "artifacts")),
-        "rollout_lifecycle.ack_timeout_s=60",
+        # a resumed run's replicas make their first receive only after importing verl's
+        # engines, over 60 s on 2 loaded cores: a 60 s bound failed the resumed trainer's
+        # re-sent version with every replica "missing" (a survivor's ack never counted,
+        # and its groups quarantined until their chains' attempts ran out)
+        f"rollout_lifecycle.ack_timeout_s={plan.ack_timeout_s:g}",
         f"rollout_lifecycle.reward_fn_id={REWARD_ID[0]}",
         f"rollout_lifecycle.reward_fn_version={REWARD_ID[1]}",
         f"rollout_lifecycle.pacing_log={out / 'pacing.jsonl'}",

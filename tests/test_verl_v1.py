@@ -325,6 +325,31 @@ def test_failed_group_is_retired_with_its_cause(clean: Any, tmp_path: Path) -> N
     assert e.disposition.cause == "group_failure"
     be.close()
 
+def test_a_spent_chains_group_is_refilled_fresh_never_dispatched_again(
+    clean: Any, tmp_path: Path
+) -> None:
+    """A prompt whose attempts are spent is handed back to verl as a failed group; its
+    eviction asks verl for a fresh prompt and never re-dispatches the spent one (which the
+    ledger would refuse, fail and evict again, without end: a CPU trainer run looped so)."""
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    put_group(clean, "gspent", 1, status="failure")
+    put_group(clean, "gpaced", 1, status="failure")
+    good = put_group(clean, "gok2", 1)
+    buf = buffer(be, "run")
+    requeued: list[list[str]] = []
+    buf.book.attach(lambda: None, lambda pid, uids: requeued.append(list(uids)) or len(uids))
+    buf.book.refused.add("gspent")  # the pacer refused it: attempts exhausted
+    fresh: list[int] = []
+    buf.refill_fn = buf._refill
+    buf._trainer_refill = fresh.append
+    meta, _ = buf.sample(global_steps=2, partition_id="train", batch_size=1)
+    assert sorted(meta.keys) == sorted(good)
+    assert requeued == [["gpaced"]]  # the other failed group is paced again, not the spent one
+    assert fresh == [1]  # verl fetches one fresh prompt in the spent one's place
+    assert "gspent" not in buf.book.refused  # forgotten once evicted
+    be.close()
+
+
 
 def test_two_trainers_on_one_ledger_never_share_a_group(clean: Any, tmp_path: Path) -> None:
     be, _ = deployment(tmp_path / "s.db", versions=2)
