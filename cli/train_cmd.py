@@ -54,6 +54,21 @@ def verdict(result: dict[str, Any]) -> list[str]:
     return bad
 
 
+def summary(result: dict[str, Any]) -> str:
+    """The run's one-line verdict (docs/verl-v1.md quotes the reference's; a test checks)."""
+    bad = result.get("verdict", {}).get("why_not") or verdict(result)
+    t = result["trajectories"]
+    p = result["pacing"]
+    return (
+        f"train: {'passed' if not bad else 'FAILED: ' + '; '.join(bad)} | groups dispatched "
+        f"{t['dispatched']} consumed {t['consumed']} retired {t['retired']} live {t['live']} "
+        f"lost {t['lost']} trained twice {t['trained_twice']} | max lag "
+        f"{result['max_lag_trained']} | dispatch refusals {p['dispatch_refusals']} requeued "
+        f"{p['requeued']} never trained {p['never_trained']} max attempts "
+        f"{p['max_attempts']} | kills {result['kills']}"
+    )
+
+
 @click.command("train")
 @click.option(
     "--output",
@@ -90,15 +105,6 @@ def train(
     result["verdict"] = {"passed": not bad, "why_not": bad}
     emit_report(result, as_json=as_json, report_path=report_path, console=make_console(True))
     if not as_json:
-        t = result["trajectories"]
-        p = result["pacing"]
-        click.echo(
-            f"train: {'passed' if not bad else 'FAILED: ' + '; '.join(bad)} | groups dispatched "
-            f"{t['dispatched']} consumed {t['consumed']} retired {t['retired']} live {t['live']} "
-            f"lost {t['lost']} trained twice {t['trained_twice']} | max lag "
-            f"{result['max_lag_trained']} | dispatch refusals {p['dispatch_refusals']} requeued "
-            f"{p['requeued']} never trained {p['never_trained']} max attempts "
-            f"{p['max_attempts']} | kills {result['kills']}"
-        )
+        click.echo(summary(result))
     if bad:
         raise click.exceptions.Exit(exitcodes.FINDINGS)

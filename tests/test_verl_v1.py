@@ -325,6 +325,7 @@ def test_failed_group_is_retired_with_its_cause(clean: Any, tmp_path: Path) -> N
     assert e.disposition.cause == "group_failure"
     be.close()
 
+
 def test_a_spent_chains_group_is_refilled_fresh_never_dispatched_again(
     clean: Any, tmp_path: Path
 ) -> None:
@@ -348,7 +349,6 @@ def test_a_spent_chains_group_is_refilled_fresh_never_dispatched_again(
     assert fresh == [1]  # verl fetches one fresh prompt in the spent one's place
     assert "gspent" not in buf.book.refused  # forgotten once evicted
     be.close()
-
 
 
 def test_two_trainers_on_one_ledger_never_share_a_group(clean: Any, tmp_path: Path) -> None:

@@ -77,6 +77,17 @@ def test_committed_reference_has_the_fields_and_passes() -> None:
     assert judged_ok(doc) == []
 
 
+def test_the_docs_quote_the_committed_reference() -> None:
+    """docs/verl-v1.md's result line and trace size are the committed reference's."""
+    from rollout_lifecycle.cli.train_cmd import summary
+
+    doc = json.loads(REFERENCE.read_text())
+    text = (REFERENCE.parents[1] / "verl-v1.md").read_text()
+    assert summary(doc) in text
+    assert f"the trace ({doc['spec']['events']} events)" in text
+    assert f"the spec's {doc['spec']['invariants']} invariants" in text
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(bool(missing_modules()), reason="the [verl] extra is not installed")
