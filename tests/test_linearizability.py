@@ -18,7 +18,7 @@ import pytest
 from rollout_lifecycle.model.errors import RevisionConflict
 from rollout_lifecycle.model.ledger import MemoryLedger
 from rollout_lifecycle.spec import call_model as cm
-from rollout_lifecycle.spec.linearizability import HistoryError, check_history, read_history
+from rollout_lifecycle.spec.linearizability import HistoryError, check_history, parse, read_history
 from rollout_lifecycle.stateful_tests import call_histories as H
 from rollout_lifecycle.stateful_tests.history import (
     CallLog,
@@ -185,3 +185,101 @@ def test_registry_writes_keep_their_order_only_where_they_conflict() -> None:
     ]
     edges = set(_conflicting(range(len(ops)), calls))
     assert edges == {(0, 1), (1, 2), (1, 3), (0, 3)}, edges  # not (0, 2), nothing to 4
+
+
+_GROUPS: dict[str, tuple[str, ...]] = {
+    "policy": ("policy",),
+    "bad": ("bad",),
+    "main": ("arts", "pointer", "members", "reports", "tokens", "spent"),
+}
+
+
+def _group(reg: cm.Registry, g: str) -> tuple[Any, ...]:
+    return tuple(getattr(reg, f) for f in _GROUPS[g])
+
+
+def _with_group(reg: cm.Registry, g: str, value: tuple[Any, ...]) -> cm.Registry:
+    return reg._replace(**dict(zip(_GROUPS[g], value, strict=True)))
+
+
+def _registry_instances() -> tuple[list[tuple[cm.Registry, Any, cm.Registry]], dict[str, Any]]:
+    """Every registry call of generated sequential workloads with the state before and
+    after it, and every value each field group took."""
+    seen: dict[str, set[tuple[Any, ...]]] = {g: set() for g in _GROUPS}
+    instances: list[tuple[cm.Registry, Any, cm.Registry]] = []
+    for seed in range(4):
+        _header, calls = parse(H.generated_history(seed, steps=150))
+        reg = cm.Registry()
+        for c in sorted(calls, key=lambda c: c.seq):  # return order: nested calls first
+            if c.op not in cm.REGISTRY_OPS:
+                continue
+            new = cm.registry_step(reg, c.op, c.args, c.out)
+            if new is None:
+                # a refusal that held before the calls nested in it (a rollback settles
+                # first): it changed nothing, so the replay goes on from the same state
+                assert c.out.error is not None, c.brief()
+                continue
+            instances.append((reg, c, new))
+            for g in _GROUPS:
+                seen[g].add(_group(reg, g))
+            reg = new
+    return instances, seen
+
+
+def _footprint_findings(
+    footprint: Callable[[str], tuple[frozenset[str], frozenset[str]]],
+) -> list[str]:
+    """Where `footprint` says less than the registry's steps read or write."""
+    instances, seen = _registry_instances()
+    ops = {c.op for _r, c, _n in instances}
+    assert ops >= {"set_policy", "attach", "try_activate", "record_ack", "quarantine_version"}
+    assert all(len(v) > 1 for v in seen.values()), {g: len(v) for g, v in seen.items()}
+    found: list[str] = []
+    for reg, c, new in instances:
+        reads, writes = footprint(c.op)
+        for g in set(_GROUPS) - writes:
+            if _group(new, g) != _group(reg, g):
+                found.append(f"{c.op} writes {g}")
+        for g in set(_GROUPS) - reads - writes:
+            for other in seen[g]:
+                moved = _with_group(reg, g, other)
+                if cm.registry_step(moved, c.op, c.args, c.out) != _with_group(new, g, other):
+                    found.append(f"{c.op} reads {g}")
+    return sorted(set(found))
+
+
+def test_registry_footprints_are_what_the_steps_read_and_write() -> None:
+    """`call_model.registry_footprint` (and so VIEW_LANES and `_conflicting`) is checked
+    against the registry's step functions themselves, on every registry call of generated
+    sequential workloads: a step changes no group outside what it writes, and a group it
+    neither reads nor writes, replaced by another value seen in the run, changes neither
+    whether the answer holds nor what the step does to the other groups. (The checker
+    reorders writes of disjoint groups on that premise; a step that read one more field
+    than its footprint says would make it pass a history no order explains.)"""
+    assert _footprint_findings(cm.registry_footprint) == []
+    # the lanes of changes a rollout partition may reorder are the footprints' conflicts
+    for a, la in cm.VIEW_LANES.items():
+        for b, lb in cm.VIEW_LANES.items():
+            ra, wa = cm.registry_footprint(a)
+            rb, wb = cm.registry_footprint(b)
+            conflict = bool(wa & (rb | wb)) or bool(wb & ra)
+            assert conflict == (la == lb), (a, b)
+
+
+@pytest.mark.parametrize(
+    ("op", "wrong", "finding"),
+    [
+        ("set_policy", (frozenset(), frozenset()), "set_policy writes policy"),
+        ("attach", (frozenset({"main"}), frozenset({"main"})), "attach reads policy"),
+        ("quarantine_version", (frozenset(), frozenset({"main"})), "quarantine_version writes bad"),
+    ],
+)
+def test_a_footprint_that_leaves_out_a_field_is_found(
+    op: str, wrong: tuple[frozenset[str], frozenset[str]], finding: str
+) -> None:
+    """The check above, shown a footprint that says less than its step does."""
+
+    def footprint(o: str) -> tuple[frozenset[str], frozenset[str]]:
+        return wrong if o == op else cm.registry_footprint(o)
+
+    assert finding in _footprint_findings(footprint)
