@@ -150,7 +150,11 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
             for g in report["goals"]
             if g["goal"].startswith("torch float32") and "records path / array path" in g["goal"]
         ]
-        assert len(records_goals) == sum(r["dtype"] == "float32" for r in report["gate"]["rows"])
+        # wall and CPU time, one goal each per float32 row
+        assert len(records_goals) == 2 * sum(
+            r["dtype"] == "float32" for r in report["gate"]["rows"]
+        )
+        assert sum("CPU time" in g["goal"] for g in records_goals) == len(records_goals) // 2
         # the quick sizes are under T = 4096: each goal is the per-record floor's
         assert all("per-record floor" in g["goal"] for g in records_goals)
         assert {g["target"] for g in records_goals} == {"<= 3"}
