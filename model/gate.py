@@ -883,17 +883,23 @@ def _records_sums(
         same_dtypes = lp_dtype == dtype == cur.dtype
 
         def diff_into(r0: int, r1: int, c0: int, c1: int, d: Any, m: Any) -> Any:
-            # d may have more rows than this (last) block: zip stops at the shortest
-            rows_in = zip(olds[r0:r1], cur[r0:r1], d, strict=False)
+            # a row whose n is 0 is never read, so a None there is never used as an array
+            block = cast("Sequence[npt.NDArray[Any]]", olds[r0:r1])
+            if not has_none:
+                # the block's arrays read once in a C-level pass first: their headers and
+                # shapes (out of the caches after the record checks, at large B) are then
+                # fetched together, not one miss at a time between the calls below
+                _drain(map(len, block))
+            # d may have more rows than this (last) block: zip stops at the shortest;
+            # n: the row's log-prob count, 0 for a None row
+            rows_in = zip(block, cur[r0:r1], d, lengths[r0:r1], strict=False)
             if same_dtypes:  # positional out, no dtype: the cheapest ufunc call
-                for lp, cr, dr in rows_in:
-                    if lp is not None:
-                        n = lp.size
+                for lp, cr, dr, n in rows_in:
+                    if n:
                         subtract(cr[:n], lp, dr[:n])
             else:
-                for lp, cr, dr in rows_in:
-                    if lp is not None:
-                        n = lp.size
+                for lp, cr, dr, n in rows_in:
+                    if n:
                         subtract(cr[:n], lp, out=dr[:n], dtype=dtype)
             return read_mask(r0, r1)
 
@@ -1075,6 +1081,7 @@ _PADS: dict[tuple[int, int], tuple[memoryview, dict[int, memoryview]]] = {}
 # (B=1024 / 4096, 1 thread); at T=1024 (mean 768) joining wins (in-process, B=4096: the
 # block filling 3.8 ms against 5.0 ms row by row)
 _ROWLOOP_FROM = 2048
+_drain: Callable[[Iterable[Any]], None] = collections.deque[Any](maxlen=0).extend  # keeps nothing
 _PADS_KEPT = 8  # row widths and item sizes remembered (a gate sees the same few)
 _PAD_VIEWS_KEPT = 4096  # views kept per width, beyond which they start again (~0.75 MB)
 

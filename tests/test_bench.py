@@ -130,6 +130,34 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
                 r["ms"]["gate"] / r["ms"]["bare_warm"], rel=0.02, abs=2e-3
             )
             assert r["bare_warm_threads"] == 1  # the gate's own thread count up to 2
+            # the records path is timed against the array path in a pair of their own, not
+            # in the gate/bare rotation (issue 36), wall and CPU, the load beside them
+            assert "records" not in r["ms"]
+            if r["dtype"] != "float32":
+                assert r["records_vs_arrays"] is None and "records_ms" not in r
+                continue
+            wall, cpu = r["records_ms"], r["records_cpu_ms"]
+            assert set(wall) == set(cpu) == {"arrays", "records"}
+            assert r["records_vs_arrays"] == pytest.approx(
+                wall["records"] / wall["arrays"], rel=0.02, abs=2e-3
+            )
+            assert r["records_vs_arrays_cpu"] == pytest.approx(
+                cpu["records"] / cpu["arrays"], rel=0.02, abs=2e-3
+            )
+            assert _number(r["records_load1"])
+        records_goals = [
+            g
+            for g in report["goals"]
+            if g["goal"].startswith("torch float32") and "records path / array path" in g["goal"]
+        ]
+        # wall and CPU time, one goal each per float32 row
+        assert len(records_goals) == 2 * sum(
+            r["dtype"] == "float32" for r in report["gate"]["rows"]
+        )
+        assert sum("CPU time" in g["goal"] for g in records_goals) == len(records_goals) // 2
+        # the quick sizes are under T = 4096: each goal is the per-record floor's
+        assert all("per-record floor" in g["goal"] for g in records_goals)
+        assert {g["target"] for g in records_goals} == {"<= 3"}
 
     # the fleet: every store here x N, the ledger and plain SQL side by side
     fleet = report["fleet"]
@@ -159,6 +187,10 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     assert written == report
     md = (out / "README.md").read_text()
     assert "## Goals (issues 13 and 22)" in md and "## Admission" in md and report["command"] in md
+    if report["gate"] is not None:  # the records pairs' table and the floor it states
+        from rollout_lifecycle.cli.bench_speed import RECORDS_FLOOR
+
+        assert "### Records path / array path (float32)" in md and RECORDS_FLOOR in md
     png = out / "admission.png"
     try:
         import matplotlib  # noqa: F401

@@ -934,17 +934,22 @@ def test_behavior_versions_numpy_cannot_read_are_a_typed_error(versions: Any) ->
 # ---- the records path's blocks and its columnar result ---------------------------------------
 
 
-def _ragged_rollouts(seed: int, dtypes: tuple[Any, ...], n: int = 40) -> list[Rollout]:
+def _ragged_rollouts(
+    seed: int, dtypes: tuple[Any, ...], n: int = 40, failing: bool = True
+) -> list[Rollout]:
     """Rollouts of 0..300 tokens, log-probs of the given dtypes in turn, some of them
-    failing a record check (stale, not finished, misaligned, no evidence)."""
+    failing a record check (stale, not finished, misaligned, no evidence) unless not
+    `failing` (then every one passes them: no row of the batch is None)."""
     rng = np.random.default_rng(seed)
     ros = []
     for i in range(n):
         k = int(rng.integers(0, 300))
         lp: Any = rng.normal(-1, 0.5, k).astype(dtypes[i % len(dtypes)])
         m: Any = rng.random(k) < 0.8
-        ro = make_rollout(f"r{i}", int(rng.integers(2, 6)), lp, m)
-        if i % 7 == 3:
+        ro = make_rollout(f"r{i}", int(rng.integers(2 if failing else 3, 6)), lp, m)
+        if not failing:
+            pass
+        elif i % 7 == 3:
             ro = make_rollout(f"r{i}", 5, lp, m, state="generated")
         elif i % 11 == 5:
             ro = attrs.evolve(ro, evidence=None)
@@ -960,16 +965,17 @@ def _ragged_rollouts(seed: int, dtypes: tuple[Any, ...], n: int = 40) -> list[Ro
 @pytest.mark.parametrize("block", [None, 1, 300, 1000])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("row_by_row", [False, True], ids=["joined", "row-by-row"])
+@pytest.mark.parametrize("failing", [True, False], ids=["some-fail", "all-pass"])
 def test_records_blocks_give_the_padded_figures_to_the_bit(
-    dtypes: tuple[Any, ...], block: int | None, split: bool, row_by_row: bool
+    dtypes: tuple[Any, ...], block: int | None, split: bool, row_by_row: bool, failing: bool
 ) -> None:
     """However the records' blocks are laid out (bytes.join of one dtype, np.concatenate of
     mixed dtypes, long rows subtracted row by row, rows wider than a block in column
-    chunks, failed rows as padding, on one thread or split across several), assess_batch's
-    figures are those of the same kernel
+    chunks, failed rows as padding or none failed, on one thread or split across several),
+    assess_batch's figures are those of the same kernel
     over the rows padded by hand (`_padded_sums`, the column path's), to the bit, and the
     plain-Python figures within rounding."""
-    ros = _ragged_rollouts(len(dtypes) + (block or 0), dtypes)
+    ros = _ragged_rollouts(len(dtypes) + (block or 0), dtypes, failing=failing)
     g = gate(registry=None, max_drift=0.45, max_lag=2)
     rng = np.random.default_rng(7)
     b, t = len(ros), 300
