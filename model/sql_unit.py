@@ -37,6 +37,7 @@ from rollout_lifecycle.model.ledger import (
 )
 from rollout_lifecycle.model.pacing import PacingRow, rows_from_columns
 from rollout_lifecycle.model.records import (
+    AdmissionPolicy,
     AdmissionStamp,
     LedgerEntry,
     Reward,
@@ -488,6 +489,14 @@ class SqlUnit:
 
     def bad_versions(self) -> frozenset[int]:
         return read_bad(self.conn)
+
+    def read_policy(self) -> tuple[int | None, AdmissionPolicy | None]:
+        premise = self.read_premise()  # type: ignore[attr-defined]
+        return premise.pointer_version, premise.policy
+
+    def reserved_ids(self, update_id: str) -> list[str]:
+        sql = "SELECT rollout_id FROM rollouts WHERE reserved_by = ? ORDER BY rollout_id"
+        return [str(r[0]) for r in self.run(sql, (update_id,)).fetchall()]
 
     def read_updates(self, update_ids: Sequence[str]) -> dict[str, UpdateRecord]:
         if not update_ids:
