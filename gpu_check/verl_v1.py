@@ -64,7 +64,13 @@ from rollout_lifecycle.model.coordinator import (
 )
 from rollout_lifecycle.model.errors import RolloutLifecycleError
 from rollout_lifecycle.model.gate import classify_lag
-from rollout_lifecycle.model.ledger import NOT_DISPATCHED, LandedStep, Landing, Ledger
+from rollout_lifecycle.model.ledger import (
+    NOT_DISPATCHED,
+    LandedStep,
+    Landing,
+    Ledger,
+    StepPremise,
+)
 from rollout_lifecycle.model.pacing import DispatchOutcome, stale_disposition
 from rollout_lifecycle.model.records import (
     ActionEvidence,
@@ -679,6 +685,8 @@ class StepLedger(Ledger, Protocol):
         self, rollouts: Sequence[tuple[Rollout | LedgerEntry, str | None]]
     ) -> list[DispatchOutcome]: ...
 
+    def step_premise(self, update_ids: Sequence[str] = ()) -> StepPremise: ...
+
 
 def step_ledger(ledger: Ledger) -> StepLedger:
     """The ledger as a StepLedger; VerlIntegrationError for one without those calls."""
@@ -880,6 +888,8 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
         self._minis: Counter[int] = Counter()
         self._hashes: dict[int, str] = {}  # version -> hash the registry activated
         self._premise: tuple[int | None, AdmissionPolicy | None] = (None, None)
+        self._bad: frozenset[int] = frozenset()
+        self._premise_fresh = False  # `_premise` read by this sample, for its first poll
         self._refills = 0
         self._refill_causes: Counter[str] = Counter()
         self._refill_bound: int | None = None
@@ -903,11 +913,22 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
             self.ledger_seconds += time.perf_counter() - t0
             self.ledger_calls[what] += 1
 
-    def _read_premise(self) -> tuple[int | None, AdmissionPolicy | None]:
-        pointer = self._call("registry.pointer", self.registry.pointer)
-        policy = self._call("registry.policy", self.registry.policy)
-        self._premise = (None if pointer is None else pointer.version, policy)
-        return self._premise
+    def _read_premise(self, update_ids: Sequence[str] = ()) -> dict[str, list[str]]:
+        """The pointer, the policy, the bad versions and what `update_ids` hold: ONE read
+        of the ledger (`step_premise`), kept for the next poll's verdicts."""
+        got: StepPremise = self._call("ledger.step_premise", self.ledger.step_premise, update_ids)
+        self._premise = (got.pointer, got.policy)
+        self._bad = got.bad
+        self._premise_fresh = True
+        return got.held
+
+    def _poll_premise(self) -> tuple[int | None, AdmissionPolicy | None, frozenset[int]]:
+        """The premise a poll judges its groups on: the one `sample` read at its start for
+        its first poll, a fresh read for each later one (verl polls while it waits)."""
+        if not self._premise_fresh:
+            self._read_premise()
+        self._premise_fresh = False
+        return (*self._premise, self._bad)
 
     def _hash(self, version: int) -> str:
         h = self._hashes.get(version)
@@ -1001,8 +1022,7 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
                 stale.add(uid)
             failed = set(self.failure_keys[partition_id])
         stale |= self._gone & (self.finished_keys[partition_id] | self.failure_keys[partition_id])
-        pointer, policy = self._read_premise()
-        bad = self._call("ledger.bad_versions", lambda: self.ledger.bad_versions)
+        pointer, policy, bad = self._poll_premise()
         keys_of = self._keys_by_uid(partition_id)
         terminal = self.finished_keys[partition_id] | (
             self.failure_keys[partition_id] if self.trainer_mode == "sync" else set()
@@ -1176,11 +1196,14 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
 
     # -- settle: commit landed updates, release those a resumed trainer redoes ------------
 
-    def settle(self, global_steps: int) -> dict[str, int]:
+    def settle(
+        self, global_steps: int, holdings: Mapping[str, list[str]] | None = None
+    ) -> dict[str, int]:
         """Commit this run's reservations of steps < `global_steps` not committed yet (the
         checkpoint engine commits step N when it publishes N; this is the fallback), and,
         at a process's first call, release the reservations a dead process made for steps
-        >= `global_steps` (a resumed trainer redoes them)."""
+        >= `global_steps` (a resumed trainer redoes them). `holdings`: what open updates
+        hold, as `sample` read it with its premise (else read here, in one read)."""
         committed = released = 0
         if not self._settled_once:
             self._settled_once = True
@@ -1194,9 +1217,14 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
                 for uid in found:
                     released += len(self._call("ledger.abort", self.ledger.abort, uid))
                 step += 1
-        for step in sorted(s for s in self._open if s < global_steps):
+        due = sorted(s for s in self._open if s < global_steps)
+        if holdings is None and due:
+            holdings = self._read_premise([u for s in due for u in sorted(self._open[s])])
+        for step in due:
             for uid in sorted(self._open[step]):
-                ids = self._call("ledger.reserved_by", self.ledger.reserved_by, uid)
+                ids = (holdings or {}).get(uid)
+                if ids is None:  # found by the first call's probe, after `holdings` was read
+                    ids = self._call("ledger.reserved_by", self.ledger.reserved_by, uid)
                 if ids:  # else the checkpoint engine committed it when it published the step
                     committed += len(self._call("ledger.commit", self.ledger.commit, uid, ids))
                 for u in ids:
@@ -1277,7 +1305,9 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
             return meta, dict(extra)
         if not self._settled_once and self.settings.owns_ledger:
             self.counters["dropped_by_resume"] += self._reconcile(partition_id)
-        settled = self.settle(global_steps)
+        # one read: the premise of the first poll, and what the steps not settled hold
+        due = [u for s in sorted(self._open) if s < global_steps for u in sorted(self._open[s])]
+        settled = self.settle(global_steps, self._read_premise(due))
         self.book.step = global_steps
         self.book.retry_held()
         mini = self._minis[global_steps]
@@ -1357,7 +1387,8 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
         uid -> (reserved, reason, lag); a group that cannot be ours is never offered again."""
         pointer, policy = self._premise
         if pointer is None or policy is None:
-            pointer, policy = self._read_premise()
+            self._read_premise()
+            pointer, policy = self._premise
         if policy is None or pointer is None:
             raise VerlIntegrationError(
                 "the deployment records no admission policy or no active version: run "

@@ -1313,6 +1313,19 @@ class StoreView(Protocol):
         its refusals and its writes are true at one instant (issue 33)."""
         ...
 
+    def bad_versions(self) -> frozenset[int]:
+        """Versions marked bad, as of this step."""
+        ...
+
+    def reserved_ids(self, update_id: str) -> list[str]:
+        """Ids `update_id` holds, sorted (no entry decoded)."""
+        ...
+
+    def read_policy(self) -> tuple[int | None, AdmissionPolicy | None]:
+        """The active version and the recorded policy, as `read_premise` has them ((None,
+        None) without a registry), where the ever-active versions are not needed."""
+        ...
+
 
 class UnitOfWork(StoreView, Protocol):
     """What a step's body may do inside its store's atomic step.
@@ -1350,10 +1363,6 @@ class UnitOfWork(StoreView, Protocol):
 
     def server_now(self) -> float | None:
         """The deployment's clock where the store has one (PostgreSQL's); None: the ledger's."""
-        ...
-
-    def bad_versions(self) -> frozenset[int]:
-        """Versions marked bad, as of this step."""
         ...
 
     def mark_bad(self, version: int, reason: str) -> None:
@@ -2428,6 +2437,21 @@ class StoreLedger:
 
         return self.store.view(body, "premise_and_rows")
 
+    def step_premise(self, update_ids: Sequence[str] = ()) -> StepPremise:
+        """What a trainer reads before its step, from ONE consistent view (nothing is
+        written): the registry's premise, the bad versions, and the ids each of
+        `update_ids` holds. One read where a pointer, a policy, a bad-versions and a
+        `reserved_by` read per update each took a transaction of their own (the
+        ever-active versions a reservation judges are not read: its step reads them)."""
+        ids = [check_update_id(u) for u in update_ids]
+
+        def body(view: StoreView) -> StepPremise:
+            pointer, policy = view.read_policy()
+            held = {u: view.reserved_ids(u) for u in dict.fromkeys(ids)}
+            return StepPremise(pointer, policy, view.bad_versions(), held)
+
+        return self.store.view(body, "step_premise")
+
     def snapshot(self) -> dict[str, LedgerEntry]:
         """A consistent copy of every entry (records are frozen, so sharing them is safe)."""
         return self.store.snapshot()
@@ -2486,6 +2510,18 @@ class Landing:
 
 #: the events `land_and_reserve` may close a rollout with, from any state that allows them
 CLOSING_EVENTS = frozenset({"retire_stale", "quarantine", "generation_failed"})
+
+
+@attrs.frozen
+class StepPremise:
+    """What `step_premise` read in one view: the active version and the recorded policy
+    (None without a registry), the versions marked bad, and the ids each asked-for update
+    holds."""
+
+    pointer: int | None
+    policy: AdmissionPolicy | None
+    bad: frozenset[int]
+    held: dict[str, list[str]]
 
 
 @attrs.frozen
@@ -2711,6 +2747,13 @@ class MemoryStore:
     def owned(self, update_id: str) -> list[LedgerEntry]:
         held = self.owners.get(update_id, ())
         return sorted((self.entries[r] for r in held), key=lambda e: e.rollout_id)
+
+    def reserved_ids(self, update_id: str) -> list[str]:
+        return sorted(self.owners.get(update_id, ()))
+
+    def read_policy(self) -> tuple[int | None, AdmissionPolicy | None]:
+        premise = self.read_premise()
+        return premise.pointer_version, premise.policy
 
     def due(self, now: float) -> list[LedgerEntry]:
         found: dict[str, LedgerEntry] = {}

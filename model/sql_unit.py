@@ -6,6 +6,7 @@ read sets of rows, count states and mark bad versions, written once with ``?`` p
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import operator
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from rollout_lifecycle.model.ledger import (
 )
 from rollout_lifecycle.model.pacing import PacingRow, rows_from_columns
 from rollout_lifecycle.model.records import (
+    AdmissionPolicy,
     AdmissionStamp,
     LedgerEntry,
     Reward,
@@ -143,6 +145,7 @@ def reservation_fields(after: LedgerEntry) -> tuple[str, str, str]:
 
 # `"name":` of each LedgerEntry field, in declaration order (the keys of `entry_changes`)
 _CHANGE_KEYS = tuple(f"{json_scalar(n)}:" for n in ENTRY_FIELDS)
+_FIELD_INDEXES = range(len(ENTRY_FIELDS))
 # field values `json_scalar` encodes as json.dumps does; anything else goes through
 # to_jsonable and json.dumps, as `entry_changes` and `stored_payload` do
 _SCALAR_TYPES = frozenset({str, int, float, type(None)})
@@ -338,13 +341,15 @@ class SqlUnit:
         """`json.dumps(entry_changes(before, after))`, compact, written field by field: a
         scalar by `json_scalar`, a nested record's JSON once per record per step (a step's
         events of one row, or of a batch sharing one stamp, reuse it). The same bytes."""
+        olds, news = ENTRY_VALUES(before), ENTRY_VALUES(after)
         parts = []
-        for key, old, new in zip(
-            _CHANGE_KEYS, ENTRY_VALUES(before), ENTRY_VALUES(after), strict=True
-        ):
-            if old is new or (type(old) is type(new) and old == new):
-                continue  # not `field_differs`: the same test, inlined (a hot loop)
-            parts.append(key + self._value_json(new))
+        # the fields that are not the very same object, found in C (a write changes a few
+        # of some twenty); of those, the ones whose value differs (`field_differs`)
+        for i in itertools.compress(_FIELD_INDEXES, map(operator.is_not, olds, news)):
+            old, new = olds[i], news[i]
+            if type(old) is type(new) and old == new:
+                continue
+            parts.append(_CHANGE_KEYS[i] + self._value_json(new))
         return "{" + ",".join(parts) + "}"
 
     def _value_json(self, value: object) -> str:
@@ -488,6 +493,14 @@ class SqlUnit:
 
     def bad_versions(self) -> frozenset[int]:
         return read_bad(self.conn)
+
+    def read_policy(self) -> tuple[int | None, AdmissionPolicy | None]:
+        premise = self.read_premise()  # type: ignore[attr-defined]
+        return premise.pointer_version, premise.policy
+
+    def reserved_ids(self, update_id: str) -> list[str]:
+        sql = "SELECT rollout_id FROM rollouts WHERE reserved_by = ? ORDER BY rollout_id"
+        return [str(r[0]) for r in self.run(sql, (update_id,)).fetchall()]
 
     def read_updates(self, update_ids: Sequence[str]) -> dict[str, UpdateRecord]:
         if not update_ids:

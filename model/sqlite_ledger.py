@@ -49,6 +49,7 @@ from rollout_lifecycle.model.ledger import (
     update_from_row,
 )
 from rollout_lifecycle.model.records import (
+    AdmissionPolicy,
     LedgerEntry,
     UpdateRecord,
 )
@@ -141,6 +142,8 @@ _PROBE_NEXT = (
     f"SELECT EXISTS (SELECT 1 FROM schema_meta WHERE component = 'registry'), {NEXT_COLUMNS}"
 )
 _POINTER_NEXT = f"SELECT (SELECT version FROM registry_pointer WHERE id = 1), {NEXT_COLUMNS}"
+_HAS_REGISTRY = "SELECT EXISTS (SELECT 1 FROM schema_meta WHERE component = 'registry')"
+_POINTER = "SELECT (SELECT version FROM registry_pointer WHERE id = 1)"
 _FIND = "SELECT entry FROM rollouts WHERE rollout_id = ?"
 # a row and an update's record in one statement (one snapshot): what a reservation plans on
 _FIND_WITH_UPDATE = (
@@ -179,6 +182,9 @@ class _Unit(SqlUnit):
     def read_premise(self) -> ActivationPremise:
         premise, self.head = self.store.premise(self.conn)
         return premise
+
+    def read_policy(self) -> tuple[int | None, AdmissionPolicy | None]:
+        return self.store.pointer_policy(self.conn)
 
     def server_now(self) -> float | None:
         return None  # the ledger's clock (the host's, as the file records it)
@@ -322,11 +328,7 @@ class SQLiteStore:
                 return NO_REGISTRY, head
             self._registry_seen = True  # a registry, once created, never goes away
         pointer, *head = conn.execute(_POINTER_NEXT).fetchone()
-        # by name: a registry not yet migrated to the pacing columns reads them as None
-        cur = conn.execute("SELECT * FROM registry_policy WHERE id = 1")
-        found = cur.fetchone()
-        names = [d[0] for d in cur.description]
-        pol = {} if found is None else dict(zip(names, found, strict=True))
+        policy = self._policy(conn)
         was = conn.execute(
             f"SELECT version, state, failure, artifact_hash FROM registry_artifacts "
             f"WHERE state IN ({_WAS_ACTIVE_MARKS})",
@@ -335,11 +337,29 @@ class SQLiteStore:
         premise = ActivationPremise(
             None if pointer is None else int(pointer),
             frozenset(int(r[0]) for r in was),
-            None if not pol else policy_from_row(pol),
+            policy,
             retired_from_rows((r[0], r[2]) for r in was if r[1] == "rolled_back"),
             {int(r[0]): str(r[3]) for r in was if r[3] is not None},
         )
         return premise, head
+
+    @staticmethod
+    def _policy(conn: sqlite3.Connection) -> AdmissionPolicy | None:
+        # by name: a registry not yet migrated to the pacing columns reads them as None
+        cur = conn.execute("SELECT * FROM registry_policy WHERE id = 1")
+        found = cur.fetchone()
+        names = [d[0] for d in cur.description]
+        return None if found is None else policy_from_row(dict(zip(names, found, strict=True)))
+
+    def pointer_policy(self, conn: sqlite3.Connection) -> tuple[int | None, AdmissionPolicy | None]:
+        """The active version and the recorded policy, as `premise` reads them (None, None
+        without a registry), without the ever-active versions (a caller's pre-check)."""
+        if not self._registry_seen:
+            if not conn.execute(_HAS_REGISTRY).fetchone()[0]:
+                return None, None
+            self._registry_seen = True
+        (pointer,) = conn.execute(_POINTER).fetchone()
+        return None if pointer is None else int(pointer), self._policy(conn)
 
     # ---- reads outside a step -----------------------------------------------------------
 

@@ -197,3 +197,47 @@ def test_dispatch_many_counts_attempts_by_prompt_identity(kind: str, tmp_path: P
         with pytest.raises(InvalidLedgerArgument, match="LedgerEntry names no prompt"):
             led.dispatch_many([(LedgerEntry("bare", 0, H[0]), "mine")])
         assert not check_trace(b.trace()).violations
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_step_premise_is_the_separate_reads_in_one(kind: str, tmp_path: Path) -> None:
+    """`step_premise` answers what the registry's pointer and policy, the bad versions and
+    `reserved_by` of each asked-for update answer, in one read, on every backend; it checks
+    the update ids it is given."""
+    with deployment(kind, tmp_path, LOOSE) as (b, coord):
+        led = b.ledger
+        activate(coord, 1)
+        led.dispatch_many([(LedgerEntry(f"d{i}", 1, H[1]), f"c{i}") for i in range(3)])
+        led.land_and_reserve(
+            "u.s1",
+            [Landing(f"d{i}", 1, H[1], reward=R, tokens=4) for i in range(3)],
+            reserve={"d2": stamp(1, 1), "d0": stamp(1, 1)},
+        )
+        led.quarantine_version(0, "a failed activation")
+        got = led.step_premise(["u.s1", "u.s9", "u.s1"])
+        pointer = b.registry.pointer()
+        assert got.pointer == (None if pointer is None else pointer.version) == 1
+        assert got.policy == b.registry.policy() == LOOSE
+        assert got.bad == led.bad_versions == frozenset({0})
+        assert got.held == {"u.s1": led.reserved_by("u.s1"), "u.s9": []}
+        assert got.held["u.s1"] == ["d0", "d2"]
+        assert led.step_premise().held == {}
+        with pytest.raises(InvalidLedgerArgument):
+            led.step_premise([""])
+
+
+def test_step_premise_without_a_registry(tmp_path: Path) -> None:
+    """A ledger file with no registry reads no pointer and no policy (as its premise)."""
+    from rollout_lifecycle.model.sqlite_ledger import SQLiteLedger
+
+    led = SQLiteLedger(tmp_path / "alone.db")
+    try:
+        got = led.step_premise(["u.s1"])
+        assert (got.pointer, got.policy, got.bad, got.held) == (
+            None,
+            None,
+            frozenset(),
+            {"u.s1": []},
+        )
+    finally:
+        led.close()
