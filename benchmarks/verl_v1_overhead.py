@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -114,7 +115,7 @@ class Stream:
         from rollout_lifecycle.model.registry import set_admission_policy
 
         self.args, self.prefill = args, prefill
-        tmp = Path(tempfile.mkdtemp(prefix="verl-v1-bench-", dir=args.ledger_dir))
+        self.tmp = tmp = Path(tempfile.mkdtemp(prefix="verl-v1-bench-", dir=args.ledger_dir))
         self.be = open_backend(f"sqlite:///{tmp / 'ledger.db'}")
         set_admission_policy(self.be.registry, AdmissionPolicy(1, 0.5), "set by the operator")
         self.coord = ActivationCoordinator(
@@ -205,6 +206,8 @@ class Stream:
 
         consumed = self.be.ledger.statistics().by_state["consumed"]
         self.be.close()
+        # a pre-filled ledger is up to a few hundred MB: on tmpfs it would hold that much RAM
+        shutil.rmtree(self.tmp, ignore_errors=True)
         t = self.times
         per_step_calls = Counter[str]()
         for c in self.calls[warm]:
@@ -274,8 +277,10 @@ def main() -> None:
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+    streams: list[Stream] = []
     try:
-        streams = [Stream(args, p) for p in args.prefill]
+        for p in args.prefill:
+            streams.append(Stream(args, p))
         for step in range(1, args.steps + 1):
             for st in streams:
                 st.step(step, tq, torch)
@@ -283,6 +288,8 @@ def main() -> None:
     finally:
         tq.close()
         ray.shutdown()
+        for st in streams:  # a failed run leaves no ledger behind either (result() removed it)
+            shutil.rmtree(st.tmp, ignore_errors=True)
     base = runs[0]["LedgerReplayBuffer"]["median_ms"]
     bar = BARS.get((args.groups, args.n))
     result = {
