@@ -1353,8 +1353,9 @@ class UnitOfWork(StoreView, Protocol):
         when given: a dispatch budget counts the live rollouts of its window)."""
         ...
 
-    def chain_states(self, chain: str) -> tuple[str, ...]:
-        """The states of the entries dispatched on attempt chain `chain`."""
+    def chain_states(self, chains: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        """The states of the entries dispatched on each attempt chain of `chains`, in one
+        read (a step dispatching a batch of prompts reads every chain at once)."""
         ...
 
     def older_than(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
@@ -1691,15 +1692,12 @@ class StoreLedger:
         assert pol is not None
         floor = window_floor(act.pointer_version, pol)
         live = uow.count(LIVE_STATES, floor)
-        chains: dict[str, tuple[str, ...]] = {}
+        keys = [chain_of(e, None, key, pol) for e, key in zip(entries, own, strict=True)]
+        chains = uow.chain_states(sorted({k for k in keys if k is not None}))
         out: list[LedgerEntry] = []
-        for e, key in zip(entries, own, strict=True):
-            chain = chain_of(e, None, key, pol)
-            if chain is None:  # chain_key 'caller': an add names no chain, only the budget
-                chain_states: tuple[str, ...] = ()
-            else:
-                found = chains.get(chain)
-                chain_states = uow.chain_states(chain) if found is None else found
+        for e, chain in zip(entries, keys, strict=True):
+            # chain_key 'caller': an add names no chain, only the budget
+            chain_states = () if chain is None else chains.get(chain, ())
             premise = DispatchPremise(
                 act.pointer_version, act.was_active, pol, live, chain_states, act.retired
             )
@@ -2164,7 +2162,7 @@ class StoreLedger:
                 )
             floor = window_floor(act.pointer_version, act.policy)
             live = uow.count(LIVE_STATES, floor)
-            states = uow.chain_states(key)
+            states = uow.chain_states([key]).get(key, ())
             premise = DispatchPremise(
                 act.pointer_version, act.was_active, act.policy, live, states, act.retired
             )
@@ -2376,12 +2374,19 @@ class StoreLedger:
             live = uow.count(LIVE_STATES, floor)
             stored = uow.read_rows([e.rollout_id for e, _, _ in entries])
             bad = uow.bad_versions()
+            # every new prompt's chain read at once (the key of one named by no chain is
+            # refused below, in its turn)
+            keys = [
+                None if e.rollout_id in stored else chain_of(e, caller, own, act.policy)
+                for e, caller, own in entries
+            ]
+            known = uow.chain_states(sorted({k for k in keys if k is not None}))
             extra: dict[str, list[str]] = {}  # chain -> states dispatched earlier in the batch
             out: list[DispatchOutcome] = []
             fresh: list[LedgerEntry] = []
             taken: set[str] = set()
             changes: list[Change] = []
-            for entry, caller, own in entries:
+            for (entry, _caller, _own), key in zip(entries, keys, strict=True):
                 rid = entry.rollout_id
                 have = stored.get(rid)
                 if have is not None or rid in taken:
@@ -2392,14 +2397,13 @@ class StoreLedger:
                         )
                     )
                     continue
-                key = chain_of(entry, caller, own, act.policy)
                 if key is None:
                     raise InvalidLedgerArgument(
                         f"dispatch of {brief(rid)} names no chain: pass a chain (the "
                         "deployment counts attempts by the caller's key, chain_key 'caller'), "
                         "or dispatch the Rollout (its identity names the chain)"
                     )
-                states = uow.chain_states(key) + tuple(extra.get(key, ()))
+                states = known.get(key, ()) + tuple(extra.get(key, ()))
                 premise = DispatchPremise(
                     act.pointer_version, act.was_active, act.policy, live, states, act.retired
                 )
@@ -2784,8 +2788,12 @@ class MemoryStore:
         counts = [self.versions[s] for s in set(states) if s in self.versions]
         return sum(n for c in counts for v, n in c.items() if v >= low)
 
-    def chain_states(self, chain: str) -> tuple[str, ...]:
-        return tuple(self.entries[r].state for r in self.chains.get(chain, ()))
+    def chain_states(self, chains: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        return {
+            c: tuple(self.entries[r].state for r in self.chains[c])
+            for c in chains
+            if self.chains.get(c)
+        }
 
     def older_than(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
         return sorted(

@@ -63,6 +63,7 @@ def read_bad(conn: Any) -> frozenset[int]:
 # What a reservation (and most writes) changes of an entry: the top-level fields between
 # "state" and "lease_expires_at", and "admission". `splice_entry` rewrites just these in a
 # stored text; every other field must be the very same object before and after.
+_CHAINS_PER_READ = 500  # chains per IN (...) list, well under SQLite's bound-parameter limit
 _SPLICED = ("state", "revision", "reserved_by", "lease_expires_at", "admission")
 _SPLICED_VALUES = operator.attrgetter(*_SPLICED)
 _KEPT = operator.attrgetter(*(a.name for a in attrs.fields(LedgerEntry) if a.name not in _SPLICED))
@@ -469,9 +470,16 @@ class SqlUnit:
         low = -1 if min_version is None else min_version
         return int(self.run(sql, (*states, low)).fetchone()[0])
 
-    def chain_states(self, chain: str) -> tuple[str, ...]:
-        sql = f"SELECT state FROM rollouts WHERE {self.field('chain')} = ?"
-        return tuple(str(r[0]) for r in self.run(sql, (chain,)).fetchall())
+    def chain_states(self, chains: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        out: dict[str, list[str]] = {}
+        field = self.field("chain")
+        for k in range(0, len(chains), _CHAINS_PER_READ):
+            part = chains[k : k + _CHAINS_PER_READ]
+            marks = ",".join("?" * len(part))
+            sql = f"SELECT {field}, state FROM rollouts WHERE {field} IN ({marks})"
+            for chain, state in self.run(sql, tuple(part)).fetchall():
+                out.setdefault(str(chain), []).append(str(state))
+        return {c: tuple(states) for c, states in out.items()}
 
     def rewarded_between(self, low: int | None, high: int | None, limit: int) -> list[LedgerEntry]:
         # the order of model.pacing.oldest_first, so LIMIT keeps the same first rows

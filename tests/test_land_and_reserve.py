@@ -25,6 +25,7 @@ from rollout_lifecycle.model.records import (
     WorkerAck,
 )
 from rollout_lifecycle.model.registry import set_admission_policy
+from rollout_lifecycle.model.sql_unit import SqlUnit
 from rollout_lifecycle.spec.invariants import check_trace
 from rollout_lifecycle.stateful_tests.backends import durable_url
 
@@ -241,3 +242,45 @@ def test_step_premise_without_a_registry(tmp_path: Path) -> None:
         )
     finally:
         led.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_dispatched_batch_reads_its_chains_at_once(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dispatch_many` reads every chain of the batch in one `chain_states` call (one
+    statement per 500 chains on the SQL stores), with the answers of one by one: 600
+    first attempts, then a batch holding the second attempt of each failed chain, a chain
+    still live, a new chain and a repeat of a chain within the batch."""
+    from rollout_lifecycle.model import ledger as ledger_module
+
+    policy = AdmissionPolicy(
+        max_lag=1, max_drift=0.2, batch_size=1000, max_attempts=3, chain_key="caller"
+    )
+    with deployment(kind, tmp_path, policy) as (b, _):
+        led = b.ledger
+        first = led.dispatch_many([(LedgerEntry(f"a{i}", 0, H[0]), f"c{i}") for i in range(600)])
+        assert [o.reason for o in first] == [DISPATCHED] * 600
+        fail = Disposition("generation", "group_failure", "a session raised")
+        led.land_and_reserve(  # type: ignore[attr-defined]
+            None, [Landing(f"a{i}", 0, H[0], failure=fail) for i in range(0, 600, 2)]
+        )
+        unit = ledger_module.MemoryStore if kind == "memory" else SqlUnit
+        orig = unit.chain_states
+        seen: list[list[str]] = []
+
+        def spy(self: object, chains: list[str]) -> dict[str, tuple[str, ...]]:
+            seen.append(list(chains))
+            return orig(self, chains)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(unit, "chain_states", spy)
+        batch = [(LedgerEntry(f"b{i}", 0, H[0]), f"c{i}") for i in range(0, 600, 2)]
+        batch += [(LedgerEntry("b1", 0, H[0]), "c1"), (LedgerEntry("bnew", 0, H[0]), "cnew")]
+        batch += [(LedgerEntry("bnew2", 0, H[0]), "cnew")]
+        got = led.dispatch_many(batch)
+        assert len(seen) == 1 and len(seen[0]) == 302, [len(s) for s in seen]
+        assert [o.reason for o in got[:300]] == [DISPATCHED] * 300
+        assert {o.attempt for o in got[:300]} == {2}
+        assert [o.reason for o in got[300:]] == [CHAIN_LIVE, DISPATCHED, CHAIN_LIVE]
+        assert got[301].attempt == 1
+        assert not check_trace(b.trace()).violations
