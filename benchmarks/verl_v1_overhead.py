@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -277,6 +278,7 @@ def main() -> None:
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+    load_start = os.getloadavg()
     streams: list[Stream] = []
     try:
         for p in args.prefill:
@@ -306,6 +308,11 @@ def main() -> None:
         "ratios": [r["ratio"] for r in runs],
         "within_bar": None if bar is None else all(r["ratio"] <= bar for r in runs),
         "flat": all(abs(r["LedgerReplayBuffer"]["median_ms"] - base) <= FLAT * base for r in runs),
+        # the machine's 1/5/15-minute load when the run started and ended (a shared machine)
+        "load": {
+            "start": [round(x, 2) for x in load_start],
+            "end": [round(x, 2) for x in os.getloadavg()],
+        },
     }
     print(json.dumps(result, indent=2))
     if args.json is not None:
