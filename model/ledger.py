@@ -2789,11 +2789,8 @@ class MemoryStore:
         return sum(n for c in counts for v, n in c.items() if v >= low)
 
     def chain_states(self, chains: Sequence[str]) -> dict[str, tuple[str, ...]]:
-        return {
-            c: tuple(self.entries[r].state for r in self.chains[c])
-            for c in chains
-            if self.chains.get(c)
-        }
+        known = {c: self.chains[c] for c in chains if self.chains.get(c)}
+        return {c: tuple(self.entries[r].state for r in ids) for c, ids in known.items()}
 
     def older_than(self, version: int, states: Sequence[str]) -> list[LedgerEntry]:
         return sorted(
