@@ -207,8 +207,6 @@ class Stream:
 
         consumed = self.be.ledger.statistics().by_state["consumed"]
         self.be.close()
-        # a pre-filled ledger is up to a few hundred MB: on tmpfs it would hold that much RAM
-        shutil.rmtree(self.tmp, ignore_errors=True)
         t = self.times
         per_step_calls = Counter[str]()
         for c in self.calls[warm]:
@@ -290,7 +288,9 @@ def main() -> None:
     finally:
         tq.close()
         ray.shutdown()
-        for st in streams:  # a failed run leaves no ledger behind either (result() removed it)
+        # a pre-filled ledger is up to a few hundred MB (held in RAM on tmpfs): none is
+        # left behind, whether the run ended or failed
+        for st in streams:
             shutil.rmtree(st.tmp, ignore_errors=True)
     base = runs[0]["LedgerReplayBuffer"]["median_ms"]
     bar = BARS.get((args.groups, args.n))

@@ -647,10 +647,14 @@ class DispatchBook:
 
     def requeue(self, partition_id: str, uids: Sequence[str]) -> int:
         """Dispatch the prompts of evicted groups again as new attempts of their chains;
-        how many went (the rest are refilled by verl with fresh prompts)."""
+        how many went (the rest are refilled by verl with fresh prompts). A prompt the
+        pacer refused for good (its chain's attempts are spent) is never sent again: it
+        would be refused, failed and evicted again, without end."""
+        with self._lock:
+            uids = [u for u in uids if u not in self.refused]
         if self._requeue is None or not uids:
             return 0
-        return int(self._requeue(partition_id, list(uids)))
+        return int(self._requeue(partition_id, uids))
 
     def metrics(self, prefix: str = "rollout_lifecycle/dispatch/") -> dict[str, float]:
         with self._lock:
@@ -1088,10 +1092,6 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
         landings: list[Landing] = []
         close: list[tuple[str, str, Disposition]] = []
         self._gone_now = {g.uid for g in groups if g.uid in self._gone}
-        # a group the pacer refused for good (its chain's attempts are spent) is verl's to
-        # refill with a fresh prompt: dispatching its prompt again would be refused again,
-        # failed again and evicted again, without end (read before `forget` clears it)
-        spent = {g.uid for g in groups if g.uid in self.book.refused}
         for g in groups:
             v = self._version(g)
             if g.uid in self._gone:
@@ -1115,6 +1115,11 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
             if landings or close
             else None
         )
+        # the landed groups' prompts dispatched again, before `forget` drops what the book
+        # knows of them (which prompts the pacer refused for good)
+        again = [g.uid for g in groups if g.uid not in self._gone_now]
+        if again and self.book.pacing:
+            self._requeued += self.book.requeue(partition_id, again)
         for g in groups:
             self._gone.discard(g.uid)
             self._landed.pop(g.uid, None)
@@ -1126,9 +1131,6 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
             row = None if step is None else step.entries.get(g.uid)
             self.counters[f"evicted/{row.state if row else 'ended'}"] += 1
         self._refills += len(groups)
-        again = [g.uid for g in groups if g.uid not in self._gone_now and g.uid not in spent]
-        if again and self.book.pacing:
-            self._requeued += self.book.requeue(partition_id, again)
         bound = self._refill_bound
         if bound is not None and self._refills > bound:
             raise RefillLoopError(
@@ -1196,6 +1198,10 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
 
     # -- settle: commit landed updates, release those a resumed trainer redoes ------------
 
+    def _due_updates(self, global_steps: int) -> list[str]:
+        """The open updates of steps before `global_steps`: what `settle` commits."""
+        return [u for s in sorted(self._open) if s < global_steps for u in sorted(self._open[s])]
+
     def settle(
         self, global_steps: int, holdings: Mapping[str, list[str]] | None = None
     ) -> dict[str, int]:
@@ -1219,7 +1225,7 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
                 step += 1
         due = sorted(s for s in self._open if s < global_steps)
         if holdings is None and due:
-            holdings = self._read_premise([u for s in due for u in sorted(self._open[s])])
+            holdings = self._read_premise(self._due_updates(global_steps))
         for step in due:
             for uid in sorted(self._open[step]):
                 ids = (holdings or {}).get(uid)
@@ -1306,8 +1312,7 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
         if not self._settled_once and self.settings.owns_ledger:
             self.counters["dropped_by_resume"] += self._reconcile(partition_id)
         # one read: the premise of the first poll, and what the steps not settled hold
-        due = [u for s in sorted(self._open) if s < global_steps for u in sorted(self._open[s])]
-        settled = self.settle(global_steps, self._read_premise(due))
+        settled = self.settle(global_steps, self._read_premise(self._due_updates(global_steps)))
         self.book.step = global_steps
         self.book.retry_held()
         mini = self._minis[global_steps]

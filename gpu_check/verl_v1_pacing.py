@@ -283,7 +283,6 @@ def requeue_prompts(
     next attempt of their chains. Returns how many were sent to the pacer."""
     from verl.utils import tensordict_utils as tu
 
-    uids = [u for u in uids if u not in pacer.book.refused]
     if not uids:
         return 0
     try:

@@ -138,12 +138,10 @@ _CAS = (
 )
 # a step's premise read, with what `append_events` reads next (NEXT_COLUMNS) in the same
 # statement: both under the step's write lock, and nothing appends events in between
-_PROBE_NEXT = (
-    f"SELECT EXISTS (SELECT 1 FROM schema_meta WHERE component = 'registry'), {NEXT_COLUMNS}"
-)
-_POINTER_NEXT = f"SELECT (SELECT version FROM registry_pointer WHERE id = 1), {NEXT_COLUMNS}"
 _HAS_REGISTRY = "SELECT EXISTS (SELECT 1 FROM schema_meta WHERE component = 'registry')"
 _POINTER = "SELECT (SELECT version FROM registry_pointer WHERE id = 1)"
+_PROBE_NEXT = f"{_HAS_REGISTRY}, {NEXT_COLUMNS}"
+_POINTER_NEXT = f"{_POINTER}, {NEXT_COLUMNS}"
 _FIND = "SELECT entry FROM rollouts WHERE rollout_id = ?"
 # a row and an update's record in one statement (one snapshot): what a reservation plans on
 _FIND_WITH_UPDATE = (

@@ -7,6 +7,7 @@ real code on generated sequential workloads, and flags each with one answer chan
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from collections.abc import Callable
@@ -202,6 +203,7 @@ def _with_group(reg: cm.Registry, g: str, value: tuple[Any, ...]) -> cm.Registry
     return reg._replace(**dict(zip(_GROUPS[g], value, strict=True)))
 
 
+@functools.cache
 def _registry_instances() -> tuple[list[tuple[cm.Registry, Any, cm.Registry]], dict[str, Any]]:
     """Every registry call of generated sequential workloads with the state before and
     after it, and every value each field group took."""
