@@ -1550,6 +1550,36 @@ class LedgerCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.last: dict[str, Any] = {}
         self.acks: list[tuple[int, str]] = []  # (version, how the registry took this ack)
         self.committed: dict[int, int] = {}  # step -> rollouts committed at its publication
+        self.voided: list[int] = []  # versions whose dead master's attempt this one closed
+        if is_master:
+            self._void_orphaned_attempts()
+
+    def _void_orphaned_attempts(self) -> None:
+        """A master starting finds any attempt still awaiting acks orphaned: only the master
+        that distributed it could activate it, and that process is gone (one master per run).
+
+        It is failed here, at construction, before verl asks any replica to receive: a
+        resumed replica then waits for the retry (`_load` waits out a failed distribution)
+        and acks the attempt the new master awaits. Failing it later, in `send_weights`,
+        raced the replicas verl starts at the same time: one could load and ack the dead
+        attempt just before the retry replaced it, and never ack again (the ack timed out,
+        the survivor's ack uncounted). A missing ledger holds nothing to void.
+        """
+        try:
+            open_backend(self.ledger_url, create=False).close()
+        except RolloutLifecycleError:
+            return
+        backend = self._backend()
+        try:
+            coord = ActivationCoordinator(backend.registry)
+            for rec in coord.artifacts():
+                if rec.state == "awaiting_acks":
+                    coord.fail_distribution(
+                        rec.version, "trainer_restarted", "its master died before it activated"
+                    )
+                    self.voided.append(rec.version)
+        finally:
+            backend.close()
 
     def _backend(self) -> Backend:
         return open_backend(self.ledger_url)
@@ -1683,7 +1713,8 @@ class LedgerCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         if rec.state in ("awaiting_acks", "distribution_failed") and rec.artifact_hash:
             held, _ack = WorkerLoader(self.store, "verl-actor").load(version, rec.artifact_hash)
             if tensors_sha256(held.tensors) == tensors_sha256(tensors):
-                if rec.state == "awaiting_acks":
+                if rec.state == "awaiting_acks":  # this process's own attempt (a dead one's
+                    # was voided when this master was built)
                     coord.fail_distribution(version, "trainer_restarted", "acks of a dead attempt")
                 coord.retry(version)
                 return self._await_acks(coord, version, rec.artifact_hash)

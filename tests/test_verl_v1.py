@@ -847,6 +847,49 @@ def test_an_ack_of_a_replaced_attempt_is_sent_again_with_the_current_token(
     be.close()
 
 
+def test_a_resumed_master_voids_the_dead_attempt_before_any_replica_can_ack_it(
+    tmp_path: Path,
+) -> None:
+    """The master died with v1 awaiting acks. On resume verl starts the replicas' receive
+    and the master's send together; here the replicas run first. They must not ack the dead
+    attempt (the resumed master's retry would void that ack, and a replica acks only once
+    per sync): the new master voids it when it is built, so they wait for the retry, and
+    v1 activates. With the void left to `send_weights`, v1 timed out, both acks uncounted."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    actor, rollouts = _engines(tmp_path, url, 2, ack_timeout_s=3.0)
+    asyncio.run(_sync(actor, rollouts, 0, {"w": torch.zeros(2)}))
+    be = open_backend(url)
+    coord = ActivationCoordinator(be.registry, ledger=be.ledger)
+    coord.prepare(1, parent_version=0)  # the dead master's attempt, as `_publish` opens it
+    stored = actor.store.write(1, tensors={"w": np.ones(2, dtype=np.float32)}, label="v1")
+    coord.commit_artifact(1, stored.artifact_hash, str(stored.path))
+    coord.distribute(1)
+    actor, rollouts = _engines(tmp_path, url, 2, ack_timeout_s=3.0)  # the resumed processes
+    assert actor.voided == [1]
+    rec = be.registry.artifact(1)
+    assert rec is not None and rec.state == "distribution_failed"
+    assert rec.failure is not None and rec.failure.cause == "trainer_restarted"
+
+    async def master_late() -> Any:
+        async def receive(r: Any) -> dict[str, Any]:
+            return {n: t async for n, t in r.receive_weights(global_steps=1)}
+
+        async def send() -> Any:
+            await asyncio.sleep(0.5)  # the replicas poll the registry meanwhile
+            return await actor.send_weights(iter([("w", torch.ones(2))]), global_steps=1)
+
+        return await asyncio.gather(send(), *[receive(r) for r in rollouts])
+
+    out = asyncio.run(master_late())
+    assert out[0]["rollout_lifecycle/activated"] == 1.0
+    assert [r.acks for r in rollouts] == [[(1, "counted")], [(1, "counted")]]
+    p = be.registry.pointer()
+    assert p is not None and p.version == 1
+    # a master built over a ledger with nothing awaiting voids nothing
+    assert _engines(tmp_path, url, 2)[0].voided == []
+    be.close()
+
+
 def test_a_group_read_from_plain_tags_is_the_group_any_tags_give() -> None:
     """`group_of`'s one pass over verl's plain int tags gives the group the checked path
     gives, and any tag that is missing, a bool or a text takes the checked path."""
