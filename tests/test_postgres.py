@@ -643,16 +643,22 @@ def test_two_coordinators_race_while_acks_arrive(postgres_url: str) -> None:
         try:
             with open_backend(postgres_url) as mine:
                 c = ActivationCoordinator(mine.registry, ledger=mine.ledger)
-                for _ in range(12):
+                # 12 distributions each; a refused prepare/distribute (the other's attempt
+                # is open) is retried after a pause, never counted as a round: counting it
+                # let one coordinator spend every round on refusals and never move
+                rounds, deadline = 0, time.monotonic() + 120
+                while rounds < 12 and time.monotonic() < deadline:
                     v = (c.registry.max_version() or 0) + 1
                     try:
                         c.prepare(v)
-                        c.commit_artifact(v, H[v])
+                        c.commit_artifact(v, HASH)  # a refused distribute spends v
                         c.distribute(v)
                     except ActivationError as exc:
                         with lock:
                             results[f"refused:{str(exc)[:30]}"] += 1
+                        time.sleep(0.01)
                         continue
+                    rounds += 1
                     for _attempt in range(200):
                         res = c.try_activate(v)
                         with lock:
@@ -685,7 +691,7 @@ def test_two_coordinators_race_while_acks_arrive(postgres_url: str) -> None:
                             c.record_ack(WorkerAck(w, a.version, "0" * 64, token=token))
                             with lock:
                                 results["corrupt_ack"] += 1
-                        c.record_ack(WorkerAck(w, a.version, H[a.version], token=token))
+                        c.record_ack(WorkerAck(w, a.version, HASH, token=token))
                     time.sleep(rng.uniform(0.001, 0.01))
         except BaseException as exc:
             errors.append(exc)
@@ -737,7 +743,7 @@ def test_two_coordinators_race_while_acks_arrive(postgres_url: str) -> None:
             if ev.pointer_after != ev.pointer_before and ev.event == "activate":
                 moves += 1
                 rec = arts[ev.version]
-                assert rec.state == "awaiting_acks" and rec.artifact_hash == H[ev.version]
+                assert rec.state == "awaiting_acks" and rec.artifact_hash == HASH
                 assert ev.pointer_after is not None and ev.pointer_after.version > last
                 for w in workers:
                     a = stored[w]
