@@ -1563,7 +1563,8 @@ class LedgerCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         and acks the attempt the new master awaits. Failing it later, in `send_weights`,
         raced the replicas verl starts at the same time: one could load and ack the dead
         attempt just before the retry replaced it, and never ack again (the ack timed out,
-        the survivor's ack uncounted). A missing ledger holds nothing to void.
+        the survivor's ack uncounted). A missing ledger, or one that never distributed, holds
+        nothing to void.
         """
         try:
             open_backend(self.ledger_url, create=False).close()
@@ -1571,6 +1572,8 @@ class LedgerCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             return
         backend = self._backend()
         try:
+            if backend.registry.required_workers() is None:
+                return  # nothing was ever distributed
             coord = ActivationCoordinator(backend.registry)
             for rec in coord.artifacts():
                 if rec.state == "awaiting_acks":

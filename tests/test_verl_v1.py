@@ -856,9 +856,10 @@ def test_a_resumed_master_voids_the_dead_attempt_before_any_replica_can_ack_it(
     per sync): the new master voids it when it is built, so they wait for the retry, and
     v1 activates. With the void left to `send_weights`, v1 timed out, both acks uncounted."""
     url = f"sqlite:///{tmp_path / 's.db'}"
+    be = open_backend(url)  # the buffer created the ledger: nothing distributed yet
     actor, rollouts = _engines(tmp_path, url, 2, ack_timeout_s=3.0)
+    assert actor.voided == []
     asyncio.run(_sync(actor, rollouts, 0, {"w": torch.zeros(2)}))
-    be = open_backend(url)
     coord = ActivationCoordinator(be.registry, ledger=be.ledger)
     coord.prepare(1, parent_version=0)  # the dead master's attempt, as `_publish` opens it
     stored = actor.store.write(1, tensors={"w": np.ones(2, dtype=np.float32)}, label="v1")
