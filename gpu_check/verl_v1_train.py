@@ -332,6 +332,15 @@ def last_checkpoint(out: Path) -> int:
     return int(f.read_text().strip()) if f.exists() else 0
 
 
+def resume_needed(plan: TrainPlan, last: Phase) -> bool:
+    """Resume as an operator would: until verl ends its fit (exit 0) with every step
+    checkpointed. A process that died after checkpointing the last step (a replica killed
+    late takes down the last weight sync) is resumed too: the resumed trainer publishes that
+    step's weights at start-up, which commits the step's reservations; without it they were
+    left reserved (settled only by the harness)."""
+    return last_checkpoint(plan.out) < plan.steps or last.rc != 0
+
+
 def settle_run(url: str, next_step: int) -> dict[str, int]:
     """After the last process: commit what verl's checkpoint holds, release the rest."""
     from rollout_lifecycle.gpu_check.verl_v1 import step_of
@@ -521,7 +530,7 @@ def run_train(plan: TrainPlan, progress: Callable[[str], None] = print) -> dict[
         )
     )
     n = 2
-    while last_checkpoint(plan.out) < plan.steps and n <= 4:
+    while resume_needed(plan, phases[-1]) and n <= 4:
         phases.append(run_phase(plan, f"resume-{n}", cmd, None, progress))
         n += 1
     (plan.out / "phases.json").write_text(json.dumps([attrs.asdict(p) for p in phases]) + "\n")

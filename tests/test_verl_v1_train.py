@@ -77,6 +77,28 @@ def test_committed_reference_has_the_fields_and_passes() -> None:
     assert judged_ok(doc) == []
 
 
+def test_a_trainer_that_died_after_its_last_checkpoint_is_resumed(tmp_path: Path) -> None:
+    """The harness resumes while a step is not checkpointed OR the last process died: a
+    replica killed late takes down verl's last weight sync after step 6's checkpoint, and
+    only a resume publishes v6 (committing step 6's reservations)."""
+    pytest.importorskip("verl")
+    from rollout_lifecycle.gpu_check.verl_v1_train import Phase, TrainPlan, resume_needed
+
+    plan = TrainPlan(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    mark = tmp_path / "ckpt" / "latest_checkpointed_iteration.txt"
+
+    def phase(rc: int) -> Phase:
+        return Phase("resume-1", rc, 1.0, None)
+
+    assert resume_needed(plan, phase(0))  # no checkpoint yet
+    mark.write_text("5\n")
+    assert resume_needed(plan, phase(0))
+    mark.write_text("6\n")
+    assert resume_needed(plan, phase(1)) and resume_needed(plan, phase(-9))
+    assert not resume_needed(plan, phase(0))
+
+
 def test_the_docs_quote_the_committed_reference() -> None:
     """docs/verl-v1.md's result line and trace size are the committed reference's."""
     from rollout_lifecycle.cli.train_cmd import summary
