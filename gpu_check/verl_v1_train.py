@@ -460,6 +460,19 @@ def judge(plan: TrainPlan, killed_replicas: Sequence[str] = ()) -> dict[str, Any
                 "chains_open": len(open_),
                 "never_trained": len(never),
                 "never_trained_chains": never[:5],
+                # how each such chain ended: (attempt, state, cause, behaviour version) per try
+                "never_trained_detail": {
+                    c: [
+                        [
+                            e.attempt,
+                            e.state,
+                            e.disposition.cause if e.disposition else None,
+                            e.behavior_version,
+                        ]
+                        for e in sorted(chains[c], key=lambda e: e.attempt)
+                    ]
+                    for c in never[:5]
+                },
                 "attempts_histogram": dict(sorted(attempts.items())),
                 "max_attempts": max(attempts, default=0),
                 "dispatch_refusals": sum(refusals.values()),
