@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -372,6 +372,28 @@ def pacing_log(plan: TrainPlan) -> list[dict[str, Any]]:
     return [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
 
 
+def chain_outcomes(
+    states: Mapping[str, Sequence[str]], log: Sequence[Mapping[str, Any]]
+) -> tuple[set[str], set[str], set[str], list[str]]:
+    """Each prompt chain's outcome from its tries' ledger states and the pacing log:
+    (trained, open, held at the end, ended without training).
+
+    Trained: a try was consumed. Open: a try is not retired. Held: every try was retired,
+    but the budget was holding the prompt in verl's loop when the run ended (its last
+    pacing record is a refusal): verl still holds it, as it holds prompts never dispatched
+    at all, so it has not ended. Anything else ended untrained (the verdict's failure).
+    """
+    last: dict[str, Mapping[str, Any]] = {}
+    for x in sorted(log, key=lambda x: float(x["t"])):
+        if x.get("chain") is not None:
+            last[str(x["chain"])] = x
+    trained = {c for c, ss in states.items() if "consumed" in ss}
+    open_ = {c for c, ss in states.items() if c not in trained and set(ss) - set(TERMINAL_RETIRED)}
+    ended = set(states) - trained - open_
+    held = {c for c in ended if last.get(c, {}).get("what") in ("no_capacity", "chain_live")}
+    return trained, open_, held, sorted(ended - held)
+
+
 def _listed(detail: str) -> set[str]:
     """Workers named in a distribution failure's detail ("missing [..], mismatched [..]")."""
     return set(re.findall(r"'([^']+)'", detail))
@@ -403,15 +425,11 @@ def judge(plan: TrainPlan, killed_replicas: Sequence[str] = ()) -> dict[str, Any
         for e in snap.values():
             if e.chain is not None:
                 chains.setdefault(e.chain, []).append(e)
-        trained = {c for c, es in chains.items() if any(e.state == "consumed" for e in es)}
-        open_ = {
-            c
-            for c, es in chains.items()
-            if c not in trained and any(e.state not in TERMINAL_RETIRED for e in es)
-        }
-        never = sorted(set(chains) - trained - open_)
         attempts = Counter(max(e.attempt for e in es) for es in chains.values())
         log = pacing_log(plan)
+        trained, open_, held, never = chain_outcomes(
+            {c: [e.state for e in es] for c, es in chains.items()}, log
+        )
         refusals = Counter(x["what"] for x in log if x["what"] in ("no_capacity", "chain_live"))
         refused_at: dict[str, float] = {}
         requeued: set[str] = set()
@@ -458,6 +476,7 @@ def judge(plan: TrainPlan, killed_replicas: Sequence[str] = ()) -> dict[str, Any
                 "chains": len(chains),
                 "chains_trained": len(trained),
                 "chains_open": len(open_),
+                "chains_held_at_end": len(held),
                 "never_trained": len(never),
                 "never_trained_chains": never[:5],
                 # how each such chain ended: (attempt, state, cause, behaviour version) per try

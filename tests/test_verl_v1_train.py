@@ -99,6 +99,32 @@ def test_a_trainer_that_died_after_its_last_checkpoint_is_resumed(tmp_path: Path
     assert not resume_needed(plan, phase(0))
 
 
+def test_a_chain_is_judged_ended_only_when_nothing_holds_its_prompt() -> None:
+    """Trained, open, held by the budget at the end (every try retired, last pacing record
+    a refusal), or ended untrained: a prompt dropped for good, or one whose retired try
+    was never offered again, still fails the verdict."""
+    pytest.importorskip("verl")
+    from rollout_lifecycle.gpu_check.verl_v1_train import chain_outcomes
+
+    states = {
+        "t": ["generation_failed", "consumed"],
+        "o": ["generation_failed", "rewarded"],
+        "h": ["generation_failed", "generation_failed"],
+        "d": ["quarantined", "quarantined"],
+        "g": ["generation_failed"],
+    }
+    log = [
+        {"t": 1.0, "what": "dispatched", "chain": "h"},
+        {"t": 3.0, "what": "no_capacity", "chain": "h"},  # held when the run ended
+        {"t": 2.0, "what": "no_capacity", "chain": "g"},
+        {"t": 4.0, "what": "dispatched", "chain": "g"},  # its last record: a dispatch
+        {"t": 5.0, "what": "no_capacity", "chain": "d"},
+        {"t": 6.0, "what": "dropped:attempts_exhausted", "chain": "d"},
+    ]
+    trained, open_, held, never = chain_outcomes(states, log)
+    assert (trained, open_, held, never) == ({"t"}, {"o"}, {"h"}, ["d", "g"])
+
+
 def test_the_docs_quote_the_committed_reference() -> None:
     """docs/verl-v1.md's result line and trace size are the committed reference's."""
     from rollout_lifecycle.cli.train_cmd import summary
