@@ -768,9 +768,13 @@ class EventLog:
             self._events.extend(stamped)
             return stamped
 
-    def record_entries(self, at: float, changes: Sequence[Change]) -> None:
-        """`record` for a ledger step of (event, before, after, update_id) changes: each
-        EntryChanged is built once, already stamped, instead of built then copied."""
+    def record_entries(
+        self, at: float, changes: Sequence[Change], updates: Sequence[UpdateChange] = ()
+    ) -> None:
+        """`record` for a ledger step of (event, before, after, update_id) changes and the
+        update records it wrote (after the entries, as `record` orders them): each event is
+        built once, already stamped, instead of built then copied (a batch reservation
+        opens an update, and built every event twice)."""
         with self._lock:
             self._txn += 1
             txn, base = self._txn, len(self._events)
@@ -778,6 +782,11 @@ class EventLog:
             self._events.extend(
                 make(base + i, txn, at, after.rollout_id, event, before, after, update)
                 for i, (event, before, after, update) in enumerate(changes, 1)
+            )
+            base += len(changes)
+            self._events.extend(
+                UpdateChanged(base + i, txn, at, after.update_id, event, before, after)
+                for i, (event, before, after) in enumerate(updates, 1)
             )
 
     def events(self) -> list[TraceEvent]:

@@ -40,7 +40,6 @@ from rollout_lifecycle.model.events import (
     EntryChanged,
     EventLog,
     UpdateChange,
-    UpdateChanged,
     row_event,
 )
 from rollout_lifecycle.model.machines import LIFECYCLE
@@ -2864,17 +2863,10 @@ class MemoryStore:
         counts: Mapping[str, int],
         updates: Sequence[UpdateChange] = (),
     ) -> None:
-        if updates:
-            for _, _, after in updates:
-                self.updates[after.update_id] = after
-            self.log.record(
-                [
-                    *(EntryChanged(0, 0, at, a.rollout_id, ev, b, a, u) for ev, b, a, u in changes),
-                    *(UpdateChanged(0, 0, at, a.update_id, ev, b, a) for ev, b, a in updates),
-                ]
-            )
-        elif changes:
-            self.log.record_entries(at, changes)
+        for _, _, after in updates:
+            self.updates[after.update_id] = after
+        if changes or updates:
+            self.log.record_entries(at, changes, updates)
         self.counters.update({k: v for k, v in counts.items() if v})
 
     # ---- reads ------------------------------------------------------------------------------

@@ -181,3 +181,24 @@ def test_a_reservation_that_rebuilds_the_lease_heap_keeps_its_deadline(batch: bo
     assert len(led._leases) == 1  # rebuilt from what is held
     clock.advance(5.0)
     assert [e.rollout_id for e in led.expire_leases()] == ["x"]
+
+
+def test_a_batch_step_records_its_entries_then_its_update_in_one_transaction() -> None:
+    """A batch reservation that opens an update is one step: its entry events, then the
+    update's `open` event, one txn, consecutive seqs after the step before (each event
+    built once, stamped: the memory store's path for steps that write updates)."""
+    from rollout_lifecycle.model.events import EntryChanged, UpdateChanged
+
+    led = MemoryLedger()
+    for i in range(3):
+        led.add(rewarded(f"r{i}"))
+    before = led.log.events()
+    led.reserve_batch("u", [ReserveRequest(f"r{i}", 0, STAMP) for i in range(3)])
+    step = led.log.events()[len(before) :]
+    assert [type(e) for e in step] == [EntryChanged] * 3 + [UpdateChanged]
+    assert [e.seq for e in step] == list(range(before[-1].seq + 1, before[-1].seq + 5))
+    assert {e.txn for e in step} == {before[-1].txn + 1}
+    assert [e.rollout_id for e in step if isinstance(e, EntryChanged)] == ["r0", "r1", "r2"]
+    last = step[3]
+    assert isinstance(last, UpdateChanged) and (last.update_id, last.event) == ("u", "open")
+    assert last.before is None and last.after.update_id == "u"
