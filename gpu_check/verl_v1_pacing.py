@@ -125,7 +125,9 @@ class Pacer:
 
     `send(batch)` is verl's generation (the manager's parent `generate_sequences`);
     `mark_failed(uid)` hands a prompt the ledger refuses for good back to verl as a failed
-    group (verl evicts and refills it). Thread-safe enough for verl's one trainer thread.
+    group (verl evicts and refills it); `reissue(uids)` sends those prompts (read back from
+    TransferQueue) again under fresh uids, as their chains' next attempts. Thread-safe
+    enough for verl's one trainer thread.
     """
 
     def __init__(
@@ -138,6 +140,7 @@ class Pacer:
         *,
         mark_failed: Callable[[str], None] | None = None,
         retag: Callable[[list[str], int], None] | None = None,
+        reissue: Callable[[list[str]], int] | None = None,
         hold_s: float = 600.0,
         log: Path | None = None,
     ) -> None:
@@ -148,6 +151,7 @@ class Pacer:
         self.send = send
         self.mark_failed = mark_failed
         self.retag = retag
+        self.reissue = reissue
         self.hold_s = hold_s
         self.log = log
         self.held: list[Held] = []
@@ -190,6 +194,7 @@ class Pacer:
         go: list[Held] = []
         hold: list[Held] = []
         pending = list(items)
+        again_later: list[str] = []  # re-issued prompts whose try went past dispatch
         for _ in range(MAX_VISITS):
             if not pending:
                 break
@@ -213,6 +218,22 @@ class Pacer:
                     self.book.record([o.entry])
                     go.append(h)
                     self._note(o.reason, h, o.attempt, requeued=h.held)
+                elif (
+                    o.reason == ALREADY_DISPATCHED
+                    and o.entry is not None
+                    and o.entry.state != "consumed"
+                    and self.reissue is not None
+                ):
+                    # a resumed trainer re-issued a prompt whose try went past dispatch
+                    # before it died: verl cleared that try's trajectories, so it never
+                    # trains, and its uid names it in the ledger. The uid goes back to verl
+                    # as failed (never requeued again: `refused`), and the prompt goes out
+                    # under a fresh uid as its chain's next attempt (held while the dead
+                    # try is still live). Dropping it ended the chain untrained.
+                    self.book.refused.add(h.uid)
+                    self.book.count(reissued=1)
+                    self._note("reissued", h, o.attempt)
+                    again_later.append(h.uid)
                 elif o.reason == CHAIN_DONE:
                     self.visits[h.base] = self.visits.get(h.base, 1) + 1  # a new epoch's visit
                     again.append(h)
@@ -243,6 +264,11 @@ class Pacer:
             self.send(_concat([h.row for h in fresh], None))
         self.held.extend(hold)
         self.book.counters["held_now"] = len(self.held)
+        if again_later and self.reissue is not None:
+            self.reissue(again_later)  # dispatched through `submit`, under fresh uids
+            if self.mark_failed is not None:
+                for uid in again_later:
+                    self.mark_failed(uid)
 
     def _note(self, what: str, h: Held, attempt: int, *, requeued: bool = False) -> None:
         """One line of the pacing log (`pacing_log`): what the budget decided, for whom."""
@@ -384,6 +410,7 @@ class LedgerAgentLoopManager(_Manager):  # type: ignore[misc,valid-type]
             super().generate_sequences,
             mark_failed=self._mark_failed,
             retag=self._retag,
+            reissue=self._reissue,
             log=None if not log else Path(str(log)),
         )
 
@@ -395,6 +422,11 @@ class LedgerAgentLoopManager(_Manager):  # type: ignore[misc,valid-type]
                 self.pacer, pid, uids, tq.kv_batch_put, tq.kv_batch_get
             ),
         )
+
+    def _reissue(self, uids: list[str]) -> int:
+        import transfer_queue as tq
+
+        return requeue_prompts(self.pacer, "train", uids, tq.kv_batch_put, tq.kv_batch_get)
 
     @staticmethod
     def _retag(uids: list[str], step: int) -> None:

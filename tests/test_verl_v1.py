@@ -796,6 +796,91 @@ def test_the_budget_decides_before_verl_generates(tmp_path: Path) -> None:
     be.close()
 
 
+def test_a_reissued_prompt_whose_try_went_past_dispatch_goes_again_as_its_next_attempt(
+    tmp_path: Path,
+) -> None:
+    """A resumed trainer re-issues an in-flight prompt (same uid) whose try had been
+    generated before the trainer died: verl cleared that try's trajectories, so it never
+    trains. The prompt is dispatched again under a fresh uid as its chain's attempt 2 (held
+    while the old try is live), and the old uid goes back to verl as failed, never requeued
+    again. Dropping it (the old code) ended the chain untrained (CI: 2 chains)."""
+    from rollout_lifecycle.gpu_check.verl_v1_pacing import Pacer, requeue_prompts
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    be = open_backend(url)
+    policy = AdmissionPolicy(1, 0.5, batch_size=2, max_attempts=3)
+    set_admission_policy(be.registry, policy, "set by the operator")
+    coord = ActivationCoordinator(be.registry, ["rollout-0"], ledger=be.ledger, policy=policy)
+    activate(coord, 0)
+    sent: list[list[str]] = []
+    failed: list[str] = []
+    stored: dict[str, Any] = {}  # what TransferQueue holds of each prompt, by uid
+    book = verl_v1.DispatchBook()
+    settings = verl_v1.BufferSettings.from_kwargs({"ledger_url": url, "run_id": "run"})
+
+    def get(keys: list[str], partition_id: str) -> Any:
+        from verl.utils import tensordict_utils as tu
+
+        return tu.concat_tensordict([stored[k] for k in keys])
+
+    pacer = Pacer(
+        verl_v1.step_ledger(be.ledger),
+        be.registry,
+        settings,
+        book,
+        lambda b: sent.append([str(u) for u in b["uid"]]),
+        mark_failed=failed.append,
+        reissue=lambda uids: requeue_prompts(pacer, "train", uids, lambda **_: None, get),
+        log=tmp_path / "pacing.jsonl",
+    )
+    batch = _prompts(["1 + 1", "2 + 2"])
+    from verl.utils import tensordict_utils as tu
+
+    stored.update(
+        {str(u): tu.index_select_tensor_dict(batch, [i]) for i, u in enumerate(batch["uid"])}
+    )
+    pacer.submit(batch)
+    done, live = sent[0]
+    be.ledger.land_and_reserve(  # type: ignore[attr-defined]
+        None,
+        [
+            Landing(done, 0, H[0], reward=Reward("r", "1", 1.0), tokens=3),
+            Landing(live, 0, H[0], reward=Reward("r", "1", 1.0), tokens=3),
+        ],
+    )
+    # the trainer died; its successor re-issues both in-flight prompts under their uids.
+    # `done`'s try ended already (retired by the resume); `live`'s is still rewarded
+    be.ledger.land_and_reserve(  # type: ignore[attr-defined]
+        None, close=[(done, "quarantine", verl_v1.Disposition("admission", "dropped_by_resume"))]
+    )
+    pacer.submit(_restack(stored, [done, live]))
+    assert failed == [done, live] and {done, live} <= book.refused
+    fresh = sent[-1]
+    assert len(fresh) == 1 and fresh[0] not in (done, live)  # done's prompt, attempt 2
+    e = be.ledger.get(fresh[0])
+    assert e.attempt == 2 and e.chain == be.ledger.get(done).chain
+    held = [h.uid for h in pacer.held]
+    assert len(held) == 1 and held[0] not in (done, live)  # live's: its try still live
+    be.ledger.land_and_reserve(  # type: ignore[attr-defined]
+        None, close=[(live, "quarantine", verl_v1.Disposition("admission", "dropped_by_resume"))]
+    )
+    pacer.retry()
+    e2 = be.ledger.get(held[0])
+    assert e2.attempt == 2 and e2.chain == be.ledger.get(live).chain
+    # the failed uids' evictions never send the prompts a third time
+    assert book.requeue("train", [done, live]) == 0
+    log = [json.loads(x) for x in (tmp_path / "pacing.jsonl").read_text().splitlines()]
+    assert [x["uid"] for x in log if x["what"] == "reissued"] == [done, live]
+    be.close()
+
+
+def _restack(stored: dict[str, Any], uids: list[str]) -> Any:
+    """The prompts of `uids` as verl's `_reissue_inflight_prompts` hands them back."""
+    from verl.utils import tensordict_utils as tu
+
+    return tu.concat_tensordict([stored[u] for u in uids])
+
+
 # ---- (f) item 9: a replica killed during a weight sync ----------------------------------
 
 
