@@ -49,6 +49,7 @@ from rollout_lifecycle.model.pacing import (
 )
 from rollout_lifecycle.model.records import (
     BehaviorPolicy,
+    Disposition,
     GenerationConditions,
     LedgerEntry,
     Rollout,
@@ -57,6 +58,9 @@ from rollout_lifecycle.model.records import (
 from rollout_lifecycle.model.registry import RegistryStore
 
 MAX_VISITS = 64  # epochs a prompt may be trained in (a chain per visit)
+REISSUED = Disposition(
+    "admission", "reissued_by_resume", "verl re-issued its prompt and cleared its trajectories"
+)
 
 
 def _plain(v: Any) -> Any:
@@ -195,6 +199,7 @@ class Pacer:
         hold: list[Held] = []
         pending = list(items)
         again_later: list[str] = []  # re-issued prompts whose try went past dispatch
+        ending: list[tuple[str, str, Disposition]] = []  # those tries, still live
         for _ in range(MAX_VISITS):
             if not pending:
                 break
@@ -226,14 +231,17 @@ class Pacer:
                 ):
                     # a resumed trainer re-issued a prompt whose try went past dispatch
                     # before it died: verl cleared that try's trajectories, so it never
-                    # trains, and its uid names it in the ledger. The uid goes back to verl
-                    # as failed (never requeued again: `refused`), and the prompt goes out
-                    # under a fresh uid as its chain's next attempt (held while the dead
-                    # try is still live). Dropping it ended the chain untrained.
+                    # trains, and its uid names it in the ledger. The try ends here (if
+                    # nothing ended it yet), the uid goes back to verl as failed (never
+                    # requeued again: `refused`), and the prompt goes out under a fresh
+                    # uid as its chain's next attempt. Dropping it ended the chain
+                    # untrained.
                     self.book.refused.add(h.uid)
                     self.book.count(reissued=1)
                     self._note("reissued", h, o.attempt)
                     again_later.append(h.uid)
+                    if o.entry.state in ("generated", "rewarded"):
+                        ending.append((h.uid, "quarantine", REISSUED))
                 elif o.reason == CHAIN_DONE:
                     self.visits[h.base] = self.visits.get(h.base, 1) + 1  # a new epoch's visit
                     again.append(h)
@@ -264,6 +272,8 @@ class Pacer:
             self.send(_concat([h.row for h in fresh], None))
         self.held.extend(hold)
         self.book.counters["held_now"] = len(self.held)
+        if ending:
+            self.ledger.land_and_reserve(None, close=ending)
         if again_later and self.reissue is not None:
             self.reissue(again_later)  # dispatched through `submit`, under fresh uids
             if self.mark_failed is not None:

@@ -799,11 +799,12 @@ def test_the_budget_decides_before_verl_generates(tmp_path: Path) -> None:
 def test_a_reissued_prompt_whose_try_went_past_dispatch_goes_again_as_its_next_attempt(
     tmp_path: Path,
 ) -> None:
-    """A resumed trainer re-issues an in-flight prompt (same uid) whose try had been
-    generated before the trainer died: verl cleared that try's trajectories, so it never
-    trains. The prompt is dispatched again under a fresh uid as its chain's attempt 2 (held
-    while the old try is live), and the old uid goes back to verl as failed, never requeued
-    again. Dropping it (the old code) ended the chain untrained (CI: 2 chains)."""
+    """A resumed trainer re-issues in-flight prompts (same uids) whose tries had gone past
+    dispatch before the trainer died: verl cleared those tries' trajectories, so they never
+    train. Each prompt is dispatched again under a fresh uid as its chain's attempt 2; a
+    try still live ends ('reissued_by_resume'); the old uids go back to verl as failed and
+    are never requeued again. Dropping them (the old code) ended the chains untrained (CI:
+    2 chains)."""
     from rollout_lifecycle.gpu_check.verl_v1_pacing import Pacer, requeue_prompts
 
     url = f"sqlite:///{tmp_path / 's.db'}"
@@ -855,18 +856,14 @@ def test_a_reissued_prompt_whose_try_went_past_dispatch_goes_again_as_its_next_a
     )
     pacer.submit(_restack(stored, [done, live]))
     assert failed == [done, live] and {done, live} <= book.refused
+    old = be.ledger.get(live)
+    assert old.state == "quarantined" and old.disposition is not None
+    assert old.disposition.cause == "reissued_by_resume"
     fresh = sent[-1]
-    assert len(fresh) == 1 and fresh[0] not in (done, live)  # done's prompt, attempt 2
-    e = be.ledger.get(fresh[0])
-    assert e.attempt == 2 and e.chain == be.ledger.get(done).chain
-    held = [h.uid for h in pacer.held]
-    assert len(held) == 1 and held[0] not in (done, live)  # live's: its try still live
-    be.ledger.land_and_reserve(  # type: ignore[attr-defined]
-        None, close=[(live, "quarantine", verl_v1.Disposition("admission", "dropped_by_resume"))]
-    )
-    pacer.retry()
-    e2 = be.ledger.get(held[0])
-    assert e2.attempt == 2 and e2.chain == be.ledger.get(live).chain
+    assert len(fresh) == 2 and not {done, live} & set(fresh) and not pacer.held
+    for new, was in zip(fresh, (done, live), strict=True):
+        e = be.ledger.get(new)
+        assert e.attempt == 2 and e.chain == be.ledger.get(was).chain
     # the failed uids' evictions never send the prompts a third time
     assert book.requeue("train", [done, live]) == 0
     log = [json.loads(x) for x in (tmp_path / "pacing.jsonl").read_text().splitlines()]
