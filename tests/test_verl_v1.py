@@ -797,14 +797,14 @@ def test_the_budget_decides_before_verl_generates(tmp_path: Path) -> None:
 
 
 def test_a_reissued_prompt_whose_try_went_past_dispatch_goes_again_as_its_next_attempt(
-    tmp_path: Path,
+    clean: Any, tmp_path: Path
 ) -> None:
     """A resumed trainer re-issues in-flight prompts (same uids) whose tries had gone past
     dispatch before the trainer died: verl cleared those tries' trajectories, so they never
     train. Each prompt is dispatched again under a fresh uid as its chain's attempt 2; a
     try still live ends ('reissued_by_resume'); the old uids go back to verl as failed and
     are never requeued again. Dropping them (the old code) ended the chains untrained (CI:
-    2 chains)."""
+    2 chains). The prompts are read back from a real TransferQueue, as in a run."""
     from rollout_lifecycle.gpu_check.verl_v1_pacing import Pacer, requeue_prompts
 
     url = f"sqlite:///{tmp_path / 's.db'}"
@@ -815,15 +815,10 @@ def test_a_reissued_prompt_whose_try_went_past_dispatch_goes_again_as_its_next_a
     activate(coord, 0)
     sent: list[list[str]] = []
     failed: list[str] = []
-    stored: dict[str, Any] = {}  # what TransferQueue holds of each prompt, by uid
+    stored: dict[str, Any] = {}  # each prompt's row, by uid (what verl re-issues)
     book = verl_v1.DispatchBook()
     settings = verl_v1.BufferSettings.from_kwargs({"ledger_url": url, "run_id": "run"})
-
-    def get(keys: list[str], partition_id: str) -> Any:
-        from verl.utils import tensordict_utils as tu
-
-        return tu.concat_tensordict([stored[k] for k in keys])
-
+    tq = clean
     pacer = Pacer(
         verl_v1.step_ledger(be.ledger),
         be.registry,
@@ -831,14 +826,27 @@ def test_a_reissued_prompt_whose_try_went_past_dispatch_goes_again_as_its_next_a
         book,
         lambda b: sent.append([str(u) for u in b["uid"]]),
         mark_failed=failed.append,
-        reissue=lambda uids: requeue_prompts(pacer, "train", uids, lambda **_: None, get),
+        reissue=lambda uids: requeue_prompts(
+            pacer, "train", uids, tq.kv_batch_put, tq.kv_batch_get
+        ),
         log=tmp_path / "pacing.jsonl",
     )
     batch = _prompts(["1 + 1", "2 + 2"])
+    from tensordict import NonTensorData
     from verl.utils import tensordict_utils as tu
 
     stored.update(
         {str(u): tu.index_select_tensor_dict(batch, [i]) for i, u in enumerate(batch["uid"])}
+    )
+    # verl persists each prompt's data under its uid (what a re-issue reads back)
+    uids = [str(u) for u in batch["uid"]]
+    tq.kv_batch_put(
+        keys=uids,
+        partition_id="train",
+        tags=[{"is_prompt": True, "status": "running", "global_steps": 1} for _ in uids],
+        fields=batch.select(
+            *[k for k in batch.keys() if not isinstance(batch.get(k), NonTensorData)]  # noqa: SIM118
+        ),
     )
     pacer.submit(batch)
     done, live = sent[0]
