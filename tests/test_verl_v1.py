@@ -723,32 +723,40 @@ def _prompts(texts: list[str]) -> Any:
     return batch
 
 
-def test_the_budget_decides_before_verl_generates(tmp_path: Path) -> None:
-    """(max_lag + 1) x batch_size = 4 groups may be live: of 6 prompts 4 reach verl's
-    generation, 2 are held and sent when capacity frees (a requeue); the same prompt
-    fetched again (new uid) is the next attempt of its chain, up to max_attempts; a
-    prompt whose attempts are spent is handed back to verl as a failed group."""
+def _paced(tmp_path: Path, max_attempts: int) -> tuple[Any, Any, list[list[str]], list[str]]:
+    """A deployment whose policy paces dispatch (max_lag 1, batch_size 2: 4 live groups),
+    v0 active, and a Pacer over it that records what it sends to verl and what it hands
+    back as failed: (backend, pacer, sent uids per send, failed uids)."""
     from rollout_lifecycle.gpu_check.verl_v1_pacing import Pacer
 
     url = f"sqlite:///{tmp_path / 's.db'}"
     be = open_backend(url)
-    policy = AdmissionPolicy(1, 0.5, batch_size=2, max_attempts=2)
+    policy = AdmissionPolicy(1, 0.5, batch_size=2, max_attempts=max_attempts)
     set_admission_policy(be.registry, policy, "set by the operator")
     coord = ActivationCoordinator(be.registry, ["rollout-0"], ledger=be.ledger, policy=policy)
     activate(coord, 0)
     sent: list[list[str]] = []
     failed: list[str] = []
-    book = verl_v1.DispatchBook()
     settings = verl_v1.BufferSettings.from_kwargs({"ledger_url": url, "run_id": "run"})
     pacer = Pacer(
         verl_v1.step_ledger(be.ledger),
         be.registry,
         settings,
-        book,
+        verl_v1.DispatchBook(),
         lambda b: sent.append([str(u) for u in b["uid"]]),
         mark_failed=failed.append,
         log=tmp_path / "pacing.jsonl",
     )
+    return be, pacer, sent, failed
+
+
+def test_the_budget_decides_before_verl_generates(tmp_path: Path) -> None:
+    """(max_lag + 1) x batch_size = 4 groups may be live: of 6 prompts 4 reach verl's
+    generation, 2 are held and sent when capacity frees (a requeue); the same prompt
+    fetched again (new uid) is the next attempt of its chain, up to max_attempts; a
+    prompt whose attempts are spent is handed back to verl as a failed group."""
+    be, pacer, sent, failed = _paced(tmp_path, max_attempts=2)
+    book = pacer.book
     texts = [f"{i} + {i}" for i in range(6)]
     batch = _prompts(texts)
     pacer.submit(batch)
@@ -805,31 +813,14 @@ def test_a_reissued_prompt_whose_try_went_past_dispatch_goes_again_as_its_next_a
     try still live ends ('reissued_by_resume'); the old uids go back to verl as failed and
     are never requeued again. Dropping them (the old code) ended the chains untrained (CI:
     2 chains). The prompts are read back from a real TransferQueue, as in a run."""
-    from rollout_lifecycle.gpu_check.verl_v1_pacing import Pacer, requeue_prompts
+    from rollout_lifecycle.gpu_check.verl_v1_pacing import requeue_prompts
 
-    url = f"sqlite:///{tmp_path / 's.db'}"
-    be = open_backend(url)
-    policy = AdmissionPolicy(1, 0.5, batch_size=2, max_attempts=3)
-    set_admission_policy(be.registry, policy, "set by the operator")
-    coord = ActivationCoordinator(be.registry, ["rollout-0"], ledger=be.ledger, policy=policy)
-    activate(coord, 0)
-    sent: list[list[str]] = []
-    failed: list[str] = []
+    be, pacer, sent, failed = _paced(tmp_path, max_attempts=3)
+    book = pacer.book
     stored: dict[str, Any] = {}  # each prompt's row, by uid (what verl re-issues)
-    book = verl_v1.DispatchBook()
-    settings = verl_v1.BufferSettings.from_kwargs({"ledger_url": url, "run_id": "run"})
     tq = clean
-    pacer = Pacer(
-        verl_v1.step_ledger(be.ledger),
-        be.registry,
-        settings,
-        book,
-        lambda b: sent.append([str(u) for u in b["uid"]]),
-        mark_failed=failed.append,
-        reissue=lambda uids: requeue_prompts(
-            pacer, "train", uids, tq.kv_batch_put, tq.kv_batch_get
-        ),
-        log=tmp_path / "pacing.jsonl",
+    pacer.reissue = lambda uids: requeue_prompts(
+        pacer, "train", uids, tq.kv_batch_put, tq.kv_batch_get
     )
     batch = _prompts(["1 + 1", "2 + 2"])
     from tensordict import NonTensorData
