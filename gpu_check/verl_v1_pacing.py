@@ -156,6 +156,7 @@ class Pacer:
         self.mark_failed = mark_failed
         self.retag = retag
         self.reissue = reissue
+        self.superseded: set[str] = set()  # old tries of re-issued prompts, still reserved
         self.hold_s = hold_s
         self.log = log
         self.held: list[Held] = []
@@ -193,7 +194,24 @@ class Pacer:
             held, self.held = self.held, []
             self._dispatch(held)
 
+    def _end_superseded(self) -> None:
+        """End the old tries of re-issued prompts that a dead process's update still held
+        when they were re-issued: once released (the buffer's first sample), nothing else
+        ends them, and a live try holds its chain's next attempt as chain_live."""
+        ending: list[tuple[str, str, Disposition]] = []
+        for uid in sorted(self.superseded):
+            e = self.ledger.find(uid)
+            if e is not None and e.state == "reserved":
+                continue  # still held: ended after its release
+            self.superseded.discard(uid)
+            if e is not None and e.state in ("generated", "rewarded"):
+                ending.append((uid, "quarantine", REISSUED))
+        if ending:
+            self.ledger.land_and_reserve(None, close=ending)
+
     def _dispatch(self, items: list[Held]) -> None:
+        if self.superseded:
+            self._end_superseded()
         pointer = self.registry.pointer()
         go: list[Held] = []
         hold: list[Held] = []
@@ -242,6 +260,8 @@ class Pacer:
                     again_later.append(h.uid)
                     if o.entry.state in ("generated", "rewarded"):
                         ending.append((h.uid, "quarantine", REISSUED))
+                    elif o.entry.state == "reserved":  # a dead process's update holds it
+                        self.superseded.add(h.uid)
                 elif o.reason == CHAIN_DONE:
                     self.visits[h.base] = self.visits.get(h.base, 1) + 1  # a new epoch's visit
                     again.append(h)

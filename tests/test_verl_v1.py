@@ -810,7 +810,9 @@ def test_a_reissued_prompt_whose_try_went_past_dispatch_goes_again_as_its_next_a
     """A resumed trainer re-issues in-flight prompts (same uids) whose tries had gone past
     dispatch before the trainer died: verl cleared those tries' trajectories, so they never
     train. Each prompt is dispatched again under a fresh uid as its chain's attempt 2; a
-    try still live ends ('reissued_by_resume'); the old uids go back to verl as failed and
+    try still live ends ('reissued_by_resume'), one a dead process's update still reserves
+    ends once that update is released (the run's common case: the trainer is killed once
+    its step's batch is reserved); the old uids go back to verl as failed and
     are never requeued again. Dropping them (the old code) ended the chains untrained (CI:
     2 chains). The prompts are read back from a real TransferQueue, as in a run."""
     from rollout_lifecycle.gpu_check.verl_v1_pacing import requeue_prompts
@@ -822,7 +824,7 @@ def test_a_reissued_prompt_whose_try_went_past_dispatch_goes_again_as_its_next_a
     pacer.reissue = lambda uids: requeue_prompts(
         pacer, "train", uids, tq.kv_batch_put, tq.kv_batch_get
     )
-    batch = _prompts(["1 + 1", "2 + 2"])
+    batch = _prompts(["1 + 1", "2 + 2", "3 + 3"])
     from tensordict import NonTensorData
     from verl.utils import tensordict_utils as tu
 
@@ -840,33 +842,41 @@ def test_a_reissued_prompt_whose_try_went_past_dispatch_goes_again_as_its_next_a
         ),
     )
     pacer.submit(batch)
-    done, live = sent[0]
+    done, live, held = sent[0]
     be.ledger.land_and_reserve(  # type: ignore[attr-defined]
-        None,
-        [
-            Landing(done, 0, H[0], reward=Reward("r", "1", 1.0), tokens=3),
-            Landing(live, 0, H[0], reward=Reward("r", "1", 1.0), tokens=3),
-        ],
+        "run.s00000003.m0",  # the dead process's step 3 reserved `held`
+        [Landing(u, 0, H[0], reward=Reward("r", "1", 1.0), tokens=3) for u in (done, live, held)],
+        reserve={held: AdmissionStamp(0, 0, 1, 0.5, 0.0, "fresh", "ok", True)},
     )
     # the trainer died; its successor re-issues both in-flight prompts under their uids.
     # `done`'s try ended already (retired by the resume); `live`'s is still rewarded
     be.ledger.land_and_reserve(  # type: ignore[attr-defined]
         None, close=[(done, "quarantine", verl_v1.Disposition("admission", "dropped_by_resume"))]
     )
-    pacer.submit(_restack(stored, [done, live]))
-    assert failed == [done, live] and {done, live} <= book.refused
+    pacer.submit(_restack(stored, [done, live, held]))
+    assert failed == [done, live, held] and {done, live, held} <= book.refused
     old = be.ledger.get(live)
     assert old.state == "quarantined" and old.disposition is not None
     assert old.disposition.cause == "reissued_by_resume"
     fresh = sent[-1]
-    assert len(fresh) == 2 and not {done, live} & set(fresh) and not pacer.held
+    assert len(fresh) == 2 and not {done, live} & set(fresh)
     for new, was in zip(fresh, (done, live), strict=True):
         e = be.ledger.get(new)
         assert e.attempt == 2 and e.chain == be.ledger.get(was).chain
+    # `held`'s try is still reserved: its next attempt waits (chain_live) until the buffer
+    # releases the dead update's reservations; then the try ends and the attempt goes
+    assert be.ledger.get(held).state == "reserved" and len(pacer.held) == 1
+    assert be.ledger.abort("run.s00000003.m0")  # the buffer's first sample releases it
+    pacer.retry()
+    gone = be.ledger.get(held)
+    assert gone.state == "quarantined" and gone.disposition is not None
+    assert gone.disposition.cause == "reissued_by_resume" and not pacer.held
+    e3 = be.ledger.get(sent[-1][0])
+    assert e3.attempt == 2 and e3.chain == gone.chain and not pacer.superseded
     # the failed uids' evictions never send the prompts a third time
-    assert book.requeue("train", [done, live]) == 0
+    assert book.requeue("train", [done, live, held]) == 0
     log = [json.loads(x) for x in (tmp_path / "pacing.jsonl").read_text().splitlines()]
-    assert [x["uid"] for x in log if x["what"] == "reissued"] == [done, live]
+    assert [x["uid"] for x in log if x["what"] == "reissued"] == [done, live, held]
     be.close()
 
 
