@@ -287,9 +287,11 @@ class Pacer:
             if step is not None and self.retag is not None:
                 # a held prompt starts now: verl's staleness span counts from this step
                 self.retag([h.uid for h in late], step)
-            self.send(_concat([h.row for h in late], step))
+            for rows in _alike([h.row for h in late]):
+                self.send(_concat(rows, step))
         if fresh:
-            self.send(_concat([h.row for h in fresh], None))
+            for rows in _alike([h.row for h in fresh]):
+                self.send(_concat(rows, None))
         self.held.extend(hold)
         self.book.counters["held_now"] = len(self.held)
         if ending:
@@ -315,6 +317,23 @@ class Pacer:
         }
         with self.log.open("a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+def _alike(rows: Sequence[Any]) -> list[list[Any]]:
+    """The rows in groups verl can concatenate (the same fields, the same nested ones), in
+    order of first appearance: a prompt read back from TransferQueue (a requeue, a
+    re-issue) holds jagged tensors a dataloader row does not, and verl's concat refuses a
+    mix ("All tensordicts must have the same set of nested tensors")."""
+    import torch
+
+    groups: dict[tuple[frozenset[str], frozenset[str]], list[Any]] = {}
+    for r in rows:
+        keys = frozenset(str(k) for k in r.keys())  # noqa: SIM118
+        nested = frozenset(
+            str(k) for k, v in r.items() if isinstance(v, torch.Tensor) and v.is_nested
+        )
+        groups.setdefault((keys, nested), []).append(r)
+    return list(groups.values())
 
 
 def _concat(rows: Sequence[Any], step: int | None) -> Any:

@@ -1012,3 +1012,32 @@ def test_a_group_read_from_plain_tags_is_the_group_any_tags_give() -> None:
                 got = verl_v1.group_of("g", keys, tags, i == j)
                 want = verl_v1._group_of_any("g", keys, [tags[k] for k in keys], i == j)
                 assert got == want, (n, v, w)
+
+
+def test_held_rows_of_different_shapes_go_to_verl_in_groups_it_can_concatenate() -> None:
+    """A prompt read back from TransferQueue (requeued, re-issued) holds a jagged field a
+    dataloader row does not; verl's concat refuses the mix, which crashed a resumed trainer
+    whose re-issued prompt was released in the same retry as held dataloader prompts."""
+    from verl.utils import tensordict_utils as tu
+
+    from rollout_lifecycle.gpu_check.verl_v1_pacing import _alike, _concat
+
+    jagged = [tu.index_select_tensor_dict(_prompts(["1 + 1", "2 + 2"]), [i]) for i in (0, 1)]
+    plain = tu.get_tensordict(
+        {
+            "input_ids": torch.zeros(1, 3, dtype=torch.long),
+            "uid": np.array(["p"], dtype=object),
+            "data_source": np.array(["arith"], dtype=object),
+            "raw_prompt": np.array([[{"role": "user", "content": "3 + 3"}]], dtype=object),
+        }
+    )
+    rows = [jagged[0], plain, jagged[1]]
+    with pytest.raises(AssertionError, match="same set of nested tensors"):
+        tu.concat_tensordict(rows)
+    groups = _alike(rows)
+    assert [len(g) for g in groups] == [2, 1] and groups[1][0] is plain
+    sent = [_concat(g, 3) for g in groups]
+    assert [list(map(str, b["uid"])) for b in sent] == [
+        [str(jagged[0]["uid"][0]), str(jagged[1]["uid"][0])],
+        ["p"],
+    ]
