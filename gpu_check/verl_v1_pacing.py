@@ -156,7 +156,7 @@ class Pacer:
         self.mark_failed = mark_failed
         self.retag = retag
         self.reissue = reissue
-        self.superseded: set[str] = set()  # old tries of re-issued prompts, still reserved
+        self.superseded: set[str] = set()  # old tries of re-issued prompts, not yet ended
         self.hold_s = hold_s
         self.log = log
         self.held: list[Held] = []
@@ -195,9 +195,9 @@ class Pacer:
             self._dispatch(held)
 
     def _end_superseded(self) -> None:
-        """End the old tries of re-issued prompts that a dead process's update still held
-        when they were re-issued: once released (the buffer's first sample), nothing else
-        ends them, and a live try holds its chain's next attempt as chain_live."""
+        """End the old tries of re-issued prompts: a live one now, one a dead process's
+        update still holds once released (the buffer's first sample). Nothing else ends
+        them, and a live try holds its chain's next attempt as chain_live."""
         ending: list[tuple[str, str, Disposition]] = []
         for uid in sorted(self.superseded):
             e = self.ledger.find(uid)
@@ -217,7 +217,6 @@ class Pacer:
         hold: list[Held] = []
         pending = list(items)
         again_later: list[str] = []  # re-issued prompts whose try went past dispatch
-        ending: list[tuple[str, str, Disposition]] = []  # those tries, still live
         for _ in range(MAX_VISITS):
             if not pending:
                 break
@@ -258,10 +257,7 @@ class Pacer:
                     self.book.count(reissued=1)
                     self._note("reissued", h, o.attempt)
                     again_later.append(h.uid)
-                    if o.entry.state in ("generated", "rewarded"):
-                        ending.append((h.uid, "quarantine", REISSUED))
-                    elif o.entry.state == "reserved":  # a dead process's update holds it
-                        self.superseded.add(h.uid)
+                    self.superseded.add(h.uid)  # its try ends below, or once released
                 elif o.reason == CHAIN_DONE:
                     self.visits[h.base] = self.visits.get(h.base, 1) + 1  # a new epoch's visit
                     again.append(h)
@@ -294,8 +290,8 @@ class Pacer:
                 self.send(_concat(rows, None))
         self.held.extend(hold)
         self.book.counters["held_now"] = len(self.held)
-        if ending:
-            self.ledger.land_and_reserve(None, close=ending)
+        if self.superseded:
+            self._end_superseded()
         if again_later and self.reissue is not None:
             self.reissue(again_later)  # dispatched through `submit`, under fresh uids
             if self.mark_failed is not None:
