@@ -829,6 +829,12 @@ BEGIN{_CHECK}{_kinds_check()}
             {_refuse("operation % may not write the registry's %", "p_op, v_part")};
         END IF;
     END LOOP;
+    -- no reservation reads the pointer, artifact states or policy while they change: a
+    -- step changing one takes the premise lock exclusive before its first write
+    IF p_step -> 'artifacts' IS NOT NULL OR p_step -> 'pointer' IS NOT NULL
+       OR p_step -> 'policy' IS NOT NULL THEN
+        PERFORM pg_advisory_xact_lock({K_PREMISE}, hashtext(current_schema()));
+    END IF;
     -- the pointer: only by an activation every required worker acked with its current
     -- token, or a rollback to the recorded rollback version (judged before any write)
     IF v_ptr IS NOT NULL THEN

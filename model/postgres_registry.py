@@ -1,21 +1,28 @@
 """The activation registry on a PostgreSQL server: artifacts, worker acks, pointer, membership.
 
 A coordinator step is planned and written inside ONE transaction: it takes the registry lock
-(exclusive), so its plan and `check_step` read a registry no other coordinator changes
-meanwhile (two coordinators racing on one database act one after the other, each on what
-the other committed, as with SQLite's BEGIN IMMEDIATE). `check_step` re-judges a pointer
-switch with `activation_decision` on the STORED acks echoing the current attempt's STORED
-tokens (`registry_attempt_tokens`) and the DURABLE required worker set read in that same
-transaction, so the switch succeeds only when every required worker's ack of this attempt
-matches version and hash, whatever the coordinator believed.
+(exclusive, with its BEGIN), so its plan and `check_step` read a registry no other
+coordinator changes meanwhile (two coordinators racing on one database act one after the
+other, each on what the other committed, as with SQLite's BEGIN IMMEDIATE). `check_step`
+re-judges a pointer switch with `activation_decision` on the STORED acks echoing the current
+attempt's STORED tokens (`registry_attempt_tokens`) and the DURABLE required worker set read
+in that same transaction, so the switch succeeds only when every required worker's ack of
+this attempt matches version and hash, whatever the coordinator believed.
 
-A step that changes an artifact or the pointer also takes the premise lock exclusive
-before writing, so no reservation reads the pointer while it moves (see
+A step's reads cost few round trips: the premise most steps judge (pointer, required
+workers, policy, newest version with its tokens, active version, server clock) is one
+statement after the lock (`_PgView.step_reads`), and each other question is asked once
+(`StepReads`): an ack is BEGIN with the lock, that read, the worker's report, the write, and
+COMMIT, where each read was a statement of its own (23 for an ack, 32 for an activation).
+
+The step's rows and its events (to the `events` table shared with the ledger, under the
+events lock: one global order, commit order) are written by ONE call of `rl_registry_write`
+for the step's operation (`step_operation`), which the server refuses to a role that may not
+run it and for a change outside it (model.postgres_functions). A step that changes an
+artifact, the pointer or the policy takes the premise lock exclusive in that call, before
+its first write, so no reservation reads the pointer while it moves (see
 `postgres_ledger`); a step that only stores a worker's ack does not, and never blocks
-reservations. The step's rows and its events (to the `events` table shared with the
-ledger, under the events lock: one global order, commit order) are written by ONE call of
-`rl_registry_write` for the step's operation (`step_operation`), which the server refuses
-to a role that may not run it and for a change outside it (model.postgres_functions).
+reservations.
 """
 
 from __future__ import annotations
@@ -30,32 +37,32 @@ import psycopg
 from rollout_lifecycle.model.errors import ActivationError
 from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, RowRecorded, TraceEvent
 from rollout_lifecycle.model.postgres_common import (
-    K_PREMISE,
     K_REGISTRY,
     Conn,
     PostgresDatabase,
     event_columns,
-    lock,
+    lock_sql,
     read_events,
     stamp_events,
 )
 from rollout_lifecycle.model.postgres_functions import ensure_functions
 from rollout_lifecycle.model.postgres_roles import refused, registry_operation
-from rollout_lifecycle.model.records import (
-    to_jsonable,
-)
+from rollout_lifecycle.model.records import ActivePointer, AttemptToken, to_jsonable
 from rollout_lifecycle.model.registry import (
     _LATER_COLUMNS,
     RegistryStep,
     RegistryView,
     SqlView,
+    StepReads,
     ViewReads,
     _artifact_events,
     _EmptyView,
     _record_to_row,
+    _row_to_record,
     _Unchanged,
     check_step,
     make_events,
+    policy_from_row,
     policy_row,
 )
 
@@ -150,19 +157,65 @@ CREATE OR REPLACE TRIGGER registry_artifacts_guard
 """
 
 
+# the step's common reads (`_PgView.step_reads`) in one snapshot; {art}: the artifact columns
+_STEP_READS = """
+SELECT (SELECT json_build_array(version, artifact_hash) FROM registry_pointer WHERE id = 1),
+       (SELECT workers FROM registry_membership WHERE id = 1),
+       (SELECT row_to_json(p) FROM registry_policy p WHERE id = 1),
+       newest.v,
+       (SELECT json_build_array({art}) FROM registry_artifacts WHERE version = newest.v),
+       (SELECT json_agg(json_build_array(version, worker_id, attempt, token, spent)
+                        ORDER BY worker_id)
+          FROM registry_attempt_tokens WHERE version = newest.v),
+       (SELECT json_build_array({art}) FROM registry_artifacts
+         WHERE version = (SELECT version FROM registry_pointer WHERE id = 1)),
+       extract(epoch FROM clock_timestamp())::float8
+FROM (SELECT MAX(version) AS v FROM registry_artifacts) AS newest
+"""
+
+
 class _PgView(SqlView):
     """The registry's reads, with psycopg's parameter marker."""
 
     PARAM = "%s"
+    _now: float | None = None
     TOKENS_TABLE_SQL = "SELECT 1 WHERE to_regclass(%s) IS NOT NULL"
     COLUMN_SQL = (
         "SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema() "
         "AND table_name = %s AND column_name = %s"
     )
 
+    def step_reads(self) -> dict[tuple[Any, ...], Any]:
+        """What nearly every step reads, in ONE statement (`StepReads`' answers ahead): the
+        pointer, the required workers, the policy, the newest version with its record and
+        attempt tokens (the version a distribute, an ack or an activation is mostly about),
+        the active version's record (an activation's rollback target), the server's clock.
+        Sent after the registry lock is held, so its one snapshot is the step's premise."""
+        art_cols = self._art_cols()
+        row = self._conn.execute(_STEP_READS.format(art=art_cols)).fetchone()
+        pointer, members, policy, newest, art, tokens, active, self._now = row
+        known: dict[tuple[Any, ...], Any] = {
+            ("pointer",): None if pointer is None else ActivePointer(*pointer),
+            ("membership",): None if members is None else tuple(json.loads(members)),
+            ("policy",): None if policy is None else policy_from_row(policy),
+            ("max_version",): newest,
+        }
+        if newest is not None:
+            known[("artifact", newest)] = None if art is None else _row_to_record(art)
+            known[("tokens", newest)] = [
+                AttemptToken(int(v), str(w), int(a), str(t), bool(s))
+                for v, w, a, t, s in tokens or ()
+            ]
+        if pointer is not None:
+            known[("artifact", pointer[0])] = None if active is None else _row_to_record(active)
+        return known
+
     def now(self) -> float:
         """The server's clock, read inside this step's transaction: activation deadlines
-        are set and judged on it, like lease deadlines (never a client's clock)."""
+        are set and judged on it, like lease deadlines (never a client's clock). A step
+        reads it once, with its premise (`step_reads`)."""
+        if self._now is not None:
+            return self._now
         row = self._conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8")
         return float(row.fetchone()[0])
 
@@ -242,6 +295,8 @@ class PostgresRegistry(ViewReads):
         self._empty = False
         # a writer migrates every later column in; a reader asks once which ones it has
         self._columns = {} if self.read_only else dict.fromkeys(_LATER_COLUMNS, True)
+        # and the tables found to exist, so each view does not ask again (a writer made them)
+        self._tables: set[str] = set() if self.read_only else {"registry_attempt_tokens"}
         try:
             if self.read_only:
                 self._empty = self.db.check_readable(COMPONENT, SCHEMA_VERSION) is None
@@ -270,7 +325,7 @@ class PostgresRegistry(ViewReads):
         self._check_open()
         if self._empty:
             return fn(_EmptyView())
-        return self.db.read(lambda conn: fn(_PgView(conn, self._columns)), what)
+        return self.db.read(lambda conn: fn(_PgView(conn, self._columns, self._tables)), what)
 
     # ---- the store protocol ----------------------------------------------------------------
 
@@ -285,18 +340,13 @@ class PostgresRegistry(ViewReads):
             )
 
         def body(conn: Conn) -> tuple[R, list[TraceEvent]]:
-            lock(conn, K_REGISTRY)
-            view = _PgView(conn, self._columns)
+            # the registry lock is taken with BEGIN (the write's prologue): then one read
+            # of the step's common premise, and each other question asked once
+            base = _PgView(conn, self._columns, self._tables)
+            view = StepReads(base, base.step_reads())
             step, result = plan(view)
             check_step(view, step)
             events = make_events(step, view.pointer(), view.required_workers(), view.policy())
-            if (
-                step.artifacts
-                or not isinstance(step.pointer, _Unchanged)
-                or not isinstance(step.policy, _Unchanged)
-            ):
-                # no reservation reads the pointer, artifact states or policy while they change
-                lock(conn, K_PREMISE)
             op = step_operation(step)
             if op is None:
                 return result, []  # a step that writes nothing (an empty step, a refusal)
@@ -319,7 +369,9 @@ class PostgresRegistry(ViewReads):
             assert row is not None
             return result, stamp_events(events, int(row[0]), int(row[1]))
 
-        result, stamped = self.db.write(body, "registry step", error=ActivationError)
+        result, stamped = self.db.write(
+            body, "registry step", error=ActivationError, prologue=lock_sql(K_REGISTRY)
+        )
         return result, _artifact_events(stamped)
 
     def history(self, version: int | None = None) -> list[ArtifactChanged]:

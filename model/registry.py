@@ -1098,9 +1098,16 @@ class SqlView:
     PARAM = "?"
     COLUMN_SQL = "SELECT 1 FROM pragma_table_info(?) WHERE name = ?"
 
-    def __init__(self, conn: Any, columns: dict[tuple[str, str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        conn: Any,
+        columns: dict[tuple[str, str], bool] | None = None,
+        tables: set[str] | None = None,
+    ) -> None:
         self._conn = conn
-        self._tables: set[str] = set()
+        # tables known to exist (a table, once created, never goes away): the caller may
+        # keep the set across views, so each is asked about once per store
+        self._tables: set[str] = set() if tables is None else tables
         # which later columns the stored schema has (a read-only open of an older registry
         # lacks them; a writer migrated them in): asked once per store, kept by the caller
         self._columns = {} if columns is None else columns
@@ -1199,16 +1206,12 @@ class SqlView:
         self._tables.add(name)  # a table, once created, never goes away
         return True
 
-    # a database written before attempt tokens existed, opened read-only, has no such table
     TOKENS_TABLE_SQL = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
-    _has_tokens = False
 
     def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
-        if not self._has_tokens:
-            found = self._conn.execute(self.TOKENS_TABLE_SQL, ("registry_attempt_tokens",))
-            self._has_tokens = found.fetchone() is not None
-            if not self._has_tokens:
-                return []
+        # a database written before attempt tokens existed, opened read-only, has no such table
+        if not self._has_table("registry_attempt_tokens"):
+            return []
         spent = self._column("registry_attempt_tokens", "spent", "0")
         sql = f"SELECT version, worker_id, attempt, token, {spent} FROM registry_attempt_tokens"
         args: tuple[object, ...] = ()
@@ -1219,6 +1222,79 @@ class SqlView:
         return [
             AttemptToken(_int(r[0]), str(r[1]), _int(r[2]), str(r[3]), bool(r[4])) for r in rows
         ]
+
+
+class StepReads:
+    """A step's reads, each asked of its store once.
+
+    Inside one step's transaction, under the registry lock, nothing the step reads changes
+    until it writes, so the plan, `check_step` and `make_events` can share one answer per
+    question: on PostgreSQL each was a round trip (16-28 a step, the pointer read four
+    times). `known` holds answers read ahead (PostgreSQL's `step_reads`); an answer is the
+    one the store gives, copied where it is a list or a dict the caller may change.
+    """
+
+    def __init__(self, view: RegistryView, known: dict[tuple[Any, ...], Any] | None = None):
+        self._view = view
+        self._known: dict[tuple[Any, ...], Any] = {} if known is None else known
+
+    def _ask(self, key: tuple[Any, ...], read: Callable[[], Any]) -> Any:
+        if key not in self._known:
+            self._known[key] = read()
+        return self._known[key]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._view, name)  # what only some views have (PostgreSQL's `now`)
+
+    def artifact(self, version: int) -> ArtifactRecord | None:
+        every = self._known.get(("artifacts",))
+        if every is not None:
+            return next((a for a in every if a.version == version), None)
+        found: ArtifactRecord | None = self._ask(
+            ("artifact", version), lambda: self._view.artifact(version)
+        )
+        return found
+
+    def artifacts(self) -> list[ArtifactRecord]:
+        return list(self._ask(("artifacts",), self._view.artifacts))
+
+    def pointer(self) -> ActivePointer | None:
+        found: ActivePointer | None = self._ask(("pointer",), self._view.pointer)
+        return found
+
+    def worker(self, worker_id: str) -> WorkerReport | None:
+        every = self._known.get(("workers",))
+        if every is not None:
+            return every.get(worker_id)  # type: ignore[no-any-return]
+        found: WorkerReport | None = self._ask(
+            ("worker", worker_id), lambda: self._view.worker(worker_id)
+        )
+        return found
+
+    def workers(self) -> dict[str, WorkerReport]:
+        return dict(self._ask(("workers",), self._view.workers))
+
+    def max_version(self) -> int | None:
+        found: int | None = self._ask(("max_version",), self._view.max_version)
+        return found
+
+    def required_workers(self) -> tuple[str, ...] | None:
+        found: tuple[str, ...] | None = self._ask(("membership",), self._view.required_workers)
+        return found
+
+    def policy(self) -> AdmissionPolicy | None:
+        found: AdmissionPolicy | None = self._ask(("policy",), self._view.policy)
+        return found
+
+    def updates(self, update_ids: Iterable[str]) -> dict[str, UpdateRecord]:
+        ids = tuple(sorted(set(update_ids)))
+        return dict(self._ask(("updates", ids), lambda: self._view.updates(ids)))
+
+    def landed_updates(self) -> list[str]:
+        return list(self._ask(("landed",), self._view.landed_updates))
+
+    def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
+        return list(self._ask(("tokens", version), lambda: self._view.attempt_tokens(version)))
 
 
 def spent_by(step: RegistryStep) -> list[tuple[int, str, str]]:
@@ -1419,14 +1495,10 @@ class SQLiteRegistry(_LockedReads):
             conn.execute("BEGIN IMMEDIATE")
             try:
                 self._guard.check()  # again under the write lock: the file may have just gone
-                step, result = plan(self._view)
-                check_step(self._view, step)
-                events = make_events(
-                    step,
-                    self._view.pointer(),
-                    self._view.required_workers(),
-                    self._view.policy(),
-                )
+                view = StepReads(self._view)
+                step, result = plan(view)
+                check_step(view, step)
+                events = make_events(step, view.pointer(), view.required_workers(), view.policy())
                 for ch in step.artifacts:
                     row = _record_to_row(ch.after)
                     if ch.before is None:

@@ -346,6 +346,125 @@ def test_single_reservation_is_one_round_trip(
         assert report.ok, [str(v) for v in report.violations[:5]]
 
 
+def test_a_registry_step_reads_its_premise_in_one_statement(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A coordinator step asks each question of the server once, and the premise most steps
+    judge in one statement after the lock: an ack is BEGIN with the registry lock, that
+    read, the worker's report, the write (which takes the premise lock itself where the
+    step moves an artifact or the pointer) and COMMIT. Each read was a statement of its
+    own: 23 for an ack, 32 for an activation. The answers are the trace's as before."""
+    from rollout_lifecycle.model.postgres_common import K_REGISTRY, lock_sql
+
+    with open_backend(postgres_url) as b:
+        set_admission_policy(b.registry, POLICY, "set by the operator")
+        coord = ActivationCoordinator(b.registry, ["w0", "w1"], ledger=b.ledger, policy=POLICY)
+        _activate(coord, 1)
+        coord.prepare(2)
+        coord.commit_artifact(2, H[2])
+        seen = _record_statements(monkeypatch)
+        counts: dict[str, list[str]] = {}
+        assert coord.distribute(2)
+        counts["distribute"], seen[:] = list(seen), []
+        tokens = {w: coord.attempt_token(w, 2) for w in ("w0", "w1")}
+        seen.clear()
+        for w in ("w0", "w1"):
+            assert coord.record_ack(WorkerAck(w, 2, H[2], token=tokens[w])).counted
+            counts[f"ack {w}"], seen[:] = list(seen), []
+        assert coord.try_activate(2).activated
+        counts["activate"] = list(seen)
+        monkeypatch.undo()
+        lock = lock_sql(K_REGISTRY)
+        for what, every in counts.items():
+            # the step's transaction (the coordinator reads some things before it, and the
+            # ledger's quarantine of older versions after an activation is its own step)
+            start = max(i for i, q in enumerate(every) if q == f"BEGIN; {lock}")
+            end = next(i for i, q in enumerate(every) if i > start and q.endswith("COMMIT"))
+            sent = counts[what] = every[start : end + 1]
+            assert sent[0].startswith("BEGIN; SELECT pg_advisory_xact_lock"), (what, sent)
+            assert "registry_pointer" in sent[1], (what, sent)
+            assert sum("pg_advisory_xact_lock" in q for q in sent) == 1, (what, sent)
+            assert len(set(sent)) == len(sent), (what, sent)  # no question asked twice
+        assert len(counts["ack w0"]) == 5 and len(counts["ack w1"]) == 5, counts
+        assert len(counts["distribute"]) <= 6 and len(counts["activate"]) <= 6, counts
+        assert b.registry.pointer() is not None and b.registry.pointer().version == 2
+        report = check_trace(b.trace(), with_registry=True)
+        assert report.ok, [str(v) for v in report.violations[:5]]
+
+
+def test_a_step_moving_the_pointer_waits_for_reservations_and_an_ack_does_not(
+    postgres_url: str,
+) -> None:
+    """The registry write takes the premise lock exclusive itself where the step moves an
+    artifact or the pointer: while a reservation holds it shared, an activation waits and
+    then lands; an ack, which moves neither, lands at once."""
+    import psycopg
+
+    from rollout_lifecycle.model.postgres_common import K_PREMISE, lock_sql
+
+    with open_backend(postgres_url) as b:
+        set_admission_policy(b.registry, POLICY, "set by the operator")
+        coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY)
+        _activate(coord, 1)
+        coord.prepare(2)
+        coord.commit_artifact(2, H[2])
+        coord.distribute(2)
+        done = threading.Event()
+        with psycopg.connect(postgres_url, autocommit=True) as reader:
+            reader.execute("BEGIN")
+            reader.execute(lock_sql(K_PREMISE, shared=True))  # a reservation's premise read
+            token = coord.attempt_token("w0", 2)
+            assert coord.record_ack(WorkerAck("w0", 2, H[2], token=token)).counted
+            t = threading.Thread(target=lambda: (coord.try_activate(2), done.set()))
+            t.start()
+            assert not done.wait(0.5), "the pointer moved while a reservation read it"
+            assert coord.pointer() is not None and coord.pointer().version == 1
+            reader.execute("COMMIT")
+        t.join(30)
+        assert done.is_set() and coord.pointer().version == 2
+
+
+def test_a_steps_premise_read_ahead_answers_as_each_read_does(postgres_url: str) -> None:
+    """`step_reads` answers what the view's own reads answer, for a registry with an active
+    version, a failed one with its disposition and a distributed one with tokens and a
+    deadline: the one statement decodes every column as the separate reads do."""
+    from rollout_lifecycle.model.postgres_registry import _PgView
+
+    with open_backend(postgres_url) as b:
+        set_admission_policy(b.registry, POLICY, "set by the operator")
+        coord = ActivationCoordinator(
+            b.registry, ["w0", "w1"], ledger=b.ledger, policy=POLICY, ack_timeout=300.0
+        )
+        _activate(coord, 1)
+        coord.prepare(2)
+        coord.commit_artifact(2, H[2])
+        coord.distribute(2)
+        coord.fail_distribution(2, "bad_weights")
+        coord.prepare(3)
+        coord.commit_artifact(3, H[3])
+        coord.distribute(3)
+
+        def both(conn: Any) -> tuple[dict[Any, Any], dict[Any, Any]]:
+            view = _PgView(conn)
+            known = view.step_reads()
+            plain = _PgView(conn)
+            asked = {
+                ("pointer",): plain.pointer(),
+                ("membership",): plain.required_workers(),
+                ("policy",): plain.policy(),
+                ("max_version",): plain.max_version(),
+                ("artifact", 3): plain.artifact(3),
+                ("tokens", 3): plain.attempt_tokens(3),
+                ("artifact", 1): plain.artifact(1),
+            }
+            return known, asked
+
+        known, asked = b.registry.db.read(both, "comparing")
+        assert known == asked
+        assert known[("artifact", 3)].ack_deadline is not None
+        assert len(known[("tokens", 3)]) == 2
+
+
 def test_old_commit_marks_are_pruned_by_both_kinds_of_write(postgres_url: str) -> None:
     """Marks older than a day go once per 1,000 commits of a client, whether the commit was
     a step's COMMIT (add) or a one-statement write (a single reservation)."""
