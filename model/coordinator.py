@@ -272,8 +272,7 @@ def membership_step(
     )
     tokens = tuple(
         AttemptToken(a.version, w, a.attempts, new_token(a.version, a.attempts, w))
-        for a in view.artifacts()
-        if a.state == "awaiting_acks"
+        for a in view.awaiting()
         for w in joiners
     )
     return RegistryStep(
@@ -538,11 +537,7 @@ class ActivationCoordinator:
             rec = _get(view, version)
             now = self._now(view)
             if exclusive:
-                busy = [
-                    a
-                    for a in view.artifacts()
-                    if a.state == "awaiting_acks" and a.version != version
-                ]
+                busy = [a for a in view.awaiting() if a.version != version]
                 if busy:
                     raise ActivationError(
                         f"{_awaiting(busy[0], now)}; activate, fail or abandon it before "
@@ -818,19 +813,13 @@ class ActivationCoordinator:
         """
         activated: list[int] = []
         failed: list[int] = []
-        for rec in self.registry.artifacts():  # which to look at; each step reads again
-            if rec.state != "awaiting_acks":
-                continue
+        for rec in self.registry.awaiting():  # which to look at; each step reads again
             outcome = self._settle_one(rec.version)
             if outcome == "activated":
                 activated.append(rec.version)
             elif outcome == "failed":
                 failed.append(rec.version)
-        waiting = tuple(
-            (a.version, a.ack_deadline)
-            for a in self.registry.artifacts()
-            if a.state == "awaiting_acks"
-        )
+        waiting = tuple((a.version, a.ack_deadline) for a in self.registry.awaiting())
         return Settled(tuple(activated), tuple(failed), waiting)
 
     def _settle_one(self, version: int) -> str:
@@ -867,9 +856,7 @@ class ActivationCoordinator:
 
     def _settle_others(self, version: int | None = None) -> Settled | None:
         """Settle first when a version other than `version` awaits acks (it would block)."""
-        if any(
-            a.state == "awaiting_acks" and a.version != version for a in self.registry.artifacts()
-        ):
+        if any(a.version != version for a in self.registry.awaiting()):
             return self.settle()
         return None
 
@@ -900,7 +887,7 @@ class ActivationCoordinator:
         """
 
         def plan(view: RegistryView) -> tuple[RegistryStep, tuple[ActivePointer, int]]:
-            busy = [a for a in view.artifacts() if a.state == "awaiting_acks"]
+            busy = view.awaiting()
             if busy:
                 raise ActivationError(
                     f"{_awaiting(busy[0], self.clock())}; activate, fail or abandon it before "

@@ -180,6 +180,10 @@ class _PgView(SqlView):
     PARAM = "%s"
     _now: float | None = None
     TOKENS_TABLE_SQL = "SELECT 1 WHERE to_regclass(%s) IS NOT NULL"
+    LINEAGE_SQL = (
+        "SELECT a.version, j.value FROM registry_artifacts a, "
+        "json_array_elements_text(a.trained_by::json) AS j(value) WHERE a.trained_by IS NOT NULL"
+    )
     COLUMN_SQL = (
         "SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema() "
         "AND table_name = %s AND column_name = %s"

@@ -17,6 +17,7 @@ import os
 import sqlite3
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -166,7 +167,11 @@ class RegistryView(Protocol):
 
     def updates(self, update_ids: Iterable[str]) -> dict[str, UpdateRecord]: ...
 
-    def landed_updates(self) -> list[str]: ...
+    def unclaimed_updates(self) -> list[str]: ...
+
+    def claims(self, update_ids: Iterable[str]) -> dict[str, tuple[int, ...]]: ...
+
+    def awaiting(self) -> list[ArtifactRecord]: ...
 
     def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]: ...
 
@@ -192,6 +197,8 @@ class RegistryStore(Protocol):
     def required_workers(self) -> tuple[str, ...] | None: ...
 
     def policy(self) -> AdmissionPolicy | None: ...
+
+    def awaiting(self) -> list[ArtifactRecord]: ...
 
     def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]: ...
 
@@ -396,8 +403,7 @@ def default_lineage(view: RegistryView) -> tuple[str, ...]:
     """What `prepare` records as a version's lineage when the learner names none: the
     ledger's landed updates that no version claims yet (each update is claimed by at most
     one version), read inside the registry's step."""
-    claimed = {u for a in view.artifacts() for u in a.trained_by}
-    return tuple(u for u in view.landed_updates() if u not in claimed)
+    return tuple(view.unclaimed_updates())
 
 
 def lineage_refusal(view: RegistryView, rec: ArtifactRecord) -> str | None:
@@ -409,7 +415,7 @@ def lineage_refusal(view: RegistryView, rec: ArtifactRecord) -> str | None:
     unlanded = sorted(u for u in named if u not in found or found[u].status == "open")
     poisoned = sorted(u for u in named if u in found and found[u].status == "poisoned")
     others = {
-        u: a.version for a in view.artifacts() if a.version != rec.version for u in a.trained_by
+        u: max(other) for u, vs in view.claims(named).items() if (other := set(vs) - {rec.version})
     }
     claimed = sorted(f"{u} (v{others[u]})" for u in named if u in others)
     problems = []
@@ -607,7 +613,7 @@ def _check_membership_tokens(
     assert not isinstance(step.membership, _Unchanged)
     new = set(step.membership)
     leavers, joiners = set(required) - new, new - set(required)
-    awaiting = {a.version: a for a in view.artifacts() if a.state == "awaiting_acks"}
+    awaiting = {a.version: a for a in view.awaiting()}
     for t in step.tokens:
         rec = awaiting.get(t.version)
         if t.worker_id not in joiners or rec is None or t.attempt != rec.attempts:
@@ -764,6 +770,11 @@ class ViewReads:
         """The deployment's recorded admission policy (None until first set)."""
         return self._view_read(lambda v: v.policy(), "policy")
 
+    def awaiting(self: _ReadsViews) -> list[ArtifactRecord]:
+        """The records awaiting acks, by version (one at most, unless written otherwise):
+        read alone, so a step's cost does not grow with the versions ever registered."""
+        return self._view_read(lambda v: v.awaiting(), "awaiting")
+
     def attempt_tokens(self: _ReadsViews, version: int | None = None) -> list[AttemptToken]:
         """The stored attempt tokens (of one version), by version and worker."""
         return self._view_read(lambda v: v.attempt_tokens(version), "attempt_tokens")
@@ -813,8 +824,22 @@ class _MemoryView:
         got = self._reg.ledger_updates.get
         return {u: r for u in update_ids if (r := got(u)) is not None}
 
-    def landed_updates(self) -> list[str]:
-        return sorted(u for u, r in self._reg.ledger_updates.items() if r.status == "landed")
+    def unclaimed_updates(self) -> list[str]:
+        claimed = {u for a in self._reg._artifacts.values() for u in a.trained_by}
+        landed = self._reg.ledger_updates.items()
+        return sorted(u for u, r in landed if r.status == "landed" and u not in claimed)
+
+    def claims(self, update_ids: Iterable[str]) -> dict[str, tuple[int, ...]]:
+        want, found = set(update_ids), defaultdict[str, tuple[int, ...]](tuple)
+        for v in sorted(self._reg._artifacts):
+            for u in self._reg._artifacts[v].trained_by:
+                if u in want:
+                    found[u] += (v,)
+        return dict(found)
+
+    def awaiting(self) -> list[ArtifactRecord]:
+        arts = self._reg._artifacts
+        return [arts[v] for v in sorted(arts) if arts[v].state == "awaiting_acks"]
 
     def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
         return [
@@ -1189,14 +1214,46 @@ class SqlView:
         ).fetchall()
         return {str(r[0]): update_from_row(r) for r in rows}
 
-    def landed_updates(self) -> list[str]:
-        """The ids of the ledger's landed updates, sorted."""
+    # each (version, update id) a version's lineage names, in SQL (the JSON is the store's)
+    LINEAGE_SQL = (
+        "SELECT a.version, j.value FROM registry_artifacts a, json_each(a.trained_by) j "
+        "WHERE a.trained_by IS NOT NULL"
+    )
+
+    def unclaimed_updates(self) -> list[str]:
+        """The ids of the ledger's landed updates that no version's lineage names, sorted:
+        worked out by the database, not by decoding every record."""
         if not self._has_table("ledger_updates"):
             return []
         rows = self._conn.execute(
-            "SELECT update_id FROM ledger_updates WHERE status = 'landed' ORDER BY update_id"
+            "SELECT update_id FROM ledger_updates WHERE status = 'landed' AND update_id NOT IN "
+            f"(SELECT value FROM ({self.LINEAGE_SQL}) AS c) ORDER BY update_id"
         ).fetchall()
         return [str(r[0]) for r in rows]
+
+    def claims(self, update_ids: Iterable[str]) -> dict[str, tuple[int, ...]]:
+        """The versions whose lineage names each of these updates, ascending (one, unless
+        the file was written otherwise)."""
+        want = sorted(set(update_ids))
+        if not want:
+            return {}
+        marks = ", ".join([self.PARAM] * len(want))
+        rows = self._conn.execute(
+            f"SELECT version, value FROM ({self.LINEAGE_SQL}) AS c WHERE value IN ({marks}) "
+            "ORDER BY version",
+            want,
+        ).fetchall()
+        found = defaultdict[str, tuple[int, ...]](tuple)
+        for v, u in rows:
+            found[str(u)] += (_int(v),)
+        return dict(found)
+
+    def awaiting(self) -> list[ArtifactRecord]:
+        rows = self._conn.execute(
+            f"SELECT {self._art_cols()} FROM registry_artifacts "
+            "WHERE state = 'awaiting_acks' ORDER BY version"
+        ).fetchall()
+        return [_row_to_record(r) for r in rows]
 
     def _has_table(self, name: str) -> bool:
         if name in self._tables:
@@ -1290,8 +1347,18 @@ class StepReads:
         ids = tuple(sorted(set(update_ids)))
         return dict(self._ask(("updates", ids), lambda: self._view.updates(ids)))
 
-    def landed_updates(self) -> list[str]:
-        return list(self._ask(("landed",), self._view.landed_updates))
+    def unclaimed_updates(self) -> list[str]:
+        return list(self._ask(("unclaimed",), self._view.unclaimed_updates))
+
+    def claims(self, update_ids: Iterable[str]) -> dict[str, tuple[int, ...]]:
+        ids = tuple(sorted(set(update_ids)))
+        return dict(self._ask(("claims", ids), lambda: self._view.claims(ids)))
+
+    def awaiting(self) -> list[ArtifactRecord]:
+        every = self._known.get(("artifacts",))
+        if every is not None:
+            return [a for a in every if a.state == "awaiting_acks"]
+        return list(self._ask(("awaiting",), self._view.awaiting))
 
     def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
         return list(self._ask(("tokens", version), lambda: self._view.attempt_tokens(version)))
@@ -1366,7 +1433,13 @@ class _EmptyView:
     def updates(self, update_ids: Iterable[str]) -> dict[str, UpdateRecord]:
         return {}
 
-    def landed_updates(self) -> list[str]:
+    def unclaimed_updates(self) -> list[str]:
+        return []
+
+    def claims(self, update_ids: Iterable[str]) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def awaiting(self) -> list[ArtifactRecord]:
         return []
 
     def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:

@@ -913,3 +913,53 @@ def test_a_nul_in_free_text_is_refused_typed_on_every_backend(kind: str, tmp_pat
         assert b.registry.trace()[: len(trace)] == trace
         assert b.registry.policy() == POLICY and coord.required_workers == tuple(WORKERS)
         assert_clean(b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lineage_and_awaiting_reads_answer_as_the_records_do(kind: str, tmp_path: Path) -> None:
+    """Which versions claim an update, which landed updates no version claims, and which
+    versions await acks are asked of the store alone (in SQL on a database, so a step's
+    cost does not grow with the versions ever registered); each answer is what the records
+    say, a double claim written under `lineage="off"` included, and a refusal still names
+    the newest other claimant."""
+    with deployment(kind, tmp_path) as b:
+        coord = operated(b)
+        activate(coord, 0)
+
+        def land(i: int) -> None:
+            rev = rewarded(b, rollout(f"r{i}", 0))
+            assert b.ledger.reserve(f"r{i}", rev, f"u{i}", good_stamp(0, 0)).reserved
+            b.ledger.commit(f"u{i}", [f"r{i}"])
+
+        for i in range(4):
+            land(i)
+        assert coord.prepare(1, trained_by=["u1"]).trained_by == ("u1",)
+        assert coord.prepare(2).trained_by == ("u0", "u2", "u3")  # the unclaimed ones
+        land(4)
+        set_admission_policy(b.registry, attrs.evolve(POLICY, lineage="off"), "tracked elsewhere")
+        coord.prepare(3, trained_by=["u1", "u4"])  # u1 a second time: nothing checks it now
+        coord.commit_artifact(3, H[3])
+        coord.distribute(3)
+        land(5)
+
+        def asked(view: Any) -> tuple[Any, ...]:
+            return (
+                view.claims(["u0", "u1", "u4", "u5", "nobody"]),
+                view.unclaimed_updates(),
+                view.awaiting(),
+            )
+
+        claims, unclaimed, awaiting = b.registry._view_read(asked, "lineage")  # type: ignore[attr-defined]
+        arts = b.registry.artifacts()
+        assert claims == {"u0": (2,), "u1": (1, 3), "u4": (3,)}
+        assert claims == {
+            u: tuple(a.version for a in arts if u in a.trained_by)
+            for u in ("u0", "u1", "u4", "u5")
+            if any(u in a.trained_by for a in arts)
+        }
+        assert unclaimed == ["u5"]
+        assert awaiting == [a for a in arts if a.state == "awaiting_acks"] and len(awaiting) == 1
+        assert b.registry.awaiting() == awaiting
+        set_admission_policy(b.registry, POLICY, "fenced again")
+        with pytest.raises(ActivationError, match=r"u1 \(v3\)"):
+            coord.prepare(4, trained_by=["u1"])
