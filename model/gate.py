@@ -15,6 +15,7 @@ module is used). Tests check that they agree, which is worth more than one share
 
 from __future__ import annotations
 
+import bisect
 import collections
 import concurrent.futures
 import functools
@@ -235,6 +236,7 @@ _CPU_BLOCK = 1 << 16  # elements per numpy block: ~0.25 MiB of float32 scratch, 
 _TORCH_CPU_BLOCK = 1 << 17  # torch's per-call overhead is higher: somewhat larger blocks
 _PARTIAL = 256  # float32: tokens per float32 partial sum, then the partials summed in float64
 _BYTES_SUM = 0x0101010101010101  # (x * this) >> 56: the sum of x's 8 bytes (each small)
+_POPCOUNT = getattr(np, "bitwise_count", None)  # numpy >= 2
 
 # diff_into(r0, r1, c0, c1, d, m): write cur - old of that block into d and return its mask
 # (numpy: `m` is bool scratch of the block's shape that it may fill and return)
@@ -875,7 +877,19 @@ def _records_sums(
         return _device_sums(sys.modules["torch"], cur_t, old_h, mask_h, ids)
     dtype = _np_compute_dtype(lp_dtype, cur.dtype)
     _, cols = _tiles(b, t, _CPU_BLOCK)
-    if cols == t and sum(lengths) >= _ROWLOOP_FROM * max(b, 1):
+    long_rows = cols == t and sum(lengths) >= _ROWLOOP_FROM * max(b, 1)
+
+    def exact(rows_idx: npt.NDArray[np.intp]) -> tuple[Any, Any]:
+        o, m = _records_rows(olds, masks, rows_idx.tolist(), t, lp_dtype, lengths)
+        return _np_exact_rows(o, cur[rows_idx], m)(np.arange(len(rows_idx)))
+
+    ragged = threads == 1 and t % _PARTIAL == 0 and lp_dtype == cur.dtype == np.float32
+    popcount = _POPCOUNT
+    if long_rows and ragged and popcount is not None:
+        sums, counts = _ragged_sums(olds, masks, cur, lengths, has_none, popcount)
+        _recheck(sums, exact, ids)
+        return sums, counts
+    if long_rows:
         # long rows: cur - old straight from each record's array into its row of the block
         # (one pass; a call per row is cheap next to a long row), the mask laid out joined
         read_mask = _block_rows(masks, lengths, t, np.dtype(np.bool_), True, has_none)
@@ -930,12 +944,87 @@ def _records_sums(
             return m
 
     sums, counts = _np_sums(diff_into, b, t, dtype, False, threads)
-
-    def exact(rows_idx: npt.NDArray[np.intp]) -> tuple[Any, Any]:
-        o, m = _records_rows(olds, masks, rows_idx.tolist(), t, lp_dtype, lengths)
-        return _np_exact_rows(o, cur[rows_idx], m)(np.arange(len(rows_idx)))
-
     _recheck(sums, exact, ids)
+    return sums, counts
+
+
+# _RAGGED_PADS[k]: k zero bytes, what fills a mask up to its row's next 256-token chunk
+_RAGGED_PADS = [memoryview(bytes(_PARTIAL))[:k] for k in range(_PARTIAL)]
+
+
+def _ragged_sums(
+    olds: Sequence[npt.NDArray[Any] | None],
+    masks: Sequence[npt.NDArray[np.bool_] | None],
+    cur: npt.NDArray[np.float32],
+    lengths: Sequence[int],
+    has_none: bool,
+    popcount: Callable[..., Any],
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """The long-row records kernel for float32 on one thread (T a multiple of 256), each
+    row laid out only up to the end of its last 256-token chunk instead of out to T.
+
+    Rows shorter than T (T is the batch's longest, so most are) cost the padded kernel
+    the whole width in its mask multiply, abs, partial sums and count; here those run on
+    the rows' own chunks, packed one after another in blocks of at most _CPU_BLOCK
+    tokens, which pays for the per-record calls (issue 36: records / arrays 1.35 to 1.5
+    at T = 4096). The figures are the padded kernel's to the bit: each chunk's float32
+    partial sums the same 256 values the same way (a chunk wholly past a row's end is
+    +0.0 there), and the partials are put back in place, zeros between, for the same
+    float64 sum of T / 256 of them per row; counts are exact whatever the order."""
+    b, t = cur.shape
+    per_row = t // _PARTIAL
+    n = np.fromiter(lengths, np.int64, b)
+    chunks = -(-n // _PARTIAL)
+    first = np.zeros(b + 1, np.int64)  # first[i]: row i's first chunk; first[b]: all chunks
+    np.cumsum(chunks, out=first[1:])
+    total = int(first[-1])
+    starts = first.tolist()
+    cap = _CPU_BLOCK // _PARTIAL  # chunks per block; a row's (t <= _CPU_BLOCK) always fit
+    bounds = [0]
+    while bounds[-1] < b:  # as many whole rows as fit, at least one
+        r0 = bounds[-1]
+        bounds.append(max(r0 + 1, bisect.bisect_right(starts, starts[r0] + cap, r0 + 1) - 1))
+    # each row's offset in its block's scratch
+    base = np.repeat(first[bounds[:-1]], np.diff(bounds))
+    offsets = ((first[:-1] - base) * _PARTIAL).tolist()
+    parts: list[Any] = [None] * (2 * b)
+    parts[0::2] = [b"" if m is None else m for m in masks] if has_none else masks
+    parts[1::2] = map(_RAGGED_PADS.__getitem__, (-n % _PARTIAL).tolist())
+    d = np.empty(cap * _PARTIAL, np.float32)
+    words = np.empty(cap * _PARTIAL // 8, np.uint8)
+    word_chunks = np.arange(0, words.size, _PARTIAL // 8)
+    partials = np.empty(total, np.float32)
+    chunk_counts = np.empty(total, np.int64)
+    join, subtract = b"".join, np.subtract
+    arrays = cast("Sequence[npt.NDArray[Any]]", olds)  # a None row has length 0: never read
+    with np.errstate(invalid="ignore", over="ignore"):
+        for r0, r1 in itertools.pairwise(bounds):
+            k0, k1 = starts[r0], starts[r1]
+            rows_in = zip(arrays[r0:r1], cur[r0:r1], offsets[r0:r1], lengths[r0:r1], strict=True)
+            for lp, cr, at, k in rows_in:
+                if k:
+                    subtract(cr[:k], lp, d[at : at + k])
+            m = np.frombuffer(join(parts[2 * r0 : 2 * r1]), np.bool_)
+            dd = d[: m.size]
+            bits = dd.view(np.int32)
+            np.multiply(bits, m, out=bits, casting="unsafe")
+            np.abs(dd, out=dd)
+            np.einsum("ij->i", dd.reshape(-1, _PARTIAL), out=partials[k0:k1])
+            w = popcount(m.view(np.uint64), out=words[: m.size // 8])
+            np.add.reduceat(w, word_chunks[: k1 - k0], dtype=np.int64, out=chunk_counts[k0:k1])
+    padded = np.zeros((b, per_row), np.float32)
+    at_chunk = np.arange(total, dtype=np.int64) + np.repeat(
+        np.arange(0, b * per_row, per_row, dtype=np.int64) - first[:-1], chunks
+    )
+    padded.reshape(-1)[at_chunk] = partials
+    sums = np.add.reduce(padded, axis=1, dtype=np.float64)
+    if chunks.all():
+        return sums, np.add.reduceat(chunk_counts, first[:-1])
+    # a row with no chunk (no tokens, or failed): reduceat would give it the next row's
+    counts = np.zeros(b, np.int64)
+    some = np.flatnonzero(chunks)
+    if some.size:
+        counts[some] = np.add.reduceat(chunk_counts, first[some])
     return sums, counts
 
 

@@ -966,19 +966,25 @@ def _ragged_rollouts(
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("row_by_row", [False, True], ids=["joined", "row-by-row"])
 @pytest.mark.parametrize("failing", [True, False], ids=["some-fail", "all-pass"])
+@pytest.mark.parametrize("t", [300, 512], ids=["T300", "T512"])
 def test_records_blocks_give_the_padded_figures_to_the_bit(
-    dtypes: tuple[Any, ...], block: int | None, split: bool, row_by_row: bool, failing: bool
+    dtypes: tuple[Any, ...],
+    block: int | None,
+    split: bool,
+    row_by_row: bool,
+    failing: bool,
+    t: int,
 ) -> None:
     """However the records' blocks are laid out (bytes.join of one dtype, np.concatenate of
-    mixed dtypes, long rows subtracted row by row, rows wider than a block in column
-    chunks, failed rows as padding or none failed, on one thread or split across several),
-    assess_batch's figures are those of the same kernel
-    over the rows padded by hand (`_padded_sums`, the column path's), to the bit, and the
-    plain-Python figures within rounding."""
+    mixed dtypes, long rows subtracted row by row, float32 long rows packed to their own
+    256-token chunks (T512), rows wider than a block in column chunks, failed rows as
+    padding or none failed, on one thread or split across several), assess_batch's
+    figures are those of the same kernel over the rows padded by hand (`_padded_sums`,
+    the column path's), to the bit, and the plain-Python figures within rounding."""
     ros = _ragged_rollouts(len(dtypes) + (block or 0), dtypes, failing=failing)
     g = gate(registry=None, max_drift=0.45, max_lag=2)
     rng = np.random.default_rng(7)
-    b, t = len(ros), 300
+    b = len(ros)
     cur64 = rng.normal(-1, 0.5, (b, t))
     for cur in (cur64, cur64.astype(np.float32), torch.from_numpy(cur64.astype(np.float32))):
         with contextlib.ExitStack() as stack:
@@ -1007,6 +1013,48 @@ def test_records_blocks_give_the_padded_figures_to_the_bit(
             want = g.assess(ros[i], host[i, :n].tolist(), 5)
             assert got[i].drift == pytest.approx(want.drift, rel=4e-7)
             assert got[i].reason == want.reason or abs(want.drift - 0.45) < 1e-6  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("t", [256, 1024, 4096])
+def test_float32_long_rows_are_summed_over_their_own_chunks(t: int) -> None:
+    """Long float32 rows on one thread go through `_ragged_sums` (each row laid out to its
+    last 256-token chunk, not to T), and its figures are the padded kernel's to the bit:
+    rows of whole chunks and of one token past them, empty and failed rows, blocks of one
+    row, and (T = 4096) more partials than numpy's reduction buffer holds (B x T / 256 >
+    8192). With float64 current log-probs it is not used (its partials are float32)."""
+    rng = np.random.default_rng(t)
+    b = 600 if t == 4096 else 300
+    lengths = rng.integers(t // 2, t + 1, b)
+    lengths[:6] = [t, 256, 257 % t, 1, 0, t - 1]
+    ros = [
+        make_rollout(f"r{i}", 5, rng.normal(-1, 0.5, n).astype(np.float32), rng.random(n) < 0.8)
+        for i, n in enumerate(lengths.tolist())
+    ]
+    ros[7] = make_rollout("r7", 5, [-0.1, -0.1], [True, True], state="generated")
+    old = np.zeros((b, t), np.float32)
+    mask = np.zeros((b, t), np.bool_)
+    for i, ro in enumerate(ros):
+        ev = ro.evidence
+        if i != 7 and ev is not None:
+            n = ev.behavior_log_probs.size
+            old[i, :n], mask[i, :n] = ev.behavior_log_probs, ev.action_mask
+    ids = [ro.rollout_id for ro in ros]
+    cur32 = rng.normal(-1, 0.5, (b, t)).astype(np.float32)
+    g = gate(registry=None, max_drift=0.45, max_lag=2)
+    for cur, block, used in ((cur32, None, 1), (cur32, t, 1), (cur32.astype(np.float64), None, 0)):
+        with (
+            block_size(block),  # None: the default blocks; t: blocks of one row
+            mock.patch.object(gate_mod, "_ROWLOOP_FROM", t // 2),  # these rows: 3/4 T on average
+            mock.patch.object(gate_mod, "_ragged_sums", wraps=gate_mod._ragged_sums) as spy,
+        ):
+            got = g.assess_batch(ros, cur, 5)
+            sums, counts = gate_mod._padded_sums(old, mask, cur, ids)
+        assert spy.call_count == used
+        with np.errstate(invalid="ignore"):
+            want = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+        drift = np.array([np.nan if d.drift is None else d.drift for d in got])
+        assert drift.tobytes() == want.tobytes()
+        assert got[4].reason == "empty_action_mask" and got[7].reason == "not_finished"
 
 
 def test_decisions_are_a_sequence_built_when_read() -> None:
