@@ -61,6 +61,7 @@ from rollout_lifecycle.model.records import (
 from rollout_lifecycle.model.registry import (
     ATTEMPT_EVENTS,
     ArtifactChange,
+    ReadsWorkers,
     RegistryStep,
     RegistryStore,
     RegistryView,
@@ -748,7 +749,7 @@ class ActivationCoordinator:
                 result = AckResult(False, REPORTED if member else NOT_REQUIRED, recorded=True)
             return RegistryStep(now, workers=(new,)), result
 
-        result = self._step(plan)[0]
+        result = self._step(ReadsWorkers(plan, (ack.worker_id,)))[0]
         self._count(self._acks, result.reason)
         return result
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -50,6 +50,7 @@ from rollout_lifecycle.model.postgres_roles import refused, registry_operation
 from rollout_lifecycle.model.records import ActivePointer, AttemptToken, to_jsonable
 from rollout_lifecycle.model.registry import (
     _LATER_COLUMNS,
+    ReadsWorkers,
     RegistryStep,
     RegistryView,
     SqlView,
@@ -59,6 +60,7 @@ from rollout_lifecycle.model.registry import (
     _EmptyView,
     _record_to_row,
     _row_to_record,
+    _row_to_worker,
     _Unchanged,
     check_step,
     make_events,
@@ -169,7 +171,9 @@ SELECT (SELECT json_build_array(version, artifact_hash) FROM registry_pointer WH
           FROM registry_attempt_tokens WHERE version = newest.v),
        (SELECT json_build_array({art}) FROM registry_artifacts
          WHERE version = (SELECT version FROM registry_pointer WHERE id = 1)),
-       extract(epoch FROM clock_timestamp())::float8
+       extract(epoch FROM clock_timestamp())::float8,
+       (SELECT json_agg(json_build_array(worker_id, floor, ack)) FROM registry_workers
+         WHERE worker_id = ANY(%s::text[]))
 FROM (SELECT MAX(version) AS v FROM registry_artifacts) AS newest
 """
 
@@ -189,15 +193,19 @@ class _PgView(SqlView):
         "AND table_name = %s AND column_name = %s"
     )
 
-    def step_reads(self) -> dict[tuple[Any, ...], Any]:
+    def step_reads(self, workers: Sequence[str] = ()) -> dict[tuple[Any, ...], Any]:
         """What nearly every step reads, in ONE statement (`StepReads`' answers ahead): the
         pointer, the required workers, the policy, the newest version with its record and
         attempt tokens (the version a distribute, an ack or an activation is mostly about),
-        the active version's record (an activation's rollback target), the server's clock.
-        Sent after the registry lock is held, so its one snapshot is the step's premise."""
-        art_cols = self._art_cols()
-        row = self._conn.execute(_STEP_READS.format(art=art_cols)).fetchone()
-        pointer, members, policy, newest, art, tokens, active, self._now = row
+        the active version's record (an activation's rollback target), the server's clock,
+        and the reports of `workers` (those an ack reads). Sent after the registry lock is
+        held, so its one snapshot is the step's premise. (Sent with BEGIN and the lock as
+        one simple query it was slower: such a text is planned again at every step, where
+        this statement's plan is prepared once per connection.)"""
+        text = _STEP_READS.format(art=self._art_cols())
+        row = self._conn.execute(text, (list(workers),)).fetchone()
+        assert row is not None
+        pointer, members, policy, newest, art, tokens, active, self._now, reports = row
         known: dict[tuple[Any, ...], Any] = {
             ("pointer",): None if pointer is None else ActivePointer(*pointer),
             ("membership",): None if members is None else tuple(json.loads(members)),
@@ -212,6 +220,8 @@ class _PgView(SqlView):
             ]
         if pointer is not None:
             known[("artifact", pointer[0])] = None if active is None else _row_to_record(active)
+        found = {str(r[0]): _row_to_worker(r) for r in reports or ()}
+        known.update({("worker", w): found.get(w) for w in workers})
         return known
 
     def now(self) -> float:
@@ -343,11 +353,13 @@ class PostgresRegistry(ViewReads):
                 f"registry on {self.db.where} was opened read-only; nothing was written"
             )
 
+        ahead = plan.workers if isinstance(plan, ReadsWorkers) else ()
+
         def body(conn: Conn) -> tuple[R, list[TraceEvent]]:
             # the registry lock is taken with BEGIN (the write's prologue): then one read
             # of the step's common premise, and each other question asked once
             base = _PgView(conn, self._columns, self._tables)
-            view = StepReads(base, base.step_reads())
+            view = StepReads(base, base.step_reads(ahead))
             step, result = plan(view)
             check_step(view, step)
             events = make_events(step, view.pointer(), view.required_workers(), view.policy())
@@ -356,7 +368,7 @@ class PostgresRegistry(ViewReads):
                 return result, []  # a step that writes nothing (an empty step, a refusal)
             cols = event_columns(events)
             try:
-                row = conn.execute(
+                written = conn.execute(
                     _REGISTRY_WRITE,
                     (
                         op,
@@ -370,8 +382,8 @@ class PostgresRegistry(ViewReads):
                 raise refused(exc, op, self._login, self.db.where) from None
             if not events:
                 return result, []
-            assert row is not None
-            return result, stamp_events(events, int(row[0]), int(row[1]))
+            assert written is not None
+            return result, stamp_events(events, int(written[0]), int(written[1]))
 
         result, stamped = self.db.write(
             body, "registry step", error=ActivationError, prologue=lock_sql(K_REGISTRY)
