@@ -159,21 +159,32 @@ WRITE_ONE_CALL = f"SELECT {WRITE_ONE}({', '.join(['%s'] * len(WRITE_ONE_ARGS))})
 
 _WAS_ACTIVE = "ARRAY[" + ", ".join(f"'{s}'" for s in sorted(WAS_ACTIVE_STATES)) + "]"
 
+
+def premise_sql(only: str = "") -> str:
+    """The premise's statement; `only` an SQL condition on `version` that limits its sets
+    to the versions a step judges (see `model.ledger.StoreView.read_premise`)."""
+    return (
+        "json_build_array((SELECT version FROM registry_pointer WHERE id = 1), "
+        "(SELECT json_agg(json_build_array(version, artifact_hash) ORDER BY version) "
+        f"FROM registry_artifacts WHERE state = ANY({_WAS_ACTIVE}){only}), "
+        # by name (to_jsonb): a registry not yet migrated to the newer columns reads defaults
+        "(SELECT json_build_array(max_lag, max_drift, batch_size, max_attempts, "
+        "to_jsonb(p) ->> 'lineage', to_jsonb(p) ->> 'chain_key') "
+        "FROM registry_policy p WHERE id = 1), "
+        "(SELECT json_agg(json_build_array(version, failure) ORDER BY version) "
+        f"FROM registry_artifacts WHERE state = 'rolled_back'{only}))::text"
+    )
+
+
 # The reservation's premise as ONE deterministic JSON text (sets in order): read inside a
 # step, read with a row outside any step (the ledger's peek), and compared, under the
 # premise lock, by a single reservation's write with the text its plan was judged on. The
-# comparison is an equality of facts, not a rule.
-PREMISE = (
-    "json_build_array((SELECT version FROM registry_pointer WHERE id = 1), "
-    "(SELECT json_agg(json_build_array(version, artifact_hash) ORDER BY version) "
-    f"FROM registry_artifacts WHERE state = ANY({_WAS_ACTIVE})), "
-    # by name (to_jsonb): a registry not yet migrated to the newer columns reads defaults
-    "(SELECT json_build_array(max_lag, max_drift, batch_size, max_attempts, "
-    "to_jsonb(p) ->> 'lineage', to_jsonb(p) ->> 'chain_key') "
-    "FROM registry_policy p WHERE id = 1), "
-    "(SELECT json_agg(json_build_array(version, failure) ORDER BY version) "
-    "FROM registry_artifacts WHERE state = 'rolled_back'))::text"
-)
+# comparison is an equality of facts, not a rule. (Its text is part of the write-one
+# function's definition: a change to it reinstalls the functions, see `install`.)
+PREMISE = premise_sql()
+# the premise of the versions a step judges (one bigint[] parameter, given twice): read by
+# primary key, so it costs the same however many versions the run published
+PREMISE_OF = premise_sql(" AND version = ANY(%s::bigint[])")
 
 # every function a caller may EXECUTE, with its signature (the others are internal)
 SIGNATURES = {

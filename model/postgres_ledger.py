@@ -57,7 +57,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -105,6 +105,7 @@ from rollout_lifecycle.model.postgres_common import (
 from rollout_lifecycle.model.postgres_functions import (
     CAS_STEP,
     PREMISE,
+    PREMISE_OF,
     WRITE_ONE_ARGS,
     WRITE_ONE_CALL,
     WRITE_ONE_DDL,
@@ -180,6 +181,7 @@ _CAS_ONE = (
     "entry = %s WHERE rollout_id = %s AND revision = %s RETURNING rollout_id"
 )
 _PREMISE = PREMISE
+_PREMISE_OF = PREMISE_OF
 _NOW = "extract(epoch FROM clock_timestamp())::float8"
 # the update's record as one JSON text (the table is the ledger's own: it always exists)
 _UPDATE_TEXT = (
@@ -342,14 +344,19 @@ class _Unit(SqlUnit):
     def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
         return _rows(self.conn, rollout_ids, self.load)
 
-    def read_premise(self) -> ActivationPremise:
-        """The premise, with the server's time now in the same round trip (see module doc:
-        the premise lock was taken in this transaction's first round trip)."""
+    def read_premise(self, versions: Collection[int] | None = None) -> ActivationPremise:
+        """The premise (of `versions`, see `StoreView.read_premise`), with the server's time
+        now in the same round trip (see module doc: the premise lock was taken in this
+        transaction's first round trip)."""
         if not self.store.registry_seen:
             if not has_table(self.conn, "registry_pointer"):
                 return NO_REGISTRY
             self.store.registry_seen = True  # a registry, once created, never goes away
-        row = self.conn.execute(f"SELECT {_NOW}, {_PREMISE}").fetchone()
+        if versions is None:
+            row = self.conn.execute(f"SELECT {_NOW}, {_PREMISE}").fetchone()
+        else:
+            only = sorted(versions)
+            row = self.conn.execute(f"SELECT {_NOW}, {_PREMISE_OF}", (only, only)).fetchone()
         assert row is not None
         self.now = float(row[0])
         return _premise(row[1])
