@@ -1502,10 +1502,11 @@ class GuardedStore(Protocol):
     (a compare-and-set on both)."""
 
     def peek(
-        self, rollout_id: str, update_id: str
+        self, rollout_id: str, update_id: str, versions: Collection[int] = ()
     ) -> tuple[LedgerEntry | None, UpdateRecord | None, Peeked]:
-        """The row (None: absent), the record of `update_id` and the premise, from one
-        consistent read."""
+        """The row (None: absent), the record of `update_id` and the premise of the row's
+        version and `versions` (see `StoreView.read_premise`), from one consistent read;
+        `write_one` guards on the premise of those same versions."""
         ...
 
     def write_one(
@@ -1832,7 +1833,8 @@ class StoreLedger:
                 return ReserveOutcome(rollout_id, True, RESERVED, won)
         guarded, seen, start = self._guarded, None, None
         if guarded is not None:  # the row and the premise in one read: judged right here
-            entry, record, seen = guarded.peek(check_id(rollout_id), update_id)
+            stamped = judged_versions(stamp_versions([admission]))
+            entry, record, seen = guarded.peek(check_id(rollout_id), update_id, stamped)
             start = seen.now
         else:
             entry, record = self.store.find_with_update(check_id(rollout_id), update_id)

@@ -38,7 +38,8 @@ operation (model.postgres_roles), with or without roles the same calls:
   reservation, a row laid out otherwise) writes nothing and answers 'moved', and the
   reservation takes the path below, whose own read gives every refusal (issue 33).
 - Otherwise a single reservation (`peek`, `write_one`: the ledger's `GuardedStore`) is two
-  round trips. One autocommit read takes the row, the premise and the server's time; the ledger
+  round trips. One autocommit read takes the row, the premise (of the row's version and the
+  stamp's) and the server's time; the ledger
   plans, judges and enforces on them; then ONE call of the server-side function
   `ledger_write_one_v7` (created on open) takes the premise lock SHARED, checks that the
   premise is still the one the plan was judged on (an equality of the stored facts, no
@@ -110,6 +111,7 @@ from rollout_lifecycle.model.postgres_functions import (
     WRITE_ONE_CALL,
     WRITE_ONE_DDL,
     ensure_functions,
+    premise_sql,
     update_document,
 )
 from rollout_lifecycle.model.postgres_functions import WRITE_ONE as WRITE_ONE
@@ -188,8 +190,14 @@ _UPDATE_TEXT = (
     "(SELECT json_build_array(update_id, status, cause, detail) FROM ledger_updates "
     "WHERE update_id = %s)::text"
 )
+# the premise of the versions a single reservation judges: its row's (read in this same
+# statement) and those its caller names (its stamp's), in order, without NULLs
 _PEEK = (
-    f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}, {_PREMISE}"
+    "WITH asked AS (SELECT ARRAY(SELECT DISTINCT v FROM unnest(%s::bigint[] || (SELECT "
+    "behavior_version FROM rollouts WHERE rollout_id = %s)) AS v WHERE v IS NOT NULL "
+    "ORDER BY v) AS a) "
+    f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}, "
+    f"{premise_sql('(SELECT a FROM asked)::bigint[]')}"
 )
 _PEEK_BARE = (
     f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}, "
@@ -246,7 +254,7 @@ def _premise(text: str) -> ActivationPremise:
 
 
 def _parse_premise(text: str) -> ActivationPremise:
-    pointer, was, pol, rolled = json.loads(text)
+    pointer, was, pol, rolled, *_ = json.loads(text)  # (and the versions asked, if any)
     was = was or ()
     return ActivationPremise(
         None if pointer is None else int(pointer),
@@ -356,7 +364,7 @@ class _Unit(SqlUnit):
             row = self.conn.execute(f"SELECT {_NOW}, {_PREMISE}").fetchone()
         else:
             only = sorted(versions)
-            row = self.conn.execute(f"SELECT {_NOW}, {_PREMISE_OF}", (only, only)).fetchone()
+            row = self.conn.execute(f"SELECT {_NOW}, {_PREMISE_OF}", (only,) * 3).fetchone()
         assert row is not None
         self.now = float(row[0])
         return _premise(row[1])
@@ -487,10 +495,10 @@ class PostgresStore(OneCallReservations):
         )
 
     def peek(
-        self, rollout_id: str, update_id: str
+        self, rollout_id: str, update_id: str, versions: Collection[int] = ()
     ) -> tuple[LedgerEntry | None, UpdateRecord | None, Peeked]:
-        """The row, the update's record and the premise (and the server's time) in ONE
-        autocommit statement."""
+        """The row, the update's record and the premise of the row's version and
+        `versions` (and the server's time) in ONE autocommit statement."""
         self._check_open(write=True)  # what a reservation peeks for is a write
 
         def body(conn: Conn) -> tuple[str | None, str | None, str | None, float]:
@@ -500,7 +508,8 @@ class PostgresStore(OneCallReservations):
                 if not row[3]:
                     return row[1], row[2], None, float(row[0])
                 self.registry_seen = True  # a registry, once created, never goes away
-            row = conn.execute(_PEEK, (rollout_id, update_id)).fetchone()
+            args = (sorted(versions), rollout_id, rollout_id, update_id)
+            row = conn.execute(_PEEK, args).fetchone()
             assert row is not None
             return row[1], row[2], row[3], float(row[0])
 
