@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from rollout_lifecycle.model.backends import Backend, open_backend
@@ -434,3 +435,30 @@ def test_a_premise_of_the_judged_versions_decides_as_the_whole(
         assert {o.rollout_id: o.reason for o in outcomes} == {r: c[3] for r, c in cases.items()}
         assert led.reserved_by("u.s1") == ["active", "older"]
         assert not check_trace(b.trace()).violations
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_dispatched_batch_sends_one_chain_statement(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34, item 2, at the store's edge: dispatching 8 or 64 prompts (a 64x8 step's
+    batch) sends the same single statement that reads their chains, and one premise read
+    of their one version."""
+    wide = AdmissionPolicy(max_lag=1, max_drift=0.2, batch_size=64, max_attempts=2)
+    with deployment(kind, tmp_path, attrs.evolve(wide, chain_key="caller")) as (b, _):
+        reads, statements = _premise_reads(kind, b, monkeypatch)
+        counts, totals = [], []
+        for n, tag in ((1, "w"), (8, "s"), (64, "l")):  # w: the first step's probes
+            statements.clear()
+            batch = [(LedgerEntry(f"{tag}{i}", 0, H[0]), f"{tag}c{i}") for i in range(n)]
+            got = b.ledger.dispatch_many(batch)
+            assert [o.reason for o in got] == [DISPATCHED] * n
+            field = ("'$.chain'", "->>'chain'")  # SQLite's and PostgreSQL's chain of a row
+            reads_chains = [q for q in statements if any(f in q for f in field)]
+            counts.append(sum(q.startswith("SELECT") for q in reads_chains))
+            totals.append(len(statements))
+        monkeypatch.undo()
+        assert counts == ([0] * 3 if kind == "memory" else [1] * 3), counts
+        if kind == "postgresql":  # every statement of the step: as many for 8 as for 64
+            assert totals[1] == totals[2], totals
+        assert [asked for asked, _ in reads] == [frozenset({0})] * 3
