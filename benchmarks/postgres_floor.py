@@ -181,12 +181,14 @@ def run_floor(
     ev = conn.execute(
         "SELECT payload FROM events WHERE kind = 'entry' AND subject = %s", (spare,)
     ).fetchone()
-    prem = conn.execute(f"SELECT {pl._PREMISE}").fetchone()
+    # the premise a single reservation of these rows peeks (of their version and the stamp's)
+    judged = [stamp.current_version]
+    prem = conn.execute(pl._PEEK, (judged, spare, spare, "u0")).fetchone()
     assert row is not None and ev is not None and prem is not None
-    entry, payload, premise = str(row[0]), str(ev[0]), str(prem[0])
+    entry, payload, premise = str(row[0]), str(ev[0]), str(prem[3])
 
     def peek(rid: str) -> None:
-        conn.execute(pl._PEEK, (rid, "u0")).fetchone()
+        conn.execute(pl._PEEK, (judged, rid, rid, "u0")).fetchone()
 
     def pair(first: Callable[[str], None], then: Callable[[str], None]) -> Callable[[str], None]:
         def both(rid: str) -> None:

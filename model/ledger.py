@@ -18,7 +18,7 @@ import operator
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, Protocol, Self, TypeVar, runtime_checkable
 
 import attrs
@@ -212,7 +212,10 @@ class ActivationPremise:
     `was_active` the versions that were ever the active pointer; `policy` the recorded
     admission policy (None: none recorded); `retired` the rolled-back versions whose
     rollouts are retired. `was_active` None means no registry is attached to the ledger,
-    and only the admission stamp itself is judged.
+    and only the admission stamp itself is judged. A step reads `was_active`, `retired`
+    and `hashes` for the versions it judges only (`StoreView.read_premise`), so its read
+    does not grow with the versions a run published: a version outside that set reads
+    as never active.
     """
 
     pointer_version: int | None
@@ -248,6 +251,17 @@ class ActivationPremise:
 NO_REGISTRY = ActivationPremise(None, None)
 
 
+def judged_versions(versions: Iterable[object]) -> frozenset[int]:
+    """The versions a step's premise read asks about: those a registry can hold (any other
+    value, read or not, is in no premise's sets: leaving it out changes no answer)."""
+    return frozenset(int(v) for v in versions if isinstance(v, int) and 0 <= v <= INT64_MAX)
+
+
+def stamp_versions(stamps: Iterable[AdmissionStamp | None]) -> list[object]:
+    """The current version each stamp was admitted against (a reservation judges it)."""
+    return [getattr(s, "current_version", None) for s in stamps]
+
+
 class ActivationSource(Protocol):
     """A registry a ledger reads inside its own atomic step (the memory registry)."""
 
@@ -256,8 +270,9 @@ class ActivationSource(Protocol):
         """The lock that makes the registry's steps atomic; the ledger shares it."""
         ...
 
-    def premise(self) -> ActivationPremise:
-        """The pointer and ever-active versions now (the caller holds `lock`)."""
+    def premise(self, versions: Collection[int] | None = None) -> ActivationPremise:
+        """The pointer and the facts of `versions` (None: of every version) now (the
+        caller holds `lock`); see `StoreView.read_premise`."""
         ...
 
 
@@ -1293,8 +1308,11 @@ _RESERVE_BATCH = Step("reserve_batch", premise=True)
 class StoreView(Protocol):
     """What a read-only body may read from one consistent view of a store."""
 
-    def read_premise(self) -> ActivationPremise:
-        """The registry's premise as of this step (NO_REGISTRY without a registry)."""
+    def read_premise(self, versions: Collection[int] | None = None) -> ActivationPremise:
+        """The registry's premise as of this step (NO_REGISTRY without a registry): the
+        pointer and policy, and whether each of `versions` was ever active, is retired and
+        its hash (None: every version's, a read that grows with the run; a step passes the
+        versions it judges, `judged_versions`, so its read stays the same size)."""
         ...
 
     def rewarded_between(self, low: int | None, high: int | None, limit: int) -> list[LedgerEntry]:
@@ -1484,10 +1502,11 @@ class GuardedStore(Protocol):
     (a compare-and-set on both)."""
 
     def peek(
-        self, rollout_id: str, update_id: str
+        self, rollout_id: str, update_id: str, versions: Collection[int] = ()
     ) -> tuple[LedgerEntry | None, UpdateRecord | None, Peeked]:
-        """The row (None: absent), the record of `update_id` and the premise, from one
-        consistent read."""
+        """The row (None: absent), the record of `update_id` and the premise of the row's
+        version and `versions` (see `StoreView.read_premise`), from one consistent read;
+        `write_one` guards on the premise of those same versions."""
         ...
 
     def write_one(
@@ -1642,9 +1661,10 @@ class StoreLedger:
         if not entries:
             return []
         own = [identity_chain(r.identity) if isinstance(r, Rollout) else None for r in items]
+        versions = judged_versions(e.behavior_version for e in entries)
 
         def body(uow: UnitOfWork, _: Counter[str], exclusive: bool) -> list[LedgerEntry]:
-            act = uow.read_premise()
+            act = uow.read_premise(versions)
             bad = uow.bad_versions()
             pol = act.policy
             if pol is not None and pol.paced and act.was_active is not None:
@@ -1813,7 +1833,8 @@ class StoreLedger:
                 return ReserveOutcome(rollout_id, True, RESERVED, won)
         guarded, seen, start = self._guarded, None, None
         if guarded is not None:  # the row and the premise in one read: judged right here
-            entry, record, seen = guarded.peek(check_id(rollout_id), update_id)
+            stamped = judged_versions(stamp_versions([admission]))
+            entry, record, seen = guarded.peek(check_id(rollout_id), update_id, stamped)
             start = seen.now
         else:
             entry, record = self.store.find_with_update(check_id(rollout_id), update_id)
@@ -1856,12 +1877,13 @@ class StoreLedger:
                 return again
             # "moved": the premise changed since the peek; judge it again inside a step
         planned, fresh, version, digest = out, new, entry.behavior_version, entry.artifact_hash
+        versions = judged_versions([version, *stamp_versions([admission])])
 
         def body(uow: UnitOfWork, local: Counter[str]) -> ReserveOutcome:
             # planning judged the stamp alone already (it passed: else no step runs); under
             # this step's lock the update's record and the premise are judged, with the
             # stamp as the request it is
-            premise = uow.read_premise()
+            premise = uow.read_premise(versions)
             now_record = uow.read_updates([update_id]).get(update_id)
             refusal: tuple[str, str] | None
             if now_record is not None and now_record.status == "poisoned":
@@ -1920,14 +1942,18 @@ class StoreLedger:
         if not requests:
             return []
         ids = [r.rollout_id for r in requests]
+        stamped = stamp_versions(r.admission for r in requests)
 
         def body(uow: UnitOfWork, local: Counter[str]) -> list[ReserveOutcome]:
-            premise = uow.read_premise()
-            lease = self._now(uow) + self.lease_seconds
             # locked: a row refused here cannot change before the step commits, so every
             # answer of the batch holds at its commit (a concurrent commit between this
             # read and the write made a refusal and a win true at no common instant)
             entries = uow.lock_rows(ids)
+            # the premise of the versions judged only (the step holds the premise lock, so
+            # reading it after the rows changes no answer)
+            judged = [e.behavior_version for e in entries.values()]
+            premise = uow.read_premise(judged_versions([*judged, *stamped]))
+            lease = self._now(uow) + self.lease_seconds
             record = uow.read_updates([update_id]).get(update_id)
             outcomes, planned = plan_reserves(
                 entries,
@@ -1979,8 +2005,8 @@ class StoreLedger:
         ids = _check_id_list(rollout_ids)
 
         def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry] | CommitMismatch:
-            act = uow.read_premise()
             owned = uow.owned(update_id)
+            act = uow.read_premise(judged_versions(e.behavior_version for e in owned))
             record = uow.read_updates([update_id]).get(update_id)
             if record is not None and record.status == "poisoned":
                 return poisoned_error(record)
@@ -2017,8 +2043,8 @@ class StoreLedger:
         check_update_id(update_id)
 
         def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
-            retired = uow.read_premise().retired
             owned = uow.owned(update_id)
+            retired = uow.read_premise(judged_versions(e.behavior_version for e in owned)).retired
             bad = uow.bad_versions()
             new = [plan_release(e, "abort", self.recovery, bad, retired) for e in owned]
             return self._apply(uow, "abort", owned, new, update_id, {"aborts": 1})
@@ -2149,9 +2175,10 @@ class StoreLedger:
         index) unless the recorded policy's chain_key is 'caller'; `chain` may then be
         omitted, and one that differs is refused (InvalidLedgerArgument)."""
         entry, caller, own = dispatch_entry(rollout, chain)
+        versions = judged_versions([entry.behavior_version])
 
         def body(uow: UnitOfWork, _: Counter[str]) -> DispatchOutcome:
-            act = uow.read_premise()
+            act = uow.read_premise(versions)
             key = chain_of(entry, caller, own, act.policy)
             if key is None:
                 raise InvalidLedgerArgument(
@@ -2269,10 +2296,15 @@ class StoreLedger:
         if not ids:
             return LandedStep({}, (), {})
 
+        # a reserved row's version: its stored one, or its landing's where this step adds it
+        landed = [x.behavior_version for x in items if x.rollout_id in stamps]
+        stamped = stamp_versions(stamps.values())
+
         def body(uow: UnitOfWork, local: Counter[str]) -> LandedStep:
             rows = uow.read_rows(ids)
             bad = uow.bad_versions()
-            act = uow.read_premise()
+            held = [rows[r].behavior_version for r in stamps if r in rows]
+            act = uow.read_premise(judged_versions([*held, *landed, *stamped]))
             # under a pacing policy every entry enters through dispatch, which counts it on
             # the budget and its prompt's chain: a rollout never dispatched is not added here
             paced = act.policy is not None and act.policy.paced and act.was_active is not None
@@ -2366,9 +2398,10 @@ class StoreLedger:
         entries = [dispatch_entry(r, c) for r, c in rollouts]
         if not entries:
             return []
+        versions = judged_versions(e.behavior_version for e, _, _ in entries)
 
         def body(uow: UnitOfWork, _: Counter[str]) -> list[DispatchOutcome]:
-            act = uow.read_premise()
+            act = uow.read_premise(versions)
             floor = window_floor(act.pointer_version, act.policy)
             live = uow.count(LIVE_STATES, floor)
             stored = uow.read_rows([e.rollout_id for e, _, _ in entries])
@@ -2755,7 +2788,7 @@ class MemoryStore:
         return sorted(self.owners.get(update_id, ()))
 
     def read_policy(self) -> tuple[int | None, AdmissionPolicy | None]:
-        premise = self.read_premise()
+        premise = self.read_premise(())  # no version's facts: the pointer and policy only
         return premise.pointer_version, premise.policy
 
     def due(self, now: float) -> list[LedgerEntry]:
@@ -2810,8 +2843,8 @@ class MemoryStore:
         )
         return oldest_first(found)[:limit]
 
-    def read_premise(self) -> ActivationPremise:
-        return NO_REGISTRY if self.activation is None else self.activation.premise()
+    def read_premise(self, versions: Collection[int] | None = None) -> ActivationPremise:
+        return NO_REGISTRY if self.activation is None else self.activation.premise(versions)
 
     def server_now(self) -> float | None:
         return None

@@ -77,7 +77,10 @@ COMPONENT = "functions"
 # what a step's one statement returns when the function raised nothing
 # a changed body gets a new name: v1-v3 before roles; v4 (roles) the operation's checks;
 # v5 (main, without roles) the chain's check and the update guard; v6 all of them
-# v7 the one-call reservation (p_guard 3: judged and spliced by the server, see `_ONE_CALL`)
+# v7 the one-call reservation (p_guard 3: judged and spliced by the server, see `_ONE_CALL`);
+# since, p_guard 2 compares the premise of the versions its text names (issue 34): a text
+# of the other form never matches, so a client and a schema one change apart answer
+# 'moved' and reserve by a step, and the name stayed (the changed text reinstalls it)
 WRITE_ONE = "ledger_write_one_v7"
 # every name this program's functions ever had here: dropped before (re)creating them, so
 # a changed signature or return type leaves no stale overload behind
@@ -159,21 +162,34 @@ WRITE_ONE_CALL = f"SELECT {WRITE_ONE}({', '.join(['%s'] * len(WRITE_ONE_ARGS))})
 
 _WAS_ACTIVE = "ARRAY[" + ", ".join(f"'{s}'" for s in sorted(WAS_ACTIVE_STATES)) + "]"
 
-# The reservation's premise as ONE deterministic JSON text (sets in order): read inside a
-# step, read with a row outside any step (the ledger's peek), and compared, under the
-# premise lock, by a single reservation's write with the text its plan was judged on. The
-# comparison is an equality of facts, not a rule.
-PREMISE = (
-    "json_build_array((SELECT version FROM registry_pointer WHERE id = 1), "
-    "(SELECT json_agg(json_build_array(version, artifact_hash) ORDER BY version) "
-    f"FROM registry_artifacts WHERE state = ANY({_WAS_ACTIVE})), "
-    # by name (to_jsonb): a registry not yet migrated to the newer columns reads defaults
-    "(SELECT json_build_array(max_lag, max_drift, batch_size, max_attempts, "
-    "to_jsonb(p) ->> 'lineage', to_jsonb(p) ->> 'chain_key') "
-    "FROM registry_policy p WHERE id = 1), "
-    "(SELECT json_agg(json_build_array(version, failure) ORDER BY version) "
-    "FROM registry_artifacts WHERE state = 'rolled_back'))::text"
-)
+
+def premise_sql(asked: str | None = None) -> str:
+    """The premise's statement; `asked` (an SQL bigint[]) limits its sets to the versions a
+    step judges (see `model.ledger.StoreView.read_premise`) and names them in the text, its
+    fifth element, so a guarded write can read the same premise again (see `_write_one`)."""
+    only = "" if asked is None else f" AND version = ANY({asked})"
+    named = "" if asked is None else f", to_json({asked})"
+    return (
+        "json_build_array((SELECT version FROM registry_pointer WHERE id = 1), "
+        "(SELECT json_agg(json_build_array(version, artifact_hash) ORDER BY version) "
+        f"FROM registry_artifacts WHERE state = ANY({_WAS_ACTIVE}){only}), "
+        # by name (to_jsonb): a registry not yet migrated to the newer columns reads defaults
+        "(SELECT json_build_array(max_lag, max_drift, batch_size, max_attempts, "
+        "to_jsonb(p) ->> 'lineage', to_jsonb(p) ->> 'chain_key') "
+        "FROM registry_policy p WHERE id = 1), "
+        "(SELECT json_agg(json_build_array(version, failure) ORDER BY version) "
+        f"FROM registry_artifacts WHERE state = 'rolled_back'{only}){named})::text"
+    )
+
+
+# The reservation's premise as ONE deterministic JSON text (sets in order): of every
+# version (PREMISE), or of the versions asked, read by primary key so that it costs the
+# same however many versions the run published: inside a step (PREMISE_OF, one bigint[]
+# parameter given three times), with a row outside any step (the ledger's peek: its row's
+# version and its stamp's), and again under the premise lock by a single reservation's
+# write, compared with the text its plan was judged on (an equality of facts, not a rule).
+PREMISE = premise_sql()
+PREMISE_OF = premise_sql("%s::bigint[]")
 
 # every function a caller may EXECUTE, with its signature (the others are internal)
 SIGNATURES = {
@@ -548,6 +564,7 @@ DECLARE
     v_keys text;
     v_ok boolean;
     v_digest text;
+    v_asked bigint[];
 BEGIN{_CHECK}
     IF NOT p_kind = ANY(o.kinds) THEN
         {_refuse("operation % may not record events of kind %", "p_op, p_kind")};
@@ -569,7 +586,11 @@ BEGIN{_CHECK}
         RETURN 'moved';
     END IF;
     IF p_guard = 2 THEN  -- nested: the registry's tables are planned only where they exist
-        IF {PREMISE} IS DISTINCT FROM p_premise THEN
+        -- the premise of the versions the peeked text names (a text naming none reads as
+        -- one that moved: the reservation then takes a step)
+        v_asked := ARRAY(SELECT x::bigint FROM json_array_elements_text(CASE
+            WHEN json_typeof(p_premise::json -> 4) = 'array' THEN p_premise::json -> 4 END) x);
+        IF {premise_sql("v_asked")} IS DISTINCT FROM p_premise THEN
             RETURN 'moved';
         END IF;
     END IF;

@@ -38,7 +38,8 @@ operation (model.postgres_roles), with or without roles the same calls:
   reservation, a row laid out otherwise) writes nothing and answers 'moved', and the
   reservation takes the path below, whose own read gives every refusal (issue 33).
 - Otherwise a single reservation (`peek`, `write_one`: the ledger's `GuardedStore`) is two
-  round trips. One autocommit read takes the row, the premise and the server's time; the ledger
+  round trips. One autocommit read takes the row, the premise (of the row's version and the
+  stamp's) and the server's time; the ledger
   plans, judges and enforces on them; then ONE call of the server-side function
   `ledger_write_one_v7` (created on open) takes the premise lock SHARED, checks that the
   premise is still the one the plan was judged on (an equality of the stored facts, no
@@ -57,7 +58,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -105,10 +106,12 @@ from rollout_lifecycle.model.postgres_common import (
 from rollout_lifecycle.model.postgres_functions import (
     CAS_STEP,
     PREMISE,
+    PREMISE_OF,
     WRITE_ONE_ARGS,
     WRITE_ONE_CALL,
     WRITE_ONE_DDL,
     ensure_functions,
+    premise_sql,
     update_document,
 )
 from rollout_lifecycle.model.postgres_functions import WRITE_ONE as WRITE_ONE
@@ -180,14 +183,21 @@ _CAS_ONE = (
     "entry = %s WHERE rollout_id = %s AND revision = %s RETURNING rollout_id"
 )
 _PREMISE = PREMISE
+_PREMISE_OF = PREMISE_OF
 _NOW = "extract(epoch FROM clock_timestamp())::float8"
 # the update's record as one JSON text (the table is the ledger's own: it always exists)
 _UPDATE_TEXT = (
     "(SELECT json_build_array(update_id, status, cause, detail) FROM ledger_updates "
     "WHERE update_id = %s)::text"
 )
+# the premise of the versions a single reservation judges: its row's (read in this same
+# statement) and those its caller names (its stamp's), in order, without NULLs
 _PEEK = (
-    f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}, {_PREMISE}"
+    "WITH asked AS (SELECT ARRAY(SELECT DISTINCT v FROM unnest(%s::bigint[] || (SELECT "
+    "behavior_version FROM rollouts WHERE rollout_id = %s)) AS v WHERE v IS NOT NULL "
+    "ORDER BY v) AS a) "
+    f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}, "
+    f"{premise_sql('(SELECT a FROM asked)::bigint[]')}"
 )
 _PEEK_BARE = (
     f"SELECT {_NOW}, (SELECT entry FROM rollouts WHERE rollout_id = %s), {_UPDATE_TEXT}, "
@@ -244,7 +254,7 @@ def _premise(text: str) -> ActivationPremise:
 
 
 def _parse_premise(text: str) -> ActivationPremise:
-    pointer, was, pol, rolled = json.loads(text)
+    pointer, was, pol, rolled, *_ = json.loads(text)  # (and the versions asked, if any)
     was = was or ()
     return ActivationPremise(
         None if pointer is None else int(pointer),
@@ -342,14 +352,19 @@ class _Unit(SqlUnit):
     def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
         return _rows(self.conn, rollout_ids, self.load)
 
-    def read_premise(self) -> ActivationPremise:
-        """The premise, with the server's time now in the same round trip (see module doc:
-        the premise lock was taken in this transaction's first round trip)."""
+    def read_premise(self, versions: Collection[int] | None = None) -> ActivationPremise:
+        """The premise (of `versions`, see `StoreView.read_premise`), with the server's time
+        now in the same round trip (see module doc: the premise lock was taken in this
+        transaction's first round trip)."""
         if not self.store.registry_seen:
             if not has_table(self.conn, "registry_pointer"):
                 return NO_REGISTRY
             self.store.registry_seen = True  # a registry, once created, never goes away
-        row = self.conn.execute(f"SELECT {_NOW}, {_PREMISE}").fetchone()
+        if versions is None:
+            row = self.conn.execute(f"SELECT {_NOW}, {_PREMISE}").fetchone()
+        else:
+            only = sorted(versions)
+            row = self.conn.execute(f"SELECT {_NOW}, {_PREMISE_OF}", (only,) * 3).fetchone()
         assert row is not None
         self.now = float(row[0])
         return _premise(row[1])
@@ -480,10 +495,10 @@ class PostgresStore(OneCallReservations):
         )
 
     def peek(
-        self, rollout_id: str, update_id: str
+        self, rollout_id: str, update_id: str, versions: Collection[int] = ()
     ) -> tuple[LedgerEntry | None, UpdateRecord | None, Peeked]:
-        """The row, the update's record and the premise (and the server's time) in ONE
-        autocommit statement."""
+        """The row, the update's record and the premise of the row's version and
+        `versions` (and the server's time) in ONE autocommit statement."""
         self._check_open(write=True)  # what a reservation peeks for is a write
 
         def body(conn: Conn) -> tuple[str | None, str | None, str | None, float]:
@@ -493,7 +508,8 @@ class PostgresStore(OneCallReservations):
                 if not row[3]:
                     return row[1], row[2], None, float(row[0])
                 self.registry_seen = True  # a registry, once created, never goes away
-            row = conn.execute(_PEEK, (rollout_id, update_id)).fetchone()
+            args = (sorted(versions), rollout_id, rollout_id, update_id)
+            row = conn.execute(_PEEK, args).fetchone()
             assert row is not None
             return row[1], row[2], row[3], float(row[0])
 

@@ -18,7 +18,7 @@ import sqlite3
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -885,15 +885,18 @@ class MemoryRegistry(_LockedReads):
         """The one lock of this registry's steps; an attached MemoryLedger shares it."""
         return self._lock
 
-    def premise(self) -> ActivationPremise:
-        """The pointer, the ever-active and retired versions, the recorded policy (caller
-        holds `lock`)."""
-        was = {v: a for v, a in self._artifacts.items() if a.state in WAS_ACTIVE_STATES}
+    def premise(self, versions: Collection[int] | None = None) -> ActivationPremise:
+        """The pointer, the recorded policy, and which of `versions` (None: of all) were
+        ever active or are retired, with their hashes (caller holds `lock`): a step looks
+        up the versions it judges rather than walking every artifact the run published."""
+        arts = self._artifacts
+        of = arts.values() if versions is None else [arts[v] for v in versions if v in arts]
+        was = {a.version: a for a in of if a.state in WAS_ACTIVE_STATES}
         return ActivationPremise(
             None if self._pointer is None else self._pointer.version,
             frozenset(was),
             self._policy,
-            retired_versions(self._artifacts.values()),
+            retired_versions(of),
             {v: a.artifact_hash for v, a in was.items() if a.artifact_hash is not None},
         )
 

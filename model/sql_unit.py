@@ -503,7 +503,7 @@ class SqlUnit:
         return read_bad(self.conn)
 
     def read_policy(self) -> tuple[int | None, AdmissionPolicy | None]:
-        premise = self.read_premise()  # type: ignore[attr-defined]
+        premise = self.read_premise(())  # type: ignore[attr-defined]  # no version's facts
         return premise.pointer_version, premise.policy
 
     def reserved_ids(self, update_id: str) -> list[str]:

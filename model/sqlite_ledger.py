@@ -15,10 +15,11 @@ processes and restarts.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -156,6 +157,12 @@ _HAS_UPDATES = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'led
 _IN_CHUNK = 500  # ids per IN (...) list, well under SQLite's bound-parameter limit
 _WAS_ACTIVE = tuple(sorted(WAS_ACTIVE_STATES))
 _WAS_ACTIVE_MARKS = ",".join("?" * len(_WAS_ACTIVE))
+_EVER_ACTIVE = (
+    "SELECT version, state, failure, artifact_hash FROM registry_artifacts "
+    f"WHERE state IN ({_WAS_ACTIVE_MARKS})"
+)
+# the versions a step judges, looked up by primary key (not a scan of every version)
+_OF_VERSIONS = " AND version IN (SELECT value FROM json_each(?))"
 
 
 def _marks(n: int) -> str:
@@ -177,8 +184,8 @@ class _Unit(SqlUnit):
     def read_rows(self, rollout_ids: Sequence[str]) -> dict[str, LedgerEntry]:
         return self.store.rows(self.conn, rollout_ids, self.load)
 
-    def read_premise(self) -> ActivationPremise:
-        premise, self.head = self.store.premise(self.conn)
+    def read_premise(self, versions: Collection[int] | None = None) -> ActivationPremise:
+        premise, self.head = self.store.premise(self.conn, versions)
         return premise
 
     def read_policy(self) -> tuple[int | None, AdmissionPolicy | None]:
@@ -312,9 +319,12 @@ class SQLiteStore:
             self.found = (entry, text)
         return entry
 
-    def premise(self, conn: sqlite3.Connection) -> tuple[ActivationPremise, Sequence[Any]]:
-        """The active pointer and ever-active versions, read inside the caller's transaction,
-        and the events' NEXT_COLUMNS read with them (see `append_events`).
+    def premise(
+        self, conn: sqlite3.Connection, versions: Collection[int] | None = None
+    ) -> tuple[ActivationPremise, Sequence[Any]]:
+        """The active pointer, the policy and the facts of `versions` (None: of every
+        version; see `StoreView.read_premise`), read inside the caller's transaction, and
+        the events' NEXT_COLUMNS read with them (see `append_events`).
 
         Ledger and registry share the file, so under this transaction's write lock no
         pointer switch can land between this read and the reservation's write. A file
@@ -327,11 +337,13 @@ class SQLiteStore:
             self._registry_seen = True  # a registry, once created, never goes away
         pointer, *head = conn.execute(_POINTER_NEXT).fetchone()
         policy = self._policy(conn)
-        was = conn.execute(
-            f"SELECT version, state, failure, artifact_hash FROM registry_artifacts "
-            f"WHERE state IN ({_WAS_ACTIVE_MARKS})",
-            _WAS_ACTIVE,
-        ).fetchall()
+        if versions is None:
+            was = conn.execute(_EVER_ACTIVE, _WAS_ACTIVE).fetchall()
+        elif versions:  # one statement for any number: the versions as one JSON array
+            only = json.dumps(sorted(versions))
+            was = conn.execute(_EVER_ACTIVE + _OF_VERSIONS, (*_WAS_ACTIVE, only)).fetchall()
+        else:
+            was = []
         premise = ActivationPremise(
             None if pointer is None else int(pointer),
             frozenset(int(r[0]) for r in was),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -92,8 +92,9 @@ class FixedRegistry:
     policy: AdmissionPolicy
     lock: threading.RLock = attrs.field(factory=threading.RLock, eq=False)
 
-    def premise(self) -> ledger_mod.ActivationPremise:
-        """Pointer v0 (hash h0), ever active {v0}, the recorded policy."""
+    def premise(self, versions: Collection[int] | None = None) -> ledger_mod.ActivationPremise:
+        """Pointer v0 (hash h0), ever active {v0}, the recorded policy (whatever `versions`
+        a step asks about: the one version's facts are the whole premise)."""
         return ledger_mod.ActivationPremise(
             VERSION, frozenset({VERSION}), self.policy, hashes={VERSION: HASH}
         )

@@ -105,8 +105,8 @@ class _GapView:
     def __init__(self, view: Any, pending: list[Callable[[], None]]) -> None:
         self._view, self._pending = view, pending
 
-    def read_premise(self) -> Any:
-        got = self._view.read_premise()
+    def read_premise(self, versions: Any = None) -> Any:
+        got = self._view.read_premise(versions)
         if self._pending:
             self._pending.pop()()
         return got

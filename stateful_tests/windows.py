@@ -78,8 +78,8 @@ def paused_window(seconds: float, inside: threading.Event) -> Iterator[None]:
         raise AssertionError("the write-one function's compare-and-set step moved")
     read = pl._Unit.read_premise
 
-    def read_then_pause(self: Any) -> Any:
-        premise = read(self)
+    def read_then_pause(self: Any, versions: Any = None) -> Any:
+        premise = read(self, versions)
         if threading.current_thread().name == LEARNER:
             inside.set()
             time.sleep(seconds)

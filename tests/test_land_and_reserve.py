@@ -8,13 +8,21 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
 
 from rollout_lifecycle.model.backends import Backend, open_backend
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.errors import InvalidLedgerArgument
-from rollout_lifecycle.model.ledger import ALREADY_DISPATCHED, Landing
+from rollout_lifecycle.model.ledger import (
+    ALREADY_DISPATCHED,
+    RESERVED,
+    ActivationPremise,
+    Landing,
+    ReserveRequest,
+)
 from rollout_lifecycle.model.pacing import CHAIN_LIVE, DISPATCHED, NO_CAPACITY
 from rollout_lifecycle.model.records import (
     AdmissionPolicy,
@@ -25,12 +33,18 @@ from rollout_lifecycle.model.records import (
     WorkerAck,
 )
 from rollout_lifecycle.model.registry import set_admission_policy
+from rollout_lifecycle.model.rules import (
+    ARTIFACT_HASH_MISMATCH,
+    POINTER_MOVED,
+    VERSION_NOT_ACTIVE,
+    VERSION_RETIRED,
+)
 from rollout_lifecycle.model.sql_unit import SqlUnit
 from rollout_lifecycle.spec.invariants import check_trace
 from rollout_lifecycle.stateful_tests.backends import durable_url
 
 KINDS = ["memory", "sqlite", "postgresql"]
-H = {v: f"{v:x}".rjust(64, "c") for v in range(8)}
+H = {v: f"{v:x}".rjust(64, "c") for v in range(320)}
 R = Reward("rm", "1", 0.5)
 PACED = AdmissionPolicy(max_lag=1, max_drift=0.2, batch_size=2, max_attempts=2)
 LOOSE = AdmissionPolicy(max_lag=1, max_drift=0.2)  # no pacing: an absent rollout is added
@@ -284,3 +298,167 @@ def test_a_dispatched_batch_reads_its_chains_at_once(
         assert [o.reason for o in got[300:]] == [CHAIN_LIVE, DISPATCHED, CHAIN_LIVE]
         assert got[301].attempt == 1
         assert not check_trace(b.trace()).violations
+
+
+def _premise_reads(
+    kind: str, b: Backend, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[tuple[object, ActivationPremise]], list[str]]:
+    """From now on: each premise read of a step (the versions it asked about, what it got)
+    and every statement the SQL stores send (SQLite's with its values bound)."""
+    from rollout_lifecycle.model import ledger as ledger_module
+
+    unit: Any = ledger_module.MemoryStore
+    if kind == "sqlite":
+        from rollout_lifecycle.model import sqlite_ledger
+
+        unit = sqlite_ledger._Unit
+    elif kind == "postgresql":
+        from rollout_lifecycle.model import postgres_ledger
+
+        unit = postgres_ledger._Unit
+    reads: list[tuple[object, ActivationPremise]] = []
+    statements: list[str] = []
+    real = unit.read_premise
+
+    def spy(self: Any, *args: Any) -> ActivationPremise:
+        got: ActivationPremise = real(self, *args)
+        reads.append((args[0] if args else None, got))
+        return got
+
+    monkeypatch.setattr(unit, "read_premise", spy)
+    if kind == "sqlite":
+        b.ledger._conn().set_trace_callback(statements.append)  # type: ignore[attr-defined]
+    elif kind == "postgresql":
+        import psycopg
+
+        execute = psycopg.Connection.execute
+
+        def recording(self: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
+            statements.append(f"{query} -- {params!r}")
+            return execute(self, query, params, **kwargs)
+
+        monkeypatch.setattr(psycopg.Connection, "execute", recording)
+    return reads, statements
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_step_reads_the_premise_of_its_versions_only(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: after 300 activations (one per training step), a trainer's step (dispatch,
+    land and reserve, commit) reads whether the versions of its own rows were ever active,
+    retired and their hashes, not all 300: by primary key on the SQL stores, in the one
+    premise statement of each step. Reading every ever-active version made each step cost
+    more as the run went on."""
+    with deployment(kind, tmp_path, BY_CALLER) as (b, coord):
+        top = 300
+        for v in range(1, top + 1):
+            activate(coord, v)
+        led = b.ledger
+        reads, statements = _premise_reads(kind, b, monkeypatch)
+        got = led.dispatch_many([(LedgerEntry("new", top, H[top]), "c0")])
+        got += led.dispatch_many([(LedgerEntry("old", top - 1, H[top - 1]), "c1")])
+        assert [o.reason for o in got] == [DISPATCHED, DISPATCHED]
+        step = led.land_and_reserve(
+            "u.s1",
+            [Landing(r, v, H[v], reward=R) for r, v in (("new", top), ("old", top - 1))],
+            reserve={"new": stamp(top, top, BY_CALLER), "old": stamp(top, top - 1, BY_CALLER)},
+        )
+        assert step.reserved == ["new", "old"]
+        assert [e.state for e in led.commit("u.s1", ["new", "old"])] == ["consumed"] * 2
+        monkeypatch.undo()
+        judged = frozenset({top - 1, top})
+        assert len(reads) == 4  # one premise read per step
+        for asked, premise in reads:
+            assert premise.was_active is not None and len(premise.was_active) <= 2
+            assert premise.was_active <= judged and set(premise.hashes or ()) <= judged
+            assert premise.pointer_version == top and premise.policy == BY_CALLER
+            assert isinstance(asked, frozenset) and asked <= judged, asked
+        assert reads[2][1].was_active == judged  # the reservation judged both versions
+        assert reads[2][1].hashes == {v: H[v] for v in judged}
+        registry = [q for q in statements if "registry_artifacts" in q]
+        if kind == "sqlite":  # the versions bound as one JSON array, looked up by key
+            assert len(registry) == 4, registry
+            assert all("json_each('[" in q for q in registry), registry
+            assert f"json_each('[{top - 1}, {top}]')" in registry[2]
+        elif kind == "postgresql":
+            assert len(registry) == 4, registry
+            assert all("version = ANY(" in q for q in registry), registry
+            assert f"[{top - 1}, {top}]" in registry[2]
+        assert not check_trace(b.trace()).violations
+
+
+@pytest.mark.parametrize("path", ["land_and_reserve", "reserve_batch", "reserve"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_premise_of_the_judged_versions_decides_as_the_whole(
+    kind: str, path: str, tmp_path: Path
+) -> None:
+    """Each reservation path refuses and reserves as the premise of every version does:
+    the active version and an older one within max_lag reserve; one beyond max_lag (the
+    pointer moved), one rolled back, one registered but never active, one never
+    registered and one with another hash than its version's are refused, each for its
+    reason."""
+    with deployment(kind, tmp_path, LOOSE) as (b, coord):
+        top = 6
+        for v in range(1, top + 2):
+            activate(coord, v)
+        led = b.ledger
+        cases = {  # id: (behaviour version, hash, stamp, expected reason)
+            "active": (top, H[top], stamp(top, top, LOOSE), RESERVED),
+            "older": (top - 1, H[top - 1], stamp(top, top - 1, LOOSE), RESERVED),
+            "stale": (top - 2, H[top - 2], stamp(top - 1, top - 2, LOOSE), POINTER_MOVED),
+            "retired": (top + 1, H[top + 1], stamp(top + 1, top + 1, LOOSE), VERSION_RETIRED),
+            "never": (top + 2, H[top + 2], stamp(top + 2, top + 2, LOOSE), VERSION_NOT_ACTIVE),
+            "unknown": (top + 9, H[top + 9], stamp(top + 9, top + 9, LOOSE), VERSION_NOT_ACTIVE),
+            "hash": (top - 1, H[top], stamp(top, top - 1, LOOSE), ARTIFACT_HASH_MISMATCH),
+        }
+        for rid, (v, h, _, _) in cases.items():
+            led.add(LedgerEntry(rid, v, h, state="rewarded", reward=R))
+        # rolled back by a coordinator without the ledger: its rows stay rewarded
+        ActivationCoordinator(b.registry, ["w0"], policy=LOOSE).rollback()
+        coord.prepare(top + 2)
+        coord.commit_artifact(top + 2, H[top + 2])
+        whole, rows = led.premise_and_rows(list(cases))
+        assert whole.pointer_version == top and whole.retired == {top + 1}
+        for rid, (v, h, s, reason) in cases.items():  # the whole premise's verdicts
+            refused = whole.refusal(s, v, h)
+            assert (RESERVED if refused is None else refused[0]) == reason, rid
+        if path == "land_and_reserve":
+            outcomes = list(
+                led.land_and_reserve("u.s1", reserve={r: c[2] for r, c in cases.items()}).outcomes
+            )
+        elif path == "reserve_batch":
+            requests = [ReserveRequest(r, rows[r].revision, c[2]) for r, c in cases.items()]
+            outcomes = led.reserve_batch("u.s1", requests)
+        else:
+            outcomes = [led.reserve(r, rows[r].revision, "u.s1", c[2]) for r, c in cases.items()]
+        assert {o.rollout_id: o.reason for o in outcomes} == {r: c[3] for r, c in cases.items()}
+        assert led.reserved_by("u.s1") == ["active", "older"]
+        assert not check_trace(b.trace()).violations
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_dispatched_batch_sends_one_chain_statement(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34, item 2, at the store's edge: dispatching 8 or 64 prompts (a 64x8 step's
+    batch) sends the same single statement that reads their chains, and one premise read
+    of their one version."""
+    wide = AdmissionPolicy(max_lag=1, max_drift=0.2, batch_size=64, max_attempts=2)
+    with deployment(kind, tmp_path, attrs.evolve(wide, chain_key="caller")) as (b, _):
+        reads, statements = _premise_reads(kind, b, monkeypatch)
+        counts, totals = [], []
+        for n, tag in ((1, "w"), (8, "s"), (64, "l")):  # w: the first step's probes
+            statements.clear()
+            batch = [(LedgerEntry(f"{tag}{i}", 0, H[0]), f"{tag}c{i}") for i in range(n)]
+            got = b.ledger.dispatch_many(batch)
+            assert [o.reason for o in got] == [DISPATCHED] * n
+            field = ("'$.chain'", "->>'chain'")  # SQLite's and PostgreSQL's chain of a row
+            reads_chains = [q for q in statements if any(f in q for f in field)]
+            counts.append(sum(q.startswith("SELECT") for q in reads_chains))
+            totals.append(len(statements))
+        monkeypatch.undo()
+        assert counts == ([0] * 3 if kind == "memory" else [1] * 3), counts
+        if kind == "postgresql":  # every statement of the step: as many for 8 as for 64
+            assert totals[1] == totals[2], totals
+        assert [asked for asked, _ in reads] == [frozenset({0})] * 3

@@ -503,6 +503,59 @@ def test_a_steps_premise_read_ahead_answers_as_each_read_does(postgres_url: str)
         assert known[("worker", "w1")] is not None and known[("worker", "w1")].ack is not None
 
 
+def test_a_single_reservation_peeks_and_guards_its_versions_only(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: after 199 activations, a single reservation that the one call does not
+    take reads the premise of its row's version and its stamp's only, in its read and
+    again in its write's guard under the premise lock (the guard compares the text it
+    names); a pointer that moves in between still sends it back to a step, judged anew."""
+    import psycopg
+
+    from rollout_lifecycle.model.postgres_ledger import PostgresStore
+
+    with open_backend(postgres_url) as b:
+        set_admission_policy(b.registry, POLICY, "set by the operator")
+        coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY)
+        top = 198
+        for v in range(top + 1):
+            _activate(coord, v)
+        led: Any = b.ledger
+        add_rewarded(led, ["a", "b", "c"], version=top)
+        assert led.reserve("a", 0, "u", stamp(top)).reserved  # records u: a step
+        led._one_call = None  # the path of a reservation the one call answers 'moved'
+        sent: list[tuple[str, Any]] = []
+        execute = psycopg.Connection.execute
+
+        def recording(self: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
+            sent.append((str(query), params))
+            return execute(self, query, params, **kwargs)
+
+        monkeypatch.setattr(psycopg.Connection, "execute", recording)
+        assert led.reserve("b", 0, "u", stamp(top)).reserved
+        premise = json.loads(sent[-1][1][2])  # the text the write's guard compares
+        assert premise[1] == [[top, HASH]], len(premise[1])  # of 199 ever-active versions
+        assert (premise[0], premise[3], premise[4]) == (top, None, [top])
+        assert [q.split("(")[0] for q, _ in sent] == [
+            "WITH asked AS ",
+            "SELECT ledger_write_one_v7",
+        ]
+        real = PostgresStore.peek
+
+        def peek_then(self: Any, *args: Any) -> Any:
+            got = real(self, *args)
+            _activate(coord, top + 1)  # between the read and the guarded write
+            return got
+
+        monkeypatch.setattr(PostgresStore, "peek", peek_then)
+        out = led.reserve("c", 0, "u", attrs.evolve(stamp(top), max_lag=0))
+        assert (out.reserved, out.reason) == (False, "pointer_moved"), out
+        monkeypatch.undo()
+        assert led.get("c").revision == 0 and led.reserved_by("u") == ["a", "b"]
+        report = check_trace(b.trace(), with_registry=True)
+        assert report.ok, [str(v) for v in report.violations[:5]]
+
+
 def test_old_commit_marks_are_pruned_by_both_kinds_of_write(postgres_url: str) -> None:
     """Marks older than a day go once per 1,000 commits of a client, whether the commit was
     a step's COMMIT (add) or a one-statement write (a single reservation)."""
@@ -544,8 +597,8 @@ def test_single_reservation_rejudges_a_premise_that_moved_after_its_read(
         real = PostgresStore.peek
         gap: list[Any] = []
 
-        def peek_then(self: Any, rollout_id: str, update_id: str) -> Any:
-            got = real(self, rollout_id, update_id)
+        def peek_then(self: Any, rollout_id: str, update_id: str, *versions: Any) -> Any:
+            got = real(self, rollout_id, update_id, *versions)
             gap.pop()()  # what happens between the read and the write
             return got
 
