@@ -10,10 +10,11 @@ in that same transaction, so the switch succeeds only when every required worker
 this attempt matches version and hash, whatever the coordinator believed.
 
 A step's reads cost few round trips: the premise most steps judge (pointer, required
-workers, policy, newest version with its tokens, active version, server clock) is one
-statement after the lock (`_PgView.step_reads`), and each other question is asked once
-(`StepReads`): an ack is BEGIN with the lock, that read, the worker's report, the write, and
-COMMIT, where each read was a statement of its own (23 for an ack, 32 for an activation).
+workers, policy, newest version with its tokens, active version, server clock, the reports
+of the workers the plan names: `ReadsWorkers`) is one statement after the lock
+(`_PgView.step_reads`), and each other question is asked once (`StepReads`): an ack is BEGIN
+with the lock, that read, the write and COMMIT, where each read was a statement of its own
+(23 for an ack, 32 for an activation).
 
 The step's rows and its events (to the `events` table shared with the ledger, under the
 events lock: one global order, commit order) are written by ONE call of `rl_registry_write`
