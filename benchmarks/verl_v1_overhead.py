@@ -2,8 +2,8 @@
 ledgers pre-filled with older rollouts.
 
     python benchmarks/verl_v1_overhead.py [--steps 20] [--groups 8] [--n 4]
-        [--prefill 0 10000 100000] [--ledger-dir DIR] [--commit-at publish|sample]
-        [--json out.json]
+        [--prefill 0 10000 100000] [--versions 0] [--ledger-dir DIR]
+        [--commit-at publish|sample] [--json out.json]
 
 Both buffers sample the same trajectories (same shapes, tags, tensors; fresh uids) from the
 same real, in-process TransferQueue: each step dispatches `groups` GRPO groups through the
@@ -17,7 +17,10 @@ max_off_policy_threshold 2; ours against a SQLite ledger and registry (policy ma
 pointer = step - 1), so its `sample` includes reading the premise, the lag gate, and
 landing and reserving the step's groups in one ledger step. Before the steps, each ledger
 is filled with `prefill` older group rollouts (consumed, with their events), so a per-step
-cost that grows with the ledger shows; the pre-fill sizes' streams take their steps in
+cost that grows with the ledger shows, and `--versions N` activates N versions first (a run
+N steps long), so a cost that grows with the run's versions shows; the activation of each
+step's version (the weight sync: prepare, commit, distribute, ack, activate) is timed
+apart (`activate_outside_sample`); the pre-fill sizes' streams take their steps in
 turn, so a load spike on the shared machine falls on every size alike. `ledger_work` is
 exactly the time inside the buffer's ledger and registry calls (LedgerReplayBuffer._call),
 with their count per step. Wall times per `sample` call; read the ratios, the absolute
@@ -124,6 +127,9 @@ class Stream:
         )
         self.activate(0)
         self.prefill_s = _prefill(self.be, prefill, self.hash(0))
+        self.base = args.versions  # the run's steps so far: versions 0..base are active
+        for v in range(1, self.base + 1):
+            self.activate(v)
         common: dict[str, Any] = dict(
             trainer_mode="separate_async",
             trainer_config={},
@@ -145,6 +151,7 @@ class Stream:
             "ledger": [],
             "dispatch": [],
             "commit": [],
+            "activate": [],
         }
         self.inner: list[float] = []
         self.calls: list[Counter[str]] = []
@@ -168,8 +175,11 @@ class Stream:
         from rollout_lifecycle.model.records import LedgerEntry
 
         args, ours = self.args, self.ours
-        if step > 1:
+        local, step = step, self.base + step  # verl's global step, the run's versions on
+        if local > 1:
+            t0 = time.perf_counter()
             self.activate(step - 1)
+            self.times["activate"].append(time.perf_counter() - t0)
         h = self.hash(step - 1)
         uids = [f"p{self.prefill}l{step}x{g}" for g in range(args.groups)]
         t0 = time.perf_counter()
@@ -179,7 +189,7 @@ class Stream:
         self.book.record(o.entry for o in outs if o.entry is not None)
         self.times["dispatch"].append(time.perf_counter() - t0)
         pair = [("verl", self.verl, f"p{self.prefill}v"), ("ledger", ours, f"p{self.prefill}l")]
-        for name, buf, prefix in pair if step % 2 else pair[::-1]:  # each goes first in turn
+        for name, buf, prefix in pair if local % 2 else pair[::-1]:  # each goes first in turn
             _put_step(tq, torch, prefix, step, args.groups, args.n)
             before_s, before_c = ours.ledger_seconds, Counter(ours.ledger_calls)
             t0 = time.perf_counter()
@@ -196,7 +206,7 @@ class Stream:
             self.times["commit"].append(time.perf_counter() - t0)
 
     def result(self) -> dict[str, Any]:
-        self.ours.finish(self.args.steps)
+        self.ours.finish(self.base + self.args.steps)
         warm = slice(2, None)  # the first steps include connection set-up and the resume probe
 
         def ms(xs: list[float]) -> dict[str, float]:
@@ -224,6 +234,7 @@ class Stream:
             "ledger_calls_per_step": {k: v / n_warm for k, v in sorted(per_step_calls.items())},
             "dispatch_outside_sample": ms(t["dispatch"][warm]),
             "commit_outside_sample": ms(t["commit"][warm]) if t["commit"] else None,
+            "activate_outside_sample": ms(t["activate"][warm]),
             "consumed": consumed,
         }
 
@@ -257,6 +268,12 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--prefill", type=int, nargs="+", default=[0, 10_000, 100_000])
+    ap.add_argument(
+        "--versions",
+        type=int,
+        default=0,
+        help="versions activated before the measured steps (a run that many steps long)",
+    )
     ap.add_argument("--ledger-dir", default=None, help="where the SQLite ledgers go (a disk)")
     ap.add_argument(
         "--commit-at",
@@ -300,6 +317,7 @@ def main() -> None:
         "groups_per_step": args.groups,
         "trajectories_per_step": args.groups * args.n,
         "response_tokens": T,
+        "versions_before": args.versions,
         "ledger_backend": "sqlite (synchronous=FULL)",
         "ledger_dir": args.ledger_dir or tempfile.gettempdir(),
         "commit_at": args.commit_at,
