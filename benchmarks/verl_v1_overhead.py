@@ -262,6 +262,30 @@ def doc_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def versions_table(results: list[dict[str, Any]]) -> str:
+    """The markdown table of runs that differ in the versions activated before them (a
+    test compares it with the result files)."""
+    rows = [
+        "| groups x trajectories | versions before | verl `sample` | ours `sample` | ours / verl "
+        "| ledger work in `sample` | weight sync (activate) | commit at publish | dispatch |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        groups = res["groups_per_step"]
+        n = res["trajectories_per_step"] // groups
+        for r in res["runs"]:
+            rows.append(
+                f"| {groups} x {n} | {res['versions_before']:,} "
+                f"| {r['verl_ReplayBufferAsync']['median_ms']} ms "
+                f"| {r['LedgerReplayBuffer']['median_ms']} ms | {r['ratio']} "
+                f"| {r['ledger_work_inside_sample']['median_ms']} ms "
+                f"| {r['activate_outside_sample']['median_ms']} ms "
+                f"| {r['commit_outside_sample']['median_ms']} ms "
+                f"| {r['dispatch_outside_sample']['median_ms']} ms |"
+            )
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)

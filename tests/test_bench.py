@@ -335,6 +335,14 @@ def test_verl_v1_overhead_doc_is_its_result_files() -> None:
     for res in every:
         assert [r["prefill"] for r in res["runs"]] == [0, 10_000, 100_000]
         assert res["command"].startswith("python benchmarks/verl_v1_overhead.py")
+    # and the run-length table: the same steps after 0 and 2,000 activated versions
+    runs = [
+        json.loads((DOCS / f"verl-v1-overhead-64x8-tmpfs-versions-{v}.json").read_text())
+        for v in (0, 2000)
+    ]
+    assert bench.versions_table(runs) in doc
+    assert [r["versions_before"] for r in runs] == [0, 2000]
+    assert all(f"--versions {r['versions_before']}" in r["command"] for r in runs)
 
 
 def test_interleaved_medians_rotate_the_order() -> None:
