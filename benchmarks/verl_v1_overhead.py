@@ -247,19 +247,28 @@ def doc_table(results: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
-        groups = res["groups_per_step"]
-        n = res["trajectories_per_step"] // groups
         for r in res["runs"]:
             commit = r.get("commit_outside_sample")
             rows.append(
-                f"| {groups} x {n} "
-                f"| {r['prefill']:,} | {r['verl_ReplayBufferAsync']['median_ms']} ms "
-                f"| {r['LedgerReplayBuffer']['median_ms']} ms | {r['ratio']} "
-                f"| {r['ledger_work_inside_sample']['median_ms']} ms "
+                f"| {_shape(res)} | {r['prefill']:,} | {_sampled(r)} "
                 f"| {'-' if commit is None else str(commit['median_ms']) + ' ms'} "
                 f"| {r['dispatch_outside_sample']['median_ms']} ms |"
             )
     return "\n".join(rows)
+
+
+def _shape(res: dict[str, Any]) -> str:
+    groups = res["groups_per_step"]
+    return f"{groups} x {res['trajectories_per_step'] // groups}"
+
+
+def _sampled(r: dict[str, Any]) -> str:
+    """A run's `sample` cells: verl's, ours, the ratio, the ledger's work inside."""
+    return (
+        f"{r['verl_ReplayBufferAsync']['median_ms']} ms "
+        f"| {r['LedgerReplayBuffer']['median_ms']} ms | {r['ratio']} "
+        f"| {r['ledger_work_inside_sample']['median_ms']} ms"
+    )
 
 
 def versions_table(results: list[dict[str, Any]]) -> str:
@@ -271,14 +280,9 @@ def versions_table(results: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
-        groups = res["groups_per_step"]
-        n = res["trajectories_per_step"] // groups
         for r in res["runs"]:
             rows.append(
-                f"| {groups} x {n} | {res['versions_before']:,} "
-                f"| {r['verl_ReplayBufferAsync']['median_ms']} ms "
-                f"| {r['LedgerReplayBuffer']['median_ms']} ms | {r['ratio']} "
-                f"| {r['ledger_work_inside_sample']['median_ms']} ms "
+                f"| {_shape(res)} | {res['versions_before']:,} | {_sampled(r)} "
                 f"| {r['activate_outside_sample']['median_ms']} ms "
                 f"| {r['commit_outside_sample']['median_ms']} ms "
                 f"| {r['dispatch_outside_sample']['median_ms']} ms |"

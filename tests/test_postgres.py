@@ -391,6 +391,17 @@ def test_a_registry_step_reads_its_premise_in_one_statement(
         assert report.ok, [str(v) for v in report.violations[:5]]
 
 
+def _distributing(b: Any) -> ActivationCoordinator:
+    """The recorded policy, one worker "w0", v1 active and v2 awaiting its ack."""
+    set_admission_policy(b.registry, POLICY, "set by the operator")
+    coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY)
+    _activate(coord, 1)
+    coord.prepare(2)
+    coord.commit_artifact(2, H[2])
+    coord.distribute(2)
+    return coord
+
+
 def test_a_step_moving_the_pointer_waits_for_reservations_and_an_ack_does_not(
     postgres_url: str,
 ) -> None:
@@ -402,12 +413,7 @@ def test_a_step_moving_the_pointer_waits_for_reservations_and_an_ack_does_not(
     from rollout_lifecycle.model.postgres_common import K_PREMISE, lock_sql
 
     with open_backend(postgres_url) as b:
-        set_admission_policy(b.registry, POLICY, "set by the operator")
-        coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY)
-        _activate(coord, 1)
-        coord.prepare(2)
-        coord.commit_artifact(2, H[2])
-        coord.distribute(2)
+        coord = _distributing(b)
         done = threading.Event()
         with psycopg.connect(postgres_url, autocommit=True) as reader:
             reader.execute("BEGIN")
@@ -434,12 +440,7 @@ def test_a_steps_first_read_sees_what_committed_while_it_waited_for_the_lock(
     from rollout_lifecycle.model.postgres_common import K_REGISTRY, lock_sql
 
     with open_backend(postgres_url) as b:
-        set_admission_policy(b.registry, POLICY, "set by the operator")
-        coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY)
-        _activate(coord, 1)
-        coord.prepare(2)
-        coord.commit_artifact(2, H[2])
-        coord.distribute(2)
+        coord = _distributing(b)
         token = coord.attempt_token("w0", 2)
         got: list[Any] = []
         with psycopg.connect(postgres_url, autocommit=True) as holder:
