@@ -183,7 +183,6 @@ _CAS_ONE = (
     "entry = %s WHERE rollout_id = %s AND revision = %s RETURNING rollout_id"
 )
 _PREMISE = PREMISE
-_PREMISE_OF = PREMISE_OF
 _NOW = "extract(epoch FROM clock_timestamp())::float8"
 # the update's record as one JSON text (the table is the ledger's own: it always exists)
 _UPDATE_TEXT = (
@@ -364,7 +363,7 @@ class _Unit(SqlUnit):
             row = self.conn.execute(f"SELECT {_NOW}, {_PREMISE}").fetchone()
         else:
             only = sorted(versions)
-            row = self.conn.execute(f"SELECT {_NOW}, {_PREMISE_OF}", (only,) * 3).fetchone()
+            row = self.conn.execute(f"SELECT {_NOW}, {PREMISE_OF}", (only,) * 3).fetchone()
         assert row is not None
         self.now = float(row[0])
         return _premise(row[1])

@@ -48,7 +48,7 @@ from rollout_lifecycle.model.postgres_common import (
 )
 from rollout_lifecycle.model.postgres_functions import ensure_functions
 from rollout_lifecycle.model.postgres_roles import refused, registry_operation
-from rollout_lifecycle.model.records import ActivePointer, AttemptToken, to_jsonable
+from rollout_lifecycle.model.records import ActivePointer, to_jsonable
 from rollout_lifecycle.model.registry import (
     _LATER_COLUMNS,
     ReadsWorkers,
@@ -61,6 +61,7 @@ from rollout_lifecycle.model.registry import (
     _EmptyView,
     _record_to_row,
     _row_to_record,
+    _row_to_token,
     _row_to_worker,
     _Unchanged,
     check_step,
@@ -215,10 +216,7 @@ class _PgView(SqlView):
         }
         if newest is not None:
             known[("artifact", newest)] = None if art is None else _row_to_record(art)
-            known[("tokens", newest)] = [
-                AttemptToken(int(v), str(w), int(a), str(t), bool(s))
-                for v, w, a, t, s in tokens or ()
-            ]
+            known[("tokens", newest)] = [_row_to_token(t) for t in tokens or ()]
         if pointer is not None:
             known[("artifact", pointer[0])] = None if active is None else _row_to_record(active)
         found = {str(r[0]): _row_to_worker(r) for r in reports or ()}

@@ -39,6 +39,7 @@ from rollout_lifecycle.model.events import (
     WorkerReported,
 )
 from rollout_lifecycle.model.ledger import ActivationPremise, update_from_row
+from rollout_lifecycle.model.machines import ACTIVATION
 from rollout_lifecycle.model.records import (
     INT64_MAX,
     ActivePointer,
@@ -535,6 +536,8 @@ def check_step(view: RegistryView, step: RegistryStep) -> None:
 
 
 ATTEMPT_EVENTS = ("distribute", "retry")
+# the state a distribution attempt leaves its artifact in, read off the activation machine
+(AWAITING_ACKS,) = {e.dest for e in ACTIVATION.edges if e.event in ATTEMPT_EVENTS}
 
 
 def _check_tokens(view: RegistryView, step: RegistryStep) -> None:
@@ -851,7 +854,7 @@ class _MemoryView:
 
     def awaiting(self) -> list[ArtifactRecord]:
         arts = self._reg._artifacts
-        return [arts[v] for v in sorted(arts) if arts[v].state == "awaiting_acks"]
+        return [arts[v] for v in sorted(arts) if arts[v].state == AWAITING_ACKS]
 
     def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
         return [
@@ -1119,6 +1122,11 @@ def policy_from_row(row: dict[str, Any]) -> AdmissionPolicy:
     )
 
 
+def _row_to_token(row: Sequence[object]) -> AttemptToken:
+    version, worker, attempt, token, spent = row
+    return AttemptToken(_int(version), str(worker), _int(attempt), str(token), bool(spent))
+
+
 def _row_to_worker(row: Sequence[object]) -> WorkerReport:
     wid, floor, ack = row
     return WorkerReport(
@@ -1266,7 +1274,8 @@ class SqlView:
     def awaiting(self) -> list[ArtifactRecord]:
         rows = self._conn.execute(
             f"SELECT {self._art_cols()} FROM registry_artifacts "
-            "WHERE state = 'awaiting_acks' ORDER BY version"
+            f"WHERE state = {self.PARAM} ORDER BY version",
+            (AWAITING_ACKS,),
         ).fetchall()
         return [_row_to_record(r) for r in rows]
 
@@ -1291,9 +1300,7 @@ class SqlView:
             sql += f" WHERE version = {self.PARAM}"
             args = (version,)
         rows = self._conn.execute(sql + " ORDER BY version, worker_id", args).fetchall()
-        return [
-            AttemptToken(_int(r[0]), str(r[1]), _int(r[2]), str(r[3]), bool(r[4])) for r in rows
-        ]
+        return [_row_to_token(r) for r in rows]
 
 
 class StepReads:
@@ -1372,7 +1379,7 @@ class StepReads:
     def awaiting(self) -> list[ArtifactRecord]:
         every = self._known.get(("artifacts",))
         if every is not None:
-            return [a for a in every if a.state == "awaiting_acks"]
+            return [a for a in every if a.state == AWAITING_ACKS]
         return list(self._ask(("awaiting",), self._view.awaiting))
 
     def attempt_tokens(self, version: int | None = None) -> list[AttemptToken]:
