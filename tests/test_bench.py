@@ -179,7 +179,9 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
             assert v["adds_per_s"] == 0 if c["N"] == 1 else _number(v["adds_per_s"])
         if c["plain"]["reservations_per_s"] > 0:
             assert c["ledger_vs_plain"] == pytest.approx(
-                c["ledger"]["reservations_per_s"] / c["plain"]["reservations_per_s"], rel=0.01
+                c["ledger"]["reservations_per_s"] / c["plain"]["reservations_per_s"],
+                rel=0.01,
+                abs=5e-4,  # the ratio is rounded to 3 places: 0.024 stands for 0.02356
             )
     assert "## Fleet (issue 36)" in (out / "README.md").read_text()
 
