@@ -56,8 +56,9 @@ campaign: setup-campaign
 campaign-docs: setup
 	$(BIN)/python -m rollout_lifecycle.cli.campaign_report
 
+# --tb=short: a failure's traceback in a few lines, so CI's excerpt shows every failure
 test: setup-dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --tb=short
 
 lint: setup-dev
 	$(BIN)/ruff check .

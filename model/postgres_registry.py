@@ -139,6 +139,10 @@ CREATE TABLE IF NOT EXISTS registry_attempt_tokens (
     spent     boolean NOT NULL DEFAULT false,
     PRIMARY KEY (version, worker_id)
 );
+-- the version awaiting acks, read at every weight sync (`awaiting`), found by this index
+-- rather than by a scan of every version registered; a schema made before it was added
+-- reads the same rows by a scan (DDL runs only when a schema is made or migrated)
+CREATE INDEX IF NOT EXISTS registry_artifacts_state ON registry_artifacts(state);
 -- the two write-once rules, held even against a writer that bypasses this module
 CREATE OR REPLACE FUNCTION registry_artifacts_guard() RETURNS trigger
 LANGUAGE plpgsql AS $$

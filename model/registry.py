@@ -1019,7 +1019,10 @@ CREATE TABLE IF NOT EXISTS registry_attempt_tokens (
     token     TEXT NOT NULL CHECK (token != ''),
     spent     INTEGER NOT NULL DEFAULT 0 CHECK (spent IN (0, 1)),
     PRIMARY KEY (version, worker_id)
-)
+);
+-- the version awaiting acks is read at every weight sync (`awaiting`): by this index, not by
+-- a scan of every version the run ever registered (an index only: older programs read on)
+CREATE INDEX IF NOT EXISTS registry_artifacts_state ON registry_artifacts(state)
 """
 
 # ensure_schema splits its DDL on ';', so triggers (whose bodies contain ';') go here; they

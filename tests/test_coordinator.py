@@ -1277,3 +1277,39 @@ def test_a_weight_sync_decodes_the_same_records_however_many_versions_came_befor
         assert c.try_activate(v).activated
         per_version[v] = decoded[0]
     assert per_version[60] == per_version[3], per_version
+
+
+def test_the_version_awaiting_acks_is_found_by_an_index(
+    open_registry: Opener, tmp_path: Path
+) -> None:
+    """The read every weight sync makes for the version awaiting acks (`awaiting`) goes
+    through an index on the artifact's state, not a scan of every version registered: on
+    SQLite it was 0.17 ms at 3,000 versions, three times per weight sync, and growing."""
+    reg = open_registry()
+    if isinstance(reg, MemoryRegistry):
+        pytest.skip("a memory registry has no index")
+    c = ActivationCoordinator(reg, WORKERS)
+    c.prepare(1)
+    c.commit_artifact(1, "a" * 64)
+    c.distribute(1)
+    assert [a.version for a in reg.awaiting()] == [1]
+    if isinstance(reg, SQLiteRegistry):
+        seen: list[str] = []
+        conn = sqlite3.connect(tmp_path / "state.db")
+        try:
+            reg._conn.set_trace_callback(seen.append)
+            reg.awaiting()
+            reg._conn.set_trace_callback(None)
+            (sql,) = [s for s in seen if "registry_artifacts" in s]
+            plan = " ".join(str(r[-1]) for r in conn.execute(f"EXPLAIN QUERY PLAN {sql}"))
+        finally:
+            conn.close()
+        assert "USING INDEX registry_artifacts_state" in plan, plan
+    else:
+        names = reg.db.read(  # type: ignore[attr-defined]
+            lambda conn: conn.execute(
+                "SELECT indexdef FROM pg_indexes WHERE schemaname = current_schema() "
+                "AND tablename = 'registry_artifacts'"
+            ).fetchall()
+        )
+        assert any("(state)" in str(r[0]) for r in names), names

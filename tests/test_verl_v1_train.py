@@ -165,8 +165,12 @@ def test_the_real_training_run_survives_kill_9(tmp_path: Path) -> None:
     if res.returncode != 0 and report.exists():  # what CI shows of a failed run: its report
         doc = json.loads(report.read_text())
         why = {k: doc.get(k) for k in ("trajectories", "pacing", "activations", "phases")}
-        pytest.fail(f"{res.stdout[-1500:]}\nreport: {json.dumps(why)}")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        # the bar's verdict first: CI keeps only a part of a long output
+        pytest.fail(
+            f"exit {res.returncode}; judged: {judged_ok(doc)}\n{res.stdout[-1500:]}\n"
+            f"report: {json.dumps(why)}"
+        )
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-3000:]}{res.stderr[-3000:]}"
     doc = json.loads(report.read_text())
     assert all(f in doc for f in FIELDS)
     assert judged_ok(doc) == [], doc
