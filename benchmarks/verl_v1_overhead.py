@@ -3,22 +3,28 @@ ledgers pre-filled with older rollouts.
 
     python benchmarks/verl_v1_overhead.py [--steps 20] [--groups 8] [--n 4]
         [--prefill 0 10000 100000] [--versions 0] [--ledger-dir DIR]
-        [--commit-at publish|sample] [--json out.json]
+        [--commit-at publish|sample] [--land-at worker|sample] [--json out.json]
 
 Both buffers sample the same trajectories (same shapes, tags, tensors; fresh uids) from the
 same real, in-process TransferQueue: each step dispatches `groups` GRPO groups through the
 ledger (`dispatch_many`, as LedgerAgentLoopManager does before verl generates; timed apart,
 it is not in `sample`), writes them the way verl's agent loop and LedgerAgentLoopWorker
-do (`n` trajectories of 64 response tokens, verl's tags plus the reward tag), samples
+do (`n` trajectories of 64 response tokens, verl's tags plus the reward tag), lands each
+finished group the way LedgerAgentLoopWorker does before verl marks it finished
+(`land_finished_group`, one ledger step a group; timed apart, it is not in `sample`;
+`--land-at sample` leaves it to the buffer's step), samples
 `groups` groups, and clears them as verl's `fit()` does; then commits the step where the
 ledger's checkpoint engine does, when verl publishes the step's weights (timed apart;
 `--commit-at sample` leaves it to the buffer's next `sample`). verl's buffer runs with
 max_off_policy_threshold 2; ours against a SQLite ledger and registry (policy max_lag 1,
 pointer = step - 1), so its `sample` includes reading the premise, the lag gate, and
-landing and reserving the step's groups in one ledger step. Before the steps, each ledger
+reserving the step's groups (landing them too, with `--land-at sample`) in one ledger
+step. Before the steps, each ledger
 is filled with `prefill` older group rollouts (consumed, with their events), so a per-step
-cost that grows with the ledger shows, and `--versions N` activates N versions first (a run
-N steps long), so a cost that grows with the run's versions shows; the activation of each
+cost that grows with the ledger shows, and `--versions N` activates N versions first, each
+after landing one update of its own as a run's step does (a run N steps long: each
+version's lineage claims its update), so a cost that grows with the run's length shows; the
+activation of each
 step's version (the weight sync: prepare, commit, distribute, ack, activate) is timed
 apart (`activate_outside_sample`); the pre-fill sizes' streams take their steps in
 turn, so a load spike on the shared machine falls on every size alike. `ledger_work` is
@@ -129,6 +135,7 @@ class Stream:
         self.prefill_s = _prefill(self.be, prefill, self.hash(0))
         self.base = args.versions  # the run's steps so far: versions 0..base are active
         for v in range(1, self.base + 1):
+            self._trained(v)
             self.activate(v)
         common: dict[str, Any] = dict(
             trainer_mode="separate_async",
@@ -152,6 +159,7 @@ class Stream:
             "dispatch": [],
             "commit": [],
             "activate": [],
+            "land": [],
         }
         self.inner: list[float] = []
         self.calls: list[Counter[str]] = []
@@ -169,6 +177,36 @@ class Stream:
         c.distribute(v)
         c.record_ack(WorkerAck("rollout-0", v, h, token=c.attempt_token("rollout-0", v)))
         c.try_activate(v)
+
+    def _trained(self, v: int) -> None:
+        """The update a run's step v lands before v's weights are published (one group,
+        reserved and committed): v's default lineage claims it, as verl's weight sync does."""
+        from rollout_lifecycle.model.ledger import Landing
+        from rollout_lifecycle.model.records import AdmissionStamp, Reward
+
+        rid, uid = f"hist{v}", f"hist.s{v:08d}.m0"
+        stamp = AdmissionStamp(v - 1, v - 1, 1, 0.5, 0.0, "fresh", "ok", True)
+        got = self.be.ledger.land_and_reserve(
+            uid,
+            [Landing(rid, v - 1, self.hash(v - 1), reward=Reward("bench", "1", 0.0), tokens=T)],
+            reserve={rid: stamp},
+        )
+        self.be.ledger.commit(uid, got.reserved)
+
+    def land(self, uids: list[str], h: str) -> None:
+        """Each finished group landed as LedgerAgentLoopWorker lands it when its last
+        session is postprocessed (one ledger step a group, in the worker; timed apart)."""
+        from rollout_lifecycle.gpu_check.verl_v1 import RewardIdentity
+        from rollout_lifecycle.gpu_check.verl_v1_pacing import land_finished_group
+
+        identity = RewardIdentity("verl-reward-loop", "1")  # BufferSettings' default
+        t0 = time.perf_counter()
+        for uid in uids:
+            landed = land_finished_group(
+                self.be.ledger, uid, [0.0] * self.args.n, self.args.n * T, identity
+            )
+            assert landed, uid
+        self.times["land"].append(time.perf_counter() - t0)
 
     def step(self, step: int, tq: Any, torch: Any) -> None:
         from rollout_lifecycle.gpu_check.verl_v1 import commit_step
@@ -191,6 +229,8 @@ class Stream:
         pair = [("verl", self.verl, f"p{self.prefill}v"), ("ledger", ours, f"p{self.prefill}l")]
         for name, buf, prefix in pair if local % 2 else pair[::-1]:  # each goes first in turn
             _put_step(tq, torch, prefix, step, args.groups, args.n)
+            if name == "ledger" and args.land_at == "worker":
+                self.land(uids, h)
             before_s, before_c = ours.ledger_seconds, Counter(ours.ledger_calls)
             t0 = time.perf_counter()
             meta, _m = buf.sample(global_steps=step, partition_id="train", batch_size=args.groups)
@@ -235,6 +275,8 @@ class Stream:
             "dispatch_outside_sample": ms(t["dispatch"][warm]),
             "commit_outside_sample": ms(t["commit"][warm]) if t["commit"] else None,
             "activate_outside_sample": ms(t["activate"][warm]),
+            # the groups' landing, in verl's agent-loop worker (--land-at worker)
+            "land_outside_sample": ms(t["land"][warm]) if t["land"] else None,
             "consumed": consumed,
         }
 
@@ -243,18 +285,23 @@ def doc_table(results: list[dict[str, Any]]) -> str:
     """The markdown table docs/verl-v1.md shows, from result files (a test compares them)."""
     rows = [
         "| groups x trajectories | older rollouts | verl `sample` | ours `sample` | ours / verl "
-        "| ledger work in `sample` | commit at publish | dispatch |",
-        "|---|---|---|---|---|---|---|---|",
+        "| ledger work in `sample` | commit at publish | dispatch | landing in the worker |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
         for r in res["runs"]:
-            commit = r.get("commit_outside_sample")
             rows.append(
                 f"| {_shape(res)} | {r['prefill']:,} | {_sampled(r)} "
-                f"| {'-' if commit is None else str(commit['median_ms']) + ' ms'} "
-                f"| {r['dispatch_outside_sample']['median_ms']} ms |"
+                f"| {_ms(r.get('commit_outside_sample'))} "
+                f"| {r['dispatch_outside_sample']['median_ms']} ms "
+                f"| {_ms(r.get('land_outside_sample'))} |"
             )
     return "\n".join(rows)
+
+
+def _ms(cell: dict[str, Any] | None) -> str:
+    """A timed-apart figure's median, '-' where the run did not time it."""
+    return "-" if cell is None else f"{cell['median_ms']} ms"
 
 
 def _shape(res: dict[str, Any]) -> str:
@@ -276,16 +323,18 @@ def versions_table(results: list[dict[str, Any]]) -> str:
     test compares it with the result files)."""
     rows = [
         "| groups x trajectories | versions before | verl `sample` | ours `sample` | ours / verl "
-        "| ledger work in `sample` | weight sync (activate) | commit at publish | dispatch |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| ledger work in `sample` | weight sync (activate) | commit at publish | dispatch "
+        "| landing in the worker |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
         for r in res["runs"]:
             rows.append(
                 f"| {_shape(res)} | {res['versions_before']:,} | {_sampled(r)} "
                 f"| {r['activate_outside_sample']['median_ms']} ms "
-                f"| {r['commit_outside_sample']['median_ms']} ms "
-                f"| {r['dispatch_outside_sample']['median_ms']} ms |"
+                f"| {_ms(r.get('commit_outside_sample'))} "
+                f"| {r['dispatch_outside_sample']['median_ms']} ms "
+                f"| {_ms(r.get('land_outside_sample'))} |"
             )
     return "\n".join(rows)
 
@@ -310,6 +359,14 @@ def main() -> None:
         help="publish: step N is committed where the ledger's checkpoint engine commits it, "
         "when verl publishes N's weights (outside sample, timed apart); sample: by the "
         "buffer's fallback at the next sample",
+    )
+    ap.add_argument(
+        "--land-at",
+        choices=["worker", "sample"],
+        default="worker",
+        help="worker: each finished group is landed as LedgerAgentLoopWorker lands it, before "
+        "verl marks it finished (outside sample, timed apart); sample: by the buffer's own "
+        "step, for a worker that lands nothing",
     )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -349,6 +406,7 @@ def main() -> None:
         "ledger_backend": "sqlite (synchronous=FULL)",
         "ledger_dir": args.ledger_dir or tempfile.gettempdir(),
         "commit_at": args.commit_at,
+        "land_at": args.land_at,
         "runs": runs,
         "bar_ratio": bar,
         "ratios": [r["ratio"] for r in runs],

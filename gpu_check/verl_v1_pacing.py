@@ -20,8 +20,10 @@ without reading tensors back from TransferQueue.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -34,12 +36,13 @@ from rollout_lifecycle.gpu_check.verl_v1 import (
     REWARD_TAG,
     BufferSettings,
     DispatchBook,
+    RewardIdentity,
     StepLedger,
     UnsupportedVerlOption,
     book_for,
     step_ledger,
 )
-from rollout_lifecycle.model.ledger import ALREADY_DISPATCHED
+from rollout_lifecycle.model.ledger import ALREADY_DISPATCHED, Landing, Ledger
 from rollout_lifecycle.model.pacing import (
     CHAIN_DONE,
     CHAIN_LIVE,
@@ -52,6 +55,7 @@ from rollout_lifecycle.model.records import (
     Disposition,
     GenerationConditions,
     LedgerEntry,
+    Reward,
     Rollout,
     RolloutIdentity,
 )
@@ -387,6 +391,63 @@ def requeue_prompts(
 # ---- verl's classes, subclassed ------------------------------------------------------------
 
 
+# ---- a finished group landed by its producer --------------------------------------------
+
+
+@attrs.define
+class FinishedGroup:
+    """What one prompt's sessions produced so far, as verl's agent-loop worker postprocesses
+    them: each trajectory's reward (by its TransferQueue key) and response tokens."""
+
+    sessions: int  # how many verl runs for the prompt (rollout.n, or the prompt's own)
+    done: set[int] = attrs.field(factory=set)
+    rewards: dict[str, float] = attrs.field(factory=dict)
+    tokens: int = 0
+    scored: bool = True  # every trajectory carried a reward score
+
+    def add(self, session: int, keys: Sequence[str], score: float | None, tokens: int) -> bool:
+        """Record one session's outputs; whether the group is now complete and scored."""
+        self.done.add(session)
+        if score is None:
+            self.scored = False
+        else:
+            self.rewards.update(dict.fromkeys(keys, score))
+        self.tokens += tokens
+        return self.scored and len(self.done) >= self.sessions
+
+    def rewards_in_key_order(self) -> list[float]:
+        """The rewards in the order the buffer reads its trajectories (sorted keys), so the
+        mean is the very float the buffer would record."""
+        return [self.rewards[k] for k in sorted(self.rewards)]
+
+
+def land_finished_group(
+    ledger: Ledger, uid: str, rewards: Sequence[float], tokens: int, reward: RewardIdentity
+) -> bool:
+    """Land a finished GRPO group where it was produced: its dispatched row moves through
+    `generation_done` (its response tokens) and `reward_ready` (the mean of its trajectories'
+    rewards, as the buffer records it) in one ledger step, so the trainer's `sample` only
+    reserves it. Only a row still `dispatched` is landed (its version and hash were stamped
+    at dispatch); anything else is left to the buffer, which lands what has not landed, as
+    it always did. Whether the group landed here."""
+    row = ledger.find(uid)
+    if row is None or row.state != "dispatched" or not rewards:
+        return False
+    mean = sum(rewards) / len(rewards)
+    x = Landing(
+        uid,
+        row.behavior_version,
+        row.artifact_hash,
+        reward=Reward(reward.function_id, reward.function_version, mean),
+        tokens=tokens,
+    )
+    got = step_ledger(ledger).land_and_reserve(None, [x]).entries.get(uid)
+    return got is not None and got.state == "rewarded"
+
+
+_log = logging.getLogger(__name__)
+
+
 def _verl_classes() -> tuple[Any, Any]:
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
@@ -404,21 +465,74 @@ _PlainWorkerTQ.__module__, _PlainWorkerTQ.__qualname__ = __name__, "_PlainWorker
 
 
 class LedgerAgentLoopWorker(_PlainWorkerTQ):  # type: ignore[misc]
-    """verl's TransferQueue agent-loop worker that also tags each trajectory's reward."""
+    """verl's TransferQueue agent-loop worker that tags each trajectory's reward and lands
+    each finished group in the ledger when its last session is postprocessed, before verl
+    marks the prompt finished (`land_finished_group`): the trainer's `sample` then only
+    reserves it, and the landing's cost falls on generation, off the trainer's step. A
+    landing that fails is logged and left to the buffer, which lands any group not landed."""
+
+    def _groups(self) -> dict[str, FinishedGroup]:
+        got: dict[str, FinishedGroup] = self.__dict__.setdefault("_rl_groups", {})
+        return got
+
+    async def _run_prompt(
+        self,
+        prompt: dict[str, Any],
+        sampling_params: dict[str, Any],
+        trajectory: Any,
+        trace: bool = False,
+    ) -> None:
+        uid = prompt.get("uid")
+        if uid is not None and not trajectory.get("validate", False):
+            n = prompt.get("__rollout_n__", self.config.actor_rollout_ref.rollout.n)
+            self._groups()[str(uid)] = FinishedGroup(int(n))
+        try:
+            await super()._run_prompt(prompt, sampling_params, trajectory=trajectory, trace=trace)
+        finally:
+            if uid is not None:
+                self._groups().pop(str(uid), None)
 
     async def _agent_loop_postprocess(self, output: Any, validate: Any, **kwargs: Any) -> None:
         await super()._agent_loop_postprocess(output, validate, **kwargs)
         outputs = output if isinstance(output, list) else [output]
-        if validate or not outputs or outputs[-1].reward_score is None:
+        if validate or not outputs:
             return
-        import transfer_queue as tq
-
-        uid, session = kwargs["uid"], kwargs["session_id"]
+        uid, session = str(kwargs["uid"]), int(kwargs["session_id"])
         keys = [f"{uid}_{session}_{i}" for i in range(len(outputs))]
-        score = float(outputs[-1].reward_score)
-        await tq.async_kv_batch_put(
-            keys=keys, partition_id="train", tags=[{REWARD_TAG: score} for _ in keys]
-        )
+        raw = outputs[-1].reward_score
+        score = None if raw is None else float(raw)
+        if score is not None:
+            import transfer_queue as tq
+
+            await tq.async_kv_batch_put(
+                keys=keys, partition_id="train", tags=[{REWARD_TAG: score} for _ in keys]
+            )
+        group = self._groups().get(uid)
+        tokens = sum(len(o.response_ids) for o in outputs)
+        if group is not None and group.add(session, keys, score, tokens):
+            await self._land(uid, group)
+
+    async def _land(self, uid: str, group: FinishedGroup) -> None:
+        """The finished group in the ledger (in a thread: the write must not stall the
+        worker's other sessions); a failure leaves it to the buffer."""
+        try:
+            settings = BufferSettings.from_kwargs(self.config.trainer.v1.sampler.sampler_kwargs)
+            ledger = self.__dict__.get("_rl_ledger")
+            if ledger is None:
+                from rollout_lifecycle.model.backends import open_backend
+
+                backend = open_backend(settings.ledger_url, lease_seconds=settings.lease_seconds)
+                ledger = self.__dict__["_rl_ledger"] = backend.ledger
+            await asyncio.to_thread(
+                land_finished_group,
+                ledger,
+                uid,
+                group.rewards_in_key_order(),
+                group.tokens,
+                settings.reward,
+            )
+        except Exception as exc:  # the buffer lands it instead: generation goes on
+            _log.warning("group %s: landing left to the buffer: %s", uid, exc)
 
 
 class LedgerAgentLoopManager(_Manager):  # type: ignore[misc,valid-type]

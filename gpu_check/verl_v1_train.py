@@ -412,6 +412,17 @@ def judge(plan: TrainPlan, killed_replicas: Sequence[str] = ()) -> dict[str, Any
         states = Counter(e.state for e in snap.values())
         history = be.ledger.history()
         commits = Counter(ev.rollout_id for ev in history if ev.event == "commit")
+        # groups LedgerAgentLoopWorker landed: rewarded in a step of their own, before the
+        # trainer's sample reserved them (else the buffer's step landed them)
+        reserved_in: dict[str, int] = {}
+        for ev in history:
+            if ev.event == "reserve":
+                reserved_in.setdefault(ev.rollout_id, ev.txn)  # its first reservation
+        landed_apart = {
+            ev.rollout_id
+            for ev in history
+            if ev.event == "reward_ready" and reserved_in.get(ev.rollout_id, ev.txn) != ev.txn
+        }
         lags = [e.admission.lag for e in snap.values() if e.state == "consumed" and e.admission]
         arts = be.registry.artifacts()
         art_events = Counter(ev.event for ev in be.registry.history())
@@ -462,6 +473,7 @@ def judge(plan: TrainPlan, killed_replicas: Sequence[str] = ()) -> dict[str, Any
                 "lost": len(snap) - consumed - retired - live - reserved,
                 "left_reserved": reserved,
                 "trained_twice": sum(1 for n in commits.values() if n > 1),
+                "landed_by_worker": len(landed_apart),
                 "retired_causes": dict(causes),
             },
             "max_lag_trained": max(lags, default=0),

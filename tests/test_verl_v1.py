@@ -1041,3 +1041,130 @@ def test_held_rows_of_different_shapes_go_to_verl_in_groups_it_can_concatenate()
         [str(jagged[0]["uid"][0]), str(jagged[1]["uid"][0])],
         ["p"],
     ]
+
+
+# ---- (f) a finished group landed by its producer ------------------------------------------
+
+
+def test_a_group_landed_by_its_worker_is_only_reserved_by_sample(
+    clean: Any, tmp_path: Path
+) -> None:
+    """A group LedgerAgentLoopWorker landed (generation_done, reward_ready in a step of its
+    own, the reward the buffer would record) is only reserved by the trainer's `sample`: the
+    sample's step writes its reservation and nothing else; a group the worker left is landed
+    by the buffer as before, with the same reward."""
+    from rollout_lifecycle.gpu_check.verl_v1_pacing import land_finished_group
+
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    verl_v1.step_ledger(be.ledger).dispatch_many(
+        [(LedgerEntry(u, 1, H[1]), f"run/{u}") for u in ("gw", "gb")]
+    )
+    scores = {"gw": [0.25, 1.0], "gb": [0.25, 1.0]}
+    for uid, rs in scores.items():
+        keys = put_group(clean, uid, 1)
+        clean.kv_batch_put(
+            keys=keys, partition_id="train", tags=[{verl_v1.REWARD_TAG: r} for r in rs]
+        )
+    assert land_finished_group(be.ledger, "gw", scores["gw"], 6, REWARD)
+    landed = be.ledger.get("gw")
+    assert landed.state == "rewarded" and landed.tokens == 6
+    buf = buffer(be, "run")
+    buf.sample(global_steps=2, partition_id="train", batch_size=2)
+    hist = be.ledger.history()
+    reserve_txn = {e.rollout_id: e.txn for e in hist if e.event == "reserve"}
+    assert set(reserve_txn) == {"gw", "gb"}
+    in_sample = [(e.rollout_id, e.event) for e in hist if e.txn == reserve_txn["gw"]]
+    assert ("gw", "reward_ready") not in in_sample and ("gb", "reward_ready") in in_sample
+    gw, gb = be.ledger.get("gw"), be.ledger.get("gb")
+    assert gw.state == gb.state == "reserved"
+    assert gw.reward == gb.reward and gw.tokens == gb.tokens == 6
+    be.close()
+
+
+def test_a_worker_lands_only_a_dispatched_row(tmp_path: Path) -> None:
+    """An absent row is not added by the worker (its version was never stamped), a landed
+    or ended one is left as it is, and a group with no reward is not landed."""
+    from rollout_lifecycle.gpu_check.verl_v1_pacing import land_finished_group
+
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    assert not land_finished_group(be.ledger, "absent", [1.0], 3, REWARD)
+    assert be.ledger.find("absent") is None
+    verl_v1.step_ledger(be.ledger).dispatch_many([(LedgerEntry("d", 1, H[1]), "run/d")])
+    assert not land_finished_group(be.ledger, "d", [], 3, REWARD)
+    assert be.ledger.get("d").state == "dispatched"
+    assert land_finished_group(be.ledger, "d", [1.0, 0.0], 3, REWARD)
+    before = be.ledger.get("d")
+    assert not land_finished_group(be.ledger, "d", [0.5], 9, REWARD)
+    assert be.ledger.get("d") == before and before.reward == Reward(
+        REWARD.function_id, REWARD.function_version, 0.5
+    )
+    be.close()
+
+
+def test_a_finished_group_completes_with_its_last_scored_session() -> None:
+    from rollout_lifecycle.gpu_check.verl_v1_pacing import FinishedGroup
+
+    g = FinishedGroup(3)
+    assert not g.add(2, ["u_2_0"], 1.0, 4)
+    assert not g.add(0, ["u_0_0", "u_0_1"], 0.5, 6)
+    assert not g.add(0, ["u_0_0", "u_0_1"], 0.5, 0)  # a session seen again is one session
+    assert g.add(1, ["u_1_0"], 0.0, 2)
+    assert g.rewards_in_key_order() == [0.5, 0.5, 0.0, 1.0] and g.tokens == 12
+    unscored = FinishedGroup(2)
+    assert not unscored.add(0, ["v_0_0"], None, 3)
+    assert not unscored.add(1, ["v_1_0"], 1.0, 3)  # an unscored session: the buffer lands it
+
+
+def test_the_worker_lands_a_group_when_its_last_session_is_postprocessed(
+    clean: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LedgerAgentLoopWorker's own hooks (verl's parent postprocess and prompt run stood in
+    for by what they write): no landing until every session of the prompt is postprocessed,
+    then one, before `_run_prompt` returns (verl marks the prompt finished after that)."""
+    from omegaconf import OmegaConf
+
+    from rollout_lifecycle.gpu_check import verl_v1_pacing as vp
+
+    be, _ = deployment(tmp_path / "s.db", versions=2)
+    verl_v1.step_ledger(be.ledger).dispatch_many([(LedgerEntry("gk", 1, H[1]), "run/gk")])
+    worker = object.__new__(vp.LedgerAgentLoopWorker)
+    worker.config = OmegaConf.create(
+        {
+            "actor_rollout_ref": {"rollout": {"n": 2}},
+            "trainer": {
+                "v1": {
+                    "sampler": {
+                        "sampler_kwargs": {
+                            "ledger_url": be.url,
+                            "run_id": "run",
+                            "tokenizer_id": "tok",
+                            **ROLLOUT_CFG,
+                            "reward_fn_id": REWARD.function_id,
+                            "reward_fn_version": REWARD.function_version,
+                        }
+                    }
+                }
+            },
+        }
+    )
+    states: list[str] = []
+
+    async def parent_postprocess(self: Any, output: Any, validate: Any, **kw: Any) -> None:
+        return None
+
+    async def parent_run_prompt(
+        self: Any, prompt: Any, sp: Any, trajectory: Any, trace: Any
+    ) -> None:
+        for s, score in enumerate([0.5, 1.5]):
+            out = type("Out", (), {"reward_score": score, "response_ids": [1, 2, 3]})()
+            await self._agent_loop_postprocess(out, False, uid="gk", session_id=s)
+            states.append(be.ledger.get("gk").state)
+
+    monkeypatch.setattr(vp._PlainWorkerTQ, "_agent_loop_postprocess", parent_postprocess)
+    monkeypatch.setattr(vp._PlainWorkerTQ, "_run_prompt", parent_run_prompt)
+    asyncio.run(worker._run_prompt({"uid": "gk"}, {}, trajectory={"validate": False}))
+    assert states == ["dispatched", "rewarded"]
+    row = be.ledger.get("gk")
+    assert row.tokens == 6 and row.reward is not None and row.reward.value == pytest.approx(1.0)
+    assert worker._groups() == {}  # the prompt's bookkeeping ends with it
+    be.close()

@@ -44,6 +44,8 @@ def judged_ok(doc: dict[str, Any]) -> list[str]:
         bad.append(f"lost {t.get('lost')}, trained twice {t.get('trained_twice')}")
     if t.get("dispatched") != t.get("consumed", 0) + t.get("retired", 0) + t.get("live", 0):
         bad.append("dispatched is not consumed + retired + live")
+    if not t.get("landed_by_worker"):  # LedgerAgentLoopWorker's landing ran in verl's loop
+        bad.append(f"no group landed by the agent-loop worker: {t.get('landed_by_worker')}")
     if doc["max_lag_trained"] > doc["policy"]["max_lag"]:
         bad.append("trained past the policy's max_lag")
     if doc["spec"]["violations"] != 0:
