@@ -1294,6 +1294,10 @@ class Step:
     # the live rollouts a dispatch budget counts: "add" steps make new ones (many may at
     # once), a "count" step counts them and then adds one (no add may land in between)
     live: Literal["add", "count"] | None = None
+    # a step that acts on EVERY rollout in a state (retire_stale: all the stale rewarded
+    # ones): no row may enter that state while it runs (PostgreSQL locks for it; the other
+    # stores run one writing step at a time)
+    retires: bool = False
 
 
 class _CountFirst(Exception):
@@ -2242,7 +2246,7 @@ class StoreLedger:
             ]
             return afters + self._apply(uow, "retire_stale", due, new, None, {})
 
-        return self._step(body, Step("retire_stale", premise=True))
+        return self._step(body, Step("retire_stale", premise=True, retires=True))
 
     def oldest_admissible(self, limit: int) -> list[LedgerEntry]:
         """Up to `limit` rewarded rollouts still within the lag bound, oldest first (read

@@ -16,6 +16,10 @@ two steps can wait on each other in a cycle):
     K_REGISTRY  exclusive: every registry step (its plan reads a registry nobody else changes)
     K_PREMISE   shared: a reservation reads the active pointer and ever-active versions;
                 exclusive: a registry step that changes an artifact or the pointer
+    K_REWARDED  exclusive: retire_stale, which retires EVERY rewarded rollout too old for
+                the pointer, so none may become rewarded between its read and its commit
+                (a row entering its set is a phantom its row locks cannot see); shared: every
+                other ledger step, and a single write that moves a row into 'rewarded'
     (rows)      rollout rows, always locked in rollout_id order
     K_EVENTS    exclusive, the LAST lock of every writing step: events get their txn and seq
                 numbers under it and it is held to COMMIT, so seq order is commit order. A
@@ -101,6 +105,7 @@ K_DISPATCH = _BASE + 6  # a dispatch exclusively (counts, then writes); adds sha
 # one update's record: a ledger step reading it holds it exclusively, a single reservation's
 # guarded write shares it (its second key hashes the schema and the update id)
 K_UPDATE = _BASE + 7
+K_REWARDED = _BASE + 8  # see the module doc: retire_stale's set stays its set until COMMIT
 
 COUNTER_SHARDS = 16  # counter rows per name, so racing connections rarely share one row
 

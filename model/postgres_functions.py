@@ -55,6 +55,7 @@ from rollout_lifecycle.model.postgres_common import (
     COUNTER_SHARDS,
     K_EVENTS,
     K_PREMISE,
+    K_REWARDED,
     K_SCHEMA,
     K_UPDATE,
     Conn,
@@ -578,6 +579,10 @@ BEGIN{_CHECK}
     END IF;
     IF p_guard > 0 OR {reserving} THEN
         PERFORM pg_advisory_xact_lock_shared({K_PREMISE}, hashtext(current_schema()));
+    END IF;
+    IF p_state = 'rewarded' AND v_was IS DISTINCT FROM 'rewarded' THEN
+        -- a row entering 'rewarded' waits out a retire_stale in flight (K_REWARDED)
+        PERFORM pg_advisory_xact_lock_shared({K_REWARDED}, hashtext(current_schema()));
     END IF;
     IF p_guard = 3 THEN
 {_ONE_CALL}

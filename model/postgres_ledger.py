@@ -93,6 +93,7 @@ from rollout_lifecycle.model.postgres_common import (
     K_BAD,
     K_DISPATCH,
     K_PREMISE,
+    K_REWARDED,
     K_UPDATE,
     Conn,
     OneStatement,
@@ -231,6 +232,10 @@ _LOCKS = {
     # and then writes, so no new live rollout may commit in between
     "add": lock_sql(K_DISPATCH, shared=True),
     "count": lock_sql(K_DISPATCH),
+    # every step may move a row into 'rewarded' (a landing, a release); retire_stale's set
+    # of rewarded rows must not gain one while it runs (postgres_common, K_REWARDED)
+    "rewarded": lock_sql(K_REWARDED, shared=True),
+    "retire": lock_sql(K_REWARDED),
 }
 
 
@@ -488,6 +493,7 @@ class PostgresStore(OneCallReservations):
             locks.append(_LOCKS[step.bad])
         if step.premise:
             locks.append(_LOCKS["premise"])
+        locks.append(_LOCKS["retire" if step.retires else "rewarded"])
         prologue = "; ".join(locks)
         return self.db.write(
             lambda conn: body(_Unit(self, conn, step.what)), step.what, prologue=prologue

@@ -42,7 +42,7 @@ from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck
 from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.spec.invariants import check_trace, compare_with_store, stored_world
 from tests import pg_server
-from tests.helpers_ledger import HASH, add_rewarded, ids, rewarded, stamp
+from tests.helpers_ledger import HASH, REWARD, add_rewarded, ids, rewarded, stamp
 
 pytestmark = pytest.mark.postgres
 
@@ -427,6 +427,50 @@ def test_a_step_moving_the_pointer_waits_for_reservations_and_an_ack_does_not(
             reader.execute("COMMIT")
         t.join(30)
         assert done.is_set() and coord.pointer().version == 2
+
+
+def test_no_rollout_becomes_rewarded_while_retire_stale_runs(postgres_url: str) -> None:
+    """retire_stale retires EVERY rewarded rollout too old for the pointer, so none may
+    become rewarded between its read and its commit: a row its read did not see (still
+    'generated') but that turned rewarded before it committed was left out of an answer
+    true at no instant (the campaign's race on PostgreSQL caught it: two in_state reads saw
+    a newly rewarded stale rollout beside two the retire then retired, and not it). Here the
+    retire is held on a candidate's row lock; a reward landing meanwhile waits for it."""
+    import psycopg
+
+    with open_backend(postgres_url) as b, open_backend(postgres_url) as other:
+        set_admission_policy(b.registry, POLICY, "set by the operator")
+        coord = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY)
+        _activate(coord, 1)
+        add_rewarded(b.ledger, ["old"])
+        late = attrs.evolve(rewarded("late"), state="generated", reward=None)
+        b.ledger.add(late)
+        for v in (2, 3):  # pointer v3, max_lag 1: every v1 rollout is stale
+            _activate(coord, v)
+        retired: list[list[str]] = []
+        landed: list[str] = []
+        with psycopg.connect(postgres_url, autocommit=True) as holder:
+            holder.execute("BEGIN")
+            holder.execute("SELECT 1 FROM rollouts WHERE rollout_id = 'old' FOR UPDATE")
+            t = threading.Thread(
+                target=lambda: retired.append([e.rollout_id for e in b.ledger.retire_stale()])
+            )
+            t.start()
+            time.sleep(0.5)  # the retire has read its set and waits on 'old''s row lock
+            u = threading.Thread(
+                target=lambda: landed.append(
+                    other.ledger.transition("late", "reward_ready", 0, reward=REWARD).state
+                )
+            )
+            u.start()
+            u.join(1.0)
+            early = list(landed)
+            holder.execute("COMMIT")
+        t.join(30)
+        u.join(30)
+        assert early == [], "a rollout became rewarded while retire_stale was in flight"
+        assert retired == [["old"]] and landed == ["rewarded"]
+        assert b.ledger.get("late").state == "rewarded"  # after the retire: the next one's
 
 
 def test_a_steps_first_read_sees_what_committed_while_it_waited_for_the_lock(
