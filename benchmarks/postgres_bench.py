@@ -271,6 +271,18 @@ def _worker(
         raise
 
 
+def _drop_baseline_events(url: str, schema: str) -> None:
+    """The same-columns baseline inserts event rows outside the ledger's hash chain; they
+    are deleted after it (outside any clock), so the next round's reservations find the
+    chain ending where its head says (else they refuse the history as tampered with)."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True, options=f"-c search_path={schema}") as conn:
+        conn.execute(
+            "DELETE FROM events WHERE seq > (SELECT last_seq FROM events_chain WHERE id = 1)"
+        )
+
+
 def _prepare(url: str, schema: str, workers: int, n: int, tags: tuple[str, ...] = ("r",)) -> None:
     """A fresh schema with v1 active and every worker's n rollouts of each slice in `tags`
     waiting (rewarded)."""
@@ -426,6 +438,7 @@ def run_bench(
                 got["plain"] = _run(url, schema, f"plain-{mode}", k, n, chunk, f"r{rep}c0")
                 if mode == "batch":
                     got["same"] = _run(url, schema, "same-batch", k, n, chunk, f"r{rep}c0")
+                    _drop_baseline_events(url, schema)
                 else:  # call by call: every reservation next to a plain UPDATE of its row
                     for c, code in enumerate(codes):
                         got[f"mixed{c}"] = _run(
