@@ -488,13 +488,9 @@ class PostgresStore(OneCallReservations):
         self._check_open(write=True)
         if isinstance(body, OneStatement):  # it takes the step's locks itself
             return self.db.write(body, step.what)
-        locks = [_LOCKS[step.live]] if step.live is not None else []
-        if step.bad is not None:
-            locks.append(_LOCKS[step.bad])
-        if step.premise:
-            locks.append(_LOCKS["premise"])
-        locks.append(_LOCKS["retire" if step.retires else "rewarded"])
-        prologue = "; ".join(locks)
+        locks = [step.live, step.bad, "premise" if step.premise else None]
+        locks.append("retire" if step.retires else "rewarded")
+        prologue = "; ".join(_LOCKS[k] for k in locks if k is not None)
         return self.db.write(
             lambda conn: body(_Unit(self, conn, step.what)), step.what, prologue=prologue
         )
