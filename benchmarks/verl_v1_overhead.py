@@ -196,10 +196,9 @@ class Stream:
     def land(self, uids: list[str], h: str) -> None:
         """Each finished group landed as LedgerAgentLoopWorker lands it when its last
         session is postprocessed (one ledger step a group, in the worker; timed apart)."""
-        from rollout_lifecycle.gpu_check.verl_v1 import RewardIdentity
         from rollout_lifecycle.gpu_check.verl_v1_pacing import land_finished_group
 
-        identity = RewardIdentity("verl-reward-loop", "1")  # BufferSettings' default
+        identity = self.ours.settings.reward  # the identity the buffer records
         t0 = time.perf_counter()
         for uid in uids:
             landed = land_finished_group(

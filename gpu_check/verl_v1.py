@@ -189,6 +189,15 @@ def _field(source: Any, key: str) -> Any:
         return None
 
 
+def group_reward(identity: RewardIdentity, rewards: Sequence[float] | None) -> Reward | None:
+    """A GRPO group's reward: the mean of its trajectories' rewards (in the order given),
+    with the reward function's identity; None without any. The buffer and the agent-loop
+    worker both land a group with it, so either records the very same float."""
+    if not rewards:
+        return None
+    return Reward(identity.function_id, identity.function_version, sum(rewards) / len(rewards))
+
+
 @attrs.frozen(eq=False)
 class Trajectory:
     """One verl trajectory as the ledger sees it (built from a batch row)."""
@@ -1188,10 +1197,7 @@ class LedgerReplayBuffer(ReplayBufferAsync):  # type: ignore[misc]
         failure: Disposition | None = None,
     ) -> Landing:
         v = 0 if version is None else version
-        reward = None
-        if rewards:
-            r = self.settings.reward
-            reward = Reward(r.function_id, r.function_version, sum(rewards) / len(rewards))
+        reward = group_reward(self.settings.reward, rewards)
         dispatched = self.book.entry(g.uid)  # its row names the version and hash already
         h = dispatched.artifact_hash if dispatched is not None else self._hash(v)
         return Landing(g.uid, v, h, reward=reward, tokens=g.tokens, failure=failure)

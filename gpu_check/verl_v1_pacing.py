@@ -40,6 +40,7 @@ from rollout_lifecycle.gpu_check.verl_v1 import (
     StepLedger,
     UnsupportedVerlOption,
     book_for,
+    group_reward,
     step_ledger,
 )
 from rollout_lifecycle.model.ledger import ALREADY_DISPATCHED, Landing, Ledger
@@ -55,7 +56,6 @@ from rollout_lifecycle.model.records import (
     Disposition,
     GenerationConditions,
     LedgerEntry,
-    Reward,
     Rollout,
     RolloutIdentity,
 )
@@ -430,17 +430,11 @@ def land_finished_group(
     reserves it. Only a row still `dispatched` is landed (its version and hash were stamped
     at dispatch); anything else is left to the buffer, which lands what has not landed, as
     it always did. Whether the group landed here."""
-    row = ledger.find(uid)
-    if row is None or row.state != "dispatched" or not rewards:
+    scored = group_reward(reward, rewards)
+    row = None if scored is None else ledger.find(uid)
+    if row is None or row.state != "dispatched":
         return False
-    mean = sum(rewards) / len(rewards)
-    x = Landing(
-        uid,
-        row.behavior_version,
-        row.artifact_hash,
-        reward=Reward(reward.function_id, reward.function_version, mean),
-        tokens=tokens,
-    )
+    x = Landing(uid, row.behavior_version, row.artifact_hash, reward=scored, tokens=tokens)
     got = step_ledger(ledger).land_and_reserve(None, [x]).entries.get(uid)
     return got is not None and got.state == "rewarded"
 
@@ -516,13 +510,15 @@ class LedgerAgentLoopWorker(_PlainWorkerTQ):  # type: ignore[misc]
         """The finished group in the ledger (in a thread: the write must not stall the
         worker's other sessions); a failure leaves it to the buffer."""
         try:
-            settings = BufferSettings.from_kwargs(self.config.trainer.v1.sampler.sampler_kwargs)
-            ledger = self.__dict__.get("_rl_ledger")
-            if ledger is None:
+            opened = self.__dict__.get("_rl_ledger")
+            if opened is None:  # once per worker: its settings and its ledger
                 from rollout_lifecycle.model.backends import open_backend
 
+                kw = self.config.trainer.v1.sampler.sampler_kwargs
+                settings = BufferSettings.from_kwargs(kw)
                 backend = open_backend(settings.ledger_url, lease_seconds=settings.lease_seconds)
-                ledger = self.__dict__["_rl_ledger"] = backend.ledger
+                opened = self.__dict__["_rl_ledger"] = (backend.ledger, settings)
+            ledger, settings = opened
             await asyncio.to_thread(
                 land_finished_group,
                 ledger,
