@@ -1305,6 +1305,16 @@ class _CountFirst(Exception):
     holding the lock alone (it counts the live budget, then writes)."""
 
 
+def _hold_update(uow: UnitOfWork, update_id: str) -> UpdateRecord | None:
+    """The update's record, read by a step over every rollout the update holds (commit,
+    abort, renew_leases, fail_update) BEFORE it reads what the update holds: on a store
+    that locks finer than the step (PostgreSQL) the read takes the update's lock, which a
+    reservation for the update holds to its commit, so none commits between the step's
+    read of what the update holds and the step's own commit (the step's answer would then
+    be true at no instant)."""
+    return uow.read_updates([update_id]).get(update_id)
+
+
 _RESERVE = Step("reserve", premise=True)
 _RESERVE_BATCH = Step("reserve_batch", premise=True)
 
@@ -2009,9 +2019,9 @@ class StoreLedger:
         ids = _check_id_list(rollout_ids)
 
         def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry] | CommitMismatch:
+            record = _hold_update(uow, update_id)
             owned = uow.owned(update_id)
             act = uow.read_premise(judged_versions(e.behavior_version for e in owned))
-            record = uow.read_updates([update_id]).get(update_id)
             if record is not None and record.status == "poisoned":
                 return poisoned_error(record)
             why = commit_mismatch(update_id, ids, owned)
@@ -2047,6 +2057,7 @@ class StoreLedger:
         check_update_id(update_id)
 
         def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
+            _hold_update(uow, update_id)
             owned = uow.owned(update_id)
             retired = uow.read_premise(judged_versions(e.behavior_version for e in owned)).retired
             bad = uow.bad_versions()
@@ -2063,6 +2074,7 @@ class StoreLedger:
         failed = Disposition("update", cause, detail)
 
         def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
+            _hold_update(uow, update_id)
             owned = uow.owned(update_id)
             new = [
                 plan_transition(
@@ -2112,6 +2124,7 @@ class StoreLedger:
         check_update_id(update_id)
 
         def body(uow: UnitOfWork, _: Counter[str]) -> list[LedgerEntry]:
+            _hold_update(uow, update_id)
             owned = uow.owned(update_id)
             new = renew_plan(owned, self._now(uow), self.lease_seconds)
             return self._apply(uow, "renew_lease", owned, new, update_id, {})

@@ -473,6 +473,59 @@ def test_no_rollout_becomes_rewarded_while_retire_stale_runs(postgres_url: str) 
         assert b.ledger.get("late").state == "rewarded"  # after the retire: the next one's
 
 
+@pytest.mark.parametrize("step", ["commit", "renew_leases", "abort", "fail_update"])
+def test_a_step_over_an_updates_rollouts_sees_every_reservation_before_it(
+    postgres_url: str, step: str
+) -> None:
+    """commit, renew_leases, abort and fail_update act on every rollout the update holds,
+    so no reservation for that update may commit between their read of what it holds and
+    their own commit: one that did was left out of an answer true at no instant (a commit
+    of exactly the ids it was given while the update held one more). The step takes the
+    update's lock before that read. Here the step is held on a held row's lock; a
+    reservation for the same update meanwhile waits for it, and the trace shows every
+    reservation the step did not act on recorded after it."""
+    import psycopg
+
+    with open_backend(postgres_url) as b, open_backend(postgres_url) as other:
+        set_admission_policy(b.registry, POLICY, "set by the operator")
+        _activate(ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY), 1)
+        add_rewarded(b.ledger, ["a", "b"])
+        assert b.ledger.reserve("a", 0, "u", stamp()).reserved
+        acts = {
+            "commit": lambda: b.ledger.commit("u", ["a"]),
+            "renew_leases": lambda: b.ledger.renew_leases("u"),
+            "abort": lambda: b.ledger.abort("u"),
+            "fail_update": lambda: b.ledger.fail_update("u", "oom"),
+        }
+        acted: list[list[str]] = []
+        reserved: list[bool] = []
+        with psycopg.connect(postgres_url, autocommit=True) as holder:
+            holder.execute("BEGIN")
+            holder.execute("SELECT 1 FROM rollouts WHERE rollout_id = 'a' FOR UPDATE")
+            t = threading.Thread(
+                target=lambda: acted.append([e.rollout_id for e in acts[step]()])
+            )
+            t.start()
+            time.sleep(0.5)  # the step waits on 'a''s row lock
+            u = threading.Thread(
+                target=lambda: reserved.append(other.ledger.reserve("b", 0, "u", stamp()).reserved)
+            )
+            u.start()
+            u.join(1.0)
+            early = list(reserved)
+            holder.execute("COMMIT")
+        t.join(30)
+        u.join(30)
+        assert early == [], f"a reservation for the update committed while {step} was in flight"
+        assert acted == [["a"]], acted
+        trace = [e for e in b.trace() if isinstance(e, EntryChanged)]
+        last_step = max(e.seq for e in trace if e.rollout_id == "a")
+        # declaratively: every reservation of the update recorded before the step's events
+        # is one the step acted on (b's, if the update still took one, comes after)
+        later = [e.seq for e in trace if e.rollout_id == "b" and e.event == "reserve"]
+        assert all(seq > last_step for seq in later), (later, last_step)
+
+
 def test_a_steps_first_read_sees_what_committed_while_it_waited_for_the_lock(
     postgres_url: str,
 ) -> None:
