@@ -502,9 +502,7 @@ def test_a_step_over_an_updates_rollouts_sees_every_reservation_before_it(
         with psycopg.connect(postgres_url, autocommit=True) as holder:
             holder.execute("BEGIN")
             holder.execute("SELECT 1 FROM rollouts WHERE rollout_id = 'a' FOR UPDATE")
-            t = threading.Thread(
-                target=lambda: acted.append([e.rollout_id for e in acts[step]()])
-            )
+            t = threading.Thread(target=lambda: acted.append([e.rollout_id for e in acts[step]()]))
             t.start()
             time.sleep(0.5)  # the step waits on 'a''s row lock
             u = threading.Thread(
