@@ -34,6 +34,7 @@ import secrets
 import sqlite3
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -565,6 +566,28 @@ def _leftover_wal(path: Path, wal: Path, key: FileId | None) -> str | None:
     return None
 
 
+# how often, and how far apart, `guard_open` reads /proc/locks again before it believes a
+# process holds a file's -shm without the file (see `_lasting_holders`)
+_RECHECKS, _RECHECK_S = 5, 0.02
+
+
+def _lasting_holders(path: Path, shm: Path, table: list[list[str]]) -> set[int]:
+    """The processes that hold `shm` but not `path` in `table` and still do at each of a few
+    later reads of /proc/locks (`table` is refreshed in place): a connection that is
+    opening or closing the file holds the -shm without the file for an instant (SQLite
+    takes and drops the two in turn; eight processes opening one new file at once caught
+    one there), while a process that still has an old file open under this name holds
+    that -shm for as long as it has it open."""
+    others = lock_holders(shm, table) - lock_holders(path, table)
+    for _ in range(_RECHECKS if others else 0):
+        time.sleep(_RECHECK_S)
+        table[:] = _read_proc_locks() or []
+        others &= lock_holders(shm, table) - lock_holders(path, table)
+        if not others:
+            break
+    return others
+
+
 def guard_open(path: Path) -> None:
     """Before SQLite opens `path`: refuse when the -wal/-shm beside it are not its own.
 
@@ -593,7 +616,7 @@ def guard_open(path: Path) -> None:
     table = _read_proc_locks()
     if table is None:
         return
-    others = lock_holders(shm, table) - lock_holders(path, table)
+    others = _lasting_holders(path, shm, table)
     if others:
         who = ", ".join(str(p) for p in sorted(others))
         mine = (

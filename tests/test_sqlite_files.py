@@ -329,6 +329,38 @@ def _ask(p: subprocess.Popen[str]) -> str:
     return p.stdout.readline().strip()
 
 
+@pytest.mark.parametrize("lasting", [False, True])
+def test_a_process_opening_the_file_is_not_taken_for_one_holding_an_old_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lasting: bool
+) -> None:
+    """A process that holds a file's -shm but not the file is one that still has an old
+    file open under this name, or one opening or closing this file, which holds the -shm
+    alone for an instant (the bench's fleet, eight processes opening one new file, caught
+    one there and its open was refused). The open reads /proc/locks again: a holder that
+    lets go within the rechecks is no reason to refuse; one that lasts is."""
+    from rollout_lifecycle.model import sqlite_files as F
+
+    db = tmp_path / "ledger.db"
+    make_file(db, "r", 1)
+    shm = Path(f"{db}-shm")
+    shm.write_bytes(b"")  # a -shm beside the file, as an open connection leaves it
+    held = ["1:", "POSIX", "ADVISORY", "READ", "4194301", F._lock_key(shm), "128", "128"]
+    reads: list[int] = []
+
+    def proc_locks() -> list[list[str]]:
+        reads.append(1)
+        return [list(held)] if lasting or len(reads) == 1 else []
+
+    monkeypatch.setattr(F, "_read_proc_locks", proc_locks)
+    if lasting:
+        with pytest.raises(FileReplaced, match="process 4194301 still has the old file open"):
+            F.guard_open(db)
+        assert len(reads) == 1 + F._RECHECKS
+    else:
+        F.guard_open(db)  # the instant passed: nothing refused
+        assert len(reads) == 2
+
+
 def test_open_is_refused_while_another_process_holds_the_replaced_file(tmp_path: Path) -> None:
     """A learner in another process has the old file open: opening the new one (to write,
     to read, from the CLI) is refused naming that process, since its -wal is still in use;
