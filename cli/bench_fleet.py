@@ -14,14 +14,17 @@ Stores: SQLite in a folder (the system's temporary folder unless one is given) a
 tmpfs (/dev/shm), and PostgreSQL when a URL is given. Every cell reports reservations and
 adds per second, the reservations' p50 and p99 latency, and, for SQLite, each writer's p99
 wait for the file's write lock (BEGIN IMMEDIATE): SQLite's lock is not fair, so a writer
-can wait long while another re-takes it. The processes are started once (spawn) and reused
-by every cell; each cell's rows are added before its clock starts, sized from the rates
-seen so far, so no reserver runs dry (a cell where one did says so).
+can wait long while another re-takes it, so on SQLite the plain SQL runs a second time with
+its writers queued as the ledger's are ("queued", the baseline with the ledger's bounded
+waits; the plain one shows what the unfair lock gives). The processes are started once
+(spawn) and reused by every cell; each cell's rows are added before its clock starts, sized
+from the rates seen so far, so no reserver runs dry (a cell where one did says so).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import multiprocessing as mp
@@ -53,6 +56,13 @@ class FleetSizes:
 
 FULL = FleetSizes(processes=(1, 2, 4, 8), seconds=2.0, rounds=1)
 QUICK = FleetSizes(processes=(1, 2), seconds=0.3, rounds=1)
+
+
+def variants(kind: str) -> list[str]:
+    """What a cell runs on a store: the ledger, plain SQL, and on SQLite plain SQL whose
+    writers take the ledger's writers' queue ("queued"; PostgreSQL's locks queue
+    already)."""
+    return ["ledger", "plain"] if kind == "postgres" else ["ledger", "plain", "queued"]
 
 
 def roles(n: int) -> list[str]:
@@ -190,22 +200,34 @@ _SQLITE_ADD = "INSERT INTO rollouts VALUES (?, 'rewarded', 0, NULL, NULL, 0, ?)"
 
 class _PlainSQLiteRunner(_Runner):
     """The same writes as bare SQL, each in its own BEGIN IMMEDIATE ... COMMIT (the wait
-    for BEGIN IMMEDIATE is the wait for the write lock)."""
+    for BEGIN IMMEDIATE is the wait for the write lock). Variant "queued": each write
+    first takes the writers' queue beside the file, exactly as the ledger's writes do
+    (`sqlite_conns._open_turn`), so its writers wait their turn instead of losing the
+    lock to a writer in a tight loop: the baseline with the ledger's fairness."""
 
     def __init__(self, job: dict[str, Any]) -> None:
         super().__init__(job)
         from rollout_lifecycle.model.sqlite_common import connect
+        from rollout_lifecycle.model.sqlite_conns import _open_turn
 
         self.conn = connect(job["where"])
+        self.turn = _open_turn(Path(job["where"])) if job["variant"] == "queued" else None
         self.payload = _reserved_payload()
         self.conn.execute("SELECT COUNT(*) FROM rollouts WHERE rollout_id = 'r'").fetchall()
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> int:
+        from rollout_lifecycle.model.sqlite_conns import _leave
+
         t0 = time.perf_counter()
-        self.conn.execute("BEGIN IMMEDIATE")
-        self.waits.append(time.perf_counter() - t0)
-        n = self.conn.execute(sql, args).rowcount
-        self.conn.execute("COMMIT")
+        if self.turn is not None:
+            fcntl.flock(self.turn, fcntl.LOCK_EX)
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+            self.waits.append(time.perf_counter() - t0)
+            n = self.conn.execute(sql, args).rowcount
+            self.conn.execute("COMMIT")
+        finally:
+            _leave(self.turn)
         return int(n)
 
     def add(self, rid: str) -> None:
@@ -220,6 +242,8 @@ class _PlainSQLiteRunner(_Runner):
 
     def close(self) -> None:
         self.conn.close()
+        if self.turn is not None:
+            os.close(self.turn)
 
 
 class _PlainPostgresRunner(_Runner):
@@ -506,7 +530,8 @@ def bench_fleet(
     postgres_url: str | None = None,
     progress: Progress = lambda _: None,
 ) -> dict[str, Any]:
-    """Every store x N x {ledger, plain}: the ledger and plain SQL in turn at every N."""
+    """Every store x N x its variants (`variants`): the ledger and the plain SQL in turn at
+    every N, the order rotating."""
     from rollout_lifecycle.cli import benchmarks as B
 
     cells: list[dict[str, Any]] = []
@@ -519,9 +544,9 @@ def bench_fleet(
                 loads: dict[int, list[float | None]] = {}
                 for rnd in range(sizes.rounds):
                     for k, n in enumerate(sizes.processes):
-                        order = ["ledger", "plain"]
-                        if (rnd + k) % 2:
-                            order.reverse()
+                        kinds = variants(kind)
+                        turn = (rnd + k) % len(kinds)
+                        order = kinds[turn:] + kinds[:turn]
                         for variant in order:
                             load = B.load1()
                             loads.setdefault(n, []).append(load)
@@ -537,8 +562,8 @@ def bench_fleet(
     return {
         "what": "N processes on one store: half add rollouts one at a time, half reserve "
         "one at a time and commit every 32 (N=1: one reserver); the ledger against plain "
-        "SQL doing the same writes on a fresh store of the same table shape, in turn at "
-        "every N",
+        "SQL doing the same writes on a fresh store of the same table shape (on SQLite "
+        "also with its writers queued as the ledger's are), in turn at every N",
         "seconds_per_cell": sizes.seconds,
         "rounds": sizes.rounds,
         "commit_every": COMMIT_EVERY,
@@ -598,7 +623,7 @@ class _Rates:
     """Reservations per second of one reserver, to size the next cell's pools: this N's
     from an earlier round, else the most any N reached yet, else a first guess."""
 
-    FIRST: ClassVar[dict[str, float]] = {"ledger": 6000.0, "plain": 40000.0}
+    FIRST: ClassVar[dict[str, float]] = {"ledger": 6000.0, "plain": 40000.0, "queued": 20000.0}
 
     def __init__(self) -> None:
         self.at: dict[tuple[str, int], float] = {}
@@ -636,7 +661,7 @@ def _cell_row(
         "adders": roles(n).count("add"),
         "load1": _median(loads),
     }
-    for variant in ("ledger", "plain"):
+    for variant in variants(kind):
         got = runs[(n, variant)]
         v: dict[str, Any] = {
             k: _median([g[k] for g in got])
@@ -647,8 +672,11 @@ def _cell_row(
             v["lock_wait_p99_ms_max"] = _median([g["lock_wait_p99_ms_max"] for g in got])
             v["lock_wait_p99_ms"] = got[-1]["lock_wait_p99_ms"]
         row[variant] = v
-    led, plain = row["ledger"]["reservations_per_s"], row["plain"]["reservations_per_s"]
-    row["ledger_vs_plain"] = round(led / plain, 3) if led is not None and plain else None
+    led = row["ledger"]["reservations_per_s"]
+    for variant in variants(kind)[1:]:
+        base = row[variant]["reservations_per_s"]
+        ratio = round(led / base, 3) if led is not None and base else None
+        row[f"ledger_vs_{variant}"] = ratio
     return row
 
 
@@ -666,6 +694,16 @@ def goals(report: dict[str, Any], goal: Callable[..., dict[str, Any]]) -> list[d
                     f"fleet {row['store']} N=4: ledger / plain SQL reservations per s",
                     row["ledger_vs_plain"],
                     targets[row["store"]],
+                    load,
+                )
+            )
+        if row["store"] == "sqlite-tmpfs" and row.get("ledger_vs_queued") is not None:
+            out.append(
+                goal(
+                    "fleet sqlite-tmpfs N=4: ledger / plain SQL whose writers queue as the "
+                    "ledger's do (the baseline with the same bounded waits), reservations per s",
+                    row["ledger_vs_queued"],
+                    ">= 0.2",
                     load,
                 )
             )
@@ -692,24 +730,29 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "",
         fleet["what"] + f"; {fleet['seconds_per_cell']} s per cell, median of "
         f"{fleet['rounds']} round(s). Latencies are the reservations' (ms); lock wait: the "
-        "most any writer waited for SQLite's write lock at its p99 (ms). load: the 1-minute "
-        "load average when the cell started.",
+        "most any writer waited for SQLite's write lock at its p99 (ms). queued: the plain "
+        "SQL again, its writers taking the ledger's writers' queue first (SQLite only), "
+        "the baseline with the ledger's bounded waits. load: the 1-minute load average "
+        "when the cell started.",
         "",
-        "| store | N | reservations/s ledger | plain | ledger/plain | p50 ledger | p50 plain "
-        "| p99 ledger | p99 plain | lock wait p99 ledger | plain | adds/s ledger | plain "
-        "| load |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| store | N | reservations/s ledger | plain | queued | ledger/plain | ledger/queued "
+        "| p50 ledger | p50 plain | p99 ledger | p99 plain | lock wait p99 ledger | plain "
+        "| queued | adds/s ledger | plain | queued | load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "---:|",
     ]
     for r in fleet["cells"]:
-        a, b = r["ledger"], r["plain"]
-        dry = " (ran dry)" if a["ran_dry"] or b["ran_dry"] else ""
+        a, b, q = r["ledger"], r["plain"], r.get("queued") or {}
+        dry = " (ran dry)" if a["ran_dry"] or b["ran_dry"] or q.get("ran_dry") else ""
         lines.append(
             f"| {r['store']} | {r['N']} | {_fmt(a['reservations_per_s'])}{dry} | "
-            f"{_fmt(b['reservations_per_s'])} | {_fmt(r['ledger_vs_plain'])} | "
+            f"{_fmt(b['reservations_per_s'])} | {_fmt(q.get('reservations_per_s'))} | "
+            f"{_fmt(r['ledger_vs_plain'])} | {_fmt(r.get('ledger_vs_queued'))} | "
             f"{_fmt(a['p50_ms'])} | {_fmt(b['p50_ms'])} | {_fmt(a['p99_ms'])} | "
             f"{_fmt(b['p99_ms'])} | {_fmt(a.get('lock_wait_p99_ms_max'))} | "
-            f"{_fmt(b.get('lock_wait_p99_ms_max'))} | {_fmt(a['adds_per_s'])} | "
-            f"{_fmt(b['adds_per_s'])} | {_fmt(r['load1'])} |"
+            f"{_fmt(b.get('lock_wait_p99_ms_max'))} | {_fmt(q.get('lock_wait_p99_ms_max'))} | "
+            f"{_fmt(a['adds_per_s'])} | {_fmt(b['adds_per_s'])} | "
+            f"{_fmt(q.get('adds_per_s'))} | {_fmt(r['load1'])} |"
         )
     if not fleet["postgres"]:
         lines += ["", "PostgreSQL: not measured in this run (no `--fleet-postgres` URL)."]

@@ -167,7 +167,8 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
     ]
     for c in fleet["cells"]:
         assert (c["reservers"], c["adders"]) == ((1, 0) if c["N"] == 1 else (1, 1))
-        for variant in ("ledger", "plain"):
+        assert set(c) >= {"ledger", "plain", "queued", "ledger_vs_queued"}
+        for variant in ("ledger", "plain", "queued"):
             v = c[variant]
             # SQLite's lock may starve a plain reserver for a whole short cell: no timing
             # is asserted, only the shape
@@ -177,12 +178,13 @@ def test_quick_bench_end_to_end(tmp_path: Path) -> None:
             assert len(v["lock_wait_p99_ms"]) == c["N"]  # one per writer
             assert v["lock_wait_p99_ms_max"] == max(v["lock_wait_p99_ms"])
             assert v["adds_per_s"] == 0 if c["N"] == 1 else _number(v["adds_per_s"])
-        if c["plain"]["reservations_per_s"] > 0:
-            assert c["ledger_vs_plain"] == pytest.approx(
-                c["ledger"]["reservations_per_s"] / c["plain"]["reservations_per_s"],
-                rel=0.01,
-                abs=5e-4,  # the ratio is rounded to 3 places: 0.024 stands for 0.02356
-            )
+        for base in ("plain", "queued"):
+            if c[base]["reservations_per_s"] > 0:
+                assert c[f"ledger_vs_{base}"] == pytest.approx(
+                    c["ledger"]["reservations_per_s"] / c[base]["reservations_per_s"],
+                    rel=0.01,
+                    abs=5e-4,  # the ratio is rounded to 3 places: 0.024 stands for 0.02356
+                )
     assert "## Fleet (issue 36)" in (out / "README.md").read_text()
 
     written = json.loads((out / "bench.json").read_text())
@@ -276,6 +278,7 @@ def test_fleet_on_postgres_quick(postgres_url: str) -> None:
     cells = [c for c in report["fleet"]["cells"] if c["store"] == "postgres"]
     assert [c["N"] for c in cells] == [1, 2] and report["fleet"]["postgres"] is True
     for c in cells:
+        assert "queued" not in c  # PostgreSQL's locks queue already
         for variant in ("ledger", "plain"):
             assert _number(c[variant]["reservations_per_s"])
             assert "lock_wait_p99_ms" not in c[variant]
