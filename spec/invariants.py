@@ -141,19 +141,32 @@ def _live_voided(voided: frozenset[str], workers: Mapping[str, WorkerReport]) ->
 
 
 class PacingIndex:
-    """The replayer's running tally for `dispatch_paced`: live entries per behaviour version
-    and each chain's rollout ids, kept in step with the replayed entries so judging a
-    dispatch costs what its window and chain hold, not the size of the history. Built
-    here from the events, apart from the ledger's own counting (model.pacing)."""
+    """The replayer's running tallies: for `dispatch_paced`, live entries per behaviour
+    version and each chain's rollout ids; for `commit_takes_all_held`, the rollouts each
+    update holds reserved. Kept in step with the replayed entries so judging a dispatch or
+    a commit costs what its window, chain or update holds, not the size of the history.
+    Built here from the events, apart from the ledger's own counting (model.pacing)."""
 
     def __init__(self, entries: Iterable[LedgerEntry] = ()) -> None:
         self.live: Counter[int] = Counter()
         self.chains: dict[str, list[str]] = {}
+        self.held: dict[str, set[str]] = {}
         for e in entries:
             self.apply(None, e)
 
     def apply(self, before: LedgerEntry | None, after: LedgerEntry) -> None:
         """One replayed write: the entry was `before` (None: new) and is now `after`."""
+        was = before.reserved_by if before is not None and before.state == "reserved" else None
+        now = after.reserved_by if after.state == "reserved" else None
+        if was != now:
+            if was is not None:
+                mine = self.held.get(was)
+                if mine is not None:
+                    mine.discard(after.rollout_id)
+                    if not mine:
+                        del self.held[was]
+            if now is not None:
+                self.held.setdefault(now, set()).add(after.rollout_id)
         if before is None and after.chain is not None:
             self.chains.setdefault(after.chain, []).append(after.rollout_id)
         if before is not None and before.state in OPEN_STATES:
@@ -517,6 +530,35 @@ def _exactly_once(before: World, events: Sequence[TraceEvent], _after: World) ->
             out.append(
                 f"{ev.rollout_id}: consumed by {ev.update_id!r}, reserved by "
                 f"{ev.before.reserved_by!r}"
+            )
+    return out
+
+
+def _commit_takes_all_held(before: World, events: Sequence[TraceEvent], _after: World) -> list[str]:
+    """Stated over the replayed history, apart from the ledger's commit_mismatch: a commit
+    that consumes consumes EVERY rollout its update held reserved just before it (its ids
+    must be exactly what the update holds at the commit's own moment). A reservation for
+    the update recorded before the commit yet left reserved by it is an answer true at no
+    instant (PostgreSQL's commit once read what the update held before taking its lock)."""
+    consumed: dict[str, set[str]] = {}
+    for ev in events:
+        if (
+            isinstance(ev, EntryChanged)
+            and ev.event == "commit"
+            and ev.update_id is not None
+            and ev.after.state == "consumed"
+        ):
+            consumed.setdefault(ev.update_id, set()).add(ev.rollout_id)
+    if not consumed:
+        return []
+    index = before.pacing if before.pacing is not None else PacingIndex(before.entries.values())
+    out = []
+    for u, took in sorted(consumed.items()):
+        left = sorted(index.held.get(u, set()) - took)
+        if left:
+            out.append(
+                f"update {u!r} committed {sorted(took)[:5]} while it also held {left[:5]} "
+                "reserved: a commit takes exactly what its update holds at its moment"
             )
     return out
 
@@ -1273,6 +1315,14 @@ INVARIANTS: tuple[Invariant, ...] = (
         "ledger",
         "A rollout is consumed at most once, only by the update that reserved it.",
         step_check=_exactly_once,
+    ),
+    Invariant(
+        "commit_takes_all_held",
+        "step",
+        "ledger",
+        "A commit that consumes consumes every rollout its update holds reserved at that "
+        "moment: none it held before the commit is left reserved by it.",
+        step_check=_commit_takes_all_held,
     ),
     Invariant(
         "exclusive_ownership",

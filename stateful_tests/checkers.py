@@ -237,6 +237,11 @@ def spec_cases() -> list[CheckerCase]:
         _trace(lambda: _passed_on(evs())),
     )
     add(
+        "commit_takes_all_held",
+        "a commit leaving one of its update's reservations reserved",
+        _trace(lambda: [e for e in evs() if not is_entry("r2", "commit")(e)]),
+    )
+    add(
         "exclusive_ownership",
         "reserved without an owner",
         _world(_reserved(stamp(0, 0), reserved_by=None)),

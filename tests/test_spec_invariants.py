@@ -131,6 +131,20 @@ def test_exactly_once_violation() -> None:
     assert "exactly_once" in names(bad)
 
 
+def test_commit_takes_all_held_violation() -> None:
+    """A commit that consumes one rollout of its update while the update still holds another
+    reserved (a reservation that landed after the commit read what the update held) is
+    named; the correct commit of both is not."""
+    events, _, _ = correct_history()
+    assert "commit_takes_all_held" not in names(events)
+    bad = [e for e in events if not is_entry("r2", "commit")(e)]
+    assert "commit_takes_all_held" in names(bad)
+    msg = next(
+        v.message for v in check_trace(bad).violations if v.invariant == "commit_takes_all_held"
+    )
+    assert "'u1' committed ['r1'] while it also held ['r2']" in msg
+
+
 def test_exclusive_ownership_violation() -> None:
     """A reserved entry without an owner (stored by a buggy backend) is named."""
     e = forge(
