@@ -202,22 +202,21 @@ class _PlainSQLiteRunner(_Runner):
     """The same writes as bare SQL, each in its own BEGIN IMMEDIATE ... COMMIT (the wait
     for BEGIN IMMEDIATE is the wait for the write lock). Variant "queued": each write
     first takes the writers' queue beside the file, exactly as the ledger's writes do
-    (`sqlite_conns._open_turn`), so its writers wait their turn instead of losing the
+    (`sqlite_conns.open_turn`), so its writers wait their turn instead of losing the
     lock to a writer in a tight loop: the baseline with the ledger's fairness."""
 
     def __init__(self, job: dict[str, Any]) -> None:
         super().__init__(job)
         from rollout_lifecycle.model.sqlite_common import connect
-        from rollout_lifecycle.model.sqlite_conns import _open_turn
+        from rollout_lifecycle.model.sqlite_conns import leave_turn, open_turn
 
+        self.leave_turn = leave_turn  # imported once: the baseline carries no extra per write
         self.conn = connect(job["where"])
-        self.turn = _open_turn(Path(job["where"])) if job["variant"] == "queued" else None
+        self.turn = open_turn(Path(job["where"])) if job["variant"] == "queued" else None
         self.payload = _reserved_payload()
         self.conn.execute("SELECT COUNT(*) FROM rollouts WHERE rollout_id = 'r'").fetchall()
 
     def _write(self, sql: str, args: tuple[Any, ...]) -> int:
-        from rollout_lifecycle.model.sqlite_conns import _leave
-
         t0 = time.perf_counter()
         if self.turn is not None:
             fcntl.flock(self.turn, fcntl.LOCK_EX)
@@ -227,7 +226,7 @@ class _PlainSQLiteRunner(_Runner):
             n = self.conn.execute(sql, args).rowcount
             self.conn.execute("COMMIT")
         finally:
-            _leave(self.turn)
+            self.leave_turn(self.turn)
         return int(n)
 
     def add(self, rid: str) -> None:

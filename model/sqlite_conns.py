@@ -128,7 +128,7 @@ class Connections:
             if self._closed:
                 conn.close()
                 raise LedgerError(f"ledger {self.path} is closed; open a new SQLiteLedger")
-            handle = _Handle(conn, None if self.read_only else _open_turn(self.path))
+            handle = _Handle(conn, None if self.read_only else open_turn(self.path))
             self._handles.add(handle)
         self.local.handle = handle
         if self._guard is not None:
@@ -157,7 +157,7 @@ class Connections:
             if waits is not None:
                 waits.append(time.perf_counter() - t0)
         except sqlite3.Error as exc:
-            _leave(turn)
+            leave_turn(turn)
             raise LedgerError(f"{self.path}: cannot start a write ({exc})") from exc
         try:
             self.check_file()
@@ -170,7 +170,7 @@ class Connections:
                 raise write_failed(str(self.path), exc) from exc
             raise
         finally:
-            _leave(turn)
+            leave_turn(turn)
         return out
 
     @contextlib.contextmanager
@@ -230,7 +230,7 @@ class Connections:
             self._guard.release()  # after the connections: see sqlite_files._OpenFile
 
 
-def _open_turn(path: Path) -> int | None:
+def open_turn(path: Path) -> int | None:
     """A descriptor of the writers' queue beside the database (`<file>-writers`), or None
     where it cannot be made (a read-only folder: SQLite's own lock alone then).
 
@@ -248,7 +248,7 @@ def _open_turn(path: Path) -> int | None:
         return None
 
 
-def _leave(turn: int | None) -> None:
+def leave_turn(turn: int | None) -> None:
     if turn is not None:
         with contextlib.suppress(OSError):
             fcntl.flock(turn, fcntl.LOCK_UN)
