@@ -227,9 +227,9 @@ class Stream:
         self.times["dispatch"].append(time.perf_counter() - t0)
         pair = [("verl", self.verl, f"p{self.prefill}v"), ("ledger", ours, f"p{self.prefill}l")]
         for name, buf, prefix in pair if local % 2 else pair[::-1]:  # each goes first in turn
-            _put_step(tq, torch, prefix, step, args.groups, args.n)
             if name == "ledger" and args.land_at == "worker":
-                self.land(uids, h)
+                self.land(uids, h)  # the worker lands a group before verl marks it finished
+            _put_step(tq, torch, prefix, step, args.groups, args.n)
             before_s, before_c = ours.ledger_seconds, Counter(ours.ledger_calls)
             t0 = time.perf_counter()
             meta, _m = buf.sample(global_steps=step, partition_id="train", batch_size=args.groups)
