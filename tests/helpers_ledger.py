@@ -13,10 +13,22 @@ from typing import Any
 
 from rollout_lifecycle.model.ledger import DIRECT_EVENTS, Ledger, ReserveRequest
 from rollout_lifecycle.model.machines import LIFECYCLE
-from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, Reward
+from rollout_lifecycle.model.records import AdmissionStamp, LedgerEntry, Reward, WorkerAck
 
 REWARD = Reward(function_id="exact_match", function_version="1", value=1.0)
 HASH = "sha256:feed"
+
+
+def activate(c: Any, version: int, digest: str = HASH) -> None:
+    """Take `version` through the whole activation (prepare, commit, distribute, every
+    required worker's ack, activate) on an ActivationCoordinator `c`, asserting each step."""
+    c.prepare(version)
+    c.commit_artifact(version, digest)
+    c.distribute(version)
+    for w in c.required_workers:
+        token = c.attempt_token(w, version)
+        assert c.record_ack(WorkerAck(w, version, digest, token=token)).counted
+    assert c.try_activate(version).activated
 
 
 def stamp(

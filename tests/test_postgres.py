@@ -43,6 +43,7 @@ from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.spec.invariants import check_trace, compare_with_store, stored_world
 from tests import pg_server
 from tests.helpers_ledger import HASH, REWARD, add_rewarded, ids, rewarded, stamp
+from tests.helpers_ledger import activate as _activate
 
 pytestmark = pytest.mark.postgres
 
@@ -73,16 +74,6 @@ def _tables(server: pg_server.Server, url: str) -> list[str]:
         url.rsplit("/", 1)[-1],
     )
     return out.split("\n") if out else []
-
-
-def _activate(c: ActivationCoordinator, version: int) -> None:
-    c.prepare(version)
-    c.commit_artifact(version, H[version])
-    c.distribute(version)
-    for w in c.required_workers:
-        token = c.attempt_token(w, version)
-        assert c.record_ack(WorkerAck(w, version, H[version], token=token)).counted
-    assert c.try_activate(version).activated
 
 
 # ---- URLs, errors, read-only, schema versions ------------------------------------------------

@@ -19,25 +19,16 @@ from rollout_lifecycle.model.errors import LedgerError
 from rollout_lifecycle.model.events import EntryChanged, stored_payload
 from rollout_lifecycle.model.ledger import NO_REGISTRY, dump_entry, plan_reserve
 from rollout_lifecycle.model.postgres_ledger import PostgresLedger, PostgresStore
-from rollout_lifecycle.model.records import AdmissionPolicy, LedgerEntry, WorkerAck
+from rollout_lifecycle.model.records import AdmissionPolicy, LedgerEntry
 from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.model.sql_unit import one_call_texts
 from rollout_lifecycle.spec.audit import audit
-from tests.helpers_ledger import HASH, add_rewarded, rewarded, stamp
+from tests.helpers_ledger import activate as _activate
+from tests.helpers_ledger import add_rewarded, rewarded, stamp
 
 pytestmark = pytest.mark.postgres
 
 POLICY = AdmissionPolicy(max_lag=1, max_drift=0.2)
-
-
-def _activate(c: ActivationCoordinator, version: int, digest: str = HASH) -> None:
-    c.prepare(version)
-    c.commit_artifact(version, digest)
-    c.distribute(version)
-    for w in c.required_workers:
-        token = c.attempt_token(w, version)
-        assert c.record_ack(WorkerAck(w, version, digest, token=token)).counted
-    assert c.try_activate(version).activated
 
 
 def _stored(url: str, rid: str) -> tuple[str, str]:

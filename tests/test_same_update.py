@@ -29,12 +29,12 @@ from rollout_lifecycle.model.backends import open_backend
 from rollout_lifecycle.model.coordinator import ActivationCoordinator
 from rollout_lifecycle.model.errors import CommitMismatch, UpdatePoisoned
 from rollout_lifecycle.model.ledger import ReserveRequest
-from rollout_lifecycle.model.records import AdmissionPolicy, WorkerAck
+from rollout_lifecycle.model.records import AdmissionPolicy
 from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.model.sql_unit import SqlUnit
 from rollout_lifecycle.spec.invariants import check_trace
 from tests import pg_server
-from tests.helpers_ledger import HASH, add_rewarded, stamp
+from tests.helpers_ledger import activate, add_rewarded, stamp
 
 POLICY = AdmissionPolicy(max_lag=1, max_drift=0.2)
 ROWS = 120
@@ -89,12 +89,7 @@ def _worker(url: str, seed: int, until: float, epoch: float, out: dict[str, Any]
 def _stress(url: str, seconds: float, workers: int = 4) -> tuple[Counter[str], list[str]]:
     with open_backend(url) as b:
         set_admission_policy(b.registry, POLICY, "set by the operator")
-        c = ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY)
-        c.prepare(1)
-        c.commit_artifact(1, HASH)
-        c.distribute(1)
-        assert c.record_ack(WorkerAck("w0", 1, HASH, token=c.attempt_token("w0", 1))).counted
-        assert c.try_activate(1).activated
+        activate(ActivationCoordinator(b.registry, ["w0"], ledger=b.ledger, policy=POLICY), 1)
         add_rewarded(b.ledger, [f"r{i}" for i in range(ROWS)])
     out: dict[str, Any] = {}
     start = time.monotonic()
@@ -120,13 +115,12 @@ def _violations(url: str) -> list[tuple[str, str]]:
         return [(v.invariant, v.message) for v in check_trace(b.trace()).violations]
 
 
-def _check(url: str, seconds: float) -> Counter[str]:
+def _check(url: str, seconds: float) -> None:
     done, odd = _stress(url, seconds)
     assert odd == []
     # the stress did what it is for: reservations and commits of shared updates
     assert done["reserved"] > 0 and done["committed"] > 0, done
     assert _violations(url) == []
-    return done
 
 
 def test_one_update_from_several_connections_sqlite(tmp_path: Path) -> None:
