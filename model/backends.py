@@ -150,7 +150,16 @@ def memory_rows(ledger: MemoryLedger, registry: MemoryRegistry) -> StoredRows:
                 for w in registry.workers().values()
             ],
             "registry_attempt_tokens": [attrs.asdict(t) for t in registry.attempt_tokens()],
-            "ledger_updates": [attrs.asdict(u) for u in ledger.updates().values()],
+            # the lineage index as the SQL stores keep it (model.lineage_index)
+            "registry_claims": [
+                {"update_id": u, "version": v}
+                for u, vs in sorted(registry._claims.items())
+                for v in vs
+            ],
+            "ledger_updates": [
+                {**attrs.asdict(u), "claimed": 1 if u.update_id in registry._claims else None}
+                for u in ledger.updates().values()
+            ],
         }
         pointer, members, policy = (
             registry.pointer(),

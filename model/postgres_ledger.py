@@ -89,6 +89,7 @@ from rollout_lifecycle.model.ledger import (
     load_entry,
     update_from_row,
 )
+from rollout_lifecycle.model.lineage_index import PG_LEDGER_DDL, PG_LEDGER_MIGRATION
 from rollout_lifecycle.model.postgres_common import (
     K_BAD,
     K_DISPATCH,
@@ -129,15 +130,17 @@ from rollout_lifecycle.model.sql_unit import UPDATE_COLUMNS, SqlUnit, read_bad
 T = TypeVar("T")
 
 COMPONENT = "ledger"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # 1 -> 2: entry events store only the fields that changed (model.events.CHANGED); nothing
 # stored is rewritten, the bump makes an older program refuse the schema (as on SQLite)
 # 2 -> 3: the ledger's update records (ledger_updates, created by the DDL; as on SQLite)
-MIGRATIONS = {1: "", 2: ""}
+# 3 -> 4: the lineage index's marks (ledger_updates.claimed and its partial index, added by
+#   the DDL; model.lineage_index), set where the registry already claims
+MIGRATIONS = {1: "", 2: "", 3: PG_LEDGER_MIGRATION}
 
 # The indexed columns copy LedgerEntry fields that queries filter on; `entry` holds the whole
 # record. The CHECK repeats the exclusive-ownership invariant at the storage level.
-_DDL = """
+_DDL = f"""
 CREATE TABLE IF NOT EXISTS rollouts (
     rollout_id       text PRIMARY KEY,
     state            text NOT NULL,
@@ -168,6 +171,7 @@ CREATE TABLE IF NOT EXISTS ledger_updates (
     CHECK ((cause IS NULL) = (status <> 'poisoned'))
 );
 CREATE INDEX IF NOT EXISTS ledger_updates_status ON ledger_updates(status);
+{PG_LEDGER_DDL}
 CREATE TABLE IF NOT EXISTS ledger_counters (
     name  text NOT NULL,
     shard integer NOT NULL,

@@ -37,6 +37,13 @@ import psycopg
 
 from rollout_lifecycle.model.errors import ActivationError
 from rollout_lifecycle.model.events import ArtifactChanged, EntryChanged, RowRecorded, TraceEvent
+from rollout_lifecycle.model.lineage_index import (
+    CLAIMS_TABLE,
+    MARK_INDEX,
+    PG_REGISTRY_DDL,
+    PG_REGISTRY_MIGRATION,
+    UNCLAIMED_PG,
+)
 from rollout_lifecycle.model.postgres_common import (
     K_REGISTRY,
     Conn,
@@ -77,7 +84,9 @@ COMPONENT = "registry"
 # 3: the policy's pacing bounds (batch_size, max_attempts)
 # 4: the policy's lineage mode and attempt-chain key (issue 31)
 # 5: an attempt's ack deadline and spent attempt tokens (issue 31)
-SCHEMA_VERSION = 5
+# 6: the lineage index's claims (registry_claims and its trigger, made by the DDL and filled
+#    from the stored lineages; model.lineage_index)
+SCHEMA_VERSION = 6
 # 1 -> 2 adds tables (created by the DDL) and the artifacts' lineage column
 MIGRATIONS = {
     1: "ALTER TABLE registry_artifacts ADD COLUMN IF NOT EXISTS trained_by text",
@@ -93,9 +102,11 @@ MIGRATIONS = {
     "WHERE e.kind = 'worker' AND e.subject = t.worker_id "
     "AND (e.payload::jsonb -> 'ack' ->> 'version')::bigint = t.version "
     "AND e.payload::jsonb -> 'ack' ->> 'token' = t.token)",
+    5: PG_REGISTRY_MIGRATION,
 }
 
-_DDL = """
+_DDL = (
+    """
 CREATE TABLE IF NOT EXISTS registry_artifacts (
     version          bigint PRIMARY KEY CHECK (version >= 0),
     artifact_hash    text,
@@ -163,6 +174,8 @@ CREATE OR REPLACE TRIGGER registry_artifacts_guard
     BEFORE INSERT OR UPDATE ON registry_artifacts
     FOR EACH ROW EXECUTE FUNCTION registry_artifacts_guard();
 """
+    + PG_REGISTRY_DDL
+)
 
 
 # the step's common reads (`_PgView.step_reads`) in one snapshot; {art}: the artifact columns
@@ -194,6 +207,11 @@ class _PgView(SqlView):
         "SELECT a.version, j.value FROM registry_artifacts a, "
         "json_array_elements_text(a.trained_by::json) AS j(value) WHERE a.trained_by IS NOT NULL"
     )
+    # the claims table is made and filled in one migration; the marks' partial index with
+    # the ledger's column (model.lineage_index)
+    INDEX_OBJECTS = (CLAIMS_TABLE, MARK_INDEX)
+    UNCLAIMED_SQL = UNCLAIMED_PG
+    OBJECT_SQL = "SELECT 1 WHERE to_regclass(%s) IS NOT NULL"
     COLUMN_SQL = (
         "SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema() "
         "AND table_name = %s AND column_name = %s"

@@ -39,6 +39,13 @@ from rollout_lifecycle.model.events import (
     WorkerReported,
 )
 from rollout_lifecycle.model.ledger import ActivationPremise, update_from_row
+from rollout_lifecycle.model.lineage_index import (
+    CLAIMS_TRIGGER,
+    MARK_INDEX,
+    UNCLAIMED_SQLITE,
+    claims_sql,
+    ensure_sqlite,
+)
 from rollout_lifecycle.model.machines import ACTIVATION
 from rollout_lifecycle.model.records import (
     INT64_MAX,
@@ -840,17 +847,13 @@ class _MemoryView:
         return {u: r for u in update_ids if (r := got(u)) is not None}
 
     def unclaimed_updates(self) -> list[str]:
-        claimed = {u for a in self._reg._artifacts.values() for u in a.trained_by}
+        claimed = self._reg._claims
         landed = self._reg.ledger_updates.items()
         return sorted(u for u, r in landed if r.status == "landed" and u not in claimed)
 
     def claims(self, update_ids: Iterable[str]) -> dict[str, tuple[int, ...]]:
-        want, found = set(update_ids), defaultdict[str, tuple[int, ...]](tuple)
-        for v in sorted(self._reg._artifacts):
-            for u in self._reg._artifacts[v].trained_by:
-                if u in want:
-                    found[u] += (v,)
-        return dict(found)
+        got = self._reg._claims.get
+        return {u: vs for u in sorted(set(update_ids)) if (vs := got(u))}
 
     def awaiting(self) -> list[ArtifactRecord]:
         arts = self._reg._artifacts
@@ -877,6 +880,9 @@ class MemoryRegistry(_LockedReads):
         self._membership: tuple[str, ...] | None = None
         self._policy: AdmissionPolicy | None = None
         self._tokens: dict[tuple[int, str], AttemptToken] = {}
+        # update id -> the versions whose lineage names it, ascending: the lineage index
+        # (model.lineage_index) kept with the artifacts, so no step walks every version
+        self._claims: dict[str, tuple[int, ...]] = {}
         self.log = event_log if event_log is not None else EventLog()
         # the update records of the MemoryLedger attached to this registry (it shares them,
         # and this lock): what lineage is read from, as the SQL registries read the table
@@ -921,6 +927,8 @@ class MemoryRegistry(_LockedReads):
         """
         reg = cls(event_log)
         reg._artifacts = {a.version: a for a in artifacts}
+        for v in sorted(reg._artifacts):
+            reg._claim(reg._artifacts[v])
         reg._pointer = pointer
         reg._workers = {w.worker_id: w for w in workers}
         reg._membership = None if membership is None else check_membership(membership)
@@ -938,6 +946,8 @@ class MemoryRegistry(_LockedReads):
             events = make_events(step, self._pointer, self._membership, self._policy)
             for ch in step.artifacts:
                 self._artifacts[ch.after.version] = ch.after
+                if ch.before is None or ch.before.trained_by != ch.after.trained_by:
+                    self._claim(ch.after, ch.before)
             if not isinstance(step.pointer, _Unchanged):
                 self._pointer = step.pointer
             for w in step.workers:
@@ -956,6 +966,18 @@ class MemoryRegistry(_LockedReads):
                     self._tokens[(v, worker)] = attrs.evolve(held, spent=True)
             stamped = self.log.record(events) if events else []
             return result, _artifact_events(stamped)
+
+    def _claim(self, rec: ArtifactRecord, before: ArtifactRecord | None = None) -> None:
+        """Keep the claims index equal to the artifacts' lineages after `rec` is stored."""
+        if before is not None:
+            for u in before.trained_by:
+                left = tuple(v for v in self._claims.get(u, ()) if v != before.version)
+                if left:
+                    self._claims[u] = left
+                else:
+                    self._claims.pop(u, None)
+        for u in rec.trained_by:
+            self._claims[u] = tuple(sorted({*self._claims.get(u, ()), rec.version}))
 
     def history(self, version: int | None = None) -> list[ArtifactChanged]:
         """Artifact events in global order, optionally of one version."""
@@ -1248,31 +1270,59 @@ class SqlView:
 
     def unclaimed_updates(self) -> list[str]:
         """The ids of the ledger's landed updates that no version's lineage names, sorted:
-        worked out by the database, not by decoding every record."""
+        from the lineage index (model.lineage_index) where the store has it, so the cost
+        follows the unclaimed updates, not the run; from every version's JSON where not (a
+        file no writer of this version opened, read-only)."""
         if not self._has_table("ledger_updates"):
             return []
-        rows = self._conn.execute(
-            "SELECT update_id FROM ledger_updates WHERE status = 'landed' AND update_id NOT IN "
-            f"(SELECT value FROM ({self.LINEAGE_SQL}) AS c) ORDER BY update_id"
-        ).fetchall()
+        claims_whole, marked = self._lineage_index()
+        if claims_whole and marked:
+            rows = self._conn.execute(self.UNCLAIMED_SQL).fetchall()
+        else:
+            rows = self._conn.execute(
+                "SELECT update_id FROM ledger_updates WHERE status = 'landed' AND update_id "
+                f"NOT IN (SELECT value FROM ({self.LINEAGE_SQL}) AS c) ORDER BY update_id"
+            ).fetchall()
         return [str(r[0]) for r in rows]
 
     def claims(self, update_ids: Iterable[str]) -> dict[str, tuple[int, ...]]:
         """The versions whose lineage names each of these updates, ascending (one, unless
-        the file was written otherwise)."""
+        the file was written otherwise): by the claims index where the store has it."""
         want = sorted(set(update_ids))
         if not want:
             return {}
         marks = ", ".join([self.PARAM] * len(want))
-        rows = self._conn.execute(
-            f"SELECT version, value FROM ({self.LINEAGE_SQL}) AS c WHERE value IN ({marks}) "
-            "ORDER BY version",
-            want,
-        ).fetchall()
+        if self._lineage_index()[0]:
+            sql = claims_sql(marks)
+        else:
+            sql = (
+                f"SELECT version, value FROM ({self.LINEAGE_SQL}) AS c WHERE value IN ({marks}) "
+                "ORDER BY version"
+            )
+        rows = self._conn.execute(sql, want).fetchall()
         found = defaultdict[str, tuple[int, ...]](tuple)
         for v, u in rows:
             found[str(u)] += (_int(v),)
         return dict(found)
+
+    # what says the lineage index is there: the claims' trigger (made with the filled table
+    # in one transaction) and the marks' partial index (made with their trigger)
+    INDEX_OBJECTS = (CLAIMS_TRIGGER, MARK_INDEX)
+    UNCLAIMED_SQL = UNCLAIMED_SQLITE
+    OBJECT_SQL = "SELECT 1 FROM sqlite_master WHERE name = ? AND type IN ('trigger', 'index')"
+
+    def _lineage_index(self) -> tuple[bool, bool]:
+        """(the claims index is whole, the marks are kept), each asked once per store."""
+        out = []
+        for name in self.INDEX_OBJECTS:
+            key = f"object:{name}"
+            if key not in self._tables:
+                if self._conn.execute(self.OBJECT_SQL, (name,)).fetchone() is None:
+                    out.append(False)
+                    continue
+                self._tables.add(key)  # made once, never dropped by this program
+            out.append(True)
+        return out[0], out[1]
 
     def awaiting(self) -> list[ArtifactRecord]:
         rows = self._conn.execute(
@@ -1547,6 +1597,7 @@ class SQLiteRegistry(_LockedReads):
                 ensure_schema(self._conn, COMPONENT, SCHEMA_VERSION, _DDL, migrations=MIGRATIONS)
                 for trig in _TRIGGERS:
                     self._conn.execute(trig)
+                ensure_sqlite(self._conn)  # the lineage index (model.lineage_index)
             guard = FileGuard(
                 self.path, "registry", read_file_id(self._conn), self._lost, writer=not read_only
             )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from rollout_lifecycle.model.errors import LedgerError, newer_schema
+from rollout_lifecycle.model.lineage_index import ensure_sqlite
 from rollout_lifecycle.model.sqlite_common import (
     FileReplaced,
     connect,
@@ -88,6 +89,8 @@ class Connections:
                 self._check_readable(self.conn(), component, version)
             else:
                 ensure_schema(self.conn(), component, version, ddl, migrations=migrations)
+                # the lineage index, linked here when the registry's tables came first
+                ensure_sqlite(self.conn())
             self._guard = FileGuard(
                 self.path, "ledger", read_file_id(self.conn()), self._lost, writer=not read_only
             )

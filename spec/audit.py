@@ -608,6 +608,41 @@ def _fields(record: Any) -> dict[str, Any]:
     return {f.name: getattr(record, f.name) for f in attrs.fields(type(record))}
 
 
+def _claimed(replay: Replay) -> dict[str, set[int]]:
+    """Each update id the replayed versions' lineages name -> those versions."""
+    out: dict[str, set[int]] = {}
+    for v, a in (replay.world.artifacts or {}).items():
+        for u in a.trained_by:
+            out.setdefault(u, set()).add(v)
+    return out
+
+
+@attrs.frozen
+class _Mark:
+    """What an update's lineage mark (`ledger_updates.claimed`, a hint) may hold: 1 only
+    where a version's lineage names the update, NULL anywhere (a mark not yet set costs a
+    reader a probe, never a wrong answer; a mark with no claim hides the update from the
+    default lineage)."""
+
+    claimed: bool
+
+    def __eq__(self, stored: object) -> bool:
+        return stored is None or (self.claimed and stored == 1)
+
+    def __hash__(self) -> int:
+        return hash(self.claimed)
+
+    def __repr__(self) -> str:
+        return "1 or NULL" if self.claimed else "NULL (no version's lineage names it)"
+
+
+def _updates(replay: Replay) -> dict[str, dict[str, Any]]:
+    claimed = _claimed(replay)
+    return {
+        u: {**_fields(x), "claimed": _Mark(u in claimed)} for u, x in replay.world.updates.items()
+    }
+
+
 def _one(record: Any) -> dict[int, dict[str, Any]]:
     return {} if record is None else {1: _fields(record)}
 
@@ -650,11 +685,13 @@ _TABLES: tuple[_Table, ...] = (
     _Table(
         "registry_policy", ("id",), lambda r: _one(r.world.policy), lambda _: "admission policy"
     ),
+    _Table("ledger_updates", ("update_id",), _updates, lambda u: f"update {u!r}"),
+    # the lineage index (model.lineage_index): one row per update a version's lineage names
     _Table(
-        "ledger_updates",
-        ("update_id",),
-        lambda r: {u: _fields(x) for u, x in r.world.updates.items()},
-        lambda u: f"update {u!r}",
+        "registry_claims",
+        ("update_id", "version"),
+        lambda r: {(u, v): {} for u, vs in _claimed(r).items() for v in vs},
+        lambda k: f"lineage claim of update {k[0]!r} by v{k[1]}",
     ),
     _Table(
         "registry_attempt_tokens",
@@ -931,6 +968,12 @@ VERIFIED: tuple[Verified, ...] = (
     ),
 )
 _KNOWN = {v.name: v for v in VERIFIED}
+# tables that only index others: a store written before them lacks them, and a reader then
+# answers from what they index (dropping one hides nothing)
+_DERIVED = {
+    "registry_claims": "absent: a store no writer of this version has opened; lineage is "
+    "read from registry_artifacts.trained_by, which is compared"
+}
 
 
 def compare_store(replay: Replay, stored: StoredRows) -> StoreReport:
@@ -964,6 +1007,9 @@ def compare_store(replay: Replay, stored: StoredRows) -> StoreReport:
         compared.append(name)
         out.extend(check.check(replay, rows, skipped))
     for name in sorted(_KNOWN.keys() - stored.tables.keys()):
+        if name in _DERIVED:
+            not_compared[name] = _DERIVED[name]
+            continue
         check = _KNOWN[name]
         if check.when(replay) is None and check.check(replay, (), set()):
             # a table the replay fills is missing altogether: so is every row it should hold

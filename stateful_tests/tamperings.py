@@ -68,6 +68,13 @@ TAMPERINGS: dict[str, tuple[tuple[str, ...], str, frozenset[str]]] = {
         "stored_matches_trace",
         frozenset({"sqlite", "postgresql"}),
     ),
+    # the lineage index (model.lineage_index): a forged claim keeps an update out of every
+    # later version's default lineage and fences it from a version that trained on it
+    "a lineage claim forged": (
+        ("INSERT INTO registry_claims(update_id, version) VALUES ('forged-update', 0)",),
+        "stored_matches_trace",
+        frozenset({"sqlite", "postgresql"}),
+    ),
     "the seal deleted": (
         ("DELETE FROM schema_meta WHERE component = 'history'",),
         "stored_matches_trace",

@@ -922,7 +922,10 @@ def test_a_store_written_whole_then_by_changes_audits_clean(
         if k == "entry" and s == "r5"
     ]
     assert kinds == [(True, False)] * 3 + [(False, True)] * 2
-    assert store.sql("SELECT version FROM schema_meta WHERE component = 'ledger'") == [(3,)]
+    from rollout_lifecycle.model.postgres_ledger import SCHEMA_VERSION
+
+    got = store.sql("SELECT version FROM schema_meta WHERE component = 'ledger'")
+    assert got == [(SCHEMA_VERSION,)]
 
 
 def _edited(store: Store, edit: Any) -> AuditReport:

@@ -99,8 +99,14 @@ def test_an_old_file_is_migrated_and_audits_clean_after_new_writes(tmp_path: Pat
     assert data["violations"] == [], data["violations"]
     # unsealed, the old file's recorded tables could not be compared; the first writer of
     # this version sealed it (their rows recorded in the chain), and now every table is
-    # compared, the counters (moved into the head's row) with the recorded writes
-    assert set(before["not_compared"]) == {"host_clock", "ledger_bad_versions", "schema_meta"}
+    # compared, the counters (moved into the head's row) with the recorded writes; the
+    # lineage index, which that writer built, too
+    assert set(before["not_compared"]) == {
+        "host_clock",
+        "ledger_bad_versions",
+        "schema_meta",
+        "registry_claims",
+    }
     assert data["not_compared"] == {}
     assert {"ledger_counters", "schema_meta"} <= set(data["compared"])
     conn = sqlite3.connect(path)
