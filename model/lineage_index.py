@@ -116,24 +116,27 @@ def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
     return {str(r[1]) for r in conn.execute(f"PRAGMA table_info({table})")}
 
 
-def ensure_sqlite(conn: sqlite3.Connection) -> None:
+def ensure_sqlite(conn: sqlite3.Connection, *, registry: bool) -> None:
     """Create what is missing of the lineage index on a writer's open (its own BEGIN
-    IMMEDIATE ... COMMIT; nothing when the file already has it): the claims and their
-    triggers where the file holds a registry, the marks where it holds a ledger too."""
-    has_registry = _exists(conn, "table", "registry_artifacts")
-    has_ledger = _exists(conn, "table", "ledger_updates")
-    if not has_registry:
+    IMMEDIATE ... COMMIT; nothing when the file already has it). The registry's open (after
+    its own migration, so the lineage column exists) makes and fills the claims; whichever
+    of the two opens when the claims and the ledger's update records both exist links the
+    marks. The ledger's open never reads the registry's tables before that registry has
+    been migrated by a program of this version."""
+    has_claims = _exists(conn, "trigger", CLAIMS_TRIGGER)
+    make_claims = registry and not has_claims
+    if not (has_claims or make_claims):
         return
-    if _exists(conn, "trigger", CLAIMS_TRIGGER) and (
-        not has_ledger or _exists(conn, "index", MARK_INDEX)
-    ):
+    has_ledger = _exists(conn, "table", "ledger_updates")
+    link = has_ledger and not _exists(conn, "index", MARK_INDEX)
+    if not (make_claims or link):
         return
     conn.execute("BEGIN IMMEDIATE")
     try:
-        if not _exists(conn, "trigger", CLAIMS_TRIGGER):  # another writer may have just done it
+        if make_claims and not _exists(conn, "trigger", CLAIMS_TRIGGER):  # another writer?
             for stmt in _SQLITE_CLAIMS:
                 conn.execute(stmt)
-        if has_ledger and not _exists(conn, "index", MARK_INDEX):
+        if link and not _exists(conn, "index", MARK_INDEX):
             if "claimed" not in _columns(conn, "ledger_updates"):
                 conn.execute(
                     "ALTER TABLE ledger_updates ADD COLUMN claimed INTEGER CHECK (claimed = 1)"
@@ -147,18 +150,14 @@ def ensure_sqlite(conn: sqlite3.Connection) -> None:
         raise
 
 
-def sqlite_state(conn: sqlite3.Connection) -> tuple[bool, bool]:
-    """(the claims are whole, the marks are kept): what a reader may ask of the index. The
-    claims table is made and filled with its trigger in one transaction, so the trigger's
-    presence says it is whole; the partial index is made with the mark trigger."""
-    return _exists(conn, "trigger", CLAIMS_TRIGGER), _exists(conn, "index", MARK_INDEX)
-
-
 # ---- PostgreSQL ------------------------------------------------------------------------------
 
 # part of the registry's DDL (schema 6): the claims, kept by a trigger; the marks where the
 # ledger's column exists (a registry alone in its schema has none)
 PG_REGISTRY_DDL = """
+-- the DDL runs before the migrations: a schema-1 registry gains its lineage column here
+-- (migration 1 adds it the same way), so the trigger below can name it
+ALTER TABLE registry_artifacts ADD COLUMN IF NOT EXISTS trained_by text;
 CREATE TABLE IF NOT EXISTS registry_claims (
     update_id text NOT NULL,
     version   bigint NOT NULL,

@@ -1597,7 +1597,7 @@ class SQLiteRegistry(_LockedReads):
                 ensure_schema(self._conn, COMPONENT, SCHEMA_VERSION, _DDL, migrations=MIGRATIONS)
                 for trig in _TRIGGERS:
                     self._conn.execute(trig)
-                ensure_sqlite(self._conn)  # the lineage index (model.lineage_index)
+                ensure_sqlite(self._conn, registry=True)  # the lineage index (model.lineage_index)
             guard = FileGuard(
                 self.path, "registry", read_file_id(self._conn), self._lost, writer=not read_only
             )

@@ -90,7 +90,7 @@ class Connections:
             else:
                 ensure_schema(self.conn(), component, version, ddl, migrations=migrations)
                 # the lineage index, linked here when the registry's tables came first
-                ensure_sqlite(self.conn())
+                ensure_sqlite(self.conn(), registry=False)
             self._guard = FileGuard(
                 self.path, "ledger", read_file_id(self.conn()), self._lost, writer=not read_only
             )

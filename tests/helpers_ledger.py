@@ -31,6 +31,30 @@ def activate(c: Any, version: int, digest: str = HASH) -> None:
     assert c.try_activate(version).activated
 
 
+# what a store as a program before the lineage index (model.lineage_index) left it lacks;
+# PostgreSQL's is dropped with the schema versions before it, so the next writer migrates
+LINEAGE_INDEX_DROP = {
+    "sqlite": (
+        "DROP TRIGGER IF EXISTS registry_claims_fill",
+        "DROP TRIGGER IF EXISTS registry_claims_edit",
+        "DROP TRIGGER IF EXISTS registry_claims_drop",
+        "DROP TRIGGER IF EXISTS registry_claims_mark",
+        "DROP TABLE IF EXISTS registry_claims",
+        "DROP INDEX IF EXISTS ledger_updates_unclaimed",
+        "ALTER TABLE ledger_updates DROP COLUMN claimed",
+    ),
+    "postgresql": (
+        "DROP TRIGGER registry_claims_fill ON registry_artifacts",
+        "DROP FUNCTION registry_claims_fill()",
+        "DROP TABLE registry_claims",
+        "DROP INDEX ledger_updates_unclaimed",
+        "ALTER TABLE ledger_updates DROP COLUMN claimed",
+        "UPDATE schema_meta SET version = 5 WHERE component = 'registry'",
+        "UPDATE schema_meta SET version = 3 WHERE component = 'ledger'",
+    ),
+}
+
+
 def stamp(
     behavior_version: int = 1, *, accepted: bool = True, current: int | None = None
 ) -> AdmissionStamp:

@@ -922,10 +922,11 @@ def test_a_store_written_whole_then_by_changes_audits_clean(
         if k == "entry" and s == "r5"
     ]
     assert kinds == [(True, False)] * 3 + [(False, True)] * 2
-    from rollout_lifecycle.model.postgres_ledger import SCHEMA_VERSION
+    from rollout_lifecycle.model import postgres_ledger, sqlite_ledger
 
+    latest = (sqlite_ledger if store.kind == "sqlite" else postgres_ledger).SCHEMA_VERSION
     got = store.sql("SELECT version FROM schema_meta WHERE component = 'ledger'")
-    assert got == [(SCHEMA_VERSION,)]
+    assert got == [(latest,)]
 
 
 def _edited(store: Store, edit: Any) -> AuditReport:

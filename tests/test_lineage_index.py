@@ -21,6 +21,7 @@ from rollout_lifecycle.model.records import AdmissionPolicy
 from rollout_lifecycle.model.registry import SqlView, set_admission_policy
 from rollout_lifecycle.spec.audit import audit
 from rollout_lifecycle.stateful_tests.backends import durable_url
+from tests.helpers_ledger import LINEAGE_INDEX_DROP
 from tests.test_trust_boundary import WORKERS, good_stamp, rewarded, rollout
 
 POLICY = AdmissionPolicy(max_lag=1, max_drift=0.2)
@@ -156,30 +157,6 @@ class _Unindexed:
         return plain
 
 
-_DROP_INDEX = {
-    "sqlite": (
-        "DROP TRIGGER registry_claims_fill",
-        "DROP TRIGGER registry_claims_edit",
-        "DROP TRIGGER registry_claims_drop",
-        "DROP TRIGGER registry_claims_mark",
-        "DROP TABLE registry_claims",
-        "DROP INDEX ledger_updates_unclaimed",
-        "ALTER TABLE ledger_updates DROP COLUMN claimed",
-    ),
-    # and the schema versions before the index (registry 5, ledger 3), so the next writer
-    # migrates
-    "postgresql": (
-        "DROP TRIGGER registry_claims_fill ON registry_artifacts",
-        "DROP FUNCTION registry_claims_fill()",
-        "DROP TABLE registry_claims",
-        "DROP INDEX ledger_updates_unclaimed",
-        "ALTER TABLE ledger_updates DROP COLUMN claimed",
-        "UPDATE schema_meta SET version = 5 WHERE component = 'registry'",
-        "UPDATE schema_meta SET version = 3 WHERE component = 'ledger'",
-    ),
-}
-
-
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 def test_an_older_store_gains_the_index_on_its_next_writers_open(kind: str, tmp_path: Path) -> None:
     """A store as a program before the index left it (no claims, no marks): read-only it
@@ -194,7 +171,7 @@ def test_an_older_store_gains_the_index_on_its_next_writers_open(kind: str, tmp_
         for i in range(4):
             land(b, 0, f"u{i}")
         activate(c, 1, trained_by=["u1", "u2"])
-    _edit(url, *_DROP_INDEX[kind])
+    _edit(url, *LINEAGE_INDEX_DROP[kind])
 
     def lineage(b: Backend) -> Any:
         return b.registry._view_read(  # type: ignore[attr-defined]
@@ -270,3 +247,30 @@ def test_an_edit_of_the_index_is_named(
     assert "Traceback" not in res.output
     if "claimed = 1" in edit or "INSERT" in edit:
         assert "u0" not in c.prepare(2).trained_by
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_registry_from_before_lineage_opens_and_gains_the_index(
+    kind: str, tmp_path: Path
+) -> None:
+    """A registry from before lineage existed (no lineage column; SQLite schema 2,
+    PostgreSQL schema 1), beside a ledger that landed updates: the ledger's open (first)
+    leaves the registry's tables alone, the registry's migration adds the column and then
+    the index, and the landed updates are the next version's default lineage."""
+    url = durable_url(kind, tmp_path)
+    with open_backend(url) as b:
+        c = _run(b)
+        for i in range(2):
+            land(b, 0, f"u{i}")
+    old = 2 if kind == "sqlite" else 1
+    _edit(
+        url,
+        *LINEAGE_INDEX_DROP[kind],
+        "ALTER TABLE registry_artifacts DROP COLUMN trained_by",
+        f"UPDATE schema_meta SET version = {old} WHERE component = 'registry'",
+    )
+    with open_backend(url) as b:
+        c = ActivationCoordinator(b.registry, WORKERS, ledger=b.ledger, policy=POLICY)
+        assert c.prepare(1).trained_by == ("u0", "u1")
+        claims = b.registry._view_read(lambda v: v.claims(["u0", "u1"]), "lineage")  # type: ignore[attr-defined]
+        assert claims == {"u0": (1,), "u1": (1,)}
