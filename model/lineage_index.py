@@ -179,8 +179,8 @@ BEGIN
             ON CONFLICT DO NOTHING;
         IF EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('ledger_updates')
                    AND attname = 'claimed' AND NOT attisdropped) THEN
-            UPDATE ledger_updates SET claimed = 1 WHERE claimed IS NULL AND update_id IN
-                (SELECT j FROM json_array_elements_text(NEW.trained_by::json) AS j);
+            UPDATE ledger_updates SET claimed = 1 WHERE claimed IS NULL AND update_id = ANY(
+                ARRAY(SELECT json_array_elements_text(NEW.trained_by::json)));
         END IF;
     END IF;
     RETURN NULL;

@@ -420,11 +420,13 @@ BEGIN{_CHECK}{_kinds_check()}
     IF p_updates IS NOT NULL THEN
         -- the update records the step leaves: each a change the operation makes, from the
         -- status stored now (the step holds each update's lock: `_lock_updates`)
-        SELECT min(u.u || ' (' || coalesce(t.status, 'unrecorded') || ' to ' || u.s || ')')
+        -- each record looked up by its key (a join with the step's JSON was planned as a
+        -- scan of every update the run ever recorded: a step's cost grew with the run)
+        SELECT min(u.u || ' (' || coalesce(u.t, 'unrecorded') || ' to ' || u.s || ')')
         INTO v_bad
-        FROM json_to_recordset(p_updates) AS u(u text, s text, c text, d text)
-        LEFT JOIN ledger_updates t ON t.update_id = u.u
-        WHERE NOT (coalesce(t.status, '') || '>' || u.s) = ANY(o.updates);
+        FROM (SELECT x.u, x.s, (SELECT t.status FROM ledger_updates t WHERE t.update_id = x.u) AS t
+              FROM json_to_recordset(p_updates) AS x(u text, s text, c text, d text)) AS u
+        WHERE NOT (coalesce(u.t, '') || '>' || u.s) = ANY(o.updates);
         IF v_bad IS NOT NULL THEN
             {_refuse("operation % may not change update %", "p_op, v_bad")};
         END IF;
@@ -1002,20 +1004,26 @@ BEGIN{_CHECK}{_kinds_check()}
         VALUES (w ->> 0, (w ->> 1)::bigint, w ->> 2)
         ON CONFLICT (worker_id) DO UPDATE SET floor = excluded.floor, ack = excluded.ack;
     END LOOP;
-    DELETE FROM registry_attempt_tokens
-    WHERE worker_id IN (SELECT json_array_elements_text(p_step -> 'revoked'));
+    IF p_step -> 'revoked' IS NOT NULL THEN  -- a membership change: (not every step, whose
+        -- empty list was still joined with every token the run ever issued)
+        DELETE FROM registry_attempt_tokens
+        WHERE worker_id = ANY(ARRAY(SELECT json_array_elements_text(p_step -> 'revoked')));
+    END IF;
     -- a token is issued unspent; the acks this step stores spend the tokens they echo
     INSERT INTO registry_attempt_tokens(version, worker_id, attempt, token, spent)
     SELECT (t ->> 0)::bigint, t ->> 1, (t ->> 2)::bigint, t ->> 3, false
     FROM json_array_elements(p_step -> 'tokens') AS x(t)
     ON CONFLICT (version, worker_id) DO UPDATE SET attempt = excluded.attempt,
         token = excluded.token, spent = false;
-    UPDATE registry_attempt_tokens t SET spent = true
-    FROM json_array_elements(p_step -> 'workers') AS x(w)
-    WHERE (x.w ->> 2) IS NOT NULL AND ((x.w ->> 2)::json ->> 'token') IS NOT NULL
-      AND t.worker_id = x.w ->> 0
-      AND t.version = ((x.w ->> 2)::json ->> 'version')::bigint
-      AND t.token = ((x.w ->> 2)::json ->> 'token');
+    -- one lookup by key per stored ack (a join with the step's JSON was planned as a scan
+    -- of every token the run ever issued: an ack's cost grew with the run)
+    FOR w IN SELECT * FROM json_array_elements(p_step -> 'workers') LOOP
+        IF (w ->> 2) IS NOT NULL AND ((w ->> 2)::json ->> 'token') IS NOT NULL THEN
+            UPDATE registry_attempt_tokens SET spent = true
+            WHERE version = ((w ->> 2)::json ->> 'version')::bigint AND worker_id = w ->> 0
+              AND token = (w ->> 2)::json ->> 'token';
+        END IF;
+    END LOOP;
     IF p_step -> 'membership' IS NOT NULL THEN
         INSERT INTO registry_membership(id, workers)
         VALUES (1, (p_step -> 'membership')::text)
