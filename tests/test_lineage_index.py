@@ -274,3 +274,25 @@ def test_a_registry_from_before_lineage_opens_and_gains_the_index(
         assert c.prepare(1).trained_by == ("u0", "u1")
         claims = b.registry._view_read(lambda v: v.claims(["u0", "u1"]), "lineage")  # type: ignore[attr-defined]
         assert claims == {"u0": (1,), "u1": (1,)}
+
+
+def test_the_growth_benchmark_runs_as_the_docs_cite_it(tmp_path: Path) -> None:
+    """`python benchmarks/weight_sync_growth.py` (docs/verl-v1.md's growth table), small:
+    both runs published with their default lineage, every phase timed in both, the ratios
+    written; a run too short for its two bands is a usage error."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[1] / "benchmarks" / "weight_sync_growth.py"
+    out = tmp_path / "growth.json"
+    args = [sys.executable, str(script), "--versions", "40", "--measured", "4"]
+    res = subprocess.run([*args, "--json", str(out)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    phases = {"prepare", "commit", "distribute", "ack", "activate"}
+    assert data["versions"] == [40, 44] and data["short_versions"] == [30, 34]
+    assert set(data["long_over_short"]) == phases == set(data["long_ms"])
+    assert all(v > 0 for v in data["long_ms"].values())
+    bad = subprocess.run([*args[:2], "--versions", "10"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--versions must exceed 30" in bad.stderr
