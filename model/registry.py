@@ -1313,16 +1313,18 @@ class SqlView:
 
     def _lineage_index(self) -> tuple[bool, bool]:
         """(the claims index is whole, the marks are kept), each asked once per store."""
-        out = []
-        for name in self.INDEX_OBJECTS:
-            key = f"object:{name}"
-            if key not in self._tables:
-                if self._conn.execute(self.OBJECT_SQL, (name,)).fetchone() is None:
-                    out.append(False)
-                    continue
-                self._tables.add(key)  # made once, never dropped by this program
-            out.append(True)
-        return out[0], out[1]
+        claims, marks = self.INDEX_OBJECTS
+        return self._has_object(claims), self._has_object(marks)
+
+    def _has_object(self, name: str) -> bool:
+        """Whether the schema holds `name`; a yes is kept (this program never drops one)."""
+        key = f"object:{name}"
+        if key in self._tables:
+            return True
+        if self._conn.execute(self.OBJECT_SQL, (name,)).fetchone() is None:
+            return False
+        self._tables.add(key)
+        return True
 
     def awaiting(self) -> list[ArtifactRecord]:
         rows = self._conn.execute(

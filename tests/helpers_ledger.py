@@ -19,10 +19,11 @@ REWARD = Reward(function_id="exact_match", function_version="1", value=1.0)
 HASH = "sha256:feed"
 
 
-def activate(c: Any, version: int, digest: str = HASH) -> None:
-    """Take `version` through the whole activation (prepare, commit, distribute, every
-    required worker's ack, activate) on an ActivationCoordinator `c`, asserting each step."""
-    c.prepare(version)
+def activate(c: Any, version: int, digest: str = HASH, **prepare: Any) -> None:
+    """Take `version` through the whole activation (prepare with `prepare`'s arguments,
+    commit, distribute, every required worker's ack, activate) on an ActivationCoordinator
+    `c`, asserting each step."""
+    c.prepare(version, **prepare)
     c.commit_artifact(version, digest)
     c.distribute(version)
     for w in c.required_workers:

@@ -21,6 +21,7 @@ from rollout_lifecycle.model.records import AdmissionPolicy
 from rollout_lifecycle.model.registry import SqlView, set_admission_policy
 from rollout_lifecycle.spec.audit import audit
 from rollout_lifecycle.stateful_tests.backends import durable_url
+from tests import helpers_ledger
 from tests.helpers_ledger import LINEAGE_INDEX_DROP
 from tests.test_trust_boundary import WORKERS, good_stamp, rewarded, rollout
 
@@ -32,14 +33,7 @@ def h(v: int) -> str:
 
 
 def activate(c: ActivationCoordinator, v: int, **prep: Any) -> None:
-    from rollout_lifecycle.model.records import WorkerAck
-
-    c.prepare(v, **prep)
-    c.commit_artifact(v, h(v))
-    c.distribute(v)
-    for w in c.required_workers:
-        assert c.record_ack(WorkerAck(w, v, h(v), token=c.attempt_token(w, v))).counted
-    assert c.try_activate(v).activated
+    helpers_ledger.activate(c, v, h(v), **prep)
 
 
 def land(b: Backend, v: int, update: str) -> None:

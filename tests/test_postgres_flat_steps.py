@@ -29,10 +29,10 @@ from rollout_lifecycle.model.records import (
     AdmissionStamp,
     LedgerEntry,
     Reward,
-    WorkerAck,
 )
 from rollout_lifecycle.model.registry import set_admission_policy
 from rollout_lifecycle.stateful_tests.backends import durable_url
+from tests.helpers_ledger import activate
 
 pytestmark = pytest.mark.postgres
 
@@ -65,13 +65,7 @@ class Run:
         self.publish()
 
     def publish(self) -> None:
-        c, v = self.c, self.v
-        c.prepare(v)
-        c.commit_artifact(v, digest(v))
-        c.distribute(v)
-        for w in WORKERS:
-            assert c.record_ack(WorkerAck(w, v, digest(v), token=c.attempt_token(w, v))).counted
-        assert c.try_activate(v).activated
+        activate(self.c, self.v, digest(self.v))
 
     def step(self) -> None:
         v, led = self.v, self.b.ledger
