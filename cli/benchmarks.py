@@ -25,6 +25,7 @@ import ctypes
 import functools
 import gc
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import tracemalloc
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -427,6 +429,72 @@ def _ledger(backend: str, folder: Path, entries: Sequence[LedgerEntry]) -> Itera
         led.close()
 
 
+class _OwnProcess:
+    """One variant of `_reserve_round` in a process of its own (forked, its collector on):
+    its own heap, so the collections its own garbage triggers are timed on it alone. In
+    one shared heap the variant with the largest burst of live temporaries (a batch's
+    outcomes, planned rows and events) tripped nearly every collection, full ones
+    included, and so was timed for the garbage the single CAS left behind as well
+    (issue 36: memory, 20,000 rows, 3 runs: 3.6-3.8 us a batched row of collections, 0.04
+    a single one). What the parent left in the heap is frozen in the child (gc.freeze),
+    so no variant traverses it. `turn(a, b)` runs the variant over rows a..b there and
+    returns the seconds that took there; the parent orders the turns."""
+
+    def __init__(self, setup: Callable[[contextlib.ExitStack], Callable[[int, int], None]]):
+        ctx = multiprocessing.get_context("fork")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_own_process_main, args=(setup, child), daemon=True)
+        self._proc.start()
+        child.close()
+        self._answer()  # set up, or why not
+
+    def _answer(self) -> Any:
+        try:
+            got = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(
+                f"a benchmark variant's process died ({self._proc.exitcode})"
+            ) from None
+        if isinstance(got, tuple) and got and got[0] == "error":
+            raise RuntimeError(f"a benchmark variant failed in its process:\n{got[1]}")
+        return got
+
+    def turn(self, a: int, b: int) -> float:
+        self._conn.send((a, b))
+        return float(self._answer())
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send(None)
+        self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
+
+
+def _own_process_main(
+    setup: Callable[[contextlib.ExitStack], Callable[[int, int], None]], conn: Any
+) -> None:
+    """A variant's process: set it up, then run the turns the parent sends (None: stop)."""
+    gc.freeze()  # the parent's objects: every variant inherits them, none is timed on them
+    gc.enable()  # as a trainer runs
+    random.seed()  # else every variant draws the parent's file names: one file for two
+    try:
+        with contextlib.ExitStack() as stack:
+            run = setup(stack)
+            conn.send("ready")
+            while (job := conn.recv()) is not None:
+                t0 = time.perf_counter()
+                run(*job)
+                conn.send(time.perf_counter() - t0)
+    except BaseException:  # reported to the parent, which raises it
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
 def _reserve_round(
     backend: str,
     folder: Path,
@@ -438,57 +506,88 @@ def _reserve_round(
     batches: bool,
 ) -> dict[str, float]:
     """One repeat of `_reserve_rates`: seconds each variant spent, every variant in turn
-    per chunk of `batch` rows, the order rotating with the chunk and the repeat."""
+    per chunk of `batch` rows, the order rotating with the chunk and the repeat, each in
+    its own process (`_OwnProcess`)."""
     n = len(entries)
-    turn = 25  # single operations per turn
-    events = batches and backend != "memory"  # the batch baseline that also logs events
-    spent = dict.fromkeys(("single", "plain_single"), 0.0)
-    if batches:
-        spent.update(batch=0.0, plain_batch=0.0)
-        if events:
-            spent["plain_batch_events"] = 0.0
-    with contextlib.ExitStack() as stack:
+    # rows per round of turns: a turn is a switch of process, whose caches start cold, so
+    # it spans milliseconds of work, several batches; the singles on SQLite alternate with
+    # their plain UPDATEs every few rows inside it (a commit's fsync varies), in memory
+    # they run the round in one turn
+    span = max(batch, 1000)
+    turn = 25 if backend != "memory" else span
+
+    def single(stack: contextlib.ExitStack) -> Callable[[int, int], None]:
         led = stack.enter_context(_ledger(backend, folder, entries))
-        base = stack.enter_context(plain())
-        if batches:
-            led_b = stack.enter_context(_ledger(backend, folder, entries))
-            base_b = stack.enter_context(plain())
-            logged = stack.enter_context(plain()) if events else None
+
+        def run(a: int, b: int) -> None:
+            for e in entries[a:b]:
+                led.reserve(e.rollout_id, 0, "u", STAMP)
+
+        return run
+
+    def batched(stack: contextlib.ExitStack) -> Callable[[int, int], None]:
+        led = stack.enter_context(_ledger(backend, folder, entries))
+
+        def run(a: int, b: int) -> None:
+            for k in range(a, b, batch):
+                led.reserve_batch(f"u{rep}-{k}", requests[k : min(b, k + batch)])
+
+        return run
+
+    def baseline(method: str) -> Callable[[contextlib.ExitStack], Callable[[int, int], None]]:
+        def setup(stack: contextlib.ExitStack) -> Callable[[int, int], None]:
+            base = stack.enter_context(plain())
+            if method == "single":
+                return base.single
+            write = getattr(base, method)
+
+            def run(a: int, b: int) -> None:  # a transaction per batch of rows
+                for k in range(a, b, batch):
+                    write(k, min(b, k + batch))
+
+            return run
+
+        return setup
+
+    setups: dict[str, Callable[[contextlib.ExitStack], Callable[[int, int], None]]] = {
+        "single": single,
+        "plain_single": baseline("single"),
+    }
+    jobs = []  # the batched variants, in the order they rotate through
+    if batches:
+        setups.update(batch=batched, plain_batch=baseline("many"))
+        jobs = ["batch", "plain_batch"]
+        if backend != "memory":  # the batch baseline that also logs events
+            setups["plain_batch_events"] = baseline("many_with_events")
+            jobs.append("plain_batch_events")
+    spent = dict.fromkeys(setups, 0.0)
+    with contextlib.ExitStack() as stack:
+        procs: dict[str, _OwnProcess] = {}
+        for name, setup in setups.items():
+            procs[name] = _OwnProcess(setup)
+            stack.callback(procs[name].close)
 
         def singles(a: int, b: int) -> None:
             for k in range(a, b, turn):
                 hi = min(b, k + turn)
-                t0 = time.perf_counter()
-                for e in entries[k:hi]:
-                    led.reserve(e.rollout_id, 0, "u", STAMP)
-                spent["single"] += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                base.single(k, hi)
-                spent["plain_single"] += time.perf_counter() - t0
+                spent["single"] += procs["single"].turn(k, hi)
+                spent["plain_single"] += procs["plain_single"].turn(k, hi)
 
-        def batched(a: int, b: int) -> None:
-            jobs: list[tuple[str, Callable[[], Any]]] = [
-                ("batch", lambda: led_b.reserve_batch(f"u{rep}-{a}", requests[a:b])),
-                ("plain_batch", lambda: base_b.many(a, b)),
-            ]
-            if logged is not None:
-                jobs.append(("plain_batch_events", lambda: logged.many_with_events(a, b)))
-            k = (rep + a // batch) % len(jobs)
-            for name, fn in jobs[k:] + jobs[:k]:
-                t0 = time.perf_counter()
-                fn()
-                spent[name] += time.perf_counter() - t0
+        def batched_turns(a: int, b: int) -> None:
+            k = (rep + a // span) % len(jobs)
+            for name in jobs[k:] + jobs[:k]:
+                spent[name] += procs[name].turn(a, b)
 
-        for c, a in enumerate(range(0, n, batch)):
-            b = min(n, a + batch)
+        for c, a in enumerate(range(0, n, span)):
+            b = min(n, a + span)
             if not batches:
                 singles(a, b)
             elif (rep + c) % 2:
-                batched(a, b)
+                batched_turns(a, b)
                 singles(a, b)
             else:
                 singles(a, b)
-                batched(a, b)
+                batched_turns(a, b)
     return spent
 
 
@@ -496,13 +595,13 @@ def _reserve_rates(
     backend: str, folder: Path, n: int, batch: int, repeats: int, *, batches: bool = True
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Reservations per second, one CAS at a time and in batches, each next to its plain
-    baseline, all in ONE phase: the ledgers (one reserving singly, one in batches) and the
-    baseline files are open side by side, and per chunk of `batch` rows each variant takes
-    its turn, the order rotating chunk by chunk (the singles and their plain UPDATEs
-    alternate every few rows inside their turn), so a slow spell of the disk (fsync) or
-    the CPU, and what one variant leaves behind (garbage, caches), fall on all alike. Each
-    batch is its own update (a fresh update id), as a trainer's are. Best of `repeats`.
-    Without `batches`, the single CAS and its baseline only."""
+    baseline, all in ONE phase: every variant (the ledger reserving singly, the one in
+    batches, the baselines) is set up in a process of its own (`_OwnProcess`: each is timed
+    for its own garbage collections only), and per chunk of `batch` rows each takes its
+    turn, the order rotating chunk by chunk (the singles and their plain UPDATEs alternate
+    every few rows inside their turn), so a slow spell of the disk (fsync) or the CPU falls
+    on all alike. Each batch is its own update (a fresh update id), as a trainer's are.
+    Best of `repeats`. Without `batches`, the single CAS and its baseline only."""
     entries = _entries(n)
     requests = [ReserveRequest(e.rollout_id, 0, STAMP) for e in entries]
     plain = _plain_memory(n) if backend == "memory" else _plain_sqlite(folder, n)

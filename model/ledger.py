@@ -253,8 +253,21 @@ NO_REGISTRY = ActivationPremise(None, None)
 
 def judged_versions(versions: Iterable[object]) -> frozenset[int]:
     """The versions a step's premise read asks about: those a registry can hold (any other
-    value, read or not, is in no premise's sets: leaving it out changes no answer)."""
-    return frozenset(int(v) for v in versions if isinstance(v, int) and 0 <= v <= INT64_MAX)
+    value, read or not, is in no premise's sets: leaving it out changes no answer).
+
+    A batch names a version per row, mostly one or two distinct ones: when every distinct
+    value is a plain int (the usual case) only those are judged; otherwise (a bool, a float
+    that equals an int, an unhashable value) each value is, as given, as a short list is."""
+    given = versions if type(versions) is list else list(versions)
+    if len(given) > 8:
+        try:
+            distinct: set[Any] = set(given)
+        except TypeError:  # an unhashable value: judged as given, below
+            pass
+        else:
+            if all(type(v) is int for v in distinct):
+                return frozenset(v for v in distinct if 0 <= v <= INT64_MAX)
+    return frozenset(int(v) for v in given if isinstance(v, int) and 0 <= v <= INT64_MAX)
 
 
 def stamp_versions(stamps: Iterable[AdmissionStamp | None]) -> list[object]:
@@ -709,6 +722,7 @@ def plan_each(
     return outcomes, planned
 
 
+_REASON = operator.attrgetter("reason")
 _make_outcome = plain_maker(ReserveOutcome)  # ReserveOutcome(...), built once per row
 # the fields a reservation changes, in the order the batch planner's evolvers take them
 _RESERVED_FIELDS = ("state", "revision", "reserved_by", "lease_expires_at", "admission")
@@ -747,6 +761,9 @@ def plan_reserves(
     last_stamp: object = judged  # no request's stamp
     last_version, last_hash, refusal = -1, "", None
     dests: dict[str, str] = {}
+    # state -> whether `reserve_precheck` passes a row in it at the expected revision (no
+    # owner to retry for, an edge to take): only other rows are prechecked one by one
+    plain_states: dict[str, bool] = {}
     kind: type[Any] | None = None  # the class `evolve` builds
     evolve: Callable[..., LedgerEntry] | None = None
     for r in requests:
@@ -756,10 +773,16 @@ def plan_reserves(
             add(outcome(rid, False, MISSING, None))
             continue
         state = entry.state
-        why = precheck(state, entry.revision, entry.reserved_by, r.expected_revision, update_id)
-        if why is not None:
-            add(outcome(rid, why == IDEMPOTENT, why, entry))
-            continue
+        plain = plain_states.get(state)
+        if plain is None:
+            plain = plain_states[state] = state != "reserved" and LIFECYCLE.is_legal(
+                state, "reserve"
+            )
+        if not plain or entry.revision != r.expected_revision:  # the checks, in their order
+            why = precheck(state, entry.revision, entry.reserved_by, r.expected_revision, update_id)
+            if why is not None:
+                add(outcome(rid, why == IDEMPOTENT, why, entry))
+                continue
         if poisoned:
             add(outcome(rid, False, UPDATE_POISONED, entry, _POISONED))
             continue
@@ -1994,14 +2017,17 @@ class StoreLedger:
                         outcomes[i] = replan_lost(
                             now.get(rid), rid, r.expected_revision, update_id, r.admission, lease
                         )
+            reasons = Counter(map(_REASON, outcomes))
             counts: Counter[str] = Counter()
-            for reason, n in Counter(o.reason for o in outcomes).items():
+            for reason, n in reasons.items():
                 counts[counter_of(reason)] += n
             durable = {k: v for k, v in counts.items() if k not in PROCESS_LOCAL_COUNTERS}
             local.update({k: v for k, v in counts.items() if k in PROCESS_LOCAL_COUNTERS})
             opened = open_change(update_id, record) if changes else []
             uow.append(changes, self.clock(), {"writes": len(changes), **durable}, opened)
-            return [self._located(o) for o in outcomes]
+            if NO_POLICY in reasons:  # only that refusal's hint names the database
+                return [self._located(o) for o in outcomes]
+            return outcomes
 
         return self._step(body, _RESERVE_BATCH)
 

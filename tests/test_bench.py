@@ -372,3 +372,48 @@ def test_interleaved_medians_rotate_the_order() -> None:
     assert set(med) == set("abc") and all(v >= 0 for v in med.values())
     follows = {(ran[i - 1], ran[i]) for i in range(1, len(ran))}
     assert {("a", "b"), ("c", "a"), ("b", "c"), ("a", "c"), ("c", "b")} <= follows
+
+
+_OWN_PROCESS = """
+import gc, os
+from rollout_lifecycle.cli.benchmarks import _OwnProcess
+parent = os.getpid()
+
+def setup(stack):
+    def run(a, b):
+        if os.getpid() == parent or gc.get_freeze_count() == 0 or not gc.isenabled():
+            raise AssertionError("timed in the parent's heap")
+    return run
+
+def broken(stack):
+    def run(a, b):
+        raise ValueError("this variant fails")
+    return run
+
+p = _OwnProcess(setup)
+print("turn", p.turn(0, 1) >= 0)
+p.close()
+q = _OwnProcess(broken)
+try:
+    q.turn(0, 1)
+except RuntimeError as e:
+    print("reported", "this variant fails" in str(e))
+q.close()
+"""
+
+
+def test_each_reservation_variant_is_timed_in_a_heap_of_its_own() -> None:
+    """The ledger benchmark's variants (single CAS, batch, their baselines) each run in a
+    process of their own, the collector on and the parent's objects frozen: in one shared
+    heap the batch was timed for the collections the singles' garbage triggered (issue
+    36). A variant that fails there is reported in the parent with its traceback."""
+    gc_off = "import gc; gc.disable()\n"  # the child turns it on whatever the parent did
+    res = subprocess.run(
+        [sys.executable, "-c", gc_off + _OWN_PROCESS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["turn", "True", "reported", "True"], res.stdout + res.stderr
