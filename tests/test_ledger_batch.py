@@ -23,6 +23,7 @@ from rollout_lifecycle.model.ledger import (
     _plain_batch_ids,
     check_request_items,
     check_requests,
+    judged_versions,
     plan_each,
     plan_reserve,
     plan_reserves,
@@ -121,6 +122,30 @@ def test_the_batch_planner_plans_each_row_as_plan_reserve_does(
     assert outcomes == want
     assert got_planned == planned and list(got_planned) == list(planned)
     assert all(a.reserved_by == update_id for _, a in got_planned.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(-3, 3),
+            st.sampled_from((2**63 - 1, 2**63, -(2**63))),
+            st.booleans(),
+            st.sampled_from((0.0, 1.0, 2.5, math.nan)),
+            st.none(),
+            st.just([1]),  # unhashable
+        ),
+        max_size=30,
+    )
+)
+def test_the_versions_a_step_judges_are_those_each_value_names(values: list[object]) -> None:
+    """`judged_versions` of a batch's versions (judged once per distinct value when every
+    one is a plain int) is the per-value rule: every int in the registry's range, bools as
+    ints, nothing else; a float equal to an int never hides that int, a list or iterator
+    alike."""
+    want = frozenset(int(v) for v in values if isinstance(v, int) and 0 <= v < 2**63)
+    assert judged_versions(values) == want
+    assert judged_versions(iter(values)) == want
 
 
 class _Str(str):
