@@ -120,6 +120,13 @@ def markdown(report: dict[str, Any], command: str) -> str:
                 f"({x['batch_size']}) | {_fmt(x['ratios']['batch_vs_single'])} | {commits} | "
                 f"{base} | {_fmt(x.get('load1'))} |"
             )
+        lines += [
+            "",
+            "Each variant (the single CAS, the batch, their baselines) runs in a process of its "
+            "own (forked, its garbage collector on, the parent's objects frozen), the parent "
+            "ordering the turns: in one shared heap the batch, whose temporaries peak highest, "
+            "was timed for the collections the singles' garbage triggered.",
+        ]
         tmpfs = led.get("sqlite", {}).get("tmpfs")
         if tmpfs is not None:  # reports from before this measurement have none
             lines += [

@@ -435,7 +435,7 @@ class _OwnProcess:
     one shared heap the variant with the largest burst of live temporaries (a batch's
     outcomes, planned rows and events) tripped nearly every collection, full ones
     included, and so was timed for the garbage the single CAS left behind as well
-    (issue 36: memory, 20,000 rows, 3 runs: 3.6-3.8 us a batched row of collections, 0.04
+    (issue 36: memory, 20,000 rows, 3 runs: 3.3-3.9 us a batched row of collections, 0.04
     a single one). What the parent left in the heap is frozen in the child (gc.freeze),
     so no variant traverses it. `turn(a, b)` runs the variant over rows a..b there and
     returns the seconds that took there; the parent orders the turns."""
