@@ -203,10 +203,11 @@ def _signal(path: str, text: str) -> None:
 def crash_child(path: str, update_id: str, n: int, stop_after: int | None, signal: str) -> None:
     """Run one reserve_batch of n rollouts and wait to be SIGKILLed.
 
-    With `stop_after`, the planner stalls at that item, after the batch has already written
-    stop_after - 1 rows inside its open transaction; otherwise the child stalls after COMMIT.
+    With `stop_after`, the batch stalls inside its open transaction after its compare-and-set
+    has written every row, before its events are appended (`stop_after` must be > 0; the
+    stall needs no per-item hook, which the planner may skip); otherwise the child stalls
+    after COMMIT.
     """
-    import rollout_lifecycle.model.ledger as ml
     import rollout_lifecycle.model.sqlite_ledger as sl
 
     ledger = sl.SQLiteLedger(path)
@@ -214,19 +215,15 @@ def crash_child(path: str, update_id: str, n: int, stop_after: int | None, signa
     # ignore frames without a commit record rather than find nothing to ignore.
     ledger._conn().execute("PRAGMA cache_size = 8")
     if stop_after is not None:
-        real = ml.reserve_precheck  # judged per item by the single and the batch planner
-        calls = 0
+        assert stop_after > 0
+        real = sl._Unit.append
 
         def stalling(*args: Any, **kwargs: Any) -> Any:
-            nonlocal calls
-            calls += 1
-            if calls == stop_after:
-                _signal(signal, "in-batch")
-                time.sleep(600)
+            _signal(signal, "in-batch")
+            time.sleep(600)
             return real(*args, **kwargs)
 
-        # the ledger (model.ledger.StoreLedger) looks the planner up in its module globals
-        vars(ml)["reserve_precheck"] = stalling
+        sl._Unit.append = stalling  # type: ignore[method-assign]
     ledger.reserve_batch(update_id, [ReserveRequest(r, 0, stamp()) for r in ids(n)])
     _signal(signal, "committed")
     time.sleep(600)
