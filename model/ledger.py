@@ -723,6 +723,7 @@ def plan_each(
 
 
 _REASON = operator.attrgetter("reason")
+_LOCATED = frozenset({NO_POLICY})  # the refusals whose hint `_located` rewrites
 _make_outcome = plain_maker(ReserveOutcome)  # ReserveOutcome(...), built once per row
 # the fields a reservation changes, in the order the batch planner's evolvers take them
 _RESERVED_FIELDS = ("state", "revision", "reserved_by", "lease_expires_at", "admission")
@@ -761,8 +762,9 @@ def plan_reserves(
     last_stamp: object = judged  # no request's stamp
     last_version, last_hash, refusal = -1, "", None
     dests: dict[str, str] = {}
-    # state -> whether `reserve_precheck` passes a row in it at the expected revision (no
-    # owner to retry for, an edge to take): only other rows are prechecked one by one
+    # state -> whether `reserve_precheck` passes a row in it at the expected revision
+    # whoever owns it (the precheck reads the owner only to find this update's own retry,
+    # so asking with that owner covers every owner): only other rows are prechecked
     plain_states: dict[str, bool] = {}
     kind: type[Any] | None = None  # the class `evolve` builds
     evolve: Callable[..., LedgerEntry] | None = None
@@ -774,10 +776,8 @@ def plan_reserves(
             continue
         state = entry.state
         plain = plain_states.get(state)
-        if plain is None:
-            plain = plain_states[state] = state != "reserved" and LIFECYCLE.is_legal(
-                state, "reserve"
-            )
+        if plain is None:  # asked of the precheck itself, with the owner that could retry
+            plain = plain_states[state] = precheck(state, 0, update_id, 0, update_id) is None
         if not plain or entry.revision != r.expected_revision:  # the checks, in their order
             why = precheck(state, entry.revision, entry.reserved_by, r.expected_revision, update_id)
             if why is not None:
@@ -1670,9 +1670,10 @@ class StoreLedger:
 
     def _located(self, out: ReserveOutcome) -> ReserveOutcome:
         """A `no_admission_policy` refusal names this ledger's database in its hint: a bare
-        `deployment set-policy` would record the policy in a new ./rollout-lifecycle.db."""
+        `deployment set-policy` would record the policy in a new ./rollout-lifecycle.db.
+        Any other outcome (a reason not in _LOCATED) is returned as it is."""
         url = getattr(self.store, "url", None)
-        if out.reason != NO_POLICY or not isinstance(url, str):
+        if out.reason not in _LOCATED or not isinstance(url, str):
             return out
         return attrs.evolve(out, detail=rules.no_policy_detail(url))
 
@@ -2025,9 +2026,9 @@ class StoreLedger:
             local.update({k: v for k, v in counts.items() if k in PROCESS_LOCAL_COUNTERS})
             opened = open_change(update_id, record) if changes else []
             uow.append(changes, self.clock(), {"writes": len(changes), **durable}, opened)
-            if NO_POLICY in reasons:  # only that refusal's hint names the database
-                return [self._located(o) for o in outcomes]
-            return outcomes
+            if _LOCATED.isdisjoint(reasons):  # no hint to name the database in
+                return outcomes
+            return [self._located(o) for o in outcomes]
 
         return self._step(body, _RESERVE_BATCH)
 
